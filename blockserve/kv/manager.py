@@ -1,0 +1,194 @@
+"""KVCacheManager: the scheduler's one door into the KV cache.
+
+Per step, for each request the scheduler
+  1. on admission, asks `get_computed_blocks(request)` for its prefix-cache hit;
+  2. calls `allocate_slots(request, n, hit)`: blocks for n more tokens in every group, or None
+     (and nothing changed) when they do not fit;
+  3. after the forward pass, calls `cache_blocks(request, num_computed_tokens)` so full blocks
+     whose KV is now written become prefix-cache entries (C4);
+  4. calls `free(request)` when it finishes, is preempted or aborted;
+and once per `schedule()` it calls `take_pending()` for the zero orders and events (C2).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from blockserve.kv.block_pool import Block, ResetResult
+from blockserve.kv.config import KVCacheConfig
+from blockserve.kv.coordinator import KVCacheCoordinator
+from blockserve.kv.hashing import BlockHashChain
+from blockserve.kv.pending import PendingWork
+
+
+class KVRequest(Protocol):
+    """What the KV cache needs to know about a request."""
+
+    request_id: str
+    token_ids: Sequence[int]  # prompt and output so far; only ever grows
+    num_computed_tokens: int  # tokens whose KV has been written
+    block_hashes: BlockHashChain
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """A prefix-cache hit: `num_tokens` tokens whose KV already sits in `blocks[group]`."""
+
+    num_tokens: int
+    blocks: tuple[tuple[Block, ...], ...]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Cumulative since start-up: requests looked up, prompt tokens queried, tokens hit."""
+
+    requests: int
+    queries: int
+    hits: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, config: KVCacheConfig):
+        self.config = config
+        self.enable_caching = config.enable_prefix_caching and any(
+            g.spec.supports_prefix_caching for g in config.groups
+        )
+        # Until linear states can be checkpointed, a model with a state group has no hits.
+        self.caching_possible = self.enable_caching and all(g.spec.supports_prefix_caching for g in config.groups)
+        self._pending = PendingWork()
+        self.coordinator = KVCacheCoordinator(config, self._pending)
+        self._no_hit = ComputedBlocks(0, tuple(() for _ in config.groups))
+        self._requests = self._queries = self._hits = 0
+
+    def new_block_hashes(self, cache_salt: str | None = None, adapter_id: str | int | None = None) -> BlockHashChain:
+        """The hash chain a new request carries (one list per attention block size)."""
+        return BlockHashChain(self.config.block_sizes, cache_salt, adapter_id)
+
+    # -- the request-level API -----------------------------------------------------------------
+
+    def get_computed_blocks(self, request: KVRequest) -> ComputedBlocks:
+        """The longest prefix of `request` cached in every group, leaving one token to compute."""
+        if not self.caching_possible:
+            return self._no_hit
+        num_tokens, hits = self.coordinator.find_longest_hit(
+            lambda bs: request.block_hashes.get(bs, request.token_ids), len(request.token_ids) - 1
+        )
+        if num_tokens == 0:
+            return self._no_hit
+        return ComputedBlocks(num_tokens, tuple(tuple(h) for h in hits))
+
+    def allocate_slots(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[list[int]] | None:
+        """Blocks for `num_new_tokens` more tokens (plus lookahead slots) in every group.
+
+        Returns, per group, the block ids appended to the request's table (a hit's blocks
+        first), or None if some group lacks free blocks, in which case nothing was allocated.
+        Call right after `get_computed_blocks` so the hit's blocks cannot be evicted between.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}")
+        computed = computed or self._no_hit
+        # Blocks that left the window are released before counting what the step needs.
+        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+        num_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens + num_lookahead_tokens
+        new_ids = self.coordinator.allocate(request.request_id, num_tokens, [list(b) for b in computed.blocks])
+        if new_ids is not None and request.num_computed_tokens == 0 and self.caching_possible:
+            # Counted once per admission that succeeds, not per lookup that had to wait.
+            self._requests += 1
+            self._queries += len(request.token_ids)
+            self._hits += computed.num_tokens
+        return new_ids
+
+    def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
+        """C4: enter the full blocks among the first `num_computed_tokens` (KV written) in the cache."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(
+                request.request_id, lambda bs: request.block_hashes.get(bs, request.token_ids), num_computed_tokens
+            )
+
+    def free(self, request_id: str) -> None:
+        """Release every block and state slot the request holds. Idempotent."""
+        self.coordinator.free(request_id)
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's whole block table, per group."""
+        return self.coordinator.block_ids(request_id)
+
+    def take_pending(self) -> PendingWork:
+        """C2: the zero orders (`blocks_to_zero[group]`) and events since the last call."""
+        return self._pending.take()
+
+    def pending_is_empty(self) -> bool:
+        return self._pending.is_empty()
+
+    # -- capacity and admission ----------------------------------------------------------------
+
+    def never_fits(self, num_tokens: int, max_chunk_tokens: int | None = None) -> str | None:
+        """Why a request of `num_tokens` tokens could never fit even alone, or None if it can."""
+        for i, (group, pool) in enumerate(zip(self.config.groups, self.coordinator.pools)):
+            need = group.spec.max_blocks_held(num_tokens, max_chunk_tokens)
+            if need > pool.capacity:
+                return (
+                    f"a request of {num_tokens} tokens needs {need} blocks of KV cache group {i} "
+                    f"({type(group.spec).__name__}) but the group has only {pool.capacity}; "
+                    f"shorten the request or give the KV cache more memory"
+                )
+        return None
+
+    def usage(self) -> list[float]:
+        """Fraction of each group's blocks in use."""
+        return [pool.usage for pool in self.coordinator.pools]
+
+    def num_free_blocks(self) -> list[int]:
+        return [pool.num_free for pool in self.coordinator.pools]
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        evictions = sum(pool.num_evictions for pool in self.coordinator.pools)
+        return PrefixCacheStats(self._requests, self._queries, self._hits, evictions)
+
+    def capacity_report(self) -> str:
+        return self.config.capacity_report()
+
+    def reset_prefix_cache(self) -> ResetResult:
+        """Forget every cached prefix, in all groups or (if any block is in use) in none."""
+        for pool in self.coordinator.pools:
+            if pool.num_in_use:
+                return ResetResult(False, f"cannot reset the prefix cache while requests hold blocks: "
+                                          f"{pool.num_in_use} in use in group {pool.group_id}")
+        for pool in self.coordinator.pools:
+            pool.reset_prefix_cache()
+        return ResetResult(True)
+
+    # -- C3 ------------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every pool's books balance against the request tables."""
+        for manager, pool in zip(self.coordinator.managers, self.coordinator.pools):
+            holders: Counter[int] = Counter()
+            for request_id, blocks in manager.req_blocks.items():
+                ids = [b.block_id for b in blocks if b is not pool.null_block]
+                assert len(ids) == len(set(ids)), f"request {request_id} holds a block twice in group {pool.group_id}"
+                holders.update(ids)
+                assert manager.num_cached.get(request_id, 0) <= len(blocks)
+            assert set(manager.num_cached) <= set(manager.req_blocks), "cached counts outlive their requests"
+            pool.check_integrity(holders)
+
+    def assert_idle(self) -> None:
+        """After every request finished: no request holds anything, every block is free."""
+        self.check_integrity()
+        for manager, pool in zip(self.coordinator.managers, self.coordinator.pools):
+            assert not manager.req_blocks, f"group {pool.group_id}: requests still hold blocks: {list(manager.req_blocks)}"
+            assert pool.num_free == pool.capacity, f"group {pool.group_id}: {pool.num_in_use} blocks not freed"

@@ -1,0 +1,95 @@
+"""What passes between the scheduler and the worker each step.
+
+    scheduler ──SchedulerOutput──► worker ──ModelRunnerOutput──► scheduler.update_from_output
+                                                                      │
+                                          RequestOutput per request ◄─┘ + SchedulerStats
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blockserve.kv.pending import KVEvent
+from blockserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker has not seen (first admission, or re-admission after preemption).
+
+    `block_ids[group]` is its whole block table; `num_computed_tokens` tokens of it are a
+    prefix-cache hit whose KV is already in place.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the worker already holds: only the block ids appended this step, per group."""
+
+    request_id: str
+    new_block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step of work. Token ids to compute for request r are
+    `token_ids[r][num_computed_tokens : num_computed_tokens + num_scheduled_tokens[r]]`,
+    given here as `scheduled_token_ids[r]` so the worker re-derives nothing."""
+
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    scheduled_token_ids: dict[str, list[int]]
+    total_num_scheduled_tokens: int
+    blocks_to_zero: dict[int, list[int]]  # C1 zero orders, per group, to apply before the forward pass
+    finished_request_ids: set[str]  # finished or aborted since the last step: drop their state
+    preempted_request_ids: set[str]  # preempted this step: drop their state
+    kv_events: list[KVEvent] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Per scheduled request, the tokens sampled this step (empty while its prompt is unfinished)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list] = field(default_factory=dict)  # per request, one entry per sampled token
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "rejected" once finished
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: list[float]  # per group
+    prefix_cache_queries: int  # cumulative, tokens
+    prefix_cache_hits: int  # cumulative, tokens
+    num_preemptions: int  # cumulative
+    num_scheduled_tokens: int  # this step

@@ -1,0 +1,289 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Each step fills a token budget: running requests first (decodes and unfinished prompts, in
+policy order), then waiting ones (FCFS, or priority with FCFS tie-break), each taking a prefix
+hit on admission. Long prompts are chunked and batched with decodes. When blocks run out the
+lowest-priority, latest-arrived running request that is not yet scheduled this step is preempted:
+it frees everything and returns to the front of the waiting queue, to be recomputed later.
+
+    schedule() ──► SchedulerOutput ──► worker ──► update_from_output() ──► RequestOutputs
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from blockserve.kv.manager import KVCacheManager
+from blockserve.scheduler.config import SchedulerConfig
+from blockserve.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from blockserve.scheduler.request import Request, RequestRejected, RequestStatus
+from blockserve.scheduler.request_queue import FCFSQueue, PriorityQueue
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = PriorityQueue() if config.policy == "priority" else FCFSQueue()
+        self.running: list[Request] = []  # in policy order: the last one is the next victim
+        self._order: dict[str, tuple] = {}
+        self._num_added = 0
+        # C2: the scheduler's own per-step buffer, drained by every schedule().
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or reject it at once (C5) with a RequestRejected saying why."""
+        try:
+            self._validate(request)
+        except RequestRejected as e:
+            request.status = RequestStatus.FINISHED_REJECTED
+            request.error = str(e)
+            raise
+        request.block_hashes = self.kv.new_block_hashes(request.cache_salt)
+        self._num_added += 1
+        key = (request.arrival_time, self._num_added)
+        self._order[request.request_id] = (request.priority, *key) if self.config.policy == "priority" else key
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _validate(self, request: Request) -> None:
+        rid, n, limit = request.request_id, request.num_prompt_tokens, self.config.max_model_len
+        if rid in self.requests:
+            raise RequestRejected(f"request id {rid!r} is already in use")
+        if n == 0:
+            raise RequestRejected(f"request {rid!r} has an empty prompt; give at least one token")
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - n
+            if max_tokens < 1:
+                raise RequestRejected(
+                    f"request {rid!r}: the prompt has {n} tokens, which leaves no room to generate within "
+                    f"the model's maximum length of {limit}"
+                )
+        elif n + max_tokens > limit:
+            raise RequestRejected(
+                f"request {rid!r}: the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} "
+                f"tokens, over the model's maximum length of {limit}; shorten the prompt or lower max_tokens"
+            )
+        reason = self.kv.never_fits(n + max_tokens, self.config.chunk_cap)
+        if reason:
+            raise RequestRejected(f"request {rid!r}: {reason}")
+        request.max_output_tokens = max_tokens
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        cap = self.config.chunk_cap
+        scheduled: list[tuple[Request, int]] = []
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(len(request.token_ids) - request.num_computed_tokens, budget, cap)
+            if n <= 0:
+                i += 1
+                continue
+            while (block_ids := self.kv.allocate_slots(request, n)) is None:
+                victim = self.running[-1]  # never one scheduled this step: those sit before index i
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if block_ids is None:
+                break  # it preempted itself, so nothing after it is left either
+            cached.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens))
+            scheduled.append((request, n))
+            budget -= n
+            i += 1
+
+        while (
+            not preempted  # blocks are short: admit nobody this step
+            and budget > 0
+            and self.waiting
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            hit = self.kv.get_computed_blocks(request)
+            n = len(request.token_ids) - hit.num_tokens
+            if not self.config.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget, cap)
+            if self.kv.allocate_slots(request, n, hit) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit.num_tokens
+            bisect.insort(self.running, request, key=lambda r: self._order[r.request_id])
+            new.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    list(request.output_token_ids),
+                    request.sampling_params,
+                    self.kv.block_ids(request.request_id),
+                    request.num_computed_tokens,
+                )
+            )
+            scheduled.append((request, n))
+            budget -= n
+
+        num_scheduled, token_ids = {}, {}
+        for request, n in scheduled:
+            start = request.num_computed_tokens
+            num_scheduled[request.request_id] = n
+            token_ids[request.request_id] = request.token_ids[start : start + n]
+            request.num_computed_tokens = start + n  # KV written by the forward pass of this step
+
+        pending = self.kv.take_pending()
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens=num_scheduled,
+            scheduled_token_ids=token_ids,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            blocks_to_zero=pending.blocks_to_zero,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+            kv_events=pending.events,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.pop()
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(request)
+
+    # -- results in ------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> tuple[list[RequestOutput], SchedulerStats]:
+        """Append sampled tokens, apply stop conditions, free finished requests, and register
+        the blocks this step filled in the prefix cache (only now is their KV written: C4)."""
+        outputs = []
+        any_finished = False
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            sampled = runner_output.sampled_token_ids.get(rid)
+            if not sampled:
+                continue  # a prompt chunk that does not end the prompt
+            status = None
+            accepted = 0
+            for token in sampled:
+                request.append_output_token(token)
+                accepted += 1
+                if status := self._stop_status(request, token):
+                    break
+            logprobs = runner_output.logprobs.get(rid)
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    sampled[:accepted],
+                    status.value if status else None,
+                    request.stop_reason,
+                    max(0, request.num_cached_tokens),
+                    logprobs[:accepted] if logprobs is not None else None,
+                )
+            )
+            if status:
+                self._finish(request, status)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs, self.stats(scheduler_output.total_num_scheduled_tokens)
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if len(request.token_ids) >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]
+        del self._order[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
+        """End requests from outside (a stop string matched, a client went away). Unknown or
+        already finished ids are ignored, so this is idempotent. Returns the ids it ended."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        ended = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            ended.append(rid)
+        return ended
+
+    def abort(self, request_ids) -> list[str]:
+        """Abort requests at any time; idempotent."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_work(self) -> bool:
+        """Requests to run, or buffers the next `schedule()` must still hand to the worker."""
+        return bool(self.requests) or bool(self._finished_ids) or not self.kv.pending_is_empty()
+
+    def stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
+        prefix = self.kv.prefix_cache_stats()
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=num_scheduled_tokens,
+        )
+
+    def assert_idle(self) -> None:
+        """C2: once every request finished and a last step ran, nothing is held or pending."""
+        assert not self.requests and not self.running and not self.waiting, "requests remain"
+        assert not self._order, f"ordering keys leak for {list(self._order)[:5]}"
+        assert not self._finished_ids, "finished ids were never handed to the worker"
+        assert self.kv.pending_is_empty(), "KV zero orders or events were never drained"
+        self.kv.assert_idle()
