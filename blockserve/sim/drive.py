@@ -1,0 +1,94 @@
+"""Drive the real scheduler and KV manager with a shadow runner through an arrival stream."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from blockserve.kv.config import KVCacheConfig
+from blockserve.kv.manager import KVCacheManager
+from blockserve.scheduler.config import SchedulerConfig
+from blockserve.scheduler.request import Request, RequestRejected
+from blockserve.scheduler.scheduler import Scheduler
+from blockserve.sim.shadow_runner import ShadowRunner
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int  # added just before this step's schedule()
+    request: Request
+    abort_at_step: int | None = None
+
+
+@dataclass
+class StreamResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prefix_hits: int = 0
+
+
+def build(
+    kv_config: KVCacheConfig, scheduler_config: SchedulerConfig, reads_unwritten_slots, vocab_size: int = 1000
+) -> tuple[Scheduler, ShadowRunner]:
+    kv = KVCacheManager(kv_config)
+    return Scheduler(scheduler_config, kv), ShadowRunner(kv_config, reads_unwritten_slots, vocab_size)
+
+
+def run_stream(
+    scheduler: Scheduler,
+    runner: ShadowRunner,
+    arrivals: Iterable[Arrival],
+    check: bool = True,
+    max_steps: int = 100_000,
+    after_schedule: Callable[[Scheduler], None] | None = None,
+    keep_outputs: bool = True,
+) -> StreamResult:
+    """Run until every request finished and the last buffers were handed over.
+
+    `arrivals` must come in step order; it may be a generator, so a long stream costs no memory.
+    With `keep_outputs=False` the result holds counts only.
+
+    With `check`, `check_integrity()` runs after every schedule and update (C3). Raises
+    RuntimeError if the stream does not finish within `max_steps` (a livelock, C5).
+    """
+    result = StreamResult()
+    upcoming = iter(arrivals)
+    arrival = next(upcoming, None)
+    aborts: dict[int, list[str]] = {}
+    step = 0
+    while arrival is not None or scheduler.has_pending_work():
+        if step >= max_steps:
+            raise RuntimeError(f"stream did not finish in {max_steps} steps: {len(scheduler.requests)} requests left")
+        while arrival is not None and arrival.step <= step:
+            arrival, current = next(upcoming, None), arrival
+            try:
+                scheduler.add_request(current.request)
+            except RequestRejected as e:
+                result.rejected[current.request.request_id] = str(e)
+                continue
+            if current.abort_at_step is not None:
+                aborts.setdefault(max(current.abort_at_step, step), []).append(current.request.request_id)
+        for rid in aborts.pop(step, ()):
+            if scheduler.abort([rid]):
+                result.finish_reasons[rid] = "abort"
+        out = scheduler.schedule()
+        if check:
+            scheduler.kv.check_integrity()
+        if after_schedule:
+            after_schedule(scheduler)
+        runner_out = runner.execute(out)
+        outputs, stats = scheduler.update_from_output(out, runner_out)
+        if check:
+            scheduler.kv.check_integrity()
+        for o in outputs if keep_outputs else ():
+            result.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                result.finish_reasons[o.request_id] = o.finish_reason
+        step += 1
+    result.num_steps = step
+    result.num_preemptions = scheduler.num_preemptions
+    result.prefix_hits = scheduler.kv.prefix_cache_stats().hits
+    return result

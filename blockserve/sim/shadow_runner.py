@@ -1,0 +1,194 @@
+"""A fake model runner that checks every KV read and write against what the cache should hold.
+
+It plays the worker for the real scheduler and KV manager. For each group it keeps a shadow of
+every slot of every block: what was written there, as a tag naming the sequence's content up
+to that position (so two sequences with the same prefix write the same tags), or ZERO after a
+zero order, or nothing. It then fails (raises ShadowViolation) on
+
+  - a read of a slot that should hold this sequence's KV but holds anything else: a stale
+    block, another sequence's KV, or a prefix-cache hit whose content differs (C4);
+  - a read of an unwritten slot that is neither this sequence's nor zeroed since allocation,
+    by a group whose backend declares `reads_unwritten_slots` (C1); for a linear-state group,
+    a new request whose state slot is not zero;
+  - a write outside the request's blocks, into the null block, or into a block another
+    running request also holds.
+
+Sampled tokens are derived from the content tag, so runs are reproducible and a run with
+prefix caching must produce exactly the tokens of the same run without it.
+
+    slot shadow of one block (block_size 4):  [t17][t18][ZERO][ZERO]
+                                               written     zeroed, unwritten
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from blockserve.kv.block_pool import NULL_BLOCK_ID
+from blockserve.kv.config import KVCacheConfig
+from blockserve.kv.specs import LinearStateSpec, SlidingWindowSpec
+from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+ZERO = "zero"
+_MASK = (1 << 61) - 1
+
+
+class ShadowViolation(AssertionError):
+    """The engine read or wrote KV it should not have."""
+
+
+def _next_tag(prev: int, token: int) -> int:
+    return (prev * 1_000_003 + token + 1) & _MASK
+
+
+class _SeqState:
+    """The runner's view of one request: its tokens, their prefix tags, its block tables."""
+
+    def __init__(self, token_ids: list[int], tables: list[list[int]]):
+        self.token_ids = list(token_ids)
+        self.tags: list[int] = []  # tags[p]: content of tokens[0..p]
+        self.tables = tables
+        self._extend_tags()
+
+    def _extend_tags(self) -> None:
+        prev = self.tags[-1] if self.tags else 0
+        for token in self.token_ids[len(self.tags) :]:
+            prev = _next_tag(prev, token)
+            self.tags.append(prev)
+
+    def state_tag(self, num_tokens: int):
+        """What a recurrent state holds after consuming the first `num_tokens` tokens."""
+        return ("state", self.tags[num_tokens - 1]) if num_tokens else ZERO
+
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+        self._extend_tags()
+
+
+class ShadowRunner:
+    def __init__(self, config: KVCacheConfig, reads_unwritten_slots: Sequence[bool], vocab_size: int = 1000):
+        """`reads_unwritten_slots[g]` is what group g's backend declares (C1)."""
+        self.config = config
+        self.reads_unwritten = list(reads_unwritten_slots)
+        self.vocab_size = vocab_size
+        self.slots: list[list[list]] = []
+        for group in config.groups:
+            width = 1 if group.is_state else group.spec.block_size
+            self.slots.append([[None] * width for _ in range(group.num_blocks)])
+        self.seqs: dict[str, _SeqState] = {}
+        self.num_steps = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        for rid in out.finished_request_ids | out.preempted_request_ids:
+            self.seqs.pop(rid, None)
+        for new in out.new_requests:
+            if new.request_id in self.seqs:
+                raise ShadowViolation(f"request {new.request_id} scheduled as new while the runner holds it")
+            self.seqs[new.request_id] = _SeqState(new.prompt_token_ids + new.output_token_ids, new.block_ids)
+        for cached in out.cached_requests:
+            seq = self._seq(cached.request_id)
+            for table, ids in zip(seq.tables, cached.new_block_ids):
+                table.extend(ids)
+        # Zero orders are applied before the forward pass that may read the blocks.
+        for group_id, block_ids in out.blocks_to_zero.items():
+            for block_id in block_ids:
+                self.slots[group_id][block_id] = [ZERO] * len(self.slots[group_id][block_id])
+
+        start_of = {new.request_id: new.num_computed_tokens for new in out.new_requests}
+        start_of.update({c.request_id: c.num_computed_tokens for c in out.cached_requests})
+        for rid, start in start_of.items():
+            self._drop_out_of_window(self.seqs[rid], start)
+        holders = self._holders()
+        sampled: dict[str, list[int]] = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            seq = self._seq(rid)
+            start = start_of[rid]
+            if out.scheduled_token_ids[rid] != seq.token_ids[start : start + n]:
+                raise ShadowViolation(f"request {rid}: scheduled tokens differ from the sequence's tokens")
+            for group_id, group in enumerate(self.config.groups):
+                if group.is_state:
+                    self._run_state(group_id, rid, seq, start, n, holders)
+                else:
+                    self._run_attention(group_id, rid, seq, start, n, holders)
+            if start + n == len(seq.token_ids):
+                token = seq.tags[-1] % self.vocab_size
+                seq.append(token)
+                sampled[rid] = [token]
+        return ModelRunnerOutput(sampled)
+
+    # -- one request, one group ------------------------------------------------------------------
+
+    def _run_attention(self, group_id: int, rid: str, seq: _SeqState, start: int, n: int, holders) -> None:
+        spec = self.config.groups[group_id].spec
+        bs = spec.block_size
+        table = seq.tables[group_id]
+        slots = self.slots[group_id]
+        end = start + n
+        if len(table) * bs < end:
+            raise ShadowViolation(f"request {rid}: group {group_id} table covers {len(table) * bs} tokens, step needs {end}")
+        # Read what earlier steps (or a prefix hit) must have left: the window of the first new token.
+        first = start - spec.sliding_window + 1 if isinstance(spec, SlidingWindowSpec) else 0
+        for p in range(max(0, first), start):
+            if slots[table[p // bs]][p % bs] != seq.tags[p]:
+                raise ShadowViolation(
+                    f"request {rid}: group {group_id} block {table[p // bs]} slot {p % bs} (position {p}) holds "
+                    f"{slots[table[p // bs]][p % bs]!r}, not this sequence's KV"
+                )
+        # Write this step's tokens, each into a block only this request holds.
+        for p in range(start, end):
+            block_id = table[p // bs]
+            if block_id == NULL_BLOCK_ID:
+                raise ShadowViolation(f"request {rid}: group {group_id} writes position {p} into the null block")
+            if holders[group_id][block_id] > 1:
+                raise ShadowViolation(f"request {rid}: group {group_id} writes into block {block_id}, held by others too")
+            slots[block_id][p % bs] = seq.tags[p]
+        # A whole-block kernel also reads the unwritten tail of the last block.
+        if self.reads_unwritten[group_id] and end % bs:
+            block_id = table[(end - 1) // bs]
+            for offset in range(end % bs, bs):
+                if slots[block_id][offset] != ZERO:
+                    raise ShadowViolation(
+                        f"request {rid}: group {group_id} reads unwritten slot {offset} of block {block_id}, "
+                        f"which holds {slots[block_id][offset]!r} and was not zeroed"
+                    )
+
+    def _run_state(self, group_id: int, rid: str, seq: _SeqState, start: int, n: int, holders) -> None:
+        spec: LinearStateSpec = self.config.groups[group_id].spec
+        table = seq.tables[group_id]
+        if len(table) != 1 or table[0] == NULL_BLOCK_ID:
+            raise ShadowViolation(f"request {rid}: group {group_id} needs exactly one state slot, has {table}")
+        slot = self.slots[group_id][table[0]]
+        if holders[group_id][table[0]] > 1:
+            raise ShadowViolation(f"request {rid}: group {group_id} state slot {table[0]} is shared")
+        expected = seq.state_tag(start)
+        if slot[0] != expected and not (expected == ZERO and not spec.state_must_start_zeroed):
+            raise ShadowViolation(
+                f"request {rid}: group {group_id} state slot {table[0]} holds {slot[0]!r}, expected {expected!r}"
+            )
+        slot[0] = seq.state_tag(start + n)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _seq(self, rid: str) -> _SeqState:
+        try:
+            return self.seqs[rid]
+        except KeyError:
+            raise ShadowViolation(f"request {rid} scheduled as cached but the runner never saw it") from None
+
+    def _drop_out_of_window(self, seq: _SeqState, start: int) -> None:
+        """Forget sliding-window blocks the scheduler released before this step: the scheduler
+        never tells the worker about them, because no kernel reads them again."""
+        for group, table in zip(self.config.groups, seq.tables):
+            if isinstance(group.spec, SlidingWindowSpec):
+                for i in range(min(len(table), group.spec.num_skipped_tokens(start) // group.spec.block_size)):
+                    table[i] = NULL_BLOCK_ID
+
+    def _holders(self) -> list[Counter]:
+        """Per group, how many running requests' tables hold each real block."""
+        holders = [Counter() for _ in self.config.groups]
+        for seq in self.seqs.values():
+            for group_id, table in enumerate(seq.tables):
+                holders[group_id].update(b for b in table if b != NULL_BLOCK_ID)
+        return holders
