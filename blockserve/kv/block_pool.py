@@ -44,11 +44,12 @@ class BlockPool:
 
     `zero_new_blocks` (C1) makes every block handed out by `get_new_blocks` a zero order in
     `pending`; blocks reused through a prefix-cache hit (`touch`) are not, since they hold
-    exactly the KV the request needs.
+    exactly the KV the request needs. `poison_freed_blocks` (poison mode) makes every block
+    whose content becomes garbage (freed uncached, or evicted from the cache) a poison order.
     """
 
     def __init__(self, num_blocks: int, group_id: int, pending: PendingWork, zero_new_blocks: bool,
-                 enable_events: bool = False):
+                 enable_events: bool = False, poison_freed_blocks: bool = False):
         self.group_id = group_id
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
@@ -57,6 +58,7 @@ class BlockPool:
         self._pending = pending
         self._zero_new_blocks = zero_new_blocks
         self._enable_events = enable_events
+        self._poison = poison_freed_blocks
         # Popped from the end: low block ids are handed out first on a fresh pool.
         self._uncached: list[Block] = self.blocks[:0:-1]
         self._evictable: OrderedDict[int, Block] = OrderedDict()
@@ -119,6 +121,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     self._uncached.append(block)
+                    self._record_poison(block)
                 else:
                     self._evictable[block.block_id] = block
 
@@ -147,8 +150,13 @@ class BlockPool:
         del self.cached[block_hash]
         block.block_hash = None
         self.num_evictions += 1
+        self._record_poison(block)
         if self._enable_events:
             self._pending.events.append(KVEvent("removed", self.group_id, (block_hash,)))
+
+    def _record_poison(self, block: Block) -> None:
+        if self._poison:
+            self._pending.blocks_to_poison.setdefault(self.group_id, []).append(block.block_id)
 
     def reset_prefix_cache(self) -> ResetResult:
         """Forget every cached prefix; refused (and nothing changes) while any block is in use."""
@@ -157,6 +165,7 @@ class BlockPool:
         for block in self._evictable.values():
             block.block_hash = None
             self._uncached.append(block)
+            self._record_poison(block)
         self._evictable.clear()
         self.cached.clear()
         if self._enable_events:

@@ -1,7 +1,9 @@
 """C2: the one place where the KV cache accumulates work for others, drained once per step.
 
-Zero orders (blocks the worker must zero before the next forward pass) and KV events (for an
-external prefix-aware router) are recorded here by the block pools, and nowhere else. The
+Zero orders (blocks the worker must zero before the next forward pass), poison orders (in
+poison mode: blocks whose content just became garbage, to be filled with NaN first) and KV
+events (for an external prefix-aware router) are recorded here by the block pools, and nowhere
+else. The
 scheduler calls `KVCacheManager.take_pending()` exactly once per `schedule()`, whatever the
 model, so nothing can accumulate across steps.
 """
@@ -26,14 +28,16 @@ class KVEvent:
 @dataclass
 class PendingWork:
     blocks_to_zero: dict[int, list[int]] = field(default_factory=dict)
+    blocks_to_poison: dict[int, list[int]] = field(default_factory=dict)
     events: list[KVEvent] = field(default_factory=list)
 
     def take(self) -> PendingWork:
         """Hand over everything recorded so far and start empty."""
-        taken = PendingWork(self.blocks_to_zero, self.events)
+        taken = PendingWork(self.blocks_to_zero, self.blocks_to_poison, self.events)
         self.blocks_to_zero = {}
+        self.blocks_to_poison = {}
         self.events = []
         return taken
 
     def is_empty(self) -> bool:
-        return not self.blocks_to_zero and not self.events
+        return not self.blocks_to_zero and not self.blocks_to_poison and not self.events

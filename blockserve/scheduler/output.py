@@ -50,6 +50,7 @@ class SchedulerOutput:
     scheduled_token_ids: dict[str, list[int]]
     total_num_scheduled_tokens: int
     blocks_to_zero: dict[int, list[int]]  # C1 zero orders, per group, to apply before the forward pass
+    blocks_to_poison: dict[int, list[int]]  # poison mode only: fill with NaN, before the zero orders
     finished_request_ids: set[str]  # finished or aborted since the last step: drop their state
     preempted_request_ids: set[str]  # preempted this step: drop their state
     kv_events: list[KVEvent] = field(default_factory=list)

@@ -160,6 +160,7 @@ class Scheduler:
             scheduled_token_ids=token_ids,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_zero=pending.blocks_to_zero,
+            blocks_to_poison=pending.blocks_to_poison,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
             kv_events=pending.events,

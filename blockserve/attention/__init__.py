@@ -1,0 +1,1 @@
+"""Attention and recurrent-state backends (CPU reference and fast paths)."""

@@ -1,0 +1,132 @@
+"""CPU paged attention over a block-structured KV cache, in two flavours (C1).
+
+Both write the step's K/V into the cache first, then attend each query to the keys its
+sequence may see. They differ only in which cache slots they read:
+
+    exact length   gathers exactly the slots of positions [key_start, seq_len) of each
+                   sequence; padding reads slot 0 of the null block, which is always zero.
+                   reads_unwritten_slots = False: safe on recycled blocks without zeroing.
+    whole block    gathers every slot of each block the sequence's keys touch, and masks the
+                   positions past seq_len by weight zero. The unwritten tail of the last block
+                   is read: 0 * NaN = NaN, so its blocks must be zeroed when allocated.
+                   reads_unwritten_slots = True.
+
+    block table row  [b7 ][b2 ][b9 ]         seq_len = 10, block_size = 4
+    exact reads      b7:0-3 b2:0-3 b9:0-1
+    whole block      b7:0-3 b2:0-3 b9:0-3    (b9:2-3 unwritten, weighted by zero)
+
+Decodes are attended together in one batched call; prefill chunks one sequence at a time (a
+fresh prompt needs no cache read at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from blockserve.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _Gather:
+    """Which cache slots a group of sequences reads: [N, L] slot ids, key positions, validity."""
+
+    slots: torch.Tensor
+    key_pos: torch.Tensor
+    valid: torch.Tensor
+
+
+class PagedAttention:
+    name: ClassVar[str]
+    reads_unwritten_slots: ClassVar[bool]
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        k_flat[meta.slot_mapping] = k
+        v_flat[meta.slot_mapping] = v
+        out = torch.empty_like(q)
+        layout = meta.layout
+        nd = layout.num_decodes
+        if nd:
+            seqs = torch.arange(nd)
+            g = self._gather(meta, seqs, torch.tensor(layout.seq_lens[:nd]))
+            mask = g.valid[:, None, None, :]
+            out[:nd] = self._attend(q[:nd, :, None], k_flat[g.slots], v_flat[g.slots], mask)[:, :, 0]
+        for i in range(nd, layout.num_seqs):
+            start, end = layout.query_start[i], layout.query_start[i + 1]
+            seq_len = layout.seq_lens[i]
+            n = end - start
+            qi = q[start:end].transpose(0, 1)[None]
+            if seq_len == n and meta.sliding_window is None:  # a whole fresh prompt: no cache read
+                out[start:end] = F.scaled_dot_product_attention(
+                    qi, k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
+                    is_causal=True, scale=self.scale, enable_gqa=True,
+                )[0].transpose(0, 1)
+                continue
+            g = self._gather(meta, torch.tensor([i]), torch.tensor([seq_len]))
+            query_pos = torch.arange(seq_len - n, seq_len)[:, None]
+            mask = g.valid & (g.key_pos <= query_pos)  # [n, L]
+            if meta.sliding_window is not None:
+                mask &= g.key_pos > query_pos - meta.sliding_window
+            out[start:end] = self._attend(qi, k_flat[g.slots], v_flat[g.slots], mask[None, None])[0].transpose(0, 1)
+        return out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, n, D], keys/values [N, L, Hkv, D], mask broadcastable to [N, Hq, n, L]."""
+        return F.scaled_dot_product_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+
+    def _gather(self, meta: AttentionMetadata, seqs: torch.Tensor, seq_lens: torch.Tensor) -> _Gather:
+        raise NotImplementedError
+
+
+class ExactLengthAttention(PagedAttention):
+    name = "exact"
+    reads_unwritten_slots = False
+
+    def _gather(self, meta: AttentionMetadata, seqs: torch.Tensor, seq_lens: torch.Tensor) -> _Gather:
+        start = meta.key_start[seqs]
+        length = int((seq_lens - start).max())
+        key_pos = start[:, None] + torch.arange(length)[None]
+        valid = key_pos < seq_lens[:, None]
+        bs = meta.block_size
+        cols = torch.where(valid, key_pos // bs, 0)
+        slots = meta.block_table[seqs[:, None], cols] * bs + key_pos % bs
+        return _Gather(torch.where(valid, slots, 0), key_pos, valid)
+
+
+class WholeBlockAttention(PagedAttention):
+    name = "whole_block"
+    reads_unwritten_slots = True
+
+    def _gather(self, meta: AttentionMetadata, seqs: torch.Tensor, seq_lens: torch.Tensor) -> _Gather:
+        bs = meta.block_size
+        first = meta.key_start[seqs] // bs
+        last = (seq_lens - 1) // bs
+        count = int((last - first).max()) + 1
+        cols = first[:, None] + torch.arange(count)[None]
+        in_table = cols <= last[:, None]
+        blocks = torch.where(in_table, meta.block_table[seqs[:, None], torch.where(in_table, cols, 0)], 0)
+        slots = (blocks[:, :, None] * bs + torch.arange(bs)).flatten(1)
+        key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)
+        valid = (key_pos >= meta.key_start[seqs][:, None]) & (key_pos < seq_lens[:, None]) & in_table.repeat_interleave(bs, 1)
+        return _Gather(slots, key_pos, valid)
+
+
+BACKENDS: dict[str, type[PagedAttention]] = {cls.name: cls for cls in (ExactLengthAttention, WholeBlockAttention)}

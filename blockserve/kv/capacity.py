@@ -1,0 +1,52 @@
+"""Turn a memory budget into a pool size per group, each in its own units.
+
+State groups get one slot per sequence that can run at once (plus the null slot). The rest of
+the budget is shared by the attention groups so that they run out together: each gets tokens
+in proportion to what one request of `max_model_len` tokens holds in it (a sliding window
+holds at most its window, however long the request).
+
+    budget ─► state slots: (max_num_seqs + 1) x slot bytes
+           └► attention: k = rest / sum(need_g x bytes_per_token_g); tokens_g = k x need_g
+"""
+
+from __future__ import annotations
+
+from blockserve.kv.config import KVCacheConfig, KVCacheGroup
+from blockserve.kv.specs import KVCacheSpec, LinearStateSpec, cdiv, zero_new_blocks
+
+
+def plan_kv_cache(
+    groups: list[tuple[KVCacheSpec, tuple[str, ...], bool]],
+    memory_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_chunk_tokens: int | None = None,
+    **config_options,
+) -> KVCacheConfig:
+    """`groups`: (spec, layer names, backend_reads_unwritten_slots) per group. Raises ValueError,
+    saying how much memory is needed, if the budget cannot hold one request of max_model_len."""
+    state_bytes = 0
+    needs = []  # per attention group: (index, blocks one longest request holds, bytes per block)
+    for i, (spec, layers, _) in enumerate(groups):
+        per_block = spec.page_size_bytes * max(1, len(layers))
+        if isinstance(spec, LinearStateSpec):
+            state_bytes += (max_num_seqs + 1) * per_block
+        else:
+            needs.append((i, spec.max_blocks_held(max_model_len, max_chunk_tokens), per_block))
+    null_bytes = sum(per_block for _, _, per_block in needs)
+    one_request = sum(blocks * per_block for _, blocks, per_block in needs)
+    spare = memory_bytes - state_bytes - null_bytes
+    if spare < one_request:
+        raise ValueError(
+            f"the KV cache budget of {memory_bytes / 2**20:.1f} MiB cannot hold even one request of "
+            f"max_model_len={max_model_len} tokens (that needs "
+            f"{cdiv(state_bytes + null_bytes + one_request, 2**20)} MiB); "
+            f"give the KV cache more memory or lower max_model_len / max_num_seqs"
+        )
+    scale = spare / one_request if one_request else 0.0
+    num_blocks = {i: int(blocks * scale) + 1 for i, blocks, _ in needs}  # + the null block
+    built = []
+    for i, (spec, layers, reads_unwritten) in enumerate(groups):
+        count = max_num_seqs + 1 if isinstance(spec, LinearStateSpec) else num_blocks[i]
+        built.append(KVCacheGroup(spec, count, zero_new_blocks(spec, reads_unwritten), tuple(layers)))
+    return KVCacheConfig(tuple(built), **config_options)

@@ -1,0 +1,89 @@
+"""Both paged-attention backends against dense attention, and their C1 behaviour under poison."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+from blockserve.attention.paged_attention import BACKENDS
+
+HQ, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 40
+
+
+def dense_reference(q, keys, values, query_pos, window=None):
+    """q [n, Hq, D] at positions query_pos; keys/values [L, Hkv, D] for positions 0..L-1."""
+    rep = HQ // HKV
+    k = keys.repeat_interleave(rep, 1).transpose(0, 1)
+    v = values.repeat_interleave(rep, 1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(D)  # [Hq, n, L]
+    key_pos = torch.arange(keys.shape[0])
+    mask = key_pos[None] <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None] > query_pos[:, None] - window
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+def make_step(seqs, fill):
+    """seqs: list of (num_computed, query_len), decodes first. Returns full K/V per sequence,
+    the cache with earlier tokens written, block tables and the step's q/k/v."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.full((NUM_BLOCKS, BS, HKV, D), fill)
+    v_cache = torch.full((NUM_BLOCKS, BS, HKV, D), fill)
+    k_cache[0] = 0  # the null block
+    v_cache[0] = 0
+    free = list(range(1, NUM_BLOCKS))
+    tables, full_k, full_v = [], [], []
+    for computed, n in seqs:
+        total = computed + n
+        blocks = [free.pop(7 % len(free)) for _ in range(-(-total // BS))]
+        tables.append(blocks)
+        kk = torch.randn(total, HKV, D, generator=gen)
+        vv = torch.randn(total, HKV, D, generator=gen)
+        full_k.append(kk)
+        full_v.append(vv)
+        for p in range(computed):
+            k_cache[blocks[p // BS], p % BS] = kk[p]
+            v_cache[blocks[p // BS], p % BS] = vv[p]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(sum(n for _, n in seqs), HQ, D, generator=gen)
+    k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, seqs)])
+    v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, seqs)])
+    return k_cache, v_cache, table, q, k, v, full_k, full_v
+
+
+SEQS = [(5, 1), (12, 1), (3, 1), (0, 9), (6, 5), (8, 4)]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("window", [None, 5])
+def test_matches_dense_attention(backend, window):
+    k_cache, v_cache, table, q, k, v, full_k, full_v = make_step(SEQS, fill=0.0)
+    layout = BatchLayout.build([n for _, n in SEQS], [c for c, _ in SEQS])
+    meta = AttentionMetadata.build(layout, table, BS, window)
+    out = BACKENDS[backend](1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
+    for i, (c, n) in enumerate(SEQS):
+        s = layout.query_start[i]
+        ref = dense_reference(q[s : s + n], full_k[i], full_v[i], torch.arange(c, c + n), window)
+        torch.testing.assert_close(out[s : s + n], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_poisoned_unwritten_slots(backend):
+    """C1: the exact-length backend is unaffected by NaN in unwritten slots; the whole-block
+    backend, which declares that it reads them, turns NaN (so zeroing is required for it)."""
+    cls = BACKENDS[backend]
+    k_cache, v_cache, table, q, k, v, *_ = make_step(SEQS, fill=0.0)
+    layout = BatchLayout.build([n for _, n in SEQS], [c for c, _ in SEQS])
+    meta = AttentionMetadata.build(layout, table, BS)
+    clean = cls(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
+    k_cache, v_cache, *_ = make_step(SEQS, fill=float("nan"))
+    poisoned = cls(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
+    if cls.reads_unwritten_slots:
+        assert poisoned.isnan().any()
+    else:
+        assert torch.equal(clean, poisoned)
