@@ -11,6 +11,8 @@ out of the window: those entries become the null block. A linear-state table is 
 
 from __future__ import annotations
 
+import math
+
 from blockserve.kv.block_pool import Block, BlockPool
 from blockserve.kv.hashing import BlockHash
 from blockserve.kv.specs import KVCacheSpec, LinearStateSpec, SlidingWindowSpec, cdiv
@@ -62,6 +64,15 @@ class FullAttentionManager:
         blocks.extend(new)
         return new
 
+    def steady_limits(self, request_id: str, num_computed_tokens: int) -> tuple[float, float]:
+        """(tokens the request's table covers, computed count at which a block must be released):
+        below both, a step needs no allocation and releases nothing."""
+        return len(self.req_blocks.get(request_id, ())) * self.block_size, math.inf
+
+    def next_cache_point(self, request_id: str) -> float:
+        """The written-token count at which the request's next block becomes full."""
+        return (self.num_cached.get(request_id, 0) + 1) * self.block_size
+
     def cache_blocks(self, request_id: str, hashes: list[BlockHash], num_tokens: int) -> None:
         """Register the full blocks among the first `num_tokens` tokens, whose KV is written."""
         start = self.num_cached.get(request_id, 0)
@@ -99,6 +110,11 @@ class SlidingWindowManager(FullAttentionManager):
                 return [self.pool.null_block] * i + run[::-1]
         return run[::-1]  # a cached run reaching the first block is a hit of its own
 
+    def steady_limits(self, request_id: str, num_computed_tokens: int) -> tuple[float, float]:
+        window, bs = self.spec.sliding_window, self.block_size
+        released = self.spec.num_skipped_tokens(num_computed_tokens) // bs
+        return len(self.req_blocks.get(request_id, ())) * bs, (released + 1) * bs + window - 1
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.req_blocks.get(request_id)
         if not blocks:
@@ -125,6 +141,12 @@ class LinearStateManager(FullAttentionManager):
 
     def cache_blocks(self, request_id: str, hashes: list[BlockHash], num_tokens: int) -> None:
         pass
+
+    def steady_limits(self, request_id: str, num_computed_tokens: int) -> tuple[float, float]:
+        return (math.inf if request_id in self.req_blocks else 0), math.inf
+
+    def next_cache_point(self, request_id: str) -> float:
+        return math.inf
 
 
 def make_group_manager(spec: KVCacheSpec, pool: BlockPool) -> FullAttentionManager:

@@ -28,12 +28,15 @@ def extra_keys_bytes(cache_salt: str | None = None, adapter_id: str | int | None
     return len(salt).to_bytes(4, "little") + salt + len(adapter).to_bytes(4, "little") + adapter
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes) -> BlockHash:
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
     try:
-        tokens = array("I", token_ids).tobytes()
-    except OverflowError:
+        return array("I", token_ids).tobytes()
+    except (OverflowError, TypeError):
         raise ValueError("token ids must be integers in [0, 2**32)") from None
-    return hashlib.sha256((parent or _ROOT) + extra_keys + tokens).digest()
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes) -> BlockHash:
+    return hashlib.sha256((parent or _ROOT) + extra_keys + _token_bytes(token_ids)).digest()
 
 
 class BlockHashChain:
@@ -51,8 +54,12 @@ class BlockHashChain:
     def get(self, block_size: int, token_ids: Sequence[int]) -> list[BlockHash]:
         """Hashes of every full block of `token_ids` (which only ever grows for a request)."""
         hashes = self._hashes[block_size]
-        num_full = len(token_ids) // block_size
-        for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], self.extra_keys))
+        start, end = len(hashes), len(token_ids) // block_size
+        if end > start:
+            # One conversion for all new blocks, then one sha256 per block over a slice of it.
+            data = _token_bytes(token_ids[start * block_size : end * block_size])
+            parent, extra, width = hashes[-1] if hashes else _ROOT, self.extra_keys, 4 * block_size
+            for offset in range(0, len(data), width):
+                parent = hashlib.sha256(parent + extra + data[offset : offset + width]).digest()
+                hashes.append(parent)
         return hashes

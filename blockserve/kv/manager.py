@@ -101,10 +101,15 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError(f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}")
         computed = computed or self._no_hit
+        num_computed = request.num_computed_tokens
+        num_tokens = num_computed + computed.num_tokens + num_new_tokens + num_lookahead_tokens
+        if not computed.num_tokens and self.coordinator.is_steady(request.request_id, num_computed, num_tokens):
+            return [[] for _ in self.config.groups]  # most decode steps: nothing to do
         # Blocks that left the window are released before counting what the step needs.
-        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
-        num_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens + num_lookahead_tokens
-        new_ids = self.coordinator.allocate(request.request_id, num_tokens, [list(b) for b in computed.blocks])
+        self.coordinator.remove_skipped_blocks(request.request_id, num_computed)
+        new_ids = self.coordinator.allocate(
+            request.request_id, num_computed + computed.num_tokens, num_tokens, [list(b) for b in computed.blocks]
+        )
         if new_ids is not None and request.num_computed_tokens == 0 and self.caching_possible:
             # Counted once per admission that succeeds, not per lookup that had to wait.
             self._requests += 1
@@ -114,7 +119,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """C4: enter the full blocks among the first `num_computed_tokens` (KV written) in the cache."""
-        if self.enable_caching:
+        if self.enable_caching and num_computed_tokens >= self.coordinator.next_cache_at.get(request.request_id, 0):
             self.coordinator.cache_blocks(
                 request.request_id, lambda bs: request.block_hashes.get(bs, request.token_ids), num_computed_tokens
             )
@@ -185,6 +190,9 @@ class KVCacheManager:
                 assert manager.num_cached.get(request_id, 0) <= len(blocks)
             assert set(manager.num_cached) <= set(manager.req_blocks), "cached counts outlive their requests"
             pool.check_integrity(holders)
+        holding = set().union(*(m.req_blocks for m in self.coordinator.managers))
+        assert set(self.coordinator.steady) <= holding, "fast-path limits outlive their requests"
+        assert set(self.coordinator.next_cache_at) <= holding, "cache points outlive their requests"
 
     def assert_idle(self) -> None:
         """After every request finished: no request holds anything, every block is free."""

@@ -29,7 +29,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the worker already holds: only the block ids appended this step, per group."""
 
@@ -68,14 +68,14 @@ class ModelRunnerOutput:
     logprobs: dict[str, list] = field(default_factory=dict)  # per request, one entry per sampled token
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "rejected" once finished
-    stop_reason: int | None = None
+    stop_reason: int | None = None  # the stop token id that ended the request, if any
     num_cached_tokens: int = 0
     new_logprobs: list | None = None
     error: str | None = None

@@ -51,6 +51,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is (or is being) written
         self.status = RequestStatus.WAITING
         self.block_hashes: BlockHashChain | None = None  # set by the scheduler on add
+        self.order_key: tuple = ()  # policy order, unique; set by the scheduler on add
         self.max_output_tokens = 0  # max_tokens, or what max_model_len leaves; set by the scheduler
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.num_preemptions = 0
@@ -68,7 +69,3 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.token_ids.append(token_id)

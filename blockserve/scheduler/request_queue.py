@@ -37,30 +37,29 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    """Lowest (priority, arrival) first; a preempted request keeps its place by that key."""
+    """Lowest `order_key` first: (priority, arrival, admission order), given by the scheduler.
+    A preempted request keeps its key, so it goes back ahead of everything added after it."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = 0
+        self._heap: list[tuple[tuple, Request]] = []
 
     def add(self, request: Request) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, self._seq, request))
+        heapq.heappush(self._heap, (request.order_key, request))
 
     add_front = add
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        return self._heap[0][1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[1]
 
     def remove(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[3] is not request]
+        self._heap = [entry for entry in self._heap if entry[1] is not request]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
+        return (entry[1] for entry in sorted(self._heap, key=lambda e: e[0]))

@@ -12,6 +12,7 @@ it frees everything and returns to the front of the waiting queue, to be recompu
 from __future__ import annotations
 
 import bisect
+from array import array
 
 from blockserve.kv.manager import KVCacheManager
 from blockserve.scheduler.config import SchedulerConfig
@@ -34,7 +35,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = PriorityQueue() if config.policy == "priority" else FCFSQueue()
         self.running: list[Request] = []  # in policy order: the last one is the next victim
-        self._order: dict[str, tuple] = {}
         self._num_added = 0
         # C2: the scheduler's own per-step buffer, drained by every schedule().
         self._finished_ids: set[str] = set()
@@ -53,7 +53,7 @@ class Scheduler:
         request.block_hashes = self.kv.new_block_hashes(request.cache_salt)
         self._num_added += 1
         key = (request.arrival_time, self._num_added)
-        self._order[request.request_id] = (request.priority, *key) if self.config.policy == "priority" else key
+        request.order_key = (request.priority, *key) if self.config.policy == "priority" else key
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -63,6 +63,11 @@ class Scheduler:
             raise RequestRejected(f"request id {rid!r} is already in use")
         if n == 0:
             raise RequestRejected(f"request {rid!r} has an empty prompt; give at least one token")
+        try:
+            array("I", request.prompt_token_ids)  # in C: fast enough for every request
+        except (OverflowError, TypeError):
+            bad = next(t for t in request.prompt_token_ids if not isinstance(t, int) or not 0 <= t < 2**32)
+            raise RequestRejected(f"request {rid!r}: prompt token id {bad!r} is not an integer in [0, 2**32)") from None
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = limit - n
@@ -76,7 +81,8 @@ class Scheduler:
                 f"request {rid!r}: the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} "
                 f"tokens, over the model's maximum length of {limit}; shorten the prompt or lower max_tokens"
             )
-        reason = self.kv.never_fits(n + max_tokens, self.config.chunk_cap)
+        # The last sampled token is never fed back, so its KV is never written.
+        reason = self.kv.never_fits(n + max_tokens - 1, self.config.chunk_cap)
         if reason:
             raise RequestRejected(f"request {rid!r}: {reason}")
         request.max_output_tokens = max_tokens
@@ -130,7 +136,7 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
-            bisect.insort(self.running, request, key=lambda r: self._order[r.request_id])
+            bisect.insort(self.running, request, key=lambda r: r.order_key)
             new.append(
                 NewRequestData(
                     request.request_id,
@@ -195,7 +201,8 @@ class Scheduler:
             status = None
             accepted = 0
             for token in sampled:
-                request.append_output_token(token)
+                request.output_token_ids.append(token)
+                request.token_ids.append(token)
                 accepted += 1
                 if status := self._stop_status(request, token):
                     break
@@ -218,16 +225,16 @@ class Scheduler:
         return outputs, self.stats(scheduler_output.total_num_scheduled_tokens)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """Runs for every sampled token, so it reads plain attributes only."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if len(request.token_ids) >= self.config.max_model_len:
+        if num_output >= request.max_output_tokens or len(request.token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -235,7 +242,6 @@ class Scheduler:
         request.status = status
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
-        del self._order[request.request_id]
         self._finished_ids.add(request.request_id)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
@@ -284,7 +290,6 @@ class Scheduler:
     def assert_idle(self) -> None:
         """C2: once every request finished and a last step ran, nothing is held or pending."""
         assert not self.requests and not self.running and not self.waiting, "requests remain"
-        assert not self._order, f"ordering keys leak for {list(self._order)[:5]}"
         assert not self._finished_ids, "finished ids were never handed to the worker"
         assert self.kv.pending_is_empty(), "KV zero orders or events were never drained"
         self.kv.assert_idle()

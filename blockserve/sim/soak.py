@@ -65,6 +65,8 @@ def assert_buffers_drained(scheduler: Scheduler) -> None:
     assert scheduler.kv.pending_is_empty(), "KV pending work survived schedule()"
     assert not scheduler._finished_ids, "finished ids survived schedule()"
     live = set(scheduler.requests)
+    coordinator = scheduler.kv.coordinator
+    assert set(coordinator.steady) <= live and set(coordinator.next_cache_at) <= live, "per-request limits leak"
     for manager in scheduler.kv.coordinator.managers:
         assert set(manager.req_blocks) <= live, "a KV manager keeps blocks of a finished request"
         assert set(manager.num_cached) <= live, "a KV manager keeps cache counts of a finished request"
