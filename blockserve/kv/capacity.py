@@ -12,7 +12,7 @@ holds at most its window, however long the request).
 from __future__ import annotations
 
 from blockserve.kv.config import KVCacheConfig, KVCacheGroup
-from blockserve.kv.specs import KVCacheSpec, LinearStateSpec, cdiv, zero_new_blocks
+from blockserve.kv.specs import KVCacheSpec, LinearStateSpec, zero_new_blocks
 
 
 def plan_kv_cache(
@@ -38,9 +38,9 @@ def plan_kv_cache(
     spare = memory_bytes - state_bytes - null_bytes
     if spare < one_request:
         raise ValueError(
-            f"the KV cache budget of {memory_bytes / 2**20:.1f} MiB cannot hold even one request of "
+            f"the KV cache budget of {memory_bytes / 2**20:.2f} MiB cannot hold even one request of "
             f"max_model_len={max_model_len} tokens (that needs "
-            f"{cdiv(state_bytes + null_bytes + one_request, 2**20)} MiB); "
+            f"{(state_bytes + null_bytes + one_request) / 2**20:.2f} MiB); "
             f"give the KV cache more memory or lower max_model_len / max_num_seqs"
         )
     scale = spare / one_request if one_request else 0.0

@@ -1,0 +1,1 @@
+"""The step loop, detokenization, the offline LLM and the async engine."""

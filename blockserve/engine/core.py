@@ -1,0 +1,99 @@
+"""The engine core: a loaded model, its KV cache, the scheduler and the model runner, stepped.
+
+Start-up derives everything once: the model declares a KV spec per layer; layers with equal
+specs form a group; each group's zero flag comes from its spec and the attention backend in
+use (C1); the memory budget becomes a pool size per group, reported before serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from blockserve.attention.paged_attention import BACKENDS
+from blockserve.engine.config import EngineConfig, parse_memory
+from blockserve.kv.capacity import plan_kv_cache
+from blockserve.kv.manager import KVCacheManager
+from blockserve.models.loader import LoadedModel, load_model
+from blockserve.scheduler.config import SchedulerConfig
+from blockserve.scheduler.output import RequestOutput, SchedulerStats
+from blockserve.scheduler.request import Request
+from blockserve.scheduler.scheduler import Scheduler
+from blockserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("blockserve")
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        backend = BACKENDS[config.attention_backend]
+        self.loaded = loaded or load_model(config.model, backend)
+        hf_config = self.loaded.hf_config
+        model_max = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP)
+        max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum of {model_max} positions")
+        self.max_model_len = max_model_len
+
+        model = self.loaded.model
+        # C1: each KV layer module declares whether its kernel reads unwritten slots.
+        reads_unwritten = {m.layer_name: m.reads_unwritten_slots for m in model.modules()
+                           if hasattr(m, "layer_name") and hasattr(m, "reads_unwritten_slots")}
+        groups: dict[tuple, list[str]] = {}
+        for layer_name, spec in model.kv_cache_specs(config.block_size).items():
+            if layer_name not in reads_unwritten:
+                raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
+            groups.setdefault((spec, reads_unwritten[layer_name]), []).append(layer_name)
+        scheduler_config = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_prefill_chunk=config.max_prefill_chunk,
+            policy=config.scheduling_policy,
+        )
+        self.kv_config = plan_kv_cache(
+            [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()],
+            parse_memory(config.kv_cache_memory),
+            max_model_len,
+            config.max_num_seqs,
+            scheduler_config.chunk_cap,
+            enable_prefix_caching=config.enable_prefix_caching,
+            poison_freed_blocks=config.poison_enabled,
+        )
+        if config.unsafe_disable_zeroing:
+            groups_off = tuple(dataclasses.replace(g, zero_new_blocks=False) for g in self.kv_config.groups)
+            self.kv_config = dataclasses.replace(self.kv_config, groups=groups_off)
+            logger.warning("zeroing of new KV blocks is disabled: outputs may be corrupted (C1 tests only)")
+        self.kv = KVCacheManager(self.kv_config)
+        if config.enable_prefix_caching and not self.kv.caching_possible:
+            logger.warning("prefix caching is on but this model has recurrent-state layers: "
+                           "until state checkpoints exist, it will report no prefix hits")
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.runner = ModelRunner(self.loaded.model, self.kv_config, config.max_num_seqs, max_model_len, config.seed)
+        logger.info("KV cache capacity (max_model_len %d):\n%s", max_model_len, self.kv_config.capacity_report())
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises RequestRejected (a ValueError) if it can never be served."""
+        self.scheduler.add_request(request)
+
+    def step(self) -> tuple[list[RequestOutput], SchedulerStats]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        outputs, stats = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.config.check_enabled:
+            self.kv.check_integrity()
+        return outputs, stats
+
+    def abort(self, request_ids) -> list[str]:
+        return self.scheduler.abort(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_pending_work()

@@ -1,0 +1,168 @@
+"""Text in, text out around the engine core: tokenising, detokenising, stop strings, n > 1.
+
+A request with n > 1 fans out into n child requests. The first is admitted at once; the others
+once its prompt is computed, so that (with prefix caching) they reuse its cached prompt blocks
+instead of computing the prompt n times. A seeded request gives child i the seed `seed + i`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from blockserve.engine.config import EngineConfig
+from blockserve.engine.core import EngineCore
+from blockserve.engine.detokenizer import IncrementalDetokenizer
+from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from blockserve.sampling_params import SamplingParams
+from blockserve.scheduler.output import RequestOutput as CoreOutput
+from blockserve.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class _Child:
+    parent: str
+    index: int
+    detokenizer: IncrementalDetokenizer | None  # None for a model without a tokenizer: no text
+
+
+@dataclass
+class _Parent:
+    output: RequestOutput
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    waiting_children: list[int]  # admitted once the first child's prompt is computed
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None):
+        self.config = config
+        self.core = core or EngineCore(config)
+        self.tokenizer = self.core.loaded.tokenizer  # None: token-id prompts only, no text
+        self.vocab_size = self.core.loaded.hf_config.vocab_size
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else self.core.loaded.hf_config.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, _Child] = {}
+
+    # -- requests in -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue a prompt. Raises ValueError (RequestRejected included) naming what is wrong;
+        a rejected request leaves nothing behind."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        prompt_ids = self.tokenize(prompt)
+        output = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
+                               [CompletionOutput(i) for i in range(params.n)])
+        self._parents[request_id] = _Parent(output, params, priority, cache_salt, list(range(1, params.n)))
+        try:
+            self._add_child(request_id, 0)
+        except ValueError:
+            del self._parents[request_id]
+            raise
+
+    @staticmethod
+    def _child_id(parent_id: str, n: int, index: int) -> str:
+        return parent_id if n == 1 else f"{parent_id}#{index}"
+
+    def _add_child(self, parent_id: str, index: int) -> None:
+        parent = self._parents[parent_id]
+        params = parent.params
+        child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+        child_id = self._child_id(parent_id, params.n, index)
+        request = Request(child_id, parent.output.prompt_token_ids, child_params, self.eos_token_id,
+                          arrival_time=time.monotonic(), priority=parent.priority, cache_salt=parent.cache_salt)
+        self.core.add_request(request)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, parent.output.prompt_token_ids, child_params)
+        self._children[child_id] = _Child(parent_id, index, detokenizer)
+
+    def abort_request(self, request_ids) -> None:
+        """Abort parents (all their samples); idempotent, unknown ids are ignored."""
+        for parent_id in request_ids:
+            parent = self._parents.pop(parent_id, None)
+            if parent is None:
+                continue
+            child_ids = [self._child_id(parent_id, parent.params.n, i) for i in range(parent.params.n)]
+            self.core.abort(child_ids)
+            for child_id in child_ids:
+                self._children.pop(child_id, None)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the (cumulative) outputs of requests that advanced."""
+        core_outputs, self.last_stats = self.core.step()
+        touched: dict[str, RequestOutput] = {}
+        for core_output in core_outputs:
+            child = self._children.get(core_output.request_id)
+            if child is None:
+                continue
+            parent = self._parents[child.parent]
+            self._apply(child, parent, core_output)
+            touched[child.parent] = parent.output
+            if child.index == 0 and parent.waiting_children:
+                for index in parent.waiting_children:
+                    self._add_child(child.parent, index)
+                parent.waiting_children = []
+        for parent_id, output in touched.items():
+            if all(c.finished for c in output.outputs):
+                output.finished = True
+                del self._parents[parent_id]
+        return list(touched.values())
+
+    def _apply(self, child: _Child, parent: _Parent, core_output: CoreOutput) -> None:
+        completion = parent.output.outputs[child.index]
+        if child.index == 0:
+            parent.output.num_cached_tokens = core_output.num_cached_tokens
+        completion.token_ids.extend(core_output.new_token_ids)
+        detokenizer = child.detokenizer
+        if detokenizer is not None:
+            completion.text += detokenizer.push(core_output.new_token_ids)
+        if parent.params.logprobs is not None and core_output.new_logprobs:
+            completion.logprobs = (completion.logprobs or []) + [
+                self._logprob_dict(token, lp) for token, lp in zip(core_output.new_token_ids, core_output.new_logprobs)
+            ]
+        finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
+        if detokenizer is not None and detokenizer.stop_string is not None:
+            if finish_reason is None:
+                self.core.scheduler.finish_requests([core_output.request_id], RequestStatus.FINISHED_STOPPED)
+            finish_reason, stop_reason = "stop", detokenizer.stop_string
+        elif finish_reason is not None and detokenizer is not None:
+            completion.text += detokenizer.finish()
+        if finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+            del self._children[core_output.request_id]
+
+    def _logprob_dict(self, token: int, lp) -> dict[int, Logprob]:
+        entries = {}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            entries[tid] = Logprob(value, rank, self._decode_one(tid))
+        if token not in entries:
+            entries[token] = Logprob(lp.logprob, None, self._decode_one(token))
+        return entries
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or self.core.has_work()

@@ -1,0 +1,268 @@
+"""The Llama family over the paged KV cache: Llama 2/3, SmolLM2, Mistral (no sliding window), Qwen2, Qwen3.
+
+One decoder serves them all; the variants differ only in what the config switches on:
+
+    Qwen2    bias on the q/k/v projections
+    Qwen3    an RMSNorm over each q and k head before RoPE; `attention_bias` on every projection
+    Llama    `attention_bias` / `mlp_bias` when the config sets them
+    any      tied lm_head (`tie_word_embeddings`), RoPE with any scaling transformers knows
+
+The batch is flattened (no batch dimension): `forward` takes the [T] token ids and positions of
+every sequence in the step; each layer finds its cache slice and metadata in the context.
+
+    x ─► embed ─► [ x += o(attn(rope(qkv(norm x))))  x += down(silu(gate) * up)(norm x) ] × L ─► norm
+
+Q/K/V and gate/up are fused, one matmul each. Parameters are created on the meta device (no
+time spent initialising them); `load_weights` materialises them from Hugging Face names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from blockserve.attention.context import ForwardContext
+from blockserve.attention.layer import Attention
+from blockserve.attention.paged_attention import PagedAttention
+from blockserve.kv import FullAttentionSpec
+
+# Hugging Face projection -> (our fused projection, its index among the parts)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _sliding_window_active(config) -> bool:
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= config.max_position_embeddings:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position below max_position_embeddings, computed once at construction.
+
+    inv_freq comes from transformers' RoPE functions, so every scaling type it knows applies.
+    "dynamic" equals the default inside the trained length, which is as far as the table goes;
+    "longrope" uses its short factors below original_max_position_embeddings, long ones from there.
+    """
+
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        params = config.rope_parameters
+        rope_type = params.get("rope_type", "default")
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")[:, None]
+        if rope_type == "default":  # as transformers' compute_default_rope_parameters
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+            inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu")
+        else:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; "
+                             f"transformers knows: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+        if 2 * inv_freq.numel() != head_dim:
+            raise ValueError(f"partial rotary embeddings are not supported "
+                             f"(rotary dim {2 * inv_freq.numel()}, head_dim {head_dim})")
+        freqs = positions * inv_freq
+        if rope_type == "longrope":
+            original = params["original_max_position_embeddings"]
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu", seq_len=original + 1)
+            freqs = torch.where(positions < original, freqs, positions * long_inv_freq)
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] for the tokens at `positions` (broadcast over heads)."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head of x [T, H, D] (Hugging Face's rotate_half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, head_dim: int, backend_cls: type[PagedAttention]):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias = attention_bias or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, head_dim,
+                              backend_cls(head_dim**-0.5))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, head_dim: int, backend_cls: type[PagedAttention]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, head_dim, backend_cls)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, head_dim: int, backend_cls: type[PagedAttention]):
+        super().__init__()
+        self.rotary = RotaryEmbedding(config, head_dim)  # computed here, not loaded
+        with torch.device("meta"):  # weights: materialised by load_weights
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(
+                LlamaDecoderLayer(config, i, head_dim, backend_cls) for i in range(config.num_hidden_layers)
+            )
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`LlamaForCausalLM(hf_config, attention_backend_cls)`; call `load_weights` before use."""
+
+    def __init__(self, hf_config, attention_backend_cls: type[PagedAttention]):
+        super().__init__()
+        if hf_config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported by the Llama family "
+                             "(expected 'silu')")
+        if _sliding_window_active(hf_config):
+            raise ValueError(
+                f"{hf_config.model_type} config has an active sliding window ({hf_config.sliding_window} tokens) "
+                "which this implementation does not support; use a checkpoint without one (e.g. Mistral v0.2+)"
+            )
+        self.config = hf_config
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, self.head_dim, attention_backend_cls)
+        if not self.tie_word_embeddings:
+            with torch.device("meta"):
+                self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions [T] int64 of the flattened batch -> final hidden states [T, hidden_size].
+        Positions must be below max_position_embeddings."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_specs(self, block_size: int) -> dict[str, FullAttentionSpec]:
+        spec = FullAttentionSpec(block_size, self.config.num_key_value_heads, self.head_dim, "float32")
+        return {f"model.layers.{i}.self_attn": spec for i in range(self.config.num_hidden_layers)}
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Materialise every parameter from (Hugging Face name, tensor) pairs, as float32.
+
+        q/k/v and gate/up are concatenated into the fused projections. Parameters may share
+        memory with the given tensors. Raises ValueError naming unexpected, missing or
+        mis-shaped weights.
+        """
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in named_tensors:
+            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            target, index = name, None
+            if proj in _FUSED:
+                fused, index = _FUSED[proj]
+                target = f"{parent}.{fused}.{leaf}"
+            if target not in params:
+                unexpected.append(name)
+                continue
+            if index is not None:
+                parts = pending.setdefault(target, {})
+                parts[index] = tensor
+                if len(parts) < len(_PARTS[fused]):
+                    continue
+                tensor = torch.cat([parts[i] for i in range(len(parts))])
+                del pending[target]
+            self._set_parameter(target, tensor, params[target].shape, name)
+            loaded.add(target)
+        missing = [n for target in params if target not in loaded for n in _hf_names(target, pending.get(target, {}))]
+        if unexpected or missing:
+            raise ValueError(
+                f"checkpoint does not match the {type(self).__name__} built from its config: "
+                f"unexpected weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
+                f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
+
+    def _set_parameter(self, target: str, tensor: torch.Tensor, shape: torch.Size, name: str) -> None:
+        if tensor.shape != shape:
+            raise ValueError(
+                f"weight {name} has shape {tuple(tensor.shape)} but the model built from the config expects "
+                f"{tuple(shape)} for {target}; does config.json match the checkpoint?"
+            )
+        module_path, _, leaf = target.rpartition(".")
+        weight = tensor.detach().to(torch.float32).contiguous()
+        setattr(self.get_submodule(module_path), leaf, nn.Parameter(weight, requires_grad=False))
+
+
+def _hf_names(target: str, received: dict[int, torch.Tensor]) -> list[str]:
+    """The Hugging Face names of a parameter, less the fused parts already received."""
+    module_path, _, leaf = target.rpartition(".")
+    parent, _, proj = module_path.rpartition(".")
+    if proj not in _PARTS:
+        return [target]
+    return [f"{parent}.{part}.{leaf}" for i, part in enumerate(_PARTS[proj]) if i not in received]

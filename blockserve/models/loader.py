@@ -1,0 +1,208 @@
+"""Load a model to serve: a Hugging Face directory, or a GGUF file converted once and cached.
+
+    source      what is loaded
+    None        the default model's GGUF (default_model.py), as a .gguf below
+    <dir>       config.json + model.safetensors (or a sharded index) + tokenizer files, if any
+    <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one
+
+    <cache>/gguf-<stem>-<key>/      key: hash of the GGUF's absolute path, size and mtime
+        config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
+
+A cache entry is written in a temporary directory and renamed into place, so one that exists
+is complete. The cache root is the `cache_dir` argument, else $BLOCKSERVE_CACHE_DIR, else
+~/.cache/blockserve. Nothing touches the network: every transformers call is local_files_only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.integrations import GGUF_CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from blockserve.attention.paged_attention import PagedAttention
+from blockserve.models.default_model import default_model_path
+from blockserve.models.registry import model_class
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+# llama.cpp tensor names -> Hugging Face module names (per layer under "blk.N.")
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module  # weights loaded, eval mode
+    tokenizer: PreTrainedTokenizerBase | None  # None when the directory ships no tokenizer files
+    hf_config: PretrainedConfig
+    source: str  # what was loaded, for logs
+
+
+def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
+               cache_dir: str | None = None) -> LoadedModel:
+    """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
+
+    FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or
+    a corrupt or mismatched checkpoint. Each message says what to do.
+    """
+    path = default_model_path() if source is None else Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist; pass a Hugging Face model directory "
+                                "(config.json + *.safetensors) or a .gguf file")
+    if path.is_dir():
+        return _load_hf_dir(path, attention_backend_cls, str(path))
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    hf_dir = _converted_gguf(path, cache_root(cache_dir))
+    return _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})")
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    return Path(cache_dir or os.environ.get("BLOCKSERVE_CACHE_DIR") or Path.home() / ".cache" / "blockserve")
+
+
+def gguf_cache_entry(path: Path, root: Path) -> Path:
+    """Where the conversion of the GGUF file `path` lives; a new size or mtime means a new entry."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return root / f"gguf-{path.stem}-{key}"
+
+
+def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], description: str) -> LoadedModel:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json; a model directory needs config.json, "
+                                "*.safetensors weights and tokenizer files (as written by save_pretrained)")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"could not read {path / 'config.json'}: {error}") from error
+    model = model_class(config.architectures)(config, attention_backend_cls)
+    model.load_weights(_safetensors(path))
+    tokenizer = None
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(model.eval(), tokenizer, config, description)
+
+
+def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors (nor model.safetensors.index.json); "
+                                "save the model with save_pretrained to get safetensors weights")
+    for name in files:
+        try:
+            with safe_open(path / name, framework="pt") as weights:
+                tensors = [(key, weights.get_tensor(key)) for key in weights.keys()]
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"corrupt weights file {path / name}: {error}; download or save it again") from error
+        yield from tensors
+
+
+def _converted_gguf(path: Path, root: Path) -> Path:
+    """The cache entry for `path`, converting it first unless already cached."""
+    entry = gguf_cache_entry(path, root)
+    if entry.is_dir():
+        return entry
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=root))
+    try:
+        _convert_gguf(path, tmp)
+        tmp.rename(entry)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not entry.is_dir():  # not merely beaten to the rename by another process
+            raise
+    return entry
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Write the GGUF file `path` as a Hugging Face directory (float32 weights) into `out`."""
+    try:
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+    except Exception as error:  # the reader raises many kinds on a damaged file
+        raise ValueError(f"could not read GGUF file {path} ({error}); it may be truncated or corrupt: "
+                         "download it again") from error
+    config = _gguf_config(reader, arch)
+    tensors = dict(_gguf_tensors(reader, arch, config))
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    config.save_pretrained(out)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+
+
+def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
+    """The config from GGUF metadata, renamed by transformers' GGUF_CONFIG_MAPPING as its own GGUF
+    loader does for these architectures (without parsing the vocabulary, which is slow)."""
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(arch, f"GGUF architecture {arch!r}")
+    model_class([architecture])  # unsupported: fail before the slow part
+    if arch not in GGUF_CONFIG_MAPPING:
+        raise ValueError(f"transformers has no GGUF config mapping for architecture {arch!r}")
+    renames = {f"{arch}.{key}": name for key, name in GGUF_CONFIG_MAPPING[arch].items()}
+    renames.update({f"tokenizer.{key}": name for key, name in GGUF_CONFIG_MAPPING["tokenizer"].items()})
+    values = {name: reader.fields[key].contents() for key, name in renames.items()
+              if isinstance(name, str) and key in reader.fields}
+    values.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
+    values["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    return AutoConfig.for_model(arch, architectures=[architecture], **values)
+
+
+def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantised tensors under Hugging Face names. llama.cpp permutes the rows of Q and K of
+    "llama" GGUFs for its rope kernel; undo it as transformers' GGUF loader does."""
+    for tensor in reader.tensors:
+        module, _, leaf = tensor.name.rpartition(".")
+        parts = module.split(".")
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if module == "rope_freqs":  # llama.cpp's per-dimension rope divisors (Llama 3.1+ scaling)
+            if not np.all(weights == 1):
+                raise ValueError(f"{arch} GGUF with rope scaling factors (rope_freqs) is not supported; "
+                                 "load the model's Hugging Face directory instead")
+            continue
+        if module in _GGUF_TOP:
+            name = f"{_GGUF_TOP[module]}.{leaf}"
+        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
+            name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{leaf}"
+        else:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in blockserve's {arch} model")
+        if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
+            weights = _unpermute_rope_rows(weights, heads)
+        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+
+
+def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Per head, llama.cpp interleaves the two rotary halves' rows: (2, D/2) -> (D/2, 2). Swap back."""
+    head_rows = weights.shape[0] // num_heads
+    return weights.reshape(num_heads, head_rows // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)

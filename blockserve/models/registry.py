@@ -1,0 +1,25 @@
+"""Which model class serves which `architectures` name of a config.json."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from blockserve.models.llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """The class for the first supported name in a config's `architectures`; ValueError if none is."""
+    for name in architectures or []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    found = ", ".join(architectures) if architectures else "none listed"
+    raise ValueError(
+        f"unsupported model architecture ({found}); blockserve supports: {', '.join(sorted(ARCHITECTURES))}"
+    )

@@ -1,0 +1,111 @@
+"""The worker's persistent view of running requests, updated incrementally each step.
+
+Each request owns a row of a per-group block-table tensor for as long as the worker holds it;
+a step's table is one index of those rows. Decodes go first in the step's batch order so the
+attention backends can attend them in one call.
+
+    SchedulerOutput ──update()──► rows, tables, tokens ──prepare()──► StepInputs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+from blockserve.kv.config import KVCacheConfig
+from blockserve.kv.specs import SlidingWindowSpec, cdiv
+from blockserve.sampling_params import SamplingParams
+from blockserve.scheduler.output import SchedulerOutput
+
+
+@dataclass
+class CachedRequest:
+    row: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    num_computed: int  # tokens whose KV is written once the scheduled step has run
+    table_lens: list[int]  # entries filled in this request's row, per group
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class StepInputs:
+    request_ids: list[str]  # batch order: decodes first
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: list[AttentionMetadata | None]  # per group (None for state groups)
+    layout: BatchLayout
+    sample_ids: list[str]  # requests that sample a token this step
+    logits_indices: torch.Tensor  # [len(sample_ids)]: each one's last token in the batch
+
+
+class InputBatch:
+    def __init__(self, kv_config: KVCacheConfig, max_num_seqs: int, max_model_len: int):
+        self.kv_config = kv_config
+        self.tables = []
+        for group in kv_config.groups:
+            width = 1 if group.is_state else cdiv(max_model_len, group.spec.block_size)
+            self.tables.append(torch.zeros(max_num_seqs, width, dtype=torch.int64))
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequest] = {}
+
+    def update(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_request_ids | out.preempted_request_ids:
+            request = self.requests.pop(rid, None)
+            if request is not None:
+                self.free_rows.append(request.row)
+        for new in out.new_requests:
+            if not self.free_rows:
+                raise RuntimeError("more running requests than max_num_seqs rows")
+            row = self.free_rows.pop()
+            self.requests[new.request_id] = CachedRequest(
+                row, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
+                new.num_computed_tokens, [0] * len(self.tables),
+            )
+            self._append_blocks(self.requests[new.request_id], new.block_ids)
+        for cached in out.cached_requests:
+            request = self.requests[cached.request_id]
+            if request.num_computed != cached.num_computed_tokens:
+                raise RuntimeError(
+                    f"request {cached.request_id}: worker has {request.num_computed} computed tokens, "
+                    f"scheduler {cached.num_computed_tokens}"
+                )
+            self._append_blocks(request, cached.new_block_ids)
+
+    def _append_blocks(self, request: CachedRequest, block_ids: list[list[int]]) -> None:
+        for group_id, ids in enumerate(block_ids):
+            if ids:
+                start = request.table_lens[group_id]
+                self.tables[group_id][request.row, start : start + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                request.table_lens[group_id] = start + len(ids)
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's flattened inputs; advances each request's computed count."""
+        scheduled = out.num_scheduled_tokens
+        order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n != 1]
+        requests = [self.requests[rid] for rid in order]
+        query_lens = [scheduled[rid] for rid in order]
+        layout = BatchLayout.build(query_lens, [r.num_computed for r in requests])
+        input_ids = torch.tensor([t for rid in order for t in out.scheduled_token_ids[rid]], dtype=torch.int64)
+        rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
+        metadata = []
+        for group, table in zip(self.kv_config.groups, self.tables):
+            if group.is_state:
+                metadata.append(None)
+                continue
+            window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
+            metadata.append(AttentionMetadata.build(layout, table[rows], group.spec.block_size, window))
+        sample_ids, logits_indices = [], []
+        for i, (rid, request, n) in enumerate(zip(order, requests, query_lens)):
+            request.num_computed += n
+            if request.num_computed == request.num_tokens:
+                sample_ids.append(rid)
+                logits_indices.append(layout.query_start[i + 1] - 1)
+        return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
+                          torch.tensor(logits_indices, dtype=torch.int64))

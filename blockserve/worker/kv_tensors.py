@@ -1,0 +1,85 @@
+"""The KV cache's memory: one tensor per group (per state component for state groups),
+holding all the group's layers, so a zero order is one indexed fill per tensor.
+
+    attention group  [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_size]
+    MLA group        [layers, num_blocks, block_size, kv_lora_rank + rope_dim]
+    state group      one tensor per state component: [layers, num_slots, *shape]
+
+Block (slot) 0 is the null block: zero from the start, never zeroed, poisoned or written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockserve.attention.context import LayerCache
+from blockserve.kv.config import KVCacheConfig
+from blockserve.kv.specs import LinearStateSpec, MLASpec
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+class KVCacheTensors:
+    def __init__(self, config: KVCacheConfig, device: torch.device | str = "cpu"):
+        self.config = config
+        self.tensors: list[list[torch.Tensor]] = []  # per group, its tensors
+        self.block_dims: list[int] = []  # per group, the dimension indexed by block id
+        for group in config.groups:
+            spec, layers, n = group.spec, max(1, len(group.layer_names)), group.num_blocks
+            if isinstance(spec, LinearStateSpec):
+                tensors = [torch.zeros(layers, n, *s, dtype=TORCH_DTYPES[d], device=device)
+                           for s, d in zip(spec.shapes, spec.dtypes)]
+                block_dim = 1
+            elif isinstance(spec, MLASpec):
+                width = spec.kv_lora_rank + spec.qk_rope_head_dim
+                tensors = [torch.zeros(layers, n, spec.block_size, width, dtype=TORCH_DTYPES[spec.dtype], device=device)]
+                block_dim = 1
+            else:
+                shape = (layers, 2, n, spec.block_size, spec.num_kv_heads, spec.head_size)
+                tensors = [torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)]
+                block_dim = 2
+            self.tensors.append(tensors)
+            self.block_dims.append(block_dim)
+        if config.poison_freed_blocks:  # every block starts as garbage, as after a long uptime
+            for group_id, group in enumerate(config.groups):
+                self.poison_blocks(group_id, range(1, group.num_blocks))
+
+    def zero_blocks(self, group_id: int, block_ids) -> None:
+        """C1: zero the given blocks of every layer of the group, one indexed fill per tensor."""
+        self._fill(group_id, block_ids, 0.0)
+
+    def poison_blocks(self, group_id: int, block_ids) -> None:
+        """Poison mode: fill the given blocks with NaN so that any read of them shows."""
+        self._fill(group_id, block_ids, float("nan"))
+
+    def _fill(self, group_id: int, block_ids, value: float) -> None:
+        index = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        if index.numel() == 0:
+            return
+        if bool((index == 0).any()):
+            raise ValueError(f"group {group_id}: the null block must never be zeroed or poisoned")
+        for tensor in self.tensors[group_id]:
+            tensor.index_fill_(self.block_dims[group_id], index.to(tensor.device), value)
+
+    def layer_caches(self) -> dict[str, LayerCache]:
+        """Each attention layer's K and V views, by layer name."""
+        caches = {}
+        for group_id, group in enumerate(self.config.groups):
+            if group.is_state or isinstance(group.spec, MLASpec):
+                continue
+            (tensor,) = self.tensors[group_id]
+            for i, name in enumerate(group.layer_names):
+                caches[name] = LayerCache(group_id, tensor[i, 0], tensor[i, 1])
+        return caches
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for tensors in self.tensors for t in tensors)

@@ -1,0 +1,93 @@
+"""Executes one SchedulerOutput: poison and zero orders first, one forward pass over the
+flattened batch (prefill chunks and decodes together), then sampling.
+
+    SchedulerOutput ─► update rows ─► poison, zero (C1) ─► prepare inputs ─► model ─► sampler
+                                                                                       │
+                                                      ModelRunnerOutput (tokens, logprobs) ◄┘
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from blockserve.attention.context import ForwardContext
+from blockserve.kv.config import KVCacheConfig
+from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from blockserve.worker.input_batch import InputBatch
+from blockserve.worker.kv_tensors import KVCacheTensors
+from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
+
+
+@dataclass
+class RunnerTimings:
+    """Seconds spent per phase since start-up (for the benchmarks' step profile)."""
+
+    zero: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    steps: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.zero + self.prepare + self.forward + self.sample
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_config: KVCacheConfig, max_num_seqs: int, max_model_len: int,
+                 seed: int | None = None):
+        self.model = model
+        self.kv = KVCacheTensors(kv_config)
+        self.batch = InputBatch(kv_config, max_num_seqs, max_model_len)
+        self.sampler = Sampler(seed=seed)
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests, kept across preemption
+        self.layer_caches = self.kv.layer_caches()
+        self.timings = RunnerTimings()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        for rid in out.finished_request_ids:
+            self.generators.pop(rid, None)
+        self.batch.update(out)
+        for group_id, block_ids in out.blocks_to_poison.items():
+            self.kv.poison_blocks(group_id, block_ids)
+        for group_id, block_ids in out.blocks_to_zero.items():
+            self.kv.zero_blocks(group_id, block_ids)
+        t1 = time.perf_counter()
+        self.timings.zero += t1 - t0
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({})
+        inputs = self.batch.prepare(out)
+        t2 = time.perf_counter()
+        ctx = ForwardContext(self.layer_caches, inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_ids else None
+        t3 = time.perf_counter()
+        sampled: dict[str, list[int]] = {rid: [] for rid in inputs.request_ids}
+        logprobs: dict[str, list] = {}
+        if logits is not None:
+            rows = []
+            for rid in inputs.sample_ids:
+                request = self.batch.requests[rid]
+                generator = None
+                if request.params.seed is not None:
+                    generator = self.generators.get(rid)
+                    if generator is None:
+                        generator = self.generators[rid] = make_generator(request.params.seed)
+                rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, generator))
+            result = self.sampler(logits, SamplingBatch.build(rows))
+            for rid, token, token_logprobs in zip(inputs.sample_ids, result.token_ids, result.logprobs):
+                self.batch.requests[rid].output_token_ids.append(token)
+                sampled[rid] = [token]
+                if token_logprobs is not None:
+                    logprobs[rid] = [token_logprobs]
+        t4 = time.perf_counter()
+        self.timings.prepare += t2 - t1
+        self.timings.forward += t3 - t2
+        self.timings.sample += t4 - t3
+        self.timings.steps += 1
+        return ModelRunnerOutput(sampled, logprobs)

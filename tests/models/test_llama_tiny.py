@@ -1,0 +1,107 @@
+"""Tiny random Llama-family models against transformers: same weights, fp32, greedy.
+
+Each model is built from a transformers config at test time, initialised with a large std (so
+logits are far from uniform and greedy picks are not near-ties), saved with save_pretrained and
+loaded through the real loader.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from blockserve.attention.paged_attention import BACKENDS
+from blockserve.models.llama import LlamaForCausalLM
+from blockserve.models.loader import load_model
+from tests.models.conftest import run_paged, save_random_model
+
+SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no EOS: generate runs the full length
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SIZES),
+    "llama3-rope-tied": lambda: LlamaConfig(**SIZES, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "qwen2-tied": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),
+    "qwen2-yarn": lambda: Qwen2Config(**SIZES, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3": lambda: Qwen3Config(**SIZES, head_dim=32),
+    "mistral": lambda: MistralConfig(**SIZES, sliding_window=None),
+}
+PROMPT_LENS = [5, 11, 17]
+NEW_TOKENS = 16
+SCENARIOS = {  # name -> (prompt indices, run_paged options)
+    "single": ([1], {}),
+    "batch-of-3": ([0, 1, 2], {"stagger": True, "chunk": 6}),  # decodes and prefill chunks share steps
+    "two-chunks": ([2], {"chunk": 9}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """A saved random model, its transformers reference outputs, and the prompts."""
+    path = tmp_path_factory.mktemp(request.param)
+    reference = save_random_model(CONFIGS[request.param](), path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, SIZES["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    with torch.no_grad():
+        logits = [reference(torch.tensor([p])).logits[0] for p in prompts]
+        tokens = [reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                     max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                  for p in prompts]
+    return path, prompts, logits, tokens
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_matches_transformers(tiny, backend, scenario):
+    path, prompts, ref_logits, ref_tokens = tiny
+    model = load_model(str(path), BACKENDS[backend]).model
+    which, options = SCENARIOS[scenario]
+    logits, tokens = run_paged(model, [prompts[i] for i in which], NEW_TOKENS, **options)
+    for got, i in zip(logits, which):
+        torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)
+    assert tokens == [ref_tokens[i] for i in which]
+
+
+def _tiny_weights(config) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_config(config).state_dict()
+
+
+def load_model_from_weights(config, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, BACKENDS["exact"])
+    model.load_weights(weights.items())
+    return model
+
+
+def test_kv_cache_specs_one_full_attention_layer_each():
+    ours = load_model_from_weights(CONFIGS["qwen3"](), _tiny_weights(CONFIGS["qwen3"]()))
+    specs = ours.kv_cache_specs(block_size=16)
+    assert list(specs) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert {(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for s in specs.values()} == {(16, 2, 32, "float32")}
+
+
+def test_load_weights_names_missing_unexpected_and_misshapen_weights():
+    config = CONFIGS["llama"]()
+    weights = _tiny_weights(config)
+    missing = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing weights \['model\.layers\.1\.self_attn\.k_proj\.weight'\]"):
+        load_model_from_weights(config, missing)
+    with pytest.raises(ValueError, match=r"unexpected weights \['model\.layers\.0\.mlp\.extra\.weight'\]"):
+        load_model_from_weights(config, weights | {"model.layers.0.mlp.extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"unexpected weights \['model\.layers\.0\.self_attn\.q_proj\.bias'\]"):
+        load_model_from_weights(config, weights | {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
+    bad = weights | {"model.norm.weight": torch.ones(65)}
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(65,\).*expects \(64,\)"):
+        load_model_from_weights(config, bad)
+
+
+def test_active_sliding_window_is_rejected():
+    config = MistralConfig(**SIZES, sliding_window=32)
+    with pytest.raises(ValueError, match="sliding window \\(32 tokens\\)"):
+        LlamaForCausalLM(config, BACKENDS["exact"])
+    LlamaForCausalLM(MistralConfig(**SIZES, sliding_window=SIZES["max_position_embeddings"]), BACKENDS["exact"])
+    LlamaForCausalLM(Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=32, max_window_layers=2),
+                     BACKENDS["exact"])  # no layer reaches max_window_layers: nothing slides

@@ -1,0 +1,86 @@
+"""The default model, SmolLM2-135M-Instruct from its GGUF, against transformers loading the same file.
+
+The transformers reference is loaded once per module; blockserve converts the GGUF into a
+temporary cache on the first load and must serve the second load from that cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.integrations.gguf import read_gguf_metadata
+
+from blockserve.attention.paged_attention import BACKENDS
+from blockserve.models import loader
+from blockserve.models.default_model import default_model_path
+from blockserve.models.loader import load_model
+from tests.models.conftest import run_paged
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "system", "content": "You are a poet."},
+     {"role": "user", "content": "Write four lines about the sea at night, with a rhyme in every second line."}],
+]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """transformers' logits and greedy tokens for the chat prompts (tokenised by the cached tokenizer)."""
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 local_files_only=True).eval()
+    tokenizer = loaded[1]["exact"].tokenizer
+    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for chat in CHATS]
+    with torch.no_grad():
+        logits = [model(torch.tensor([p])).logits[0] for p in prompts]
+        tokens = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+                  for p in prompts]
+    return prompts, logits, tokens
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """One load per backend: the first converts into a fresh cache, the second must hit it."""
+    cache_dir = tmp_path_factory.mktemp("blockserve-cache")
+    start = time.perf_counter()
+    first = load_model(None, BACKENDS["exact"], cache_dir=str(cache_dir))
+    first_s = time.perf_counter() - start
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "_convert_gguf", lambda *args: pytest.fail("second load converted the GGUF again"))
+        start = time.perf_counter()
+        second = load_model(None, BACKENDS["whole_block"], cache_dir=str(cache_dir))
+        second_s = time.perf_counter() - start
+    print(f"\nSmolLM2 GGUF load: first (convert) {first_s:.1f} s, second (cached) {second_s:.1f} s")
+    return cache_dir, {"exact": first, "whole_block": second}
+
+
+def test_cache_holds_one_complete_entry(loaded):
+    cache_dir, models = loaded
+    entry = loader.gguf_cache_entry(default_model_path(), cache_dir)
+    assert [p.name for p in cache_dir.iterdir()] == [entry.name]  # no temporary directory left behind
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in entry.iterdir()}
+    assert models["exact"].hf_config.architectures == ["LlamaForCausalLM"]
+
+
+def test_tokenizer_keeps_gguf_chat_template_and_special_tokens(loaded):
+    metadata, _ = read_gguf_metadata(str(default_model_path()), ("tokenizer.ggml.tokens",))
+    tokenizer = loaded[1]["exact"].tokenizer
+    assert tokenizer.chat_template == metadata["tokenizer.chat_template"]
+    vocab = metadata["tokenizer.ggml.tokens"]
+    assert tokenizer.eos_token == vocab[metadata["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
+    assert tokenizer.convert_ids_to_tokens(tokenizer("Hello, world!")["input_ids"]) == ["Hello", ",", "Ġworld", "!"]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_matches_transformers(reference, loaded, backend):
+    prompts, ref_logits, ref_tokens = reference
+    logits, tokens = run_paged(loaded[1][backend].model, prompts, NEW_TOKENS, block_size=16, stagger=True)
+    for got, want in zip(logits, ref_logits):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+    assert tokens == ref_tokens
