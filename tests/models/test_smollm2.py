@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from transformers.integrations.gguf import read_gguf_metadata
 
 from blockserve.attention.paged_attention import BACKENDS
@@ -28,11 +27,9 @@ NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def reference(loaded):
+def reference(loaded, smollm2_transformers):
     """transformers' logits and greedy tokens for the chat prompts (tokenised by the cached tokenizer)."""
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 local_files_only=True).eval()
+    model = smollm2_transformers
     tokenizer = loaded[1]["exact"].tokenizer
     prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
                for chat in CHATS]
