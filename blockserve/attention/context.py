@@ -1,7 +1,13 @@
 """What a forward pass needs besides the tokens: the KV cache and this step's metadata.
 
-Passed explicitly through the model's forward (no global state). Each attention layer finds
-its cache and its group's metadata by its layer name.
+Passed explicitly through the model's forward (no global state). Each layer that owns KV finds
+its cache and its group's metadata by its layer name:
+
+    attention layer   LayerCache   k_cache, v_cache [num_blocks, block_size, kv_heads, head_size]
+    MLA layer         MLACache     cache [num_blocks, block_size, kv_lora_rank + rope_dim]
+    recurrent layer   StateCache   tensors[i] [num_slots, *shape_i] (e.g. conv state, SSM state)
+
+Attention and MLA groups get `AttentionMetadata`; state groups get `StateMetadata`.
 """
 
 from __future__ import annotations
@@ -10,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 
 
 @dataclass
 class LayerCache:
-    """One layer's slice of its group's KV tensor, and the group it belongs to."""
+    """One attention layer's slice of its group's KV tensor, and the group it belongs to."""
 
     group: int
     k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
@@ -23,10 +29,40 @@ class LayerCache:
 
 
 @dataclass
-class ForwardContext:
-    layers: dict[str, LayerCache]
-    metadata: list[AttentionMetadata]  # per KV cache group
+class MLACache:
+    """One MLA layer's latent cache: the compressed KV and the rope key of every token."""
 
-    def for_layer(self, layer_name: str) -> tuple[LayerCache, AttentionMetadata]:
+    group: int
+    cache: torch.Tensor  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+
+
+@dataclass
+class StateCache:
+    """One recurrent layer's state tensors, one slot per running request (slot 0: null)."""
+
+    group: int
+    tensors: list[torch.Tensor]  # per state component: [num_slots, *shape]
+
+
+@dataclass
+class StateMetadata:
+    """Per step, for a state group: each sequence's slot, in batch order.
+
+    A sequence with `layout.seq_lens[i] - query_len == 0` starts from its slot's state, which is
+    zero because new slots are zeroed (C1: the state spec demands it); a continuing sequence
+    reads the state it left there in its previous step.
+    """
+
+    layout: BatchLayout
+    slots: torch.Tensor  # [B] int64
+
+
+@dataclass
+class ForwardContext:
+    layers: dict[str, LayerCache | MLACache | StateCache]
+    metadata: list[AttentionMetadata | StateMetadata]  # per KV cache group
+
+    def for_layer(self, layer_name: str):
+        """(the layer's cache, its group's metadata for this step)."""
         cache = self.layers[layer_name]
         return cache, self.metadata[cache.group]

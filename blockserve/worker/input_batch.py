@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockserve.attention.context import StateMetadata
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import SlidingWindowSpec, cdiv
@@ -39,7 +40,7 @@ class StepInputs:
     request_ids: list[str]  # batch order: decodes first
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    metadata: list[AttentionMetadata | None]  # per group (None for state groups)
+    metadata: list[AttentionMetadata | StateMetadata]  # per group
     layout: BatchLayout
     sample_ids: list[str]  # requests that sample a token this step
     logits_indices: torch.Tensor  # [len(sample_ids)]: each one's last token in the batch
@@ -94,10 +95,10 @@ class InputBatch:
         layout = BatchLayout.build(query_lens, [r.num_computed for r in requests])
         input_ids = torch.tensor([t for rid in order for t in out.scheduled_token_ids[rid]], dtype=torch.int64)
         rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
-        metadata = []
+        metadata: list[AttentionMetadata | StateMetadata] = []
         for group, table in zip(self.kv_config.groups, self.tables):
             if group.is_state:
-                metadata.append(None)
+                metadata.append(StateMetadata(layout, table[rows, 0]))
                 continue
             window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
             metadata.append(AttentionMetadata.build(layout, table[rows], group.spec.block_size, window))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from blockserve.attention.context import LayerCache
+from blockserve.attention.context import LayerCache, MLACache, StateCache
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import LinearStateSpec, MLASpec
 
@@ -69,15 +69,18 @@ class KVCacheTensors:
         for tensor in self.tensors[group_id]:
             tensor.index_fill_(self.block_dims[group_id], index.to(tensor.device), value)
 
-    def layer_caches(self) -> dict[str, LayerCache]:
-        """Each attention layer's K and V views, by layer name."""
+    def layer_caches(self) -> dict[str, LayerCache | MLACache | StateCache]:
+        """Each layer's views of its group's tensors, by layer name."""
         caches = {}
         for group_id, group in enumerate(self.config.groups):
-            if group.is_state or isinstance(group.spec, MLASpec):
-                continue
-            (tensor,) = self.tensors[group_id]
+            tensors = self.tensors[group_id]
             for i, name in enumerate(group.layer_names):
-                caches[name] = LayerCache(group_id, tensor[i, 0], tensor[i, 1])
+                if group.is_state:
+                    caches[name] = StateCache(group_id, [t[i] for t in tensors])
+                elif isinstance(group.spec, MLASpec):
+                    caches[name] = MLACache(group_id, tensors[0][i])
+                else:
+                    caches[name] = LayerCache(group_id, tensors[0][i, 0], tensors[0][i, 1])
         return caches
 
     @property
