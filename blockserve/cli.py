@@ -141,7 +141,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blockserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up (capacity report)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="do not log engine start-up (capacity report)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.set_defaults(func=cmd_chat)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("blockserve").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:

@@ -27,6 +27,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[list[int]]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
 
 @dataclass(slots=True)

@@ -145,6 +145,7 @@ class Scheduler:
                     request.sampling_params,
                     self.kv.block_ids(request.request_id),
                     request.num_computed_tokens,
+                    request.eos_token_id,
                 )
             )
             scheduled.append((request, n))

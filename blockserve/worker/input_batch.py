@@ -29,6 +29,7 @@ class CachedRequest:
     params: SamplingParams
     num_computed: int  # tokens whose KV is written once the scheduled step has run
     table_lens: list[int]  # entries filled in this request's row, per group
+    eos_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +68,7 @@ class InputBatch:
             row = self.free_rows.pop()
             self.requests[new.request_id] = CachedRequest(
                 row, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
-                new.num_computed_tokens, [0] * len(self.tables),
+                new.num_computed_tokens, [0] * len(self.tables), new.eos_token_id,
             )
             self._append_blocks(self.requests[new.request_id], new.block_ids)
         for cached in out.cached_requests:

@@ -78,7 +78,8 @@ class ModelRunner:
                     generator = self.generators.get(rid)
                     if generator is None:
                         generator = self.generators[rid] = make_generator(request.params.seed)
-                rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, generator))
+                rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, generator,
+                                        request.eos_token_id))
             result = self.sampler(logits, SamplingBatch.build(rows))
             for rid, token, token_logprobs in zip(inputs.sample_ids, result.token_ids, result.logprobs):
                 self.batch.requests[rid].output_token_ids.append(token)

@@ -8,6 +8,8 @@
   exactly what Hugging Face greedy search picks (ties go to the lowest id).
 - Penalties: repetition (HF: over prompt and output tokens, positive logits divided, negative
   ones multiplied), then frequency and presence (OpenAI: over output tokens, subtracted).
+- min_tokens: until a row has that many output tokens, its EOS (unless ignore_eos) and stop
+  token ids are masked out, as vLLM does, so the request cannot stop early.
 - Filters follow HF and vLLM: top-k keeps every token at least as likely as the k-th (ties
   kept; 0 or -1 is off); top-p keeps the most likely tokens until their mass reaches top_p,
   measured after top-k; min-p drops tokens whose probability is below min_p times the top one's.
@@ -53,6 +55,14 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    eos_token_id: int | None = None  # blocked, with the stop token ids, until min_tokens are out
+
+    def blocked_ids(self) -> tuple[int, ...]:
+        """Tokens that may not be sampled yet: they would stop the request before min_tokens."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return ()
+        eos = () if self.eos_token_id is None or self.params.ignore_eos else (self.eos_token_id,)
+        return eos + self.params.stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,7 @@ class SamplingBatch:
     penalties: _Penalties | None
     logprob_rows: torch.Tensor | None  # [R] rows that asked for logprobs; None when none did
     logprob_counts: tuple[int, ...]  # [R] their params.logprobs (top n)
+    blocked: tuple[tuple[int, tuple[int, ...]], ...]  # (row, token ids masked out this step)
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], device: torch.device | str = "cpu") -> SamplingBatch:
@@ -127,6 +138,7 @@ class SamplingBatch:
             penalties=_build_penalties(rows, device),
             logprob_rows=torch.tensor(logprob_rows, dtype=torch.long, device=device) if logprob_rows else None,
             logprob_counts=tuple(rows[i].params.logprobs for i in logprob_rows),
+            blocked=tuple((i, ids) for i, row in enumerate(rows) if (ids := row.blocked_ids())),
         )
 
 
@@ -196,6 +208,10 @@ class Sampler:
             raise ValueError(f"the SamplingBatch was built for {batch.device}, the sampler is on {self.device}")
         _check_logits(logits, batch)
         logits = _apply_penalties(logits.float(), batch.penalties)  # never modifies the caller's tensor
+        if batch.blocked:
+            logits = logits.clone() if batch.penalties is None else logits
+            for row, ids in batch.blocked:
+                logits[row, list(ids)] = float("-inf")
         if batch.sampled_rows is None:
             tokens = self._sample(logits, batch)
         else:

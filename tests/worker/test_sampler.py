@@ -334,3 +334,19 @@ def test_invalid_inputs_get_clear_errors():
         sampler(torch.zeros(2, 10), SamplingBatch.build([row(), row(output=[10], presence_penalty=1)]))
     with pytest.raises(ValueError, match="token id 12 is out of range"):
         sampler(torch.zeros(2, 10), SamplingBatch.build([row(prompt=[12], repetition_penalty=1.1), row()]))
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
+    """Until min_tokens outputs exist, EOS and stop token ids cannot be sampled, however likely."""
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 50.0  # EOS
+    logits[0, 5] = 40.0  # a stop token
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(5,))
+    sampler = Sampler(seed=0)
+    early = SamplingBatch.build([SamplingRow(params, [1], [7], eos_token_id=3)])
+    assert sampler(logits, early).token_ids == [0]  # the best token that neither stops nor is blocked
+    done = SamplingBatch.build([SamplingRow(params, [1], [7, 7], eos_token_id=3)])
+    assert sampler(logits, done).token_ids == [3]
+    ignoring = SamplingBatch.build([SamplingRow(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True), [1], [],
+                                                eos_token_id=3)])
+    assert sampler(logits, ignoring).token_ids == [3]  # EOS is an ordinary token when ignored
