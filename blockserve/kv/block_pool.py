@@ -62,7 +62,9 @@ class BlockPool:
         # Popped from the end: low block ids are handed out first on a fresh pool.
         self._uncached: list[Block] = self.blocks[:0:-1]
         self._evictable: OrderedDict[int, Block] = OrderedDict()
-        self.cached: dict[BlockHash, Block] = {}
+        # A hash maps to every block holding that content: two requests that computed the same
+        # prefix in the same step both register, so the survivor still serves hits.
+        self.cached: dict[BlockHash, dict[int, Block]] = {}
         self.num_evictions = 0
 
     # -- queries -------------------------------------------------------------------------------
@@ -81,7 +83,8 @@ class BlockPool:
         return self.num_in_use / self.capacity
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
-        return self.cached.get(block_hash)
+        twins = self.cached.get(block_hash)
+        return next(iter(twins.values())) if twins else None
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -128,18 +131,16 @@ class BlockPool:
     # -- prefix cache --------------------------------------------------------------------------
 
     def cache(self, blocks: Iterable[Block], hashes: Iterable[BlockHash]) -> None:
-        """Register full blocks whose KV has been written under their prefix hashes (C4).
-
-        A hash another block already holds is left alone: that block serves future hits and
-        this one stays uncached, to be freed like any other.
-        """
+        """Register full blocks whose KV has been written under their prefix hashes (C4)."""
         stored = []
         for block, block_hash in zip(blocks, hashes):
-            if block.block_hash is not None or block is self.null_block or block_hash in self.cached:
+            if block.block_hash is not None or block is self.null_block:
                 continue
             block.block_hash = block_hash
-            self.cached[block_hash] = block
-            stored.append(block_hash)
+            twins = self.cached.setdefault(block_hash, {})
+            if not twins:
+                stored.append(block_hash)
+            twins[block.block_id] = block
         if self._enable_events and stored:
             self._pending.events.append(KVEvent("stored", self.group_id, tuple(stored)))
 
@@ -147,12 +148,15 @@ class BlockPool:
         block_hash = block.block_hash
         if block_hash is None:
             return
-        del self.cached[block_hash]
+        twins = self.cached[block_hash]
+        del twins[block.block_id]
         block.block_hash = None
         self.num_evictions += 1
         self._record_poison(block)
-        if self._enable_events:
-            self._pending.events.append(KVEvent("removed", self.group_id, (block_hash,)))
+        if not twins:
+            del self.cached[block_hash]
+            if self._enable_events:
+                self._pending.events.append(KVEvent("removed", self.group_id, (block_hash,)))
 
     def _record_poison(self, block: Block) -> None:
         if self._poison:
@@ -194,11 +198,14 @@ class BlockPool:
                 f"group {gid}: block {block.block_id} (ref_cnt {block.ref_cnt}) is misplaced in the free queues"
             )
             if block.block_hash is not None:
-                assert self.cached.get(block.block_hash) is block, f"group {gid}: block {block.block_id} hash unmapped"
+                mapped = self.cached.get(block.block_hash, {}).get(block.block_id)
+                assert mapped is block, f"group {gid}: block {block.block_id} hash unmapped"
         assert all(b.block_hash is None for b in self._uncached), f"group {gid}: cached block in the uncached list"
         assert all(b.block_hash is not None for b in self._evictable.values()), f"group {gid}: uncached evictable"
-        for block_hash, block in self.cached.items():
-            assert block.block_hash == block_hash, f"group {gid}: map entry for block {block.block_id} is stale"
+        for block_hash, twins in self.cached.items():
+            assert twins, f"group {gid}: an empty entry in the prefix-cache map"
+            for block in twins.values():
+                assert block.block_hash == block_hash, f"group {gid}: map entry for block {block.block_id} is stale"
         in_use = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
         assert len(self._uncached) + len(self._evictable) + in_use == self.capacity, (
             f"group {gid}: {len(self._uncached)} free + {len(self._evictable)} evictable + {in_use} in use "

@@ -187,7 +187,8 @@ class KVCacheManager:
                 ids = [b.block_id for b in blocks if b is not pool.null_block]
                 assert len(ids) == len(set(ids)), f"request {request_id} holds a block twice in group {pool.group_id}"
                 holders.update(ids)
-                assert manager.num_cached.get(request_id, 0) <= len(blocks)
+                assert manager.num_cached.get(request_id, 0) <= len(blocks), (
+                    f"request {request_id} has more cached blocks than blocks in group {pool.group_id}")
             assert set(manager.num_cached) <= set(manager.req_blocks), "cached counts outlive their requests"
             pool.check_integrity(holders)
         holding = set().union(*(m.req_blocks for m in self.coordinator.managers))

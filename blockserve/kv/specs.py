@@ -40,7 +40,7 @@ def dtype_bytes(dtype: str) -> int:
 
 def _require_positive(**values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or value <= 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
