@@ -13,7 +13,7 @@ it (or a gather padded with its slots) reads zeros.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     key_start: torch.Tensor  # [B] int64: the first position any query of the sequence sees
     sliding_window: int | None = None
+    # What a backend derives from this metadata (gather indices, masks), computed by the first
+    # layer of the step and reused by the others. Dies with the step.
+    derived: dict = field(default_factory=dict)
 
     @staticmethod
     def build(layout: BatchLayout, block_table: torch.Tensor, block_size: int,

@@ -32,11 +32,19 @@ from blockserve.attention.metadata import AttentionMetadata
 
 @dataclass
 class _Gather:
-    """Which cache slots a group of sequences reads: [N, L] slot ids, key positions, validity."""
+    """What a group of sequences reads: [N, L] key positions and validity, and either the slot
+    of each key (exact length) or the [N, L / block_size] blocks holding them (whole block)."""
 
-    slots: torch.Tensor
     key_pos: torch.Tensor
     valid: torch.Tensor
+    slots: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        """The gathered keys or values [N, L, Hkv, D] from a layer's cache [num_blocks, bs, Hkv, D]."""
+        if self.blocks is not None:
+            return cache[self.blocks].flatten(1, 2)
+        return cache.view(-1, *cache.shape[2:])[self.slots]
 
 
 class PagedAttention:
@@ -63,10 +71,9 @@ class PagedAttention:
         layout = meta.layout
         nd = layout.num_decodes
         if nd:
-            seqs = torch.arange(nd)
-            g = self._gather(meta, seqs, torch.tensor(layout.seq_lens[:nd]))
+            g = self._derived(meta, "decode", lambda: self._gather(meta, torch.arange(nd), torch.tensor(layout.seq_lens[:nd])))
             mask = g.valid[:, None, None, :]
-            out[:nd] = self._attend(q[:nd, :, None], k_flat[g.slots], v_flat[g.slots], mask)[:, :, 0]
+            out[:nd] = self._attend(q[:nd, :, None], g.read(k_cache), g.read(v_cache), mask)[:, :, 0]
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             seq_len = layout.seq_lens[i]
@@ -78,13 +85,25 @@ class PagedAttention:
                     is_causal=True, scale=self.scale, enable_gqa=True,
                 )[0].transpose(0, 1)
                 continue
-            g = self._gather(meta, torch.tensor([i]), torch.tensor([seq_len]))
-            query_pos = torch.arange(seq_len - n, seq_len)[:, None]
-            mask = g.valid & (g.key_pos <= query_pos)  # [n, L]
-            if meta.sliding_window is not None:
-                mask &= g.key_pos > query_pos - meta.sliding_window
-            out[start:end] = self._attend(qi, k_flat[g.slots], v_flat[g.slots], mask[None, None])[0].transpose(0, 1)
+            g, mask = self._derived(meta, i, lambda: self._prefill_gather(meta, i, seq_len, n))
+            out[start:end] = self._attend(qi, g.read(k_cache), g.read(v_cache), mask)[0].transpose(0, 1)
         return out
+
+    def _derived(self, meta: AttentionMetadata, key, compute):
+        """Per step and group, gather indices are the same for every layer: compute them once."""
+        key = (self.name, key)
+        if key not in meta.derived:
+            meta.derived[key] = compute()
+        return meta.derived[key]
+
+    def _prefill_gather(self, meta: AttentionMetadata, i: int, seq_len: int, n: int) -> tuple[_Gather, torch.Tensor]:
+        """Sequence i's context slots and its [1, 1, n, L] causal (and window) mask."""
+        g = self._gather(meta, torch.tensor([i]), torch.tensor([seq_len]))
+        query_pos = torch.arange(seq_len - n, seq_len)[:, None]
+        mask = g.valid & (g.key_pos <= query_pos)  # [n, L]
+        if meta.sliding_window is not None:
+            mask &= g.key_pos > query_pos - meta.sliding_window
+        return g, mask[None, None]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, n, D], keys/values [N, L, Hkv, D], mask broadcastable to [N, Hq, n, L]."""
@@ -108,7 +127,7 @@ class ExactLengthAttention(PagedAttention):
         bs = meta.block_size
         cols = torch.where(valid, key_pos // bs, 0)
         slots = meta.block_table[seqs[:, None], cols] * bs + key_pos % bs
-        return _Gather(torch.where(valid, slots, 0), key_pos, valid)
+        return _Gather(key_pos, valid, slots=torch.where(valid, slots, 0))
 
 
 class WholeBlockAttention(PagedAttention):
@@ -123,10 +142,9 @@ class WholeBlockAttention(PagedAttention):
         cols = first[:, None] + torch.arange(count)[None]
         in_table = cols <= last[:, None]
         blocks = torch.where(in_table, meta.block_table[seqs[:, None], torch.where(in_table, cols, 0)], 0)
-        slots = (blocks[:, :, None] * bs + torch.arange(bs)).flatten(1)
         key_pos = (cols[:, :, None] * bs + torch.arange(bs)).flatten(1)
         valid = (key_pos >= meta.key_start[seqs][:, None]) & (key_pos < seq_lens[:, None]) & in_table.repeat_interleave(bs, 1)
-        return _Gather(slots, key_pos, valid)
+        return _Gather(key_pos, valid, blocks=blocks)
 
 
 BACKENDS: dict[str, type[PagedAttention]] = {cls.name: cls for cls in (ExactLengthAttention, WholeBlockAttention)}

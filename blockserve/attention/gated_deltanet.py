@@ -1,0 +1,163 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) over each request's state slot.
+
+A slot holds two states per layer, both zero for a new request (C1: its LinearStateSpec
+says so, so the engine zeroes new slots; this kernel declares reads_unwritten_slots = False):
+
+    conv state       [conv_dim, K - 1]        the last K - 1 inputs of the short causal conv
+    recurrent state  [Hv, Dk, Dv]             S, the delta-rule memory
+
+Per token, after the depthwise causal conv + SiLU over the (q | k | v) channels, with q and k
+L2-normalised, q scaled by Dk^-1/2 and q/k heads repeated to the Hv value heads:
+
+    S   = exp(g_t) S                          gated decay (g_t <= 0)
+    S  += k_t (beta_t (v_t - S^T k_t))^T      delta rule: write only the correction
+    o_t = S^T q_t
+
+Decodes (one query token) run the single step above, batched. Prefill chunks run the chunked
+form (the UT transform of the DeltaNet paper, as transformers' torch fallback computes it),
+one sequence at a time, starting from the state in the slot: zero for a fresh prompt, the
+previous chunk's state for a continuing one. Both write their final states back to the slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.context import ForwardContext
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dimension (as the FLA library and transformers)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Depthwise causal conv of one sequence continuing from `state`, before the activation.
+
+    x [L, C], state [C, K - 1] (the K - 1 inputs before x), weight [C, K] -> (y [L, C], new state).
+    A sum of K shifted products rather than F.conv1d, whose depthwise CPU kernel can cost tens of
+    milliseconds per call when its threads contend.
+    """
+    length, width = x.shape[0], weight.shape[1]
+    window = torch.cat([state.T, x])  # [K - 1 + L, C]
+    y = window[:length] * weight[:, 0]
+    for i in range(1, width):
+        y = y + window[i:i + length] * weight[:, i]
+    if bias is not None:
+        y = y + bias
+    return y, window[length:].T
+
+
+def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """One token per sequence: x [B, C], state [B, C, K - 1] -> (y [B, C], new state)."""
+    window = torch.cat([state, x[..., None]], dim=-1)  # [B, C, K]
+    y = (window * weight).sum(-1)
+    if bias is not None:
+        y = y + bias
+    return y, window[..., 1:]
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """One step for a batch: q, k [B, H, Dk] (normalised, q scaled), v [B, H, Dv], g, beta [B, H],
+    state [B, H, Dk, Dv] -> (o [B, H, Dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    predicted = (state * k[..., None]).sum(-2)  # S^T k  [B, H, Dv]
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """The same recurrence over one sequence, `chunk_size` tokens per matmul.
+
+    q, k [L, H, Dk] (normalised, q scaled), v [L, H, Dv], g, beta [L, H], state [H, Dk, Dv]
+    -> (o [L, H, Dv], final state). Padding to a whole chunk uses g = beta = k = 0: no effect.
+    """
+    length, heads = q.shape[:2]
+    pad = (-length) % chunk_size
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk_size)) for x in (q, k, v))
+    g, beta = (F.pad(x.T, (0, pad)).unflatten(1, (-1, chunk_size)) for x in (g, beta))  # [H, N, C]
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+
+    cum = g.cumsum(-1)  # log of the decay from the chunk's start to each position
+    future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # [H, N, C, C]
+    # UT transform: (I + strictly_lower(beta_i k_i.k_j decay_ij)) [u | w] = [beta v | beta k exp(cum)]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
+                                               unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+
+    out = torch.empty_like(v)
+    state = state.to(v.dtype)
+    for i in range(q.shape[1]):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    return out.flatten(1, 2)[:, :length].transpose(0, 1), state
+
+
+class GatedDeltaNet(nn.Module):
+    """Conv + gated delta rule over the state slots of layer `layer_name`; owns no weights.
+
+    forward(mixed_qkv [T, conv_dim] in (q | k | v) channel order, g [T, Hv], beta [T, Hv],
+            conv_weight [conv_dim, K], conv_bias [conv_dim] or None, ctx) -> o [T, Hv, Dv]
+    """
+
+    reads_unwritten_slots = False  # C1: a new slot's state is zeroed because its spec demands it
+
+    def __init__(self, layer_name: str, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel_size: int, chunk_size: int = 64):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({num_k_heads})")
+        if conv_kernel_size < 2:
+            raise ValueError(f"the conv kernel must be at least 2 wide, got {conv_kernel_size}")
+        self.layer_name = layer_name
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.chunk_size = chunk_size
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, recurrent state) of one slot, for the model's LinearStateSpec."""
+        return (self.conv_dim, self.conv_kernel_size - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def _qkv(self, mixed: torch.Tensor):
+        """Conv output [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, q scaled), v [..., Hv, Dv]."""
+        q, k, v = F.silu(mixed).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.num_v_heads // self.num_k_heads
+        q = l2norm(q.unflatten(-1, (self.num_k_heads, self.head_k_dim))).repeat_interleave(rep, dim=-2)
+        k = l2norm(k.unflatten(-1, (self.num_k_heads, self.head_k_dim))).repeat_interleave(rep, dim=-2)
+        return q * self.head_k_dim**-0.5, k, v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+
+    def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                conv_bias: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
+        cache, meta = ctx.for_layer(self.layer_name)
+        conv_states, rec_states = cache.tensors
+        layout, slots = meta.layout, meta.slots
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim)
+        nd = layout.num_decodes
+        if nd:
+            s = slots[:nd]
+            mixed, conv_states[s] = causal_conv1d_step(mixed_qkv[:nd], conv_states[s], conv_weight, conv_bias)
+            q, k, v = self._qkv(mixed)
+            out[:nd], rec_states[s] = recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], rec_states[s])
+        for i in range(nd, layout.num_seqs):
+            start, end = layout.query_start[i], layout.query_start[i + 1]
+            s = int(slots[i])
+            mixed, conv_states[s] = causal_conv1d(mixed_qkv[start:end], conv_states[s], conv_weight, conv_bias)
+            q, k, v = self._qkv(mixed)
+            out[start:end], rec_states[s] = chunk_gated_delta_rule(
+                q, k, v, g[start:end], beta[start:end], rec_states[s], self.chunk_size)
+        return out

@@ -1,0 +1,163 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with a per-channel decay, after a short
+causal convolution, with its conv and recurrent states in the request's linear-state slot.
+
+Reference semantics: transformers 5.24 `models/kimi_linear/modeling_kimi_linear.py`
+(`KimiLinearDeltaAttention`, `recurrent_kimi_delta_attention`, `chunk_kimi_delta_attention`,
+`causal_conv1d_fn` / `causal_conv1d_update`), itself the torch port of fla's `chunk_kda` /
+`fused_recurrent_kda` used by moonshotai/Kimi-Linear-48B-A3B. Per head, with q and k
+L2-normalised and q scaled by Dk^-0.5, a state S [Dk, Dv] evolves token by token:
+
+    S <- diag(exp(g_t)) S                        g_t [Dk] <= 0: per-channel decay
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T      the delta rule, beta_t in (0, 1)
+    o_t = S^T q_t
+
+    recurrent form   the loop above; decode runs one step for all decoding sequences at once
+    chunked form     the same function, C tokens at a time (prefill): within a chunk the
+                     delta-rule corrections are one unit-lower-triangular solve, and the state
+                     is carried across chunks (see `kda_chunked`)
+
+The short convolution is depthwise over the concatenated [q | k | v] projections, kernel K,
+followed by SiLU. Its state is the last K - 1 inputs of the sequence (zero before the first).
+
+    slot s of the layer's StateCache:  tensors[0][s] conv state [3 * H * D, K - 1]
+                                       tensors[1][s] recurrent state [H, Dk, Dv]
+
+A new request's slot is zero because the engine zeroed it (C1: the LinearStateSpec says its
+state must start at zero), so the layer always starts from the slot and never re-zeroes: with
+zeroing disabled a recycled slot's leftovers show, which is what the C1 tests check.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.context import ForwardContext, StateMetadata
+from blockserve.kv.specs import LinearStateSpec
+
+CHUNK_SIZE = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps), as fla (not F.normalize's max(norm, eps))."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_step(q, k, v, g, beta, state):
+    """One token for B sequences: q, k, g [B, H, Dk], v [B, H, Dv], beta [B, H], state
+    [B, H, Dk, Dv] -> (o [B, H, Dv], new state). q, k normalised; q already scaled."""
+    state = state * g.exp()[..., None]
+    kv_mem = (state * k[..., None]).sum(dim=-2)
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(dim=-2), state
+
+
+def kda_recurrent(q, k, v, g, beta, state):
+    """One sequence token by token: q, k, g [T, H, Dk], v [T, H, Dv], beta [T, H], state
+    [H, Dk, Dv] -> (o [T, H, Dv], final state)."""
+    out = []
+    for t in range(q.shape[0]):
+        o, state = kda_step(q[t], k[t], v[t], g[t], beta[t], state)
+        out.append(o)
+    return torch.stack(out), state
+
+
+def kda_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
+    """One sequence, `chunk_size` tokens at a time; same arguments and result as `kda_recurrent`.
+
+    Within a chunk, with G the running sum of g from the chunk's start and
+    D_ij = exp(G_i - G_j) (j <= i, per channel):
+
+        L = strictly lower (beta_i k_i . D_ij k_j);  T = (I + L)^-1
+        u = T (beta v);  w = T (beta k exp(G));  v' = u - w S
+        o = (q exp(G)) S + tril(q_i . D_ij k_j) v'
+        S <- exp(G_last) S + (k exp(G_last - G))^T v'
+    """
+    q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))  # [H, T, *]
+    beta = beta.transpose(0, 1)
+    out = []
+    for start in range(0, q.shape[1], chunk_size):
+        sl = slice(start, start + chunk_size)
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl, None]
+        G = g[:, sl].cumsum(dim=1)
+        n = qc.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        decay = (G[:, :, None] - G[:, None]).masked_fill(~causal[..., None], float("-inf")).exp()  # [H, n, n, Dk]
+        lower = ((bc * kc)[:, :, None] * kc[:, None] * decay).sum(-1).tril(-1)
+        eye = torch.eye(n).expand_as(lower)
+        t = torch.linalg.solve_triangular(eye + lower, eye, upper=False, unitriangular=True)
+        u = t @ (bc * vc)
+        w = t @ (bc * kc * G.exp())
+        v_new = u - w @ state
+        attn = (qc[:, :, None] * kc[:, None] * decay).sum(-1)  # zero above the diagonal
+        out.append((qc * G.exp()) @ state + attn @ v_new)
+        last = G[:, -1:]  # [H, 1, Dk]
+        state = state * last.transpose(1, 2).exp() + (kc * (last - G).exp()).transpose(1, 2) @ v_new
+    return torch.cat(out, dim=1).transpose(0, 1), state
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of one sequence's new inputs x [n, C] after its conv state [C, K - 1]
+    with weight [C, K] -> (outputs [n, C], new state), no activation."""
+    ext = torch.cat([conv_state, x.transpose(0, 1)], dim=1)  # [C, K - 1 + n]
+    out = F.conv1d(ext[None], weight[:, None, :], groups=weight.shape[0])[0]
+    return out.transpose(0, 1), ext[:, ext.shape[1] - conv_state.shape[1]:]
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA state layer a model instantiates for layer `layer_name`: it owns no weights, only
+    the state slot's read/write, the short conv and the delta rule.
+
+    forward(mixed_qkv [T, 3 * H * D] (projections before the conv), conv_weight [3 * H * D, K],
+            g [T, H, D] (log decay, <= 0), beta [T, H], ctx) -> o [T, H, D]
+    """
+
+    # C1: the layer reads only state it wrote; a new request's zero state comes from
+    # LinearStateSpec.starts_zeroed, not from this declaration.
+    reads_unwritten_slots = False
+
+    def __init__(self, layer_name: str, num_heads: int, head_dim: int, conv_kernel_size: int):
+        super().__init__()
+        if conv_kernel_size < 2:
+            raise ValueError(f"KDA needs a short conv kernel of at least 2, got {conv_kernel_size}")
+        self.layer_name = layer_name
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.conv_dim = 3 * num_heads * head_dim
+
+    def state_spec(self) -> LinearStateSpec:
+        return LinearStateSpec(
+            shapes=((self.conv_dim, self.conv_kernel_size - 1), (self.num_heads, self.head_dim, self.head_dim)),
+            dtypes=("float32", "float32"),
+        )
+
+    def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        cache, meta = ctx.for_layer(self.layer_name)
+        meta: StateMetadata
+        conv_states, rec_states = cache.tensors
+        layout = meta.layout
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_heads, self.head_dim)
+        nd = layout.num_decodes
+        if nd:
+            slots = meta.slots[:nd]
+            ext = torch.cat([conv_states[slots], mixed_qkv[:nd, :, None]], dim=2)  # [nd, C, K]
+            conv_states[slots] = ext[:, :, 1:]
+            q, k, v = self._split(F.silu((ext * conv_weight).sum(-1)))
+            o, rec_states[slots] = kda_step(q, k, v, g[:nd], beta[:nd], rec_states[slots])
+            out[:nd] = o
+        for i in range(nd, layout.num_seqs):
+            start, end = layout.query_start[i], layout.query_start[i + 1]
+            slot = int(meta.slots[i])
+            x, conv_states[slot] = causal_conv(mixed_qkv[start:end], conv_states[slot], conv_weight)
+            q, k, v = self._split(F.silu(x))
+            out[start:end], rec_states[slot] = kda_chunked(q, k, v, g[start:end], beta[start:end], rec_states[slot])
+        return out
+
+    def _split(self, x: torch.Tensor):
+        """Conv outputs [N, 3 * H * D] -> q (normalised, scaled), k (normalised), v, each [N, H, D]."""
+        q, k, v = x.view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        return l2norm(q) * self.head_dim**-0.5, l2norm(k), v

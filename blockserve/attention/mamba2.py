@@ -1,0 +1,142 @@
+"""Mamba2 (SSD) over each request's state slot.
+
+A slot holds two states per layer, both zero for a new request (C1: its LinearStateSpec
+says so, so the engine zeroes new slots; this kernel declares reads_unwritten_slots = False):
+
+    conv state   [conv_dim, K - 1]     the last K - 1 inputs of the short causal conv
+    SSM state    [H, P, N]             h, per head: head_dim x state_size
+
+The conv (+ SiLU) runs over the (x | B | C) channels; x has H heads of P, B and C have G
+groups of N, each group serving H / G consecutive heads. Per token, with dt = softplus(dt_raw +
+dt_bias) and A = -exp(A_log) < 0:
+
+    h   = exp(dt A) h + dt x B^T        decay, then write      [H, P, N]
+    y   = h C + D x                     read, plus the skip     [H, P]
+
+Decodes (one query token) run that step, batched. Prefill chunks run the chunked SSD scan
+(as transformers' torch fallback computes it: quadratic within a chunk, a recurrence over
+chunk states between them), one sequence at a time, from the state in the slot.
+The chunked path clamps dt to `dt_limit` and the single step does not, as in transformers and
+mamba_ssm; with the default limit (0, inf) the clamp does nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.context import ForwardContext
+from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] -> [..., C, C]: out[i, j] = x[j+1] + ... + x[i] for j <= i, -inf above (stable form)."""
+    size = x.shape[-1]
+    x = x[..., None].expand(*x.shape, size)  # [..., i(row), j]: x[..., i] at every column j
+    ones = torch.ones(size, size, dtype=torch.bool, device=x.device)
+    sums = x.masked_fill(~ones.tril(-1), 0).cumsum(-2)  # row i, column j: x[j+1] + ... + x[i]
+    return sums.masked_fill(~ones.tril(0), float("-inf"))
+
+
+def ssd_step(x, dt, A, B, C, D, state):
+    """One step for a batch: x [B, H, P], dt [B, H] (after softplus), A, D [H], B, C [B, H, N]
+    (already per head), state [B, H, P, N] -> (y [B, H, P], new state)."""
+    state = state * (dt * A).exp()[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    return (state @ C[..., None])[..., 0] + D[:, None] * x, state
+
+
+def ssd_chunk_scan(x, dt, A, B, C, D, state, chunk_size: int):
+    """The same recurrence over one sequence, `chunk_size` tokens per block of matmuls.
+
+    x [L, H, P], dt [L, H] (after softplus and clamp), A, D [H], B, C [L, H, N] (per head),
+    state [H, P, N] -> (y [L, H, P], final state). Padding uses dt = 0 (decay 1, no write).
+    """
+    length = x.shape[0]
+    pad = (-length) % chunk_size
+    skip = D[:, None] * x
+    xdt = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).unflatten(0, (-1, chunk_size))  # [N, C, H, P]
+    B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)).unflatten(0, (-1, chunk_size)) for t in (B, C))  # [N, C, H, N]
+    a = F.pad(dt * A, (0, 0, 0, pad)).unflatten(0, (-1, chunk_size)).permute(2, 0, 1)  # [H, N, C]
+    a_cum = a.cumsum(-1)
+
+    # Within each chunk: y_l += sum_{s <= l} (C_l . B_s) exp(a_{s+1} + ... + a_l) dt_s x_s
+    decay = segment_sum(a).exp()  # [H, N, l, s]
+    scores = torch.einsum("clhn,cshn->hcls", C, B) * decay
+    y = torch.einsum("hcls,cshp->clhp", scores, xdt)
+
+    # Each chunk's own contribution to the state at its end, then the recurrence over chunks.
+    to_end = (a_cum[..., -1:] - a_cum).exp()  # [H, N, C]
+    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, to_end, xdt)
+    chunk_decay = a_cum[..., -1].exp()  # [H, N]
+    starts = []
+    state = state.to(x.dtype)
+    for i in range(xdt.shape[0]):
+        starts.append(state)
+        state = state * chunk_decay[:, i, None, None] + chunk_states[i]
+    # Plus what each chunk reads of the state it starts from.
+    y = y + torch.einsum("clhn,chpn,hcl->clhp", C, torch.stack(starts), a_cum.exp())
+    return y.flatten(0, 1)[:length] + skip, state
+
+
+class Mamba2(nn.Module):
+    """Conv + SSD scan over the state slots of layer `layer_name`; owns no weights.
+
+    forward(xBC [T, conv_dim] in (x | B | C) channel order, dt [T, H] (raw, before bias and
+            softplus), conv_weight [conv_dim, K], conv_bias or None, A [H] (negative), D [H],
+            dt_bias [H], ctx) -> y [T, H * P] (before the gated norm)
+    """
+
+    reads_unwritten_slots = False  # C1: a new slot's state is zeroed because its spec demands it
+
+    def __init__(self, layer_name: str, num_heads: int, head_dim: int, n_groups: int, state_size: int,
+                 conv_kernel_size: int, chunk_size: int, dt_limit: tuple[float, float] = (0.0, float("inf"))):
+        super().__init__()
+        if num_heads % n_groups:
+            raise ValueError(f"mamba_n_heads ({num_heads}) must be a multiple of mamba_n_groups ({n_groups})")
+        if conv_kernel_size < 2:
+            raise ValueError(f"the conv kernel must be at least 2 wide, got {conv_kernel_size}")
+        self.layer_name = layer_name
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.n_groups, self.state_size = n_groups, state_size
+        self.intermediate_size = num_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
+        self.conv_kernel_size = conv_kernel_size
+        self.chunk_size = chunk_size
+        self.dt_limit = tuple(dt_limit)
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, SSM state) of one slot, for the model's LinearStateSpec."""
+        return (self.conv_dim, self.conv_kernel_size - 1), (self.num_heads, self.head_dim, self.state_size)
+
+    def _split(self, xBC: torch.Tensor):
+        """Conv output [..., conv_dim] -> x [..., H, P], B, C [..., H, N] (groups repeated to heads)."""
+        gn = self.n_groups * self.state_size
+        x, B, C = F.silu(xBC).split([self.intermediate_size, gn, gn], dim=-1)
+        rep = self.num_heads // self.n_groups
+        B, C = (t.unflatten(-1, (self.n_groups, self.state_size)).repeat_interleave(rep, dim=-2) for t in (B, C))
+        return x.unflatten(-1, (self.num_heads, self.head_dim)), B, C
+
+    def forward(self, xBC: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                A: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cache, meta = ctx.for_layer(self.layer_name)
+        conv_states, ssm_states = cache.tensors
+        layout, slots = meta.layout, meta.slots
+        dt = F.softplus(dt + dt_bias)
+        out = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
+        nd = layout.num_decodes
+        if nd:
+            s = slots[:nd]
+            mixed, conv_states[s] = causal_conv1d_step(xBC[:nd], conv_states[s], conv_weight, conv_bias)
+            x, B, C = self._split(mixed)
+            out[:nd], ssm_states[s] = ssd_step(x, dt[:nd], A, B, C, D, ssm_states[s])
+        dt = dt.clamp(*self.dt_limit)
+        for i in range(nd, layout.num_seqs):
+            start, end = layout.query_start[i], layout.query_start[i + 1]
+            s = int(slots[i])
+            mixed, conv_states[s] = causal_conv1d(xBC[start:end], conv_states[s], conv_weight, conv_bias)
+            x, B, C = self._split(mixed)
+            out[start:end], ssm_states[s] = ssd_chunk_scan(x, dt[start:end], A, B, C, D, ssm_states[s],
+                                                           self.chunk_size)
+        return out.flatten(1)

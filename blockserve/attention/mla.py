@@ -1,0 +1,198 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3, Kimi Linear) over a paged latent cache.
+
+The cache holds, per token, the normalised compressed KV `c` and the (rotated) shared rope key;
+one MLASpec group, one tensor row per token:
+
+    cache [num_blocks, block_size, R + Dr]     row = [ c (kv_lora_rank R) | k_rope (Dr) ]
+
+kv_b_proj's rows for head h are W_UK_h [Dn, R] then W_UV_h [Dv, R]: k_nope_h = W_UK_h c and
+v_h = W_UV_h c. A query head is [q_nope_h (Dn) | q_rope_h (Dr)].
+
+    expanded (prefill)  k_h = [W_UK_h c | k_rope], v_h = W_UV_h c: ordinary attention with head
+                        dim Dn + Dr and value dim Dv (cheap when there are many queries)
+    absorbed (decode)   q_lat_h = W_UK_h^T q_nope_h; scores = [q_lat_h | q_rope_h] . row;
+                        out_h = W_UV_h (sum_t p_t c_t): one shared "head" of width R + Dr,
+                        never expanding the cache (cheap when there is one query per sequence)
+
+Both are the same function of the cache (equal up to rounding). The two flavours differ only in
+which cache rows they read (C1), as paged_attention.py's backends do:
+
+    exact length   gathers exactly the rows of positions [0, seq_len) of each sequence; padding
+                   reads row 0 of the null block, which is always zero.
+                   reads_unwritten_slots = False: safe on recycled blocks without zeroing.
+    whole block    gathers every row of every block a sequence touches (one index per block,
+                   as FlashMLA reads pages) and gives the rows past seq_len softmax weight zero
+                   instead of slicing them off: 0 * NaN = NaN, so an unzeroed tail holding NaN
+                   poisons the output. reads_unwritten_slots = True.
+
+On CPU the exact-length path is the faster (see `benchmark_decode`; figures in the class
+docstrings), so it is the default whenever the engine's attention_backend is "exact".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.context import ForwardContext
+from blockserve.attention.metadata import AttentionMetadata
+
+
+class MLABackend:
+    """forward(q_nope [T, H, Dn], q_rope [T, H, Dr], latent [T, R], k_rope [T, Dr], w_uk [H, Dn, R],
+    w_uv [H, Dv, R], cache [N, bs, R + Dr], meta) -> [T, H, Dv]. Writes the step's rows first."""
+
+    name: ClassVar[str]
+    reads_unwritten_slots: ClassVar[bool]
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, cache, meta: AttentionMetadata) -> torch.Tensor:
+        rank = latent.shape[-1]
+        flat = cache.view(-1, cache.shape[-1])
+        flat[meta.slot_mapping] = torch.cat([latent, k_rope], dim=-1)
+        layout = meta.layout
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+        nd = layout.num_decodes
+        if nd:
+            rows, key_pos = self._gather(cache, meta, torch.arange(nd), torch.tensor(layout.seq_lens[:nd]))
+            valid = key_pos < torch.tensor(layout.seq_lens[:nd])[:, None]  # [nd, L]
+            q_lat = torch.einsum("thd,hdr->thr", q_nope[:nd], w_uk)
+            scores = torch.bmm(torch.cat([q_lat, q_rope[:nd]], dim=-1), rows.transpose(1, 2)) * self.scale
+            probs = scores.masked_fill_(~valid[:, None, :], float("-inf")).softmax(dim=-1)  # [nd, H, L]
+            out_lat = torch.bmm(probs, rows[..., :rank])  # a zero weight times a NaN row is NaN
+            out[:nd] = torch.einsum("thr,hvr->thv", out_lat, w_uv)
+        for i in range(nd, layout.num_seqs):
+            start, end = layout.query_start[i], layout.query_start[i + 1]
+            seq_len, n = layout.seq_lens[i], end - start
+            q = torch.cat([q_nope[start:end], q_rope[start:end]], dim=-1).transpose(0, 1)  # [H, n, Dn + Dr]
+            if seq_len == n:  # a whole fresh prompt: its own rows, no cache read
+                k, v = _expand(latent[start:end], k_rope[start:end], w_uk, w_uv)
+                out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).transpose(0, 1)
+                continue
+            rows, key_pos = self._gather(cache, meta, torch.tensor([i]), torch.tensor([seq_len]))
+            rows, key_pos = rows[0], key_pos[0]
+            k, v = _expand(rows[:, :rank], rows[:, rank:], w_uk, w_uv)
+            query_pos = torch.arange(seq_len - n, seq_len)[:, None]
+            mask = key_pos[None] <= query_pos  # also excludes every row at or past seq_len
+            probs = (q @ k.transpose(1, 2) * self.scale).masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+            out[start:end] = (probs @ v).transpose(0, 1)
+        return out
+
+    def _gather(self, cache: torch.Tensor, meta: AttentionMetadata, seqs: torch.Tensor,
+                seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [N, L, R + Dr], the position of each row [N, L]) for sequences `seqs`."""
+        raise NotImplementedError
+
+
+def _expand(c: torch.Tensor, k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
+    """Latent rows c [L, R], k_rope [L, Dr] -> keys [H, L, Dn + Dr], values [H, L, Dv]."""
+    k_nope = torch.einsum("lr,hdr->hld", c, w_uk)
+    keys = torch.cat([k_nope, k_rope[None].expand(k_nope.shape[0], -1, -1)], dim=-1)
+    return keys, torch.einsum("lr,hvr->hlv", c, w_uv)
+
+
+class ExactLengthMLA(MLABackend):
+    """Reads only written rows: one index per token, padded with row 0 of the null block."""
+
+    name = "exact"
+    reads_unwritten_slots = False
+
+    def _gather(self, cache, meta, seqs, seq_lens):
+        bs = meta.block_size
+        key_pos = torch.arange(int(seq_lens.max()))[None].expand(len(seqs), -1)
+        valid = key_pos < seq_lens[:, None]
+        cols = torch.where(valid, key_pos // bs, 0)
+        slots = torch.where(valid, meta.block_table[seqs[:, None], cols] * bs + key_pos % bs, 0)
+        return cache.view(-1, cache.shape[-1])[slots], key_pos
+
+
+class WholeBlockMLA(MLABackend):
+    """Reads whole blocks, one index per block; the unwritten tail of the last is weighted by zero."""
+
+    name = "whole_block"
+    reads_unwritten_slots = True
+
+    def _gather(self, cache, meta, seqs, seq_lens):
+        bs = meta.block_size
+        num_blocks = (seq_lens + bs - 1) // bs
+        cols = torch.arange(int(num_blocks.max()))[None].expand(len(seqs), -1)
+        in_table = cols < num_blocks[:, None]  # past a table's end the row may hold stale ids
+        blocks = torch.where(in_table, meta.block_table[seqs[:, None], cols], 0)
+        rows = cache[blocks].flatten(1, 2)  # [N, blocks * bs, R + Dr]
+        key_pos = torch.arange(rows.shape[1])[None].expand(len(seqs), -1)
+        return rows, key_pos
+
+
+MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLengthMLA, WholeBlockMLA)}
+
+
+class MLAttention(nn.Module):
+    """The MLA layer a model instantiates for layer `layer_name`: it owns no weights, only the
+    paged latent cache's read/write. The model passes kv_b_proj's weight, split here per head.
+
+    forward(q [T, H, Dn + Dr] (rope applied), latent [T, R] (normalised), k_rope [T, Dr] (rope
+    applied), kv_b_weight [H * (Dn + Dv), R], ctx) -> [T, H * Dv]
+    """
+
+    def __init__(self, layer_name: str, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
+                 backend: MLABackend):
+        super().__init__()
+        self.layer_name = layer_name
+        self.num_heads = num_heads
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.v_head_dim = v_head_dim
+        self.backend = backend
+
+    @property
+    def reads_unwritten_slots(self) -> bool:
+        """C1: declared by the backend; the engine derives its group's zero flag from it."""
+        return self.backend.reads_unwritten_slots
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, kv_b_weight: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        cache, meta = ctx.for_layer(self.layer_name)
+        w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        dn = self.qk_nope_head_dim
+        out = self.backend.forward(q[..., :dn], q[..., dn:], latent, k_rope, w[:, :dn], w[:, dn:],
+                                   cache.cache, meta)
+        return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)
+
+
+def benchmark_decode(num_seqs: int = 32, seq_len: int = 1000, block_size: int = 16, num_heads: int = 16,
+                     rank: int = 512, rope: int = 64, nope: int = 128, v: int = 128,
+                     repeats: int = 20) -> dict[str, float]:
+    """Seconds per batched decode step of each flavour (DeepSeek-V3-shaped heads by default)."""
+    from blockserve.attention.metadata import BatchLayout
+
+    gen = torch.Generator().manual_seed(0)
+    need = -(-(seq_len + 1) // block_size)
+    cache = torch.randn(1 + num_seqs * need, block_size, rank + rope, generator=gen)
+    cache[0] = 0
+    table = (torch.randperm(num_seqs * need, generator=gen) + 1).view(num_seqs, need)
+    layout = BatchLayout.build([1] * num_seqs, [seq_len] * num_seqs)
+    meta = AttentionMetadata.build(layout, table, block_size)
+    args = (torch.randn(num_seqs, num_heads, nope, generator=gen), torch.randn(num_seqs, num_heads, rope, generator=gen),
+            torch.randn(num_seqs, rank, generator=gen), torch.randn(num_seqs, rope, generator=gen),
+            torch.randn(num_heads, nope, rank, generator=gen) / rank**0.5,
+            torch.randn(num_heads, v, rank, generator=gen) / rank**0.5)
+    times = {}
+    with torch.inference_mode():
+        for name, cls in MLA_BACKENDS.items():
+            backend = cls((nope + rope) ** -0.5)
+            backend.forward(*args, cache, meta)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                backend.forward(*args, cache, meta)
+            times[name] = (time.perf_counter() - t0) / repeats
+    return times
+
+
+if __name__ == "__main__":
+    for shape in (dict(), dict(seq_len=100, num_seqs=8), dict(seq_len=4000, num_seqs=8)):
+        print(shape, {k: f"{v * 1e3:.2f} ms" for k, v in benchmark_decode(**shape).items()})
