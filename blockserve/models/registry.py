@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from blockserve.models.gemma3 import Gemma3ForCausalLM
 from blockserve.models.llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
