@@ -3,6 +3,7 @@
     blockserve generate "Tell me a joke" "What is 2+2?" --max-tokens 64
     blockserve generate --file prompts.txt --jsonl > out.jsonl      (one prompt per line; - is stdin)
     blockserve chat                                                  (interactive, streamed)
+    blockserve serve --port 8000                                     (OpenAI-compatible HTTP server)
 
 `--model` takes a Hugging Face directory or a .gguf file; it defaults to the bundled SmolLM2.
 """
@@ -138,6 +139,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from blockserve.server.app import run_server
+
+    return run_server(args, engine_config(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="blockserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="accepted bearer token (repeatable; or BLOCKSERVE_API_KEY=k1,k2); default: no auth")
+    serve.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default="none",
+                       help="per-key: derive each request's cache salt from its API key (tenants share no blocks)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

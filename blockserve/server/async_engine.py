@@ -1,0 +1,347 @@
+"""AsyncEngine: the LLMEngine step loop on a background thread, feeding one asyncio stream per request.
+
+    event loop (HTTP handlers)                          engine thread (owns the LLMEngine)
+    ──────────────────────────                          ──────────────────────────────────
+    add_request() ─┐                                    ┌─► apply commands (between steps)
+    abort()       ─┼─► commands: queue.Queue ───────────┘        │
+    reset_prefix_cache() ─┘  (+ a concurrent Future              ▼
+                              for replies)                 LLMEngine.step()
+                                                                 │ snapshots of the outputs
+    RequestStream (asyncio.Queue) ◄── loop.call_soon_threadsafe ─┘ + stats, latencies
+
+Contracts:
+- Only the engine thread touches the LLMEngine (and its tokenizer): adding, aborting and
+  resetting the prefix cache are commands applied between two steps, so an abort frees the
+  request's blocks before the next step starts.
+- A request's error (rejected at add, a bad prompt) goes to that request only. An exception
+  from `step()` is fatal: every stream gets it and the engine reports itself dead.
+- Outputs are cumulative; a slow reader sees only the latest one (deltas are the reader's job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.outputs import CompletionOutput, RequestOutput
+from blockserve.sampling_params import SamplingParams
+from blockserve.scheduler.output import SchedulerStats
+
+logger = logging.getLogger("blockserve.server")
+
+Prompt = str | list[int] | Callable[[], str | list[int]]  # a callable runs on the engine thread
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step failed); no request can be served."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus the tokens asked for exceed the model's maximum length."""
+
+
+class Observer(Protocol):
+    """Latencies and token counts, reported from the engine thread (the metrics implement it).
+    Engine state is read from `AsyncEngine.stats`, refreshed after every step and command."""
+
+    def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None: ...
+    def on_tokens(self, inter_token: float | None, num_new_tokens: int) -> None: ...
+    def on_finished(self, e2e: float, finish_reasons: list[str]) -> None: ...
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping for one request."""
+
+    stream: RequestStream
+    arrival: float
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    cache_salt: str | None
+    stream: RequestStream
+    reply: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    reply: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+_STOP = object()
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterate with `async for`, and always `close()`
+    (aborting the request if it has not finished: a client that went away)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, arrival: float):
+        self.request_id = request_id
+        self.arrival = arrival
+        self.finished = False
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # event loop only
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty():  # outputs are cumulative: the latest says it all
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Idempotent; aborts the request (through the engine thread) unless it finished."""
+        if not self._closed:
+            self._closed = True
+            if not self.finished:
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: Observer | None = None):
+        self.engine = engine
+        self.observer = observer
+        self.max_model_len: int = engine.core.max_model_len
+        self._commands: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self._lock = threading.Lock()  # orders "submit a command" against "die and answer them all"
+        self.stats: SchedulerStats = self._core_stats()
+
+    # -- lifecycle (event loop) --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the streams."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="blockserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop after the current step, fail what is still open, join the thread."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("the engine thread did not stop within %.0f s", timeout)
+        else:
+            logger.info("engine stopped")
+        self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    def _submit(self, command: _Add | _Call) -> None:
+        """Queue a command that expects a reply; raises EngineDeadError if none would come."""
+        with self._lock:
+            if not self.is_alive:
+                raise EngineDeadError(f"the engine is not running: {self._dead or 'not started'}")
+            self._commands.put(command)
+
+    # -- requests (event loop) ---------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises ValueError
+        (the engine's reason) if it was rejected, leaving nothing behind."""
+        stream = RequestStream(self, request_id, time.monotonic())
+        command = _Add(request_id, prompt, params, cache_salt, stream)
+        self._submit(command)
+        try:
+            await asyncio.wrap_future(command.reply)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller went away while the engine was busy: undo the add
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between two steps; unknown or finished ids are ignored."""
+        self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between two steps; returns (or raises) what it does."""
+        command = _Call(fn)
+        self._submit(command)
+        return await asyncio.wrap_future(command.reply)
+
+    async def reset_prefix_cache(self) -> tuple[bool, str]:
+        """(ok, reason): forget every cached prefix, or say why it cannot now."""
+        if not self.engine.config.enable_prefix_caching:
+            return False, "prefix caching is disabled on this server (--no-prefix-caching)"
+        result = await self.call(self.engine.core.kv.reset_prefix_cache)
+        return result.ok, result.reason
+
+    # -- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._apply_commands(block=not engine.has_unfinished_requests()):
+                    break
+                if engine.has_unfinished_requests():
+                    self._publish(engine.step())
+                self._publish_stats()
+            reason: BaseException = EngineDeadError("the server is shutting down")
+        except BaseException as e:  # a failed step leaves the engine in an unknown state: stop
+            logger.exception("engine step failed; the engine is stopping")
+            reason = EngineDeadError(f"engine step failed: {type(e).__name__}: {e}")
+        with self._lock:
+            self._dead = reason
+        self._fail_all(reason)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if `block`); False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
+            elif isinstance(command, _Call) and command.reply.set_running_or_notify_cancel():
+                try:
+                    command.reply.set_result(command.fn())
+                except Exception as e:
+                    command.reply.set_exception(e)
+
+    def _add(self, command: _Add) -> None:
+        if not command.reply.set_running_or_notify_cancel():
+            return  # the caller went away before we got here: nothing to add (nor to abort)
+        engine = self.engine
+        try:
+            prompt = command.prompt() if callable(command.prompt) else command.prompt
+            prompt_ids = engine.tokenize(prompt)
+            max_tokens = command.params.max_tokens or 1
+            if len(prompt_ids) + max_tokens > self.max_model_len:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {self.max_model_len} tokens, but "
+                    f"{len(prompt_ids) + max_tokens} were requested ({len(prompt_ids)} in the prompt, "
+                    f"{max_tokens} for the completion); shorten the prompt or lower max_tokens")
+            engine.add_request(command.request_id, prompt_ids, command.params, cache_salt=command.cache_salt)
+        except Exception as e:
+            if not isinstance(e, ValueError):
+                logger.exception("adding request %s failed", command.request_id)
+                engine.abort_request([command.request_id])  # whatever got in, take it out
+            command.reply.set_exception(e)
+            return
+        self._live[command.request_id] = _Live(command.stream, command.stream.arrival)
+        command.reply.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return  # finished already, or never added
+        self.engine.abort_request([request_id])
+        if self.observer is not None:
+            self.observer.on_finished(time.monotonic() - live.arrival, ["abort"])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        batch = []
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            new = num_tokens - live.num_tokens
+            if self.observer is not None and new > 0:
+                if live.last_token_time is None:
+                    self.observer.on_first_token(now - live.arrival, len(output.prompt_token_ids))
+                    self.observer.on_tokens(None, new)
+                else:
+                    self.observer.on_tokens(now - live.last_token_time, new)
+            if new > 0:
+                live.num_tokens, live.last_token_time = num_tokens, now
+            if output.finished:
+                del self._live[output.request_id]
+                if self.observer is not None:
+                    self.observer.on_finished(now - live.arrival, [c.finish_reason or "abort" for c in output.outputs])
+            batch.append((live.stream, _snapshot(output)))
+        if batch:
+            self._deliver(batch)
+
+    def _publish_stats(self) -> None:
+        self.stats = self._core_stats()  # one reference swap: readers on other threads see old or new
+
+    def _core_stats(self) -> SchedulerStats:
+        return self.engine.core.scheduler.stats()
+
+    def _deliver(self, batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        def put_all() -> None:
+            for stream, item in batch:
+                stream._put(item)
+
+        try:
+            self._loop.call_soon_threadsafe(put_all)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        batch = [(live.stream, error) for live in self._live.values()]
+        try:
+            self.engine.abort_request(list(self._live))
+        except Exception:  # after a failed step the engine may be in any state; the thread ends anyway
+            logger.exception("aborting the open requests failed")
+        self._live.clear()
+        while True:  # answer commands nobody will apply
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, (_Add, _Call)) and command.reply.set_running_or_notify_cancel():
+                command.reply.set_exception(error)
+        if batch:
+            self._deliver(batch)
+
+
+def _snapshot(output: RequestOutput) -> RequestOutput:
+    """A copy the event loop may read while the engine thread keeps appending to the original."""
+    return RequestOutput(
+        output.request_id, output.prompt, output.prompt_token_ids,
+        [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                          list(c.logprobs) if c.logprobs is not None else None) for c in output.outputs],
+        output.num_cached_tokens, output.finished,
+    )
