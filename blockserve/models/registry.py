@@ -5,14 +5,18 @@ from __future__ import annotations
 from torch import nn
 
 from blockserve.models.gemma3 import Gemma3ForCausalLM
+from blockserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from blockserve.models.llama import LlamaForCausalLM
+from blockserve.models.qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 

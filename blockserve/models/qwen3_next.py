@@ -1,0 +1,313 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`): Gated DeltaNet layers interleaved with gated full attention.
+
+`config.layer_types` says which token mixer each layer has (by default three linear layers,
+then one full-attention layer); the feed-forward is a sparse MoE with a gated shared expert
+where `num_experts > 0` and the layer is a sparse step not in `mlp_only_layers`, else a dense MLP.
+
+    x ─► embed ─► [ x += mixer(norm x)   x += ffn(norm x) ] × L ─► norm ─► lm_head
+
+    linear_attention   qkvz, ba = proj(x); q|k|v ─► conv ─► gated delta rule (state slot);
+                       out_proj(rmsnorm(o) * silu(z))
+    full_attention     q|gate = q_proj(x); q, k RMS-normed per head; RoPE on the first
+                       partial_rotary_factor of each head; paged attention; o * sigmoid(gate)
+    sparse MoE         softmax router, top-k (renormalised if norm_topk_prob), SwiGLU experts,
+                       + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+RMSNorms scale by (1 + weight) (the checkpoint stores the offset); the gated norm of the linear
+layers scales by weight. KV: full-attention layers hold K/V blocks (FullAttentionSpec); linear
+layers hold one state slot per request (LinearStateSpec: conv state, recurrent state), zeroed
+for a new request because the spec says so (C1).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.context import ForwardContext
+from blockserve.attention.gated_deltanet import GatedDeltaNet
+from blockserve.attention.layer import Attention
+from blockserve.attention.paged_attention import PagedAttention
+from blockserve.kv import FullAttentionSpec, LinearStateSpec
+from blockserve.models.llama import RotaryEmbedding, apply_rotary
+
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * silu(z), per value head."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x * F.silu(z)
+
+
+class Qwen3NextAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary_dim = rotary_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)  # per head: q | gate
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, self.head_dim,
+                              backend_cls(self.head_dim**-0.5))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self._rope(self.q_norm(q), cos, sin)
+        k = self._rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        out = self.attn(q, k, self.v_proj(x), ctx) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.rep = self.num_v_heads // self.num_k_heads
+        self.deltanet = GatedDeltaNet(f"model.layers.{layer_idx}.linear_attn", self.num_k_heads, self.num_v_heads,
+                                      self.head_k_dim, self.head_v_dim, config.linear_conv_kernel_dim)
+        conv_dim = self.deltanet.conv_dim
+        value_dim = self.num_v_heads * self.head_v_dim
+        self.in_proj_qkvz = nn.Linear(config.hidden_size, conv_dim + value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(config.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t, dk, dv, rep = x.shape[0], self.head_k_dim, self.head_v_dim, self.rep
+        # Projections are grouped by key head: [q | k | rep value heads | rep z heads], [rep b | rep a].
+        q, k, v, z = self.in_proj_qkvz(x).view(t, self.num_k_heads, -1).split([dk, dk, rep * dv, rep * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.num_k_heads, 2 * rep).split([rep, rep], dim=-1)
+        mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        beta = b.reshape(t, -1).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, -1).float() + self.dt_bias)
+        out = self.deltanet(mixed_qkv, g, beta, self.conv1d.weight[:, 0], None, ctx)
+        out = self.norm(out, z.reshape(t, self.num_v_heads, dv))
+        return self.out_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """SwiGLU experts stored as [E, 2I, H] (gate | up) and [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; index, weights [T, k]: each token's experts and their weights."""
+        out = torch.zeros_like(x)
+        for expert in index.unique().tolist():
+            token, slot = (index == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
+            out[token] += y  # a token meets each expert at most once
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, index = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, index, weights.to(x.dtype)) + shared
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_idx)
+        elif self.layer_type == "full_attention":
+            self.self_attn = Qwen3NextAttention(config, layer_idx, backend_cls, rotary_dim)
+        else:
+            raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r} "
+                             "(expected 'linear_attention' or 'full_attention')")
+        sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
+                  and (layer_idx + 1) % config.decoder_sparse_step == 0)
+        self.mlp = SparseMoeBlock(config) if sparse else MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            x = x + self.linear_attn(h, ctx)
+        else:
+            x = x + self.self_attn(h, cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config, backend_cls: type[PagedAttention]):
+        super().__init__()
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        rotary_dim = int(config.head_dim * factor)
+        self.rotary = RotaryEmbedding(config, rotary_dim)  # computed here, not loaded
+        with torch.device("meta"):  # weights: materialised by load_weights
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, backend_cls, rotary_dim)
+                                        for i in range(config.num_hidden_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """`Qwen3NextForCausalLM(hf_config, attention_backend_cls)`; call `load_weights` before use."""
+
+    def __init__(self, hf_config, attention_backend_cls: type[PagedAttention]):
+        super().__init__()
+        if hf_config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported by Qwen3-Next (expected 'silu')")
+        self.config = hf_config
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = Qwen3NextModel(hf_config, attention_backend_cls)
+        if not self.tie_word_embeddings:
+            with torch.device("meta"):
+                self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions [T] of the flattened batch -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_specs(self, block_size: int) -> dict[str, FullAttentionSpec | LinearStateSpec]:
+        config = self.config
+        specs: dict[str, FullAttentionSpec | LinearStateSpec] = {}
+        for i, layer in enumerate(self.model.layers):
+            if layer.layer_type == "full_attention":
+                specs[f"model.layers.{i}.self_attn"] = FullAttentionSpec(
+                    block_size, config.num_key_value_heads, config.head_dim, "float32")
+            else:
+                shapes = layer.linear_attn.deltanet.state_shapes
+                specs[f"model.layers.{i}.linear_attn"] = LinearStateSpec(shapes, ("float32",) * len(shapes))
+        return specs
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Materialise every parameter from (Hugging Face name, tensor) pairs, as float32.
+
+        Experts come per expert (`mlp.experts.N.gate_proj.weight`, as Qwen's checkpoints) or
+        already stacked (`mlp.experts.gate_up_proj`); multi-token-prediction weights (`mtp.*`)
+        are skipped. Raises ValueError naming unexpected, missing or mis-shaped weights.
+        """
+        params = dict(self.named_parameters())
+        per_expert: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in named_tensors:
+            if name.startswith("mtp.") or name.endswith("rotary_emb.inv_freq") or (
+                    self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            match = _PER_EXPERT.fullmatch(name)
+            if match and f"{match[1]}.down_proj" in params:
+                experts, hidden, inner = params[f"{match[1]}.down_proj"].shape
+                shape = (hidden, inner) if match[3] == "down_proj" else (inner, hidden)
+                if tuple(tensor.shape) != shape or int(match[2]) >= experts:
+                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} but the model built from the "
+                                     f"config expects {shape} for each of {experts} experts; "
+                                     "does config.json match the checkpoint?")
+                per_expert.setdefault(match[1], {})[(match[3], int(match[2]))] = tensor
+            elif name in params:
+                _set_parameter(self, name, tensor, params[name].shape, name)
+                loaded.add(name)
+            else:
+                unexpected.append(name)
+        missing: list[str] = []
+        for prefix, parts in per_expert.items():
+            num_experts = params[f"{prefix}.down_proj"].shape[0]
+            absent = [f"{prefix}.{e}.{p}.weight" for e in range(num_experts)
+                      for p in ("gate_proj", "up_proj", "down_proj") if (p, e) not in parts]
+            if absent:
+                missing += absent
+                loaded.update((f"{prefix}.gate_up_proj", f"{prefix}.down_proj"))  # reported by expert above
+                continue
+            gate_up = torch.stack([torch.cat([parts["gate_proj", e], parts["up_proj", e]]) for e in range(num_experts)])
+            down = torch.stack([parts["down_proj", e] for e in range(num_experts)])
+            for target, tensor in ((f"{prefix}.gate_up_proj", gate_up), (f"{prefix}.down_proj", down)):
+                _set_parameter(self, target, tensor, params[target].shape, f"{prefix}.*")
+                loaded.add(target)
+        missing += [n for n in params if n not in loaded]
+        if unexpected or missing:
+            raise ValueError(
+                f"checkpoint does not match the {type(self).__name__} built from its config: "
+                f"unexpected weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
+                f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
+
+
+def _set_parameter(model: nn.Module, target: str, tensor: torch.Tensor, shape: torch.Size, name: str) -> None:
+    if tensor.shape != shape:
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} but the model built from the config "
+                         f"expects {tuple(shape)} for {target}; does config.json match the checkpoint?")
+    module_path, _, leaf = target.rpartition(".")
+    weight = tensor.detach().to(torch.float32).contiguous()
+    setattr(model.get_submodule(module_path), leaf, nn.Parameter(weight, requires_grad=False))
