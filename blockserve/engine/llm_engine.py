@@ -111,7 +111,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the (cumulative) outputs of requests that advanced."""
-        core_outputs, self.last_stats = self.core.step()
+        core_outputs, _ = self.core.step()
         touched: dict[str, RequestOutput] = {}
         for core_output in core_outputs:
             child = self._children.get(core_output.request_id)
