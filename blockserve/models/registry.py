@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from blockserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from blockserve.models.gemma3 import Gemma3ForCausalLM
 from blockserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+from blockserve.models.kimi_linear import KimiLinearForCausalLM
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

@@ -1,0 +1,146 @@
+"""Tiny random DeepSeek-V3 (MLA + MoE) and Kimi Linear (MLA + KDA + MoE) models against
+transformers, through paged caches of every kind they declare, without the engine.
+
+Each model is built from a transformers config at test time (hybrid_harness.CONFIGS), given
+weights far from uniform logits, saved with save_pretrained and loaded through the real loader.
+Prompt logits must be close and greedy tokens equal, for both MLA flavours, with prefill in one
+piece, in chunks, and interleaved with other sequences' decodes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockserve.attention.kda import KimiDeltaAttention
+from blockserve.attention.mla import ExactLengthMLA, MLAttention, WholeBlockMLA
+from blockserve.attention.paged_attention import BACKENDS
+from blockserve.kv import LinearStateSpec, MLASpec
+from blockserve.models.loader import load_model
+from blockserve.models.registry import model_class
+from tests.models.hybrid_harness import (  # noqa: F401 (fixtures)
+    CONFIGS, VOCAB, one_thread, run_paged_hybrid, save_random_hybrid, saved_hybrid)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread
+
+PROMPT_LENS = [5, 11, 17]
+NEW_TOKENS = 12
+SCENARIOS = {  # name -> (prompt indices, run_paged_hybrid options)
+    "single": ([1], {}),
+    "batch-of-3": ([0, 1, 2], {"stagger": True, "chunk": 6}),  # decodes and prefill chunks share steps
+    "two-chunks": ([2], {"chunk": 9}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, saved_hybrid):
+    path, reference = saved_hybrid(request.param)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    with torch.no_grad():
+        logits = [reference(torch.tensor([p])).logits[0] for p in prompts]
+        tokens = [reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                     max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                  for p in prompts]
+    return request.param, path, prompts, logits, tokens
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_matches_transformers(tiny, backend, scenario):
+    _, path, prompts, ref_logits, ref_tokens = tiny
+    model = load_model(str(path), BACKENDS[backend]).model
+    which, options = SCENARIOS[scenario]
+    logits, tokens = run_paged_hybrid(model, [prompts[i] for i in which], NEW_TOKENS, **options)
+    for got, i in zip(logits, which):
+        torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)
+    assert tokens == [ref_tokens[i] for i in which]
+
+
+def test_registry_and_specs(tiny):
+    """MLA layers: one MLASpec each, of the config's latent widths; KDA layers: the conv state
+    ([q|k|v] channels x K - 1) and the recurrent state [H, D, D], zeroed at start (C1)."""
+    name, path, *_ = tiny
+    loaded = load_model(str(path), BACKENDS["whole_block"])
+    config, model = loaded.hf_config, loaded.model
+    assert type(model) is model_class(config.architectures)
+    specs = model.kv_cache_specs(block_size=16)
+    assert list(specs) == [f"model.layers.{i}.self_attn" for i in range(config.num_hidden_layers)]
+    mla = MLASpec(16, config.kv_lora_rank, config.qk_rope_head_dim, "float32")
+    if name == "deepseek_v3":
+        assert set(specs.values()) == {mla}
+    else:
+        h, d, k = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
+        state = LinearStateSpec(((3 * h * d, k - 1), (h, d, d)), ("float32", "float32"))
+        assert [specs[f"model.layers.{i}.self_attn"] for i in range(4)] == [state, mla, state, mla]
+        assert state.state_must_start_zeroed
+    declared = {m.layer_name: m for m in model.modules() if hasattr(m, "reads_unwritten_slots")}
+    assert set(declared) == set(specs)
+    for layer_name, module in declared.items():
+        if isinstance(module, MLAttention):
+            assert isinstance(module.backend, WholeBlockMLA) and module.reads_unwritten_slots
+        else:
+            assert isinstance(module, KimiDeltaAttention) and not module.reads_unwritten_slots
+    exact = load_model(str(path), BACKENDS["exact"]).model
+    assert all(isinstance(m.backend, ExactLengthMLA) and not m.reads_unwritten_slots
+               for m in exact.modules() if isinstance(m, MLAttention))
+
+
+def _checkpoint(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_load_weights_names_missing_unexpected_and_misshapen(tiny):
+    name, path, *_ = tiny
+    loaded = load_model(str(path), BACKENDS["exact"])
+    weights = _checkpoint(path)
+    cls = type(loaded.model)
+    expert = "block_sparse_moe" if name == "kimi_linear" else "mlp"
+    leaf = "w3" if name == "kimi_linear" else "up_proj"
+    dropped = f"model.layers.1.{expert}.experts.3.{leaf}.weight"
+    assert dropped in weights
+
+    def build(tensors):
+        cls(loaded.hf_config, BACKENDS["exact"]).load_weights(tensors.items())
+
+    with pytest.raises(ValueError, match="missing weights .*experts.3.up_proj.weight"):
+        build({k: v for k, v in weights.items() if k != dropped})
+    with pytest.raises(ValueError, match=r"unexpected weights \['model\.layers\.0\.self_attn\.extra\.weight'\]"):
+        build(weights | {"model.layers.0.self_attn.extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(65,\).*expects \(64,\)"):
+        build(weights | {"model.norm.weight": torch.ones(65)})
+    # DeepSeek's multi-token-prediction layer (past num_hidden_layers) is ignored, as transformers does.
+    build(weights | {f"model.layers.{loaded.hf_config.num_hidden_layers}.eh_proj.weight": torch.zeros(1)})
+
+
+def test_kimi_accepts_transformers_runtime_names(saved_hybrid):
+    """transformers' own module names (mlp., forget_gate.) load as well as the published ones."""
+    path, _ = saved_hybrid("kimi_linear")
+    loaded = load_model(str(path), BACKENDS["exact"])
+    runtime = {k.replace(".block_sparse_moe.", ".mlp.").replace(".f_a_proj", ".forget_gate.f_a_proj"): v
+               for k, v in _checkpoint(path).items()}
+    again = type(loaded.model)(loaded.hf_config, BACKENDS["exact"])
+    again.load_weights(runtime.items())
+    for (n1, p1), (n2, p2) in zip(loaded.model.named_parameters(), again.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_deepseek_yarn_and_plain_rope_layout(tmp_path):
+    """YaRN (its cos/sin attention factor and the softmax mscale^2) with rope_interleave off,
+    and a dense-only model (first_k_dense_replace = all layers) with q_proj (no q LoRA)."""
+    config = CONFIGS["deepseek_v3"]()
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 0.8,
+                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 32,
+                              "beta_fast": 32.0, "beta_slow": 1.0}
+    config.rope_interleave = False
+    config.q_lora_rank = None
+    config.first_k_dense_replace = config.num_hidden_layers
+    reference = save_random_hybrid(config, tmp_path)
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()  # past 32
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt])).logits[0]
+    model = load_model(str(tmp_path), BACKENDS["exact"]).model
+    logits, _ = run_paged_hybrid(model, [prompt], 1, chunk=16)
+    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
