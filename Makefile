@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install run test bench-kv bench-scheduler soak clean
+.PHONY: install run test bench-kv bench-scheduler bench-offline soak clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,14 +19,18 @@ install: $(VENV)/.installed
 run: install
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/blockserve generate --chat-template --max-tokens 128 "$(PROMPT)"
 
+# One torch thread: on a shared 2-core machine a second one stalls whenever another process runs.
 test: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest
+	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest
 
 bench-kv: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/kv_core.py
 
 bench-scheduler: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/scheduler_overhead.py
+
+bench-offline: install
+	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/offline_throughput.py --json results/offline_throughput.json
 
 soak: install
 	$(PY) -m blockserve.sim.soak --requests 100000
