@@ -10,7 +10,7 @@ import torch
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 
-HQ, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 40
+HQ, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 120
 
 
 def dense_reference(q, keys, values, query_pos, window=None):
@@ -87,3 +87,18 @@ def test_poisoned_unwritten_slots(backend):
         assert poisoned.isnan().any()
     else:
         assert torch.equal(clean, poisoned)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_many_decodes_split_into_length_buckets_match_dense_attention(backend):
+    """Enough decodes that they are attended in several length buckets, in shuffled order."""
+    seqs = [(c, 1) for c in (17, 3, 30, 9, 22, 5, 26, 12, 1, 28, 7, 19, 14, 24, 2, 11, 29, 6, 20, 15)] + [(4, 3)]
+    k_cache, v_cache, table, q, k, v, full_k, full_v = make_step(seqs, fill=0.0)
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    meta = AttentionMetadata.build(layout, table, BS)
+    out = BACKENDS[backend](1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
+    assert len(meta.derived[(backend, "decode")]) > 1
+    for i, (c, n) in enumerate(seqs):
+        s = layout.query_start[i]
+        ref = dense_reference(q[s : s + n], full_k[i], full_v[i], torch.arange(c, c + n))
+        torch.testing.assert_close(out[s : s + n], ref, rtol=1e-5, atol=1e-5)
