@@ -4,6 +4,7 @@
     blockserve generate --file prompts.txt --jsonl > out.jsonl      (one prompt per line; - is stdin)
     blockserve chat                                                  (interactive, streamed)
     blockserve serve --port 8000                                     (OpenAI-compatible HTTP server)
+    blockserve bench throughput|latency|serve                        (benchmarks; see blockserve bench -h)
 
 `--model` takes a Hugging Face directory or a .gguf file; it defaults to the bundled SmolLM2.
 """
@@ -176,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from blockserve.benchmark import add_bench_parser
+
+    add_bench_parser(sub)  # bench throughput | latency | serve
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
