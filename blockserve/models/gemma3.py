@@ -38,16 +38,11 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
+from blockserve.models.fused_weights import load_fused_weights
 from blockserve.models.llama import apply_rotary
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-# Hugging Face projection -> (our fused projection, its index among the parts)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # RoPE types whose frequencies depend on the running sequence length: not precomputable here.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -221,44 +216,10 @@ class Gemma3ForCausalLM(nn.Module):
         q/k/v and gate/up are concatenated into the fused projections. Raises ValueError naming
         unexpected, missing or mis-shaped weights.
         """
-        params = dict(self.named_parameters())
-        pending: dict[str, dict[int, torch.Tensor]] = {}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in named_tensors:
-            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            module_path, _, leaf = name.rpartition(".")
-            parent, _, proj = module_path.rpartition(".")
-            target, index = name, None
-            if proj in _FUSED:
-                fused, index = _FUSED[proj]
-                target = f"{parent}.{fused}.{leaf}"
-            if target not in params:
-                unexpected.append(name)
-                continue
-            if index is not None:
-                parts = pending.setdefault(target, {})
-                parts[index] = tensor
-                if len(parts) < len(_PARTS[fused]):
-                    continue
-                tensor = torch.cat([parts[i] for i in range(len(parts))])
-                del pending[target]
-            if tensor.shape != params[target].shape:
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} but the model built from the config "
-                                 f"expects {tuple(params[target].shape)} for {target}; does config.json match?")
-            module_path, _, leaf = target.rpartition(".")
-            weight = tensor.detach().to(torch.float32).contiguous()
-            setattr(self.get_submodule(module_path), leaf, nn.Parameter(weight, requires_grad=False))
-            loaded.add(target)
-        missing = [n for target in params if target not in loaded for n in _hf_names(target, pending.get(target, {}))]
-        if unexpected or missing:
-            raise ValueError(
-                f"checkpoint does not match the Gemma3ForCausalLM built from its config: "
-                f"unexpected weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
-                f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-            )
-
+        load_fused_weights(
+            self, named_tensors,
+            skip=lambda name: name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"),
+        )
 
 def _validate(config) -> None:
     """Reject, with an actionable message, what this implementation would otherwise serve wrongly."""
@@ -276,12 +237,3 @@ def _validate(config) -> None:
                          f"({config.num_hidden_layers} layers); got {config.layer_types}")
     if SLIDING in config.layer_types and not (isinstance(config.sliding_window, int) and config.sliding_window > 0):
         raise ValueError(f"the config has sliding_attention layers but sliding_window={config.sliding_window!r}")
-
-
-def _hf_names(target: str, received: dict[int, torch.Tensor]) -> list[str]:
-    """The Hugging Face names of a parameter, less the fused parts already received."""
-    module_path, _, leaf = target.rpartition(".")
-    parent, _, proj = module_path.rpartition(".")
-    if proj not in _PARTS:
-        return [target]
-    return [f"{parent}.{part}.{leaf}" for i, part in enumerate(_PARTS[proj]) if i not in received]

@@ -29,13 +29,8 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.kv import FullAttentionSpec
+from blockserve.models.fused_weights import load_fused_weights
 
-# Hugging Face projection -> (our fused projection, its index among the parts)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _sliding_window_active(config) -> bool:
@@ -215,54 +210,8 @@ class LlamaForCausalLM(nn.Module):
         memory with the given tensors. Raises ValueError naming unexpected, missing or
         mis-shaped weights.
         """
-        params = dict(self.named_parameters())
-        pending: dict[str, dict[int, torch.Tensor]] = {}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in named_tensors:
-            if name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            module_path, _, leaf = name.rpartition(".")
-            parent, _, proj = module_path.rpartition(".")
-            target, index = name, None
-            if proj in _FUSED:
-                fused, index = _FUSED[proj]
-                target = f"{parent}.{fused}.{leaf}"
-            if target not in params:
-                unexpected.append(name)
-                continue
-            if index is not None:
-                parts = pending.setdefault(target, {})
-                parts[index] = tensor
-                if len(parts) < len(_PARTS[fused]):
-                    continue
-                tensor = torch.cat([parts[i] for i in range(len(parts))])
-                del pending[target]
-            self._set_parameter(target, tensor, params[target].shape, name)
-            loaded.add(target)
-        missing = [n for target in params if target not in loaded for n in _hf_names(target, pending.get(target, {}))]
-        if unexpected or missing:
-            raise ValueError(
-                f"checkpoint does not match the {type(self).__name__} built from its config: "
-                f"unexpected weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
-                f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-            )
+        load_fused_weights(
+            self, named_tensors,
+            skip=lambda name: name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight"),
+        )
 
-    def _set_parameter(self, target: str, tensor: torch.Tensor, shape: torch.Size, name: str) -> None:
-        if tensor.shape != shape:
-            raise ValueError(
-                f"weight {name} has shape {tuple(tensor.shape)} but the model built from the config expects "
-                f"{tuple(shape)} for {target}; does config.json match the checkpoint?"
-            )
-        module_path, _, leaf = target.rpartition(".")
-        weight = tensor.detach().to(torch.float32).contiguous()
-        setattr(self.get_submodule(module_path), leaf, nn.Parameter(weight, requires_grad=False))
-
-
-def _hf_names(target: str, received: dict[int, torch.Tensor]) -> list[str]:
-    """The Hugging Face names of a parameter, less the fused parts already received."""
-    module_path, _, leaf = target.rpartition(".")
-    parent, _, proj = module_path.rpartition(".")
-    if proj not in _PARTS:
-        return [target]
-    return [f"{parent}.{part}.{leaf}" for i, part in enumerate(_PARTS[proj]) if i not in received]

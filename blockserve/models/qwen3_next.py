@@ -33,6 +33,7 @@ from blockserve.attention.gated_deltanet import GatedDeltaNet
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.kv import FullAttentionSpec, LinearStateSpec
+from blockserve.models.fused_weights import set_parameter
 from blockserve.models.llama import RotaryEmbedding, apply_rotary
 
 _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -277,7 +278,7 @@ class Qwen3NextForCausalLM(nn.Module):
                                      "does config.json match the checkpoint?")
                 per_expert.setdefault(match[1], {})[(match[3], int(match[2]))] = tensor
             elif name in params:
-                _set_parameter(self, name, tensor, params[name].shape, name)
+                set_parameter(self, name, tensor, params[name].shape, name)
                 loaded.add(name)
             else:
                 unexpected.append(name)
@@ -293,7 +294,7 @@ class Qwen3NextForCausalLM(nn.Module):
             gate_up = torch.stack([torch.cat([parts["gate_proj", e], parts["up_proj", e]]) for e in range(num_experts)])
             down = torch.stack([parts["down_proj", e] for e in range(num_experts)])
             for target, tensor in ((f"{prefix}.gate_up_proj", gate_up), (f"{prefix}.down_proj", down)):
-                _set_parameter(self, target, tensor, params[target].shape, f"{prefix}.*")
+                set_parameter(self, target, tensor, params[target].shape, f"{prefix}.*")
                 loaded.add(target)
         missing += [n for n in params if n not in loaded]
         if unexpected or missing:
@@ -302,12 +303,3 @@ class Qwen3NextForCausalLM(nn.Module):
                 f"unexpected weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
                 f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}"
             )
-
-
-def _set_parameter(model: nn.Module, target: str, tensor: torch.Tensor, shape: torch.Size, name: str) -> None:
-    if tensor.shape != shape:
-        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} but the model built from the config "
-                         f"expects {tuple(shape)} for {target}; does config.json match the checkpoint?")
-    module_path, _, leaf = target.rpartition(".")
-    weight = tensor.detach().to(torch.float32).contiguous()
-    setattr(model.get_submodule(module_path), leaf, nn.Parameter(weight, requires_grad=False))
