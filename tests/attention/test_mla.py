@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
-from blockserve.attention.mla import MLA_BACKENDS, benchmark_decode
+from blockserve.attention.mla import MLA_BACKENDS
+from benchmarks.mla_decode import benchmark_decode
 
 H, DN, DR, DV, R, BS, NUM_BLOCKS = 4, 8, 4, 6, 16, 4, 40
 SCALE = (DN + DR) ** -0.5
