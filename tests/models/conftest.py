@@ -30,6 +30,23 @@ class _Seq:
     generated: list[int] = field(default_factory=list)
 
 
+def step_batch(seqs, step: int, max_new_tokens: int, chunk: int | None) -> list:
+    """(sequence, tokens to feed) for every sequence taking part in `step`, decodes first: a
+    prefill chunk for those with prompt left (whole prompt when `chunk` is None), else the last
+    generated token. Sequences have prompt, computed, generated and start_step."""
+    batch = []
+    for s in seqs:
+        if step < s.start_step or len(s.generated) == max_new_tokens:
+            continue
+        if s.computed < len(s.prompt):
+            tokens = s.prompt[s.computed: s.computed + (chunk or len(s.prompt))]
+        else:
+            tokens = [s.generated[-1]]
+        batch.append((s, tokens))
+    batch.sort(key=lambda item: len(item[1]) > 1)
+    return batch
+
+
 @torch.inference_mode()
 def run_paged(model, prompts: list[list[int]], max_new_tokens: int, *, block_size: int = 4, chunk: int | None = None,
               stagger: bool = False, seed: int = 0) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -54,16 +71,7 @@ def run_paged(model, prompts: list[list[int]], max_new_tokens: int, *, block_siz
     }
     step = 0
     while any(len(s.generated) < max_new_tokens for s in seqs):
-        batch = []
-        for s in seqs:
-            if step < s.start_step or len(s.generated) == max_new_tokens:
-                continue
-            if s.computed < len(s.prompt):
-                tokens = s.prompt[s.computed: s.computed + (chunk or len(s.prompt))]
-            else:
-                tokens = [s.generated[-1]]
-            batch.append((s, tokens))
-        batch.sort(key=lambda item: len(item[1]) > 1)  # decodes first
+        batch = step_batch(seqs, step, max_new_tokens, chunk)
         layout = BatchLayout.build([len(t) for _, t in batch], [s.computed for s, _ in batch])
         width = max(len(s.blocks) for s, _ in batch)
         table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s, _ in batch])

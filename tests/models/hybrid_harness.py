@@ -24,6 +24,7 @@ from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.kv.config import KVCacheConfig, KVCacheGroup
 from blockserve.kv.specs import LinearStateSpec
 from blockserve.worker.kv_tensors import KVCacheTensors
+from tests.models.conftest import step_batch
 
 VOCAB = 512
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -161,16 +162,7 @@ def run_paged_hybrid(model, prompts: list[list[int]], max_new_tokens: int, *, bl
     seqs = [_Seq(p, i if stagger else 0, blocks) for i, (p, blocks) in enumerate(zip(prompts, per_seq))]
     step = 0
     while any(len(s.generated) < max_new_tokens for s in seqs):
-        batch = []
-        for s in seqs:
-            if step < s.start_step or len(s.generated) == max_new_tokens:
-                continue
-            if s.computed < len(s.prompt):
-                tokens = s.prompt[s.computed: s.computed + (chunk or len(s.prompt))]
-            else:
-                tokens = [s.generated[-1]]
-            batch.append((s, tokens))
-        batch.sort(key=lambda item: len(item[1]) > 1)  # decodes first
+        batch = step_batch(seqs, step, max_new_tokens, chunk)
         layout = BatchLayout.build([len(t) for _, t in batch], [s.computed for s, _ in batch])
         metadata = []
         for g, group in enumerate(groups):

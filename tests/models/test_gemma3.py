@@ -22,7 +22,7 @@ from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.models.gemma3 import Gemma3ForCausalLM
 from blockserve.models.loader import load_model
-from tests.models.conftest import save_random_model
+from tests.models.conftest import save_random_model, step_batch
 
 S, F = "sliding_attention", "full_attention"
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
@@ -99,16 +99,7 @@ def run_paged_groups(model, prompts: list[list[int]], max_new_tokens: int, *, bl
             order = order[n:]
     step = 0
     while any(len(s.generated) < max_new_tokens for s in seqs):
-        batch = []
-        for s in seqs:
-            if step < s.start_step or len(s.generated) == max_new_tokens:
-                continue
-            if s.computed < len(s.prompt):
-                tokens = s.prompt[s.computed: s.computed + (chunk or len(s.prompt))]
-            else:
-                tokens = [s.generated[-1]]
-            batch.append((s, tokens))
-        batch.sort(key=lambda item: len(item[1]) > 1)  # decodes first
+        batch = step_batch(seqs, step, max_new_tokens, chunk)
         layout = BatchLayout.build([len(t) for _, t in batch], [s.computed for s, _ in batch])
         metadata = []
         for g, spec in enumerate(group_specs):
