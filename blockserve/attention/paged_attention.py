@@ -15,8 +15,9 @@ sequence may see. They differ only in which cache slots they read:
     exact reads      b7:0-3 b2:0-3 b9:0-1
     whole block      b7:0-3 b2:0-3 b9:0-3    (b9:2-3 unwritten, weighted by zero)
 
-Decodes are attended together in one batched call; prefill chunks one sequence at a time (a
-fresh prompt needs no cache read at all).
+Decodes are attended together in one batched call (exact length: by the native kernel of
+csrc/paged_decode.cpp when it is built, which reads the same slots in place instead of copying
+them); prefill chunks one sequence at a time (a fresh prompt needs no cache read at all).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention.native import paged_decode_kernel
 
 DECODE_BUCKETS = 4  # length buckets the decodes of a step are split into
 MIN_BUCKET = 8  # decodes per bucket at least, so small batches stay one call
@@ -75,9 +77,8 @@ class PagedAttention:
         out = torch.empty_like(q)
         layout = meta.layout
         nd = layout.num_decodes
-        for seqs, g in self._derived(meta, "decode", lambda: self._decode_buckets(meta)):
-            mask = g.valid[:, None, None, :]
-            out[seqs] = self._attend(q[seqs, :, None], g.read(k_cache), g.read(v_cache), mask)[:, :, 0]
+        if nd:
+            self._attend_decodes(q, k_cache, v_cache, meta, out)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             seq_len = layout.seq_lens[i]
@@ -92,6 +93,13 @@ class PagedAttention:
             g, mask = self._derived(meta, i, lambda: self._prefill_gather(meta, i, seq_len, n))
             out[start:end] = self._attend(qi, g.read(k_cache), g.read(v_cache), mask)[0].transpose(0, 1)
         return out
+
+    def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """out[:num_decodes] = attention of the decodes' single queries, in length buckets."""
+        for seqs, g in self._derived(meta, "decode", lambda: self._decode_buckets(meta)):
+            mask = g.valid[:, None, None, :]
+            out[seqs] = self._attend(q[seqs, :, None], g.read(k_cache), g.read(v_cache), mask)[:, :, 0]
 
     def _derived(self, meta: AttentionMetadata, key, compute):
         """Per step and group, gather indices are the same for every layer: compute them once."""
@@ -133,8 +141,27 @@ class PagedAttention:
 
 
 class ExactLengthAttention(PagedAttention):
+    """Decodes go to the native in-place kernel when it is built (native.py; reads exactly the
+    same slots, no copy), else to the gathered PyTorch path. Set `decode_kernel = None` to force
+    the latter."""
+
     name = "exact"
     reads_unwritten_slots = False
+
+    def __init__(self, scale: float):
+        super().__init__(scale)
+        self.decode_kernel = paged_decode_kernel()
+
+    def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, out: torch.Tensor) -> None:
+        if self.decode_kernel is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return super()._attend_decodes(q, k_cache, v_cache, meta, out)
+        nd = meta.layout.num_decodes
+        table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda: (
+            meta.block_table[:nd].contiguous(), meta.key_start[:nd].contiguous(),
+            torch.tensor(meta.layout.seq_lens[:nd], dtype=torch.int64)))
+        decodes = out[:nd]
+        self.decode_kernel(decodes, q[:nd].contiguous(), k_cache, v_cache, table, key_start, seq_lens, self.scale)
 
     def _gather(self, meta: AttentionMetadata, seqs: torch.Tensor, seq_lens: torch.Tensor) -> _Gather:
         start = meta.key_start[seqs]

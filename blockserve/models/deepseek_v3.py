@@ -92,6 +92,7 @@ class MLABlock(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
                                    bias=False)
+        self.kv_b_proj.keep_row_major = True  # MLAttention views its weight per head
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
         self.attn = MLAttention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.qk_nope_head_dim,
                                 self.v_head_dim, mla_backend_for(attention_backend_cls)(scale))

@@ -37,6 +37,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.models.default_model import default_model_path
 from blockserve.models.registry import model_class
+from blockserve.models.weight_layout import use_input_major_linears
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -105,6 +106,7 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
         raise ValueError(f"could not read {path / 'config.json'}: {error}") from error
     model = model_class(config.architectures)(config, attention_backend_cls)
     model.load_weights(_safetensors(path))
+    use_input_major_linears(model)
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,4 +1,5 @@
-"""Both paged-attention backends against dense attention, and their C1 behaviour under poison."""
+"""Both paged-attention backends (the exact one with and without its native decode kernel)
+against dense attention, and their C1 behaviour under poison."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import pytest
 import torch
 
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
-from blockserve.attention.paged_attention import BACKENDS
+from blockserve.attention.native import paged_decode_kernel, why_not_native
+from blockserve.attention.paged_attention import BACKENDS, PagedAttention
+
+VARIANTS = ["exact", "exact-pytorch", "whole_block"]  # exact: native decode kernel when built
+
+
+def make_backend(variant: str) -> PagedAttention:
+    backend = BACKENDS[variant.removesuffix("-pytorch")](1 / math.sqrt(D))
+    if variant.endswith("-pytorch"):
+        backend.decode_kernel = None
+    return backend
 
 HQ, HKV, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 120
 
@@ -59,46 +70,55 @@ def make_step(seqs, fill):
 SEQS = [(5, 1), (12, 1), (3, 1), (0, 9), (6, 5), (8, 4)]
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", VARIANTS)
 @pytest.mark.parametrize("window", [None, 5])
 def test_matches_dense_attention(backend, window):
     k_cache, v_cache, table, q, k, v, full_k, full_v = make_step(SEQS, fill=0.0)
     layout = BatchLayout.build([n for _, n in SEQS], [c for c, _ in SEQS])
     meta = AttentionMetadata.build(layout, table, BS, window)
-    out = BACKENDS[backend](1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
+    out = make_backend(backend).forward(q, k, v, k_cache, v_cache, meta)
     for i, (c, n) in enumerate(SEQS):
         s = layout.query_start[i]
         ref = dense_reference(q[s : s + n], full_k[i], full_v[i], torch.arange(c, c + n), window)
         torch.testing.assert_close(out[s : s + n], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", VARIANTS)
 def test_poisoned_unwritten_slots(backend):
     """C1: the exact-length backend is unaffected by NaN in unwritten slots; the whole-block
     backend, which declares that it reads them, turns NaN (so zeroing is required for it)."""
-    cls = BACKENDS[backend]
     k_cache, v_cache, table, q, k, v, *_ = make_step(SEQS, fill=0.0)
     layout = BatchLayout.build([n for _, n in SEQS], [c for c, _ in SEQS])
     meta = AttentionMetadata.build(layout, table, BS)
-    clean = cls(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
+    clean = make_backend(backend).forward(q, k, v, k_cache, v_cache, meta)
     k_cache, v_cache, *_ = make_step(SEQS, fill=float("nan"))
-    poisoned = cls(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
-    if cls.reads_unwritten_slots:
+    poisoned = make_backend(backend).forward(q, k, v, k_cache, v_cache, AttentionMetadata.build(layout, table, BS))
+    if make_backend(backend).reads_unwritten_slots:
         assert poisoned.isnan().any()
     else:
         assert torch.equal(clean, poisoned)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_many_decodes_split_into_length_buckets_match_dense_attention(backend):
-    """Enough decodes that they are attended in several length buckets, in shuffled order."""
+@pytest.mark.parametrize("backend", VARIANTS)
+def test_many_decodes_match_dense_attention(backend):
+    """Enough decodes that the PyTorch path splits them into several length buckets; shuffled order."""
     seqs = [(c, 1) for c in (17, 3, 30, 9, 22, 5, 26, 12, 1, 28, 7, 19, 14, 24, 2, 11, 29, 6, 20, 15)] + [(4, 3)]
     k_cache, v_cache, table, q, k, v, full_k, full_v = make_step(seqs, fill=0.0)
     layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
     meta = AttentionMetadata.build(layout, table, BS)
-    out = BACKENDS[backend](1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
-    assert len(meta.derived[(backend, "decode")]) > 1
+    attention = make_backend(backend)
+    out = attention.forward(q, k, v, k_cache, v_cache, meta)
+    if getattr(attention, "decode_kernel", None) is None:
+        assert len(meta.derived[(attention.name, "decode")]) > 1
     for i, (c, n) in enumerate(seqs):
         s = layout.query_start[i]
         ref = dense_reference(q[s : s + n], full_k[i], full_v[i], torch.arange(c, c + n))
         torch.testing.assert_close(out[s : s + n], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_kernel_builds_where_a_compiler_exists():
+    """Where a C++ compiler and ninja exist the kernel must build, so the tests above exercise it."""
+    if why_not_native() is not None:
+        pytest.skip(f"native kernels cannot be built here ({why_not_native()}): only the PyTorch path runs")
+    assert paged_decode_kernel() is not None
+    assert BACKENDS["exact"](1.0).decode_kernel is not None
