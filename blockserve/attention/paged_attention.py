@@ -72,9 +72,9 @@ class PagedAttention:
     ) -> torch.Tensor:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_flat[meta.slot_mapping] = k
-        v_flat[meta.slot_mapping] = v
-        out = torch.empty_like(q)
+        k_flat.index_copy_(0, meta.slot_mapping, k)  # slots are distinct within a step
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         layout = meta.layout
         nd = layout.num_decodes
         if nd:
