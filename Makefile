@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install run test bench-kv bench-scheduler bench-offline soak clean
+.PHONY: install run test bench-kv bench-scheduler bench-peers soak clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,10 @@ bench-kv: install
 bench-scheduler: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/scheduler_overhead.py
 
-bench-offline: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/offline_throughput.py --json results/offline_throughput.json
+# The `peers` extra adds llama-cpp-python (a compiled wheel, kept out of `dev` so CI never builds it).
+bench-peers: install
+	$(PY) -m pip install -q -e '.[peers]'
+	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/peers/run.py --json results/peers.json
 
 soak: install
 	$(PY) -m blockserve.sim.soak --requests 100000

@@ -1,6 +1,6 @@
 """The fp32 roofline of a workload: the compute bound (GEMM peak measured on the spot) and the
 batch-1 weight-bandwidth bound (copy bandwidth measured on the spot). Shared by `blockserve bench`
-and benchmarks/offline_throughput.py.
+and benchmarks/peers/run.py.
 
 FLOPs: 2 x linear params per computed token, the (tied) lm_head only where a token is sampled,
 plus attention 4 x layers x q_heads x head_dim x context.

@@ -1,5 +1,5 @@
 """The fixed chat workload (issue 4 / issue 8) and random token-id prompts, shared by
-`blockserve bench` and benchmarks/offline_throughput.py.
+`blockserve bench` and benchmarks/peers/run.py.
 
 64 chat conversations (some with a system prompt, the others get the template's default one),
 rendered with the model's chat template (about 15-200 prompt tokens with SmolLM2).

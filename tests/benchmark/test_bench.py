@@ -145,12 +145,12 @@ def server_model(server) -> str:
     return body["data"][0]["id"]
 
 
-def test_offline_throughput_script_imports_the_shared_pieces():
-    from benchmarks import offline_throughput
+def test_peers_script_imports_the_shared_pieces():
+    from benchmarks.peers import run
     from blockserve.benchmark import roofline, workloads
 
-    assert offline_throughput.workload_prompts is workloads.workload_prompts
-    assert offline_throughput.roofline is roofline.roofline
+    assert run.workload_prompts is workloads.workload_prompts
+    assert run.roofline is roofline.roofline
     assert len(workloads.CONVERSATIONS) == 64
 
 
