@@ -36,6 +36,70 @@ static inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// The decode of one sequence: all its query heads against its positions [start, stop), block by
+// block. DIM is the head size when known at compile time (loops fully unrolled), else 0.
+template <int64_t DIM>
+static void attend_sequence(const float* __restrict qn, const float* kp, const float* vp, const int64_t* table,
+                            int64_t start, int64_t stop, int64_t n_heads, int64_t group, int64_t runtime_dim,
+                            int64_t block_size, int64_t slot_stride, float scale, float* __restrict acc,
+                            float* __restrict score, float* __restrict run_max, float* __restrict run_sum,
+                            float* __restrict out) {
+  const int64_t dim = DIM > 0 ? DIM : runtime_dim;
+  const int64_t block_stride = block_size * slot_stride;
+  std::fill(acc, acc + n_heads * dim, 0.f);
+  std::fill(run_max, run_max + n_heads, -FLT_MAX);
+  std::fill(run_sum, run_sum + n_heads, 0.f);
+  for (int64_t base = start - start % block_size; base < stop; base += block_size) {
+    if (base + block_size < stop) {  // the next block's K and V, fetched while this one is used
+      const char* kn = reinterpret_cast<const char*>(kp + table[base / block_size + 1] * block_stride);
+      const char* vn = reinterpret_cast<const char*>(vp + table[base / block_size + 1] * block_stride);
+      for (int64_t byte = 0; byte < block_stride * 4; byte += 64) {
+        __builtin_prefetch(kn + byte);
+        __builtin_prefetch(vn + byte);
+      }
+    }
+    const int64_t lo = std::max(start, base) - base, hi = std::min(stop, base + block_size) - base;
+    const float* __restrict kb = kp + table[base / block_size] * block_stride;
+    const float* __restrict vb = vp + table[base / block_size] * block_stride;
+    for (int64_t hq = 0; hq < n_heads; ++hq) {  // head-outer: its query row stays in registers
+      const float* __restrict qh = qn + hq * dim;
+      for (int64_t j = lo; j < hi; ++j) {
+        const float* __restrict kr = kb + j * slot_stride + (hq / group) * dim;
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kr[d];
+        score[hq * block_size + j] = dot * scale;
+      }
+    }
+    for (int64_t hq = 0; hq < n_heads; ++hq) {
+      float* __restrict sh = score + hq * block_size;
+      float block_max = run_max[hq];
+      for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, sh[j]);
+      float sum = 0.f;
+      for (int64_t j = lo; j < hi; ++j) {
+        sh[j] = exp_nonpositive(sh[j] - block_max);
+        sum += sh[j];
+      }
+      const float correction = exp_nonpositive(run_max[hq] - block_max);
+      float* __restrict ah = acc + hq * dim;
+      for (int64_t d = 0; d < dim; ++d) ah[d] *= correction;
+      run_max[hq] = block_max;
+      run_sum[hq] = run_sum[hq] * correction + sum;
+    }
+    for (int64_t hq = 0; hq < n_heads; ++hq) {  // head-outer: its accumulator stays in registers
+      float* __restrict ah = acc + hq * dim;
+      for (int64_t j = lo; j < hi; ++j) {
+        const float w = score[hq * block_size + j];
+        const float* __restrict vr = vb + j * slot_stride + (hq / group) * dim;
+        for (int64_t d = 0; d < dim; ++d) ah[d] += w * vr[d];
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < n_heads; ++hq) {
+    const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) out[hq * dim + d] = acc[hq * dim + d] * inv;
+  }
+}
+
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, torch::Tensor key_start, torch::Tensor seq_lens,
                             double scale) {
@@ -52,7 +116,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t block_size = k_cache.size(1), n_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim && n_heads % n_kv_heads == 0, "paged_decode_attention: shape mismatch");
   const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);  // query heads per KV head
-  const int64_t slot_stride = n_kv_heads * dim, block_stride = block_size * slot_stride;
+  const int64_t slot_stride = n_kv_heads * dim;
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
@@ -62,68 +126,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  // One work item per sequence: its blocks are read whole and in order (K then V rows of every
-  // head), and the next block is prefetched while this one is used.
+  // One work item per sequence: its blocks are read whole and in order (K then V rows of every head).
   at::parallel_for(0, n_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(n_heads * dim), score(n_heads * block_size), run_max(n_heads), run_sum(n_heads);
     for (int64_t n = begin; n < end; ++n) {
-      const float* qn = qp + n * n_heads * dim;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      const int64_t start = starts[n], stop = lens[n];
-      for (int64_t base = start - start % block_size; base < stop; base += block_size) {
-        const int64_t block = table[n * width + base / block_size];
-        if (base + block_size < stop) {
-          const int64_t next = table[n * width + base / block_size + 1];
-          const char* kn = reinterpret_cast<const char*>(kp + next * block_stride);
-          const char* vn = reinterpret_cast<const char*>(vp + next * block_stride);
-          for (int64_t byte = 0; byte < block_stride * 4; byte += 64) {
-            __builtin_prefetch(kn + byte);
-            __builtin_prefetch(vn + byte);
-          }
-        }
-        const int64_t lo = std::max(start, base) - base, hi = std::min(stop, base + block_size) - base;
-        const float* kb = kp + block * block_stride;
-        const float* vb = vp + block * block_stride;
-        for (int64_t j = lo; j < hi; ++j) {
-          for (int64_t hq = 0; hq < n_heads; ++hq) {
-            const float* kr = kb + j * slot_stride + (hq / group) * dim;
-            const float* qh = qn + hq * dim;
-            float dot = 0.f;
-            for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kr[d];
-            score[hq * block_size + j] = dot * fscale;
-          }
-        }
-        for (int64_t hq = 0; hq < n_heads; ++hq) {
-          float* sh = score.data() + hq * block_size;
-          float block_max = run_max[hq];
-          for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, sh[j]);
-          float sum = 0.f;
-          for (int64_t j = lo; j < hi; ++j) {
-            sh[j] = exp_nonpositive(sh[j] - block_max);
-            sum += sh[j];
-          }
-          const float correction = exp_nonpositive(run_max[hq] - block_max);
-          float* ah = acc.data() + hq * dim;
-          for (int64_t d = 0; d < dim; ++d) ah[d] *= correction;
-          run_max[hq] = block_max;
-          run_sum[hq] = run_sum[hq] * correction + sum;
-        }
-        for (int64_t j = lo; j < hi; ++j) {
-          for (int64_t hq = 0; hq < n_heads; ++hq) {
-            const float w = score[hq * block_size + j];
-            const float* vr = vb + j * slot_stride + (hq / group) * dim;
-            float* ah = acc.data() + hq * dim;
-            for (int64_t d = 0; d < dim; ++d) ah[d] += w * vr[d];
-          }
-        }
-      }
-      for (int64_t hq = 0; hq < n_heads; ++hq) {
-        float* o = op + (n * n_heads + hq) * dim;
-        const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[hq * dim + d] * inv;
-      }
+      auto attend = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
+      attend(qp + n * n_heads * dim, kp, vp, table + n * width, starts[n], lens[n], n_heads, group, dim, block_size,
+             slot_stride, fscale, acc.data(), score.data(), run_max.data(), run_sum.data(), op + n * n_heads * dim);
     }
   });
 }
