@@ -1,10 +1,11 @@
-"""Native CPU attention kernels (csrc/), compiled on first use for the machine they run on.
+"""Native CPU kernels (csrc/): paged decode attention and fused layer ops, compiled on first use
+for the machine they run on.
 
 The build needs a C++ compiler and ninja (torch.utils.cpp_extension); it takes ~25 s once and is
 cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the source and the
 CPU's instruction sets, since it is compiled with -march=native. Without a compiler, or with
-BLOCKSERVE_NATIVE_KERNELS=0, `paged_decode_kernel()` returns None and the backends use their
-pure-PyTorch path (same results, slower).
+BLOCKSERVE_NATIVE_KERNELS=0, the getters return None and callers use their PyTorch path
+(same results up to float rounding, slower).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BLOCKSERVE_NATIVE_KERNELS"
 
 
@@ -34,35 +35,54 @@ def why_not_native() -> str | None:
     return None
 
 
-@functools.cache
 def paged_decode_kernel() -> Callable | None:
     """`fn(out, q, k_cache, v_cache, block_table, key_start, seq_lens, scale)` from
-    csrc/paged_decode.cpp, or None when native kernels are disabled or cannot be built (the
-    reason is logged once)."""
-    reason = why_not_native()
+    csrc/paged_decode.cpp, or None when native kernels are disabled or cannot be built."""
+    module = _native("paged_decode")
+    return None if module is None else module.paged_decode_attention
+
+
+def fused_ops():
+    """The module of csrc/fused_ops.cpp (add_rms_norm_, rotary_, silu_and_mul), or None when
+    native kernels are disabled or cannot be built."""
+    return _native("fused_ops")
+
+
+def _native(name: str):
+    reason = why_not_native()  # checked on every call, so it can be switched off at any time
     if reason is not None:
-        logger.warning("native kernels not built (%s): paged decode attention uses the PyTorch path (slower)",
-                       reason)
+        _say_once(f"native kernels not used ({reason}): the PyTorch paths run instead (slower)")
         return None
+    return _build(name)
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.warning(message)
+
+
+@functools.cache
+def _build(name: str):
+    """csrc/{name}.cpp compiled and loaded, or None (the reason is logged)."""
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"blockserve_paged_decode_{_build_key()}", sources=[str(_SOURCE)],
-                      extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math",
-                                    "-fno-signed-zeros", "-fno-trapping-math"],
-                      verbose=False)
+        return load(name=f"blockserve_{name}_{_build_key(name)}", sources=[str(_CSRC / f"{name}.cpp")],
+                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math",
+                                  "-fno-signed-zeros", "-fno-trapping-math"],
+                    extra_include_paths=[str(_CSRC)], verbose=False)
     except Exception as error:  # a failed build must not stop the engine: fall back, say why
-        logger.warning("building the native paged decode kernel failed (%s): using the PyTorch path", error)
+        logger.warning("building native kernel %s failed (%s): using the PyTorch path", name, error)
         return None
-    return module.paged_decode_attention
 
 
-def _build_key() -> str:
-    """Source and CPU identity: a cached build is reused only where it was compiled for."""
+def _build_key(name: str) -> str:
+    """Sources and CPU identity: a cached build is reused only where it was compiled for."""
     flags = ""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    identity = _SOURCE.read_bytes() + platform.machine().encode() + flags.encode()
+    identity = b"".join(p.read_bytes() for p in (_CSRC / f"{name}.cpp", _CSRC / "fast_exp.h"))
+    identity += platform.machine().encode() + flags.encode()
     return hashlib.sha256(identity).hexdigest()[:12]

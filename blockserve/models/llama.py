@@ -12,6 +12,9 @@ every sequence in the step; each layer finds its cache slice and metadata in the
 
     x ─► embed ─► [ x += o(attn(rope(qkv(norm x))))  x += down(silu(gate) * up)(norm x) ] × L ─► norm
 
+Each residual add is fused into the norm that follows it; with the native fused ops
+(attention/native.py) the norm+add, the rotary embedding and silu*up are one pass each.
+
 Q/K/V and gate/up are fused, one matmul each. Parameters are created on the meta device (no
 time spent initialising them); `load_weights` materialises them from Hugging Face names.
 """
@@ -27,6 +30,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
+from blockserve.attention.native import fused_ops
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.kv import FullAttentionSpec
 from blockserve.models.fused_weights import load_fused_weights
@@ -42,13 +46,23 @@ def _sliding_window_active(config) -> bool:
 
 
 class RMSNorm(nn.Module):
+    """`norm(x)`, or `norm(x, residual)` -> (norm(residual + x), residual + x): the residual add
+    fused into the norm, in place on x and residual (both must be the caller's own tensors)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.fused = fused_ops()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.fused is not None and x.dtype == torch.float32 and x.dim() == 2:
+            self.fused.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -112,6 +126,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, head_dim,
                               backend_cls(head_dim**-0.5))
+        self.fused = fused_ops()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -122,6 +137,10 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        elif self.fused is not None and qkv.dtype == torch.float32:  # q and k heads rotated in place, one pass
+            self.fused.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos[:, 0], sin[:, 0])
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         else:  # q and k heads rotated together: half the elementwise calls
             qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -134,9 +153,13 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.fused = fused_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and gate_up.dtype == torch.float32:
+            return self.down_proj(self.fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -148,9 +171,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it): the residual
+        adds happen inside the next norm (fused). residual None: x is the embedding output."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, ctx), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -166,10 +196,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = self.rotary(positions)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from blockserve.attention.native import DISABLE_ENV
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.loader import load_model
@@ -60,6 +61,20 @@ def test_matches_transformers(tiny, backend, scenario):
     path, prompts, ref_logits, ref_tokens = tiny
     model = load_model(str(path), BACKENDS[backend]).model
     which, options = SCENARIOS[scenario]
+    logits, tokens = run_paged(model, [prompts[i] for i in which], NEW_TOKENS, **options)
+    for got, i in zip(logits, which):
+        torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)
+    assert tokens == [ref_tokens[i] for i in which]
+
+
+def test_pytorch_paths_match_transformers(tiny, monkeypatch):
+    """With native kernels off (no fused ops, gathered decode attention) the same outputs."""
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    path, prompts, ref_logits, ref_tokens = tiny
+    model = load_model(str(path), BACKENDS["exact"]).model
+    assert all(getattr(m, "fused", None) is None and getattr(m, "decode_kernel", None) is None
+               for m in [*model.modules(), *(layer.self_attn.attn.backend for layer in model.model.layers)])
+    which, options = SCENARIOS["batch-of-3"]
     logits, tokens = run_paged(model, [prompts[i] for i in which], NEW_TOKENS, **options)
     for got, i in zip(logits, which):
         torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)

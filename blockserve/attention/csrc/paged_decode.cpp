@@ -12,29 +12,9 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-// exp(x) for x <= 0 to ~2 ulp (Cephes' expf polynomial on x = k ln2 + r), written so that the
-// compiler vectorises a loop of it; std::exp is a scalar call and dominated the kernel.
-static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38: anything below weighs nothing
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+#include "fast_exp.h"
 
 // The decode of one sequence: all its query heads against its positions [start, stop), block by
 // block. DIM is the head size when known at compile time (loops fully unrolled), else 0.
@@ -76,10 +56,10 @@ static void attend_sequence(const float* __restrict qn, const float* kp, const f
       for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, sh[j]);
       float sum = 0.f;
       for (int64_t j = lo; j < hi; ++j) {
-        sh[j] = exp_nonpositive(sh[j] - block_max);
+        sh[j] = fast_exp(sh[j] - block_max);
         sum += sh[j];
       }
-      const float correction = exp_nonpositive(run_max[hq] - block_max);
+      const float correction = fast_exp(run_max[hq] - block_max);
       float* __restrict ah = acc + hq * dim;
       for (int64_t d = 0; d < dim; ++d) ah[d] *= correction;
       run_max[hq] = block_max;
