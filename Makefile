@@ -30,9 +30,10 @@ bench-scheduler: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/scheduler_overhead.py
 
 # The `peers` extra adds llama-cpp-python (a compiled wheel, kept out of `dev` so CI never builds it).
+# One thread for every system: on this shared 2-core box a second one measures the neighbours.
 bench-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/peers/run.py --json results/peers.json
+	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/peers/run.py --threads 1 --json results/peers.json
 
 soak: install
 	$(PY) -m blockserve.sim.soak --requests 100000
