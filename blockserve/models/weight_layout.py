@@ -25,11 +25,9 @@ def use_input_major_linears(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear) and not getattr(module, "keep_row_major", False):
             _relayout(module)
-    if getattr(model, "tie_word_embeddings", False):
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        embedding = embedding or getattr(getattr(model, "model", None), "embed_tokens", None)
-        if isinstance(embedding, nn.Embedding):
-            _relayout(embedding)
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)  # where every family keeps it
+    if getattr(model, "tie_word_embeddings", False) and isinstance(embedding, nn.Embedding):
+        _relayout(embedding)
 
 
 def _relayout(module: nn.Module) -> None:
