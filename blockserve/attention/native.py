@@ -64,6 +64,7 @@ def _say_once(message: str) -> None:
 @functools.cache
 def _build(name: str):
     """csrc/{name}.cpp compiled and loaded, or None (the reason is logged)."""
+    logger.info("loading native kernel %s (compiled on its first use on this machine, ~25 s)", name)
     try:
         from torch.utils.cpp_extension import load
 
