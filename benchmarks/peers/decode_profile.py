@@ -119,6 +119,21 @@ def _instrument(llm: LLM) -> _Regions:
     return regions
 
 
+_REGION_CATEGORIES = {  # region label -> category of the aten ops directly inside it
+    "paged attention (write+gather+SDPA)": "attention misc (views, arange, empty, copy out)",
+    "attn: gather index math": "gather index math",
+    "attn: SDPA (incl. transposes)": "SDPA",
+    "norm": "norms",
+    "attn glue: split/view/rope": "rope + qkv split/views",
+    "rope cos/sin lookup": "rope + qkv split/views",
+    "mlp glue: silu*up": "activation (silu * up)",
+    "layer glue: residual adds": "residual adds",
+    "sampler": "sampling",
+    "prepare inputs": "input preparation",
+    "update input batch": "input preparation",
+}
+
+
 def _categorise(events) -> dict[str, float]:
     """Seconds per category: every aten op whose parent is not an aten op (a top-level op, or one
     directly inside a region scope), attributed by op name and innermost region."""
@@ -135,28 +150,12 @@ def _categorise(events) -> dict[str, float]:
             cat = "matmul (linear + lm_head)" if region in ("linear (matmul)", "lm_head (matmul)") else f"matmul in {region or 'step'}"
         elif name == "aten::scaled_dot_product_attention":
             cat = "SDPA"
-        elif region == "paged attention (write+gather+SDPA)" and name == "aten::index_put_":
-            cat = "KV cache write (index_put_)"
+        elif region == "paged attention (write+gather+SDPA)" and name in ("aten::index_copy_", "aten::index_put_"):
+            cat = "KV cache write"
         elif region == "paged attention (write+gather+SDPA)" and name == "aten::index":
             cat = "KV gather (index copy)"
-        elif region == "paged attention (write+gather+SDPA)":
-            cat = "attention misc (views, arange, empty, copy out)"
-        elif region == "attn: gather index math":
-            cat = "gather index math"
-        elif region == "attn: SDPA (incl. transposes)":
-            cat = "SDPA"
-        elif region == "norm":
-            cat = "norms"
-        elif region in ("attn glue: split/view/rope", "rope cos/sin lookup"):
-            cat = "rope + qkv split/views"
-        elif region == "mlp glue: silu*up":
-            cat = "activation (silu * up)"
-        elif region == "layer glue: residual adds":
-            cat = "residual adds"
-        elif region == "sampler":
-            cat = "sampling"
-        elif region in ("prepare inputs", "update input batch"):
-            cat = "input preparation"
+        elif region in _REGION_CATEGORIES:
+            cat = _REGION_CATEGORIES[region]
         else:
             cat = f"other ({region or 'outside regions'})"
         totals[cat] += e.cpu_time_total / 1e6

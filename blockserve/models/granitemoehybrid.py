@@ -30,6 +30,7 @@ from blockserve.attention.layer import Attention
 from blockserve.attention.mamba2 import Mamba2
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.kv import FullAttentionSpec, LinearStateSpec
+from blockserve.models.experts import Experts
 from blockserve.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
 
 # Granite's checkpoint names -> the names transformers (and this file) use for the MoE weights.
@@ -110,25 +111,6 @@ class SharedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
         return self.output_linear(F.silu(gate) * up)
-
-
-class Experts(nn.Module):
-    """SwiGLU experts stored as [E, 2I, H] (gate | up) and [E, H, I]."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; index, weights [T, k]: each token's experts and their weights."""
-        out = torch.zeros_like(x)
-        for expert in index.unique().tolist():
-            token, slot = (index == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out[token] += y  # a token meets each expert at most once
-        return out
 
 
 class MoE(nn.Module):

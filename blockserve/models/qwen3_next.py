@@ -33,6 +33,7 @@ from blockserve.attention.gated_deltanet import GatedDeltaNet
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.kv import FullAttentionSpec, LinearStateSpec
+from blockserve.models.experts import Experts
 from blockserve.models.fused_weights import set_parameter
 from blockserve.models.llama import RotaryEmbedding, apply_rotary
 
@@ -134,25 +135,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Experts(nn.Module):
-    """SwiGLU experts stored as [E, 2I, H] (gate | up) and [E, H, I]."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; index, weights [T, k]: each token's experts and their weights."""
-        out = torch.zeros_like(x)
-        for expert in index.unique().tolist():
-            token, slot = (index == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out[token] += y  # a token meets each expert at most once
-        return out
 
 
 class SparseMoeBlock(nn.Module):
