@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="exact", choices=["exact", "whole_block"])
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--poison", action="store_true", help="fill garbage KV blocks with NaN (debugging)")
+    g.add_argument("--no-quantized-matmul", action="store_true",
+                   help="GGUF models: float32 weights only (by default batches of up to 16 rows read the "
+                        "file's Q4_1/Q8_0 blocks)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -46,6 +49,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         poison=args.poison,
+        quantized_matmul=not args.no_quantized_matmul,
     )
 
 

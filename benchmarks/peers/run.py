@@ -19,7 +19,9 @@ Systems, interleaved round by round (each round runs every system once, in this 
 over `--rounds`:
 
     blockserve            LLM.generate over the whole batch, fp32 (a fresh engine on the same loaded
-                          weights each round; prefix caching within a round unless --no-prefix-caching)
+                          weights each round; prefix caching within a round unless --no-prefix-caching);
+                          steps of at most 16 rows read the GGUF's Q4_1/Q8_0 blocks (the same weight
+                          values; models/quantized_linear.py)
     hf-sequential         transformers generate, fp32, one prompt at a time
     hf-batchB             transformers generate, fp32, static batches of B prompts, left padding
     hf-continuous         transformers continuous batching (generate_batch), fp32, SDPA over its paged
@@ -39,7 +41,8 @@ max_batch_tokens and llama.cpp's n_batch.
 
 Batch-1 inter-token latency (issue 8: at least 1.5x lower than transformers generate), each round
 after the throughput runs, over `--itl-prompts` prompts of the workload, per prompt the decode time
-per token after the first: blockserve from its step loop (`blockserve bench latency`'s TPOT),
+per token after the first: blockserve from its step loop (`blockserve bench latency`'s TPOT), as
+loaded (GGUF blocks) and as "blockserve fp32" (float32 weights only, quantized_matmul=False),
 transformers generate as (time of max_tokens new tokens - time of 1) / (max_tokens - 1) (whenever
 a transformers system runs), llama.cpp from its decode loop, one sequence (whenever a llama.cpp
 system runs). Medians over prompts and rounds.
@@ -131,6 +134,8 @@ def main() -> None:
         raise SystemExit(f"--attention-backend must be one of {sorted(BACKENDS)}")
     loaded = load_model(None, BACKENDS[args.attention_backend])
     print(f"blockserve model loaded in {time.perf_counter() - t:.1f} s ({loaded.source})")
+    # the batch-1 latency also runs on float32 weights only, for the like-for-like comparison
+    loaded_fp32 = load_model(None, BACKENDS[args.attention_backend], quantized_matmul=False) if args.itl_prompts else None
     tokenizer = loaded.tokenizer
     prompts = workload_prompts(tokenizer, args.num_prompts)
     itl_prompts = workload_prompts(tokenizer, args.itl_prompts) if args.itl_prompts else []
@@ -169,7 +174,7 @@ def main() -> None:
     results["skipped"] = skipped
     tokens_by_system: dict[str, list] = {}
     if args.rounds > 0:
-        runners, itl_runners = build_runners(systems, loaded, engine_args, args, progress, skipped, env)
+        runners, itl_runners = build_runners(systems, loaded, loaded_fp32, engine_args, args, progress, skipped, env)
         warm_up(runners, prompts, skipped)  # first-call costs (oneDNN kernels, allocator), not timed
         systems = [s for s in systems if s not in skipped]
         if all(s in skipped for s in LLAMA_CPP):
@@ -232,13 +237,15 @@ def select_systems(args: argparse.Namespace, num_prompts: int) -> list[str]:
     return systems
 
 
-def build_runners(systems: list[str], loaded, engine_args: dict, args: argparse.Namespace, progress: bool,
-                  skipped: dict, env: dict) -> tuple[dict, dict]:
-    """(a runner per system, the batch-1 latency runners: blockserve, and transformers generate and
-    llama.cpp whenever one of their systems runs); llama.cpp systems that cannot load go to
-    `skipped` with the reason."""
+def build_runners(systems: list[str], loaded, loaded_fp32, engine_args: dict, args: argparse.Namespace,
+                  progress: bool, skipped: dict, env: dict) -> tuple[dict, dict]:
+    """(a runner per system, the batch-1 latency runners: blockserve as loaded and on fp32 weights
+    only, and transformers generate and llama.cpp whenever one of their systems runs); llama.cpp
+    systems that cannot load go to `skipped` with the reason."""
     runners = {"blockserve": BlockserveRunner(loaded, engine_args, progress)}
     itl_runners = dict(runners)
+    if loaded_fp32 is not None:
+        itl_runners["blockserve fp32"] = BlockserveRunner(loaded_fp32, engine_args, progress)
     if any(s.startswith("hf-") for s in systems):
         t = time.perf_counter()
         model = load_hf_model()

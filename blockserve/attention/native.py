@@ -1,5 +1,5 @@
-"""Native CPU kernels (csrc/): paged decode attention and fused layer ops, compiled on first use
-for the machine they run on.
+"""Native CPU kernels (csrc/): paged decode attention, fused layer ops and matmuls over GGUF
+quantized weights, compiled on first use for the machine they run on.
 
 The build needs a C++ compiler and ninja (torch.utils.cpp_extension); it takes ~25 s once and is
 cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the source and the
@@ -46,6 +46,12 @@ def fused_ops():
     """The module of csrc/fused_ops.cpp (add_rms_norm_, rotary_, silu_and_mul), or None when
     native kernels are disabled or cannot be built."""
     return _native("fused_ops")
+
+
+def quantized_matmul_ops():
+    """The module of csrc/quantized_matmul.cpp (quantized_matmul, has_simd), or None when native
+    kernels are disabled or cannot be built."""
+    return _native("quantized_matmul")
 
 
 def _native(name: str):

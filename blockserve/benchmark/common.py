@@ -151,7 +151,7 @@ def load_for_bench(args: argparse.Namespace):
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    return load_model(args.model, BACKENDS[args.attention_backend])
+    return load_model(args.model, BACKENDS[args.attention_backend], quantized_matmul=not args.no_quantized_matmul)
 
 
 def kv_bytes_needed(loaded, block_size: int, token_counts: list[int]) -> int:

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bandwidth_bound(loaded, per_size: list[dict]) -> dict | None:
-    from blockserve.benchmark.roofline import ModelShape, batch1_bandwidth_bound
+    from blockserve.benchmark.roofline import ModelShape, batch1_bandwidth_bound, loaded_bound_line
 
     try:
         shape = ModelShape.of(loaded.model, loaded.hf_config)
@@ -151,9 +151,12 @@ def _bandwidth_bound(loaded, per_size: list[dict]) -> dict | None:
         print(f"roofline: not available for this model ({e})")
         return None
     bound = batch1_bandwidth_bound(shape)
-    ms = bound["batch1_bandwidth_bound_ms_per_token"]
+    ms = bound["batch1_loaded_bound_ms_per_token"]
     line = (f"batch-1 weight-bandwidth bound: {bound['weight_bytes_per_token'] / 1e6:.0f} MB of fp32 weights per token "
-            f"at {bound['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth -> {ms:.1f} ms/token")
+            f"at {bound['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth -> "
+            f"{bound['batch1_bandwidth_bound_ms_per_token']:.1f} ms/token")
+    if loaded_bound_line(bound):
+        line += "\n" + loaded_bound_line(bound)
     one = next((s for s in per_size if s["batch_size"] == 1), None)
     if one is not None and one["itl_ms"]["median"]:
         bound["batch1_itl_fraction_of_bound"] = ms / one["itl_ms"]["median"]

@@ -1,5 +1,6 @@
 """The fp32 roofline of a workload: the compute bound (GEMM peak measured on the spot) and the
-batch-1 weight-bandwidth bound (copy bandwidth measured on the spot). Shared by `blockserve bench`
+batch-1 weight-bandwidth bound (copy bandwidth measured on the spot), for fp32 weights and for
+the weights as loaded (a GGUF model's layers also keep their quantized blocks for small batches). Shared by `blockserve bench`
 and benchmarks/peers/run.py.
 
 FLOPs: 2 x linear params per computed token, the (tied) lm_head only where a token is sampled,
@@ -74,15 +75,19 @@ class ModelShape:
     head_dim: int
     hidden: int
     intermediate: int
+    batch1_weight_bytes: int  # weights a batch-1 step reads: GGUF blocks where a layer keeps them, else fp32
 
     @staticmethod
     def of(model: torch.nn.Module, hf_config) -> ModelShape:
         params = sum(p.numel() for p in model.parameters())
         linear = sum(m.weight.numel() for name, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+        blocks = [m for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+        batch1_bytes = 4 * params - sum(4 * m.weight.numel() - m.packed.numel() for m in blocks)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         return ModelShape(params, linear, hf_config.vocab_size * hf_config.hidden_size, hf_config.num_hidden_layers,
-                          hf_config.num_attention_heads, head_dim, hf_config.hidden_size, hf_config.intermediate_size)
+                          hf_config.num_attention_heads, head_dim, hf_config.hidden_size, hf_config.intermediate_size,
+                          batch1_bytes)
 
     def attention_flops(self, context: float) -> float:
         """QK^T and PV of one query token over `context` keys, every layer."""
@@ -135,6 +140,7 @@ def roofline(shape: ModelShape, prompt_lens: list[int], max_tokens: int) -> dict
         "batch1_bandwidth_bound_ms_per_token": bw_s * 1e3,
         "batch1_bandwidth_bound_tok_s": 1 / bw_s,
         "batch1_read_bandwidth_bound_ms_per_token": weight_bytes / (read_bw * 1e9) * 1e3,
+        **_as_loaded_bound(shape, copy_bw),
     }
 
 
@@ -144,7 +150,23 @@ def batch1_bandwidth_bound(shape: ModelShape) -> dict:
     copy_bw = measure_copy_bandwidth()
     weight_bytes = 4 * shape.params
     return {"copy_bandwidth_gbs": copy_bw, "weight_bytes_per_token": weight_bytes,
-            "batch1_bandwidth_bound_ms_per_token": weight_bytes / (copy_bw * 1e9) * 1e3}
+            "batch1_bandwidth_bound_ms_per_token": weight_bytes / (copy_bw * 1e9) * 1e3,
+            **_as_loaded_bound(shape, copy_bw)}
+
+
+def _as_loaded_bound(shape: ModelShape, copy_bw: float) -> dict:
+    """The batch-1 bound for the weights as loaded (GGUF blocks where layers keep them)."""
+    return {"loaded_weight_bytes_per_token": shape.batch1_weight_bytes,
+            "batch1_loaded_bound_ms_per_token": shape.batch1_weight_bytes / (copy_bw * 1e9) * 1e3}
+
+
+def loaded_bound_line(roof: dict) -> str:
+    """A line on the as-loaded batch-1 bound; empty when the weights are all fp32."""
+    if roof["loaded_weight_bytes_per_token"] == roof["weight_bytes_per_token"]:
+        return ""
+    return (f"batch-1 bound as loaded (GGUF blocks for small batches, fp32 elsewhere): "
+            f"{roof['loaded_weight_bytes_per_token'] / 1e6:.0f} MB per token -> "
+            f"{roof['batch1_loaded_bound_ms_per_token']:.1f} ms/token")
 
 
 def report_lines(roof: dict, generated_tok_s: float | None = None) -> list[str]:
@@ -163,6 +185,7 @@ def report_lines(roof: dict, generated_tok_s: float | None = None) -> list[str]:
         f"{roof['batch1_bandwidth_bound_ms_per_token']:.1f} ms/token ({roof['batch1_bandwidth_bound_tok_s']:.1f} tok/s); "
         f"batch-1 inter-token latency: `blockserve bench latency --batch-sizes 1`",
     ]
+    lines += [line for line in (loaded_bound_line(roof),) if line]
     if generated_tok_s is not None:
         lines.append(f"blockserve: {generated_tok_s:.1f} tok/s = {100 * generated_tok_s / roof['compute_bound_tok_s']:.1f}% "
                      f"of the compute roofline")

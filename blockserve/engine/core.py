@@ -34,7 +34,7 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         backend = BACKENDS[config.attention_backend]
-        self.loaded = loaded or load_model(config.model, backend)
+        self.loaded = loaded or load_model(config.model, backend, quantized_matmul=config.quantized_matmul)
         hf_config = self.loaded.hf_config
         model_max = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP)
         max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)

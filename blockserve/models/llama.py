@@ -222,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             with torch.device("meta"):
                 self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        # The tied lm_head over the GGUF's blocks of the embedding (models/quantized_linear.py), if any.
+        self.quantized_lm_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] int64 of the flattened batch -> final hidden states [T, hidden_size].
@@ -230,8 +232,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if not self.tie_word_embeddings:
+            return self.lm_head(hidden).float()
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def kv_cache_specs(self, block_size: int) -> dict[str, FullAttentionSpec]:
         spec = FullAttentionSpec(block_size, self.config.num_key_value_heads, self.head_dim, "float32")

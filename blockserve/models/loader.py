@@ -3,7 +3,8 @@
     source      what is loaded
     None        the default model's GGUF (default_model.py), as a .gguf below
     <dir>       config.json + model.safetensors (or a sharded index) + tokenizer files, if any
-    <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one
+    <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one;
+                its Q4_1 / Q8_0 blocks are also kept for small batches (quantized_linear.py)
 
     <cache>/gguf-<stem>-<key>/      key: hash of the GGUF's absolute path, size and mtime
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -36,8 +38,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.models.default_model import default_model_path
+from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
+from blockserve.models.quantized_linear import MAX_ROWS, use_quantized_linears
 from blockserve.models.registry import model_class
 from blockserve.models.weight_layout import use_input_major_linears
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -67,8 +73,11 @@ class LoadedModel:
 
 
 def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
-               cache_dir: str | None = None) -> LoadedModel:
+               cache_dir: str | None = None, quantized_matmul: bool = True) -> LoadedModel:
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
+
+    quantized_matmul: for a GGUF file, linear layers stored as Q4_1 or Q8_0 also keep those blocks
+    and run small batches on them (models/quantized_linear.py); False: float32 only.
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or
     a corrupt or mismatched checkpoint. Each message says what to do.
@@ -82,7 +91,11 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     hf_dir = _converted_gguf(path, cache_root(cache_dir))
-    return _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})")
+    loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})")
+    if quantized_matmul:
+        used = use_quantized_linears(loaded.model, _gguf_blocks(path, loaded.hf_config))
+        logger.info("%d linear layers run batches of up to %d rows on the GGUF's blocks", used, MAX_ROWS)
+    return loaded
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -181,16 +194,38 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantised tensors under Hugging Face names. llama.cpp permutes the rows of Q and K of
-    "llama" GGUFs for its rope kernel; undo it as transformers' GGUF loader does."""
+    """Dequantised tensors under Hugging Face names."""
+    for tensor in reader.tensors:
+        if tensor.name.rpartition(".")[0] == "rope_freqs":  # llama.cpp's rope divisors (Llama 3.1+ scaling)
+            if not np.all(gguf.quants.dequantize(tensor.data, tensor.tensor_type) == 1):
+                raise ValueError(f"{arch} GGUF with rope scaling factors (rope_freqs) is not supported; "
+                                 "load the model's Hugging Face directory instead")
+    for name, tensor, rope_heads in _gguf_named(reader, arch, config):
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if rope_heads:
+            weights = _unpermute_rope_rows(weights, rope_heads)
+        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+
+
+def _gguf_blocks(path: Path, config) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(Hugging Face name, GGUF type, raw blocks [rows, bytes]) of the tensors of the GGUF file
+    `path` stored in a block format QuantizedLinear reads, rows in Hugging Face order."""
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    for name, tensor, rope_heads in _gguf_named(reader, arch, config):
+        if tensor.tensor_type.name in QUANTIZED_FORMATS:
+            raw = np.asarray(tensor.data)
+            yield name, tensor.tensor_type.name, _unpermute_rope_rows(raw, rope_heads) if rope_heads else raw
+
+
+def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, gguf.ReaderTensor, int | None]]:
+    """(Hugging Face name, GGUF tensor, heads whose rows to unpermute or None) for every tensor
+    but rope_freqs. llama.cpp permutes the rows of Q and K of "llama" GGUFs for its rope kernel;
+    undo it as transformers' GGUF loader does."""
     for tensor in reader.tensors:
         module, _, leaf = tensor.name.rpartition(".")
         parts = module.split(".")
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if module == "rope_freqs":  # llama.cpp's per-dimension rope divisors (Llama 3.1+ scaling)
-            if not np.all(weights == 1):
-                raise ValueError(f"{arch} GGUF with rope scaling factors (rope_freqs) is not supported; "
-                                 "load the model's Hugging Face directory instead")
+        if module == "rope_freqs":
             continue
         if module in _GGUF_TOP:
             name = f"{_GGUF_TOP[module]}.{leaf}"
@@ -198,10 +233,10 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[
             name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{leaf}"
         else:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in blockserve's {arch} model")
+        rope_heads = None
         if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
-            heads = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
-            weights = _unpermute_rope_rows(weights, heads)
-        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+            rope_heads = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
+        yield name, tensor, rope_heads
 
 
 def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

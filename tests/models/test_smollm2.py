@@ -12,10 +12,12 @@ import pytest
 import torch
 from transformers.integrations.gguf import read_gguf_metadata
 
+from blockserve.attention.native import quantized_matmul_ops
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models import loader
 from blockserve.models.default_model import default_model_path
 from blockserve.models.loader import load_model
+from blockserve.models.quantized_linear import QuantizedLinear
 from tests.models.conftest import run_paged
 
 CHATS = [
@@ -43,7 +45,8 @@ def reference(loaded, smollm2_transformers):
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    """One load per backend: the first converts into a fresh cache, the second must hit it."""
+    """One load per backend: the first converts into a fresh cache, the second must hit it. The
+    second keeps float32 weights only, so both matmul paths are compared with transformers."""
     cache_dir = tmp_path_factory.mktemp("blockserve-cache")
     start = time.perf_counter()
     first = load_model(None, BACKENDS["exact"], cache_dir=str(cache_dir))
@@ -51,7 +54,7 @@ def loaded(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader, "_convert_gguf", lambda *args: pytest.fail("second load converted the GGUF again"))
         start = time.perf_counter()
-        second = load_model(None, BACKENDS["whole_block"], cache_dir=str(cache_dir))
+        second = load_model(None, BACKENDS["whole_block"], cache_dir=str(cache_dir), quantized_matmul=False)
         second_s = time.perf_counter() - start
     print(f"\nSmolLM2 GGUF load: first (convert) {first_s:.1f} s, second (cached) {second_s:.1f} s")
     return cache_dir, {"exact": first, "whole_block": second}
@@ -81,3 +84,21 @@ def test_matches_transformers(reference, loaded, backend):
     for got, want in zip(logits, ref_logits):
         torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
     assert tokens == ref_tokens
+
+
+def test_every_linear_keeps_its_gguf_blocks_in_the_right_order(loaded):
+    """The blocks each layer reads at small batches give the same matmul as its float32 weights,
+    which come from the independent dequantise-and-convert path: q/k rows unpermuted, q/k/v and
+    gate/up concatenated in the same order, the tied lm_head from the Q8_0 embedding."""
+    ops = quantized_matmul_ops()
+    if ops is None or not ops.has_simd():
+        pytest.skip("the quantized kernel needs native kernels built with AVX-512")
+    model = loaded[1]["exact"].model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; lm_head
+    assert model.quantized_lm_head in layers
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded[1]["whole_block"].model.modules())
+    for layer in layers:
+        x = torch.randn(3, layer.in_features)
+        want = torch.nn.functional.linear(x, layer.weight)
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5 * want.abs().max().item())

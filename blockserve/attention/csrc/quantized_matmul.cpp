@@ -1,0 +1,153 @@
+// out = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0) and dequantised in registers:
+// the weights are exactly the values the format encodes (what gguf's dequantiser produces), read
+// at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4. For the few rows of a small
+// decode batch, where a float32 matmul is bound by reading its weights.
+//
+// Per block of 32 weights:  Q4_1  w = d * q + m   (q in 0..15)     Q8_0  w = d * q   (q in -128..127)
+// so a row's dot product is  sum_b d_b * (q_b . x_b) + m_b * sum(x_b); the block sums of x are
+// computed once per call.
+//
+// Packed layout (pack_blocks in models/quantized_linear.py): output rows in groups of
+// four, each group one contiguous run of blocks so a group streams from memory in order:
+//   Q4_1 group block (96 B):  d[4] f32 | m[4] f32 | 4 x 16 B nibbles (byte j: weight j low, j+16 high)
+//   Q8_0 group block (144 B): d[4] f32 | 4 x 32 int8
+// The row count is padded to a multiple of four with zero rows.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BLOCKSERVE_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kGroup = 4;   // output rows packed together
+constexpr int64_t kRows = 4;    // rows of x that share one pass over a group's weights
+
+template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 96 : 144; }
+
+struct Problem {
+  const float* x;      // [M, K]
+  const float* xsum;   // [M, K / 32] block sums of x (Q4_1 only)
+  const uint8_t* w;    // packed groups
+  float* out;          // [M, N]
+  int64_t M, K, N;
+};
+
+#ifdef BLOCKSERVE_AVX512
+// Rows r0..r0+R of x against output rows g*4..g*4+4 (those below N), 16 lanes at a time: each
+// weight is widened to float once and used for the R rows of x.
+template <bool Q4, int R>
+void group_avx512(const Problem& p, int64_t g, int64_t r0) {
+  const int64_t blocks = p.K / kBlock;
+  const uint8_t* gb = p.w + g * blocks * group_block_bytes<Q4>();
+  __m512 acc[kGroup][R];
+  __m128 min_acc[R];
+  for (int r = 0; r < R; ++r) {
+    min_acc[r] = _mm_setzero_ps();
+    for (int i = 0; i < kGroup; ++i) acc[i][r] = _mm512_setzero_ps();
+  }
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+    _mm_prefetch(reinterpret_cast<const char*>(gb) + 8 * group_block_bytes<Q4>(), _MM_HINT_T0);
+    __m512 x_lo[R], x_hi[R];
+    for (int r = 0; r < R; ++r) {
+      const float* x = p.x + (r0 + r) * p.K + b * kBlock;
+      x_lo[r] = _mm512_loadu_ps(x);
+      x_hi[r] = _mm512_loadu_ps(x + 16);
+    }
+    const float* d = reinterpret_cast<const float*>(gb);
+    for (int i = 0; i < kGroup; ++i) {
+      __m512 w_lo, w_hi;
+      if constexpr (Q4) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * i)));
+        w_lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
+        w_hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+      } else {
+        const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * i);
+        w_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+        w_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+      }
+      const __m512 scale = _mm512_set1_ps(d[i]);  // d * q is exact in float32: the weight less m
+      w_lo = _mm512_mul_ps(w_lo, scale);
+      w_hi = _mm512_mul_ps(w_hi, scale);
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(w_hi, x_hi[r], _mm512_fmadd_ps(w_lo, x_lo[r], acc[i][r]));
+    }
+    if constexpr (Q4) {
+      const __m128 m = _mm_loadu_ps(reinterpret_cast<const float*>(gb + 16));
+      for (int r = 0; r < R; ++r)
+        min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float mins[kGroup];
+    _mm_store_ps(mins, min_acc[r]);
+    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
+      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm512_reduce_add_ps(acc[i][r]) + mins[i];
+  }
+}
+
+template <bool Q4>
+void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
+  switch (R) {
+    case 1: return group_avx512<Q4, 1>(p, g, r0);
+    case 2: return group_avx512<Q4, 2>(p, g, r0);
+    case 3: return group_avx512<Q4, 3>(p, g, r0);
+    default: return group_avx512<Q4, 4>(p, g, r0);
+  }
+}
+
+template <bool Q4>
+void run(const Problem& p) {
+  const int64_t groups = (p.N + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r0 = 0; r0 < p.M; r0 += kRows)  // the group's weights stay in L1 across passes
+        group_simd<Q4>(p, g, r0, std::min(kRows, p.M - r0));
+  });
+}
+#endif
+
+torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool q4_1) {
+#ifndef BLOCKSERVE_AVX512
+  TORCH_CHECK(false, "quantized_matmul was compiled without AVX-512 (check has_simd() first)");
+#else
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: 2-D float32 expected");
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 expected");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32 for GGUF block formats");
+  const int64_t groups = (N + kGroup - 1) / kGroup;
+  const int64_t bytes = groups * (K / kBlock) * (q4_1 ? group_block_bytes<true>() : group_block_bytes<false>());
+  TORCH_CHECK(packed.numel() == bytes, "packed weights have ", packed.numel(), " bytes; ", bytes,
+              " expected for ", N, " x ", K);
+  auto out = torch::empty({M, N}, x.options());
+  torch::Tensor xsum;
+  if (q4_1) xsum = x.view({M, K / kBlock, kBlock}).sum(-1).contiguous();
+  const Problem p{x.data_ptr<float>(), q4_1 ? xsum.data_ptr<float>() : nullptr, packed.data_ptr<uint8_t>(),
+                  out.data_ptr<float>(), M, K, N};
+  if (q4_1) run<true>(p); else run<false>(p);
+  return out;
+#endif
+}
+
+bool has_simd() {
+#ifdef BLOCKSERVE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantized_matmul", &quantized_matmul,
+        "out [M, N] = x [M, K] @ W^T, W packed Q4_1 (q4_1=True) or Q8_0");
+  m.def("has_simd", &has_simd, "whether the AVX-512 path was compiled in");
+}

@@ -1,0 +1,130 @@
+"""Linear layers that keep the GGUF blocks their float32 weights were dequantised from.
+
+A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
+bound by reading those weights: 4 bytes per weight. The file's Q4_1 and Q8_0 blocks encode the
+same values in 0.75 and 1.125 bytes per weight (as packed here), so for the few rows of a small
+decode batch the native kernel (attention/csrc/quantized_matmul.cpp) reads the blocks and
+dequantises them in registers; larger batches are compute-bound and keep the float32 GEMM.
+
+    rows <= max_rows   x @ W^T over the blocks      (same weights; float rounding differs)
+    rows >  max_rows   F.linear(x, W)              (the float32 copy)
+
+Only formats whose dequantisation is exact arithmetic on the stored fields are used (Q4_1:
+w = d * q + m, Q8_0: w = d * q, d and m float16); other layers stay float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.native import quantized_matmul_ops
+from blockserve.models.fused_weights import FUSED, PARTS
+
+logger = logging.getLogger(__name__)
+
+# Rows up to which the blocks beat the float32 GEMM on one AVX-512 core (SmolLM2's shapes:
+# 1 row 2.8x, 16 rows 1.3x; docs/performance.md).
+MAX_ROWS = 16
+
+BLOCK = 32
+GROUP = 4  # output rows packed together (the kernel's layout)
+FORMATS = {"Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
+
+
+def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
+    """GGUF blocks [N, K / 32 * block bytes] uint8 -> the kernel's packed layout (see the .cpp):
+    per group of four output rows and per block, the four scales (and mins) as float32, then the
+    four rows' quantized values. N is padded to a multiple of four with zero rows."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, FORMATS[format])
+    padded = -rows % GROUP
+    if padded:
+        blocks = np.concatenate([blocks, np.zeros((padded, *blocks.shape[1:]), np.uint8)])
+    groups, nblocks = blocks.shape[0] // GROUP, blocks.shape[1]
+
+    def per_group(field: np.ndarray) -> np.ndarray:  # [N, nblocks, b] -> [groups, nblocks, GROUP * b]
+        return field.reshape(groups, GROUP, nblocks, -1).transpose(0, 2, 1, 3).reshape(groups, nblocks, -1)
+
+    def as_float32(half: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(half).view(np.float16).astype(np.float32).view(np.uint8)
+
+    if format == "Q4_1":
+        fields = [as_float32(blocks[..., 0:2]), as_float32(blocks[..., 2:4]), blocks[..., 4:]]
+    else:
+        fields = [as_float32(blocks[..., 0:2]), blocks[..., 2:]]
+    packed = np.concatenate([per_group(field) for field in fields], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+
+
+class QuantizedLinear(nn.Linear):
+    """An nn.Linear (its `weight`, float32 [N, K], shared with the model, and `bias`) that also
+    holds the packed GGUF blocks of the same weight; forward picks by the number of rows."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, packed: torch.Tensor, format: str,
+                 max_rows: int = MAX_ROWS):
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+        self.register_buffer("packed", packed, persistent=False)
+        self.q4_1 = format == "Q4_1"
+        self.max_rows = max_rows
+        self.kernel = quantized_matmul_ops().quantized_matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        out = self.kernel(x, self.packed, self.weight.shape[0], self.q4_1)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
+                          max_rows: int = MAX_ROWS) -> int:
+    """Give `model`'s linear layers their GGUF blocks: (Hugging Face weight name, GGUF type name,
+    raw blocks [N, ...] with rows in the Hugging Face order). Fused projections (q/k/v, gate/up)
+    get their parts' rows concatenated, when all parts share one format. A tied input embedding
+    becomes the model's `quantized_lm_head`. Returns how many layers use blocks; 0 when the
+    native kernel cannot run here."""
+    ops = quantized_matmul_ops()
+    if ops is None or not ops.has_simd():
+        logger.info("GGUF blocks not used for small batches: %s", "no native kernels" if ops is None
+                    else "the quantized kernel needs AVX-512 (float32 weights are used)")
+        return 0
+    modules = dict(model.named_modules())
+    parts: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+    used = 0
+    for name, format, raw in blocks:
+        module_path = name.removesuffix(".weight")
+        parent, _, proj = module_path.rpartition(".")
+        if proj in FUSED:
+            fused, index = FUSED[proj]
+            module_path = f"{parent}.{fused}"
+            received = parts.setdefault(module_path, {})
+            received[index] = (format, raw)
+            if len(received) < len(PARTS[fused]):
+                continue
+            formats = {f for f, _ in received.values()}
+            if len(formats) > 1:  # e.g. Q4_K_M files store some v_proj at a higher precision
+                continue
+            format, raw = formats.pop(), np.concatenate([received[i][1] for i in range(len(received))])
+        if format not in FORMATS:
+            continue
+        if module_path == "model.embed_tokens" and getattr(model, "tie_word_embeddings", False):
+            embedding = modules[module_path]
+            model.quantized_lm_head = QuantizedLinear(embedding.weight, None, pack_blocks(raw, format), format,
+                                                      max_rows)
+            used += 1
+            continue
+        linear = modules.get(module_path)
+        if not isinstance(linear, nn.Linear) or linear.weight.shape[0] != raw.shape[0]:
+            continue
+        parent_module = modules[parent] if parent else model
+        setattr(parent_module, module_path.rpartition(".")[2],
+                QuantizedLinear(linear.weight, linear.bias, pack_blocks(raw, format), format, max_rows))
+        used += 1
+    return used

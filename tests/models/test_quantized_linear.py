@@ -1,0 +1,85 @@
+"""QuantizedLinear: GGUF blocks packed for the native kernel give the matmul of the weights gguf's
+own dequantiser produces, for the rows it handles; more rows go to the float32 copy."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.native import quantized_matmul_ops
+from blockserve.models.quantized_linear import MAX_ROWS, QuantizedLinear, pack_blocks, use_quantized_linears
+
+ops = quantized_matmul_ops()
+pytestmark = pytest.mark.skipif(ops is None or not ops.has_simd(),
+                                reason="the quantized kernel needs native kernels built with AVX-512")
+
+
+def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """Raw GGUF blocks of a random matrix, and the float32 weights gguf dequantises them to."""
+    weights = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[format])
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format]).copy())
+
+
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 13, 64])  # 13: the last group of four is padded
+def test_blocks_give_the_dequantised_matmul(format, rows):
+    raw, weight = quantized(rows, 96, format)
+    bias = torch.randn(rows)
+    # A decoy float32 copy: up to MAX_ROWS rows must come from the blocks, more from the copy.
+    decoy = nn.Parameter(torch.zeros_like(weight), requires_grad=False)
+    layer = QuantizedLinear(decoy, nn.Parameter(bias, requires_grad=False), pack_blocks(raw, format), format)
+    for m in (1, 2, 3, 4, 5, 9, MAX_ROWS):
+        x = torch.randn(m, 96)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    x = torch.randn(MAX_ROWS + 1, 96)
+    assert torch.equal(layer(x), F.linear(x, decoy, bias))
+
+
+def test_non_contiguous_rows():
+    raw, weight = quantized(8, 64, "Q4_1")
+    layer = QuantizedLinear(nn.Parameter(weight, requires_grad=False), None, pack_blocks(raw, "Q4_1"), "Q4_1")
+    x = torch.randn(3, 128)[:, ::2]
+    torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_size_is_checked():
+    raw, weight = quantized(8, 64, "Q8_0")
+    with pytest.raises(RuntimeError, match="bytes"):
+        ops.quantized_matmul(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
+
+
+class TwoLayer(nn.Module):
+    """Fused q/k/v (as the Llama family) next to a plain projection, to attach blocks by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = nn.Module()
+        self.self_attn.qkv_proj = nn.Linear(64, 24, bias=False)
+        self.self_attn.o_proj = nn.Linear(64, 8, bias=False)
+
+
+def test_fused_parts_concatenate_in_order_and_mixed_formats_stay_float32():
+    model = TwoLayer()
+    parts = {name: quantized(rows, 64, "Q4_1", seed) for seed, (name, rows) in enumerate([("q", 8), ("k", 8), ("v", 8)])}
+    model.self_attn.qkv_proj.weight.data = torch.cat([parts[n][1] for n in "qkv"])
+    o_raw, o_weight = quantized(8, 64, "Q8_0", seed=3)
+    model.self_attn.o_proj.weight.data = o_weight
+    blocks = [(f"self_attn.{n}_proj.weight", "Q4_1", parts[n][0]) for n in "kqv"]  # any arrival order
+    blocks.append(("self_attn.o_proj.weight", "Q8_0", o_raw))
+    assert use_quantized_linears(model, blocks) == 2
+    x = torch.randn(2, 64)
+    assert isinstance(model.self_attn.qkv_proj, QuantizedLinear)
+    torch.testing.assert_close(model.self_attn.qkv_proj(x), F.linear(x, model.self_attn.qkv_proj.weight),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.self_attn.o_proj(x), F.linear(x, o_weight), rtol=1e-5, atol=1e-5)
+
+    mixed = TwoLayer()
+    v_raw, _ = quantized(8, 64, "Q8_0")
+    blocks = [(f"self_attn.{n}_proj.weight", "Q4_1", parts[n][0]) for n in "qk"] + [("self_attn.v_proj.weight", "Q8_0", v_raw)]
+    assert use_quantized_linears(mixed, blocks) == 0
+    assert type(mixed.self_attn.qkv_proj) is nn.Linear
