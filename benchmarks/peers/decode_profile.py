@@ -87,6 +87,7 @@ class _CallWrapper:
 _MODULE_LABELS = {  # class name -> region label; the exclusive time of a container is its glue
     "RMSNorm": "norm",
     "Linear": "linear (matmul)",
+    "QuantizedLinear": "linear (matmul)",
     "Embedding": "embedding",
     "RotaryEmbedding": "rope cos/sin lookup",
     "Attention": "paged attention (write+gather+SDPA)",

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -28,6 +29,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 4;   // output rows packed together
 constexpr int64_t kRows = 4;    // rows of x that share one pass over a group's weights
+constexpr int64_t kPrefetchBlocks = 24;  // how far ahead (in group blocks) to prefetch weights
 
 template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 96 : 144; }
 
@@ -52,9 +54,10 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
     min_acc[r] = _mm_setzero_ps();
     for (int i = 0; i < kGroup; ++i) acc[i][r] = _mm512_setzero_ps();
   }
-  const __m512i low4 = _mm512_set1_epi32(15);
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
-    _mm_prefetch(reinterpret_cast<const char*>(gb) + 8 * group_block_bytes<Q4>(), _MM_HINT_T0);
+    for (int64_t line = 0; line < group_block_bytes<Q4>(); line += 64)  // a few KB ahead: more reads in flight
+      _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBlocks * group_block_bytes<Q4>() + line, _MM_HINT_T0);
     __m512 x_lo[R], x_hi[R];
     for (int r = 0; r < R; ++r) {
       const float* x = p.x + (r0 + r) * p.K + b * kBlock;
@@ -63,19 +66,18 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
     }
     const float* d = reinterpret_cast<const float*>(gb);
     for (int i = 0; i < kGroup; ++i) {
+      const __m512 scale = _mm512_set1_ps(d[i]);  // d * q is exact in float32: the weight less m
       __m512 w_lo, w_hi;
-      if constexpr (Q4) {
+      if constexpr (Q4) {  // d * q looked up in a 16-entry table (the lookup reads each lane's low 4 bits)
+        const __m512 table = _mm512_mul_ps(levels, scale);
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * i)));
-        w_lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
-        w_hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        w_lo = _mm512_permutexvar_ps(q, table);
+        w_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
       } else {
         const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * i);
-        w_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-        w_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+        w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
+        w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
       }
-      const __m512 scale = _mm512_set1_ps(d[i]);  // d * q is exact in float32: the weight less m
-      w_lo = _mm512_mul_ps(w_lo, scale);
-      w_hi = _mm512_mul_ps(w_hi, scale);
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(w_hi, x_hi[r], _mm512_fmadd_ps(w_lo, x_lo[r], acc[i][r]));
     }
     if constexpr (Q4) {
@@ -127,10 +129,14 @@ torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t ou
   TORCH_CHECK(packed.numel() == bytes, "packed weights have ", packed.numel(), " bytes; ", bytes,
               " expected for ", N, " x ", K);
   auto out = torch::empty({M, N}, x.options());
-  torch::Tensor xsum;
-  if (q4_1) xsum = x.view({M, K / kBlock, kBlock}).sum(-1).contiguous();
-  const Problem p{x.data_ptr<float>(), q4_1 ? xsum.data_ptr<float>() : nullptr, packed.data_ptr<uint8_t>(),
-                  out.data_ptr<float>(), M, K, N};
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xsum(q4_1 ? M * K / kBlock : 0);
+  for (size_t b = 0; b < xsum.size(); ++b) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) sum += xp[b * kBlock + j];
+    xsum[b] = sum;
+  }
+  const Problem p{xp, xsum.data(), packed.data_ptr<uint8_t>(), out.data_ptr<float>(), M, K, N};
   if (q4_1) run<true>(p); else run<false>(p);
   return out;
 #endif
