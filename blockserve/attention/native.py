@@ -48,18 +48,19 @@ def fused_ops():
     return _native("fused_ops")
 
 
-def quantized_matmul_ops():
-    """The module of csrc/quantized_matmul.cpp (quantized_matmul, has_simd), or None when native
-    kernels are disabled or cannot be built."""
-    return _native("quantized_matmul")
+def quantized_matmul_ops(without_avx512: bool = False):
+    """The module of csrc/quantized_matmul.cpp (quantized_matmul, simd_lanes), or None when native
+    kernels are disabled or cannot be built. without_avx512: compiled with -mno-avx512f, the AVX2
+    path a CPU without AVX-512 gets (how tests cover it on an AVX-512 machine)."""
+    return _native("quantized_matmul", ("-mno-avx512f",) if without_avx512 else ())
 
 
-def _native(name: str):
+def _native(name: str, flags: tuple[str, ...] = ()):
     reason = why_not_native()  # checked on every call, so it can be switched off at any time
     if reason is not None:
         _say_once(f"native kernels not used ({reason}): the PyTorch paths run instead (slower)")
         return None
-    return _build(name)
+    return _build(name, flags)
 
 
 @functools.cache
@@ -68,28 +69,29 @@ def _say_once(message: str) -> None:
 
 
 @functools.cache
-def _build(name: str):
-    """csrc/{name}.cpp compiled and loaded, or None (the reason is logged)."""
+def _build(name: str, flags: tuple[str, ...] = ()):
+    """csrc/{name}.cpp compiled (with `flags` after the usual ones) and loaded, or None (the
+    reason is logged)."""
     logger.info("loading native kernel %s (compiled on its first use on this machine, ~25 s)", name)
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"blockserve_{name}_{_build_key(name)}", sources=[str(_CSRC / f"{name}.cpp")],
+        return load(name=f"blockserve_{name}_{_build_key(name, flags)}", sources=[str(_CSRC / f"{name}.cpp")],
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math",
-                                  "-fno-signed-zeros", "-fno-trapping-math"],
+                                  "-fno-signed-zeros", "-fno-trapping-math", *flags],
                     extra_include_paths=[str(_CSRC)], verbose=False)
     except Exception as error:  # a failed build must not stop the engine: fall back, say why
         logger.warning("building native kernel %s failed (%s): using the PyTorch path", name, error)
         return None
 
 
-def _build_key(name: str) -> str:
-    """Sources and CPU identity: a cached build is reused only where it was compiled for."""
+def _build_key(name: str, extra_flags: tuple[str, ...]) -> str:
+    """Sources, flags and CPU identity: a cached build is reused only where it was compiled for."""
     flags = ""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
     identity = b"".join(p.read_bytes() for p in (_CSRC / f"{name}.cpp", _CSRC / "fast_exp.h"))
-    identity += platform.machine().encode() + flags.encode()
+    identity += platform.machine().encode() + flags.encode() + " ".join(extra_flags).encode()
     return hashlib.sha256(identity).hexdigest()[:12]

@@ -39,7 +39,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.models.default_model import default_model_path
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
-from blockserve.models.quantized_linear import MAX_ROWS, use_quantized_linears
+from blockserve.models.quantized_linear import use_quantized_linears
 from blockserve.models.registry import model_class
 from blockserve.models.weight_layout import use_input_major_linears
 
@@ -94,7 +94,7 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})")
     if quantized_matmul:
         used = use_quantized_linears(loaded.model, _gguf_blocks(path, loaded.hf_config))
-        logger.info("%d linear layers run batches of up to %d rows on the GGUF's blocks", used, MAX_ROWS)
+        logger.info("%d linear layers keep the GGUF's blocks for small batches", used)
     return loaded
 
 

@@ -29,9 +29,10 @@ from blockserve.models.fused_weights import FUSED, PARTS
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which the blocks read here beat the float32 GEMM (SmolLM2's 30 layers on one core:
-# 1 row 3.2x faster, 16 rows 1.6x, even at ~28 rows; docs/performance.md).
-MAX_ROWS = 16
+# Rows up to which reading the blocks beats the float32 GEMM, by the kernel's SIMD lanes
+# (SmolLM2's 30 layers on one core; AVX-512: 3.5x faster at 1 row, 1.5x at 16, even at ~28;
+# the AVX2 path, built here with -mno-avx512f: 2.9x at 1 row, 1.07x at 8; docs/performance.md).
+MAX_ROWS = {16: 16, 8: 8}
 
 GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
@@ -67,14 +68,19 @@ class QuantizedLinear(nn.Linear):
     holds the packed GGUF blocks of the same weight; forward picks by the number of rows."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, packed: torch.Tensor, format: str,
-                 max_rows: int = MAX_ROWS):
+                 max_rows: int | None = None):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
         self.out_features, self.in_features = weight.shape
+        expected = -(-self.out_features // GROUP) * self.in_features // 32 * (96 if format == "Q4_1" else 144)
+        if self.in_features % 32 or packed.numel() != expected:
+            raise ValueError(f"{format} blocks of {packed.numel()} bytes do not fit a {self.out_features} x "
+                             f"{self.in_features} weight; the GGUF file does not match the model")
         self.weight, self.bias = weight, bias
         self.register_buffer("packed", packed, persistent=False)
+        ops = quantized_matmul_ops()
         self.q4_1 = format == "Q4_1"
-        self.max_rows = max_rows
-        self.kernel = quantized_matmul_ops().quantized_matmul
+        self.max_rows = MAX_ROWS[ops.simd_lanes()] if max_rows is None else max_rows
+        self.kernel = ops.quantized_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.float32:
@@ -84,16 +90,17 @@ class QuantizedLinear(nn.Linear):
 
 
 def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
-                          max_rows: int = MAX_ROWS) -> int:
+                          max_rows: int | None = None) -> int:
     """Give `model`'s linear layers their GGUF blocks: (Hugging Face weight name, GGUF type name,
-    raw blocks [N, ...] with rows in the Hugging Face order). Fused projections (q/k/v, gate/up)
+    raw blocks [N, ...] with rows in the Hugging Face order); `max_rows` None: the kernel's
+    crossover (MAX_ROWS). Fused projections (q/k/v, gate/up)
     get their parts' rows concatenated, when all parts share one format. A tied input embedding
     becomes the model's `quantized_lm_head`. Returns how many layers use blocks; 0 when the
     native kernel cannot run here."""
     ops = quantized_matmul_ops()
-    if ops is None or not ops.has_simd():
+    if ops is None or not ops.simd_lanes():
         logger.info("GGUF blocks not used for small batches: %s", "no native kernels" if ops is None
-                    else "the quantized kernel needs AVX-512 (float32 weights are used)")
+                    else "the quantized kernel needs AVX-512 or AVX2 (float32 weights are used)")
         return 0
     modules = dict(model.named_modules())
     parts: dict[str, dict[int, tuple[str, np.ndarray]]] = {}

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
-from blockserve.models.quantized_linear import MAX_ROWS, QuantizedLinear, pack_blocks, use_quantized_linears
+from blockserve.models.quantized_linear import QuantizedLinear, pack_blocks, use_quantized_linears
 
 ops = quantized_matmul_ops()
-pytestmark = pytest.mark.skipif(ops is None or not ops.has_simd(),
-                                reason="the quantized kernel needs native kernels built with AVX-512")
+pytestmark = pytest.mark.skipif(ops is None or not ops.simd_lanes(),
+                                reason="the quantized kernel needs native kernels built with AVX-512 or AVX2")
 
 
 def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -30,14 +30,28 @@ def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndar
 def test_blocks_give_the_dequantised_matmul(format, rows):
     raw, weight = quantized(rows, 96, format)
     bias = torch.randn(rows)
-    # A decoy float32 copy: up to MAX_ROWS rows must come from the blocks, more from the copy.
+    # A decoy float32 copy: up to max_rows rows must come from the blocks, more from the copy.
     decoy = nn.Parameter(torch.zeros_like(weight), requires_grad=False)
     layer = QuantizedLinear(decoy, nn.Parameter(bias, requires_grad=False), pack_blocks(raw, format), format)
-    for m in (1, 2, 3, 4, 5, 9, MAX_ROWS):
+    assert layer.max_rows >= 8
+    for m in (1, 2, 3, 4, 5, 7, layer.max_rows):
         x = torch.randn(m, 96)
         torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    x = torch.randn(MAX_ROWS + 1, 96)
+    x = torch.randn(layer.max_rows + 1, 96)
     assert torch.equal(layer(x), F.linear(x, decoy, bias))
+
+
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+def test_the_avx2_path_gives_the_dequantised_matmul(format):
+    """The kernel as a CPU without AVX-512 gets it (compiled here with -mno-avx512f)."""
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    if avx2 is None or avx2.simd_lanes() != 8:
+        pytest.skip("no AVX2 build here")
+    raw, weight = quantized(13, 96, format)
+    for m in (1, 2, 3, 8):
+        x = torch.randn(m, 96)
+        torch.testing.assert_close(avx2.quantized_matmul(x, pack_blocks(raw, format), 13, format == "Q4_1"),
+                                   F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_non_contiguous_rows():
@@ -47,8 +61,10 @@ def test_non_contiguous_rows():
     torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_size_is_checked():
+def test_blocks_that_do_not_fit_the_weight_are_refused():
     raw, weight = quantized(8, 64, "Q8_0")
+    with pytest.raises(ValueError, match="do not fit a 8 x 96 weight"):
+        QuantizedLinear(nn.Parameter(torch.zeros(8, 96)), None, pack_blocks(raw, "Q8_0"), "Q8_0")
     with pytest.raises(RuntimeError, match="bytes"):
         ops.quantized_matmul(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
 

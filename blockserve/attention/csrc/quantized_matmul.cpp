@@ -1,7 +1,8 @@
 // out = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0) and dequantised in registers:
 // the weights are exactly the values the format encodes (what gguf's dequantiser produces), read
 // at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4. For the few rows of a small
-// decode batch, where a float32 matmul is bound by reading its weights.
+// decode batch, where a float32 matmul is bound by reading its weights. An AVX-512 path and an
+// AVX2 one (8 lanes), chosen at compile time (-march=native); simd_lanes() says which.
 //
 // Per block of 32 weights:  Q4_1  w = d * q + m   (q in 0..15)     Q8_0  w = d * q   (q in -128..127)
 // so a row's dot product is  sum_b d_b * (q_b . x_b) + m_b * sum(x_b); the block sums of x are
@@ -20,15 +21,23 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define BLOCKSERVE_AVX512 1
+#define BLOCKSERVE_LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BLOCKSERVE_AVX2 1
+#define BLOCKSERVE_LANES 8
+#else
+#define BLOCKSERVE_LANES 0
+#endif
+#if BLOCKSERVE_LANES
+#include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 4;   // output rows packed together
-constexpr int64_t kRows = 4;    // rows of x that share one pass over a group's weights
+constexpr int64_t kRows = BLOCKSERVE_LANES == 16 ? 4 : 2;  // rows of x sharing one pass over a group (registers)
 constexpr int64_t kPrefetchBlocks = 24;  // how far ahead (in group blocks) to prefetch weights
 
 template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 96 : 144; }
@@ -103,6 +112,69 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
     default: return group_avx512<Q4, 4>(p, g, r0);
   }
 }
+#endif
+
+#ifdef BLOCKSERVE_AVX2
+// The same with 8 lanes (CPUs without AVX-512): a block is four vectors, weights are converted
+// and scaled (no 16-entry lookup in AVX2), x is read from L1 (too few registers to hold it).
+template <bool Q4, int R>
+void group_avx2(const Problem& p, int64_t g, int64_t r0) {
+  const int64_t blocks = p.K / kBlock;
+  const uint8_t* gb = p.w + g * blocks * group_block_bytes<Q4>();
+  __m256 acc[kGroup][R];
+  float mins[R][kGroup] = {};
+  for (int i = 0; i < kGroup; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+    for (int64_t line = 0; line < group_block_bytes<Q4>(); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBlocks * group_block_bytes<Q4>() + line, _MM_HINT_T0);
+    const float* d = reinterpret_cast<const float*>(gb);
+    for (int i = 0; i < kGroup; ++i) {
+      __m256 w[4];  // weights 0-7, 8-15, 16-23, 24-31 of the block
+      if constexpr (Q4) {
+        const uint8_t* q = gb + 32 + 16 * i;
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
+        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4));
+        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+      } else {
+        const uint8_t* q = gb + 16 + 32 * i;
+        for (int k = 0; k < 4; ++k)
+          w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
+      }
+      const __m256 scale = _mm256_set1_ps(d[i]);
+      for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(w[k], scale);
+      for (int r = 0; r < R; ++r) {
+        const float* x = p.x + (r0 + r) * p.K + b * kBlock;
+        for (int k = 0; k < 4; ++k) acc[i][r] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + 8 * k), acc[i][r]);
+      }
+    }
+    if constexpr (Q4) {
+      const float* m = reinterpret_cast<const float*>(gb + 16);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < kGroup; ++i) mins[r][i] += m[i] * p.xsum[(r0 + r) * blocks + b];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i) {
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
+      s = _mm_hadd_ps(s, s);
+      s = _mm_hadd_ps(s, s);
+      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm_cvtss_f32(s) + mins[r][i];
+    }
+}
+
+template <bool Q4>
+void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
+  if (R == 1) return group_avx2<Q4, 1>(p, g, r0);
+  return group_avx2<Q4, 2>(p, g, r0);
+}
+#endif
+
+#if BLOCKSERVE_LANES
 
 template <bool Q4>
 void run(const Problem& p) {
@@ -116,8 +188,8 @@ void run(const Problem& p) {
 #endif
 
 torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool q4_1) {
-#ifndef BLOCKSERVE_AVX512
-  TORCH_CHECK(false, "quantized_matmul was compiled without AVX-512 (check has_simd() first)");
+#if !BLOCKSERVE_LANES
+  TORCH_CHECK(false, "quantized_matmul was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
 #else
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: 2-D float32 expected");
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 expected");
@@ -142,18 +214,12 @@ torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t ou
 #endif
 }
 
-bool has_simd() {
-#ifdef BLOCKSERVE_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
+int64_t simd_lanes() { return BLOCKSERVE_LANES; }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_matmul", &quantized_matmul,
         "out [M, N] = x [M, K] @ W^T, W packed Q4_1 (q4_1=True) or Q8_0");
-  m.def("has_simd", &has_simd, "whether the AVX-512 path was compiled in");
+  m.def("simd_lanes", &simd_lanes, "16: the AVX-512 path, 8: AVX2, 0: neither (quantized_matmul cannot run)");
 }
