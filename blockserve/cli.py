@@ -34,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--poison", action="store_true", help="fill garbage KV blocks with NaN (debugging)")
     g.add_argument("--no-quantized-matmul", action="store_true",
                    help="GGUF models: float32 weights only (by default batches of up to 16 rows read the "
-                        "file's Q4_1/Q8_0 blocks)")
+                        "file's Q4_0/Q4_1/Q8_0 blocks)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -58,7 +58,7 @@ class EngineConfig:
     unsafe_disable_zeroing: bool = False  # C1 tests only: ignore the derived zero flags
     seed: int | None = 0  # for requests without their own seed
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    # GGUF models: small batches read the Q4_1/Q8_0 blocks (quantized_linear.py); applies when the
+    # GGUF models: small batches read the Q4_0/Q4_1/Q8_0 blocks (quantized_linear.py); applies when the
     # engine loads the model (a LoadedModel passed in was loaded with load_model's own setting)
     quantized_matmul: bool = True
 

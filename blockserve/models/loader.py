@@ -4,7 +4,7 @@
     None        the default model's GGUF (default_model.py), as a .gguf below
     <dir>       config.json + model.safetensors (or a sharded index) + tokenizer files, if any
     <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one;
-                its Q4_1 / Q8_0 blocks are also kept for small batches (quantized_linear.py)
+                its Q4_0 / Q4_1 / Q8_0 blocks are also kept for small batches (quantized_linear.py)
 
     <cache>/gguf-<stem>-<key>/      key: hash of the GGUF's absolute path, size and mtime
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
@@ -76,7 +76,7 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
                cache_dir: str | None = None, quantized_matmul: bool = True) -> LoadedModel:
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
-    quantized_matmul: for a GGUF file, linear layers stored as Q4_1 or Q8_0 also keep those blocks
+    quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
     and run small batches on them (models/quantized_linear.py); False: float32 only.
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or

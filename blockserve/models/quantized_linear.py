@@ -1,17 +1,17 @@
 """Linear layers that keep the GGUF blocks their float32 weights were dequantised from.
 
 A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
-bound by reading those weights: 4 bytes per weight. The file's Q4_1 and Q8_0 blocks encode the
-same values in 0.75 and 1.125 bytes per weight (as packed here), so for the few rows of a small
+bound by reading those weights: 4 bytes per weight. The file's Q4_0 / Q4_1 and Q8_0 blocks
+encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so for the few rows of a small
 decode batch the native kernel (attention/csrc/quantized_matmul.cpp) reads the blocks and
 dequantises them in registers; larger batches are compute-bound and keep the float32 GEMM.
 
     rows <= max_rows   x @ W^T over the blocks      (same weights; float rounding differs)
     rows >  max_rows   F.linear(x, W)              (the float32 copy)
 
-The kernel reads Q4_1 (w = d * q + m) and Q8_0 (w = d * q), d and m float16: the default
-model's formats; layers stored otherwise stay float32 only. The blocks cost memory on top of the
-float32 copy (SmolLM2-135M: 112 MB next to 538 MB).
+The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
+and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
+cost memory on top of the float32 copy (SmolLM2-135M: 112 MB next to 538 MB).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = {16: 16, 8: 8}
 
 GROUP = 4  # output rows packed together (the kernel's layout)
-FORMATS = {"Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
+FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
+NIBBLES = ("Q4_0", "Q4_1")  # packed in the kernel's Q4_1 layout
 
 
 def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
@@ -57,6 +58,9 @@ def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
 
     if format == "Q4_1":
         fields = [as_float32(blocks[..., 0:2]), as_float32(blocks[..., 2:4]), blocks[..., 4:]]
+    elif format == "Q4_0":  # w = d * (q - 8): Q4_1 with m = -8 d (exact in float32)
+        scale = as_float32(blocks[..., 0:2])
+        fields = [scale, (-8 * scale.view(np.float32)).view(np.uint8), blocks[..., 2:]]
     else:
         fields = [as_float32(blocks[..., 0:2]), blocks[..., 2:]]
     packed = np.concatenate([per_group(field) for field in fields], axis=-1)
@@ -71,14 +75,14 @@ class QuantizedLinear(nn.Linear):
                  max_rows: int | None = None):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
         self.out_features, self.in_features = weight.shape
-        expected = -(-self.out_features // GROUP) * self.in_features // 32 * (96 if format == "Q4_1" else 144)
+        expected = -(-self.out_features // GROUP) * self.in_features // 32 * (96 if format in NIBBLES else 144)
         if self.in_features % 32 or packed.numel() != expected:
             raise ValueError(f"{format} blocks of {packed.numel()} bytes do not fit a {self.out_features} x "
                              f"{self.in_features} weight; the GGUF file does not match the model")
         self.weight, self.bias = weight, bias
         self.register_buffer("packed", packed, persistent=False)
         ops = quantized_matmul_ops()
-        self.q4_1 = format == "Q4_1"
+        self.q4_1 = format in NIBBLES
         self.max_rows = MAX_ROWS[ops.simd_lanes()] if max_rows is None else max_rows
         self.kernel = ops.quantized_matmul
 

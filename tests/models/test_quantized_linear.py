@@ -25,7 +25,7 @@ def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndar
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format]).copy())
 
 
-@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 13, 64])  # 13: the last group of four is padded
 def test_blocks_give_the_dequantised_matmul(format, rows):
     raw, weight = quantized(rows, 96, format)
@@ -41,7 +41,7 @@ def test_blocks_give_the_dequantised_matmul(format, rows):
     assert torch.equal(layer(x), F.linear(x, decoy, bias))
 
 
-@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_avx2_path_gives_the_dequantised_matmul(format):
     """The kernel as a CPU without AVX-512 gets it (compiled here with -mno-avx512f)."""
     avx2 = quantized_matmul_ops(without_avx512=True)
@@ -50,7 +50,7 @@ def test_the_avx2_path_gives_the_dequantised_matmul(format):
     raw, weight = quantized(13, 96, format)
     for m in (1, 2, 3, 8):
         x = torch.randn(m, 96)
-        torch.testing.assert_close(avx2.quantized_matmul(x, pack_blocks(raw, format), 13, format == "Q4_1"),
+        torch.testing.assert_close(avx2.quantized_matmul(x, pack_blocks(raw, format), 13, format != "Q8_0"),
                                    F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 

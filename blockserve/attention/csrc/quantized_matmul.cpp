@@ -1,8 +1,9 @@
-// out = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0) and dequantised in registers:
-// the weights are exactly the values the format encodes (what gguf's dequantiser produces), read
-// at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4. For the few rows of a small
-// decode batch, where a float32 matmul is bound by reading its weights. An AVX-512 path and an
-// AVX2 one (8 lanes), chosen at compile time (-march=native); simd_lanes() says which.
+// out = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0; Q4_0 is packed as Q4_1) and
+// dequantised in registers: the weights are exactly the values the format encodes (what gguf's
+// dequantiser produces), read at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
+// For the few rows of a small decode batch, where a float32 matmul is bound by reading its
+// weights. An AVX-512 path and an AVX2 one (8 lanes), chosen at compile time (-march=native);
+// simd_lanes() says which.
 //
 // Per block of 32 weights:  Q4_1  w = d * q + m   (q in 0..15)     Q8_0  w = d * q   (q in -128..127)
 // so a row's dot product is  sum_b d_b * (q_b . x_b) + m_b * sum(x_b); the block sums of x are
