@@ -2,9 +2,9 @@
 
 A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
 bound by reading those weights: 4 bytes per weight. The file's Q4_0 / Q4_1 and Q8_0 blocks
-encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so for the few rows of a small
-decode batch the native kernel (attention/csrc/quantized_matmul.cpp) reads the blocks and
-dequantises them in registers; larger batches are compute-bound and keep the float32 GEMM.
+encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so for the few rows
+of a small decode batch the native kernel (attention/csrc/quantized_matmul.cpp) reads the blocks
+and dequantises them in registers; larger batches are compute-bound and keep the float32 GEMM.
 
     rows <= max_rows   x @ W^T over the blocks      (same weights; float rounding differs)
     rows >  max_rows   F.linear(x, W)              (the float32 copy)
@@ -97,10 +97,9 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
                           max_rows: int | None = None) -> int:
     """Give `model`'s linear layers their GGUF blocks: (Hugging Face weight name, GGUF type name,
     raw blocks [N, ...] with rows in the Hugging Face order); `max_rows` None: the kernel's
-    crossover (MAX_ROWS). Fused projections (q/k/v, gate/up)
-    get their parts' rows concatenated, when all parts share one format. A tied input embedding
-    becomes the model's `quantized_lm_head`. Returns how many layers use blocks; 0 when the
-    native kernel cannot run here."""
+    crossover (MAX_ROWS). Fused projections (q/k/v, gate/up) get their parts' rows concatenated,
+    when all parts share one format. A tied input embedding becomes the model's
+    `quantized_lm_head`. Returns how many layers use blocks; 0 when the kernel cannot run here."""
     ops = quantized_matmul_ops()
     if ops is None or not ops.simd_lanes():
         logger.info("GGUF blocks not used for small batches: %s", "no native kernels" if ops is None
@@ -120,7 +119,7 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
             if len(received) < len(PARTS[fused]):
                 continue
             formats = {f for f, _ in received.values()}
-            if len(formats) > 1:  # e.g. Q4_K_M files store some v_proj at a higher precision
+            if len(formats) > 1:  # e.g. v_proj in Q8_0 next to q/k in Q4_0: one kernel call cannot mix
                 continue
             format, raw = formats.pop(), np.concatenate([received[i][1] for i in range(len(received))])
         if format not in FORMATS:

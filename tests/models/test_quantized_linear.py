@@ -81,7 +81,7 @@ class TwoLayer(nn.Module):
 
 def test_fused_parts_concatenate_in_order_and_mixed_formats_stay_float32():
     model = TwoLayer()
-    parts = {name: quantized(rows, 64, "Q4_1", seed) for seed, (name, rows) in enumerate([("q", 8), ("k", 8), ("v", 8)])}
+    parts = {name: quantized(8, 64, "Q4_1", seed) for seed, name in enumerate("qkv")}
     model.self_attn.qkv_proj.weight.data = torch.cat([parts[n][1] for n in "qkv"])
     o_raw, o_weight = quantized(8, 64, "Q8_0", seed=3)
     model.self_attn.o_proj.weight.data = o_weight
@@ -96,6 +96,7 @@ def test_fused_parts_concatenate_in_order_and_mixed_formats_stay_float32():
 
     mixed = TwoLayer()
     v_raw, _ = quantized(8, 64, "Q8_0")
-    blocks = [(f"self_attn.{n}_proj.weight", "Q4_1", parts[n][0]) for n in "qk"] + [("self_attn.v_proj.weight", "Q8_0", v_raw)]
+    blocks = [(f"self_attn.{n}_proj.weight", "Q4_1", parts[n][0]) for n in "qk"]
+    blocks.append(("self_attn.v_proj.weight", "Q8_0", v_raw))
     assert use_quantized_linears(mixed, blocks) == 0
     assert type(mixed.self_attn.qkv_proj) is nn.Linear
