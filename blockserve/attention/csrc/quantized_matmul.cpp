@@ -51,6 +51,15 @@ struct Problem {
   int64_t M, K, N;
 };
 
+#if BLOCKSERVE_LANES
+// Every line of the group block kPrefetchBlocks ahead: a few KB of weights in flight.
+template <bool Q4>
+inline void prefetch_ahead(const uint8_t* gb) {
+  for (int64_t line = 0; line < group_block_bytes<Q4>(); line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBlocks * group_block_bytes<Q4>() + line, _MM_HINT_T0);
+}
+#endif
+
 #ifdef BLOCKSERVE_AVX512
 // Rows r0..r0+R of x against output rows g*4..g*4+4 (those below N), 16 lanes at a time: each
 // weight is widened to float once and used for the R rows of x.
@@ -66,8 +75,7 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
   }
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
-    for (int64_t line = 0; line < group_block_bytes<Q4>(); line += 64)  // a few KB ahead: more reads in flight
-      _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBlocks * group_block_bytes<Q4>() + line, _MM_HINT_T0);
+    prefetch_ahead<Q4>(gb);
     __m512 x_lo[R], x_hi[R];
     for (int r = 0; r < R; ++r) {
       const float* x = p.x + (r0 + r) * p.K + b * kBlock;
@@ -128,8 +136,7 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
-    for (int64_t line = 0; line < group_block_bytes<Q4>(); line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(gb) + kPrefetchBlocks * group_block_bytes<Q4>() + line, _MM_HINT_T0);
+    prefetch_ahead<Q4>(gb);
     const float* d = reinterpret_cast<const float*>(gb);
     for (int i = 0; i < kGroup; ++i) {
       __m256 w[4];  // weights 0-7, 8-15, 16-23, 24-31 of the block
