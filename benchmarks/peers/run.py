@@ -134,8 +134,6 @@ def main() -> None:
         raise SystemExit(f"--attention-backend must be one of {sorted(BACKENDS)}")
     loaded = load_model(None, BACKENDS[args.attention_backend])
     print(f"blockserve model loaded in {time.perf_counter() - t:.1f} s ({loaded.source})")
-    # the batch-1 latency also runs on float32 weights only, for the like-for-like comparison
-    loaded_fp32 = load_model(None, BACKENDS[args.attention_backend], quantized_matmul=False) if args.itl_prompts else None
     tokenizer = loaded.tokenizer
     prompts = workload_prompts(tokenizer, args.num_prompts)
     itl_prompts = workload_prompts(tokenizer, args.itl_prompts) if args.itl_prompts else []
@@ -174,7 +172,7 @@ def main() -> None:
     results["skipped"] = skipped
     tokens_by_system: dict[str, list] = {}
     if args.rounds > 0:
-        runners, itl_runners = build_runners(systems, loaded, loaded_fp32, engine_args, args, progress, skipped, env)
+        runners, itl_runners = build_runners(systems, loaded, engine_args, args, progress, skipped, env)
         warm_up(runners, prompts, skipped)  # first-call costs (oneDNN kernels, allocator), not timed
         systems = [s for s in systems if s not in skipped]
         if all(s in skipped for s in LLAMA_CPP):
@@ -237,15 +235,19 @@ def select_systems(args: argparse.Namespace, num_prompts: int) -> list[str]:
     return systems
 
 
-def build_runners(systems: list[str], loaded, loaded_fp32, engine_args: dict, args: argparse.Namespace,
+def build_runners(systems: list[str], loaded, engine_args: dict, args: argparse.Namespace,
                   progress: bool, skipped: dict, env: dict) -> tuple[dict, dict]:
     """(a runner per system, the batch-1 latency runners: blockserve as loaded and on fp32 weights
     only, and transformers generate and llama.cpp whenever one of their systems runs); llama.cpp
     systems that cannot load go to `skipped` with the reason."""
     runners = {"blockserve": BlockserveRunner(loaded, engine_args, progress)}
     itl_runners = dict(runners)
-    if loaded_fp32 is not None:
-        itl_runners["blockserve fp32"] = BlockserveRunner(loaded_fp32, engine_args, progress)
+    if args.itl_prompts:  # the batch-1 latency on float32 weights only too, like for like with transformers
+        from blockserve.attention.paged_attention import BACKENDS
+        from blockserve.models.loader import load_model
+
+        fp32 = load_model(None, BACKENDS[args.attention_backend], quantized_matmul=False)
+        itl_runners["blockserve fp32"] = BlockserveRunner(fp32, engine_args, progress)
     if any(s.startswith("hf-") for s in systems):
         t = time.perf_counter()
         model = load_hf_model()

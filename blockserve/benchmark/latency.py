@@ -155,8 +155,9 @@ def _bandwidth_bound(loaded, per_size: list[dict]) -> dict | None:
     line = (f"batch-1 weight-bandwidth bound: {bound['weight_bytes_per_token'] / 1e6:.0f} MB of fp32 weights per token "
             f"at {bound['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth -> "
             f"{bound['batch1_bandwidth_bound_ms_per_token']:.1f} ms/token")
-    if loaded_bound_line(bound):
-        line += "\n" + loaded_bound_line(bound)
+    loaded_line = loaded_bound_line(bound)
+    if loaded_line:
+        line += "\n" + loaded_line
     one = next((s for s in per_size if s["batch_size"] == 1), None)
     if one is not None and one["itl_ms"]["median"]:
         bound["batch1_itl_fraction_of_bound"] = ms / one["itl_ms"]["median"]

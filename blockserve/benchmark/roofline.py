@@ -1,7 +1,7 @@
 """The fp32 roofline of a workload: the compute bound (GEMM peak measured on the spot) and the
 batch-1 weight-bandwidth bound (copy bandwidth measured on the spot), for fp32 weights and for
-the weights as loaded (a GGUF model's layers also keep their quantized blocks for small batches). Shared by `blockserve bench`
-and benchmarks/peers/run.py.
+the weights as loaded (a GGUF model's layers also keep their quantized blocks for small
+batches). Shared by `blockserve bench` and benchmarks/peers/run.py.
 
 FLOPs: 2 x linear params per computed token, the (tied) lm_head only where a token is sampled,
 plus attention 4 x layers x q_heads x head_dim x context.
@@ -185,7 +185,8 @@ def report_lines(roof: dict, generated_tok_s: float | None = None) -> list[str]:
         f"{roof['batch1_bandwidth_bound_ms_per_token']:.1f} ms/token ({roof['batch1_bandwidth_bound_tok_s']:.1f} tok/s); "
         f"batch-1 inter-token latency: `blockserve bench latency --batch-sizes 1`",
     ]
-    lines += [line for line in (loaded_bound_line(roof),) if line]
+    if loaded_bound_line(roof):
+        lines.append(loaded_bound_line(roof))
     if generated_tok_s is not None:
         lines.append(f"blockserve: {generated_tok_s:.1f} tok/s = {100 * generated_tok_s / roof['compute_bound_tok_s']:.1f}% "
                      f"of the compute roofline")

@@ -37,6 +37,7 @@ MAX_ROWS = {16: 16, 8: 8}
 GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
 NIBBLES = ("Q4_0", "Q4_1")  # packed in the kernel's Q4_1 layout
+PACKED_BYTES = {"Q4_0": 96, "Q4_1": 96, "Q8_0": 144}  # per group of four rows and block of 32 columns
 
 
 def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
@@ -75,7 +76,7 @@ class QuantizedLinear(nn.Linear):
                  max_rows: int | None = None):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
         self.out_features, self.in_features = weight.shape
-        expected = -(-self.out_features // GROUP) * self.in_features // 32 * (96 if format in NIBBLES else 144)
+        expected = -(-self.out_features // GROUP) * self.in_features // 32 * PACKED_BYTES[format]
         if self.in_features % 32 or packed.numel() != expected:
             raise ValueError(f"{format} blocks of {packed.numel()} bytes do not fit a {self.out_features} x "
                              f"{self.in_features} weight; the GGUF file does not match the model")
@@ -89,7 +90,7 @@ class QuantizedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        out = self.kernel(x, self.packed, self.weight.shape[0], self.q4_1)
+        out = self.kernel(x, self.packed, self.out_features, self.q4_1)
         return out if self.bias is None else out.add_(self.bias)
 
 
