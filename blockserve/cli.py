@@ -17,6 +17,7 @@ import logging
 import sys
 
 from blockserve.engine.config import EngineConfig
+from blockserve.kv.specs import KV_CACHE_DTYPES
 from blockserve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", default="exact", choices=["exact", "whole_block"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
+                        "and reads, attention still computes in float32)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--poison", action="store_true", help="fill garbage KV blocks with NaN (debugging)")
     g.add_argument("--no-quantized-matmul", action="store_true",
@@ -47,6 +51,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.num_threads,
         poison=args.poison,
         quantized_matmul=not args.no_quantized_matmul,

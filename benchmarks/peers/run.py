@@ -22,6 +22,8 @@ over `--rounds`:
                           weights each round; prefix caching within a round unless --no-prefix-caching);
                           steps of at most 16 rows read the GGUF's Q4_1/Q8_0 blocks (the same weight
                           values; models/quantized_linear.py)
+    blockserve-kv-f16     the same with kv_cache_dtype float16: K/V stored in half the bytes (llama.cpp's
+                          default), attention still in float32; its tokens may differ from fp32 ones
     hf-sequential         transformers generate, fp32, one prompt at a time
     hf-batchB             transformers generate, fp32, static batches of B prompts, left padding
     hf-continuous         transformers continuous batching (generate_batch), fp32, SDPA over its paged
@@ -216,7 +218,7 @@ def main() -> None:
 
 def select_systems(args: argparse.Namespace, num_prompts: int) -> list[str]:
     """The systems in running order, validating --skip against every name this run knows."""
-    systems = ["blockserve", "hf-sequential"]
+    systems = ["blockserve", "blockserve-kv-f16", "hf-sequential"]
     seen_sizes = set()
     for b in args.hf_batch_sizes:
         effective = min(b, num_prompts)
@@ -226,7 +228,7 @@ def select_systems(args: argparse.Namespace, num_prompts: int) -> list[str]:
         seen_sizes.add(effective)
         systems.append(f"hf-batch{b}")
     systems += ["hf-continuous", *LLAMA_CPP]
-    known = ["hf-sequential", *(f"hf-batch{b}" for b in args.hf_batch_sizes), "hf-continuous", *LLAMA_CPP]
+    known = ["blockserve-kv-f16", "hf-sequential", *(f"hf-batch{b}" for b in args.hf_batch_sizes), "hf-continuous", *LLAMA_CPP]
     for name in args.skip:
         if name == "blockserve":
             raise SystemExit("blockserve is the system under test; it cannot be skipped")
@@ -242,6 +244,8 @@ def build_runners(systems: list[str], loaded, engine_args: dict, args: argparse.
     systems that cannot load go to `skipped` with the reason."""
     runners = {"blockserve": BlockserveRunner(loaded, engine_args, progress)}
     itl_runners = dict(runners)
+    if "blockserve-kv-f16" in systems:  # the same engine with K/V stored as float16 (as llama.cpp does)
+        runners["blockserve-kv-f16"] = BlockserveRunner(loaded, {**engine_args, "kv_cache_dtype": "float16"}, progress)
     if args.itl_prompts:  # the batch-1 latency on float32 weights only too, like for like with transformers
         from blockserve.attention.paged_attention import BACKENDS
         from blockserve.models.loader import load_model

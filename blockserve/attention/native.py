@@ -16,8 +16,9 @@ import logging
 import os
 import platform
 import shutil
-from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +36,32 @@ def why_not_native() -> str | None:
     return None
 
 
-def paged_decode_kernel() -> Callable | None:
-    """`fn(out, q, k_cache, v_cache, block_table, key_start, seq_lens, scale)` from
-    csrc/paged_decode.cpp, or None when native kernels are disabled or cannot be built."""
-    module = _native("paged_decode")
-    return None if module is None else module.paged_decode_attention
+class PagedDecodeKernel:
+    """csrc/paged_decode.cpp: `kernel(out, q, k_cache, v_cache, block_table, key_start, seq_lens,
+    scale)` writes the decodes' attention into out; `reads(...)` says which inputs it takes."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __call__(self, *args) -> None:
+        self._module.paged_decode_attention(*args)
+
+    def reads(self, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> bool:
+        """float32 queries over a float32 cache always; over float16 / bfloat16 caches where the
+        AVX-512 path is compiled in and the head size is 64, 128 or 256."""
+        if q_dtype != torch.float32:
+            return False
+        if cache_dtype == torch.float32:
+            return True
+        return cache_dtype in (torch.float16, torch.bfloat16) and self._module.reads_16bit(head_size)
+
+
+def paged_decode_kernel(without_avx512: bool = False) -> PagedDecodeKernel | None:
+    """The decode kernel of csrc/paged_decode.cpp, or None when native kernels are disabled or
+    cannot be built. without_avx512: compiled with -mno-avx512f, the portable path (how tests
+    cover it on an AVX-512 machine)."""
+    module = _native("paged_decode", ("-mno-avx512f",) if without_avx512 else ())
+    return None if module is None else PagedDecodeKernel(module)
 
 
 def fused_ops():

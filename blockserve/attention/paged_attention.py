@@ -72,8 +72,8 @@ class PagedAttention:
     ) -> torch.Tensor:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_flat.index_copy_(0, meta.slot_mapping, k)  # slots are distinct within a step
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # slots are distinct within a step
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         layout = meta.layout
         nd = layout.num_decodes
@@ -131,7 +131,9 @@ class PagedAttention:
         return g, mask[None, None]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, n, D], keys/values [N, L, Hkv, D], mask broadcastable to [N, Hq, n, L]."""
+        """q [N, Hq, n, D], keys/values [N, L, Hkv, D] (any cache dtype: computed in q's), mask
+        broadcastable to [N, Hq, n, L]."""
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         return F.scaled_dot_product_attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
         )
@@ -141,9 +143,9 @@ class PagedAttention:
 
 
 class ExactLengthAttention(PagedAttention):
-    """Decodes go to the native in-place kernel when it is built (native.py; reads exactly the
-    same slots, no copy), else to the gathered PyTorch path. Set `decode_kernel = None` to force
-    the latter."""
+    """Decodes go to the native in-place kernel when it is built and reads this cache's dtype
+    (native.py; reads exactly the same slots, no copy), else to the gathered PyTorch path. Set
+    `decode_kernel = None` to force the latter."""
 
     name = "exact"
     reads_unwritten_slots = False
@@ -154,7 +156,7 @@ class ExactLengthAttention(PagedAttention):
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor) -> None:
-        if self.decode_kernel is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        if self.decode_kernel is None or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1]):
             return super()._attend_decodes(q, k_cache, v_cache, meta, out)
         nd = meta.layout.num_decodes
         table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda: (

@@ -154,9 +154,11 @@ def load_for_bench(args: argparse.Namespace):
     return load_model(args.model, BACKENDS[args.attention_backend], quantized_matmul=not args.no_quantized_matmul)
 
 
-def kv_bytes_needed(loaded, block_size: int, token_counts: list[int]) -> int:
+def kv_bytes_needed(loaded, block_size: int, token_counts: list[int], kv_cache_dtype: str = "auto") -> int:
     """KV cache bytes for requests of these total lengths all running at once."""
-    specs = loaded.model.kv_cache_specs(block_size).values()
+    from blockserve.kv.specs import with_kv_cache_dtype
+
+    specs = [with_kv_cache_dtype(s, kv_cache_dtype) for s in loaded.model.kv_cache_specs(block_size).values()]
     return sum(spec.max_blocks_held(n) * spec.page_size_bytes for spec in specs for n in token_counts)
 
 
@@ -170,8 +172,8 @@ def engine_config_for(args: argparse.Namespace, loaded, token_counts: list[int])
     if args.kv_cache_memory is None:
         max_len = args.max_model_len or min(
             getattr(loaded.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP)
-        need = max(kv_bytes_needed(loaded, args.block_size, token_counts),
-                   kv_bytes_needed(loaded, args.block_size, [max_len]))
+        need = max(kv_bytes_needed(loaded, args.block_size, token_counts, args.kv_cache_dtype),
+                   kv_bytes_needed(loaded, args.block_size, [max_len], args.kv_cache_dtype))
         args.kv_cache_memory = int(1.5 * need) + 64 * 2**20
     return engine_config(args)
 

@@ -53,6 +53,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     kv_cache_memory: str | int | float = "1GiB"
     attention_backend: str = "exact"  # or "whole_block"
+    # K/V of attention layers stored as float16 / bfloat16 (half the memory and reads; attention
+    # still computes in float32) or "auto": the model's dtype. MLA and recurrent states keep theirs.
+    kv_cache_dtype: str = "auto"
     poison: bool = False  # fill garbage KV blocks with NaN (also BLOCKSERVE_POISON=1)
     check_integrity: bool = False  # run the KV books check after every step (also BLOCKSERVE_CHECK=1)
     unsafe_disable_zeroing: bool = False  # C1 tests only: ignore the derived zero flags
@@ -64,6 +67,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from blockserve.attention.paged_attention import BACKENDS
+        from blockserve.kv.specs import KV_CACHE_DTYPES
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")
@@ -72,6 +76,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 
     @property
     def poison_enabled(self) -> bool:

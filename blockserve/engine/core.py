@@ -16,6 +16,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig, parse_memory
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
+from blockserve.kv.specs import with_kv_cache_dtype
 from blockserve.models.loader import LoadedModel, load_model
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerStats
@@ -48,6 +49,7 @@ class EngineCore:
                            if hasattr(m, "layer_name") and hasattr(m, "reads_unwritten_slots")}
         groups: dict[tuple, list[str]] = {}
         for layer_name, spec in model.kv_cache_specs(config.block_size).items():
+            spec = with_kv_cache_dtype(spec, config.kv_cache_dtype)
             if layer_name not in reads_unwritten:
                 raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
             groups.setdefault((spec, reads_unwritten[layer_name]), []).append(layer_name)

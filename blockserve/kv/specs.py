@@ -12,6 +12,7 @@ Dtypes are names ("float32", "bfloat16", ...) so this package never needs torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -25,6 +26,10 @@ DTYPE_BYTES = {
     "int8": 1,
     "uint8": 1,
 }
+
+
+# The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -165,3 +170,13 @@ def zero_new_blocks(spec: KVCacheSpec, backend_reads_unwritten_slots: bool) -> b
     layer types. Called once per group at start-up; the result lives in `KVCacheGroup`.
     """
     return backend_reads_unwritten_slots or spec.state_must_start_zeroed
+
+
+def with_kv_cache_dtype(spec, kv_cache_dtype: str):
+    """The spec with its K/V stored as `kv_cache_dtype` (full and sliding-window attention; MLA
+    latents and recurrent states keep the model's dtype). "auto" returns the spec unchanged."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "auto" or not isinstance(spec, FullAttentionSpec):
+        return spec
+    return dataclasses.replace(spec, dtype=kv_cache_dtype)

@@ -122,3 +122,47 @@ def test_native_decode_kernel_builds_where_a_compiler_exists():
         pytest.skip(f"native kernels cannot be built here ({why_not_native()}): only the PyTorch path runs")
     assert paged_decode_kernel() is not None
     assert BACKENDS["exact"](1.0).decode_kernel is not None
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native-default", "native-without-avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 4), (64, 32), (8, 4)])
+def test_decode_kernel_reads_every_cache_dtype_exactly(portable, dtype, head_size, block_size):
+    """Both compiled paths of the decode kernel against dense attention over the cache's own
+    (rounded) values: 3 query heads per KV head, windows (key_start > 0), partial first and last
+    blocks, NaN in every unwritten slot. A path that cannot read a cache says so in `reads`, and
+    calling it anyway is a clear error, not a wrong result."""
+    if why_not_native() is not None:
+        pytest.skip(f"native kernels cannot be built here ({why_not_native()})")
+    kernel = paged_decode_kernel(without_avx512=portable)
+    hq, hkv = 6, 2
+    lens, starts = [1, 5, 16, 17, 40, 70, 33], [0, 0, 3, 0, 20, 9, 0]
+    gen = torch.Generator().manual_seed(0)
+    need = [-(-n // block_size) for n in lens]
+    order = (torch.randperm(sum(need), generator=gen) + 1).tolist()
+    k_cache = torch.full((sum(need) + 1, block_size, hkv, head_size), float("nan")).to(dtype)
+    v_cache = k_cache.clone()
+    table = torch.zeros(len(lens), max(need), dtype=torch.int64)
+    q = torch.randn(len(lens), hq, head_size, generator=gen)
+    refs = []
+    for i, (n, start) in enumerate(zip(lens, starts)):
+        blocks, order = order[: need[i]], order[need[i]:]
+        table[i, : need[i]] = torch.tensor(blocks)
+        keys = torch.randn(n, hkv, head_size, generator=gen).to(dtype)
+        values = torch.randn(n, hkv, head_size, generator=gen).to(dtype)
+        for p in range(n):
+            k_cache[blocks[p // block_size], p % block_size] = keys[p]
+            v_cache[blocks[p // block_size], p % block_size] = values[p]
+        k = keys[start:].float().repeat_interleave(hq // hkv, 1).transpose(0, 1)  # [Hq, L, D]
+        v = values[start:].float().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        weights = (q[i][:, None] @ k.transpose(1, 2) / math.sqrt(head_size)).softmax(-1)
+        refs.append((weights @ v)[:, 0])
+    out = torch.empty_like(q)
+    args = (out, q, k_cache, v_cache, table, torch.tensor(starts), torch.tensor(lens), 1 / math.sqrt(head_size))
+    if not kernel.reads(torch.float32, dtype, head_size):
+        assert dtype != torch.float32  # float32 is read everywhere
+        with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+            kernel(*args)
+        return
+    kernel(*args)
+    torch.testing.assert_close(out, torch.stack(refs), rtol=1e-5, atol=1e-5)
