@@ -88,6 +88,7 @@ _MODULE_LABELS = {  # class name -> region label; the exclusive time of a contai
     "RMSNorm": "norm",
     "Linear": "linear (matmul)",
     "QuantizedLinear": "linear (matmul)",
+    "PanelLinear": "linear (matmul)",
     "Embedding": "embedding",
     "RotaryEmbedding": "rope cos/sin lookup",
     "Attention": "paged attention (write+gather+SDPA)",

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from blockserve.models.weight_layout import PanelLinear
+
 
 def measure_gemm_peak(n: int = 2048, reps: int = 10) -> float:
     """Best fp32 GFLOP/s of n x n @ n x n matmuls (into a preallocated output)."""
@@ -80,10 +82,10 @@ class ModelShape:
     @staticmethod
     def of(model: torch.nn.Module, hf_config) -> ModelShape:
         params = sum(p.numel() for p in model.parameters())
-        linear = sum(m.weight.numel() for name, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+        linear = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                     if isinstance(m, (torch.nn.Linear, PanelLinear)) and "lm_head" not in name)
         blocks = [m for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
-        batch1_bytes = 4 * params - sum(4 * m.weight.numel() - m.packed.numel() for m in blocks)
+        batch1_bytes = 4 * params - sum(4 * m.in_features * m.out_features - m.packed.numel() for m in blocks)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         return ModelShape(params, linear, hf_config.vocab_size * hf_config.hidden_size, hf_config.num_hidden_layers,
                           hf_config.num_attention_heads, head_dim, hf_config.hidden_size, hf_config.intermediate_size,

@@ -7,7 +7,7 @@ of a small decode batch the native kernel (attention/csrc/quantized_matmul.cpp) 
 and dequantises them in registers; larger batches are compute-bound and keep the float32 GEMM.
 
     rows <= max_rows   x @ W^T over the blocks      (same weights; float rounding differs)
-    rows >  max_rows   F.linear(x, W)              (the float32 copy)
+    rows >  max_rows   the float32 layer it wraps  (nn.Linear or PanelLinear)
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
@@ -21,11 +21,11 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
 from blockserve.models.fused_weights import FUSED, PARTS
+from blockserve.models.weight_layout import PanelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -68,28 +68,45 @@ def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
 
-class QuantizedLinear(nn.Linear):
-    """An nn.Linear (its `weight`, float32 [N, K], shared with the model, and `bias`) that also
-    holds the packed GGUF blocks of the same weight; forward picks by the number of rows."""
+def sharing_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An nn.Linear over existing tensors (nothing allocated), e.g. over a tied embedding."""
+    def shared(t: torch.Tensor | None) -> nn.Parameter | None:  # a Parameter over the same storage
+        return t if t is None or isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, packed: torch.Tensor, format: str,
-                 max_rows: int | None = None):
-        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a new weight
-        self.out_features, self.in_features = weight.shape
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight, linear.bias = shared(weight), shared(bias)
+    return linear
+
+
+class QuantizedLinear(nn.Module):
+    """A float32 linear layer `dense` (nn.Linear or PanelLinear, weight [N, K]) plus the packed
+    GGUF blocks of the same weight; forward picks by the number of rows."""
+
+    def __init__(self, dense: nn.Module, packed: torch.Tensor, format: str, max_rows: int | None = None):
+        super().__init__()
+        self.out_features, self.in_features = dense.out_features, dense.in_features
         expected = -(-self.out_features // GROUP) * self.in_features // 32 * PACKED_BYTES[format]
         if self.in_features % 32 or packed.numel() != expected:
             raise ValueError(f"{format} blocks of {packed.numel()} bytes do not fit a {self.out_features} x "
                              f"{self.in_features} weight; the GGUF file does not match the model")
-        self.weight, self.bias = weight, bias
+        self.dense = dense
         self.register_buffer("packed", packed, persistent=False)
         ops = quantized_matmul_ops()
         self.q4_1 = format in NIBBLES
         self.max_rows = MAX_ROWS[ops.simd_lanes()] if max_rows is None else max_rows
         self.kernel = ops.quantized_matmul
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.dense.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
+            return self.dense(x)
         out = self.kernel(x, self.packed, self.out_features, self.q4_1)
         return out if self.bias is None else out.add_(self.bias)
 
@@ -127,15 +144,15 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
             continue
         if module_path == "model.embed_tokens" and getattr(model, "tie_word_embeddings", False):
             embedding = modules[module_path]
-            model.quantized_lm_head = QuantizedLinear(embedding.weight, None, pack_blocks(raw, format), format,
-                                                      max_rows)
+            model.quantized_lm_head = QuantizedLinear(sharing_linear(embedding.weight), pack_blocks(raw, format),
+                                                      format, max_rows)
             used += 1
             continue
         linear = modules.get(module_path)
-        if not isinstance(linear, nn.Linear) or linear.weight.shape[0] != raw.shape[0]:
+        if not isinstance(linear, (nn.Linear, PanelLinear)) or linear.out_features != raw.shape[0]:
             continue
         parent_module = modules[parent] if parent else model
         setattr(parent_module, module_path.rpartition(".")[2],
-                QuantizedLinear(linear.weight, linear.bias, pack_blocks(raw, format), format, max_rows))
+                QuantizedLinear(linear, pack_blocks(raw, format), format, max_rows))
         used += 1
     return used

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
-from blockserve.models.quantized_linear import QuantizedLinear, pack_blocks, use_quantized_linears
+from blockserve.models.quantized_linear import QuantizedLinear, pack_blocks, sharing_linear, use_quantized_linears
+from blockserve.models.weight_layout import PANEL_COLUMNS, PanelLinear, use_input_major_linears
 
 ops = quantized_matmul_ops()
 pytestmark = pytest.mark.skipif(ops is None or not ops.simd_lanes(),
@@ -31,8 +32,8 @@ def test_blocks_give_the_dequantised_matmul(format, rows):
     raw, weight = quantized(rows, 96, format)
     bias = torch.randn(rows)
     # A decoy float32 copy: up to max_rows rows must come from the blocks, more from the copy.
-    decoy = nn.Parameter(torch.zeros_like(weight), requires_grad=False)
-    layer = QuantizedLinear(decoy, nn.Parameter(bias, requires_grad=False), pack_blocks(raw, format), format)
+    decoy = torch.zeros_like(weight)
+    layer = QuantizedLinear(sharing_linear(decoy, bias), pack_blocks(raw, format), format)
     assert layer.max_rows >= 8
     for m in (1, 2, 3, 4, 5, 7, layer.max_rows):
         x = torch.randn(m, 96)
@@ -56,7 +57,7 @@ def test_the_avx2_path_gives_the_dequantised_matmul(format):
 
 def test_non_contiguous_rows():
     raw, weight = quantized(8, 64, "Q4_1")
-    layer = QuantizedLinear(nn.Parameter(weight, requires_grad=False), None, pack_blocks(raw, "Q4_1"), "Q4_1")
+    layer = QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1")
     x = torch.randn(3, 128)[:, ::2]
     torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
@@ -64,7 +65,7 @@ def test_non_contiguous_rows():
 def test_blocks_that_do_not_fit_the_weight_are_refused():
     raw, weight = quantized(8, 64, "Q8_0")
     with pytest.raises(ValueError, match="do not fit a 8 x 96 weight"):
-        QuantizedLinear(nn.Parameter(torch.zeros(8, 96)), None, pack_blocks(raw, "Q8_0"), "Q8_0")
+        QuantizedLinear(sharing_linear(torch.zeros(8, 96)), pack_blocks(raw, "Q8_0"), "Q8_0")
     with pytest.raises(RuntimeError, match="bytes"):
         ops.quantized_matmul(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
 
@@ -100,3 +101,30 @@ def test_fused_parts_concatenate_in_order_and_mixed_formats_stay_float32():
     blocks.append(("self_attn.v_proj.weight", "Q8_0", v_raw))
     assert use_quantized_linears(mixed, blocks) == 0
     assert type(mixed.self_attn.qkv_proj) is nn.Linear
+
+
+def test_panel_linear_is_the_same_linear_and_keeps_its_blocks():
+    """A wide layer stored as column panels (the last one narrower) gives F.linear over its
+    weight at any row count and input shape; blocks attach to it like to an nn.Linear, and above
+    max_rows the panels (not a copy) run."""
+    out_features = 2 * PANEL_COLUMNS + 64
+    raw, weight = quantized(out_features, 96, "Q8_0")
+    model = nn.Module()
+    model.mlp = nn.Module()
+    model.mlp.fc = nn.Linear(96, out_features, bias=True)
+    model.mlp.fc.weight.data = weight.clone()
+    model.lm_head = nn.Linear(96, out_features, bias=False)
+    use_input_major_linears(model)
+    panels = model.mlp.fc
+    assert isinstance(panels, PanelLinear) and [p.shape[1] for p in panels.panels] == [768, 768, 64]
+    assert type(model.lm_head) is nn.Linear  # read as a matrix by compute_logits: left whole
+    torch.testing.assert_close(panels.weight, weight, rtol=0, atol=0)
+    bias = model.mlp.fc.bias
+    for shape in ((1, 96), (40, 96), (2, 3, 96)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(panels(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert use_quantized_linears(model, [("mlp.fc.weight", "Q8_0", raw)]) == 1
+    layer = model.mlp.fc
+    assert isinstance(layer, QuantizedLinear) and layer.dense is panels
+    x = torch.randn(layer.max_rows + 1, 96)
+    assert torch.equal(layer(x), panels(x))
