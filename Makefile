@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install run test bench-kv bench-scheduler bench-peers soak clean
+.PHONY: install run test bench-kv bench-scheduler bench-kernels bench-peers soak clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ bench-kv: install
 
 bench-scheduler: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/scheduler_overhead.py
+
+bench-kernels: install
+	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/decode_kernels.py
 
 # The `peers` extra adds llama-cpp-python (a compiled wheel, kept out of `dev` so CI never builds it).
 # One thread for every system: on this shared 2-core box a second one measures the neighbours.

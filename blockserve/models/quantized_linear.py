@@ -7,7 +7,8 @@ of a small decode batch the native kernel (attention/csrc/quantized_matmul.cpp) 
 and dequantises them in registers; larger batches are compute-bound and keep the float32 GEMM.
 
     rows <= max_rows   x @ W^T over the blocks      (same weights; float rounding differs)
-    rows >  max_rows   the float32 layer it wraps  (nn.Linear or PanelLinear)
+    rows >  max_rows   the float32 layer it wraps  (nn.Linear; PanelLinear when it has at least
+                                                    PANEL_MIN_OUT outputs: faster above 16 rows)
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
@@ -25,7 +26,7 @@ from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
 from blockserve.models.fused_weights import FUSED, PARTS
-from blockserve.models.weight_layout import PanelLinear
+from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
         linear = modules.get(module_path)
         if not isinstance(linear, (nn.Linear, PanelLinear)) or linear.out_features != raw.shape[0]:
             continue
+        if type(linear) is nn.Linear and linear.out_features >= PANEL_MIN_OUT:
+            linear = PanelLinear(linear.weight.detach(), linear.bias)
         parent_module = modules[parent] if parent else model
         setattr(parent_module, module_path.rpartition(".")[2],
                 QuantizedLinear(linear, pack_blocks(raw, format), format, max_rows))

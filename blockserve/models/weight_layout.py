@@ -7,11 +7,12 @@ plain "x @ B". On x86 CPUs the latter runs 1.2-1.6x faster at the 8-64 rows of a
 are unchanged. Weights read as matrices elsewhere (e.g. reshaped per head) must stay row-major:
 such a module sets `keep_row_major = True`.
 
-Wide layers (at least PANEL_MIN_OUT outputs) go one step further: `PanelLinear` stores W^T as
-separate contiguous panels of PANEL_COLUMNS columns (~1.8 MB each at 576 inputs, within a 2 MB
-L2) and runs one GEMM per panel into the output's columns: 16-24% faster than one GEMM over the
-whole W^T at 16-128 rows, 2-4% slower at 512-2048 (prefill), measured here for SmolLM2's
-gate/up projection (docs/performance.md).
+`PanelLinear` goes one step further for wide layers: W^T as separate contiguous panels of
+PANEL_COLUMNS columns (~1.8 MB each at 576 inputs, within a 2 MB L2), one GEMM per panel into the
+output's columns. For SmolLM2's gate/up projection that is 7-24% faster than one GEMM over the
+whole W^T at 16-128 rows, but 2-5% slower at 512-2048 (prefill) and ~20% slower at 1 row
+(docs/performance.md), so it is used where something else serves the smallest batches: the
+layers that keep GGUF blocks (models/quantized_linear.py).
 """
 
 from __future__ import annotations
@@ -60,18 +61,10 @@ class PanelLinear(nn.Module):
 
 
 def use_input_major_linears(model: nn.Module) -> None:
-    """Re-store every 2-D nn.Linear weight of `model` column-major (wide ones, except an lm_head,
-    become PanelLinear), and the input embedding when it doubles as the lm_head (tied); modules
-    with `keep_row_major = True` are left as they are. (An lm_head is read as a matrix by the
-    models' compute_logits.)"""
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or getattr(module, "keep_row_major", False):
-            continue
-        wide = module.out_features >= PANEL_MIN_OUT and not name.endswith("lm_head")
-        if type(module) is nn.Linear and wide and module.weight.device.type == "cpu":
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, PanelLinear(module.weight.detach(), module.bias))
-        else:
+    """Re-store every 2-D nn.Linear weight of `model` column-major, and the input embedding when it
+    doubles as the lm_head (tied); modules with `keep_row_major = True` are left as they are."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not getattr(module, "keep_row_major", False):
             _relayout(module)
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)  # where every family keeps it
     if getattr(model, "tie_word_embeddings", False) and isinstance(embedding, nn.Embedding):

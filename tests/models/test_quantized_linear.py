@@ -12,7 +12,7 @@ from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
 from blockserve.models.quantized_linear import QuantizedLinear, pack_blocks, sharing_linear, use_quantized_linears
-from blockserve.models.weight_layout import PANEL_COLUMNS, PanelLinear, use_input_major_linears
+from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
 
 ops = quantized_matmul_ops()
 pytestmark = pytest.mark.skipif(ops is None or not ops.simd_lanes(),
@@ -103,28 +103,32 @@ def test_fused_parts_concatenate_in_order_and_mixed_formats_stay_float32():
     assert type(mixed.self_attn.qkv_proj) is nn.Linear
 
 
-def test_panel_linear_is_the_same_linear_and_keeps_its_blocks():
+def test_panel_linear_is_the_same_linear():
     """A wide layer stored as column panels (the last one narrower) gives F.linear over its
-    weight at any row count and input shape; blocks attach to it like to an nn.Linear, and above
-    max_rows the panels (not a copy) run."""
-    out_features = 2 * PANEL_COLUMNS + 64
-    raw, weight = quantized(out_features, 96, "Q8_0")
-    model = nn.Module()
-    model.mlp = nn.Module()
-    model.mlp.fc = nn.Linear(96, out_features, bias=True)
-    model.mlp.fc.weight.data = weight.clone()
-    model.lm_head = nn.Linear(96, out_features, bias=False)
-    use_input_major_linears(model)
-    panels = model.mlp.fc
-    assert isinstance(panels, PanelLinear) and [p.shape[1] for p in panels.panels] == [768, 768, 64]
-    assert type(model.lm_head) is nn.Linear  # read as a matrix by compute_logits: left whole
+    weight at any row count and input shape."""
+    weight, bias = torch.randn(2 * PANEL_COLUMNS + 64, 96), torch.randn(2 * PANEL_COLUMNS + 64)
+    panels = PanelLinear(weight, bias)
+    assert [p.shape[1] for p in panels.panels] == [768, 768, 64]
     torch.testing.assert_close(panels.weight, weight, rtol=0, atol=0)
-    bias = model.mlp.fc.bias
     for shape in ((1, 96), (40, 96), (2, 3, 96)):
         x = torch.randn(shape)
         torch.testing.assert_close(panels(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert use_quantized_linears(model, [("mlp.fc.weight", "Q8_0", raw)]) == 1
-    layer = model.mlp.fc
-    assert isinstance(layer, QuantizedLinear) and layer.dense is panels
-    x = torch.randn(layer.max_rows + 1, 96)
-    assert torch.equal(layer(x), panels(x))
+
+
+def test_wide_layers_with_blocks_run_larger_batches_on_panels():
+    """A wide layer that gets blocks keeps its float32 copy as panels (above max_rows, where the
+    panels are faster); a narrow one stays an nn.Linear."""
+    wide_raw, wide = quantized(PANEL_MIN_OUT, 64, "Q8_0")
+    narrow_raw, narrow = quantized(8, 64, "Q8_0", seed=1)
+    model = TwoLayer()
+    model.mlp = nn.Module()
+    model.mlp.fc = nn.Linear(64, PANEL_MIN_OUT, bias=False)
+    model.mlp.fc.weight.data = wide.clone()
+    model.self_attn.o_proj.weight.data = narrow.clone()
+    blocks = [("mlp.fc.weight", "Q8_0", wide_raw), ("self_attn.o_proj.weight", "Q8_0", narrow_raw)]
+    assert use_quantized_linears(model, blocks) == 2
+    assert isinstance(model.mlp.fc.dense, PanelLinear) and type(model.self_attn.o_proj.dense) is nn.Linear
+    for layer, weight in ((model.mlp.fc, wide), (model.self_attn.o_proj, narrow)):
+        for rows in (1, layer.max_rows + 1):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
