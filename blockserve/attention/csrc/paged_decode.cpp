@@ -29,15 +29,27 @@
 #define BLOCKSERVE_AVX512 0
 #endif
 
-// The next block's K and V, fetched while this one is used.
+// Where the block holding position `base` keeps its K and V rows; the next block's (if the
+// sequence reaches it) are prefetched, to arrive while this one is used.
 template <typename T>
-static inline void prefetch_block(const T* kb, const T* vb, int64_t values) {
-  const char* kn = reinterpret_cast<const char*>(kb);
-  const char* vn = reinterpret_cast<const char*>(vb);
-  for (int64_t byte = 0; byte < values * static_cast<int64_t>(sizeof(T)); byte += 64) {
-    __builtin_prefetch(kn + byte);
-    __builtin_prefetch(vn + byte);
+struct BlockRows {
+  const T* k;
+  const T* v;
+};
+
+template <typename T>
+static inline BlockRows<T> block_rows(const T* kp, const T* vp, const int64_t* table, int64_t base, int64_t stop,
+                                      int64_t block_size, int64_t block_stride) {
+  if (base + block_size < stop) {
+    const char* kn = reinterpret_cast<const char*>(kp + table[base / block_size + 1] * block_stride);
+    const char* vn = reinterpret_cast<const char*>(vp + table[base / block_size + 1] * block_stride);
+    for (int64_t byte = 0; byte < block_stride * static_cast<int64_t>(sizeof(T)); byte += 64) {
+      __builtin_prefetch(kn + byte);
+      __builtin_prefetch(vn + byte);
+    }
   }
+  const int64_t offset = table[base / block_size] * block_stride;
+  return {kp + offset, vp + offset};
 }
 
 // The decode of one sequence: all its query heads against its positions [start, stop), block by
@@ -54,13 +66,10 @@ static void attend_sequence(const float* __restrict qn, const float* kp, const f
   std::fill(run_max, run_max + n_heads, -FLT_MAX);
   std::fill(run_sum, run_sum + n_heads, 0.f);
   for (int64_t base = start - start % block_size; base < stop; base += block_size) {
-    if (base + block_size < stop) {
-      const int64_t next = table[base / block_size + 1] * block_stride;
-      prefetch_block(kp + next, vp + next, block_stride);
-    }
+    const BlockRows<float> rows = block_rows(kp, vp, table, base, stop, block_size, block_stride);
     const int64_t lo = std::max(start, base) - base, hi = std::min(stop, base + block_size) - base;
-    const float* __restrict kb = kp + table[base / block_size] * block_stride;
-    const float* __restrict vb = vp + table[base / block_size] * block_stride;
+    const float* __restrict kb = rows.k;
+    const float* __restrict vb = rows.v;
     for (int64_t hq = 0; hq < n_heads; ++hq) {  // head-outer: its query row stays in registers
       const float* __restrict qh = qn + hq * dim;
       for (int64_t j = lo; j < hi; ++j) {
@@ -143,12 +152,9 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
   std::fill(run_max, run_max + n_heads, -FLT_MAX);
   std::fill(run_sum, run_sum + n_heads, 0.f);
   for (int64_t base = start - start % block_size; base < stop; base += block_size) {
-    if (base + block_size < stop) {
-      const int64_t next = table[base / block_size + 1] * block_stride;
-      prefetch_block(kp + next, vp + next, block_stride);
-    }
-    const T* __restrict kb = kp + table[base / block_size] * block_stride;
-    const T* __restrict vb = vp + table[base / block_size] * block_stride;
+    const BlockRows<T> rows = block_rows(kp, vp, table, base, stop, block_size, block_stride);
+    const T* __restrict kb = rows.k;
+    const T* __restrict vb = rows.v;
     const int64_t hi = std::min(stop, base + block_size) - base;
     for (int64_t lo = std::max(start, base) - base; lo < hi; lo += 16) {  // keys [lo, lo + n) of the block
       const int64_t n = std::min<int64_t>(16, hi - lo);
