@@ -53,18 +53,16 @@ static inline BlockRows<T> block_rows(const T* kp, const T* vp, const int64_t* t
 }
 
 // The decode of one sequence: all its query heads against its positions [start, stop), block by
-// block. DIM is the head size when known at compile time (loops fully unrolled), else 0.
+// block, into the online-softmax state acc (weighted V sums), run_max and run_sum, which the
+// caller starts at 0, -FLT_MAX and 0 and normalises afterwards. DIM is the head size when known at
+// compile time (loops fully unrolled), else 0.
 template <int64_t DIM>
 static void attend_sequence(const float* __restrict qn, const float* kp, const float* vp, const int64_t* table,
                             int64_t start, int64_t stop, int64_t n_heads, int64_t group, int64_t runtime_dim,
                             int64_t block_size, int64_t slot_stride, float scale, float* __restrict acc,
-                            float* __restrict score, float* __restrict run_max, float* __restrict run_sum,
-                            float* __restrict out) {
+                            float* __restrict score, float* __restrict run_max, float* __restrict run_sum) {
   const int64_t dim = DIM > 0 ? DIM : runtime_dim;
   const int64_t block_stride = block_size * slot_stride;
-  std::fill(acc, acc + n_heads * dim, 0.f);
-  std::fill(run_max, run_max + n_heads, -FLT_MAX);
-  std::fill(run_sum, run_sum + n_heads, 0.f);
   for (int64_t base = start - start % block_size; base < stop; base += block_size) {
     const BlockRows<float> rows = block_rows(kp, vp, table, base, stop, block_size, block_stride);
     const int64_t lo = std::max(start, base) - base, hi = std::min(stop, base + block_size) - base;
@@ -102,10 +100,6 @@ static void attend_sequence(const float* __restrict qn, const float* kp, const f
         for (int64_t d = 0; d < dim; ++d) ah[d] += w * vr[d];
       }
     }
-  }
-  for (int64_t hq = 0; hq < n_heads; ++hq) {
-    const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
-    for (int64_t d = 0; d < dim; ++d) out[hq * dim + d] = acc[hq * dim + d] * inv;
   }
 }
 
@@ -145,12 +139,9 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
                                    int64_t start, int64_t stop, int64_t n_heads, const int64_t* kv_offset,
                                    int64_t block_size, int64_t slot_stride, float scale, float* __restrict acc,
                                    float* __restrict weights, float* __restrict correction,
-                                   float* __restrict run_max, float* __restrict run_sum, float* __restrict out) {
+                                   float* __restrict run_max, float* __restrict run_sum) {
   constexpr int64_t dim = 16 * C;
   const int64_t block_stride = block_size * slot_stride;
-  std::fill(acc, acc + n_heads * dim, 0.f);
-  std::fill(run_max, run_max + n_heads, -FLT_MAX);
-  std::fill(run_sum, run_sum + n_heads, 0.f);
   for (int64_t base = start - start % block_size; base < stop; base += block_size) {
     const BlockRows<T> rows = block_rows(kp, vp, table, base, stop, block_size, block_stride);
     const T* __restrict kb = rows.k;
@@ -204,12 +195,13 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
       }
     }
   }
-  for (int64_t hq = 0; hq < n_heads; ++hq) {
-    const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
-    for (int64_t d = 0; d < dim; ++d) out[hq * dim + d] = acc[hq * dim + d] * inv;
-  }
 }
 #endif
+
+// attend_sequence_avx512's type, so decode_all can hold one where that path is not compiled in.
+template <typename T>
+using FastPath = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, const int64_t*,
+                          int64_t, int64_t, float, float*, float*, float*, float*, float*);
 
 // Whether float16 and bfloat16 caches are read (by the AVX-512 path only) at this head size.
 static bool reads_16bit(int64_t dim) { return BLOCKSERVE_AVX512 && (dim == 64 || dim == 128 || dim == 256); }
@@ -230,6 +222,14 @@ static void decode_all(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
   const int64_t* starts = key_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
 
+  // The path for this head size: AVX-512 where compiled in (64, 128, 256), else the portable one.
+  FastPath<T> fast = nullptr;
+#if BLOCKSERVE_AVX512
+  fast = dim == 64 ? attend_sequence_avx512<T, 4> : dim == 128 ? attend_sequence_avx512<T, 8>
+       : dim == 256 ? attend_sequence_avx512<T, 16> : nullptr;
+#endif
+  auto portable = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
+
   // One work item per sequence: its blocks are read whole and in order (K then V rows of every head).
   at::parallel_for(0, n_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(n_heads * dim), score(n_heads * block_size), run_max(n_heads), run_sum(n_heads),
@@ -240,20 +240,19 @@ static void decode_all(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
     float* weights = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(weights_buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t n = begin; n < end; ++n) {
       const float* qn = qp + n * n_heads * dim;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
+      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      if (fast != nullptr)
+        fast(qn, kp, vp, table + n * width, starts[n], lens[n], n_heads, kv_offset.data(), block_size, slot_stride,
+             scale, acc.data(), weights, correction.data(), run_max.data(), run_sum.data());
+      else if constexpr (std::is_same_v<T, float>)
+        portable(qn, kp, vp, table + n * width, starts[n], lens[n], n_heads, group, dim, block_size, slot_stride, scale,
+                 acc.data(), score.data(), run_max.data(), run_sum.data());
       float* on = op + n * n_heads * dim;
-#if BLOCKSERVE_AVX512
-      auto fast = dim == 64 ? attend_sequence_avx512<T, 4> : dim == 128 ? attend_sequence_avx512<T, 8>
-                : dim == 256 ? attend_sequence_avx512<T, 16> : nullptr;
-      if (fast != nullptr) {
-        fast(qn, kp, vp, table + n * width, starts[n], lens[n], n_heads, kv_offset.data(), block_size, slot_stride, scale,
-             acc.data(), weights, correction.data(), run_max.data(), run_sum.data(), on);
-        continue;
-      }
-#endif
-      if constexpr (std::is_same_v<T, float>) {
-        auto attend = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
-        attend(qn, kp, vp, table + n * width, starts[n], lens[n], n_heads, group, dim, block_size, slot_stride, scale,
-               acc.data(), score.data(), run_max.data(), run_sum.data(), on);
+      for (int64_t hq = 0; hq < n_heads; ++hq) {
+        const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) on[hq * dim + d] = acc[hq * dim + d] * inv;
       }
     }
   });
