@@ -7,7 +7,7 @@ from blockserve.kv.block_pool import NULL_BLOCK_ID, ResetResult
 from blockserve.kv.config import KVCacheConfig, KVCacheGroup
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.kv.manager import ComputedBlocks, KVCacheManager, KVRequest, PrefixCacheStats
-from blockserve.kv.pending import KVEvent, PendingWork
+from blockserve.kv.pending import PendingWork
 from blockserve.kv.specs import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -26,7 +26,6 @@ __all__ = [
     "KVCacheGroup",
     "KVCacheManager",
     "KVCacheSpec",
-    "KVEvent",
     "KVRequest",
     "LinearStateSpec",
     "MLASpec",

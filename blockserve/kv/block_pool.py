@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from blockserve.kv.hashing import BlockHash
-from blockserve.kv.pending import KVEvent, PendingWork
+from blockserve.kv.pending import PendingWork
 
 NULL_BLOCK_ID = 0
 
@@ -49,7 +49,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, group_id: int, pending: PendingWork, zero_new_blocks: bool,
-                 enable_events: bool = False, poison_freed_blocks: bool = False):
+                 poison_freed_blocks: bool = False):
         self.group_id = group_id
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
@@ -57,7 +57,6 @@ class BlockPool:
         self.capacity = num_blocks - 1
         self._pending = pending
         self._zero_new_blocks = zero_new_blocks
-        self._enable_events = enable_events
         self._poison = poison_freed_blocks
         # Popped from the end: low block ids are handed out first on a fresh pool.
         self._uncached: list[Block] = self.blocks[:0:-1]
@@ -132,17 +131,11 @@ class BlockPool:
 
     def cache(self, blocks: Iterable[Block], hashes: Iterable[BlockHash]) -> None:
         """Register full blocks whose KV has been written under their prefix hashes (C4)."""
-        stored = []
         for block, block_hash in zip(blocks, hashes):
             if block.block_hash is not None or block is self.null_block:
                 continue
             block.block_hash = block_hash
-            twins = self.cached.setdefault(block_hash, {})
-            if not twins:
-                stored.append(block_hash)
-            twins[block.block_id] = block
-        if self._enable_events and stored:
-            self._pending.events.append(KVEvent("stored", self.group_id, tuple(stored)))
+            self.cached.setdefault(block_hash, {})[block.block_id] = block
 
     def _evict(self, block: Block) -> None:
         block_hash = block.block_hash
@@ -155,8 +148,6 @@ class BlockPool:
         self._record_poison(block)
         if not twins:
             del self.cached[block_hash]
-            if self._enable_events:
-                self._pending.events.append(KVEvent("removed", self.group_id, (block_hash,)))
 
     def _record_poison(self, block: Block) -> None:
         if self._poison:
@@ -172,8 +163,6 @@ class BlockPool:
             self._record_poison(block)
         self._evictable.clear()
         self.cached.clear()
-        if self._enable_events:
-            self._pending.events.append(KVEvent("cleared", self.group_id))
         return ResetResult(True)
 
     # -- C3 ------------------------------------------------------------------------------------

@@ -43,7 +43,6 @@ class KVCacheGroup:
 class KVCacheConfig:
     groups: tuple[KVCacheGroup, ...]
     enable_prefix_caching: bool = True
-    enable_kv_events: bool = False
     poison_freed_blocks: bool = False  # poison mode: garbage blocks are filled with NaN (C1 tests)
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ class KVCacheCoordinator:
     def __init__(self, config: KVCacheConfig, pending: PendingWork):
         self.config = config
         self.pools = [
-            BlockPool(g.num_blocks, i, pending, g.zero_new_blocks, config.enable_kv_events, config.poison_freed_blocks)
+            BlockPool(g.num_blocks, i, pending, g.zero_new_blocks, config.poison_freed_blocks)
             for i, g in enumerate(config.groups)
         ]
         self.managers: list[FullAttentionManager] = [

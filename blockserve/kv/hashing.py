@@ -2,8 +2,8 @@
 
     hash(block i) = sha256(hash(block i-1) | extra keys | token ids of block i)
 
-The chain makes a block's hash name its whole prefix; the extra keys (cache salt, adapter id)
-keep tenants and adapters apart. sha256 was picked by measurement (`benchmarks/kv_core.py`):
+The chain makes a block's hash name its whole prefix; the extra key (the cache salt) keeps
+tenants apart (C6). sha256 was picked by measurement (`benchmarks/kv_core.py`):
 about 1.2M 16-token blocks/s on this 2-core machine when idle, as fast as blake2b (1.05x);
 xxh3_128 is ~1.8x faster but is not collision resistant, and a hash an attacker can collide
 would make salt isolation meaningless. At these rates hashing costs ~1 us per 16 tokens.
@@ -21,17 +21,13 @@ BlockHash = bytes
 _ROOT = b"blockserve-prefix-v1"
 
 
-def extra_keys_bytes(cache_salt: str | None = None, adapter_id: str | int | None = None) -> bytes:
-    """Encode the extra keys once per request; different keys give disjoint hash chains."""
-    def field(value) -> bytes:
-        # A presence byte keeps None apart from "", the type keeps 1 apart from "1", and the
-        # length prefix keeps ("ab", "c") apart from ("a", "bc").
-        if value is None:
-            return b"\x00"
-        data = f"{type(value).__name__}:{value}".encode()
-        return b"\x01" + len(data).to_bytes(4, "little") + data
-
-    return field(cache_salt) + field(adapter_id)
+def extra_keys_bytes(cache_salt: str | None = None) -> bytes:
+    """Encode the extra keys once per request; different keys give disjoint hash chains.
+    A presence byte keeps None apart from "", a length prefix makes the encoding unambiguous."""
+    if cache_salt is None:
+        return b"\x00"
+    data = cache_salt.encode()
+    return b"\x01" + len(data).to_bytes(4, "little") + data
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -53,8 +49,8 @@ class BlockHashChain:
 
     __slots__ = ("extra_keys", "_hashes")
 
-    def __init__(self, block_sizes: Sequence[int], cache_salt: str | None = None, adapter_id: str | int | None = None):
-        self.extra_keys = extra_keys_bytes(cache_salt, adapter_id)
+    def __init__(self, block_sizes: Sequence[int], cache_salt: str | None = None):
+        self.extra_keys = extra_keys_bytes(cache_salt)
         self._hashes: dict[int, list[BlockHash]] = {bs: [] for bs in block_sizes}
 
     def get(self, block_size: int, token_ids: Sequence[int]) -> list[BlockHash]:

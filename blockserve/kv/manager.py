@@ -7,7 +7,7 @@ Per step, for each request the scheduler
   3. after the forward pass, calls `cache_blocks(request, num_computed_tokens)` so full blocks
      whose KV is now written become prefix-cache entries (C4);
   4. calls `free(request)` when it finishes, is preempted or aborted;
-and once per `schedule()` it calls `take_pending()` for the zero orders and events (C2).
+and once per `schedule()` it calls `take_pending()` for the zero and poison orders (C2).
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ class KVCacheManager:
         self._no_hit = ComputedBlocks(0, tuple(() for _ in config.groups))
         self._requests = self._queries = self._hits = 0
 
-    def new_block_hashes(self, cache_salt: str | None = None, adapter_id: str | int | None = None) -> BlockHashChain:
+    def new_block_hashes(self, cache_salt: str | None = None) -> BlockHashChain:
         """The hash chain a new request carries (one list per attention block size)."""
-        return BlockHashChain(self.config.block_sizes, cache_salt, adapter_id)
+        return BlockHashChain(self.config.block_sizes, cache_salt)
 
     # -- the request-level API -----------------------------------------------------------------
 
@@ -90,9 +90,8 @@ class KVCacheManager:
         request: KVRequest,
         num_new_tokens: int,
         computed: ComputedBlocks | None = None,
-        num_lookahead_tokens: int = 0,
     ) -> list[list[int]] | None:
-        """Blocks for `num_new_tokens` more tokens (plus lookahead slots) in every group.
+        """Blocks for `num_new_tokens` more tokens in every group.
 
         Returns, per group, the block ids appended to the request's table (a hit's blocks
         first), or None if some group lacks free blocks, in which case nothing was allocated.
@@ -102,7 +101,7 @@ class KVCacheManager:
             raise ValueError(f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}")
         computed = computed or self._no_hit
         num_computed = request.num_computed_tokens
-        num_tokens = num_computed + computed.num_tokens + num_new_tokens + num_lookahead_tokens
+        num_tokens = num_computed + computed.num_tokens + num_new_tokens
         if not computed.num_tokens and self.coordinator.is_steady(request.request_id, num_computed, num_tokens):
             return [[] for _ in self.config.groups]  # most decode steps: nothing to do
         # Blocks that left the window are released before counting what the step needs.
@@ -133,7 +132,7 @@ class KVCacheManager:
         return self.coordinator.block_ids(request_id)
 
     def take_pending(self) -> PendingWork:
-        """C2: the zero orders (`blocks_to_zero[group]`) and events since the last call."""
+        """C2: the zero and poison orders (`blocks_to_zero[group]`, `blocks_to_poison[group]`) since the last call."""
         return self._pending.take()
 
     def pending_is_empty(self) -> bool:

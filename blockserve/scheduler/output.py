@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from blockserve.kv.pending import KVEvent
 from blockserve.sampling_params import SamplingParams
 
 
@@ -54,7 +53,6 @@ class SchedulerOutput:
     blocks_to_poison: dict[int, list[int]]  # poison mode only: fill with NaN, before the zero orders
     finished_request_ids: set[str]  # finished or aborted since the last step: drop their state
     preempted_request_ids: set[str]  # preempted this step: drop their state
-    kv_events: list[KVEvent] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

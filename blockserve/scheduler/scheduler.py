@@ -170,7 +170,6 @@ class Scheduler:
             blocks_to_poison=pending.blocks_to_poison,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
-            kv_events=pending.events,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -292,5 +291,5 @@ class Scheduler:
         """C2: once every request finished and a last step ran, nothing is held or pending."""
         assert not self.requests and not self.running and not self.waiting, "requests remain"
         assert not self._finished_ids, "finished ids were never handed to the worker"
-        assert self.kv.pending_is_empty(), "KV zero orders or events were never drained"
+        assert self.kv.pending_is_empty(), "KV zero or poison orders were never drained"
         self.kv.assert_idle()

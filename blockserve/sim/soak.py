@@ -76,8 +76,7 @@ def soak(num_requests: int, per_step: int = 16, warmup: int = 2000, seed: int = 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, sliding_window=32)
     kv_config = KVCacheConfig(
-        (KVCacheGroup(spec, 257, True, ("full",)), KVCacheGroup(window, 257, True, ("sliding",))),
-        enable_kv_events=True,
+        (KVCacheGroup(spec, 257, True, ("full",)), KVCacheGroup(window, 257, True, ("sliding",)))
     )
     sched_config = SchedulerConfig(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=1024)
     rng = random.Random(seed)

@@ -33,13 +33,12 @@ def state(starts_zeroed: bool = True) -> LinearStateSpec:
     return LinearStateSpec(shapes=((3, 8), (2, 4, 4)), dtypes=("float32", "float32"), starts_zeroed=starts_zeroed)
 
 
-def make_manager(*groups: tuple, caching: bool = True, events: bool = False, poison: bool = False) -> KVCacheManager:
+def make_manager(*groups: tuple, caching: bool = True, poison: bool = False) -> KVCacheManager:
     """A manager over `(spec, num_blocks)` or `(spec, num_blocks, zero_new_blocks)` groups."""
     return KVCacheManager(
         KVCacheConfig(
             tuple(KVCacheGroup(g[0], g[1], g[2] if len(g) > 2 else False) for g in groups),
             enable_prefix_caching=caching,
-            enable_kv_events=events,
             poison_freed_blocks=poison,
         )
     )
@@ -55,8 +54,8 @@ class Req:
     num_computed_tokens: int = 0
 
 
-def new_req(manager: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None, adapter_id=None) -> Req:
-    return Req(rid, list(tokens), manager.new_block_hashes(salt, adapter_id))
+def new_req(manager: KVCacheManager, rid: str, tokens: list[int], salt: str | None = None) -> Req:
+    return Req(rid, list(tokens), manager.new_block_hashes(salt))
 
 
 def compute(manager: KVCacheManager, req: Req, num_tokens: int) -> None:
@@ -109,7 +108,7 @@ def snapshot(manager: KVCacheManager) -> tuple:
     )
     pending = manager._pending
     orders = tuple({g: tuple(ids) for g, ids in d.items()} for d in (pending.blocks_to_zero, pending.blocks_to_poison))
-    return pools, tables, orders, tuple(pending.events)
+    return pools, tables, orders
 
 
 def plant(pool, hashes: list[bytes], positions) -> dict[int, object]:

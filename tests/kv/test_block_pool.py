@@ -1,16 +1,16 @@
-"""One group's pool: eviction order, the prefix-cache map, reset, events, zero and poison orders."""
+"""One group's pool: eviction order, the prefix-cache map, reset, zero and poison orders."""
 
 import pytest
 
-from blockserve.kv import NULL_BLOCK_ID, KVEvent, PendingWork
+from blockserve.kv import NULL_BLOCK_ID, PendingWork
 from blockserve.kv.block_pool import BlockPool
 
 H = [bytes([i]) * 32 for i in range(16)]  # stand-in block hashes
 
 
-def make_pool(num_blocks=9, group_id=0, zero=False, events=False, poison=False):
+def make_pool(num_blocks=9, group_id=0, zero=False, poison=False):
     pending = PendingWork()
-    return BlockPool(num_blocks, group_id, pending, zero, events, poison), pending
+    return BlockPool(num_blocks, group_id, pending, zero, poison), pending
 
 
 def ids(blocks):
@@ -100,25 +100,23 @@ def test_the_null_block_is_ignored_by_touch_free_and_cache():
 
 def test_twin_blocks_of_one_hash_are_both_cached_and_evicted_one_at_a_time():
     """Two requests that computed the same block in the same step both register it; evicting
-    one twin keeps the hash (and emits no event) until the last twin goes."""
-    pool, pending = make_pool(num_blocks=3, events=True)  # just the two twins
+    one twin keeps the hash until the last twin goes."""
+    pool, _ = make_pool(num_blocks=3)  # just the two twins
     a, b = pool.get_new_blocks(2)
     pool.cache([a], [H[0]])
     pool.cache([b], [H[0]])
     assert pool.lookup(H[0]) is a and b.block_hash == H[0]
-    assert [e.kind for e in pending.take().events] == ["stored"]
     pool.free([a, b])
     pool.check_integrity({})
     first = pool.get_new_blocks(1)[0]
-    assert pool.lookup(H[0]) is not None and pending.take().events == []
+    assert pool.lookup(H[0]) is not None
     second = pool.get_new_blocks(1)[0]
-    assert {first, second} == {a, b} and pool.lookup(H[0]) is None
-    assert [e.kind for e in pending.take().events] == ["removed"]
+    assert {first, second} == {a, b} and pool.lookup(H[0]) is None and H[0] not in pool.cached
     pool.check_integrity({a.block_id: 1, b.block_id: 1})
 
 
 def test_reset_is_refused_while_blocks_are_in_use_and_changes_nothing():
-    pool, _ = make_pool(events=True)
+    pool, _ = make_pool()
     cached_and_freed(pool, H[:2])
     held = pool.get_new_blocks(1)
     before = (list(pool._uncached), list(pool._evictable), dict(pool.cached))
@@ -130,31 +128,6 @@ def test_reset_is_refused_while_blocks_are_in_use_and_changes_nothing():
     assert not pool.cached and not pool._evictable and pool.num_free == pool.capacity
     assert pool.num_evictions == 0
     pool.check_integrity({})
-
-
-def test_events_are_tagged_with_the_group():
-    pool, pending = make_pool(num_blocks=3, group_id=5, events=True)
-    blocks = pool.get_new_blocks(2)
-    pool.cache(blocks, H[:2])
-    pool.free(reversed(blocks))
-    pool.get_new_blocks(1)  # evicts the deepest block
-    pool.reset_prefix_cache()  # refused: nothing recorded
-    pool.free([blocks[1]])
-    pool.reset_prefix_cache()
-    assert pending.events == [
-        KVEvent("stored", 5, (H[0], H[1])),
-        KVEvent("removed", 5, (H[1],)),
-        KVEvent("cleared", 5),
-    ]
-
-
-def test_no_events_when_disabled():
-    pool, pending = make_pool(num_blocks=3, events=False)
-    cached_and_freed(pool, H[:2])
-    pool.get_new_blocks(2)
-    pool.free(pool.blocks[1:])
-    pool.reset_prefix_cache()
-    assert pending.is_empty()
 
 
 @pytest.mark.parametrize("zero", [False, True])

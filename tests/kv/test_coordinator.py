@@ -142,7 +142,7 @@ def test_allocation_fails_atomically_when_the_state_group_is_full():
 
 
 def test_a_failed_allocation_does_not_revive_its_hit():
-    manager = make_manager((full(4), 6, True), events=True)
+    manager = make_manager((full(4), 6, True))
     prefill(manager, new_req(manager, "a", TOKENS[:12]))
     manager.free("a")  # blocks 1-3: cached and evictable
     prefill(manager, new_req(manager, "c", TOKENS[40:42]))  # takes 1 free block: 4 left

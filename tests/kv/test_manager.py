@@ -1,8 +1,7 @@
-"""KVCacheManager: zero orders and events drained by take_pending (C1, C2), admission, reset, stats."""
+"""KVCacheManager: zero and poison orders drained by take_pending (C1, C2), admission, reset, stats."""
 
 import pytest
 
-from blockserve.kv import KVEvent
 from tests.kv.conftest import compute, decode, full, make_manager, mla, new_req, prefill, sliding, state
 
 TOKENS = list(range(1000, 1040))
@@ -30,38 +29,18 @@ def test_state_slots_are_zeroed_for_every_new_request():
 
 
 def test_take_pending_drains_everything():
-    manager = make_manager((full(4), 6, True), (sliding(4, 6), 6, True), events=True, poison=True)
+    manager = make_manager((full(4), 6, True), (sliding(4, 6), 6, True), poison=True)
     for rid, start in (("a", 0), ("b", 20)):  # b evicts a's cached blocks
         prefill(manager, new_req(manager, rid, TOKENS[start : start + 20]))
         manager.free(rid)
     taken = manager.take_pending()
     assert set(taken.blocks_to_zero) == set(taken.blocks_to_poison) == {0, 1}
-    assert {e.kind for e in taken.events} == {"stored", "removed"}
     assert manager.take_pending().is_empty() and manager.pending_is_empty()
     manager.assert_idle()
 
 
-def test_events_through_the_manager():
-    manager = make_manager((full(4), 8), (state(), 3), events=True)
-    req = new_req(manager, "a", TOKENS[:9])
-    prefill(manager, req)
-    assert manager.take_pending().events == [KVEvent("stored", 0, tuple(req.block_hashes.get(4, req.token_ids)))]
-    manager.free("a")
-    assert manager.reset_prefix_cache().ok
-    assert manager.take_pending().events == [KVEvent("cleared", 0), KVEvent("cleared", 1)]
-
-
-def test_no_events_unless_enabled():
-    manager = make_manager((full(4), 4))
-    for rid, start in (("a", 0), ("b", 12), ("c", 24)):  # each evicts the one before
-        prefill(manager, new_req(manager, rid, TOKENS[start : start + 12]))
-        manager.free(rid)
-    manager.reset_prefix_cache()
-    assert manager.take_pending().events == []
-
-
 def test_reset_is_refused_in_every_group_while_any_group_is_in_use():
-    manager = make_manager((full(4), 8), (sliding(4, 6), 8), events=True)
+    manager = make_manager((full(4), 8), (sliding(4, 6), 8))
     prefill(manager, new_req(manager, "a", TOKENS[:12]))
     manager.free("a")
     prefill(manager, new_req(manager, "b", TOKENS[20:22]))
@@ -77,17 +56,17 @@ def test_reset_is_refused_in_every_group_while_any_group_is_in_use():
 
 
 def test_no_hits_and_nothing_cached_with_prefix_caching_off():
-    manager = make_manager((full(4), 16), caching=False, events=True)
+    manager = make_manager((full(4), 16), caching=False)
     prefill(manager, new_req(manager, "a", TOKENS[:12]))
     manager.free("a")
     assert prefill(manager, new_req(manager, "b", TOKENS[:12]))[0].num_tokens == 0
-    assert not manager.coordinator.pools[0].cached and manager.take_pending().events == []
+    assert not manager.coordinator.pools[0].cached
 
 
 def test_block_ids_free_and_assert_idle():
     manager = make_manager((full(4), 16), (sliding(4, 6), 16), (state(), 3))
     req = new_req(manager, "a", TOKENS[:10])
-    assert manager.allocate_slots(req, 10, num_lookahead_tokens=3) == [[1, 2, 3, 4], [1, 2, 3, 4], [1]]
+    assert manager.allocate_slots(req, 13) == [[1, 2, 3, 4], [1, 2, 3, 4], [1]]
     assert manager.block_ids("a") == [[1, 2, 3, 4], [1, 2, 3, 4], [1]]
     assert manager.usage() == [4 / 15, 4 / 15, 1 / 2]
     with pytest.raises(AssertionError, match="still hold blocks"):

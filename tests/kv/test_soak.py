@@ -35,7 +35,7 @@ def assert_nothing_kept(manager, request_id: str) -> None:
 def soak(cycles: int, zero: bool) -> None:
     """`cycles` max_tokens=1 requests through a full + sliding-window cache, each drained at once."""
     manager = make_manager(
-        (full(16), NUM_BLOCKS, zero), (sliding(16, 32), NUM_BLOCKS, zero), events=True, poison=zero
+        (full(16), NUM_BLOCKS, zero), (sliding(16, 32), NUM_BLOCKS, zero), poison=zero
     )
     for n in range(cycles):
         # Prefix hit, allocate and cache the prompt, free; then the step's take_pending.

@@ -97,7 +97,7 @@ class Driver:
       latest-arrived running requests, and wait at the front (FCFS) or in key order (priority);
     - the worker's block tables, built only from whole tables of new requests and appended ids
       of continuing ones, equal `kv.block_ids()` (entries a sliding window dropped read as null);
-    - C2: zero orders and events are drained by every schedule(), and only name new blocks;
+    - C2: zero and poison orders are drained by every schedule(), and only name new blocks;
     - C4: schedule() never adds to the prefix cache, and every cached block was written by a
       completed step of a request that was still running when its output came back;
     - finished requests hold nothing, and nothing is output after a request finished.
@@ -150,7 +150,7 @@ class Driver:
         cached_before = self.cached_hashes()
         out = self.scheduler.schedule()
         self.kv.check_integrity()
-        assert self.kv.pending_is_empty(), "schedule() left zero orders or events behind (C2)"
+        assert self.kv.pending_is_empty(), "schedule() left zero or poison orders behind (C2)"
         assert self.cached_hashes() <= cached_before, "schedule() put blocks in the prefix cache (C4)"
         self._check_batch(out)
         self._check_preemptions(out)
