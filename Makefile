@@ -23,6 +23,7 @@ run: install
 test: install
 	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest
 
+# Developer benchmarks (benchmarks/); `blockserve bench ...` (blockserve/benchmark/) measures the installed engine.
 bench-kv: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/kv_core.py
 

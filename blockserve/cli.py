@@ -14,48 +14,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
+from blockserve.config_args import add_config_arguments, config_from_namespace, namespace_values
 from blockserve.engine.config import EngineConfig
-from blockserve.kv.specs import KV_CACHE_DTYPES
 from blockserve.sampling_params import SamplingParams
+from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: bundled SmolLM2-135M)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default="1GiB", help="bytes with a unit (4GiB) or a fraction of free memory")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--attention-backend", default="exact", choices=["exact", "whole_block"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
-                        "and reads, attention still computes in float32)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    g.add_argument("--poison", action="store_true", help="fill garbage KV blocks with NaN (debugging)")
-    g.add_argument("--no-quantized-matmul", action="store_true",
-                   help="GGUF models: float32 weights only (by default batches of up to 16 rows read the "
-                        "file's Q4_0/Q4_1/Q8_0 blocks)")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend,
-        kv_cache_dtype=args.kv_cache_dtype,
-        num_threads=args.num_threads,
-        poison=args.poison,
-        quantized_matmul=not args.no_quantized_matmul,
-    )
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig the serve flags describe, resolved: without --served-model-name the
+    model answers to --model (or the bundled model's name); without --api-key, the keys come
+    from BLOCKSERVE_API_KEY=k1,k2 (none: no authentication)."""
+    env_keys = tuple(key for key in os.environ.get("BLOCKSERVE_API_KEY", "").split(",") if key)
+    values = namespace_values(ServerConfig, args)
+    return ServerConfig(**{**values, "served_model_name": values.get("served_model_name") or args.model
+                           or DEFAULT_MODEL_NAME, "api_keys": values.get("api_keys") or env_keys})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("error: give prompts as arguments or with --file (use - for stdin)", file=sys.stderr)
         return 2
-    llm = LLM(**vars(engine_config(args)))
+    llm = LLM(**vars(config_from_namespace(EngineConfig, args)))
     params = sampling_params(args)
     if args.chat_template:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -111,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from blockserve.engine.llm import LLM
 
-    llm = LLM(**vars(engine_config(args)))
+    llm = LLM(**vars(config_from_namespace(EngineConfig, args)))
     engine = llm.engine
     params = sampling_params(args)
     messages: list[dict] = []
@@ -152,10 +127,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from blockserve.server.app import run_server
 
-    return run_server(args, engine_config(args))
+    return run_server(config_from_namespace(EngineConfig, args), server_config(args))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `blockserve` parser: every subcommand with its flags; `args.func` runs one."""
     parser = argparse.ArgumentParser(prog="blockserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-q", "--quiet", action="store_true", help="do not log engine start-up (capacity report)")
@@ -166,32 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--file", help="one prompt per line; - reads stdin")
     gen.add_argument("--jsonl", action="store_true", help="one JSON object per prompt")
     gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
-    add_engine_args(gen)
+    add_config_arguments(gen, EngineConfig, title="engine")
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streamed")
     chat.add_argument("--system", default=None, help="a system prompt")
-    add_engine_args(chat)
+    add_config_arguments(chat, EngineConfig, title="engine")
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", action="append", default=[],
-                       help="accepted bearer token (repeatable; or BLOCKSERVE_API_KEY=k1,k2); default: no auth")
-    serve.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default="none",
-                       help="per-key: derive each request's cache salt from its API key (tenants share no blocks)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    add_engine_args(serve)
+    add_config_arguments(serve, ServerConfig, title="server", defaults={"served_model_name": None})
+    add_config_arguments(serve, EngineConfig, title="engine")
     serve.set_defaults(func=cmd_serve)
 
     from blockserve.benchmark import add_bench_parser
 
     add_bench_parser(sub)  # bench throughput | latency | serve
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("blockserve").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:

@@ -22,11 +22,12 @@ class BlockserveRunner:
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[RunResult, list[list[int]]]:
         llm = self.new_llm()
-        timings = llm.engine.core.runner.timings
-        before = {k: getattr(timings, k) for k in ("zero", "prepare", "forward", "sample", "steps")}
+        keys = ("zero", "prepare", "forward", "sample", "steps")
+        before = {k: getattr(llm.engine.step_timings(), k) for k in keys}
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outputs, seconds, cpu, load = timed(lambda: llm.generate(prompts, params, use_tqdm=self.progress))
-        phases = {k: getattr(timings, k) - before[k] for k in before}
+        after = llm.engine.step_timings()
+        phases = {k: getattr(after, k) - before[k] for k in keys}
         steps = phases.pop("steps")
         phases["scheduler+engine (rest)"] = seconds - sum(phases.values())
         tokens = [o.outputs[0].token_ids for o in outputs]

@@ -53,6 +53,8 @@ class _Regions:
         self.handles.append(module.register_forward_hook(lambda *_: self.exit()))
 
     def wrap_method(self, obj, attr: str, label: str) -> None:
+        """Time `obj.attr` (an instance's method, or a class's: every instance's, `__call__` too)."""
+        own = vars(obj).get(attr)  # what `remove` puts back (None: the attribute came from the class)
         original = getattr(obj, attr)
 
         def wrapped(*args, **kwargs):
@@ -63,25 +65,16 @@ class _Regions:
                 self.exit()
 
         setattr(obj, attr, wrapped)
-        self.restore.append((obj, attr))
+        self.restore.append((obj, attr, own))
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        for obj, attr in self.restore:
-            delattr(obj, attr)
-
-
-class _CallWrapper:
-    def __init__(self, regions: _Regions, target, label: str):
-        self.regions, self.target, self.label = regions, target, label
-
-    def __call__(self, *args, **kwargs):
-        self.regions.enter(self.label)
-        try:
-            return self.target(*args, **kwargs)
-        finally:
-            self.regions.exit()
+        for obj, attr, own in reversed(self.restore):
+            if own is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, own)
 
 
 _MODULE_LABELS = {  # class name -> region label; the exclusive time of a container is its glue
@@ -93,16 +86,19 @@ _MODULE_LABELS = {  # class name -> region label; the exclusive time of a contai
     "RotaryEmbedding": "rope cos/sin lookup",
     "Attention": "paged attention (write+gather+SDPA)",
     "LlamaAttention": "attn glue: split/view/rope",
-    "LlamaMLP": "mlp glue: silu*up",
+    "GatedMLP": "mlp glue: silu*up",
     "LlamaDecoderLayer": "layer glue: residual adds",
     "LlamaModel": "model glue",
 }
 
 
-def _instrument(llm: LLM) -> _Regions:
+def _instrument(model: torch.nn.Module) -> _Regions:
+    """Hooks on the loaded model's modules and attention backends, and on the worker's InputBatch
+    and Sampler classes (so no engine is reached into; `remove()` undoes them all)."""
+    from blockserve.worker.input_batch import InputBatch
+    from blockserve.worker.sampler import Sampler
+
     regions = _Regions()
-    runner = llm.engine.core.runner
-    model = runner.model
     for module in model.modules():
         label = _MODULE_LABELS.get(type(module).__name__)
         if label:
@@ -115,9 +111,9 @@ def _instrument(llm: LLM) -> _Regions:
             regions.wrap_method(backend, "_gather", "attn: gather index math")
             regions.wrap_method(backend, "_attend", "attn: SDPA (incl. transposes)")
     regions.wrap_method(model, "compute_logits", "lm_head (matmul)")
-    regions.wrap_method(runner.batch, "prepare", "prepare inputs")
-    regions.wrap_method(runner.batch, "update", "update input batch")
-    runner.sampler = _CallWrapper(regions, runner.sampler, "sampler")
+    regions.wrap_method(InputBatch, "prepare", "prepare inputs")
+    regions.wrap_method(InputBatch, "update", "update input batch")
+    regions.wrap_method(Sampler, "__call__", "sampler")
     return regions
 
 
@@ -171,27 +167,34 @@ def profile_decode(loaded, engine_args: dict, conv_prompts: list[list[int]], run
     llm = LLM(loaded, **engine_args)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=3 * steps + warm_steps + 8, ignore_eos=True)
+    prompt_lens = {}
     for i in range(running):
-        engine.add_request(f"profile-{i}", conv_prompts[i % len(conv_prompts)], params)
-    runner = engine.core.runner
+        prompt = conv_prompts[i % len(conv_prompts)]
+        engine.add_request(f"profile-{i}", prompt, params)
+        prompt_lens[f"profile-{i}"] = len(prompt)
+    generated = dict.fromkeys(prompt_lens, 0)
+
+    def step() -> None:
+        for output in engine.step():
+            generated[output.request_id] = len(output.outputs[0].token_ids)
+
     for _ in range(1000):  # until every prompt is done (chunked prefill), then two warm decode steps
-        engine.step()
-        reqs = runner.batch.requests
-        if len(reqs) == running and all(r.output_token_ids for r in reqs.values()):
+        step()
+        if engine.stats().num_running == running and all(generated.values()):
             break
     for _ in range(max(2, warm_steps)):
-        engine.step()
-    contexts = [r.num_tokens for r in runner.batch.requests.values()]
+        step()
+    contexts = [prompt_lens[r] + generated[r] for r in prompt_lens]
 
     def timed_steps(regions: _Regions | None):
-        t = runner.timings
-        before = (t.zero, t.prepare, t.forward, t.sample)
+        phases = ("zero", "prepare", "forward", "sample")
+        before = [getattr(engine.step_timings(), k) for k in phases]
         walls = []
         for _ in range(steps):
             start = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - start)
-        after = (t.zero, t.prepare, t.forward, t.sample)
+        after = [getattr(engine.step_timings(), k) for k in phases]
         return walls, [(a - b) / steps for a, b in zip(after, before)]
 
     walls, phases = timed_steps(None)  # plain: no hooks
@@ -200,7 +203,7 @@ def profile_decode(loaded, engine_args: dict, conv_prompts: list[list[int]], run
     phase = dict(zip(("zero", "prepare", "forward", "sample"), phases))
     phase["scheduler+engine (rest)"] = mean_wall - sum(phases)
 
-    regions = _instrument(llm)
+    regions = _instrument(loaded.model)
     hook_walls, _ = timed_steps(regions)
     hooked = {"exclusive_ms": {k: 1e3 * v / steps for k, v in regions.exclusive.items()},
               "calls_per_step": {k: v // steps for k, v in regions.calls.items()},

@@ -79,6 +79,8 @@ from tqdm import tqdm
 from blockserve.benchmark.common import environment
 from blockserve.benchmark.roofline import ModelShape, roofline
 from blockserve.benchmark.workloads import workload_prompts
+from blockserve.config_args import add_config_arguments, namespace_values
+from blockserve.engine.config import EngineConfig
 from blockserve.models.default_model import default_model_path
 
 from blockserve_runner import BlockserveRunner
@@ -101,11 +103,10 @@ def main() -> None:
                     help="systems not to run (hf-sequential, hf-batch16, hf-continuous, llama.cpp-batched, ...); "
                          "nothing is estimated in their place")
     ap.add_argument("--itl-prompts", type=int, default=4, help="prompts for the batch-1 inter-token latency (0: none)")
-    ap.add_argument("--no-prefix-caching", action="store_true", help="blockserve without prefix caching")
-    ap.add_argument("--attention-backend", default="exact", help="blockserve attention backend (exact, whole_block)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                    help="tokens per step: blockserve's budget, generate_batch's max_batch_tokens, llama.cpp's n_batch")
-    ap.add_argument("--kv-cache-memory", default=None, help="blockserve KV cache budget (default: what the workload needs x 1.5)")
+    add_config_arguments(ap, EngineConfig, title="blockserve engine", defaults={"kv_cache_memory": None},
+                         only=("enable_prefix_caching", "attention_backend", "max_num_batched_tokens", "kv_cache_memory"),
+                         notes={"max_num_batched_tokens": "also generate_batch's max_batch_tokens and llama.cpp's n_batch",
+                                "kv_cache_memory": "default: what the workload needs x 1.5"})
     ap.add_argument("--profile-decode", type=int, nargs="*", default=[], metavar="RUNNING",
                     help="profile blockserve decode steps with this many running requests")
     ap.add_argument("--profile-steps", type=int, default=5, help="decode steps per profile")
@@ -132,8 +133,6 @@ def main() -> None:
     from blockserve.models.loader import load_model
 
     t = time.perf_counter()
-    if args.attention_backend not in BACKENDS:
-        raise SystemExit(f"--attention-backend must be one of {sorted(BACKENDS)}")
     loaded = load_model(None, BACKENDS[args.attention_backend])
     print(f"blockserve model loaded in {time.perf_counter() - t:.1f} s ({loaded.source})")
     tokenizer = loaded.tokenizer
@@ -155,10 +154,8 @@ def main() -> None:
     scale = max([1.0] + [r / len(prompts) for r in args.profile_decode])  # profiles may run more requests
     kv_memory = args.kv_cache_memory or (int(1.5 * scale * per_token_kv * sum(l + args.max_tokens + 16 for l in lens))
                                          + per_token_kv * max_model_len + 64 * 2**20)
-    engine_args = {"max_model_len": max_model_len, "enable_prefix_caching": not args.no_prefix_caching,
-                   "attention_backend": args.attention_backend,
-                   "max_num_seqs": max(256, len(prompts)),
-                   "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": kv_memory}
+    engine_args = {**namespace_values(EngineConfig, args), "max_model_len": max_model_len,
+                   "max_num_seqs": max(256, len(prompts)), "kv_cache_memory": kv_memory}
 
     print("measuring roofline (GEMM peak, copy bandwidth) ...")
     roof = roofline(shape, lens, args.max_tokens)

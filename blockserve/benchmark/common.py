@@ -141,17 +141,32 @@ def add_workload_args(parser: argparse.ArgumentParser, default_num_prompts: int 
 # -- offline engines ----------------------------------------------------------------------------
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (EngineConfig's, blockserve/config_args.py); --kv-cache-memory left
+    unset sizes the cache to the workload (`engine_config_for`)."""
+    from blockserve.config_args import add_config_arguments
+    from blockserve.engine.config import EngineConfig
+
+    add_config_arguments(parser, EngineConfig, title="engine", defaults={"kv_cache_memory": None},
+                         notes={"kv_cache_memory": "default: 1.5x what the workload needs with every request running"})
+
+
 def load_for_bench(args: argparse.Namespace):
-    """Set the torch threads first (so loading runs with them too), then load the model once;
-    engines are built on it with `new_engine` (a fresh KV and prefix cache each time)."""
+    """(the EngineConfig of the engine flags, the model loaded once as that config says). The
+    torch threads are set first, so loading runs with them too; engines are built on the model
+    with `new_engine` (a fresh KV and prefix cache each time). With --kv-cache-memory unset the
+    config holds the default until `engine_config_for` sizes it."""
     import torch
 
     from blockserve.attention.paged_attention import BACKENDS
+    from blockserve.config_args import config_from_namespace
+    from blockserve.engine.config import EngineConfig
     from blockserve.models.loader import load_model
 
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    return load_model(args.model, BACKENDS[args.attention_backend], quantized_matmul=not args.no_quantized_matmul)
+    config = config_from_namespace(EngineConfig, args)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    return config, load_model(config.model, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul)
 
 
 def kv_bytes_needed(loaded, block_size: int, token_counts: list[int], kv_cache_dtype: str = "auto") -> int:
@@ -162,23 +177,25 @@ def kv_bytes_needed(loaded, block_size: int, token_counts: list[int], kv_cache_d
     return sum(spec.max_blocks_held(n) * spec.page_size_bytes for spec in specs for n in token_counts)
 
 
-def engine_config_for(args: argparse.Namespace, loaded, token_counts: list[int]):
-    """The CLI's EngineConfig; with --kv-cache-memory left unset, a cache 1.5x what the
-    requests need when all run at once (so no run is limited by preemption unless asked), and
-    at least one request of max_model_len."""
-    from blockserve.cli import engine_config
+def engine_config_for(config, loaded, token_counts: list[int], size_kv_cache: bool):
+    """`config`, or with `size_kv_cache` (--kv-cache-memory left unset) `config` with a cache 1.5x
+    what requests of these total lengths need when all run at once (so no run is limited by
+    preemption unless asked), and at least one request of max_model_len."""
+    import dataclasses
+
     from blockserve.engine.core import DEFAULT_MAX_MODEL_LEN_CAP
 
-    if args.kv_cache_memory is None:
-        max_len = args.max_model_len or min(
-            getattr(loaded.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP)
-        need = max(kv_bytes_needed(loaded, args.block_size, token_counts, args.kv_cache_dtype),
-                   kv_bytes_needed(loaded, args.block_size, [max_len], args.kv_cache_dtype))
-        args.kv_cache_memory = int(1.5 * need) + 64 * 2**20
-    return engine_config(args)
+    if not size_kv_cache:
+        return config
+    max_len = config.max_model_len or min(
+        getattr(loaded.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP)
+    need = max(kv_bytes_needed(loaded, config.block_size, token_counts, config.kv_cache_dtype),
+               kv_bytes_needed(loaded, config.block_size, [max_len], config.kv_cache_dtype))
+    return dataclasses.replace(config, kv_cache_memory=int(1.5 * need) + 64 * 2**20)
 
 
 def new_engine(config, loaded):
+    """An LLMEngine over an EngineCore built on the already loaded model."""
     from blockserve.engine.core import EngineCore
     from blockserve.engine.llm_engine import LLMEngine
 

@@ -23,14 +23,12 @@ import os
 import statistics
 import time
 
-from blockserve.benchmark.common import (add_workload_args, args_record, bench_prompts, engine_config_for,
-                                         engine_record, environment, format_summary, load_for_bench, new_engine,
-                                         print_environment, summarize, thread_settings, write_json)
+from blockserve.benchmark.common import (add_engine_args, add_workload_args, args_record, bench_prompts,
+                                         engine_config_for, engine_record, environment, format_summary, load_for_bench,
+                                         new_engine, print_environment, summarize, thread_settings, write_json)
 
 
 def add_parser(sub) -> None:
-    from blockserve.cli import add_engine_args
-
     p = sub.add_parser("latency", help="TTFT, inter-token and end-to-end latency at batch sizes 1..N",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p, default_num_prompts=None)
@@ -41,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--output-json", default=None, help="write the results here")
     add_engine_args(p)
-    p.set_defaults(kv_cache_memory=None, func=run)
+    p.set_defaults(func=run)
 
 
 def run_iteration(engine, prompts: list[list[int]], params, tag: str) -> dict:
@@ -83,11 +81,12 @@ def run(args: argparse.Namespace) -> int:
     sizes = list(dict.fromkeys(args.batch_sizes))
     if min(sizes) < 1 or args.num_iters < 1 or args.num_warmup_iters < 0 or args.max_tokens < 1:
         raise ValueError("--batch-sizes, --num-iters and --max-tokens must be positive, --num-warmup-iters >= 0")
-    loaded = load_for_bench(args)
+    flags_config, loaded = load_for_bench(args)
     prompts_by_size = {b: bench_prompts(args, loaded, b) for b in sizes}
     kind = prompts_by_size[sizes[0]][1]
     biggest = prompts_by_size[max(sizes)][0]
-    config = engine_config_for(args, loaded, [len(p) + args.max_tokens for p in biggest])
+    config = engine_config_for(flags_config, loaded, [len(p) + args.max_tokens for p in biggest],
+                               args.kv_cache_memory is None)
     env = environment()
     print_environment(env)
     print(f"model: {loaded.source}; workload: {kind}, {args.max_tokens} new tokens per request, greedy, EOS ignored; "

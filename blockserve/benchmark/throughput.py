@@ -21,14 +21,12 @@ import os
 import statistics
 import time
 
-from blockserve.benchmark.common import (add_workload_args, args_record, bench_prompts, engine_config_for,
-                                         engine_record, environment, load_for_bench, new_engine, print_environment,
-                                         thread_settings, write_json)
+from blockserve.benchmark.common import (add_engine_args, add_workload_args, args_record, bench_prompts,
+                                         engine_config_for, engine_record, environment, load_for_bench, new_engine,
+                                         print_environment, thread_settings, write_json)
 
 
 def add_parser(sub) -> None:
-    from blockserve.cli import add_engine_args
-
     p = sub.add_parser("throughput", help="offline throughput (generated tokens/s, requests/s)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
@@ -38,17 +36,17 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--output-json", default=None, help="write the results here")
     add_engine_args(p)
-    p.set_defaults(kv_cache_memory=None, func=run)
+    p.set_defaults(func=run)
 
 
 def run_batch(engine, prompts: list[list[int]], params, tag: str, progress: bool) -> dict:
     """Queue every prompt, step until all finish; one round's figures."""
     from tqdm import tqdm
 
-    timings = engine.core.runner.timings
     phases = ("zero", "prepare", "forward", "sample")
+    timings = engine.step_timings()
     before = {k: getattr(timings, k) for k in (*phases, "steps")}
-    preempt_before = engine.core.scheduler.num_preemptions
+    preempt_before = engine.stats().num_preemptions
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     gc.collect()
     c0, t0 = time.process_time(), time.perf_counter()
@@ -67,6 +65,7 @@ def run_batch(engine, prompts: list[list[int]], params, tag: str, progress: bool
     outputs = [finished[i] for i in ids]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
+    timings = engine.step_timings()
     spent = {k: getattr(timings, k) - before[k] for k in phases}
     steps = timings.steps - before["steps"]
     spent["scheduler+engine (rest)"] = seconds - sum(spent.values())
@@ -76,7 +75,7 @@ def run_batch(engine, prompts: list[list[int]], params, tag: str, progress: bool
         "requests_per_s": len(prompts) / seconds, "cpu_per_wall": cpu / seconds, "steps": steps,
         "ms_per_step": 1e3 * seconds / max(steps, 1), "phase_share": {k: v / seconds for k, v in spent.items()},
         "prefix_cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
-        "preemptions": engine.core.scheduler.num_preemptions - preempt_before,
+        "preemptions": engine.stats().num_preemptions - preempt_before,
     }
 
 
@@ -86,10 +85,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.max_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--rounds, --max-tokens and --num-prompts must be positive")
     progress = not args.no_progress
-    loaded = load_for_bench(args)
+    flags_config, loaded = load_for_bench(args)
     prompts, kind = bench_prompts(args, loaded, args.num_prompts)
     lens = sorted(map(len, prompts))
-    config = engine_config_for(args, loaded, [n + args.max_tokens for n in lens])
+    config = engine_config_for(flags_config, loaded, [n + args.max_tokens for n in lens], args.kv_cache_memory is None)
     env = environment()
     print_environment(env)
     workload = {"kind": kind, "num_prompts": len(prompts), "max_tokens": args.max_tokens,

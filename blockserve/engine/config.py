@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from blockserve.kv.specs import KV_CACHE_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -40,34 +42,54 @@ def parse_memory(value: str | int | float) -> int:
     )
 
 
+# The attention backends' names (attention/paged_attention.py's BACKENDS, which imports torch);
+# `blockserve -h` stays torch-free, and a test checks the two agree.
+ATTENTION_BACKENDS = ("exact", "whole_block")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # a Hugging Face directory or a .gguf file; None: the bundled SmolLM2
-    max_model_len: int | None = None  # None: the model's maximum, capped at 8192
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_prefill_chunk: int | None = None
-    scheduling_policy: str = "fcfs"
-    kv_cache_memory: str | int | float = "1GiB"
-    attention_backend: str = "exact"  # or "whole_block"
-    # K/V of attention layers stored as float16 / bfloat16 (half the memory and reads; attention
-    # still computes in float32) or "auto": the model's dtype. MLA and recurrent states keep theirs.
-    kv_cache_dtype: str = "auto"
-    poison: bool = False  # fill garbage KV blocks with NaN (also BLOCKSERVE_POISON=1)
-    check_integrity: bool = False  # run the KV books check after every step (also BLOCKSERVE_CHECK=1)
-    unsafe_disable_zeroing: bool = False  # C1 tests only: ignore the derived zero flags
-    seed: int | None = 0  # for requests without their own seed
-    num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    # GGUF models: small batches read the Q4_0/Q4_1/Q8_0 blocks (quantized_linear.py); applies when the
-    # engine loads the model (a LoadedModel passed in was loaded with load_model's own setting)
-    quantized_matmul: bool = True
+    """Everything an engine is built from. Each field's metadata is its command-line flag
+    (blockserve/config_args.py): help, and where needed the flag's name and choices; fields
+    with `"cli": False` are set in code only."""
+
+    model: str | None = field(default=None, metadata={
+        "help": "HF model directory or .gguf file (default: bundled SmolLM2-135M)"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt + output in tokens (default: the model's maximum, capped at 8192)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block (a power of two)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "do not reuse the KV of earlier requests' identical prompt prefixes", "flag": "--no-prefix-caching"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens computed in one engine step"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split long prompts over several steps", "cli": False})
+    max_prefill_chunk: int | None = field(default=None, metadata={
+        "help": "most prompt tokens of one request per step (None: the step's token budget)", "cli": False})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "admission order", "cli": False})
+    kv_cache_memory: str | int | float = field(default="1GiB", metadata={
+        "help": "bytes with a unit (4GiB) or a fraction of free memory", "type": str})
+    attention_backend: str = field(default="exact", metadata={
+        "help": "paged attention flavour", "choices": ATTENTION_BACKENDS})
+    # MLA latents and recurrent states keep the model's dtype.
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
+                "and reads, attention still computes in float32)", "choices": KV_CACHE_DTYPES})
+    poison: bool = field(default=False, metadata={
+        "help": "fill garbage KV blocks with NaN (debugging; also BLOCKSERVE_POISON=1)"})
+    check_integrity: bool = field(default=False, metadata={
+        "help": "run the KV books check after every step (also BLOCKSERVE_CHECK=1)", "cli": False})
+    unsafe_disable_zeroing: bool = field(default=False, metadata={
+        "help": "C1 tests only: ignore the derived zero flags", "cli": False})
+    seed: int | None = field(default=0, metadata={"help": "seed for requests without their own", "cli": False})
+    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+    # Applies when the engine loads the model (a LoadedModel passed in was loaded with load_model's own setting).
+    quantized_matmul: bool = field(default=True, metadata={
+        "help": "GGUF models: float32 weights only (by default batches of up to 16 rows read the "
+                "file's Q4_0/Q4_1/Q8_0 blocks)", "flag": "--no-quantized-matmul"})
 
     def __post_init__(self) -> None:
         from blockserve.attention.paged_attention import BACKENDS
-        from blockserve.kv.specs import KV_CACHE_DTYPES
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")

@@ -20,7 +20,7 @@ from blockserve.kv.specs import with_kv_cache_dtype
 from blockserve.models.loader import LoadedModel, load_model
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerStats
-from blockserve.scheduler.request import Request
+from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
 from blockserve.worker.model_runner import ModelRunner
 
@@ -96,6 +96,11 @@ class EngineCore:
 
     def abort(self, request_ids) -> list[str]:
         return self.scheduler.abort(request_ids)
+
+    def finish(self, request_ids) -> list[str]:
+        """End requests as stopped from outside the scheduler (a stop string matched in their
+        text); their blocks are freed before the next step. Idempotent; returns the ids it ended."""
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_work(self) -> bool:
         return self.scheduler.has_pending_work()

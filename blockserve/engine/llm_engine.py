@@ -15,9 +15,13 @@ from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import EngineCore
 from blockserve.engine.detokenizer import IncrementalDetokenizer
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from blockserve.errors import InvalidRequest, RequestRejected
+from blockserve.kv.block_pool import ResetResult
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import RequestOutput as CoreOutput
-from blockserve.scheduler.request import Request, RequestStatus
+from blockserve.scheduler.output import SchedulerStats
+from blockserve.scheduler.request import Request
+from blockserve.worker.model_runner import RunnerTimings
 
 
 @dataclass
@@ -52,31 +56,31 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as lists of token ids")
+                raise InvalidRequest("this model has no tokenizer: give prompts as lists of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = list(prompt)
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a prompt. Raises ValueError (RequestRejected included) naming what is wrong;
-        a rejected request leaves nothing behind."""
+        """Queue a prompt. Raises InvalidRequest (a ValueError; RequestRejected and PromptTooLong
+        included) naming what is wrong; a request that fails to be added leaves nothing behind."""
         if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestRejected(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+            raise InvalidRequest("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         prompt_ids = self.tokenize(prompt)
         output = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
                                [CompletionOutput(i) for i in range(params.n)])
         self._parents[request_id] = _Parent(output, params, priority, cache_salt, list(range(1, params.n)))
         try:
             self._add_child(request_id, 0)
-        except ValueError:
-            del self._parents[request_id]
+        except BaseException:
+            del self._parents[request_id]  # _add_child adds nothing to the core unless it succeeds
             raise
 
     @staticmethod
@@ -90,10 +94,10 @@ class LLMEngine:
         child_id = self._child_id(parent_id, params.n, index)
         request = Request(child_id, parent.output.prompt_token_ids, child_params, self.eos_token_id,
                           arrival_time=time.monotonic(), priority=parent.priority, cache_salt=parent.cache_salt)
-        self.core.add_request(request)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, parent.output.prompt_token_ids, child_params)
+        self.core.add_request(request)  # last: whatever fails before it leaves the core untouched
         self._children[child_id] = _Child(parent_id, index, detokenizer)
 
     def abort_request(self, request_ids) -> None:
@@ -145,7 +149,7 @@ class LLMEngine:
         finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
         if detokenizer is not None and detokenizer.stop_string is not None:
             if finish_reason is None:
-                self.core.scheduler.finish_requests([core_output.request_id], RequestStatus.FINISHED_STOPPED)
+                self.core.finish([core_output.request_id])
             finish_reason, stop_reason = "stop", detokenizer.stop_string
         elif finish_reason is not None and detokenizer is not None:
             completion.text += detokenizer.finish()
@@ -166,3 +170,23 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or self.core.has_work()
+
+    # -- the façade the server and the benchmarks use (never engine.core.*) ----------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output (tokens) a request may have."""
+        return self.core.max_model_len
+
+    def stats(self) -> SchedulerStats:
+        """Queue depths, KV usage per group, cumulative prefix-cache and preemption counters."""
+        return self.core.scheduler.stats()
+
+    def reset_prefix_cache(self) -> ResetResult:
+        """Drop every cached (unreferenced) block; refused (`ok` False, with the reason) while
+        requests hold blocks."""
+        return self.core.kv.reset_prefix_cache()
+
+    def step_timings(self) -> RunnerTimings:
+        """The model runner's cumulative time per phase (zero, prepare, forward, sample) and steps."""
+        return self.core.runner.timings

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from blockserve.errors import RequestRejected  # re-exported: the scheduler's public error
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.sampling_params import SamplingParams
 
@@ -28,10 +29,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort", "rejected")
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served (too long for the model or the cache, empty, ...)."""
 
 
 @dataclass(eq=False)

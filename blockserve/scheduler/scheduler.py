@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from array import array
 
+from blockserve.errors import PromptTooLong, RequestRejected
 from blockserve.kv.manager import KVCacheManager
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import (
@@ -24,7 +25,7 @@ from blockserve.scheduler.output import (
     SchedulerOutput,
     SchedulerStats,
 )
-from blockserve.scheduler.request import Request, RequestRejected, RequestStatus
+from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.request_queue import FCFSQueue, PriorityQueue
 
 
@@ -43,7 +44,8 @@ class Scheduler:
     # -- requests in -----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request, or reject it at once (C5) with a RequestRejected saying why."""
+        """Queue a request, or reject it at once (C5) with a RequestRejected saying why
+        (PromptTooLong when it is over max_model_len)."""
         try:
             self._validate(request)
         except RequestRejected as e:
@@ -72,12 +74,12 @@ class Scheduler:
         if max_tokens is None:
             max_tokens = limit - n
             if max_tokens < 1:
-                raise RequestRejected(
+                raise PromptTooLong(
                     f"request {rid!r}: the prompt has {n} tokens, which leaves no room to generate within "
                     f"the model's maximum length of {limit}"
                 )
         elif n + max_tokens > limit:
-            raise RequestRejected(
+            raise PromptTooLong(
                 f"request {rid!r}: the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} "
                 f"tokens, over the model's maximum length of {limit}; shorten the prompt or lower max_tokens"
             )

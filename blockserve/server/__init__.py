@@ -1,1 +1,3 @@
-"""The OpenAI-compatible HTTP server: `blockserve serve` (app.py), its async engine and metrics."""
+"""The OpenAI-compatible HTTP server, `blockserve serve`: the app and its routes (app.py), one file
+per endpoint (completions.py, chat.py) over what they share (generation.py, streaming.py), errors
+(http_errors.py), auth and cache salts (auth.py), the async engine and metrics."""

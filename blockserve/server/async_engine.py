@@ -13,8 +13,10 @@ Contracts:
 - Only the engine thread touches the LLMEngine (and its tokenizer): adding, aborting and
   resetting the prefix cache are commands applied between two steps, so an abort frees the
   request's blocks before the next step starts.
-- A request's error (rejected at add, a bad prompt) goes to that request only. An exception
-  from `step()` is fatal: every stream gets it and the engine reports itself dead.
+- A request's error (rejected at add, a bad prompt) goes to that request only: InvalidRequest
+  for bad input, anything else (a bug) after taking out whatever of the request got in. An
+  exception from `step()` is fatal: every stream gets EngineDead and so does every later call.
+- Only LLMEngine's public methods are used, never its core.
 - Outputs are cumulative; a slow reader sees only the latest one (deltas are the reader's job).
 """
 
@@ -32,20 +34,13 @@ from typing import Any, Protocol
 
 from blockserve.engine.llm_engine import LLMEngine
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
+from blockserve.errors import EngineDead, InvalidRequest
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerStats
 
 logger = logging.getLogger("blockserve.server")
 
 Prompt = str | list[int] | Callable[[], str | list[int]]  # a callable runs on the engine thread
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down, or a step failed); no request can be served."""
-
-
-class PromptTooLongError(ValueError):
-    """The prompt plus the tokens asked for exceed the model's maximum length."""
 
 
 class Observer(Protocol):
@@ -133,14 +128,14 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: Observer | None = None):
         self.engine = engine
         self.observer = observer
-        self.max_model_len: int = engine.core.max_model_len
+        self.max_model_len: int = engine.max_model_len
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._lock = threading.Lock()  # orders "submit a command" against "die and answer them all"
-        self.stats: SchedulerStats = self._core_stats()
+        self.stats: SchedulerStats = engine.stats()
 
     # -- lifecycle (event loop) --------------------------------------------------------------------
 
@@ -169,18 +164,19 @@ class AsyncEngine:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     def _submit(self, command: _Add | _Call) -> None:
-        """Queue a command that expects a reply; raises EngineDeadError if none would come."""
+        """Queue a command that expects a reply; raises EngineDead if none would come."""
         with self._lock:
             if not self.is_alive:
-                raise EngineDeadError(f"the engine is not running: {self._dead or 'not started'}")
+                raise EngineDead(f"the engine is not running: {self._dead or 'not started'}")
             self._commands.put(command)
 
     # -- requests (event loop) ---------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                           cache_salt: str | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises ValueError
-        (the engine's reason) if it was rejected, leaving nothing behind."""
+        """Queue a request; returns its stream once the engine accepted it. Raises the engine's
+        reason (InvalidRequest for bad input) if it was not added, leaving nothing behind; EngineDead
+        if the engine stopped."""
         stream = RequestStream(self, request_id, time.monotonic())
         command = _Add(request_id, prompt, params, cache_salt, stream)
         self._submit(command)
@@ -205,7 +201,7 @@ class AsyncEngine:
         """(ok, reason): forget every cached prefix, or say why it cannot now."""
         if not self.engine.config.enable_prefix_caching:
             return False, "prefix caching is disabled on this server (--no-prefix-caching)"
-        result = await self.call(self.engine.core.kv.reset_prefix_cache)
+        result = await self.call(self.engine.reset_prefix_cache)
         return result.ok, result.reason
 
     # -- the engine thread -------------------------------------------------------------------------
@@ -219,10 +215,10 @@ class AsyncEngine:
                 if engine.has_unfinished_requests():
                     self._publish(engine.step())
                 self._publish_stats()
-            reason: BaseException = EngineDeadError("the server is shutting down")
+            reason: BaseException = EngineDead("the server is shutting down")
         except BaseException as e:  # a failed step leaves the engine in an unknown state: stop
             logger.exception("engine step failed; the engine is stopping")
-            reason = EngineDeadError(f"engine step failed: {type(e).__name__}: {e}")
+            reason = EngineDead(f"engine step failed: {type(e).__name__}: {e}")
         with self._lock:
             self._dead = reason
         self._fail_all(reason)
@@ -253,17 +249,9 @@ class AsyncEngine:
         engine = self.engine
         try:
             prompt = command.prompt() if callable(command.prompt) else command.prompt
-            prompt_ids = engine.tokenize(prompt)
-            max_tokens = command.params.max_tokens or 1
-            if len(prompt_ids) + max_tokens > self.max_model_len:
-                raise PromptTooLongError(
-                    f"this model's maximum context length is {self.max_model_len} tokens, but "
-                    f"{len(prompt_ids) + max_tokens} were requested ({len(prompt_ids)} in the prompt, "
-                    f"{max_tokens} for the completion); shorten the prompt or lower max_tokens")
-            engine.add_request(command.request_id, prompt_ids, command.params, cache_salt=command.cache_salt)
-        except Exception as e:
-            if not isinstance(e, ValueError):
-                logger.exception("adding request %s failed", command.request_id)
+            engine.add_request(command.request_id, prompt, command.params, cache_salt=command.cache_salt)
+        except Exception as e:  # the caller logs what is not an InvalidRequest
+            if not isinstance(e, InvalidRequest):
                 engine.abort_request([command.request_id])  # whatever got in, take it out
             command.reply.set_exception(e)
             return
@@ -304,10 +292,7 @@ class AsyncEngine:
             self._deliver(batch)
 
     def _publish_stats(self) -> None:
-        self.stats = self._core_stats()  # one reference swap: readers on other threads see old or new
-
-    def _core_stats(self) -> SchedulerStats:
-        return self.engine.core.scheduler.stats()
+        self.stats = self.engine.stats()  # one reference swap: readers on other threads see old or new
 
     def _deliver(self, batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         def put_all() -> None:

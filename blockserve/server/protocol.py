@@ -3,7 +3,8 @@
 Ranges follow OpenAI's where it states one; a value out of range is a 400 whose `param` names
 the field. Unknown fields are ignored, as vLLM does. vLLM's extra sampling fields (`top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`) and `cache_salt`
-are accepted in the body.
+are accepted in the body. Logprobs are built here from the engine's per-token entries
+(`{token id: Logprob}`: the top n and the sampled token).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from blockserve.engine.outputs import Logprob
 
 
 class _Body(BaseModel):
@@ -88,11 +91,32 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+def token_text(entry: dict[int, Logprob], token_id: int) -> str:
+    """The text of `token_id` as its logprob entry decoded it ("" if it did not)."""
+    logprob = entry.get(token_id)
+    return (logprob.decoded_token if logprob is not None else None) or ""
+
+
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape; `top_logprobs` maps the top n tokens and the sampled one to logprobs."""
+
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)
     top_logprobs: list[dict[str, float]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    @classmethod
+    def build(cls, entries: list[dict[int, Logprob]] | None, token_ids: list[int], offset: int) -> CompletionLogprobs:
+        """For the sampled `token_ids`; `offset` is the text offset of the first in the choice's text."""
+        result = cls()
+        for entry, sampled in zip(entries or [], token_ids):
+            token = token_text(entry, sampled)
+            result.tokens.append(token)
+            result.token_logprobs.append(entry[sampled].logprob)
+            result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
 
 
 class CompletionChoice(BaseModel):
@@ -126,6 +150,19 @@ class TokenLogprob(TopLogprob):
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
     refusal: list[TokenLogprob] | None = None
+
+    @classmethod
+    def build(cls, entries: list[dict[int, Logprob]] | None, token_ids: list[int], top: int) -> ChatLogprobs:
+        """For the sampled `token_ids`, each with its `top` most likely alternatives by rank."""
+        content = []
+        for entry, sampled in zip(entries or [], token_ids):
+            token = token_text(entry, sampled)
+            ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)[:top]
+            content.append(TokenLogprob(
+                token=token, logprob=entry[sampled].logprob, bytes=list(token.encode()),
+                top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+                                         bytes=list((lp.decoded_token or "").encode())) for lp in ranked]))
+        return cls(content=content)
 
 
 class AssistantMessage(BaseModel):

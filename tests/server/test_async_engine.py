@@ -16,7 +16,8 @@ from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import EngineCore
 from blockserve.engine.llm_engine import LLMEngine
 from blockserve.models.loader import load_model
-from blockserve.server.async_engine import AsyncEngine, EngineDeadError, PromptTooLongError
+from blockserve.errors import EngineDead, PromptTooLong
+from blockserve.server.async_engine import AsyncEngine
 from tests.models.conftest import save_random_model
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -86,7 +87,7 @@ def test_concurrent_streams_equal_offline(model, expected):
 def test_a_rejected_request_fails_alone(model, expected):
     async def body(engine):
         good = await engine.add_request("good", PROMPTS[3], GREEDY)
-        with pytest.raises(PromptTooLongError):
+        with pytest.raises(PromptTooLong):
             await engine.add_request("long", list(range(70)), GREEDY)
         with pytest.raises(ValueError, match="token ids"):
             await engine.add_request("bad", [1, 2, 10**6], GREEDY)
@@ -123,10 +124,10 @@ def test_a_failed_step_fails_every_stream_and_later_requests(model):
             raise RuntimeError("simulated kernel failure")
 
         engine.engine.step = boom  # the next step fails
-        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+        with pytest.raises(EngineDead, match="simulated kernel failure"):
             await final(stream)
         assert not engine.is_alive
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDead):
             await engine.add_request("later", PROMPTS[0], GREEDY)
 
     run(model, body)

@@ -1,0 +1,36 @@
+"""The server's settings, validated once: the model name it answers to, who may call it, how
+tenants share the prefix cache (C6), and where `blockserve serve` listens.
+
+Each field's metadata is its `blockserve serve` flag (blockserve/config_args.py). Imports
+nothing heavy, so the CLI's help stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
+ISOLATION_MODES = ("none", "per-key")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str = field(default=DEFAULT_MODEL_NAME, metadata={
+        "help": "the model name clients send (default: the --model given, else the bundled model's name)"})
+    api_keys: tuple[str, ...] = field(default=(), metadata={  # empty: no authentication
+        "help": "accepted bearer token (repeatable; or BLOCKSERVE_API_KEY=k1,k2); default: no auth",
+        "flag": "--api-key"})
+    prefix_cache_isolation: str = field(default="none", metadata={
+        "help": "per-key: derive each request's cache salt from its API key (tenants share no blocks)",
+        "choices": ISOLATION_MODES})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache_isolation not in ISOLATION_MODES:
+            raise ValueError(f"prefix_cache_isolation must be one of {ISOLATION_MODES}, "
+                             f"got {self.prefix_cache_isolation!r}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("API keys must be non-empty strings")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")

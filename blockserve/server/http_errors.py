@@ -1,0 +1,100 @@
+"""Errors as HTTP answers in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+
+    InvalidRequest (RequestRejected, PromptTooLong)  400, with the error's code and param
+    pydantic's validation errors, malformed JSON    400 (not FastAPI's 422)
+    a missing or wrong API key                      401 (auth.py)
+    unknown route / method                          404 / 405
+    EngineDead                                      503
+    anything else                                   500 "internal server error"; the traceback is logged,
+                                                    never sent
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blockserve.errors import EngineDead, InvalidRequest
+from blockserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("blockserve.server")
+
+
+class APIError(Exception):
+    """An answer other than 2xx; raise it from a route (or return `error_response(it)`)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(error: APIError) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param,
+                                         code=error.code)).model_dump()
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
+
+
+def from_exception(e: BaseException) -> APIError:
+    """What a request's failure means to the client; anything unexpected is logged with its
+    traceback and answered with a 500 that reveals nothing."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequest):
+        return APIError(400, str(e), param=e.param, code=e.code)
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), code="engine_unavailable")
+    logger.exception("request failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return APIError(500, "internal server error", code="internal_error")
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    """The first of pydantic's complaints, naming the field (and how many more there are)."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body", code="invalid_request")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON{': ' + str(detail) if detail else ''}",
+                        code="invalid_json")
+    # A union (e.g. `prompt`) reports one error per member; the field's name says enough.
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return APIError(400, f"{where}: {first.get('msg', 'invalid value')}{more}", param=param, code="invalid_value")
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Answer every error a route raises in OpenAI's shape (see the table above)."""
+
+    async def on_error(request: Request, exc: Exception):
+        return error_response(from_exception(exc))
+
+    for error_type in (APIError, InvalidRequest, EngineDead):
+        app.add_exception_handler(error_type, on_error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return error_response(from_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(exc.status_code, message, code=codes.get(exc.status_code)))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(APIError(500, "internal server error", code="internal_error"))
