@@ -1,5 +1,6 @@
 """Hypothesis profiles: CI explores a fixed set of examples, so a landing never hinges on luck;
-local runs explore new ones each time (`HYPOTHESIS_PROFILE=dev`)."""
+local runs explore new ones each time (`HYPOTHESIS_PROFILE=dev`). Fixtures every test package
+may use: one torch thread, and the SmolLM2 parity reference."""
 
 import os
 
@@ -9,6 +10,19 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for the module, restored after. Tiny tensors gain nothing from
+    more, and on a small, busy machine the pool's contention makes tiny ops (a depthwise conv1d,
+    an index_add_) 10-30x slower. Use: `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ Decodes (one query token) run the single step above, batched. Prefill chunks run
 form (the UT transform of the DeltaNet paper, as transformers' torch fallback computes it),
 one sequence at a time, starting from the state in the slot: zero for a fresh prompt, the
 previous chunk's state for a continuing one. Both write their final states back to the slot.
+The chunks end on multiples of `chunk_size` in absolute position (a continuing prefill's first
+chunk is short), so a state saved at such a position resumes exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.attention.chunk_grid import check_captures
 from blockserve.attention.context import ForwardContext
+from blockserve.attention.layer import dtype_name
+from blockserve.kv.specs import LinearStateSpec
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -33,21 +38,27 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  start: int = 0, capture: list[int] | None = None):
     """Depthwise causal conv of one sequence continuing from `state`, before the activation.
 
     x [L, C], state [C, K - 1] (the K - 1 inputs before x), weight [C, K] -> (y [L, C], new state).
+    x sits at absolute positions [start, start + L); with `capture` (positions in
+    (start, start + L]) the result also holds the conv state before each p in capture, exactly.
     A sum of K shifted products rather than F.conv1d, whose depthwise CPU kernel can cost tens of
     milliseconds per call when its threads contend.
     """
     length, width = x.shape[0], weight.shape[1]
-    window = torch.cat([state.T, x])  # [K - 1 + L, C]
+    window = torch.cat([state.T, x])  # [K - 1 + L, C], from position start - K + 1
     y = window[:length] * weight[:, 0]
     for i in range(1, width):
         y = y + window[i:i + length] * weight[:, i]
     if bias is not None:
         y = y + bias
-    return y, window[length:].T
+    if capture is None:
+        return y, window[length:].T
+    check_captures(capture, start, length)
+    return y, window[length:].T, [window[p - start:p - start + width - 1].T for p in capture]
 
 
 def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -69,16 +80,26 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return (state * q[..., None]).sum(-2), state
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, start: int = 0,
+                           capture: list[int] | None = None):
     """The same recurrence over one sequence, `chunk_size` tokens per matmul.
 
     q, k [L, H, Dk] (normalised, q scaled), v [L, H, Dv], g, beta [L, H], state [H, Dk, Dv]
-    -> (o [L, H, Dv], final state). Padding to a whole chunk uses g = beta = k = 0: no effect.
+    -> (o [L, H, Dv], final state). The tokens sit at absolute positions [start, start + L) and
+    chunks end on multiples of `chunk_size` (the first padded in front when `start` is not
+    one), so resuming at such a multiple from the state there computes exactly what running
+    through it computes. Padding uses g = beta = k = 0: no effect. With `capture` (multiples of
+    `chunk_size` in (start, start + L]) the result is (o, final state, [the state after the
+    tokens before p, for each p in capture]), taken at chunk ends.
     """
     length, heads = q.shape[:2]
-    pad = (-length) % chunk_size
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk_size)) for x in (q, k, v))
-    g, beta = (F.pad(x.T, (0, pad)).unflatten(1, (-1, chunk_size)) for x in (g, beta))  # [H, N, C]
+    check_captures(capture, start, length, chunk_size)
+    front = start % chunk_size
+    pad = (-start - length) % chunk_size
+    # Contiguous whether padded or not: a matmul's rounding can depend on its operands' layout.
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, front, pad)).unflatten(1, (-1, chunk_size)).contiguous()
+               for x in (q, k, v))
+    g, beta = (F.pad(x.T, (front, pad)).unflatten(1, (-1, chunk_size)) for x in (g, beta))  # [H, N, C]
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
 
     cum = g.cumsum(-1)  # log of the decay from the chunk's start to each position
@@ -94,13 +115,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
 
-    out = torch.empty_like(v)
+    out, taken = torch.empty_like(v), {}
     state = state.to(v.dtype)
     for i in range(q.shape[1]):
         v_new = new_values[:, i] - k_cumdecay[:, i] @ state
         out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
         state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
-    return out.flatten(1, 2)[:, :length].transpose(0, 1), state
+        if capture and (end := start - front + (i + 1) * chunk_size) in capture:
+            taken[end] = state
+    out = out.flatten(1, 2)[:, front:front + length].transpose(0, 1)
+    return (out, state) if capture is None else (out, state, [taken[p] for p in capture])
 
 
 class GatedDeltaNet(nn.Module):
@@ -108,12 +132,15 @@ class GatedDeltaNet(nn.Module):
 
     forward(mixed_qkv [T, conv_dim] in (q | k | v) channel order, g [T, Hv], beta [T, Hv],
             conv_weight [conv_dim, K], conv_bias [conv_dim] or None, ctx) -> o [T, Hv, Dv]
+
+    `chunk_size`: prefill chunks end at absolute positions that are multiples of it, where a
+    saved state resumes exactly.
     """
 
     reads_unwritten_slots = False  # C1: a new slot's state is zeroed because its spec demands it
 
     def __init__(self, layer_name: str, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel_size: int, chunk_size: int = 64):
+                 conv_kernel_size: int, chunk_size: int = 64, *, dtype: torch.dtype):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
@@ -127,11 +154,16 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
         self.chunk_size = chunk_size
+        self.dtype = dtype  # of the states (the model's)
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(conv state, recurrent state) of one slot, for the model's LinearStateSpec."""
+        """(conv state, recurrent state) of one slot."""
         return (self.conv_dim, self.conv_kernel_size - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
+        """One state slot per request, whatever `block_size`."""
+        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2)
 
     def _qkv(self, mixed: torch.Tensor):
         """Conv output [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, q scaled), v [..., Hv, Dv]."""
@@ -159,5 +191,6 @@ class GatedDeltaNet(nn.Module):
             mixed, conv_states[s] = causal_conv1d(mixed_qkv[start:end], conv_states[s], conv_weight, conv_bias)
             q, k, v = self._qkv(mixed)
             out[start:end], rec_states[s] = chunk_gated_delta_rule(
-                q, k, v, g[start:end], beta[start:end], rec_states[s], self.chunk_size)
+                q, k, v, g[start:end], beta[start:end], rec_states[s], self.chunk_size,
+                layout.seq_lens[i] - (end - start))
         return out

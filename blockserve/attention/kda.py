@@ -14,7 +14,8 @@ L2-normalised and q scaled by Dk^-0.5, a state S [Dk, Dv] evolves token by token
     recurrent form   the loop above; decode runs one step for all decoding sequences at once
     chunked form     the same function, C tokens at a time (prefill): within a chunk the
                      delta-rule corrections are one unit-lower-triangular solve, and the state
-                     is carried across chunks (see `kda_chunked`)
+                     is carried across chunks (see `kda_chunked`); chunks end on multiples of
+                     C in absolute position, so a state saved there can be resumed exactly
 
 The short convolution is depthwise over the concatenated [q | k | v] projections, kernel K,
 followed by SiLU. Its state is the last K - 1 inputs of the sequence (zero before the first).
@@ -33,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.attention.chunk_grid import check_captures
 from blockserve.attention.context import ForwardContext, StateMetadata
+from blockserve.attention.layer import dtype_name
 from blockserve.kv.specs import LinearStateSpec
 
 CHUNK_SIZE = 64
@@ -64,8 +67,15 @@ def kda_recurrent(q, k, v, g, beta, state):
     return torch.stack(out), state
 
 
-def kda_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
+def kda_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE, start: int = 0,
+                capture: list[int] | None = None):
     """One sequence, `chunk_size` tokens at a time; same arguments and result as `kda_recurrent`.
+
+    The tokens sit at absolute positions [start, start + T) and chunks end on multiples of
+    `chunk_size` (the first is short when `start` is not one), so resuming at such a multiple
+    from the state there computes exactly what running through it computes. With `capture`
+    (multiples of `chunk_size` in (start, start + T]) the result is (o, final state, [the state
+    after the tokens before p, for each p in capture]), taken at chunk ends.
 
     Within a chunk, with G the running sum of g from the chunk's start and
     D_ij = exp(G_i - G_j) (j <= i, per channel):
@@ -75,11 +85,14 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
         o = (q exp(G)) S + tril(q_i . D_ij k_j) v'
         S <- exp(G_last) S + (k exp(G_last - G))^T v'
     """
+    length = q.shape[0]
+    check_captures(capture, start, length, chunk_size)
     q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))  # [H, T, *]
     beta = beta.transpose(0, 1)
-    out = []
-    for start in range(0, q.shape[1], chunk_size):
-        sl = slice(start, start + chunk_size)
+    out, taken = [], {}
+    edges = [0, *range((-start) % chunk_size or chunk_size, length, chunk_size), length]
+    for lo, hi in zip(edges, edges[1:]):
+        sl = slice(lo, hi)
         qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl, None]
         G = g[:, sl].cumsum(dim=1)
         n = qc.shape[1]
@@ -95,15 +108,25 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
         out.append((qc * G.exp()) @ state + attn @ v_new)
         last = G[:, -1:]  # [H, 1, Dk]
         state = state * last.transpose(1, 2).exp() + (kc * (last - G).exp()).transpose(1, 2) @ v_new
-    return torch.cat(out, dim=1).transpose(0, 1), state
+        if capture and start + hi in capture:
+            taken[start + hi] = state
+    out = torch.cat(out, dim=1).transpose(0, 1)
+    return (out, state) if capture is None else (out, state, [taken[p] for p in capture])
 
 
-def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, start: int = 0,
+                capture: list[int] | None = None):
     """Depthwise causal conv of one sequence's new inputs x [n, C] after its conv state [C, K - 1]
-    with weight [C, K] -> (outputs [n, C], new state), no activation."""
-    ext = torch.cat([conv_state, x.transpose(0, 1)], dim=1)  # [C, K - 1 + n]
-    out = F.conv1d(ext[None], weight[:, None, :], groups=weight.shape[0])[0]
-    return out.transpose(0, 1), ext[:, ext.shape[1] - conv_state.shape[1]:]
+    with weight [C, K] -> (outputs [n, C], new state), no activation. x sits at absolute positions
+    [start, start + n); with `capture` (positions in (start, start + n]) the result also holds
+    the conv state before each p in capture (its last K - 1 inputs), exactly."""
+    width, n = conv_state.shape[1], x.shape[0]
+    ext = torch.cat([conv_state, x.transpose(0, 1)], dim=1)  # [C, K - 1 + n], from position start - K + 1
+    out = F.conv1d(ext[None], weight[:, None, :], groups=weight.shape[0])[0].transpose(0, 1)
+    if capture is None:
+        return out, ext[:, n:]
+    check_captures(capture, start, n)
+    return out, ext[:, n:], [ext[:, p - start:p - start + width] for p in capture]
 
 
 class KimiDeltaAttention(nn.Module):
@@ -117,8 +140,10 @@ class KimiDeltaAttention(nn.Module):
     # C1: the layer reads only state it wrote; a new request's zero state comes from
     # LinearStateSpec.starts_zeroed, not from this declaration.
     reads_unwritten_slots = False
+    # Prefill chunks end at absolute positions that are multiples of this: where states resume exactly.
+    chunk_size = CHUNK_SIZE
 
-    def __init__(self, layer_name: str, num_heads: int, head_dim: int, conv_kernel_size: int):
+    def __init__(self, layer_name: str, num_heads: int, head_dim: int, conv_kernel_size: int, *, dtype: torch.dtype):
         super().__init__()
         if conv_kernel_size < 2:
             raise ValueError(f"KDA needs a short conv kernel of at least 2, got {conv_kernel_size}")
@@ -127,11 +152,13 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = head_dim
         self.conv_kernel_size = conv_kernel_size
         self.conv_dim = 3 * num_heads * head_dim
+        self.dtype = dtype  # of the states (the model's)
 
-    def state_spec(self) -> LinearStateSpec:
+    def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
+        """One state slot per request, whatever `block_size`: the conv state and the recurrent state."""
         return LinearStateSpec(
             shapes=((self.conv_dim, self.conv_kernel_size - 1), (self.num_heads, self.head_dim, self.head_dim)),
-            dtypes=("float32", "float32"),
+            dtypes=(dtype_name(self.dtype),) * 2,
         )
 
     def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -154,7 +181,8 @@ class KimiDeltaAttention(nn.Module):
             slot = int(meta.slots[i])
             x, conv_states[slot] = causal_conv(mixed_qkv[start:end], conv_states[slot], conv_weight)
             q, k, v = self._split(F.silu(x))
-            out[start:end], rec_states[slot] = kda_chunked(q, k, v, g[start:end], beta[start:end], rec_states[slot])
+            out[start:end], rec_states[slot] = kda_chunked(q, k, v, g[start:end], beta[start:end], rec_states[slot],
+                                                           self.chunk_size, layout.seq_lens[i] - (end - start))
         return out
 
     def _split(self, x: torch.Tensor):

@@ -15,7 +15,9 @@ dt_bias) and A = -exp(A_log) < 0:
 
 Decodes (one query token) run that step, batched. Prefill chunks run the chunked SSD scan
 (as transformers' torch fallback computes it: quadratic within a chunk, a recurrence over
-chunk states between them), one sequence at a time, from the state in the slot.
+chunk states between them), one sequence at a time, from the state in the slot. The chunks
+end on multiples of `chunk_size` in absolute position (a continuing prefill's first chunk is
+short), so a state saved at such a position resumes exactly.
 The chunked path clamps dt to `dt_limit` and the single step does not, as in transformers and
 mamba_ssm; with the default limit (0, inf) the clamp does nothing.
 """
@@ -26,8 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.attention.chunk_grid import check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
+from blockserve.attention.layer import dtype_name
+from blockserve.kv.specs import LinearStateSpec
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -46,37 +51,50 @@ def ssd_step(x, dt, A, B, C, D, state):
     return (state @ C[..., None])[..., 0] + D[:, None] * x, state
 
 
-def ssd_chunk_scan(x, dt, A, B, C, D, state, chunk_size: int):
+def ssd_chunk_scan(x, dt, A, B, C, D, state, chunk_size: int, start: int = 0, capture: list[int] | None = None):
     """The same recurrence over one sequence, `chunk_size` tokens per block of matmuls.
 
     x [L, H, P], dt [L, H] (after softplus and clamp), A, D [H], B, C [L, H, N] (per head),
-    state [H, P, N] -> (y [L, H, P], final state). Padding uses dt = 0 (decay 1, no write).
+    state [H, P, N] -> (y [L, H, P], final state). The tokens sit at absolute positions
+    [start, start + L) and chunks end on multiples of `chunk_size` (the first padded in front
+    when `start` is not one), so resuming at such a multiple from the state there computes
+    exactly what running through it computes. Padding uses dt = 0 (decay 1, no write). With
+    `capture` (multiples of `chunk_size` in (start, start + L]) the result is (y, final state,
+    [the state after the tokens before p, for each p in capture]), taken at chunk ends.
     """
     length = x.shape[0]
-    pad = (-length) % chunk_size
+    check_captures(capture, start, length, chunk_size)
+    front = start % chunk_size
+    pad = (-start - length) % chunk_size
     skip = D[:, None] * x
-    xdt = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).unflatten(0, (-1, chunk_size))  # [N, C, H, P]
-    B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)).unflatten(0, (-1, chunk_size)) for t in (B, C))  # [N, C, H, N]
-    a = F.pad(dt * A, (0, 0, 0, pad)).unflatten(0, (-1, chunk_size)).permute(2, 0, 1)  # [H, N, C]
+    xdt = F.pad(x * dt[..., None], (0, 0, 0, 0, front, pad)).unflatten(0, (-1, chunk_size))  # [N, C, H, P]
+    B, C = (F.pad(t, (0, 0, 0, 0, front, pad)).unflatten(0, (-1, chunk_size)) for t in (B, C))  # [N, C, H, N]
+    a = F.pad(dt * A, (0, 0, front, pad)).unflatten(0, (-1, chunk_size)).permute(2, 0, 1)  # [H, N, C]
     a_cum = a.cumsum(-1)
 
     # Within each chunk: y_l += sum_{s <= l} (C_l . B_s) exp(a_{s+1} + ... + a_l) dt_s x_s
     decay = segment_sum(a).exp()  # [H, N, l, s]
-    scores = torch.einsum("clhn,cshn->hcls", C, B) * decay
+    # C B^T on contiguous [H, chunks, C, N] operands: unlike einsum's layout, its rounding does not
+    # change with the number of chunks (so resuming on the grid stays exact).
+    Ch, Bh = (t.permute(2, 0, 1, 3).contiguous() for t in (C, B))
+    scores = (Ch @ Bh.transpose(-1, -2)) * decay  # [H, chunks, l, s]
     y = torch.einsum("hcls,cshp->clhp", scores, xdt)
 
     # Each chunk's own contribution to the state at its end, then the recurrence over chunks.
     to_end = (a_cum[..., -1:] - a_cum).exp()  # [H, N, C]
     chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, to_end, xdt)
     chunk_decay = a_cum[..., -1].exp()  # [H, N]
-    starts = []
+    starts, taken = [], {}
     state = state.to(x.dtype)
     for i in range(xdt.shape[0]):
         starts.append(state)
         state = state * chunk_decay[:, i, None, None] + chunk_states[i]
+        if capture and (end := start - front + (i + 1) * chunk_size) in capture:
+            taken[end] = state
     # Plus what each chunk reads of the state it starts from.
     y = y + torch.einsum("clhn,chpn,hcl->clhp", C, torch.stack(starts), a_cum.exp())
-    return y.flatten(0, 1)[:length] + skip, state
+    y = y.flatten(0, 1)[front:front + length] + skip
+    return (y, state) if capture is None else (y, state, [taken[p] for p in capture])
 
 
 class Mamba2(nn.Module):
@@ -85,12 +103,16 @@ class Mamba2(nn.Module):
     forward(xBC [T, conv_dim] in (x | B | C) channel order, dt [T, H] (raw, before bias and
             softplus), conv_weight [conv_dim, K], conv_bias or None, A [H] (negative), D [H],
             dt_bias [H], ctx) -> y [T, H * P] (before the gated norm)
+
+    `chunk_size`: prefill chunks end at absolute positions that are multiples of it, where a
+    saved state resumes exactly.
     """
 
     reads_unwritten_slots = False  # C1: a new slot's state is zeroed because its spec demands it
 
     def __init__(self, layer_name: str, num_heads: int, head_dim: int, n_groups: int, state_size: int,
-                 conv_kernel_size: int, chunk_size: int, dt_limit: tuple[float, float] = (0.0, float("inf"))):
+                 conv_kernel_size: int, chunk_size: int, dt_limit: tuple[float, float] = (0.0, float("inf")), *,
+                 dtype: torch.dtype):
         super().__init__()
         if num_heads % n_groups:
             raise ValueError(f"mamba_n_heads ({num_heads}) must be a multiple of mamba_n_groups ({n_groups})")
@@ -104,11 +126,16 @@ class Mamba2(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         self.chunk_size = chunk_size
         self.dt_limit = tuple(dt_limit)
+        self.dtype = dtype  # of the states (the model's)
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(conv state, SSM state) of one slot, for the model's LinearStateSpec."""
+        """(conv state, SSM state) of one slot."""
         return (self.conv_dim, self.conv_kernel_size - 1), (self.num_heads, self.head_dim, self.state_size)
+
+    def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
+        """One state slot per request, whatever `block_size`."""
+        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2)
 
     def _split(self, xBC: torch.Tensor):
         """Conv output [..., conv_dim] -> x [..., H, P], B, C [..., H, N] (groups repeated to heads)."""
@@ -138,5 +165,5 @@ class Mamba2(nn.Module):
             mixed, conv_states[s] = causal_conv1d(xBC[start:end], conv_states[s], conv_weight, conv_bias)
             x, B, C = self._split(mixed)
             out[start:end], ssm_states[s] = ssd_chunk_scan(x, dt[start:end], A, B, C, D, ssm_states[s],
-                                                           self.chunk_size)
+                                                           self.chunk_size, layout.seq_lens[i] - (end - start))
         return out.flatten(1)

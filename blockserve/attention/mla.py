@@ -44,7 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.context import ForwardContext
+from blockserve.attention.layer import dtype_name
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.kv.specs import MLASpec
 
 
 class MLABackend:
@@ -165,25 +167,30 @@ MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLeng
 
 class MLAttention(nn.Module):
     """The MLA layer a model instantiates for layer `layer_name`: it owns no weights, only the
-    paged latent cache's read/write. The model passes kv_b_proj's weight, split here per head.
+    paged latent cache's read/write, rows of kv_lora_rank + qk_rope_head_dim in `dtype` (the
+    model's). The model passes kv_b_proj's weight, split here per head.
 
     forward(q [T, H, Dn + Dr] (rope applied), latent [T, R] (normalised), k_rope [T, Dr] (rope
     applied), kv_b_weight [H * (Dn + Dv), R], ctx) -> [T, H * Dv]
     """
 
     def __init__(self, layer_name: str, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
-                 backend: MLABackend):
+                 backend: MLABackend, *, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype):
         super().__init__()
         self.layer_name = layer_name
         self.num_heads = num_heads
         self.qk_nope_head_dim = qk_nope_head_dim
         self.v_head_dim = v_head_dim
         self.backend = backend
+        self.kv_lora_rank, self.qk_rope_head_dim, self.dtype = kv_lora_rank, qk_rope_head_dim, dtype
 
     @property
     def reads_unwritten_slots(self) -> bool:
         """C1: declared by the backend; the engine derives its group's zero flag from it."""
         return self.backend.reads_unwritten_slots
+
+    def kv_cache_spec(self, block_size: int) -> MLASpec:
+        return MLASpec(block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype_name(self.dtype))
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, kv_b_weight: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

@@ -1,1 +1,1 @@
-"""The step loop, detokenization, the offline LLM and the async engine."""
+"""The step loop, detokenization, and the offline LLM (the async engine lives in server/)."""

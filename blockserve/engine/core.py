@@ -44,15 +44,14 @@ class EngineCore:
         self.max_model_len = max_model_len
 
         model = self.loaded.model
-        # C1: each KV layer module declares whether its kernel reads unwritten slots.
-        reads_unwritten = {m.layer_name: m.reads_unwritten_slots for m in model.modules()
-                           if hasattr(m, "layer_name") and hasattr(m, "reads_unwritten_slots")}
+        # C1: each KV layer declares its spec and whether its kernel reads unwritten slots.
+        kv_layers = model.kv_layers()
         groups: dict[tuple, list[str]] = {}
         for layer_name, spec in model.kv_cache_specs(config.block_size).items():
             spec = with_kv_cache_dtype(spec, config.kv_cache_dtype)
-            if layer_name not in reads_unwritten:
+            if layer_name not in kv_layers:
                 raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
-            groups.setdefault((spec, reads_unwritten[layer_name]), []).append(layer_name)
+            groups.setdefault((spec, kv_layers[layer_name].reads_unwritten_slots), []).append(layer_name)
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,

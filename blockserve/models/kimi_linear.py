@@ -6,7 +6,7 @@ Attention (KDA) layers, MoE feed-forward. Reference: transformers 5.24's kimi_li
     layer_types[i]      "full_attention": MLA without position encoding (NoPE; the rope part of
                         keys and queries is used unrotated), latent rows in an MLASpec group
                         "linear_attention": KDA, conv + recurrent state in a LinearStateSpec slot
-    mlp_layer_types[i]  "dense": SwiGLU MLP; "sparse": DeepSeek-V3's MoE (sigmoid, grouped top-k)
+    mlp_layer_types[i]  "dense": SwiGLU MLP; "sparse": DeepSeek-V3's MoE (sigmoid, grouped top-k; moe.py)
 
 KDA layer (attention/kda.py does the conv, the delta rule and the state slot):
 
@@ -17,51 +17,39 @@ KDA layer (attention/kda.py does the conv, the delta rule and the state slot):
 
 Checkpoints: the names moonshotai/Kimi-Linear publishes (and save_pretrained writes):
 `block_sparse_moe.` for the feed-forward, experts `w1` (gate) `w3` (up) `w2` (down), separate
-`q_conv1d` / `k_conv1d` / `v_conv1d`, `f_a_proj` / `f_b_proj` / `dt_bias` / `A_log` under
-`self_attn`. transformers' runtime names (`mlp.`, `forget_gate.`) are accepted too.
+`q_conv1d` / `k_conv1d` / `v_conv1d` (loaded as one `qkv_conv1d`), `f_a_proj` / `f_b_proj` /
+`dt_bias` / `A_log` under `self_attn`. transformers' runtime names (`mlp.`, `forget_gate.`) are
+accepted too.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.kda import KimiDeltaAttention
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.kv import LinearStateSpec, MLASpec
-from blockserve.models.deepseek_v3 import MLP, MLABlock, MoE, load_checkpoint
-from blockserve.models.llama import RMSNorm
-
-
-class GatedRMSNorm(nn.Module):
-    """rmsnorm(x) * weight * sigmoid(gate), over the last dim (fla's FusedRMSNormGated)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight * gate.sigmoid()
+from blockserve.models.base import CausalLM
+from blockserve.models.layers import GatedMLP, GatedRMSNorm, RMSNorm, require_activation
+from blockserve.models.mla_block import MLABlock
+from blockserve.models.moe import DeepseekMoE
+from blockserve.models.placement import Placement
+from blockserve.models.weights import GATE_UP, SWIGLU_EXPERTS, CheckpointLayout, Fused
 
 
 class KDABlock(nn.Module):
     """Projections, gates and output norm around the KDA state layer."""
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, placement: Placement):
         super().__init__()
         self.num_heads = h = config.linear_num_heads
         self.head_dim = d = config.linear_head_dim
-        hidden = config.hidden_size
+        hidden, kernel = config.hidden_size, config.linear_conv_kernel_dim
         self.q_proj = nn.Linear(hidden, h * d, bias=False)
         self.k_proj = nn.Linear(hidden, h * d, bias=False)
         self.v_proj = nn.Linear(hidden, h * d, bias=False)
-        self.conv_weight = nn.Parameter(torch.empty(3 * h * d, config.linear_conv_kernel_dim))  # [q | k | v] channels
+        self.qkv_conv1d = nn.Conv1d(3 * h * d, 3 * h * d, kernel, groups=3 * h * d, bias=False)  # [q | k | v] channels
         self.f_a_proj = nn.Linear(hidden, d, bias=False)
         self.f_b_proj = nn.Linear(d, h * d, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(h * d))
@@ -69,9 +57,9 @@ class KDABlock(nn.Module):
         self.b_proj = nn.Linear(hidden, h, bias=False)
         self.g_a_proj = nn.Linear(hidden, d, bias=False)
         self.g_b_proj = nn.Linear(d, h * d, bias=False)
-        self.o_norm = GatedRMSNorm(d, config.rms_norm_eps)
+        self.o_norm = GatedRMSNorm(d, config.rms_norm_eps, torch.sigmoid)
         self.o_proj = nn.Linear(h * d, hidden, bias=False)
-        self.attn = KimiDeltaAttention(f"model.layers.{layer_idx}.self_attn", h, d, config.linear_conv_kernel_dim)
+        self.attn = KimiDeltaAttention(f"model.layers.{layer_idx}.self_attn", h, d, kernel, dtype=placement.dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
@@ -79,29 +67,24 @@ class KDABlock(nn.Module):
         g = (self.f_b_proj(self.f_a_proj(x)) + self.dt_bias).view(t, h, d)
         g = -self.A_log.view(h, 1).exp() * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))  # as transformers
         beta = self.b_proj(x).sigmoid()
-        o = self.attn(mixed, self.conv_weight, g, beta, ctx)  # [T, H, D]
+        o = self.attn(mixed, self.qkv_conv1d.weight[:, 0], g, beta, ctx)  # [T, H, D]
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         return self.o_proj(self.o_norm(o, gate).reshape(t, h * d))
 
-    def from_checkpoint(self, prefix: str, leaf: str, take: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        if leaf == "conv_weight":  # three depthwise convs [C, 1, K] -> one [3C, K]
-            return torch.cat([take(f"{prefix}.{p}_conv1d.weight")[:, 0] for p in "qkv"])
-        return take(f"{prefix}.{leaf}")
-
 
 class KimiLinearDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, attention_backend_cls: type[PagedAttention]):
+    def __init__(self, config, layer_idx: int, attention_backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         self.linear = config.layer_types[layer_idx] == "linear_attention"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.linear:
-            self.self_attn = KDABlock(config, layer_idx)
+            self.self_attn = KDABlock(config, layer_idx, placement)
         else:
             scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-            self.self_attn = MLABlock(config, layer_idx, attention_backend_cls, use_rope=False, scale=scale)
+            self.self_attn = MLABlock(config, layer_idx, attention_backend_cls, placement, use_rope=False, scale=scale)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sparse = config.mlp_layer_types[layer_idx] == "sparse"
-        self.mlp = MoE(config) if sparse else MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = DeepseekMoE(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -110,69 +93,43 @@ class KimiLinearDecoderLayer(nn.Module):
 
 
 class KimiLinearModel(nn.Module):
-    def __init__(self, config, attention_backend_cls: type[PagedAttention]):
+    def __init__(self, config, attention_backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         with torch.device("meta"):  # weights: materialised by load_weights
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i, attention_backend_cls)
+            self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i, attention_backend_cls, placement)
                                         for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """No layer uses positions: MLA here is NoPE and KDA is recurrent."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
         return self.norm(x)
 
 
-_RENAMES = [  # published / saved checkpoint names -> ours (transformers' runtime names)
-    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
-    (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
-    (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
-    (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
-    (re.compile(r"\.self_attn\.forget_gate\."), ".self_attn."),
-]
+class KimiLinearForCausalLM(CausalLM):
+    """`KimiLinearForCausalLM(hf_config, attention_backend_cls[, placement])`; call `load_weights`
+    before use. The attention backend's name picks the MLA flavour (exact / whole_block)."""
 
+    checkpoint = CheckpointLayout(
+        fused=(GATE_UP, Fused("qkv_conv1d", ("q_conv1d", "k_conv1d", "v_conv1d"))),
+        experts=SWIGLU_EXPERTS,
+        renames=(  # published / saved checkpoint names -> ours (transformers' runtime names)
+            (r"\.block_sparse_moe\.", ".mlp."),
+            (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
+            (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+            (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
+            (r"\.self_attn\.forget_gate\.", ".self_attn."),
+        ),
+        ignore_layers_past_config=True,
+    )
 
-def _rename(name: str) -> str:
-    for pattern, replacement in _RENAMES:
-        name = pattern.sub(replacement, name)
-    return name
-
-
-class KimiLinearForCausalLM(nn.Module):
-    """`KimiLinearForCausalLM(hf_config, attention_backend_cls)`; call `load_weights` before use.
-    The attention backend's name picks the MLA flavour (exact / whole_block)."""
-
-    def __init__(self, hf_config, attention_backend_cls: type[PagedAttention]):
-        super().__init__()
-        if hf_config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (expected 'silu')")
+    def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
+        require_activation(hf_config, "silu", "Kimi Linear")
         unknown = set(hf_config.layer_types) - {"full_attention", "linear_attention"}
         if unknown:
             raise ValueError(f"unknown Kimi Linear layer types {sorted(unknown)}; "
                              "expected 'full_attention' (MLA) or 'linear_attention' (KDA) per layer")
-        self.config = hf_config
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = KimiLinearModel(hf_config, attention_backend_cls)
-        if not self.tie_word_embeddings:
-            with torch.device("meta"):
-                self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions [T] of the flattened batch -> final hidden states [T, hidden_size].
-        No layer uses positions: MLA here is NoPE and KDA is recurrent."""
-        return self.model(input_ids, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-    def kv_cache_specs(self, block_size: int) -> dict[str, MLASpec | LinearStateSpec]:
-        """MLASpec for the MLA layers; the KDA layers' conv + recurrent state shapes for the others."""
-        mla = MLASpec(block_size, self.config.kv_lora_rank, self.config.qk_rope_head_dim, "float32")
-        return {f"model.layers.{i}.self_attn": layer.self_attn.attn.state_spec() if layer.linear else mla
-                for i, layer in enumerate(self.model.layers)}
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_checkpoint(self, named_tensors, _rename, self.config.num_hidden_layers)
+        super().__init__(hf_config, KimiLinearModel(hf_config, attention_backend_cls, placement), placement)

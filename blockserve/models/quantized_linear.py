@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
-from blockserve.models.fused_weights import FUSED, PARTS
 from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear
+from blockserve.models.weights import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
 NIBBLES = ("Q4_0", "Q4_1")  # packed in the kernel's Q4_1 layout
 PACKED_BYTES = {"Q4_0": 96, "Q4_1": 96, "Q8_0": 144}  # per group of four rows and block of 32 columns
+
+# GGUF files hold Llama-family models: Hugging Face projection -> (our fused one, its index, parts), as llama.py fuses
+FUSED = {part: (group.target, i, len(group.parts)) for group in (QKV, GATE_UP) for i, part in enumerate(group.parts)}
 
 
 def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
@@ -131,11 +134,11 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
         module_path = name.removesuffix(".weight")
         parent, _, proj = module_path.rpartition(".")
         if proj in FUSED:
-            fused, index = FUSED[proj]
+            fused, index, count = FUSED[proj]
             module_path = f"{parent}.{fused}"
             received = parts.setdefault(module_path, {})
             received[index] = (format, raw)
-            if len(received) < len(PARTS[fused]):
+            if len(received) < count:
                 continue
             formats = {f for f, _ in received.values()}
             if len(formats) > 1:  # e.g. v_proj in Q8_0 next to q/k in Q4_0: one kernel call cannot mix

@@ -21,9 +21,6 @@ for a new request because the spec says so (C1).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,42 +29,17 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import GatedDeltaNet
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.kv import FullAttentionSpec, LinearStateSpec
-from blockserve.models.experts import Experts
-from blockserve.models.fused_weights import set_parameter
-from blockserve.models.llama import RotaryEmbedding, apply_rotary
-
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm scaled by (1 + weight), computed in float32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm(x) * weight * silu(z), per value head."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x * F.silu(z)
+from blockserve.models.base import CausalLM
+from blockserve.models.layers import GatedMLP, GatedRMSNorm, OffsetRMSNorm, require_activation
+from blockserve.models.moe import Experts
+from blockserve.models.placement import Placement
+from blockserve.models.rotary import RotaryEmbedding, apply_rotary
+from blockserve.models.weights import GATE_UP, SWIGLU_EXPERTS, CheckpointLayout
 
 
 class Qwen3NextAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int):
+    def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int,
+                 placement: Placement):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -77,10 +49,10 @@ class Qwen3NextAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, self.head_dim,
-                              backend_cls(self.head_dim**-0.5))
+                              backend_cls(self.head_dim**-0.5), dtype=placement.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
@@ -96,13 +68,14 @@ class Qwen3NextAttention(nn.Module):
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, placement: Placement):
         super().__init__()
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.rep = self.num_v_heads // self.num_k_heads
         self.deltanet = GatedDeltaNet(f"model.layers.{layer_idx}.linear_attn", self.num_k_heads, self.num_v_heads,
-                                      self.head_k_dim, self.head_v_dim, config.linear_conv_kernel_dim)
+                                      self.head_k_dim, self.head_v_dim, config.linear_conv_kernel_dim,
+                                      dtype=placement.dtype)
         conv_dim = self.deltanet.conv_dim
         value_dim = self.num_v_heads * self.head_v_dim
         self.in_proj_qkvz = nn.Linear(config.hidden_size, conv_dim + value_dim, bias=False)
@@ -110,7 +83,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, F.silu)  # per value head
         self.out_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -126,24 +99,15 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class SparseMoeBlock(nn.Module):
+    """Softmax router, top-k (renormalised if norm_topk_prob), plus a sigmoid-gated shared expert."""
+
     def __init__(self, config):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,25 +116,26 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, index, weights.to(x.dtype)) + shared
+        return self.experts(x, weights.to(x.dtype), index) + shared
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int):
+    def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int,
+                 placement: Placement):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
-            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_idx)
+            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_idx, placement)
         elif self.layer_type == "full_attention":
-            self.self_attn = Qwen3NextAttention(config, layer_idx, backend_cls, rotary_dim)
+            self.self_attn = Qwen3NextAttention(config, layer_idx, backend_cls, rotary_dim, placement)
         else:
             raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r} "
                              "(expected 'linear_attention' or 'full_attention')")
         sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
                   and (layer_idx + 1) % config.decoder_sparse_step == 0)
-        self.mlp = SparseMoeBlock(config) if sparse else MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoeBlock(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -182,16 +147,16 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config, backend_cls: type[PagedAttention]):
+    def __init__(self, config, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
         rotary_dim = int(config.head_dim * factor)
-        self.rotary = RotaryEmbedding(config, rotary_dim)  # computed here, not loaded
+        self.rotary = RotaryEmbedding(config, rotary_dim, placement)  # computed here, not loaded
         with torch.device("meta"):  # weights: materialised by load_weights
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, backend_cls, rotary_dim)
+            self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, backend_cls, rotary_dim, placement)
                                         for i in range(config.num_hidden_layers))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = self.rotary(positions)
@@ -201,87 +166,14 @@ class Qwen3NextModel(nn.Module):
         return self.norm(x)
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    """`Qwen3NextForCausalLM(hf_config, attention_backend_cls)`; call `load_weights` before use."""
+class Qwen3NextForCausalLM(CausalLM):
+    """`Qwen3NextForCausalLM(hf_config, attention_backend_cls[, placement])`; call `load_weights` before
+    use. Experts load per expert (`mlp.experts.N.gate_proj.weight`, as Qwen's checkpoints) or already
+    stacked (`mlp.experts.gate_up_proj`, transformers' state_dict); multi-token-prediction weights
+    (`mtp.*`) are skipped."""
 
-    def __init__(self, hf_config, attention_backend_cls: type[PagedAttention]):
-        super().__init__()
-        if hf_config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported by Qwen3-Next (expected 'silu')")
-        self.config = hf_config
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = Qwen3NextModel(hf_config, attention_backend_cls)
-        if not self.tie_word_embeddings:
-            with torch.device("meta"):
-                self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+    checkpoint = CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore=(r"^mtp\.",))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions [T] of the flattened batch -> final hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-    def kv_cache_specs(self, block_size: int) -> dict[str, FullAttentionSpec | LinearStateSpec]:
-        config = self.config
-        specs: dict[str, FullAttentionSpec | LinearStateSpec] = {}
-        for i, layer in enumerate(self.model.layers):
-            if layer.layer_type == "full_attention":
-                specs[f"model.layers.{i}.self_attn"] = FullAttentionSpec(
-                    block_size, config.num_key_value_heads, config.head_dim, "float32")
-            else:
-                shapes = layer.linear_attn.deltanet.state_shapes
-                specs[f"model.layers.{i}.linear_attn"] = LinearStateSpec(shapes, ("float32",) * len(shapes))
-        return specs
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Materialise every parameter from (Hugging Face name, tensor) pairs, as float32.
-
-        Experts come per expert (`mlp.experts.N.gate_proj.weight`, as Qwen's checkpoints) or
-        already stacked (`mlp.experts.gate_up_proj`); multi-token-prediction weights (`mtp.*`)
-        are skipped. Raises ValueError naming unexpected, missing or mis-shaped weights.
-        """
-        params = dict(self.named_parameters())
-        per_expert: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in named_tensors:
-            if name.startswith("mtp.") or name.endswith("rotary_emb.inv_freq") or (
-                    self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            match = _PER_EXPERT.fullmatch(name)
-            if match and f"{match[1]}.down_proj" in params:
-                experts, hidden, inner = params[f"{match[1]}.down_proj"].shape
-                shape = (hidden, inner) if match[3] == "down_proj" else (inner, hidden)
-                if tuple(tensor.shape) != shape or int(match[2]) >= experts:
-                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)} but the model built from the "
-                                     f"config expects {shape} for each of {experts} experts; "
-                                     "does config.json match the checkpoint?")
-                per_expert.setdefault(match[1], {})[(match[3], int(match[2]))] = tensor
-            elif name in params:
-                set_parameter(self, name, tensor, params[name].shape, name)
-                loaded.add(name)
-            else:
-                unexpected.append(name)
-        missing: list[str] = []
-        for prefix, parts in per_expert.items():
-            num_experts = params[f"{prefix}.down_proj"].shape[0]
-            absent = [f"{prefix}.{e}.{p}.weight" for e in range(num_experts)
-                      for p in ("gate_proj", "up_proj", "down_proj") if (p, e) not in parts]
-            if absent:
-                missing += absent
-                loaded.update((f"{prefix}.gate_up_proj", f"{prefix}.down_proj"))  # reported by expert above
-                continue
-            gate_up = torch.stack([torch.cat([parts["gate_proj", e], parts["up_proj", e]]) for e in range(num_experts)])
-            down = torch.stack([parts["down_proj", e] for e in range(num_experts)])
-            for target, tensor in ((f"{prefix}.gate_up_proj", gate_up), (f"{prefix}.down_proj", down)):
-                set_parameter(self, target, tensor, params[target].shape, f"{prefix}.*")
-                loaded.add(target)
-        missing += [n for n in params if n not in loaded]
-        if unexpected or missing:
-            raise ValueError(
-                f"checkpoint does not match the {type(self).__name__} built from its config: "
-                f"unexpected weights {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}, "
-                f"missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-            )
+    def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
+        require_activation(hf_config, "silu", "Qwen3-Next")
+        super().__init__(hf_config, Qwen3NextModel(hf_config, attention_backend_cls, placement), placement)

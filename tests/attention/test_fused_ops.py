@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from blockserve.attention.native import fused_ops, why_not_native
-from blockserve.models.llama import apply_rotary
+from blockserve.models.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
 

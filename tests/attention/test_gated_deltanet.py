@@ -17,9 +17,10 @@ from blockserve.attention.gated_deltanet import (
     recurrent_gated_delta_rule,
 )
 from blockserve.attention.metadata import BatchLayout
-from tests.models.hybrid_helpers import one_torch_thread  # noqa: F401 (an autouse fixture)
+from tests.attention.resume_checks import CUTS, assert_conv_captures, assert_resumes_exactly, exact
 
 H, DK, DV = 4, 16, 8
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_inputs(length: int, seed: int = 0):
@@ -115,7 +116,7 @@ def run_layer(layer, mixed, g, beta, weight, schedule, num_slots=8):
 
 def test_layer_over_slots_equals_one_pass():
     layer = GatedDeltaNet("l", num_k_heads=2, num_v_heads=4, head_k_dim=DK, head_v_dim=DV, conv_kernel_size=4,
-                          chunk_size=8)
+                          chunk_size=8, dtype=torch.float32)
     gen = torch.Generator().manual_seed(2)
     lengths = [13, 9, 20]
     mixed = [torch.randn(n, layer.conv_dim, generator=gen) for n in lengths]
@@ -128,3 +129,61 @@ def test_layer_over_slots_equals_one_pass():
     whole = run_layer(layer, mixed, g, beta, weight, [[(0, 13), (1, 9), (2, 20)]])
     for a, b in zip(stepped, whole):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+# Where the scheduler may have cut a prefill of L tokens into steps: anywhere, on or off the grid.
+L = 100  # no multiple of the chunk sizes (16, 7)
+@pytest.mark.parametrize("chunk", [16, 7])
+@pytest.mark.parametrize("cuts", CUTS)
+def test_resuming_on_the_chunk_grid_is_exact(cuts, chunk):
+    """The state captured at a grid position p is bit for bit the state after exactly [0, p), and
+    resuming from it is bit for bit the run through p (under the same later cuts); capturing
+    changes nothing; the outputs still equal the token-by-token recurrence."""
+    q, k, v, g, beta, state = random_inputs(L)
+
+    def kernel(a, b, s, capture):
+        return chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s, chunk, a, capture)
+
+    ref, ref_state, s = [], {}, state[None]
+    for t in range(L):
+        o, s = recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+        ref.append(o)
+        ref_state[t + 1] = s[0]
+    assert_resumes_exactly(kernel, L, cuts, state, list(range(chunk, L + 1, chunk)), torch.cat(ref), ref_state, 2e-5)
+
+
+@pytest.mark.parametrize("cuts", CUTS)
+def test_conv_captures_its_state_at_any_position(cuts):
+    gen = torch.Generator().manual_seed(5)
+    channels, width = 6, 4
+    x = torch.randn(L, channels, generator=gen)
+    weight, bias = torch.randn(channels, width, generator=gen), torch.randn(channels, generator=gen)
+
+    def kernel(a, b, s, capture):
+        return causal_conv1d(x[a:b], s, weight, bias, a, capture)
+
+    assert_conv_captures(kernel, x, torch.zeros(channels, width - 1), cuts)
+
+
+def test_capture_positions_are_checked():
+    q, k, v, g, beta, state = random_inputs(40)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        chunk_gated_delta_rule(q, k, v, g, beta, state, 16, 10, [24])
+    with pytest.raises(ValueError, match=r"\(10, 50\]"):
+        chunk_gated_delta_rule(q, k, v, g, beta, state, 16, 10, [64])
+    with pytest.raises(ValueError, match=r"\(10, 50\]"):
+        causal_conv1d(q[:, 0], torch.zeros(DK, 3), torch.randn(DK, 4), None, 10, [10])
+
+
+def test_layer_chunks_on_the_absolute_grid():
+    """A prefill cut at 13 then continued equals, bit for bit, the same cut once more at the grid
+    position 24: the layer runs its chunks on positions, not on each step's tokens."""
+    layer = GatedDeltaNet("l", num_k_heads=2, num_v_heads=4, head_k_dim=DK, head_v_dim=DV, conv_kernel_size=4,
+                          chunk_size=8, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    mixed = [torch.randn(40, layer.conv_dim, generator=gen)]
+    g, beta = [-F.softplus(torch.randn(40, 4, generator=gen))], [torch.rand(40, 4, generator=gen)]
+    weight = torch.randn(layer.conv_dim, 4, generator=gen) * 0.5
+    once = run_layer(layer, mixed, g, beta, weight, [[(0, 13)], [(0, 27)]])
+    twice = run_layer(layer, mixed, g, beta, weight, [[(0, 13)], [(0, 11)], [(0, 16)]])
+    exact(once[0], twice[0])

@@ -8,12 +8,12 @@ import torch
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from blockserve.attention.context import ForwardContext, StateCache, StateMetadata
-from blockserve.attention.kda import KimiDeltaAttention, causal_conv, kda_chunked, kda_recurrent, l2norm
+from blockserve.attention.kda import KimiDeltaAttention, causal_conv, kda_chunked, kda_recurrent, kda_step, l2norm
 from blockserve.attention.metadata import BatchLayout
-from tests.models.hybrid_harness import one_thread  # noqa: F401 (fixture)
+from tests.attention.resume_checks import CUTS, assert_conv_captures, assert_resumes_exactly, exact
 
-T, H, D, K = 100, 3, 16, 4
-pytestmark = pytest.mark.usefixtures("one_thread")
+T, H, D, K = 100, 3, 16, 4  # T: no multiple of the resume tests' chunk sizes (16, 7)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def inputs(seed: int = 0, strength: float = 2.0):
@@ -75,15 +75,16 @@ def _layer_step(layer, tensors, mixed, w, g, beta, slots, query_lens, computed):
 def test_layer_carries_state_through_slots():
     """Two sequences in slots 3 and 1: one as a prefill chunk, then decodes batched with the other's
     chunks, equals each sequence computed in one piece from a zero state."""
-    layer = KimiDeltaAttention("kda", H, D, K)
+    layer = KimiDeltaAttention("kda", H, D, K, dtype=torch.float32)
     gen = torch.Generator().manual_seed(3)
     n = [11, 13]
     mixed = [torch.randn(m, 3 * H * D, generator=gen) for m in n]
     g = [-torch.rand(m, H, D, generator=gen) for m in n]
     beta = [torch.rand(m, H, generator=gen) for m in n]
     w = torch.randn(3 * H * D, K, generator=gen)
-    spec = layer.state_spec()
-    assert spec.shapes == ((3 * H * D, K - 1), (H, D, D)) and spec.starts_zeroed
+    spec = layer.kv_cache_spec(16)
+    assert spec.shapes == ((3 * H * D, K - 1), (H, D, D)) and spec.dtypes == ("float32",) * 2
+    assert spec.starts_zeroed
 
     def fresh():
         return [torch.zeros(5, *s) for s in spec.shapes]
@@ -108,12 +109,76 @@ def test_layer_carries_state_through_slots():
 def test_new_request_reads_its_slot():
     """The layer never re-zeroes: a new request reads whatever its slot holds, so a recycled slot
     that was not zeroed shows (which is why LinearStateSpec demands zeroing, C1)."""
-    layer = KimiDeltaAttention("kda", H, D, K)
+    layer = KimiDeltaAttention("kda", H, D, K, dtype=torch.float32)
     gen = torch.Generator().manual_seed(4)
     mixed, g = torch.randn(5, 3 * H * D, generator=gen), -torch.rand(5, H, D, generator=gen)
     beta, w = torch.rand(5, H, generator=gen), torch.randn(3 * H * D, K, generator=gen)
-    zeroed = [torch.zeros(3, *s) for s in layer.state_spec().shapes]
+    zeroed = [torch.zeros(3, *s) for s in layer.kv_cache_spec(16).shapes]
     stale = [t.clone().fill_(float("nan")) for t in zeroed]
     stale[0][0] = stale[1][0] = 0  # the null slot
     assert _layer_step(layer, zeroed, mixed, w, g, beta, [2], [5], [0]).isfinite().all()
     assert _layer_step(layer, stale, mixed, w, g, beta, [2], [5], [0]).isnan().all()
+
+
+@pytest.mark.parametrize("chunk_size", [16, 7])
+@pytest.mark.parametrize("cuts", CUTS)
+def test_resuming_on_the_chunk_grid_is_exact(cuts, chunk_size):
+    """The state captured at a grid position p is bit for bit the state after exactly [0, p), and
+    resuming from it is bit for bit the run through p (under the same later cuts); capturing
+    changes nothing; the outputs still equal the token-by-token recurrence."""
+    q, k, v, g, beta, state = inputs(strength=0.5)
+
+    def kernel(a, b, s, capture):
+        return kda_chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s, chunk_size, a, capture)
+
+    ref, ref_state, s = [], {}, state
+    for t in range(T):
+        o, s = kda_step(q[t], k[t], v[t], g[t], beta[t], s)
+        ref.append(o)
+        ref_state[t + 1] = s
+    grid = list(range(chunk_size, T + 1, chunk_size))
+    assert_resumes_exactly(kernel, T, cuts, state, grid, torch.stack(ref), ref_state, 2e-5)
+
+
+@pytest.mark.parametrize("cuts", CUTS)
+def test_conv_captures_its_state_at_any_position(cuts):
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(T, 12, generator=gen), torch.randn(12, K, generator=gen)
+
+    def kernel(a, b, s, capture):
+        return causal_conv(x[a:b], s, w, a, capture)
+
+    assert_conv_captures(kernel, x, torch.zeros(12, K - 1), cuts)
+
+
+def test_capture_positions_are_checked():
+    q, k, v, g, beta, state = inputs()
+    with pytest.raises(ValueError, match="multiples of 16"):
+        kda_chunked(q[10:50], k[10:50], v[10:50], g[10:50], beta[10:50], state, 16, 10, [24])
+    with pytest.raises(ValueError, match=r"\(10, 50\]"):
+        kda_chunked(q[10:50], k[10:50], v[10:50], g[10:50], beta[10:50], state, 16, 10, [64])
+    with pytest.raises(ValueError, match=r"\(10, 50\]"):
+        causal_conv(q[10:50, 0], torch.zeros(D, K - 1), torch.randn(D, K), 10, [10])
+
+
+def test_layer_chunks_on_the_absolute_grid():
+    """A prefill cut at 13 then continued equals, bit for bit, the same cut once more at the grid
+    position 24: the layer runs its chunks on positions, not on each step's tokens."""
+    layer = KimiDeltaAttention("kda", H, D, K, dtype=torch.float32)
+    layer.chunk_size = 8
+    gen = torch.Generator().manual_seed(6)
+    n = 40
+    mixed, g = torch.randn(n, 3 * H * D, generator=gen), -torch.rand(n, H, D, generator=gen)
+    beta, w = torch.rand(n, H, generator=gen), torch.randn(3 * H * D, K, generator=gen)
+
+    def run(cuts):
+        tensors = [torch.zeros(2, 3 * H * D, K - 1), torch.zeros(2, H, D, D)]
+        edges = [0, *cuts, n]
+        out = [_layer_step(layer, tensors, mixed[a:b], w, g[a:b], beta[a:b], [1], [b - a], [a])
+               for a, b in zip(edges, edges[1:])]
+        return torch.cat(out), tensors
+
+    (out, states), (out_cut, states_cut) = run([13]), run([13, 24])
+    exact(out, out_cut)
+    for a, b in zip(states, states_cut):
+        exact(a, b)

@@ -10,9 +10,12 @@ import torch.nn.functional as F
 from blockserve.attention.context import ForwardContext, StateCache, StateMetadata
 from blockserve.attention.mamba2 import Mamba2, segment_sum, ssd_chunk_scan, ssd_step
 from blockserve.attention.metadata import BatchLayout
-from tests.models.hybrid_helpers import one_torch_thread  # noqa: F401 (an autouse fixture)
+from tests.attention.resume_checks import CUTS, assert_resumes_exactly, exact
+
+L = 100  # no multiple of the chunk sizes (16, 7)
 
 H, P, N = 4, 8, 16
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_inputs(length: int, seed: int = 0):
@@ -80,7 +83,8 @@ def test_matches_transformers_fallback():
 
 
 def test_layer_over_slots_equals_one_pass():
-    layer = Mamba2("l", num_heads=H, head_dim=P, n_groups=2, state_size=N, conv_kernel_size=4, chunk_size=8)
+    layer = Mamba2("l", num_heads=H, head_dim=P, n_groups=2, state_size=N, conv_kernel_size=4, chunk_size=8,
+                   dtype=torch.float32)
     gen = torch.Generator().manual_seed(2)
     lengths = [13, 9, 20]
     xbc = [torch.randn(n, layer.conv_dim, generator=gen) for n in lengths]
@@ -107,3 +111,59 @@ def test_layer_over_slots_equals_one_pass():
     whole = run([[(0, 13), (1, 9), (2, 20)]])
     for a, b in zip(stepped, whole):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [16, 7])
+@pytest.mark.parametrize("cuts", CUTS)
+def test_resuming_on_the_chunk_grid_is_exact(cuts, chunk):
+    """The state captured at a grid position p is bit for bit the state after exactly [0, p), and
+    resuming from it is bit for bit the run through p (under the same later cuts); capturing
+    changes nothing; the outputs still equal the token-by-token recurrence. (The conv is Gated
+    DeltaNet's, tested there.)"""
+    x, dt, A, B, C, D, state = random_inputs(L)
+
+    def kernel(a, b, s, capture):
+        return ssd_chunk_scan(x[a:b], dt[a:b], A, B[a:b], C[a:b], D, s, chunk, a, capture)
+
+    ref, ref_state, s = [], {}, state[None]
+    for t in range(L):
+        y, s = ssd_step(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, s)
+        ref.append(y)
+        ref_state[t + 1] = s[0]
+    assert_resumes_exactly(kernel, L, cuts, state, list(range(chunk, L + 1, chunk)), torch.cat(ref), ref_state, 5e-5)
+
+
+def test_capture_positions_are_checked():
+    x, dt, A, B, C, D, state = random_inputs(40)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ssd_chunk_scan(x, dt, A, B, C, D, state, 16, 10, [24])
+    with pytest.raises(ValueError, match=r"\(10, 50\]"):
+        ssd_chunk_scan(x, dt, A, B, C, D, state, 16, 10, [64])
+
+
+def test_layer_chunks_on_the_absolute_grid():
+    """A prefill cut at 13 then continued equals, bit for bit, the same cut once more at the grid
+    position 24: the layer runs its chunks on positions, not on each step's tokens. 16 heads, so
+    that each token's dt is whole SIMD vectors: torch's softplus rounds a vector's tail elements
+    differently, which would make the layer's inputs to the scan depend on the cut."""
+    heads = 16
+    layer = Mamba2("l", num_heads=heads, head_dim=P, n_groups=2, state_size=N, conv_kernel_size=4, chunk_size=8,
+                   dtype=torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    xbc, dt = torch.randn(40, layer.conv_dim, generator=gen), torch.randn(40, heads, generator=gen)
+    weight, bias = torch.randn(layer.conv_dim, 4, generator=gen) * 0.5, torch.randn(layer.conv_dim, generator=gen)
+    A, D = -torch.rand(heads, generator=gen) - 0.1, torch.randn(heads, generator=gen)
+    dt_bias = torch.randn(heads, generator=gen)
+
+    def run(cuts):
+        cache = StateCache(0, [torch.zeros(2, layer.conv_dim, 3), torch.zeros(2, heads, P, N)])
+        edges, outs = [0, *cuts, 40], []
+        for a, b in zip(edges, edges[1:]):
+            ctx = ForwardContext({"l": cache}, [StateMetadata(BatchLayout.build([b - a], [a]), torch.tensor([1]))])
+            outs.append(layer(xbc[a:b], dt[a:b], weight, bias, A, D, dt_bias, ctx))
+        return torch.cat(outs), cache.tensors
+
+    (out, states), (out_cut, states_cut) = run([13]), run([13, 24])
+    exact(out, out_cut)
+    for a, b in zip(states, states_cut):
+        exact(a, b)

@@ -2,8 +2,10 @@
 transformers, and the stale-block scenario blockserve exists for.
 
 Parity: batched, prefix caching on and off, chunked prefill forced by a small token budget,
-preemption forced by a small KV cache, both MLA flavours. Greedy tokens equal transformers',
-with the logprob-closeness rule for near-ties.
+preemption forced by a small KV cache, both MLA flavours. Greedy tokens equal transformers'
+(`assert_greedy_parity` allowing no near-tie). None occurs, although 13-19% of the reference's
+steps have a top-2 gap under 0.1 nats: the smallest, 4.4e-4 nats (8.5e-3 outside the epochs), is
+~50x the largest difference between the engine's and transformers' log-probabilities measured.
 
 The stale-block scenario (DESIGN.md, "Why the contracts exist"): Kimi Linear with the
 whole-block MLA decode (which weights the unwritten tail of a block by zero, so 0 * NaN = NaN),
@@ -31,10 +33,10 @@ from blockserve.attention.mla import MLAttention
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec
 from blockserve.models.loader import load_model
-from tests.models.hybrid_harness import (  # noqa: F401 (fixtures)
-    CONFIGS, VOCAB, assert_tokens_match, one_thread, reference_outputs, saved_hybrid)
+from tests.models.conftest import MLA_CONFIGS, VOCAB, tiny_model  # noqa: F401 (a fixture)
+from tests.paged_harness import assert_greedy_parity, reference_outputs
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 10
 MAX_NUM_SEQS = 8
@@ -65,9 +67,9 @@ def prompts() -> list[list[int]]:
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, saved_hybrid):
-    path, reference = saved_hybrid(request.param)
+@pytest.fixture(scope="module", params=sorted(MLA_CONFIGS))
+def tiny(request, tiny_model):
+    path, reference = tiny_model(request.param)
     return request.param, path, reference_outputs(reference, prompts(), NEW_TOKENS)
 
 
@@ -89,23 +91,23 @@ def test_engine_matches_transformers(tiny, backend, scenario, caplog):
     assert has_state == (name == "kimi_linear")
     warnings = [r for r in caplog.records if "report no prefix hits" in r.getMessage()]
     assert len(warnings) == (1 if has_state and llm.engine.config.enable_prefix_caching else 0)
-    assert_tokens_match(generate(llm, prompts()), reference)
+    assert_greedy_parity(generate(llm, prompts()), reference)
     scheduler = llm.engine.core.scheduler
     if scenario == "preemption":
         assert scheduler.num_preemptions > 0
     if scenario == "prefix-caching":
-        assert_tokens_match(generate(llm, prompts()), reference)  # the second pass may be served from the cache
+        assert_greedy_parity(generate(llm, prompts()), reference)  # the second pass may be served from the cache
         hits = scheduler.kv.prefix_cache_stats().hits
         assert hits == 0 if has_state else hits > 0  # no hits until state checkpoints exist
     scheduler.assert_idle()
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_poisoned_cache_without_zeroing_deepseek(saved_hybrid, backend):
+def test_poisoned_cache_without_zeroing_deepseek(tiny_model, backend):
     """C1 for MLA alone (DeepSeek-V3 has no state group): with every garbage block NaN and zeroing
     forced off, the exact flavour still matches; the whole-block flavour breaks. With the derived
     flags both match."""
-    path, reference = saved_hybrid("deepseek_v3")
+    path, reference = tiny_model("deepseek_v3")
     want = [r[0] for r in reference_outputs(reference, prompts()[:4], NEW_TOKENS)]
     loaded = load_model(str(path), BACKENDS[backend])
     options = dict(block_size=4, poison=True, **small_cache("deepseek_v3"))
@@ -133,8 +135,8 @@ def epoch_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def kimi_epoch_reference(saved_hybrid):
-    path, reference = saved_hybrid("kimi_linear")
+def kimi_epoch_reference(tiny_model):
+    path, reference = tiny_model("kimi_linear")
     return path, reference_outputs(reference, epoch_prompts(), EPOCH_NEW_TOKENS)
 
 
@@ -195,7 +197,7 @@ def test_stale_blocks_across_epochs(kimi_epoch_reference, variant):
           f"poison + zero orders {timings.zero / timings.total:.1%} of step time")
     if variant == "derived-flags":
         assert epochs[1] == epochs[0] and epochs[2] == epochs[0]
-        assert_tokens_match(epochs[0], reference)
+        assert_greedy_parity(epochs[0], reference)
     else:
         assert epochs[1] != epochs[0] and epochs[2] != epochs[0]
 
@@ -205,4 +207,4 @@ def test_stale_blocks_long_uptime(kimi_epoch_reference):
     path, reference = kimi_epoch_reference
     epochs, _ = run_epochs(path, "derived-flags", fresh_server=False)
     assert epochs[1] == epochs[0] and epochs[2] == epochs[0]
-    assert_tokens_match(epochs[0], reference)
+    assert_greedy_parity(epochs[0], reference)

@@ -1,92 +1,59 @@
-"""A paged-cache harness: run a model over sequences as the engine would, without the engine.
-
-Each sequence gets its own blocks, scattered over the cache (block 0 is the null block, never
-handed out). Every step builds the layout, metadata and context for the sequences taking part:
-a prefill chunk for those with prompt left, one token for the others, decodes first.
-
-    step 0   [p0 p0 p0 p0 p0]                      seq 0 prefills (start 0)
-    step 1   [d0][p1 p1 p1]                        seq 1 joins (start 1): decode + prefill
-    step 2   [d0][d1]
-"""
+"""Tiny random models built from transformers configs at test time, with weights far from uniform
+logits, saved with save_pretrained so the real loader reads them; the hybrid families the model
+and engine tests share (`tiny_model`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GraniteMoeHybridConfig,
+    KimiLinearConfig,
+    Qwen3NextConfig,
+)
 
-from blockserve.attention.context import ForwardContext, LayerCache
-from blockserve.attention.metadata import AttentionMetadata, BatchLayout
-
-
-@dataclass
-class _Seq:
-    prompt: list[int]
-    start_step: int
-    blocks: list[int]
-    computed: int = 0
-    prompt_logits: list[torch.Tensor] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)
-
-
-def step_batch(seqs, step: int, max_new_tokens: int, chunk: int | None) -> list:
-    """(sequence, tokens to feed) for every sequence taking part in `step`, decodes first: a
-    prefill chunk for those with prompt left (whole prompt when `chunk` is None), else the last
-    generated token. Sequences have prompt, computed, generated and start_step."""
-    batch = []
-    for s in seqs:
-        if step < s.start_step or len(s.generated) == max_new_tokens:
-            continue
-        if s.computed < len(s.prompt):
-            tokens = s.prompt[s.computed: s.computed + (chunk or len(s.prompt))]
-        else:
-            tokens = [s.generated[-1]]
-        batch.append((s, tokens))
-    batch.sort(key=lambda item: len(item[1]) > 1)
-    return batch
-
-
-@torch.inference_mode()
-def run_paged(model, prompts: list[list[int]], max_new_tokens: int, *, block_size: int = 4, chunk: int | None = None,
-              stagger: bool = False, seed: int = 0) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Greedy generation of `max_new_tokens` per prompt through the paged cache.
-
-    `chunk`: prefill tokens per step (None: the whole prompt at once). `stagger`: sequence i joins
-    at step i, so prefill chunks and decodes share steps. Returns, per prompt, the logits of
-    every prompt position [L, vocab] and the generated token ids.
-    """
-    specs = model.kv_cache_specs(block_size)
-    need = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
-    num_blocks = 1 + sum(need)
-    order = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        seqs.append(_Seq(prompt, i if stagger else 0, order[:need[i]]))
-        order = order[need[i]:]
-    layers = {
-        name: LayerCache(0, torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_size),
-                         torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_size))
-        for name, spec in specs.items()
-    }
-    step = 0
-    while any(len(s.generated) < max_new_tokens for s in seqs):
-        batch = step_batch(seqs, step, max_new_tokens, chunk)
-        layout = BatchLayout.build([len(t) for _, t in batch], [s.computed for s, _ in batch])
-        width = max(len(s.blocks) for s, _ in batch)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s, _ in batch])
-        ctx = ForwardContext(layers, [AttentionMetadata.build(layout, table, block_size)])
-        input_ids = torch.tensor([t for _, tokens in batch for t in tokens])
-        logits = model.compute_logits(model(input_ids, layout.positions, ctx))
-        for i, (s, tokens) in enumerate(batch):
-            rows = logits[layout.query_start[i]: layout.query_start[i + 1]]
-            if s.computed < len(s.prompt):
-                s.prompt_logits.append(rows)
-            s.computed += len(tokens)
-            if s.computed >= len(s.prompt):
-                s.generated.append(int(rows[-1].argmax()))
-        step += 1
-    return [torch.cat(s.prompt_logits) for s in seqs], [s.generated for s in seqs]
+VOCAB = 512
+_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # generation runs its length
+_MLA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=24, num_experts_per_tok=2, max_position_embeddings=256,
+            **_NO_SPECIAL_TOKENS)
+MLA_CONFIGS = {  # saved with save_random_hybrid
+    # 3 layers: 1 dense then 2 MoE; q through the low-rank path; 8 experts in 4 groups, 2 kept
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **_MLA, num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=48, n_routed_experts=8,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_interleave=True),
+    # 4 layers: KDA, MLA, KDA, MLA; layer 0 dense, the rest MoE (8 experts, one group)
+    "kimi_linear": lambda: KimiLinearConfig(
+        **_MLA, num_hidden_layers=4, q_lora_rank=None, num_local_experts=8, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=2.446, linear_num_heads=2, linear_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2),
+}
+STATE_CONFIGS = {  # saved with save_random_model
+    # Gated DeltaNet with 2 key / 4 value heads, gated attention with partial RoPE (1/4 of each head),
+    # a sparse MoE (router, top-2 of 4, gated shared expert) on layers 0 and 2, a dense MLP on layer 1.
+    "qwen3_next": lambda: Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1], max_position_embeddings=256, **_NO_SPECIAL_TOKENS),
+    # Mamba2 with 8 heads in 2 groups and 8-token scan chunks, RoPE attention, top-2 of 4 experts plus
+    # the shared MLP, and non-trivial muP multipliers.
+    "granitemoehybrid": lambda: GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8,
+        position_embedding_type="rope", embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=1.5, max_position_embeddings=256, **_NO_SPECIAL_TOKENS),
+}
 
 
 def save_random_model(hf_config, path, seed: int = 0):
@@ -102,3 +69,56 @@ def save_random_model(hf_config, path, seed: int = 0):
                 param.normal_(0, 0.2)
     reference.save_pretrained(path)
     return reference
+
+
+def save_random_hybrid(hf_config, path, seed: int = 0):
+    """Like save_random_model, plus: KDA decays in a range that keeps a memory of tens of tokens, and
+    a non-zero e_score_correction_bias (a buffer, so save_random_model would leave it zero). Returns
+    the transformers model, the reference."""
+    torch.manual_seed(seed)
+    reference = AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith("A_log"):  # decay rate exp(A_log) in [0.02, 0.2]
+                param.copy_(torch.empty_like(param).uniform_(math.log(0.02), math.log(0.2)))
+            elif name.endswith("dt_bias"):
+                param.normal_(-1.0, 0.5)
+            else:
+                param.normal_(0, 0.2)
+        for name, buffer in reference.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
+    reference.save_pretrained(path)
+    return reference
+
+
+def state_model_prompts(count: int = 16) -> list[list[int]]:
+    """The STATE_CONFIGS tests' prompts: `count` of 1 to 37 tokens; a third share a 13-token prefix."""
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, VOCAB, (13,), generator=gen).tolist()
+    out = []
+    for i in range(count):
+        n = 1 + (i * 7) % 25
+        tail = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        out.append(shared + tail if i % 3 == 2 else tail)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """name (of MLA_CONFIGS or STATE_CONFIGS) -> (path of the saved model, its transformers reference),
+    built on first use. Import it into a test module outside tests/models to use it there."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = tmp_path_factory.mktemp(name)
+            if name in MLA_CONFIGS:
+                built[name] = path, save_random_hybrid(MLA_CONFIGS[name](), path)
+            else:
+                built[name] = path, save_random_model(STATE_CONFIGS[name](), path)
+        return built[name]
+
+    return get

@@ -1,15 +1,14 @@
 """Gemma 3 (local sliding-window + global layers) on tiny random configs against transformers.
 
-The harness below runs the model through the paged cache with one block table and one
-`AttentionMetadata` per KV group, as the engine does, and releases sliding-window blocks as
-they leave the window: their memory is filled with NaN and their table entry points at the
-null block, so a backend that read outside the window would show it in the logits.
+The paged harness runs the model with one block table and one `AttentionMetadata` per KV group,
+as the engine does, and releases sliding-window blocks as they leave the window: their memory is
+filled with NaN and their table entry points at the null block, so a backend that read outside
+the window would show it in the logits.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -22,7 +21,8 @@ from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.models.gemma3 import Gemma3ForCausalLM
 from blockserve.models.loader import load_model
-from tests.models.conftest import save_random_model, step_batch
+from tests.models.conftest import save_random_model
+from tests.paged_harness import run_paged
 
 S, F = "sliding_attention", "full_attention"
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
@@ -64,104 +64,19 @@ def tiny(request, tmp_path_factory):
     return path, reference, expected
 
 
-@dataclass
-class _Seq:
-    prompt: list[int]
-    start_step: int
-    tables: list[list[int]]  # per group: block ids, 0 (the null block) once released
-    computed: int = 0
-    prompt_logits: list[torch.Tensor] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)
-
-
-@torch.inference_mode()
-def run_paged_groups(model, prompts: list[list[int]], max_new_tokens: int, *, block_size: int = 4,
-                     chunk: int | None = None, stagger: bool = False, seed: int = 0):
-    """Greedy generation through the paged cache, one group (pool, block tables, metadata) per
-    distinct KV spec. `chunk`: prefill tokens per step; `stagger`: sequence i joins at step i.
-
-    Returns, per prompt, the logits of every prompt position [L, vocab] and the generated ids.
-    """
-    specs = model.kv_cache_specs(block_size)
-    group_specs = list(dict.fromkeys(specs.values()))
-    need = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
-    num_blocks = 1 + sum(need)
-    caches = {}
-    for name, spec in specs.items():
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_size)
-        caches[name] = LayerCache(group_specs.index(spec), torch.zeros(shape), torch.zeros(shape))
-    seqs = [_Seq(p, i if stagger else 0, []) for i, p in enumerate(prompts)]
-    gen = torch.Generator().manual_seed(seed)
-    for _ in group_specs:  # each group scatters its sequences' blocks over its own pool
-        order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-        for s, n in zip(seqs, need):
-            s.tables.append(order[:n])
-            order = order[n:]
-    step = 0
-    while any(len(s.generated) < max_new_tokens for s in seqs):
-        batch = step_batch(seqs, step, max_new_tokens, chunk)
-        layout = BatchLayout.build([len(t) for _, t in batch], [s.computed for s, _ in batch])
-        metadata = []
-        for g, spec in enumerate(group_specs):
-            width = max(len(s.tables[g]) for s, _ in batch)
-            table = torch.tensor([s.tables[g] + [0] * (width - len(s.tables[g])) for s, _ in batch])
-            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            metadata.append(AttentionMetadata.build(layout, table, block_size, window))
-        input_ids = torch.tensor([t for _, tokens in batch for t in tokens])
-        logits = model.compute_logits(model(input_ids, layout.positions, ForwardContext(caches, metadata)))
-        for i, (s, tokens) in enumerate(batch):
-            rows = logits[layout.query_start[i]: layout.query_start[i + 1]]
-            if s.computed < len(s.prompt):
-                s.prompt_logits.append(rows)
-            s.computed += len(tokens)
-            if s.computed >= len(s.prompt):
-                s.generated.append(int(rows[-1].argmax()))
-            _release_out_of_window(s, group_specs, caches, block_size)
-        step += 1
-    return [torch.cat(s.prompt_logits) for s in seqs], [s.generated for s in seqs]
-
-
-def _release_out_of_window(seq: _Seq, group_specs, caches, block_size: int) -> None:
-    """As SlidingWindowManager does, release the blocks wholly before the window; here they
-    also become NaN, so any later read of them shows."""
-    for g, spec in enumerate(group_specs):
-        if not isinstance(spec, SlidingWindowSpec):
-            continue
-        table = seq.tables[g]
-        for i in range(min(spec.num_skipped_tokens(seq.computed) // block_size, len(table))):
-            if table[i]:
-                for cache in caches.values():
-                    if cache.group == g:
-                        cache.k_cache[table[i]] = float("nan")
-                        cache.v_cache[table[i]] = float("nan")
-                table[i] = 0
-
-
-def assert_greedy_equal(reference, prompt: list[int], got: list[int], expected: list[int], tol: float = 1e-4):
-    """Greedy tokens equal, except that where they first differ the reference's top two
-    log-probabilities may be within `tol` of each other (a near-tie either choice honours)."""
-    if got == expected:
-        return
-    j = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-    with torch.no_grad():
-        logprobs = reference(torch.tensor([prompt + expected[:j]])).logits[0, -1].log_softmax(-1)
-    gap = float(logprobs[expected[j]] - logprobs[got[j]])
-    assert gap < tol, f"greedy tokens differ at {j}: got {got}, transformers {expected} (logprob gap {gap:.2e})"
-
-
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("mode", ["whole-prompt", "chunked-staggered"])
 def test_logits_and_greedy_match_transformers(tiny, backend, mode):
-    path, reference, expected = tiny
+    path, _, expected = tiny
     loaded = load_model(str(path), BACKENDS[backend])
     assert isinstance(loaded.model, Gemma3ForCausalLM)
     options = dict(chunk=5, stagger=True) if mode == "chunked-staggered" else {}
-    logits, generated = run_paged_groups(loaded.model, prompts(), NEW_TOKENS, **options)
+    logits, generated = run_paged(loaded.model, prompts(), NEW_TOKENS, **options)
     worst = 0.0
-    for p, got_logits, got, (ref_logits, ref_tokens) in zip(prompts(), logits, generated, expected):
+    for got_logits, got, (ref_logits, ref_tokens) in zip(logits, generated, expected):
         worst = max(worst, float((got_logits - ref_logits).abs().max()))
         torch.testing.assert_close(got_logits, ref_logits, rtol=1e-4, atol=1e-4)
-        assert_greedy_equal(reference, p, got, ref_tokens)
+        assert got == ref_tokens  # no near-tie occurs here: equality
     print(f"max |logit - transformers| = {worst:.2e}")
 
 

@@ -14,18 +14,12 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import FullAttentionSpec, LinearStateSpec
 from blockserve.models.loader import load_model
 from blockserve.models.registry import model_class
-from tests.models.conftest import save_random_model
-from tests.models.hybrid_helpers import (  # noqa: F401 (one_torch_thread: an autouse fixture)
-    CONFIGS,
-    NEW_TOKENS,
-    assert_greedy_match,
-    built,
-    one_torch_thread,
-    prompts,
-    reference_generate,
-    run_paged_states,
-)
+from tests.models.conftest import STATE_CONFIGS, save_random_model, state_model_prompts
+from tests.paged_harness import reference_outputs, run_paged
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW_TOKENS = 8
 WHICH = [0, 2, 4, 14]  # 1, 28, 4 and 37 tokens
 SCENARIOS = {
     "single": ([3], {}),
@@ -34,13 +28,17 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path, reference, expected = built(request.param, tmp_path_factory)
-    prompt_sets = [prompts()[i] for i in WHICH]
+def greedy(reference, prompt_sets: list[list[int]]) -> list[list[int]]:
+    return [tokens for tokens, _ in reference_outputs(reference, prompt_sets, NEW_TOKENS)]
+
+
+@pytest.fixture(scope="module", params=sorted(STATE_CONFIGS))
+def tiny(request, tiny_model):
+    path, reference = tiny_model(request.param)
+    prompt_sets = [state_model_prompts()[i] for i in WHICH]
     with torch.no_grad():
         logits = [reference(torch.tensor([p])).logits[0] for p in prompt_sets]
-    return path, reference, prompt_sets, logits, [expected[i] for i in WHICH]
+    return path, reference, prompt_sets, logits, greedy(reference, prompt_sets)
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -48,10 +46,10 @@ def test_matches_transformers(tiny, scenario):
     path, reference, prompt_sets, ref_logits, ref_tokens = tiny
     model = load_model(str(path), BACKENDS["exact"]).model
     which, options = SCENARIOS[scenario]
-    logits, tokens = run_paged_states(model, [prompt_sets[i] for i in which], NEW_TOKENS, **options)
+    logits, tokens = run_paged(model, [prompt_sets[i] for i in which], NEW_TOKENS, **options)
     for got, i in zip(logits, which):
         torch.testing.assert_close(got, ref_logits[i], atol=3e-4, rtol=1e-4)  # chunks sum in another order
-    assert_greedy_match(reference, [prompt_sets[i] for i in which], tokens, [ref_tokens[i] for i in which])
+    assert tokens == [ref_tokens[i] for i in which]  # no near-tie occurs here: equality
 
 
 def test_logits_are_far_from_uniform(tiny):
@@ -111,17 +109,17 @@ def test_load_weights_names_what_is_wrong(tiny):
 def test_granite_without_rope_dense_and_tied(tmp_path):
     """Granite 4.0-H as released: no position embedding ("nope"), tied embeddings; the micro model
     is dense (shared MLP only)."""
-    config = CONFIGS["granitemoehybrid"]()
+    config = STATE_CONFIGS["granitemoehybrid"]()
     config.position_embedding_type, config.num_local_experts, config.tie_word_embeddings = None, 0, True
     reference = save_random_model(config, tmp_path)
-    prompt = prompts()[14]
+    prompt = state_model_prompts()[14]
     with torch.no_grad():
         expected_logits = reference(torch.tensor([prompt])).logits[0]
     model = load_model(str(tmp_path), BACKENDS["exact"]).model
     assert model.model.rotary is None and model.model.layers[0].block_sparse_moe is None
-    logits, tokens = run_paged_states(model, [prompt], NEW_TOKENS, chunk=6)
+    logits, tokens = run_paged(model, [prompt], NEW_TOKENS, chunk=6)
     torch.testing.assert_close(logits[0], expected_logits, atol=1e-4, rtol=1e-4)
-    assert_greedy_match(reference, [prompt], tokens, reference_generate(reference, [prompt], NEW_TOKENS))
+    assert tokens == greedy(reference, [prompt])
 
 
 def test_registered():

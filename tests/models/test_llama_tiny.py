@@ -15,7 +15,8 @@ from blockserve.attention.native import DISABLE_ENV
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.loader import load_model
-from tests.models.conftest import run_paged, save_random_model
+from tests.models.conftest import save_random_model
+from tests.paged_harness import run_paged
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256,

@@ -88,3 +88,12 @@ def test_cache_entry_changes_with_the_file(tmp_path):
     before = loader.gguf_cache_entry(gguf, tmp_path)
     gguf.write_bytes(b"ab")
     assert loader.gguf_cache_entry(gguf, tmp_path) != before
+
+
+def test_every_registered_architecture_resolves_to_a_causal_lm():
+    from blockserve.models.base import CausalLM
+    from blockserve.models.registry import ARCHITECTURES
+
+    for name in ARCHITECTURES:
+        cls = model_class([name])
+        assert issubclass(cls, CausalLM) and cls.__name__ in (name, "LlamaForCausalLM"), name

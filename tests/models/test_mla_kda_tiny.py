@@ -1,7 +1,7 @@
 """Tiny random DeepSeek-V3 (MLA + MoE) and Kimi Linear (MLA + KDA + MoE) models against
 transformers, through paged caches of every kind they declare, without the engine.
 
-Each model is built from a transformers config at test time (hybrid_harness.CONFIGS), given
+Each model is built from a transformers config at test time (conftest.MLA_CONFIGS), given
 weights far from uniform logits, saved with save_pretrained and loaded through the real loader.
 Prompt logits must be close and greedy tokens equal, for both MLA flavours, with prefill in one
 piece, in chunks, and interleaved with other sequences' decodes.
@@ -18,23 +18,23 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec, MLASpec
 from blockserve.models.loader import load_model
 from blockserve.models.registry import model_class
-from tests.models.hybrid_harness import (  # noqa: F401 (fixtures)
-    CONFIGS, VOCAB, one_thread, run_paged_hybrid, save_random_hybrid, saved_hybrid)
+from tests.models.conftest import MLA_CONFIGS, VOCAB, save_random_hybrid
+from tests.paged_harness import run_paged
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT_LENS = [5, 11, 17]
 NEW_TOKENS = 12
-SCENARIOS = {  # name -> (prompt indices, run_paged_hybrid options)
+SCENARIOS = {  # name -> (prompt indices, run_paged options)
     "single": ([1], {}),
     "batch-of-3": ([0, 1, 2], {"stagger": True, "chunk": 6}),  # decodes and prefill chunks share steps
     "two-chunks": ([2], {"chunk": 9}),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, saved_hybrid):
-    path, reference = saved_hybrid(request.param)
+@pytest.fixture(scope="module", params=sorted(MLA_CONFIGS))
+def tiny(request, tiny_model):
+    path, reference = tiny_model(request.param)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_matches_transformers(tiny, backend, scenario):
     _, path, prompts, ref_logits, ref_tokens = tiny
     model = load_model(str(path), BACKENDS[backend]).model
     which, options = SCENARIOS[scenario]
-    logits, tokens = run_paged_hybrid(model, [prompts[i] for i in which], NEW_TOKENS, **options)
+    logits, tokens = run_paged(model, [prompts[i] for i in which], NEW_TOKENS, **options)
     for got, i in zip(logits, which):
         torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)
     assert tokens == [ref_tokens[i] for i in which]
@@ -115,9 +115,9 @@ def test_load_weights_names_missing_unexpected_and_misshapen(tiny):
     build(weights | {f"model.layers.{loaded.hf_config.num_hidden_layers}.eh_proj.weight": torch.zeros(1)})
 
 
-def test_kimi_accepts_transformers_runtime_names(saved_hybrid):
+def test_kimi_accepts_transformers_runtime_names(tiny_model):
     """transformers' own module names (mlp., forget_gate.) load as well as the published ones."""
-    path, _ = saved_hybrid("kimi_linear")
+    path, _ = tiny_model("kimi_linear")
     loaded = load_model(str(path), BACKENDS["exact"])
     runtime = {k.replace(".block_sparse_moe.", ".mlp.").replace(".f_a_proj", ".forget_gate.f_a_proj"): v
                for k, v in _checkpoint(path).items()}
@@ -130,7 +130,7 @@ def test_kimi_accepts_transformers_runtime_names(saved_hybrid):
 def test_deepseek_yarn_and_plain_rope_layout(tmp_path):
     """YaRN (its cos/sin attention factor and the softmax mscale^2) with rope_interleave off,
     and a dense-only model (first_k_dense_replace = all layers) with q_proj (no q LoRA)."""
-    config = CONFIGS["deepseek_v3"]()
+    config = MLA_CONFIGS["deepseek_v3"]()
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 0.8,
                               "mscale_all_dim": 1.0, "original_max_position_embeddings": 32,
                               "beta_fast": 32.0, "beta_slow": 1.0}
@@ -142,5 +142,5 @@ def test_deepseek_yarn_and_plain_rope_layout(tmp_path):
     with torch.no_grad():
         want = reference(torch.tensor([prompt])).logits[0]
     model = load_model(str(tmp_path), BACKENDS["exact"]).model
-    logits, _ = run_paged_hybrid(model, [prompt], 1, chunk=16)
+    logits, _ = run_paged(model, [prompt], 1, chunk=16)
     torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)

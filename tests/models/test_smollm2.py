@@ -18,7 +18,7 @@ from blockserve.models import loader
 from blockserve.models.default_model import default_model_path
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import QuantizedLinear
-from tests.models.conftest import run_paged
+from tests.paged_harness import run_paged
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],

@@ -1,0 +1,86 @@
+"""Mixture-of-experts pieces the families share: the stacked routed experts, and DeepSeek-V3's MoE
+(also Kimi Linear's) with its sigmoid, group-limited top-k router.
+
+    DeepseekMoE(x) = shared_experts(x) + Σ_top-k weight_e · expert_e(x)
+
+    scores = sigmoid(gate(x))                       fp32, [T, E]
+    choice = scores + e_score_correction_bias       used to pick experts, never as weights
+    groups: E split into n_group; a group's score = sum of its top-2 choices; keep topk_group
+    experts: the top num_experts_per_tok choices within the kept groups
+    weights = their scores, / their sum if norm_topk_prob, × routed_scaling_factor
+
+(exactly as transformers' DeepseekV3TopkRouter). Softmax routers differ per family and stay in
+their files.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.models.layers import GatedMLP
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts, stacked: gate_up_proj [E, 2I, H] (gate | up), down_proj [E, H, I].
+
+    forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]: Σ over each token's k experts of
+    weight · down(silu(gate x) * up x)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():  # only the experts some token picked, in id order
+            tokens, slot = torch.where(ids == e)  # a token meets each expert at most once
+            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class GroupLimitedRouter(nn.Module):
+    """Sigmoid scores, bias-corrected group-limited top-k (see the module docstring)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_groups = config.n_group or 1
+        self.topk_group = config.topk_group or 1
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"n_group ({self.num_groups}) must divide the number of experts ({self.num_experts})")
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k], expert ids [T, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        group_scores = choice.view(-1, self.num_groups, self.num_experts // self.num_groups).topk(2, dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        expert_mask = group_mask.repeat_interleave(self.num_experts // self.num_groups, dim=1)
+        ids = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = GroupLimitedRouter(config)
+        self.experts = Experts(config.num_local_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
