@@ -156,17 +156,12 @@ def load_for_bench(args: argparse.Namespace):
     torch threads are set first, so loading runs with them too; engines are built on the model
     with `new_engine` (a fresh KV and prefix cache each time). With --kv-cache-memory unset the
     config holds the default until `engine_config_for` sizes it."""
-    import torch
-
-    from blockserve.attention.paged_attention import BACKENDS
     from blockserve.config_args import config_from_namespace
     from blockserve.engine.config import EngineConfig
-    from blockserve.models.loader import load_model
+    from blockserve.engine.core import load_model_for
 
     config = config_from_namespace(EngineConfig, args)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    return config, load_model(config.model, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul)
+    return config, load_model_for(config)
 
 
 def kv_bytes_needed(loaded, block_size: int, token_counts: list[int], kv_cache_dtype: str = "auto") -> int:
@@ -183,12 +178,11 @@ def engine_config_for(config, loaded, token_counts: list[int], size_kv_cache: bo
     preemption unless asked), and at least one request of max_model_len."""
     import dataclasses
 
-    from blockserve.engine.core import DEFAULT_MAX_MODEL_LEN_CAP
+    from blockserve.engine.core import resolve_max_model_len
 
     if not size_kv_cache:
         return config
-    max_len = config.max_model_len or min(
-        getattr(loaded.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP), DEFAULT_MAX_MODEL_LEN_CAP)
+    max_len = resolve_max_model_len(config, loaded.hf_config)
     need = max(kv_bytes_needed(loaded, config.block_size, token_counts, config.kv_cache_dtype),
                kv_bytes_needed(loaded, config.block_size, [max_len], config.kv_cache_dtype))
     return dataclasses.replace(config, kv_cache_memory=int(1.5 * need) + 64 * 2**20)

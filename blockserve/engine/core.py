@@ -29,19 +29,32 @@ logger = logging.getLogger("blockserve")
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
+def load_model_for(config: EngineConfig) -> LoadedModel:
+    """The model `config` names, loaded as it says (torch threads set first, so loading uses them)."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    return load_model(config.model, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul)
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    """config.max_model_len, or the model's maximum capped at DEFAULT_MAX_MODEL_LEN_CAP; ValueError
+    if the one asked for exceeds the model's positions."""
+    model_max = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP)
+    max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum of {model_max} positions")
+    return max_model_len
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        if config.num_threads:
+        if loaded is None:
+            loaded = load_model_for(config)
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
-        backend = BACKENDS[config.attention_backend]
-        self.loaded = loaded or load_model(config.model, backend, quantized_matmul=config.quantized_matmul)
-        hf_config = self.loaded.hf_config
-        model_max = getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN_CAP)
-        max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
-        if max_model_len > model_max:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum of {model_max} positions")
-        self.max_model_len = max_model_len
+        self.loaded = loaded
+        self.max_model_len = max_model_len = resolve_max_model_len(config, loaded.hf_config)
 
         model = self.loaded.model
         # C1: each KV layer declares its spec and whether its kernel reads unwritten slots.

@@ -79,19 +79,19 @@ class LLM:
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        results: dict[str, RequestOutput] = {}
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 engine.add_request(request_id, prompt, p)
-        except ValueError:
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+                while len(results) < len(ids):
+                    for output in engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            bar.update(1)
+        except BaseException:  # a bad prompt, an interrupt: nothing of this call stays queued
             engine.abort_request(ids)
             raise
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            while len(results) < len(ids):
-                for output in engine.step():
-                    if output.finished:
-                        results[output.request_id] = output
-                        bar.update(1)
-            while engine.has_unfinished_requests():  # hand the last finished ids to the worker
-                engine.step()
+        while engine.has_unfinished_requests():  # hand the last finished ids to the worker
+            engine.step()
         return [results[i] for i in ids]
