@@ -53,16 +53,40 @@ class LLMEngine:
 
     # -- requests in -----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (token ids are checked against the vocabulary); InvalidRequest
+        for text on a model without a tokenizer."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: give prompts as lists of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         ids = list(prompt)
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
         return ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The messages through the tokenizer's chat template, as token ids; InvalidRequest when
+        the model has none or the template rejects the messages."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template; use /v1/completions")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True)
+        except Exception as e:  # the template's own checks (roles must alternate, ...) are the caller's to fix
+            raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens included); InvalidRequest for ids outside the
+        vocabulary or a model without a tokenizer."""
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer, so token ids have no text")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}", param="tokens")
+        return self.tokenizer.decode(list(token_ids))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> None:

@@ -6,6 +6,7 @@
     GET  /health                  200 while the engine runs, 503 once it stopped
     GET  /metrics                 Prometheus text format (metrics.py)
     POST /reset_prefix_cache      200, or 409 / 400 with the reason it cannot
+    POST /tokenize, /detokenize   a prompt or messages to token ids, and token ids to text (tokenize.py)
 
 Errors are OpenAI's shape (http_errors.py): 400 for invalid parameters, an unknown model or a
 prompt over the model's length; 401 for a missing or wrong API key (auth.py); 404 / 405 for
@@ -32,6 +33,7 @@ from blockserve.server.config import ServerConfig
 from blockserve.server.http_errors import APIError, add_exception_handlers, error_response
 from blockserve.server.metrics import CONTENT_TYPE, Metrics
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from blockserve.server.tokenize import detokenize, tokenize
 
 logger = logging.getLogger("blockserve.server")
 
@@ -86,6 +88,14 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(async_engine, config, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(async_engine, config, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(async_engine, config, request)
 
     return app
 

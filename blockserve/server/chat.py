@@ -14,7 +14,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from blockserve.engine.llm_engine import LLMEngine
-from blockserve.errors import InvalidRequest
 from blockserve.server.async_engine import AsyncEngine, RequestStream
 from blockserve.server.auth import cache_salt
 from blockserve.server.config import ServerConfig
@@ -22,7 +21,7 @@ from blockserve.server.generation import add_all, check_common, include_usage, s
 from blockserve.server.http_errors import APIError
 from blockserve.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChatLogprobs, Delta, Usage,
+    ChatLogprobs, ChatMessage, Delta, Usage,
 )
 from blockserve.server.streaming import DONE, Sent, collect, error_event, event, sse_response
 
@@ -30,12 +29,10 @@ from blockserve.server.streaming import DONE, Sent, collect, error_event, event,
 async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body: ChatCompletionRequest,
                                  request: Request):
     """A ChatCompletion, an SSE stream of chunks, or 499 if the client went away first."""
-    check_common(body, config)
-    if body.tools:
-        raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+    check_common(body, config)  # tools, response_format, ...: refused in protocol.py unless neutral
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
-    messages = _chat_messages(body)
+    messages = chat_messages(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     salt = cache_salt(config, request, body.cache_salt)
@@ -59,10 +56,10 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
     return ChatCompletion(**header, choices=choices, usage=usage(finals))
 
 
-def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
+def chat_messages(body_messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them: text only, `developer` read as `system`."""
     messages = []
-    for i, message in enumerate(body.messages):
+    for i, message in enumerate(body_messages):
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -83,17 +80,7 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict]:
 def _chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool):
     """The prompt as a callable the engine thread runs: the tokenizer is the engine thread's."""
 
-    def build() -> list[int]:
-        tokenizer = engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest("this model has no chat template; use /v1/completions")
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        except Exception as e:  # the template's own checks (roles must alternate, ...) are the caller's to fix
-            raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    return build
+    return lambda: engine.apply_chat_template(messages, add_generation_prompt)
 
 
 async def _events(header: dict, stream: RequestStream, n: int, with_usage: bool, logprobs: bool,

@@ -27,11 +27,9 @@ from blockserve.server.streaming import DONE, Sent, collect, error_event, event,
 async def create_completion(engine: AsyncEngine, config: ServerConfig, body: CompletionRequest, request: Request):
     """A Completion, an SSE stream of them, or 499 if the client went away first."""
     check_common(body, config)
-    for name, unsupported in (("echo", body.echo), ("suffix", body.suffix), ("logit_bias", body.logit_bias)):
-        if unsupported:
-            raise APIError(400, f"{name} is not supported", param=name, code="unsupported_parameter")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of other than n is not supported", param="best_of", code="unsupported_parameter")
+    if body.best_of is not None and body.best_of != body.n:  # echo, suffix, logit_bias: refused in protocol.py
+        raise APIError(400, "best_of other than n is not supported; remove it or set it equal to n", param="best_of",
+                       code="unsupported_parameter")
     prompts = _prompt_list(body.prompt)
     params = sampling_params(body, body.max_tokens, body.logprobs)
     salt = cache_salt(config, request, body.cache_salt)

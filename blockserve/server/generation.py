@@ -15,11 +15,16 @@ from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest,
 Body = CompletionRequest | ChatCompletionRequest
 
 
+def check_model(model: str | None, config: ServerConfig) -> None:
+    """400 for a model this server does not serve (None: the served one)."""
+    if model is not None and model != config.served_model_name:
+        raise APIError(400, f"the model {model!r} does not exist; this server serves "
+                            f"{config.served_model_name!r}", param="model", code="model_not_found")
+
+
 def check_common(body: Body, config: ServerConfig) -> None:
     """400 for a model this server does not serve, or stream_options without stream."""
-    if body.model is not None and body.model != config.served_model_name:
-        raise APIError(400, f"the model {body.model!r} does not exist; this server serves "
-                            f"{config.served_model_name!r}", param="model", code="model_not_found")
+    check_model(body.model, config)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options",
                        code="invalid_value")

@@ -2,6 +2,7 @@
 
     InvalidRequest (RequestRejected, PromptTooLong)  400, with the error's code and param
     pydantic's validation errors, malformed JSON    400 (not FastAPI's 422)
+    an unknown or unsupported field                 400 `unsupported_parameter`, `param` its full path
     a missing or wrong API key                      401 (auth.py)
     unknown route / method                          404 / 405
     EngineDead                                      503
@@ -57,17 +58,26 @@ def from_exception(e: BaseException) -> APIError:
     return APIError(500, "internal server error", code="internal_error")
 
 
+_REFUSED = ("extra_forbidden", "unsupported_parameter")  # a field not in the spec; one protocol.py refuses
+
+
 def from_validation_error(exc: RequestValidationError) -> APIError:
     """The first of pydantic's complaints, naming the field (and how many more there are)."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body", code="invalid_request")
-    first = errors[0]
+    # A refused field says most about what to change; within a union it may not come first.
+    first = next((e for e in errors if e.get("type") in _REFUSED), errors[0])
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON{': ' + str(detail) if detail else ''}",
                         code="invalid_json")
+    if first.get("type") in _REFUSED:  # named in full: `messages.0.tool_calls`, not just `messages`
+        where = ".".join(part for part in loc if "[" not in part) or "body"  # without union members' tags
+        message = (f"unknown or unsupported field {where!r}: this server does not implement it; remove it"
+                   if first["type"] == "extra_forbidden" else f"{where}: {first.get('msg')}")
+        return APIError(400, message, param=where, code="unsupported_parameter")
     # A union (e.g. `prompt`) reports one error per member; the field's name says enough.
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"

