@@ -3,15 +3,17 @@
     GET  /v1/models               the served model
     POST /v1/completions          text completions (completions.py); stream: SSE chunks, then `data: [DONE]`
     POST /v1/chat/completions     chat completions, through the model's chat template (chat.py)
-    GET  /health                  200 while the engine runs, 503 once it stopped
+    GET  /health                  200 while the engine runs; 503 once it stopped or while it drains (the body says)
     GET  /metrics                 Prometheus text format (metrics.py)
     POST /reset_prefix_cache      200, or 409 / 400 with the reason it cannot
     POST /tokenize, /detokenize   a prompt or messages to token ids, and token ids to text (tokenize.py)
 
 Errors are OpenAI's shape (http_errors.py): 400 for invalid parameters, an unknown model or a
 prompt over the model's length; 401 for a missing or wrong API key (auth.py); 404 / 405 for
-unknown routes; 503 once the engine stopped; 500 for anything unexpected. A request's error
-touches that request only. A client that disconnects has its requests aborted (streaming.py).
+unknown routes; 503 once the engine stopped, and 503 with Retry-After while the waiting queue is
+full (`--max-waiting-requests` / `--max-waiting-tokens`) or the server drains; 500 for anything
+unexpected. A request's error touches that request only. A client that disconnects has its
+requests aborted (streaming.py). SIGTERM / SIGINT drain (`run_server`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -30,7 +33,7 @@ from blockserve.server.auth import AuthMiddleware
 from blockserve.server.chat import create_chat_completion
 from blockserve.server.completions import create_completion
 from blockserve.server.config import ServerConfig
-from blockserve.server.http_errors import APIError, add_exception_handlers, error_response
+from blockserve.server.http_errors import APIError, Draining, add_exception_handlers, error_response
 from blockserve.server.metrics import CONTENT_TYPE, Metrics
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from blockserve.server.tokenize import detokenize, tokenize
@@ -41,8 +44,9 @@ logger = logging.getLogger("blockserve.server")
 def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and joins it on shutdown."""
     config = config or ServerConfig()
-    metrics = Metrics(config.served_model_name, lambda: async_engine.stats)
-    async_engine = AsyncEngine(engine, metrics)
+    metrics = Metrics(config.served_model_name, lambda: async_engine.stats, lambda: async_engine.queue)
+    async_engine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
+                               max_waiting_tokens=config.max_waiting_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -62,6 +66,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
     async def health():
         if not async_engine.is_alive:
             return error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
+        if async_engine.draining:
+            return error_response(Draining())
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -103,14 +109,54 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
 # -- `blockserve serve` ---------------------------------------------------------------------------
 
 
+_CONNECTIONS_GRACE_S = 5  # after the drain: how long uvicorn waits for connections to close
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Load the model (logging its KV capacity), then serve until interrupted."""
+    """Load the model (logging its KV capacity), then serve until SIGTERM / SIGINT, which drains:
+    the port stays open and answers new requests 503 (/health too), in-flight requests get up to
+    `config.shutdown_timeout` seconds, the rest are aborted with an error. Returns 0 after a
+    drain; 1 if a second signal cut it short."""
     import uvicorn
 
     engine = LLMEngine(engine_config)
     app = create_app(engine, config)
+    async_engine: AsyncEngine = app.state.async_engine
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, except that the first signal drains before uvicorn's own shutdown (which
+        closes the port) and no signal is re-raised at exit; a second one exits at once."""
+
+        async def serve(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            self._drain: asyncio.Task | None = None
+            self._signalled = False
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame) -> None:  # a signal handler: only hand over to the loop
+            if self._signalled:
+                self.should_exit = self.force_exit = True
+                return
+            self._signalled = True
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+        def _start_drain(self, name: str) -> None:
+            logger.info("%s: draining, then exiting", name)
+            self._drain = self._loop.create_task(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            try:
+                await async_engine.drain(config.shutdown_timeout)
+            finally:
+                self.should_exit = True
+
     logger.info("serving %r on http://%s:%d (API keys: %s, prefix-cache isolation: %s)", config.served_model_name,
                 config.host, config.port, len(config.api_keys) or "none", config.prefix_cache_isolation)
     # uvicorn's own logs (start-up, access lines) stay at warnings; ours follow the CLI's -q.
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_graceful_shutdown=_CONNECTIONS_GRACE_S))
+    server.run()
+    if server.force_exit:
+        logger.warning("a second signal: exited without finishing the drain")
+        return 1
     return 0

@@ -18,12 +18,20 @@ Contracts:
   exception from `step()` is fatal: every stream gets EngineDead and so does every later call.
 - Only LLMEngine's public methods are used, never its core.
 - Outputs are cumulative; a slow reader sees only the latest one (deltas are the reader's job).
+- Bounded queue: a request waits from its add until its first output (or its end). The engine
+  thread, which alone adds, counts the waiting requests and their prompt tokens and decides each
+  add against `max_waiting_requests` / `max_waiting_tokens` (a prompt over the token bound is
+  taken only when nothing waits), so the bounds are exact; past either the add raises Overloaded.
+  Commands themselves wait at most one step: every queued command is applied before the next.
+- Drain: `drain(timeout)` refuses new adds (Draining), lets the open streams end for up to
+  `timeout` seconds, then aborts what is left, each stream ending in ShutdownTimeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -37,6 +45,8 @@ from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.errors import EngineDead, InvalidRequest
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerStats
+from blockserve.server.config import ServerConfig
+from blockserve.server.http_errors import Draining, Overloaded, ShutdownTimeout
 
 logger = logging.getLogger("blockserve.server")
 
@@ -50,6 +60,15 @@ class Observer(Protocol):
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None: ...
     def on_tokens(self, inter_token: float | None, num_new_tokens: int) -> None: ...
     def on_finished(self, e2e: float, finish_reasons: list[str]) -> None: ...
+    def on_rejected(self, reason: str) -> None: ...  # Unavailable.reason; also from the event loop
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """Requests added and still waiting for their first output, and their prompt tokens."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -58,6 +77,8 @@ class _Live:
 
     stream: RequestStream
     arrival: float
+    prompt: str | None  # the text, when the prompt was text
+    waiting_tokens: int | None  # prompt tokens while waiting for the first output; None once it came
     last_token_time: float | None = None
     num_tokens: int = 0
 
@@ -75,6 +96,12 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    error: BaseException | None = None  # given: the stream ends in it (it is still being read)
+
+
+@dataclass
+class _AbortAll:
+    error: BaseException
 
 
 @dataclass
@@ -84,6 +111,7 @@ class _Call:
 
 
 _STOP = object()
+_READERS_GRACE_S = 5.0  # after a drain's aborts, how long their readers get to send the error
 
 
 class RequestStream:
@@ -111,10 +139,15 @@ class RequestStream:
         while not self._queue.empty():  # outputs are cumulative: the latest says it all
             item = self._queue.get_nowait()
         if isinstance(item, BaseException):
-            self.finished = True
+            self._end()
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._end()
         return item
+
+    def _end(self) -> None:
+        self.finished = True
+        self._engine._stream_ended(self)
 
     def close(self) -> None:
         """Idempotent; aborts the request (through the engine thread) unless it finished."""
@@ -122,15 +155,29 @@ class RequestStream:
             self._closed = True
             if not self.finished:
                 self._engine.abort(self.request_id)
+            self._engine._stream_ended(self)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observer: Observer | None = None):
+    def __init__(self, engine: LLMEngine, observer: Observer | None = None, *,
+                 max_waiting_requests: int = ServerConfig.max_waiting_requests,
+                 max_waiting_tokens: int = ServerConfig.max_waiting_tokens):
+        if max_waiting_requests < 1 or max_waiting_tokens < 1:
+            raise ValueError(f"the waiting bounds must be at least 1, got {max_waiting_requests} requests, "
+                             f"{max_waiting_tokens} tokens")
         self.engine = engine
         self.observer = observer
         self.max_model_len: int = engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_tokens = max_waiting_tokens
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}  # engine thread only
+        self._waiting = QueueDepth()  # engine thread only; published as `queue`
+        self.queue = QueueDepth()
+        self._open: set[RequestStream] = set()  # event loop only: streams not yet ended or closed
+        self._idle = asyncio.Event()  # set while `_open` is empty
+        self._idle.set()
+        self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -146,6 +193,28 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="blockserve-engine", daemon=True)
         self._thread.start()
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests (Draining) from now on, give the open streams up to `timeout` seconds to
+        end, then abort the rest (each stream ends in ShutdownTimeout) and wait a little for their
+        readers to see it. Returns how many were aborted."""
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: %d request(s) in flight, up to %g s", len(self._open), timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        left = len(self._open)
+        if left:
+            logger.warning("aborting %d request(s) still running after %g s (--shutdown-timeout)", left, timeout)
+            self._commands.put(_AbortAll(ShutdownTimeout(timeout)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), _READERS_GRACE_S)
+        return left
+
+    def _stream_ended(self, stream: RequestStream) -> None:  # event loop only
+        self._open.discard(stream)
+        if not self._open:
+            self._idle.set()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop after the current step, fail what is still open, join the thread."""
@@ -175,15 +244,26 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                           cache_salt: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises the engine's
-        reason (InvalidRequest for bad input) if it was not added, leaving nothing behind; EngineDead
-        if the engine stopped."""
+        reason (InvalidRequest for bad input) if it was not added, leaving nothing behind; Overloaded
+        past a waiting bound, Draining once `drain()` began; EngineDead if the engine stopped."""
+        if self.draining:
+            error = Draining()
+            if self.observer is not None:
+                self.observer.on_rejected(error.reason)
+            raise error
         stream = RequestStream(self, request_id, time.monotonic())
         command = _Add(request_id, prompt, params, cache_salt, stream)
         self._submit(command)
+        self._open.add(stream)
+        self._idle.clear()
         try:
             await asyncio.wrap_future(command.reply)
         except asyncio.CancelledError:
             self.abort(request_id)  # the caller went away while the engine was busy: undo the add
+            self._stream_ended(stream)
+            raise
+        except BaseException:
+            self._stream_ended(stream)
             raise
         return stream
 
@@ -236,7 +316,10 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
-                self._abort(command.request_id)
+                self._abort(command.request_id, command.error)
+            elif isinstance(command, _AbortAll):
+                for request_id in list(self._live):
+                    self._abort(request_id, command.error)
             elif isinstance(command, _Call) and command.reply.set_running_or_notify_cancel():
                 try:
                     command.reply.set_result(command.fn())
@@ -247,24 +330,47 @@ class AsyncEngine:
         if not command.reply.set_running_or_notify_cancel():
             return  # the caller went away before we got here: nothing to add (nor to abort)
         engine = self.engine
+        waiting = self._waiting
         try:
+            if waiting.requests >= self.max_waiting_requests:
+                raise Overloaded(f"the server is overloaded: {waiting.requests} requests are waiting to start "
+                                 f"(--max-waiting-requests {self.max_waiting_requests}); retry later",
+                                 "waiting_requests")
             prompt = command.prompt() if callable(command.prompt) else command.prompt
-            engine.add_request(command.request_id, prompt, command.params, cache_salt=command.cache_salt)
+            prompt_ids = engine.tokenize(prompt)  # counted before it is added; add_request checks it again
+            if waiting.requests and waiting.prompt_tokens + len(prompt_ids) > self.max_waiting_tokens:
+                raise Overloaded(f"the server is overloaded: {waiting.prompt_tokens} prompt tokens are waiting "
+                                 f"to start, and this prompt has {len(prompt_ids)} (--max-waiting-tokens "
+                                 f"{self.max_waiting_tokens}); retry later", "waiting_tokens")
+            engine.add_request(command.request_id, prompt_ids, command.params, cache_salt=command.cache_salt)
         except Exception as e:  # the caller logs what is not an InvalidRequest
-            if not isinstance(e, InvalidRequest):
+            if isinstance(e, Overloaded) and self.observer is not None:
+                self.observer.on_rejected(e.reason)
+            if not isinstance(e, (InvalidRequest, Overloaded)):
                 engine.abort_request([command.request_id])  # whatever got in, take it out
             command.reply.set_exception(e)
             return
-        self._live[command.request_id] = _Live(command.stream, command.stream.arrival)
+        self._live[command.request_id] = _Live(command.stream, command.stream.arrival,
+                                               prompt if isinstance(prompt, str) else None, len(prompt_ids))
+        self._waiting = QueueDepth(waiting.requests + 1, waiting.prompt_tokens + len(prompt_ids))
         command.reply.set_result(None)
 
-    def _abort(self, request_id: str) -> None:
+    def _started(self, live: _Live) -> None:
+        """`live` got its first output (or ended): it no longer waits."""
+        if live.waiting_tokens is not None:
+            self._waiting = QueueDepth(self._waiting.requests - 1, self._waiting.prompt_tokens - live.waiting_tokens)
+            live.waiting_tokens = None
+
+    def _abort(self, request_id: str, error: BaseException | None = None) -> None:
         live = self._live.pop(request_id, None)
         if live is None:
             return  # finished already, or never added
+        self._started(live)
         self.engine.abort_request([request_id])
         if self.observer is not None:
             self.observer.on_finished(time.monotonic() - live.arrival, ["abort"])
+        if error is not None:
+            self._deliver([(live.stream, error)])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -283,16 +389,19 @@ class AsyncEngine:
                     self.observer.on_tokens(now - live.last_token_time, new)
             if new > 0:
                 live.num_tokens, live.last_token_time = num_tokens, now
+            if new > 0 or output.finished:
+                self._started(live)
             if output.finished:
                 del self._live[output.request_id]
                 if self.observer is not None:
                     self.observer.on_finished(now - live.arrival, [c.finish_reason or "abort" for c in output.outputs])
-            batch.append((live.stream, _snapshot(output)))
+            batch.append((live.stream, _snapshot(output, live.prompt)))
         if batch:
             self._deliver(batch)
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.stats()  # one reference swap: readers on other threads see old or new
+        self.queue = self._waiting
 
     def _deliver(self, batch: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         def put_all() -> None:
@@ -311,6 +420,7 @@ class AsyncEngine:
         except Exception:  # after a failed step the engine may be in any state; the thread ends anyway
             logger.exception("aborting the open requests failed")
         self._live.clear()
+        self._waiting = self.queue = QueueDepth()
         while True:  # answer commands nobody will apply
             try:
                 command = self._commands.get_nowait()
@@ -322,10 +432,11 @@ class AsyncEngine:
             self._deliver(batch)
 
 
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy the event loop may read while the engine thread keeps appending to the original."""
+def _snapshot(output: RequestOutput, prompt: str | None) -> RequestOutput:
+    """A copy the event loop may read while the engine thread keeps appending to the original
+    (with the prompt's text, which the engine did not see: it was given the ids)."""
     return RequestOutput(
-        output.request_id, output.prompt, output.prompt_token_ids,
+        output.request_id, prompt, output.prompt_token_ids,
         [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                           list(c.logprobs) if c.logprobs is not None else None) for c in output.outputs],
         output.num_cached_tokens, output.finished,

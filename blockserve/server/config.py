@@ -1,5 +1,6 @@
 """The server's settings, validated once: the model name it answers to, who may call it, how
-tenants share the prefix cache (C6), and where `blockserve serve` listens.
+tenants share the prefix cache (C6), where `blockserve serve` listens, how much it queues
+(past either bound a new request gets 503 with Retry-After) and how long a shutdown drains.
 
 Each field's metadata is its `blockserve serve` flag (blockserve/config_args.py). Imports
 nothing heavy, so the CLI's help stays fast.
@@ -25,6 +26,17 @@ class ServerConfig:
         "choices": ISOLATION_MODES})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+    # Far above any burst a normal user sends (the bundled benchmarks send 64 prompts), far below
+    # what hurts the host (~100 MB of prompt bookkeeping at the token bound).
+    max_waiting_requests: int = field(default=4096, metadata={
+        "help": "most requests accepted but still waiting for their first token; past it, new requests get "
+                "503 with Retry-After"})
+    max_waiting_tokens: int = field(default=2_097_152, metadata={
+        "help": "most prompt tokens of requests still waiting for their first token; past it, new requests get "
+                "503 with Retry-After (a longer prompt is still taken when nothing waits)"})
+    shutdown_timeout: float = field(default=20.0, metadata={
+        "help": "seconds SIGTERM / SIGINT lets in-flight requests finish (new ones get 503) before aborting "
+                "the rest and exiting"})
 
     def __post_init__(self) -> None:
         if self.prefix_cache_isolation not in ISOLATION_MODES:
@@ -34,3 +46,8 @@ class ServerConfig:
             raise ValueError("API keys must be non-empty strings")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (a queue is always bounded), got {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

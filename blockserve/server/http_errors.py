@@ -6,6 +6,8 @@
     a missing or wrong API key                      401 (auth.py)
     unknown route / method                          404 / 405
     EngineDead                                      503
+    Unavailable (Overloaded, Draining, ShutdownTimeout)  503 with Retry-After: the queue is full, or
+                                                    the server drains; may succeed later
     anything else                                   500 "internal server error"; the traceback is logged,
                                                     never sent
 """
@@ -29,10 +31,49 @@ class APIError(Exception):
     """An answer other than 2xx; raise it from a route (or return `error_response(it)`)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+class Unavailable(APIError):
+    """503 with a Retry-After of `retry_after` seconds: not this request's fault; it may succeed later
+    (or on another replica). `reason` labels the rejection in the metrics."""
+
+    reason = "unavailable"
+
+    def __init__(self, message: str, *, code: str, retry_after: int = 1):
+        super().__init__(503, message, code=code, retry_after=retry_after)
+
+
+class Overloaded(Unavailable):
+    """The waiting queue is at a bound (`reason`: waiting_requests or waiting_tokens)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message, code="server_overloaded")
+        self.reason = reason
+
+
+class Draining(Unavailable):
+    """The server is shutting down: it finishes what it has and takes nothing new."""
+
+    reason = "draining"
+
+    def __init__(self):
+        super().__init__("the server is shutting down: it finishes the requests it has and takes no new ones; "
+                         "retry on another replica or once it is back", code="server_draining")
+
+
+class ShutdownTimeout(Unavailable):
+    """A request still running when the drain's time ran out; it was aborted."""
+
+    reason = "shutdown_timeout"
+
+    def __init__(self, timeout: float):
+        super().__init__(f"the server shut down before this request finished (in-flight requests get {timeout:g} s: "
+                         f"--shutdown-timeout); retry it", code="shutdown_timeout")
 
 
 def error_body(error: APIError) -> dict:
@@ -41,7 +82,9 @@ def error_body(error: APIError) -> dict:
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 

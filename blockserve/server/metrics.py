@@ -1,10 +1,15 @@
 """Prometheus metrics for GET /metrics, in a registry of their own (no global state).
 
 Engine state (requests running / waiting, KV usage per group, prefix-cache queries and hits,
-preemptions) is read at scrape time from the latest SchedulerStats the engine thread
-published; latencies and token counts are observed by the engine thread as outputs appear.
+preemptions) and the server's waiting queue are read at scrape time from the latest
+SchedulerStats and QueueDepth the engine thread published; latencies, token counts and
+rejections are observed as they happen.
 
-    blockserve_num_requests_running / _waiting              gauge
+    blockserve_num_requests_running / _waiting              gauge (the scheduler's; n > 1: one per sample)
+    blockserve_queue_requests / _queue_prompt_tokens        gauge: accepted, no output yet (what
+                                                            --max-waiting-requests / -tokens bound)
+    blockserve_requests_rejected_total{reason}              counter, answered 503 (waiting_requests,
+                                                            waiting_tokens, draining)
     blockserve_kv_cache_usage_ratio{group}                  gauge, 0..1
     blockserve_prefix_cache_queries_total / _hits_total     counter, prompt tokens
     blockserve_num_preemptions_total                        counter
@@ -24,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from blockserve.scheduler.output import SchedulerStats
+from blockserve.server.async_engine import QueueDepth
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -33,16 +39,20 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 32
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str):
+    def __init__(self, stats: Callable[[], SchedulerStats], queue: Callable[[], QueueDepth], model_name: str):
         self._stats = stats
+        self._queue = queue
         self._model = model_name
 
     def collect(self):
-        s = self._stats()
+        s, q = self._stats(), self._queue()
         labels = ["model_name"]
         for name, doc, value in (
             ("blockserve_num_requests_running", "Requests in the running batch.", s.num_running),
             ("blockserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("blockserve_queue_requests", "Requests accepted and still waiting for their first output.", q.requests),
+            ("blockserve_queue_prompt_tokens", "Prompt tokens of the requests still waiting for their first output.",
+             q.prompt_tokens),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric([self._model], value)
@@ -66,9 +76,9 @@ class _EngineStatsCollector(Collector):
 class Metrics:
     """Implements the AsyncEngine's Observer; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]):
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats], queue: Callable[[], QueueDepth]):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(stats, model_name))
+        self.registry.register(_EngineStatsCollector(stats, queue, model_name))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
@@ -87,9 +97,11 @@ class Metrics:
         self.generation_tokens = counter("blockserve_generation_tokens", "Tokens generated.")
         self._finished = Counter("blockserve_request_finished", "Requests ended, by finish reason.",
                                  ["model_name", "finished_reason"], registry=self.registry)
+        self._rejected = Counter("blockserve_requests_rejected", "Requests answered 503 before they started.",
+                                 ["model_name", "reason"], registry=self.registry)
         self._model = model_name
 
-    # -- Observer (called from the engine thread; prometheus_client is thread-safe) -------------
+    # -- Observer (the engine thread; on_rejected the event loop too; prometheus_client is thread-safe)
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)
@@ -104,6 +116,9 @@ class Metrics:
         self.e2e.observe(e2e)
         for reason in finish_reasons:
             self._finished.labels(self._model, reason).inc()
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

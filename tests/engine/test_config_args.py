@@ -19,7 +19,8 @@ from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory", "--max-num-seqs",
                 "--max-num-batched-tokens", "--no-prefix-caching", "--attention-backend", "--kv-cache-dtype",
                 "--num-threads", "--poison", "--no-quantized-matmul"}
-SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name"}
+SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
+                "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout"}
 OFF_CLI = {"enable_chunked_prefill", "max_prefill_chunk", "scheduling_policy", "check_integrity",
            "unsafe_disable_zeroing", "seed"}
 

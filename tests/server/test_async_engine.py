@@ -41,12 +41,33 @@ def expected(model):
     return [o.outputs[0].token_ids for o in LLM(model, **ARGS).generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def run(model, body):
+class Recorder:
+    """The Observer: what ended how, and how many tokens were generated."""
+
+    def __init__(self):
+        self.finished: list[list[str]] = []
+        self.tokens = 0
+        self.rejected: list[str] = []
+
+    def on_first_token(self, ttft, num_prompt_tokens):
+        pass
+
+    def on_tokens(self, inter_token, num_new_tokens):
+        self.tokens += num_new_tokens
+
+    def on_finished(self, e2e, finish_reasons):
+        self.finished.append(finish_reasons)
+
+    def on_rejected(self, reason):
+        self.rejected.append(reason)
+
+
+def run(model, body, observer=None):
     """Run `body(async_engine)` on a fresh engine's loop; always shut the engine down."""
 
     async def main():
         config = EngineConfig(model=model.source, **ARGS)
-        engine = AsyncEngine(LLMEngine(config, EngineCore(config, model)))
+        engine = AsyncEngine(LLMEngine(config, EngineCore(config, model)), observer)
         engine.start()
         try:
             return await body(engine)
@@ -100,20 +121,41 @@ def test_a_rejected_request_fails_alone(model, expected):
     assert run(model, body) == expected[3]
 
 
+LONG = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)  # PROMPTS[1] + 50 tokens fill max_model_len
+
+
+def held(engine):
+    """(release, task): the engine thread waits in a call until `release.set()`; no step runs meanwhile."""
+    release = threading.Event()
+    return release, asyncio.ensure_future(engine.call(release.wait))
+
+
+async def nothing_left(engine) -> bool:
+    """Read on the engine thread right after what is queued before it: no request running or
+    waiting, no block held (the finished id may still be on its way to the worker: see assert_idle)."""
+    stats = await engine.call(engine.engine.stats)
+    return stats.num_running == stats.num_waiting == 0 and stats.kv_usage == [0.0]
+
+
 def test_close_aborts_and_frees_blocks_before_the_next_step(model):
+    recorder = Recorder()
+
     async def body(engine):
-        long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-        stream = await engine.add_request("long", PROMPTS[1], long)
+        stream = await engine.add_request("long", PROMPTS[1], LONG)
         await stream.__anext__()
         ok, reason = await engine.reset_prefix_cache()
         assert not ok and "in use" in reason  # the request holds blocks: refused, with the reason
-        stream.close()
-        usage = await engine.call(lambda: engine.engine.core.kv.usage())  # runs right after the abort
-        assert usage == [0.0]
+        release, hold = held(engine)
+        await asyncio.sleep(0)  # the hold is queued
+        stream.close()  # its abort is queued behind the hold: no step runs between the two
+        release.set()
+        await hold
+        assert await nothing_left(engine)  # runs right after the abort
+        assert recorder.finished == [["abort"]] and recorder.tokens < LONG.max_tokens
         assert await engine.reset_prefix_cache() == (True, "")
         await assert_idle(engine)
 
-    run(model, body)
+    run(model, body, recorder)
 
 
 def test_a_failed_step_fails_every_stream_and_later_requests(model):
@@ -134,13 +176,50 @@ def test_a_failed_step_fails_every_stream_and_later_requests(model):
 
 
 def test_cancelled_add_is_undone(model):
+    """Cancelled while the engine is adding it: the add completes, then the abort takes it out
+    before any step, so it never produces a token and holds no block."""
+    recorder = Recorder()
+
     async def body(engine):
-        task = asyncio.ensure_future(engine.add_request("gone", PROMPTS[2], SamplingParams(max_tokens=40,
-                                                                                           ignore_eos=True)))
+        adding, proceed = threading.Event(), threading.Event()
+
+        def prompt():  # runs on the engine thread, inside the add
+            adding.set()
+            proceed.wait()
+            return PROMPTS[1]
+
+        task = asyncio.ensure_future(engine.add_request("gone", prompt, LONG))
+        await asyncio.to_thread(adding.wait)
+        release, hold = held(engine)  # queued behind the add: the engine thread waits there after adding
+        await asyncio.sleep(0)
+        task.cancel()
+        proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task  # its abort is queued before the hold is released
+        release.set()
+        await hold
+        assert await nothing_left(engine)
+        assert recorder.finished == [["abort"]] and recorder.tokens == 0
+        await assert_idle(engine)
+
+    run(model, body, recorder)
+
+
+def test_add_cancelled_before_the_engine_took_it_is_never_added(model):
+    recorder = Recorder()
+
+    async def body(engine):
+        release, hold = held(engine)
+        await asyncio.sleep(0)
+        task = asyncio.ensure_future(engine.add_request("gone", PROMPTS[1], LONG))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        release.set()
+        await hold
+        assert await nothing_left(engine)
+        assert recorder.finished == [] and recorder.tokens == 0  # nothing was added, so nothing to abort
         await assert_idle(engine)
 
-    run(model, body)
+    run(model, body, recorder)
