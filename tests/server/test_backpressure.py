@@ -23,6 +23,7 @@ from blockserve.models.loader import load_model
 from blockserve.server.app import create_app
 from blockserve.server.config import ServerConfig
 from tests.models.conftest import save_random_model
+from tests.server.asgi import asgi_request
 from tests.server.test_async_engine import ARGS, SIZES
 
 MAX_TOKENS = 3
@@ -36,26 +37,8 @@ def model(tmp_path_factory):
 
 
 async def call(app, method: str, path: str, body: dict | None = None) -> tuple[int, dict, bytes]:
-    """One HTTP request straight into the ASGI app: (status, headers, body)."""
-    incoming = [{"type": "http.request", "body": json.dumps(body).encode() if body is not None else b""}]
-    sent = []
-
-    async def receive():
-        if incoming:
-            return incoming.pop(0)
-        await asyncio.Event().wait()  # the client never goes away
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    headers = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
-    return start["status"], headers, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    """(status, headers, body)."""
+    return await asgi_request(app, method, path, body)
 
 
 def serve(model, config: ServerConfig, body):

@@ -20,6 +20,7 @@ from blockserve.models.loader import load_model
 from blockserve.server.app import create_app
 from blockserve.server.http_errors import from_exception
 from tests.models.conftest import save_random_model
+from tests.server.asgi import asgi_request
 from tests.server.test_async_engine import ARGS, SIZES
 
 
@@ -59,25 +60,8 @@ def model(tmp_path_factory):
 
 
 async def call(app, method: str, path: str, body: dict | None = None) -> tuple[int, dict | None]:
-    """One HTTP request straight into the ASGI app: (status, JSON body or None)."""
-    incoming = [{"type": "http.request", "body": json.dumps(body).encode() if body is not None else b""}]
-    sent = []
-
-    async def receive():
-        if incoming:
-            return incoming.pop(0)
-        await asyncio.Event().wait()  # the client never goes away
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}
-    await app(scope, receive, send)
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    """(status, JSON body or None)."""
+    status, _, raw = await asgi_request(app, method, path, body)
     return status, json.loads(raw) if raw else None
 
 

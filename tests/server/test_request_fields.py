@@ -31,6 +31,7 @@ from blockserve.models.loader import load_model
 from blockserve.server.app import create_app
 from blockserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 from tests.models.conftest import save_random_model
+from tests.server.asgi import asgi_request
 from tests.server.test_async_engine import SIZES
 
 ARGS = dict(max_model_len=128, block_size=4, num_threads=1, kv_cache_memory="8MiB")
@@ -177,28 +178,9 @@ def chat_model(tmp_path_factory):
 
 
 async def post(app, path: str, body) -> tuple[int, dict | str]:
-    """One POST of `body` (JSON, or raw bytes) straight into the ASGI app: (status, the JSON answer,
-    or the raw text of a stream)."""
-    incoming = [{"type": "http.request", "body": body if isinstance(body, bytes) else json.dumps(body).encode()}]
-    sent = []
-
-    async def receive():
-        if incoming:
-            return incoming.pop(0)
-        await asyncio.Event().wait()  # the client never goes away
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
-    content_type = dict(start["headers"]).get(b"content-type", b"").decode()
-    return start["status"], json.loads(raw) if content_type.startswith("application/json") else raw
+    """One POST of `body` (JSON, or raw bytes): (status, the JSON answer, or the raw text of a stream)."""
+    status, headers, raw = await asgi_request(app, "POST", path, body)
+    return status, json.loads(raw) if headers.get("content-type", "").startswith("application/json") else raw.decode()
 
 
 def serve(model, body):
