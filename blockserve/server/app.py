@@ -8,12 +8,13 @@
     POST /reset_prefix_cache      200, or 409 / 400 with the reason it cannot
     POST /tokenize, /detokenize   a prompt or messages to token ids, and token ids to text (tokenize.py)
 
-Errors are OpenAI's shape (http_errors.py): 400 for invalid parameters, an unknown model or a
-prompt over the model's length; 401 for a missing or wrong API key (auth.py); 404 / 405 for
-unknown routes; 503 once the engine stopped, and 503 with Retry-After while the waiting queue is
-full (`--max-waiting-requests` / `--max-waiting-tokens`) or the server drains; 500 for anything
-unexpected. A request's error touches that request only. A client that disconnects has its
-requests aborted (streaming.py). SIGTERM / SIGINT drain (`run_server`).
+Errors are OpenAI's shape (http_errors.py): 400 for invalid parameters, an unknown model, a
+prompt over the model's length or a request past a limit (limits.py; 413 for the body's size);
+401 for a missing or wrong API key (auth.py); 404 / 405 for unknown routes; 503 once the engine
+stopped, and 503 with Retry-After while the waiting queue is full (`--max-waiting-requests` /
+`--max-waiting-tokens`) or the server drains; 500 for anything unexpected. A request's error
+touches that request only. A client that disconnects has its requests aborted (streaming.py).
+SIGTERM / SIGINT drain (`run_server`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from blockserve.server.chat import create_chat_completion
 from blockserve.server.completions import create_completion
 from blockserve.server.config import ServerConfig
 from blockserve.server.http_errors import APIError, Draining, add_exception_handlers, error_response
+from blockserve.server.limits import RequestLimitsMiddleware, check_request_limits
 from blockserve.server.metrics import CONTENT_TYPE, Metrics
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from blockserve.server.tokenize import detokenize, tokenize
@@ -59,7 +61,9 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
     app = FastAPI(title="blockserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
-    app.add_middleware(AuthMiddleware, api_keys=config.api_keys)
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=config.max_request_body_bytes,
+                       max_json_depth=config.max_json_depth)
+    app.add_middleware(AuthMiddleware, api_keys=config.api_keys)  # outermost: a stranger's body is never read
     add_exception_handlers(app)
 
     @app.get("/health")
@@ -89,10 +93,12 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_request_limits(body, config)
         return await create_completion(async_engine, config, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_request_limits(body, config)
         return await create_chat_completion(async_engine, config, body, request)
 
     @app.post("/tokenize")

@@ -1,6 +1,7 @@
 """The server's settings, validated once: the model name it answers to, who may call it, how
 tenants share the prefix cache (C6), where `blockserve serve` listens, how much it queues
-(past either bound a new request gets 503 with Retry-After) and how long a shutdown drains.
+(past either bound a new request gets 503 with Retry-After) and how long a shutdown drains,
+and the limits a request must keep to at the edge (limits.py; past one it gets 400, or 413 for the body).
 
 Each field's metadata is its `blockserve serve` flag (blockserve/config_args.py). Imports
 nothing heavy, so the CLI's help stays fast.
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
 ISOLATION_MODES = ("none", "per-key")
+MAX_JSON_DEPTH = 500  # under Python's recursion limit (1000), which json.loads recurses against
+LIMITS = ("max_request_body_bytes", "max_json_depth", "max_n", "max_prompts", "max_stop", "max_stop_length")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,24 @@ class ServerConfig:
         "help": "seconds SIGTERM / SIGINT lets in-flight requests finish (new ones get 503) before aborting "
                 "the rest and exiting"})
 
+    # Limits checked at the edge (limits.py), before any engine work. Each is far above what a
+    # normal request needs; see each one's comment for the reason of its default.
+    # A prompt of 128k tokens is ~1 MB as token ids and ~0.5 MB as text: 16 MiB is 16 of those.
+    max_request_body_bytes: int = field(default=16 * 1024 * 1024, metadata={
+        "help": "largest request body in bytes; a larger one gets 413 before it is read"})
+    # JSON nesting of a real request is under 6 (chat content parts); Python's json recurses per level.
+    max_json_depth: int = field(default=64, metadata={
+        "help": f"deepest JSON nesting ([ and {{) a request body may have (at most {MAX_JSON_DEPTH})"})
+    max_n: int = field(default=128, metadata={  # OpenAI's own bound
+        "help": "most samples (n) one request may ask for"})
+    # One engine request each; the waiting queue takes 4096 (--max-waiting-requests).
+    max_prompts: int = field(default=1024, metadata={
+        "help": "most prompts in one /v1/completions request (a list of strings or of token-id lists)"})
+    # OpenAI allows 4; real stop sequences ("\n\nUser:", "</answer>") are a few characters long.
+    max_stop: int = field(default=64, metadata={"help": "most stop strings one request may give"})
+    max_stop_length: int = field(default=256, metadata={
+        "help": "longest stop string, in characters (streamed text is held back by up to this much)"})
+
     def __post_init__(self) -> None:
         if self.prefix_cache_isolation not in ISOLATION_MODES:
             raise ValueError(f"prefix_cache_isolation must be one of {ISOLATION_MODES}, "
@@ -46,8 +67,11 @@ class ServerConfig:
             raise ValueError("API keys must be non-empty strings")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_waiting_requests", "max_waiting_tokens"):
+        for name in ("max_waiting_requests", "max_waiting_tokens", *LIMITS):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1 (a queue is always bounded), got {getattr(self, name)}")
+                raise ValueError(f"{name} must be at least 1 (none is unbounded), got {getattr(self, name)}")
+        if self.max_json_depth > MAX_JSON_DEPTH:
+            raise ValueError(f"max_json_depth must be at most {MAX_JSON_DEPTH} (Python's json parser recurses once "
+                             f"per level), got {self.max_json_depth}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

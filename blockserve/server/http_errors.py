@@ -4,6 +4,7 @@
     pydantic's validation errors, malformed JSON    400 (not FastAPI's 422)
     an unknown or unsupported field                 400 `unsupported_parameter`, `param` its full path
     a missing or wrong API key                      401 (auth.py)
+    a request past a limit                          400, or 413 for the body's size (limits.py)
     unknown route / method                          404 / 405
     EngineDead                                      503
     Unavailable (Overloaded, Draining, ShutdownTimeout)  503 with Retry-After: the queue is full, or

@@ -20,7 +20,9 @@ ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory
                 "--max-num-batched-tokens", "--no-prefix-caching", "--attention-backend", "--kv-cache-dtype",
                 "--num-threads", "--poison", "--no-quantized-matmul"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
-                "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout"}
+                "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
+                "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",
+                "--max-stop-length"}
 OFF_CLI = {"enable_chunked_prefill", "max_prefill_chunk", "scheduling_policy", "check_integrity",
            "unsafe_disable_zeroing", "seed"}
 
