@@ -1,6 +1,7 @@
 """The `blockserve` command.
 
-    blockserve generate "Tell me a joke" "What is 2+2?" --max-tokens 64
+    blockserve generate "Tell me a joke" "What is 2+2?" --max-tokens 64   (through the model's chat template)
+    blockserve generate --no-chat-template "Once upon a time"       (raw completion, no chat template)
     blockserve generate --file prompts.txt --jsonl > out.jsonl      (one prompt per line; - is stdin)
     blockserve chat                                                  (interactive, streamed)
     blockserve serve --port 8000                                     (OpenAI-compatible HTTP server)
@@ -54,7 +55,32 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+CHAT_MODE = "chat mode: prompts go through the model's chat template (--no-chat-template for raw completion)"
+RAW_MODE = "completion mode: prompts go to the model as written (--no-chat-template)"
+RAW_NO_TEMPLATE = "completion mode: this model has no chat template, so prompts go to the model as written"
+
+
+def has_chat_template(llm) -> bool:
+    """Whether the model's tokenizer carries a chat template (a model without a tokenizer has none)."""
+    return bool(getattr(llm.get_tokenizer(), "chat_template", None))
+
+
+def generate_mode(args: argparse.Namespace, llm) -> tuple[bool, str]:
+    """(whether prompts go through the chat template, the line that says so). The template
+    applies by default where the model has one, as --chat-template asks; --no-chat-template
+    completes raw. --chat-template on a model without one is an error, not a silent fallback."""
+    if args.chat_template is False:
+        return False, RAW_MODE
+    if has_chat_template(llm):
+        return True, CHAT_MODE
+    if args.chat_template:
+        raise ValueError("this model has no chat template; drop --chat-template to complete the prompts as written")
+    return False, RAW_NO_TEMPLATE
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Each prompt as one user message through the model's chat template (when it has one and
+    --no-chat-template is not given), else completed as written; the mode goes to stderr."""
     from blockserve.engine.llm import LLM
 
     prompts = list(args.prompts)
@@ -67,7 +93,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     llm = LLM(**vars(config_from_namespace(EngineConfig, args)))
     params = sampling_params(args)
-    if args.chat_template:
+    use_template, mode = generate_mode(args, llm)
+    print(mode, file=sys.stderr)
+    if use_template:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
@@ -87,6 +115,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from blockserve.engine.llm import LLM
 
     llm = LLM(**vars(config_from_namespace(EngineConfig, args)))
+    if not has_chat_template(llm):
+        raise ValueError("this model has no chat template, so it cannot chat; "
+                         "blockserve generate completes prompts as written")
     engine = llm.engine
     params = sampling_params(args)
     messages: list[dict] = []
@@ -141,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--file", help="one prompt per line; - reads stdin")
     gen.add_argument("--jsonl", action="store_true", help="one JSON object per prompt")
-    gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap each prompt as a user message in the model's chat template: the default where "
+                          "the model has one (--chat-template then requires it); --no-chat-template completes "
+                          "the prompts as written")
     add_config_arguments(gen, EngineConfig, title="engine")
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

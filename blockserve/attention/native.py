@@ -1,9 +1,12 @@
 """Native CPU kernels (csrc/): paged decode attention, fused layer ops and matmuls over GGUF
 quantized weights, compiled on first use for the machine they run on.
 
-The build needs a C++ compiler and ninja (torch.utils.cpp_extension); it takes ~25 s once and is
-cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the source and the
-CPU's instruction sets, since it is compiled with -march=native. Without a compiler, or with
+The build needs a C++ compiler and ninja (torch.utils.cpp_extension); it takes ~25 s a kernel once
+and is cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the source and
+the CPU's instruction sets, since it is compiled with -march=native. The first getter called starts
+the builds of all three engine kernels side by side (each in its own build directory, under its
+own lock) and waits only for its own, so a fresh machine pays for one build, not three in a row.
+Without a compiler, or with
 BLOCKSERVE_NATIVE_KERNELS=0, the getters return None and callers use their PyTorch path
 (same results up to float rounding, slower).
 """
@@ -16,6 +19,8 @@ import logging
 import os
 import platform
 import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BLOCKSERVE_NATIVE_KERNELS"
+# What an engine loads (the getters' defaults): started together on the first request for any kernel.
+ENGINE_KERNELS: tuple[tuple[str, tuple[str, ...]], ...] = (("fused_ops", ()), ("paged_decode", ()),
+                                                           ("quantized_matmul", ()))
 
 
 def why_not_native() -> str | None:
@@ -90,10 +98,28 @@ def _say_once(message: str) -> None:
     logger.warning(message)
 
 
-@functools.cache
+_builds: dict[tuple[str, tuple[str, ...]], Future] = {}
+_builds_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
 def _build(name: str, flags: tuple[str, ...] = ()):
     """csrc/{name}.cpp compiled (with `flags` after the usual ones) and loaded, or None (the
-    reason is logged)."""
+    reason is logged); built once per process. The first call also starts ENGINE_KERNELS'
+    builds, which then compile in parallel with this one (torch builds each extension name in
+    its own directory under its own file lock; the compilers run as subprocesses)."""
+    global _pool
+    with _builds_lock:
+        if _pool is None:  # not daemon threads: an exit waits for a build, never leaves its lock behind
+            _pool = ThreadPoolExecutor(max_workers=len(ENGINE_KERNELS), thread_name_prefix="blockserve-native")
+        for key in ((name, flags), *ENGINE_KERNELS):  # the requested one first: it gets a worker first
+            if key not in _builds:
+                _builds[key] = _pool.submit(_load, *key)
+        future = _builds[(name, flags)]
+    return future.result()
+
+
+def _load(name: str, flags: tuple[str, ...]):
     logger.info("loading native kernel %s (compiled on its first use on this machine, ~25 s)", name)
     try:
         from torch.utils.cpp_extension import load
