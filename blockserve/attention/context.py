@@ -12,7 +12,7 @@ Attention and MLA groups get `AttentionMetadata`; state groups get `StateMetadat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,12 +49,18 @@ class StateMetadata:
     """Per step, for a state group: each sequence's slot, in batch order.
 
     A sequence with `layout.seq_lens[i] - query_len == 0` starts from its slot's state, which is
-    zero because new slots are zeroed (C1: the state spec demands it); a continuing sequence
-    reads the state it left there in its previous step.
+    zero because new slots are zeroed (C1: the state spec demands it); a restored or continuing
+    sequence reads the state its slot holds.
+
+    `captures[i]`: (position, checkpoint slot) pairs for sequence i, positions strictly inside
+    its segment and on the kernel's chunk grid: the layer writes its state after the first
+    `position` tokens into that slot. (A capture at a segment's end is a copy of the final
+    state, done by the model runner after the forward.)
     """
 
     layout: BatchLayout
     slots: torch.Tensor  # [B] int64
+    captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass

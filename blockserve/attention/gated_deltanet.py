@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.attention.chunk_grid import check_captures
+from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import dtype_name
 from blockserve.kv.specs import LinearStateSpec
@@ -163,7 +163,7 @@ class GatedDeltaNet(nn.Module):
 
     def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
         """One state slot per request, whatever `block_size`."""
-        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2)
+        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2, chunk_size=self.chunk_size)
 
     def _qkv(self, mixed: torch.Tensor):
         """Conv output [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, q scaled), v [..., Hv, Dv]."""
@@ -187,10 +187,13 @@ class GatedDeltaNet(nn.Module):
             out[:nd], rec_states[s] = recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], rec_states[s])
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
-            s = int(slots[i])
-            mixed, conv_states[s] = causal_conv1d(mixed_qkv[start:end], conv_states[s], conv_weight, conv_bias)
+            s, first = int(slots[i]), layout.seq_lens[i] - (end - start)
+            positions, targets = capture_targets(meta.captures.get(i))
+            mixed, conv_states[s], *conv_caps = causal_conv1d(mixed_qkv[start:end], conv_states[s], conv_weight,
+                                                              conv_bias, first, positions)
             q, k, v = self._qkv(mixed)
-            out[start:end], rec_states[s] = chunk_gated_delta_rule(
-                q, k, v, g[start:end], beta[start:end], rec_states[s], self.chunk_size,
-                layout.seq_lens[i] - (end - start))
+            out[start:end], rec_states[s], *rec_caps = chunk_gated_delta_rule(
+                q, k, v, g[start:end], beta[start:end], rec_states[s], self.chunk_size, first, positions)
+            if positions:
+                conv_states[targets], rec_states[targets] = torch.stack(conv_caps[0]), torch.stack(rec_caps[0])
         return out

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.attention.chunk_grid import check_captures
+from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext, StateMetadata
 from blockserve.attention.layer import dtype_name
 from blockserve.kv.specs import LinearStateSpec
@@ -159,6 +159,7 @@ class KimiDeltaAttention(nn.Module):
         return LinearStateSpec(
             shapes=((self.conv_dim, self.conv_kernel_size - 1), (self.num_heads, self.head_dim, self.head_dim)),
             dtypes=(dtype_name(self.dtype),) * 2,
+            chunk_size=self.chunk_size,
         )
 
     def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -178,11 +179,15 @@ class KimiDeltaAttention(nn.Module):
             out[:nd] = o
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
-            slot = int(meta.slots[i])
-            x, conv_states[slot] = causal_conv(mixed_qkv[start:end], conv_states[slot], conv_weight)
+            slot, first = int(meta.slots[i]), layout.seq_lens[i] - (end - start)
+            positions, targets = capture_targets(meta.captures.get(i))
+            x, conv_states[slot], *conv_caps = causal_conv(mixed_qkv[start:end], conv_states[slot], conv_weight,
+                                                           first, positions)
             q, k, v = self._split(F.silu(x))
-            out[start:end], rec_states[slot] = kda_chunked(q, k, v, g[start:end], beta[start:end], rec_states[slot],
-                                                           self.chunk_size, layout.seq_lens[i] - (end - start))
+            out[start:end], rec_states[slot], *rec_caps = kda_chunked(
+                q, k, v, g[start:end], beta[start:end], rec_states[slot], self.chunk_size, first, positions)
+            if positions:
+                conv_states[targets], rec_states[targets] = torch.stack(conv_caps[0]), torch.stack(rec_caps[0])
         return out
 
     def _split(self, x: torch.Tensor):

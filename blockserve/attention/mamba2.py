@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.attention.chunk_grid import check_captures
+from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
 from blockserve.attention.layer import dtype_name
@@ -135,7 +135,7 @@ class Mamba2(nn.Module):
 
     def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
         """One state slot per request, whatever `block_size`."""
-        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2)
+        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2, chunk_size=self.chunk_size)
 
     def _split(self, xBC: torch.Tensor):
         """Conv output [..., conv_dim] -> x [..., H, P], B, C [..., H, N] (groups repeated to heads)."""
@@ -161,9 +161,13 @@ class Mamba2(nn.Module):
         dt = dt.clamp(*self.dt_limit)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
-            s = int(slots[i])
-            mixed, conv_states[s] = causal_conv1d(xBC[start:end], conv_states[s], conv_weight, conv_bias)
+            s, first = int(slots[i]), layout.seq_lens[i] - (end - start)
+            positions, targets = capture_targets(meta.captures.get(i))
+            mixed, conv_states[s], *conv_caps = causal_conv1d(xBC[start:end], conv_states[s], conv_weight, conv_bias,
+                                                              first, positions)
             x, B, C = self._split(mixed)
-            out[start:end], ssm_states[s] = ssd_chunk_scan(x, dt[start:end], A, B, C, D, ssm_states[s],
-                                                           self.chunk_size, layout.seq_lens[i] - (end - start))
+            out[start:end], ssm_states[s], *ssm_caps = ssd_chunk_scan(
+                x, dt[start:end], A, B, C, D, ssm_states[s], self.chunk_size, first, positions)
+            if positions:
+                conv_states[targets], ssm_states[targets] = torch.stack(conv_caps[0]), torch.stack(ssm_caps[0])
         return out.flatten(1)

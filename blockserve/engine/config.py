@@ -60,6 +60,15 @@ class EngineConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block (a power of two)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "do not reuse the KV of earlier requests' identical prompt prefixes", "flag": "--no-prefix-caching"})
+    state_checkpoint_share: float = field(default=0.25, metadata={
+        "help": "models with recurrent-state layers: the share of the KV memory budget kept for state "
+                "checkpoints, which prefix-cache hits restore (0: no hits for such models)"})
+    state_checkpoint_interval: int = field(default=0, metadata={
+        "help": "also checkpoint recurrent state every this many strides inside prompts (long shared "
+                "documents); 0: only at prompt ends, turn ends and shared-prefix junctions"})
+    state_checkpoint_savings_weight: float = field(default=0.0, metadata={
+        "help": "checkpoint eviction: weight in [0, 1] on the tokens a checkpoint saves over the one "
+                "before it, against recency (0: least recently used)"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens computed in one engine step"})
     enable_chunked_prefill: bool = field(default=True, metadata={
@@ -98,6 +107,13 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         parse_memory(self.kv_cache_memory)
+        if not 0 <= self.state_checkpoint_share < 1:
+            raise ValueError(f"state_checkpoint_share must be in [0, 1), got {self.state_checkpoint_share}")
+        if self.state_checkpoint_interval < 0:
+            raise ValueError(f"state_checkpoint_interval must be >= 0 (0: off), got {self.state_checkpoint_interval}")
+        if not 0 <= self.state_checkpoint_savings_weight <= 1:
+            raise ValueError("state_checkpoint_savings_weight must be in [0, 1], got "
+                             f"{self.state_checkpoint_savings_weight}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 

@@ -79,8 +79,11 @@ class EngineCore:
             max_model_len,
             config.max_num_seqs,
             scheduler_config.chunk_cap,
+            checkpoint_share=config.state_checkpoint_share,
             enable_prefix_caching=config.enable_prefix_caching,
             poison_freed_blocks=config.poison_enabled,
+            checkpoint_interval=config.state_checkpoint_interval,
+            checkpoint_savings_weight=config.state_checkpoint_savings_weight,
         )
         if config.unsafe_disable_zeroing:
             groups_off = tuple(dataclasses.replace(g, zero_new_blocks=False) for g in self.kv_config.groups)
@@ -88,8 +91,9 @@ class EngineCore:
             logger.warning("zeroing of new KV blocks is disabled: outputs may be corrupted (C1 tests only)")
         self.kv = KVCacheManager(self.kv_config)
         if config.enable_prefix_caching and not self.kv.caching_possible:
-            logger.warning("prefix caching is on but this model has recurrent-state layers: "
-                           "until state checkpoints exist, it will report no prefix hits")
+            logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
+                           "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
+                           config.state_checkpoint_share)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.kv_config, config.max_num_seqs, max_model_len, config.seed)
         logger.info("KV cache capacity (max_model_len %d):\n%s", max_model_len, self.kv_config.capacity_report())

@@ -12,7 +12,7 @@ Every block is in exactly one of these. All operations are O(1) per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from blockserve.kv.hashing import BlockHash
@@ -65,6 +65,9 @@ class BlockPool:
         # prefix in the same step both register, so the survivor still serves hits.
         self.cached: dict[BlockHash, dict[int, Block]] = {}
         self.num_evictions = 0
+        # Told the hash of every prefix this pool stops caching (the state checkpoints at its
+        # position can no longer hit); set by the coordinator.
+        self.on_uncached: Callable[[BlockHash], None] | None = None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -87,8 +90,9 @@ class BlockPool:
 
     # -- allocation ----------------------------------------------------------------------------
 
-    def get_new_blocks(self, n: int) -> list[Block]:
-        """Hand out `n` blocks with no cached content; the caller checked `num_free` first."""
+    def get_new_blocks(self, n: int, zero: bool = True) -> list[Block]:
+        """Hand out `n` blocks with no cached content; the caller checked `num_free` first.
+        `zero=False`: the caller fills them by a copy before any kernel reads them (C1)."""
         if n > self.num_free:
             raise RuntimeError(f"group {self.group_id}: asked for {n} blocks, {self.num_free} free")
         out = []
@@ -100,7 +104,7 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
-        if self._zero_new_blocks and out:
+        if self._zero_new_blocks and zero and out:
             self._pending.blocks_to_zero.setdefault(self.group_id, []).extend(b.block_id for b in out)
         return out
 
@@ -148,6 +152,8 @@ class BlockPool:
         self._record_poison(block)
         if not twins:
             del self.cached[block_hash]
+            if self.on_uncached is not None:
+                self.on_uncached(block_hash)
 
     def _record_poison(self, block: Block) -> None:
         if self._poison:

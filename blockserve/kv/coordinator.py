@@ -1,7 +1,8 @@
 """The groups of a (possibly hybrid) model, driven together.
 
 A prefix hit must be valid for every group at once, and an allocation must succeed in every
-group or in none.
+group or in none. State groups take part through their checkpoints: a state group's hit at a
+bound is its deepest checkpoint at or below it.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from blockserve.kv.block_pool import Block, BlockPool
+from blockserve.kv.checkpoint_pool import CheckpointPool
 from blockserve.kv.config import KVCacheConfig
-from blockserve.kv.group_managers import FullAttentionManager, make_group_manager
+from blockserve.kv.group_managers import make_attention_manager
 from blockserve.kv.hashing import BlockHash
 from blockserve.kv.pending import PendingWork
+from blockserve.kv.state_manager import LinearStateManager
 
 HashesFor = Callable[[int], list[BlockHash]]  # block size -> the request's full-block hashes
 
@@ -24,33 +27,57 @@ class KVCacheCoordinator:
             BlockPool(g.num_blocks, i, pending, g.zero_new_blocks, config.poison_freed_blocks)
             for i, g in enumerate(config.groups)
         ]
-        self.managers: list[FullAttentionManager] = [
-            make_group_manager(g.spec, pool) for g, pool in zip(config.groups, self.pools)
-        ]
+        stride = config.checkpoint_stride
+        self.managers = []
+        self.state_managers: list[LinearStateManager] = []
+        for i, (group, pool) in enumerate(zip(config.groups, self.pools)):
+            if group.is_state:
+                checkpoints = None
+                if config.checkpointing:
+                    checkpoints = CheckpointPool(group.num_blocks, group.num_checkpoints, i, pending,
+                                                 config.poison_freed_blocks, config.checkpoint_savings_weight)
+                manager = LinearStateManager(group.spec, pool, checkpoints, stride)
+                self.state_managers.append(manager)
+            else:
+                manager = make_attention_manager(group.spec, pool)
+            self.managers.append(manager)
+        self.attention_managers = [m for m in self.managers if not isinstance(m, LinearStateManager)]
+        if config.checkpointing:
+            for manager in self.attention_managers:
+                manager.pool.on_uncached = self._attention_block_uncached(manager.pool.group_id)
         # Per request, to skip the common steps that change nothing (most decode steps):
         self.steady: dict[str, tuple[float, float]] = {}  # see FullAttentionManager.steady_limits
         self.next_cache_at: dict[str, float] = {}  # written tokens at which some block fills up
 
-    def find_longest_hit(self, hashes_for: HashesFor, max_tokens: int) -> tuple[int, list[list[Block]]]:
-        """The longest prefix of at most `max_tokens` tokens cached in every group.
+    def _attention_block_uncached(self, group_id: int) -> Callable[[BlockHash], None]:
+        def forget(block_hash: BlockHash) -> None:
+            for manager in self.state_managers:
+                manager.checkpoints.forget_attention_block(group_id, block_hash)
+        return forget
+
+    def find_longest_hit(self, hashes_for: HashesFor, max_tokens: int,
+                         attention_only: bool = False) -> tuple[int, list[list]]:
+        """The longest prefix of at most `max_tokens` tokens cached in every group (in every
+        attention group, with `attention_only`; the state groups' hits are then empty).
 
         Each group's hit can only shrink when the bound shrinks, so shrinking the bound to the
         shortest group hit until no group disagrees reaches the longest common hit.
         """
+        managers = self.attention_managers if attention_only else self.managers
+        if not managers:
+            return 0, [[] for _ in self.managers]
         bound = max(0, max_tokens)
         while True:
-            hits = []
-            for manager in self.managers:
+            hits = {}
+            for manager in managers:
                 hashes = hashes_for(manager.block_size) if manager.spec.supports_prefix_caching else []
                 blocks = manager.find_longest_hit(hashes, bound)
-                hits.append(blocks)
-                if len(blocks) * manager.block_size < bound:
+                hits[manager] = blocks
+                if manager.hit_tokens(blocks) < bound:
                     break
-            shortest = min(len(b) * m.block_size for b, m in zip(hits, self.managers))
-            if len(self.managers) == 1:
-                return shortest, hits  # nobody to disagree with
-            if shortest == bound or bound == 0:
-                return bound, hits
+            shortest = min(m.hit_tokens(b) for m, b in hits.items())
+            if len(managers) == 1 or shortest == bound or bound == 0:
+                return shortest if len(managers) == 1 else bound, [hits.get(m, []) for m in self.managers]
             bound = shortest
 
     def is_steady(self, request_id: str, num_computed_tokens: int, num_tokens: int) -> bool:
@@ -58,12 +85,13 @@ class KVCacheCoordinator:
         limits = self.steady.get(request_id)
         return limits is not None and num_tokens <= limits[0] and num_computed_tokens < limits[1]
 
-    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: list[list[Block]]) -> list[int]:
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: list[list]) -> list[int]:
         return [m.num_blocks_to_allocate(request_id, num_tokens, c) for m, c in zip(self.managers, computed)]
 
     def allocate(self, request_id: str, num_computed_tokens: int, num_tokens: int,
-                 computed: list[list[Block]]) -> list[list[int]] | None:
-        """Give the request blocks for `num_tokens` tokens in every group, or change nothing."""
+                 computed: list[list]) -> list[list[int]] | None:
+        """Give the request blocks for `num_tokens` tokens in every group, or change nothing.
+        A state group's hit (a checkpoint) becomes a copy order into its new running slot."""
         needed = self.num_blocks_to_allocate(request_id, num_tokens, computed)
         if any(n > pool.num_free for n, pool in zip(needed, self.pools)):
             return None
@@ -71,7 +99,8 @@ class KVCacheCoordinator:
         for manager, hit in zip(self.managers, computed):
             manager.add_computed_blocks(request_id, hit)
             new = manager.allocate_new_blocks(request_id, num_tokens)
-            new_ids.append([b.block_id for b in hit] + [b.block_id for b in new])
+            hit_ids = [] if isinstance(manager, LinearStateManager) else [b.block_id for b in hit]
+            new_ids.append(hit_ids + [b.block_id for b in new])
         limits = [m.steady_limits(request_id, num_computed_tokens) for m in self.managers]
         self.steady[request_id] = (min(c for c, _ in limits), min(r for _, r in limits))
         return new_ids
@@ -80,12 +109,32 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def capture(self, request_id: str, positions: list[int], is_decode: bool) -> None:
+        """Checkpoint every state group at `positions` during this step's forward (best effort)."""
+        first = None
+        for manager in self.state_managers:
+            taken = manager.capture(request_id, positions, is_decode)
+            if taken:
+                first = min(p for p, _ in taken) if first is None else min(first, *(p for p, _ in taken))
+        if first is not None:
+            self.next_cache_at[request_id] = min(self.next_cache_at.get(request_id, first), first)
+
     def cache_blocks(self, request_id: str, hashes_for: HashesFor, num_tokens: int) -> None:
-        """Register newly full blocks; callers may skip the call below `next_cache_at[request_id]`."""
-        for manager in self.managers:
-            if manager.spec.supports_prefix_caching:
-                manager.cache_blocks(request_id, hashes_for(manager.block_size), num_tokens)
+        """Register newly full blocks and written checkpoints; callers may skip the call below
+        `next_cache_at[request_id]`."""
+        for manager in self.attention_managers:
+            manager.cache_blocks(request_id, hashes_for(manager.block_size), num_tokens)
+        if self.state_managers:
+            def probes_at(position: int) -> tuple[tuple[int, BlockHash], ...]:
+                return tuple((m.pool.group_id, hashes_for(m.block_size)[position // m.block_size - 1])
+                             for m in self.attention_managers)
+            for manager in self.state_managers:
+                manager.commit_captures(request_id, hashes_for, num_tokens, probes_at)
         self.next_cache_at[request_id] = min(m.next_cache_point(request_id) for m in self.managers)
+
+    def end_of_step_orders(self) -> None:
+        for manager in self.state_managers:
+            manager.end_of_step_orders()
 
     def free(self, request_id: str) -> None:
         self.steady.pop(request_id, None)

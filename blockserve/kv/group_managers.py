@@ -6,7 +6,7 @@ out of the window: those entries become the null block. A linear-state table is 
 
     full / MLA       [b3][b7][b1][b9]          hit: longest cached run from the left
     sliding window   [--][--][b1][b9]          hit: rightmost run covering the window
-    linear state     [s4]                      hit: none (no state checkpoints yet)
+    linear state     [s4]                      hit: a state checkpoint (kv/state_manager.py)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 from blockserve.kv.block_pool import Block, BlockPool
 from blockserve.kv.hashing import BlockHash
-from blockserve.kv.specs import KVCacheSpec, LinearStateSpec, SlidingWindowSpec, cdiv
+from blockserve.kv.specs import KVCacheSpec, SlidingWindowSpec, cdiv
 
 
 class FullAttentionManager:
@@ -30,6 +30,10 @@ class FullAttentionManager:
 
     def table_len(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def hit_tokens(self, hit: list[Block]) -> int:
+        """Tokens a hit from `find_longest_hit` covers."""
+        return len(hit) * self.block_size
 
     def find_longest_hit(self, hashes: list[BlockHash], max_tokens: int) -> list[Block]:
         """The cached blocks of the longest prefix of at most `max_tokens` tokens."""
@@ -130,28 +134,7 @@ class SlidingWindowManager(FullAttentionManager):
         self.pool.free(freed)
 
 
-class LinearStateManager(FullAttentionManager):
-    """Recurrent layers: one state slot per running request, whatever its length."""
-
-    def table_len(self, num_tokens: int) -> int:
-        return 1 if num_tokens > 0 else 0
-
-    def find_longest_hit(self, hashes: list[BlockHash], max_tokens: int) -> list[Block]:
-        return []  # a state summarises the whole sequence; reusing one needs checkpoints
-
-    def cache_blocks(self, request_id: str, hashes: list[BlockHash], num_tokens: int) -> None:
-        pass
-
-    def steady_limits(self, request_id: str, num_computed_tokens: int) -> tuple[float, float]:
-        return (math.inf if request_id in self.req_blocks else 0), math.inf
-
-    def next_cache_point(self, request_id: str) -> float:
-        return math.inf
-
-
-def make_group_manager(spec: KVCacheSpec, pool: BlockPool) -> FullAttentionManager:
-    if isinstance(spec, LinearStateSpec):
-        return LinearStateManager(spec, pool)
+def make_attention_manager(spec: KVCacheSpec, pool: BlockPool) -> FullAttentionManager:
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, pool)
     return FullAttentionManager(spec, pool)

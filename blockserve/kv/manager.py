@@ -4,10 +4,13 @@ Per step, for each request the scheduler
   1. on admission, asks `get_computed_blocks(request)` for its prefix-cache hit;
   2. calls `allocate_slots(request, n, hit)`: blocks for n more tokens in every group, or None
      (and nothing changed) when they do not fit;
-  3. after the forward pass, calls `cache_blocks(request, num_computed_tokens)` so full blocks
-     whose KV is now written become prefix-cache entries (C4);
-  4. calls `free(request)` when it finishes, is preempted or aborted;
-and once per `schedule()` it calls `take_pending()` for the zero and poison orders (C2).
+  3. calls `plan_captures(request, start, n)` for each request it schedules, so models with
+     recurrent state checkpoint it where later requests can hit;
+  4. after the forward pass, calls `cache_blocks(request, num_computed_tokens)` so full blocks
+     whose KV is now written, and the checkpoints it captured, become prefix-cache entries (C4);
+  5. calls `free(request)` when it finishes, is preempted or aborted;
+and once per `schedule()` it calls `take_pending()` for the zero, poison, copy and capture
+orders (C2).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from blockserve.kv.block_pool import Block, ResetResult
+from blockserve.kv.checkpoint_policy import CapturePlan
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.coordinator import KVCacheCoordinator
 from blockserve.kv.hashing import BlockHashChain
@@ -35,20 +39,35 @@ class KVRequest(Protocol):
 
 @dataclass(frozen=True)
 class ComputedBlocks:
-    """A prefix-cache hit: `num_tokens` tokens whose KV already sits in `blocks[group]`."""
+    """A prefix-cache hit: `num_tokens` tokens whose KV already sits in `blocks[group]` (for a
+    state group, the checkpoint its running slot is restored from).
+
+    `attention_tokens` is the hit the attention groups alone had: the tokens beyond
+    `num_tokens` were lost because no state checkpoint reached them.
+    """
 
     num_tokens: int
-    blocks: tuple[tuple[Block, ...], ...]
+    blocks: tuple[tuple, ...]
+    attention_tokens: int = 0
+
+    @property
+    def state_lost_tokens(self) -> int:
+        return max(0, self.attention_tokens - self.num_tokens)
 
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Cumulative since start-up: requests looked up, prompt tokens queried, tokens hit."""
+    """Cumulative since start-up: requests looked up, prompt tokens queried, tokens hit, tokens
+    lost because attention blocks were cached but no state checkpoint was, and the checkpoint
+    pools' captures, restores and evictions (evictions counts attention blocks' too)."""
 
     requests: int
     queries: int
     hits: int
     evictions: int
+    state_lost_tokens: int = 0
+    checkpoint_captures: int = 0
+    checkpoint_restores: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -61,16 +80,21 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching and any(
             g.spec.supports_prefix_caching for g in config.groups
         )
-        # Until linear states can be checkpointed, a model with a state group has no hits.
-        self.caching_possible = self.enable_caching and all(g.spec.supports_prefix_caching for g in config.groups)
+        has_state = any(g.is_state for g in config.groups)
+        # A model with a state group hits only through checkpoints: none fit, no hits.
+        self.caching_possible = self.enable_caching and (config.checkpointing or not has_state)
+        self.checkpointing = self.caching_possible and has_state
+        self.stride = config.checkpoint_stride
         self._pending = PendingWork()
         self.coordinator = KVCacheCoordinator(config, self._pending)
         self._no_hit = ComputedBlocks(0, tuple(() for _ in config.groups))
-        self._requests = self._queries = self._hits = 0
+        self._plans: dict[str, CapturePlan] = {}
+        self._requests = self._queries = self._hits = self._state_lost = 0
 
     def new_block_hashes(self, cache_salt: str | None = None) -> BlockHashChain:
-        """The hash chain a new request carries (one list per attention block size)."""
-        return BlockHashChain(self.config.block_sizes, cache_salt)
+        """The hash chain a new request carries (one list per attention block size, and one
+        at the checkpoint stride for models with recurrent state)."""
+        return BlockHashChain(self.config.hash_block_sizes, cache_salt)
 
     # -- the request-level API -----------------------------------------------------------------
 
@@ -78,12 +102,15 @@ class KVCacheManager:
         """The longest prefix of `request` cached in every group, leaving one token to compute."""
         if not self.caching_possible:
             return self._no_hit
-        num_tokens, hits = self.coordinator.find_longest_hit(
-            lambda bs: request.block_hashes.get(bs, request.token_ids), len(request.token_ids) - 1
-        )
-        if num_tokens == 0:
+        hashes_for = lambda bs: request.block_hashes.get(bs, request.token_ids)  # noqa: E731
+        bound = len(request.token_ids) - 1
+        num_tokens, hits = self.coordinator.find_longest_hit(hashes_for, bound)
+        attention_tokens = num_tokens
+        if self.checkpointing:
+            attention_tokens = self.coordinator.find_longest_hit(hashes_for, bound, attention_only=True)[0]
+        if num_tokens == 0 and attention_tokens == 0:
             return self._no_hit
-        return ComputedBlocks(num_tokens, tuple(tuple(h) for h in hits))
+        return ComputedBlocks(num_tokens, tuple(tuple(h) for h in hits), attention_tokens)
 
     def allocate_slots(
         self,
@@ -114,7 +141,29 @@ class KVCacheManager:
             self._requests += 1
             self._queries += len(request.token_ids)
             self._hits += computed.num_tokens
+            self._state_lost += computed.state_lost_tokens
+            if self.checkpointing:
+                stride = self.stride
+                junction = computed.attention_tokens // stride * stride
+                self._plans[request.request_id] = CapturePlan(
+                    stride, len(request.token_ids), junction if junction > computed.num_tokens else 0,
+                    self.config.checkpoint_interval)
         return new_ids
+
+    def plan_captures(self, request: KVRequest, start: int, num_tokens: int) -> None:
+        """Checkpoint the request's recurrent state where the capture plan says, inside the step
+        that computes tokens [start, start + num_tokens) (no-op for models without state)."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        positions, is_decode = plan.positions(start, start + num_tokens)
+        if not positions:
+            return
+        hashes = request.block_hashes.get(self.stride, request.token_ids)
+        probe = self.coordinator.state_managers[0].checkpoints
+        positions = [p for p in positions if probe.lookup(hashes[p // self.stride - 1]) is None]
+        if positions:
+            self.coordinator.capture(request.request_id, positions, is_decode)
 
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """C4: enter the full blocks among the first `num_computed_tokens` (KV written) in the cache."""
@@ -125,6 +174,7 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release every block and state slot the request holds. Idempotent."""
+        self._plans.pop(request_id, None)
         self.coordinator.free(request_id)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
@@ -132,7 +182,8 @@ class KVCacheManager:
         return self.coordinator.block_ids(request_id)
 
     def take_pending(self) -> PendingWork:
-        """C2: the zero and poison orders (`blocks_to_zero[group]`, `blocks_to_poison[group]`) since the last call."""
+        """C2: the zero, poison, copy and capture orders since the last call (see kv/pending.py)."""
+        self.coordinator.end_of_step_orders()
         return self._pending.take()
 
     def pending_is_empty(self) -> bool:
@@ -161,7 +212,10 @@ class KVCacheManager:
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         evictions = sum(pool.num_evictions for pool in self.coordinator.pools)
-        return PrefixCacheStats(self._requests, self._queries, self._hits, evictions)
+        checkpoints = [m.checkpoints for m in self.coordinator.state_managers if m.checkpoints is not None]
+        return PrefixCacheStats(
+            self._requests, self._queries, self._hits, evictions + sum(c.num_evictions for c in checkpoints),
+            self._state_lost, sum(c.num_captures for c in checkpoints), sum(c.num_restores for c in checkpoints))
 
     def capacity_report(self) -> str:
         return self.config.capacity_report()
@@ -174,6 +228,9 @@ class KVCacheManager:
                                           f"{pool.num_in_use} in use in group {pool.group_id}")
         for pool in self.coordinator.pools:
             pool.reset_prefix_cache()
+        for manager in self.coordinator.state_managers:
+            if manager.checkpoints is not None:
+                manager.checkpoints.reset()
         return ResetResult(True)
 
     # -- C3 ------------------------------------------------------------------------------------
@@ -193,6 +250,10 @@ class KVCacheManager:
         holding = set().union(*(m.req_blocks for m in self.coordinator.managers))
         assert set(self.coordinator.steady) <= holding, "fast-path limits outlive their requests"
         assert set(self.coordinator.next_cache_at) <= holding, "cache points outlive their requests"
+        assert set(self._plans) <= holding, "capture plans outlive their requests"
+        for manager in self.coordinator.state_managers:
+            if manager.checkpoints is not None:
+                manager.checkpoints.check_integrity(manager.capturing_slots(), set(manager.req_blocks), manager.pins())
 
     def assert_idle(self) -> None:
         """After every request finished: no request holds anything, every block is free."""
@@ -200,3 +261,6 @@ class KVCacheManager:
         for manager, pool in zip(self.coordinator.managers, self.coordinator.pools):
             assert not manager.req_blocks, f"group {pool.group_id}: requests still hold blocks: {list(manager.req_blocks)}"
             assert pool.num_free == pool.capacity, f"group {pool.group_id}: {pool.num_in_use} blocks not freed"
+        for manager in self.coordinator.state_managers:
+            assert manager.is_idle(), f"group {manager.pool.group_id}: checkpoints still owned, pinned or capturing"
+        assert not self._plans, f"capture plans remain: {list(self._plans)}"

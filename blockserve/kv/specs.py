@@ -5,7 +5,8 @@ one block table per request and one block pool (see `config.KVCacheGroup`).
 
     full / MLA     block = block_size tokens; a request of N tokens holds cdiv(N, block_size)
     sliding window block = block_size tokens; blocks wholly before the window are freed
-    linear state   block = one state slot (conv + recurrent state); one per running request
+    linear state   block = one state slot (conv + recurrent state); one per running request,
+                   plus checkpoint slots (saved states) when prefix caching is on
 
 Dtypes are names ("float32", "bfloat16", ...) so this package never needs torch.
 """
@@ -129,15 +130,17 @@ class LinearStateSpec:
 
     `shapes[i]` and `dtypes[i]` describe the i-th state tensor of one slot. A new request's state
     must start at zero unless `starts_zeroed` is False (a layer that overwrites its whole state
-    before reading it).
+    before reading it). `chunk_size` is the kernel's chunk length: its state can be captured
+    exactly (and resumed bit-for-bit) only at positions that are multiples of it.
     """
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     starts_zeroed: bool = True
+    chunk_size: int = 1
 
     block_size: ClassVar[int] = 0  # a slot holds a whole sequence's state, not a fixed token count
-    supports_prefix_caching: ClassVar[bool] = False  # until state checkpoints exist
+    supports_prefix_caching: ClassVar[bool] = True  # through state checkpoints (kv/checkpoint_pool.py)
 
     def __post_init__(self) -> None:
         if not self.shapes or len(self.shapes) != len(self.dtypes):
@@ -147,6 +150,7 @@ class LinearStateSpec:
                 raise ValueError(f"state shapes must be tuples of positive integers, got {shape!r}")
         for dtype in self.dtypes:
             dtype_bytes(dtype)
+        _require_positive(chunk_size=self.chunk_size)
 
     @property
     def state_must_start_zeroed(self) -> bool:

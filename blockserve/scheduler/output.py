@@ -53,6 +53,10 @@ class SchedulerOutput:
     blocks_to_poison: dict[int, list[int]]  # poison mode only: fill with NaN, before the zero orders
     finished_request_ids: set[str]  # finished or aborted since the last step: drop their state
     preempted_request_ids: set[str]  # preempted this step: drop their state
+    # State groups (kv/pending.py): restores after the poison orders, before the zero orders;
+    # captures during the forward.
+    state_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # (checkpoint, running slot)
+    state_captures: dict[int, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # (position, slot)
 
     @property
     def is_empty(self) -> bool:
@@ -91,5 +95,6 @@ class SchedulerStats:
     kv_usage: list[float]  # per group
     prefix_cache_queries: int  # cumulative, tokens
     prefix_cache_hits: int  # cumulative, tokens
+    prefix_cache_state_lost_tokens: int  # cumulative: cached as attention KV, but no state checkpoint reached them
     num_preemptions: int  # cumulative
     num_scheduled_tokens: int  # this step

@@ -51,6 +51,7 @@ class Request:
         self.order_key: tuple = ()  # policy order, unique; set by the scheduler on add
         self.max_output_tokens = 0  # max_tokens, or what max_model_len leaves; set by the scheduler
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.state_lost_tokens = 0  # tokens cached as attention KV but not as a state checkpoint, then
         self.num_preemptions = 0
         self.stop_reason: int | None = None  # the stop token that ended it, if any
         self.error: str | None = None

@@ -138,6 +138,7 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
+                request.state_lost_tokens = hit.state_lost_tokens
             bisect.insort(self.running, request, key=lambda r: r.order_key)
             new.append(
                 NewRequestData(
@@ -154,10 +155,13 @@ class Scheduler:
             budget -= n
 
         num_scheduled, token_ids = {}, {}
+        checkpointing = self.kv.checkpointing
         for request, n in scheduled:
             start = request.num_computed_tokens
             num_scheduled[request.request_id] = n
             token_ids[request.request_id] = request.token_ids[start : start + n]
+            if checkpointing:
+                self.kv.plan_captures(request, start, n)
             request.num_computed_tokens = start + n  # KV written by the forward pass of this step
 
         pending = self.kv.take_pending()
@@ -172,6 +176,8 @@ class Scheduler:
             blocks_to_poison=pending.blocks_to_poison,
             finished_request_ids=finished,
             preempted_request_ids=preempted,
+            state_copies=pending.state_copies,
+            state_captures=pending.state_captures,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -285,6 +291,7 @@ class Scheduler:
             kv_usage=self.kv.usage(),
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            prefix_cache_state_lost_tokens=prefix.state_lost_tokens,
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=num_scheduled_tokens,
         )

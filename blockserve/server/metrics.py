@@ -12,6 +12,8 @@ rejections are observed as they happen.
                                                             waiting_tokens, draining)
     blockserve_kv_cache_usage_ratio{group}                  gauge, 0..1
     blockserve_prefix_cache_queries_total / _hits_total     counter, prompt tokens
+    blockserve_prefix_cache_state_lost_tokens_total         counter, prompt tokens cached as attention KV
+                                                            that no recurrent-state checkpoint reached
     blockserve_num_preemptions_total                        counter
     blockserve_prompt_tokens_total / _generation_tokens_total  counter
     blockserve_request_finished_total{finished_reason}      counter (stop, length, abort)
@@ -66,6 +68,9 @@ class _EngineStatsCollector(Collector):
         for name, doc, value in (
             ("blockserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("blockserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("blockserve_prefix_cache_state_lost_tokens",
+             "Prompt tokens whose attention KV was cached but that no recurrent-state checkpoint reached, "
+             "so they were computed again.", s.prefix_cache_state_lost_tokens),
             ("blockserve_num_preemptions", "Requests preempted to free KV cache.", s.num_preemptions),
         ):
             counter = CounterMetricFamily(name, doc, labels=labels)

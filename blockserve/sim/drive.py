@@ -28,6 +28,8 @@ class StreamResult:
     num_steps: int = 0
     num_preemptions: int = 0
     prefix_hits: int = 0
+    state_restores: int = 0  # checkpoint copies into running slots
+    state_captures: int = 0
 
 
 def build(
@@ -91,4 +93,6 @@ def run_stream(
     result.num_steps = step
     result.num_preemptions = scheduler.num_preemptions
     result.prefix_hits = scheduler.kv.prefix_cache_stats().hits
+    result.state_restores = runner.num_restores
+    result.state_captures = runner.num_captures
     return result

@@ -9,9 +9,14 @@ zero order, or nothing. It then fails (raises ShadowViolation) on
     block, another sequence's KV, or a prefix-cache hit whose content differs (C4);
   - a read of an unwritten slot that is neither this sequence's nor zeroed since allocation,
     by a group whose backend declares `reads_unwritten_slots` (C1); for a linear-state group,
-    a new request whose state slot is not zero;
+    a new request whose state slot is neither zero nor restored to exactly the state of the
+    prefix its hit claims (a copy from a checkpoint that holds another prefix, or was poisoned);
   - a write outside the request's blocks, into the null block, or into a block another
-    running request also holds.
+    running request also holds; a state capture outside the checkpoint slots, or at a
+    position the step does not compute.
+
+State checkpoints are shadow content too: a capture records the state tag of the position it
+claims, a copy order moves the tag, and poison orders (poison mode) leave POISON behind.
 
 Sampled tokens are derived from the content tag, so runs are reproducible and a run with
 prefix caching must produce exactly the tokens of the same run without it.
@@ -31,6 +36,7 @@ from blockserve.kv.specs import LinearStateSpec, SlidingWindowSpec
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 ZERO = "zero"
+POISON = "poison"
 _MASK = (1 << 61) - 1
 
 
@@ -66,6 +72,17 @@ class _SeqState:
         self._extend_tags()
 
 
+def shadow_continuation(token_ids: Sequence[int], num_tokens: int, vocab_size: int = 1000) -> list[int]:
+    """The `num_tokens` tokens a ShadowRunner samples after `token_ids` (for multi-turn streams
+    whose next prompt repeats the reply)."""
+    seq = _SeqState(list(token_ids), [])
+    out = []
+    for _ in range(num_tokens):
+        out.append(seq.tags[-1] % vocab_size)
+        seq.append(out[-1])
+    return out
+
+
 class ShadowRunner:
     def __init__(self, config: KVCacheConfig, reads_unwritten_slots: Sequence[bool], vocab_size: int = 1000):
         """`reads_unwritten_slots[g]` is what group g's backend declares (C1)."""
@@ -75,9 +92,11 @@ class ShadowRunner:
         self.slots: list[list[list]] = []
         for group in config.groups:
             width = 1 if group.is_state else group.spec.block_size
-            self.slots.append([[None] * width for _ in range(group.num_blocks)])
+            self.slots.append([[None] * width for _ in range(group.num_slots)])
         self.seqs: dict[str, _SeqState] = {}
         self.num_steps = 0
+        self.num_captures = 0
+        self.num_restores = 0
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -91,7 +110,17 @@ class ShadowRunner:
             seq = self._seq(cached.request_id)
             for table, ids in zip(seq.tables, cached.new_block_ids):
                 table.extend(ids)
-        # Zero orders are applied before the forward pass that may read the blocks.
+        # Poison, then restores, then zero orders, all before the forward pass that may read them.
+        for group_id, block_ids in out.blocks_to_poison.items():
+            for block_id in block_ids:
+                self.slots[group_id][block_id] = [POISON] * len(self.slots[group_id][block_id])
+        for group_id, pairs in out.state_copies.items():
+            self.num_restores += len(pairs)
+            for src, dst in pairs:
+                if src < self.config.groups[group_id].num_blocks or dst >= self.config.groups[group_id].num_blocks:
+                    raise ShadowViolation(f"group {group_id}: a restore must copy a checkpoint into a running slot, "
+                                          f"got {src} -> {dst}")
+                self.slots[group_id][dst] = list(self.slots[group_id][src])
         for group_id, block_ids in out.blocks_to_zero.items():
             for block_id in block_ids:
                 self.slots[group_id][block_id] = [ZERO] * len(self.slots[group_id][block_id])
@@ -109,7 +138,8 @@ class ShadowRunner:
                 raise ShadowViolation(f"request {rid}: scheduled tokens differ from the sequence's tokens")
             for group_id, group in enumerate(self.config.groups):
                 if group.is_state:
-                    self._run_state(group_id, rid, seq, start, n, holders)
+                    self._run_state(group_id, rid, seq, start, n, holders,
+                                    out.state_captures.get(group_id, {}).get(rid, ()))
                 else:
                     self._run_attention(group_id, rid, seq, start, n, holders)
             if start + n == len(seq.token_ids):
@@ -154,10 +184,12 @@ class ShadowRunner:
                         f"which holds {slots[block_id][offset]!r} and was not zeroed"
                     )
 
-    def _run_state(self, group_id: int, rid: str, seq: _SeqState, start: int, n: int, holders) -> None:
-        spec: LinearStateSpec = self.config.groups[group_id].spec
+    def _run_state(self, group_id: int, rid: str, seq: _SeqState, start: int, n: int, holders,
+                   captures) -> None:
+        group = self.config.groups[group_id]
+        spec: LinearStateSpec = group.spec
         table = seq.tables[group_id]
-        if len(table) != 1 or table[0] == NULL_BLOCK_ID:
+        if len(table) != 1 or table[0] == NULL_BLOCK_ID or table[0] >= group.num_blocks:
             raise ShadowViolation(f"request {rid}: group {group_id} needs exactly one state slot, has {table}")
         slot = self.slots[group_id][table[0]]
         if holders[group_id][table[0]] > 1:
@@ -168,6 +200,15 @@ class ShadowRunner:
                 f"request {rid}: group {group_id} state slot {table[0]} holds {slot[0]!r}, expected {expected!r}"
             )
         slot[0] = seq.state_tag(start + n)
+        for position, checkpoint in captures:
+            if not group.num_blocks <= checkpoint < group.num_slots:
+                raise ShadowViolation(f"request {rid}: group {group_id} captures into slot {checkpoint}, "
+                                      f"not a checkpoint slot")
+            if not start < position <= start + n or position % self.config.checkpoint_stride:
+                raise ShadowViolation(f"request {rid}: group {group_id} captures position {position}, off the "
+                                      f"stride or outside the step's tokens [{start}, {start + n})")
+            self.slots[group_id][checkpoint] = [seq.state_tag(position)]
+        self.num_captures += len(captures)
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import time
 import tracemalloc
 from dataclasses import dataclass
 
-from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
+from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec, SlidingWindowSpec
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler import Request, Scheduler, SchedulerConfig
 from blockserve.sim.drive import Arrival, build, run_stream
@@ -32,6 +32,7 @@ class SoakReport:
     traced_end_bytes: int
     rss_warm_bytes: int
     rss_end_bytes: int
+    checkpoint_restores: int = 0
 
     @property
     def traced_growth(self) -> int:
@@ -44,7 +45,8 @@ class SoakReport:
     def __str__(self) -> str:
         mib = 2**20
         return (
-            f"{self.num_requests} requests, {self.num_steps} steps; untraced half in {self.seconds:.1f} s\n"
+            f"{self.num_requests} requests, {self.num_steps} steps, {self.checkpoint_restores} state restores; "
+            f"untraced half in {self.seconds:.1f} s\n"
             f"RSS over the untraced half: {self.rss_warm_bytes / mib:.1f} -> {self.rss_end_bytes / mib:.1f} MiB "
             f"(growth {self.rss_growth / 1024:+.1f} KiB)\n"
             f"tracemalloc over the traced half, after its warm-up: {self.traced_warm_bytes / 1024:.1f} -> "
@@ -70,14 +72,23 @@ def assert_buffers_drained(scheduler: Scheduler) -> None:
     for manager in scheduler.kv.coordinator.managers:
         assert set(manager.req_blocks) <= live, "a KV manager keeps blocks of a finished request"
         assert set(manager.num_cached) <= live, "a KV manager keeps cache counts of a finished request"
+    for manager in coordinator.state_managers:
+        assert not manager.pins(), "checkpoint pins survived schedule()"
+        assert set(manager._capturing) | set(manager._spare) <= live, "a state manager keeps a finished request's checkpoints"
+    assert set(scheduler.kv._plans) <= live, "capture plans of finished requests leak"
 
 
-def soak(num_requests: int, per_step: int = 16, warmup: int = 2000, seed: int = 0) -> SoakReport:
+def soak(num_requests: int, per_step: int = 16, warmup: int = 2000, seed: int = 0, hybrid: bool = False) -> SoakReport:
+    """`hybrid`: full attention plus a recurrent-state group with 32 checkpoint slots (stride 16),
+    instead of full plus sliding-window attention."""
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64)
-    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, sliding_window=32)
-    kv_config = KVCacheConfig(
-        (KVCacheGroup(spec, 257, True, ("full",)), KVCacheGroup(window, 257, True, ("sliding",)))
-    )
+    if hybrid:
+        state = LinearStateSpec(shapes=((8, 3), (2, 8, 8)), dtypes=("float32", "float32"), chunk_size=16)
+        second = KVCacheGroup(state, 65, True, ("state",), num_checkpoints=32)
+    else:
+        window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, sliding_window=32)
+        second = KVCacheGroup(window, 257, True, ("sliding",))
+    kv_config = KVCacheConfig((KVCacheGroup(spec, 257, True, ("full",)), second))
     sched_config = SchedulerConfig(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=1024)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(32000) for _ in range(rng.randrange(8, 40))] for _ in range(8)]
@@ -88,7 +99,7 @@ def soak(num_requests: int, per_step: int = 16, warmup: int = 2000, seed: int = 
             request = Request(f"req-{start + i}", tokens, SamplingParams(max_tokens=1), arrival_time=float(start + i))
             yield Arrival(i // per_step, request)
 
-    scheduler, runner = build(kv_config, sched_config, (True, True), vocab_size=32000)
+    scheduler, runner = build(kv_config, sched_config, (True, not hybrid), vocab_size=32000)
 
     def run(start: int, count: int) -> int:
         return run_stream(
@@ -116,15 +127,17 @@ def soak(num_requests: int, per_step: int = 16, warmup: int = 2000, seed: int = 
     tracemalloc.stop()
     scheduler.assert_idle()
     assert not runner.seqs, "the runner still holds requests"
-    return SoakReport(num_requests, steps, seconds, traced_warm, traced_end, rss_warm, rss_end)
+    return SoakReport(num_requests, steps, seconds, traced_warm, traced_end, rss_warm, rss_end,
+                      scheduler.kv.prefix_cache_stats().checkpoint_restores)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--max-growth-mib", type=float, default=1.0)
+    parser.add_argument("--hybrid", action="store_true", help="attention + recurrent state with checkpoints")
     args = parser.parse_args(argv)
-    report = soak(args.requests)
+    report = soak(args.requests, hybrid=args.hybrid)
     print(report)
     ok = max(report.traced_growth, report.rss_growth) < args.max_growth_mib * 2**20
     print("PASS" if ok else f"FAIL: memory grew by more than {args.max_growth_mib} MiB")

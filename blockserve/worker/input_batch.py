@@ -45,6 +45,9 @@ class StepInputs:
     layout: BatchLayout
     sample_ids: list[str]  # requests that sample a token this step
     logits_indices: torch.Tensor  # [len(sample_ids)]: each one's last token in the batch
+    # Per state group, (running slot, checkpoint slot): captures at the end of a segment, done
+    # after the forward as copies (those inside a segment are in the metadata's `captures`).
+    end_captures: dict[int, list[tuple[int, int]]]
 
 
 class InputBatch:
@@ -97,9 +100,19 @@ class InputBatch:
         input_ids = torch.tensor([t for rid in order for t in out.scheduled_token_ids[rid]], dtype=torch.int64)
         rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
         metadata: list[AttentionMetadata | StateMetadata] = []
-        for group, table in zip(self.kv_config.groups, self.tables):
+        end_captures: dict[int, list[tuple[int, int]]] = {}
+        for group_id, (group, table) in enumerate(zip(self.kv_config.groups, self.tables)):
             if group.is_state:
-                metadata.append(StateMetadata(layout, table[rows, 0]))
+                slots = table[rows, 0]
+                inside: dict[int, list[tuple[int, int]]] = {}
+                for rid, captures in out.state_captures.get(group_id, {}).items():
+                    i = order.index(rid)
+                    for position, slot in captures:
+                        if position == layout.seq_lens[i]:
+                            end_captures.setdefault(group_id, []).append((int(slots[i]), slot))
+                        else:
+                            inside.setdefault(i, []).append((position, slot))
+                metadata.append(StateMetadata(layout, slots, inside))
                 continue
             window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
             metadata.append(AttentionMetadata.build(layout, table[rows], group.spec.block_size, window))
@@ -110,4 +123,4 @@ class InputBatch:
                 sample_ids.append(rid)
                 logits_indices.append(layout.query_start[i + 1] - 1)
         return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
-                          torch.tensor(logits_indices, dtype=torch.int64))
+                          torch.tensor(logits_indices, dtype=torch.int64), end_captures)

@@ -3,7 +3,8 @@ holding all the group's layers, so a zero order is one indexed fill per tensor.
 
     attention group  [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_size]
     MLA group        [layers, num_blocks, block_size, kv_lora_rank + rope_dim]
-    state group      one tensor per state component: [layers, num_slots, *shape]
+    state group      one tensor per state component: [layers, num_slots, *shape], the running
+                     slots followed by the checkpoint slots
 
 Block (slot) 0 is the null block: zero from the start, never zeroed, poisoned or written.
 """
@@ -33,7 +34,7 @@ class KVCacheTensors:
         self.tensors: list[list[torch.Tensor]] = []  # per group, its tensors
         self.block_dims: list[int] = []  # per group, the dimension indexed by block id
         for group in config.groups:
-            spec, layers, n = group.spec, max(1, len(group.layer_names)), group.num_blocks
+            spec, layers, n = group.spec, max(1, len(group.layer_names)), group.num_slots
             if isinstance(spec, LinearStateSpec):
                 tensors = [torch.zeros(layers, n, *s, dtype=TORCH_DTYPES[d], device=device)
                            for s, d in zip(spec.shapes, spec.dtypes)]
@@ -50,7 +51,7 @@ class KVCacheTensors:
             self.block_dims.append(block_dim)
         if config.poison_freed_blocks:  # every block starts as garbage, as after a long uptime
             for group_id, group in enumerate(config.groups):
-                self.poison_blocks(group_id, range(1, group.num_blocks))
+                self.poison_blocks(group_id, range(1, group.num_slots))
 
     def zero_blocks(self, group_id: int, block_ids) -> None:
         """C1: zero the given blocks of every layer of the group, one indexed fill per tensor."""
@@ -59,6 +60,16 @@ class KVCacheTensors:
     def poison_blocks(self, group_id: int, block_ids) -> None:
         """Poison mode: fill the given blocks with NaN so that any read of them shows."""
         self._fill(group_id, block_ids, float("nan"))
+
+    def copy_slots(self, group_id: int, pairs) -> None:
+        """State groups: copy slot `src` into slot `dst` in every layer, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = (torch.as_tensor(ids, dtype=torch.int64) for ids in zip(*pairs))
+        if bool((dst == 0).any()):
+            raise ValueError(f"group {group_id}: the null slot must never be written")
+        for tensor in self.tensors[group_id]:
+            tensor[:, dst.to(tensor.device)] = tensor[:, src.to(tensor.device)]
 
     def _fill(self, group_id: int, block_ids, value: float) -> None:
         index = torch.as_tensor(list(block_ids), dtype=torch.int64)

@@ -1,7 +1,8 @@
-"""Executes one SchedulerOutput: poison and zero orders first, one forward pass over the
-flattened batch (prefill chunks and decodes together), then sampling.
+"""Executes one SchedulerOutput: poison, state-restore copies and zero orders first, one
+forward pass over the flattened batch (prefill chunks and decodes together, capturing state
+checkpoints), then sampling.
 
-    SchedulerOutput ─► update rows ─► poison, zero (C1) ─► prepare inputs ─► model ─► sampler
+    SchedulerOutput ─► update rows ─► poison, copy, zero (C1) ─► prepare inputs ─► model ─► sampler
                                                                                        │
                                                       ModelRunnerOutput (tokens, logprobs) ◄┘
 """
@@ -55,6 +56,8 @@ class ModelRunner:
         self.batch.update(out)
         for group_id, block_ids in out.blocks_to_poison.items():
             self.kv.poison_blocks(group_id, block_ids)
+        for group_id, pairs in out.state_copies.items():
+            self.kv.copy_slots(group_id, pairs)
         for group_id, block_ids in out.blocks_to_zero.items():
             self.kv.zero_blocks(group_id, block_ids)
         t1 = time.perf_counter()
@@ -65,6 +68,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         ctx = ForwardContext(self.layer_caches, inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        for group_id, pairs in inputs.end_captures.items():
+            self.kv.copy_slots(group_id, pairs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_ids else None
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {rid: [] for rid in inputs.request_ids}

@@ -18,7 +18,8 @@ from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 # The engine flags as `add_engine_args` wrote them out by hand, before they were generated.
 ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory", "--max-num-seqs",
                 "--max-num-batched-tokens", "--no-prefix-caching", "--attention-backend", "--kv-cache-dtype",
-                "--num-threads", "--poison", "--no-quantized-matmul"}
+                "--num-threads", "--poison", "--no-quantized-matmul", "--state-checkpoint-share",
+                "--state-checkpoint-interval", "--state-checkpoint-savings-weight"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",

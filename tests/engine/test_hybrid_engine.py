@@ -1,9 +1,8 @@
 """Tiny random hybrid models (Qwen3-Next: Gated DeltaNet; Granite 4.0-H: Mamba2) through the whole
 engine (LLM.generate) against transformers, and the C1 multi-epoch poison scenario.
 
-Batched, with prefix caching on (no hits: a model with state groups has none until state
-checkpoints exist) and off, chunked prefill forced by a small token budget, and preemption forced
-by a small KV cache. The poison scenario runs the same 16 prompts three times through one engine
+Batched, with prefix caching on (the second pass restores state checkpoints) and off, chunked
+prefill forced by a small token budget, and preemption forced by a small KV cache. The poison scenario runs the same 16 prompts three times through one engine
 whose free blocks and state slots are NaN and recycled: with the derived zero flags every epoch
 equals transformers; with zeroing disabled, a recycled slot's stale state corrupts later epochs.
 
@@ -76,7 +75,9 @@ def test_engine_matches_transformers(hybrid, scenario):
         assert scheduler.num_preemptions > 0
     if scenario == "prefix-caching":
         assert_greedy_parity(generate(llm), expected)  # shared prefixes, a second pass
-        assert scheduler.kv.prefix_cache_stats().hits == 0  # state groups: no prefix hits
+        stats = scheduler.kv.prefix_cache_stats()
+        if llm.engine.core.kv_config.checkpoint_stride <= 13:  # Granite's 8-token scan chunks: these prompts hit
+            assert stats.hits > 0 and stats.checkpoint_restores > 0, stats
     scheduler.assert_idle()
 
 

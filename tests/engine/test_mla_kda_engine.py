@@ -89,8 +89,8 @@ def test_engine_matches_transformers(tiny, backend, scenario, caplog):
                   check_integrity=True, **options)
     has_state = any(g.is_state for g in llm.engine.core.kv_config.groups)
     assert has_state == (name == "kimi_linear")
-    warnings = [r for r in caplog.records if "report no prefix hits" in r.getMessage()]
-    assert len(warnings) == (1 if has_state and llm.engine.config.enable_prefix_caching else 0)
+    no_room = [r for r in caplog.records if "no prefix hits" in r.getMessage()]
+    assert len(no_room) == (has_state and scenario == "preemption")  # the small cache leaves no room for checkpoints
     assert_greedy_parity(generate(llm, prompts()), reference)
     scheduler = llm.engine.core.scheduler
     if scenario == "preemption":
@@ -98,7 +98,9 @@ def test_engine_matches_transformers(tiny, backend, scenario, caplog):
     if scenario == "prefix-caching":
         assert_greedy_parity(generate(llm, prompts()), reference)  # the second pass may be served from the cache
         hits = scheduler.kv.prefix_cache_stats().hits
-        assert hits == 0 if has_state else hits > 0  # no hits until state checkpoints exist
+        # Kimi's state checkpoints sit every 64 tokens (KDA's chunk), past these prompts' ends;
+        # tests/engine/test_hybrid_prefix_caching.py has Kimi hits.
+        assert hits == 0 if has_state else hits > 0
     scheduler.assert_idle()
 
 

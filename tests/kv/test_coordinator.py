@@ -78,7 +78,7 @@ def test_groups_with_different_block_sizes_hit_a_multiple_of_both():
     assert n == 32
 
 
-def test_a_linear_state_group_means_no_hit():
+def test_a_linear_state_group_without_checkpoint_slots_means_no_hit():
     coordinator = coordinator_with(mla(4), state())
     n, hits, _ = find_hit(coordinator, [range(16), ()], max_tokens=63)
     assert n == 0 and hits == [[], []]

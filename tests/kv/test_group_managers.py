@@ -4,7 +4,8 @@ import pytest
 
 from blockserve.kv import BlockHashChain, PendingWork
 from blockserve.kv.block_pool import BlockPool
-from blockserve.kv.group_managers import make_group_manager
+from blockserve.kv.group_managers import make_attention_manager
+from blockserve.kv.state_manager import LinearStateManager
 from blockserve.kv.specs import cdiv
 from tests.kv.conftest import decode, full, make_manager, mla, new_req, plant, prefill, sliding, state
 
@@ -13,7 +14,7 @@ SALTED = BlockHashChain([4], cache_salt="other").get(4, list(range(40)))
 
 
 def group_manager(spec, num_blocks=16):
-    return make_group_manager(spec, BlockPool(num_blocks, 0, PendingWork(), False))
+    return make_attention_manager(spec, BlockPool(num_blocks, 0, PendingWork(), False))
 
 
 def ids(blocks):
@@ -44,8 +45,8 @@ def test_a_sliding_run_reaching_the_first_block_is_a_hit_even_if_shorter_than_th
     assert m.find_longest_hit(HASHES, 40) == [planted[0], planted[1]]
 
 
-def test_linear_state_has_no_hit_and_one_slot():
-    m = group_manager(state())
+def test_linear_state_without_checkpoints_has_no_hit_and_one_slot():
+    m = LinearStateManager(state(), BlockPool(16, 0, PendingWork(), False), None, 4)
     plant(m.pool, HASHES, [0])
     assert m.find_longest_hit(HASHES, 40) == []
     assert [m.table_len(n) for n in (0, 1, 1000)] == [0, 1, 1]

@@ -71,7 +71,7 @@ def test_registry_and_specs(tiny):
         assert set(specs.values()) == {mla}
     else:
         h, d, k = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
-        state = LinearStateSpec(((3 * h * d, k - 1), (h, d, d)), ("float32", "float32"))
+        state = LinearStateSpec(((3 * h * d, k - 1), (h, d, d)), ("float32", "float32"), chunk_size=64)  # KDA's chunk
         assert [specs[f"model.layers.{i}.self_attn"] for i in range(4)] == [state, mla, state, mla]
         assert state.state_must_start_zeroed
     declared = {m.layer_name: m for m in model.modules() if hasattr(m, "reads_unwritten_slots")}

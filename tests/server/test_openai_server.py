@@ -332,9 +332,11 @@ def test_metrics_parse_with_prometheus_parser(server, client):
     m = wait_idle(server)
     for name in ("blockserve_num_requests_running", "blockserve_num_requests_waiting",
                  "blockserve_kv_cache_usage_ratio{group=0}", "blockserve_prefix_cache_queries_total",
-                 "blockserve_prefix_cache_hits_total", "blockserve_num_preemptions_total"):
+                 "blockserve_prefix_cache_hits_total", "blockserve_num_preemptions_total",
+                 "blockserve_prefix_cache_state_lost_tokens_total"):
         assert name in m, name
     assert m["blockserve_prefix_cache_queries_total"] >= m["blockserve_prefix_cache_hits_total"] >= 0
+    assert m["blockserve_prefix_cache_state_lost_tokens_total"] == 0  # SmolLM2: no recurrent state
     assert m["blockserve_prefix_cache_queries_total"] > 0
     assert m["blockserve_prompt_tokens_total"] > 0 and m["blockserve_generation_tokens_total"] > 0
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):

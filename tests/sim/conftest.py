@@ -18,12 +18,16 @@ LAYOUTS = {
 }
 
 
-def kv_config(layout: str, num_blocks: int, prefix_caching: bool = True, zeroing: bool = True) -> KVCacheConfig:
-    """A config whose zero flags are derived (C1), or forced off with `zeroing=False`."""
+def kv_config(layout: str, num_blocks: int, prefix_caching: bool = True, zeroing: bool = True,
+              num_checkpoints: int = 6, poison: bool = False, savings_weight: float = 0.0) -> KVCacheConfig:
+    """A config whose zero flags are derived (C1), or forced off with `zeroing=False`; state
+    groups get `num_checkpoints` checkpoint slots when prefix caching is on."""
     specs, reads = LAYOUTS[layout]
     groups = tuple(
         KVCacheGroup(spec, num_blocks if not isinstance(spec, LinearStateSpec) else 9,
-                     zeroing and zero_new_blocks(spec, r), ("layer",))
+                     zeroing and zero_new_blocks(spec, r), ("layer",),
+                     num_checkpoints if isinstance(spec, LinearStateSpec) and prefix_caching else 0)
         for spec, r in zip(specs, reads)
     )
-    return KVCacheConfig(groups, enable_prefix_caching=prefix_caching)
+    return KVCacheConfig(groups, enable_prefix_caching=prefix_caching, poison_freed_blocks=poison,
+                         checkpoint_savings_weight=savings_weight)

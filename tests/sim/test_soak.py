@@ -28,3 +28,12 @@ def test_the_soak_catches_a_manager_that_forgets_to_drop_a_finished_request(monk
     monkeypatch.setattr(FullAttentionManager, "free", leaky_free)
     with pytest.raises(AssertionError, match="cache counts of a finished request"):
         soak(200, warmup=100)
+
+
+def test_a_hybrid_model_with_state_checkpoints_leaves_nothing_behind():
+    """The same C2 soak over attention + recurrent state: captures, restores and evictions of
+    checkpoints every step, and still nothing accumulates."""
+    report = soak(5_000, warmup=1000, hybrid=True)
+    assert report.checkpoint_restores > 1000, str(report)
+    assert report.traced_growth < 2**20, str(report)
+    assert report.rss_growth < 2**20, str(report)
