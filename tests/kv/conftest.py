@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockserve.kv.block_pool import Block
 from blockserve.kv import (
     BlockHashChain,
     ComputedBlocks,
@@ -34,10 +35,12 @@ def state(starts_zeroed: bool = True) -> LinearStateSpec:
 
 
 def make_manager(*groups: tuple, caching: bool = True, poison: bool = False) -> KVCacheManager:
-    """A manager over `(spec, num_blocks)` or `(spec, num_blocks, zero_new_blocks)` groups."""
+    """A manager over `(spec, num_blocks)`, `(spec, num_blocks, zero_new_blocks)` or, for a
+    state group, `(spec, num_blocks, zero_new_blocks, num_checkpoints)` groups."""
     return KVCacheManager(
         KVCacheConfig(
-            tuple(KVCacheGroup(g[0], g[1], g[2] if len(g) > 2 else False) for g in groups),
+            tuple(KVCacheGroup(g[0], g[1], g[2] if len(g) > 2 else False, (), g[3] if len(g) > 3 else 0)
+                  for g in groups),
             enable_prefix_caching=caching,
             poison_freed_blocks=poison,
         )
@@ -83,7 +86,8 @@ def decode(manager: KVCacheManager, req: Req, token: int) -> list[list[int]] | N
 
 
 def hit_ids(hit: ComputedBlocks) -> list[list[int]]:
-    return [[b.block_id for b in group] for group in hit.blocks]
+    """Per group, the block ids a hit hands out (none for a state group: it restores a checkpoint)."""
+    return [[b.block_id for b in group] if group and isinstance(group[0], Block) else [] for group in hit.blocks]
 
 
 def snapshot(manager: KVCacheManager) -> tuple:

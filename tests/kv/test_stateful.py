@@ -12,7 +12,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from blockserve.kv import NULL_BLOCK_ID, SlidingWindowSpec
+from blockserve.kv import NULL_BLOCK_ID, LinearStateSpec, SlidingWindowSpec
 from blockserve.kv.specs import cdiv
 from tests.kv.conftest import Req, compute, full, hit_ids, make_manager, mla, new_req, sliding, snapshot, state
 
@@ -42,6 +42,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tables: dict[str, list[list[int]]] = {}  # admitted requests only
         self.given = [[] for _ in self.GROUPS]  # newly given blocks since the last take_pending
         self.written = [{} for _ in self.GROUPS]  # block id -> (salt, the prefix it completes)
+        self.captured = [{} for _ in self.GROUPS]  # state groups: checkpoint slot -> (salt, the prefix whose state it holds)
+        self.restored: list[list[tuple[int, int]]] = [[] for _ in self.GROUPS]  # copy orders since the last take
         self.cached_ids = [{} for _ in self.GROUPS]  # block id -> its hash, at the last take_pending
         self.garbage = [self.free_uncached(pool) for pool in self.pools]  # free and uncached at the last take
         self.num_added = 0
@@ -65,6 +67,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         assert self.manager.caching_possible
         for g, (spec, blocks) in enumerate(zip(self.specs, hit.blocks)):
+            if isinstance(spec, LinearStateSpec):  # one checkpoint, holding exactly this prefix's state
+                (checkpoint,) = blocks
+                assert checkpoint.position == hit.num_tokens and hit.num_tokens % self.manager.stride == 0
+                assert self.captured[g][checkpoint.slot] == (self.salts[req.request_id],
+                                                             tuple(req.token_ids[: hit.num_tokens]))
+                event("admit: state restored")
+                continue
             assert len(blocks) * spec.block_size == hit.num_tokens
             if isinstance(spec, SlidingWindowSpec):  # the window before the first computed token
                 first_seen = max(0, hit.num_tokens - spec.sliding_window + 1) // spec.block_size
@@ -79,6 +88,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         must be in the prefix cache (C4), under its own id or a twin's holding the same prefix."""
         req = self.requests[rid]
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
+        self.manager.plan_captures(req, start, num_tokens)
+        for g, by_request in self.manager._pending.state_captures.items():
+            for position, slot in by_request.get(rid, ()):
+                assert start < position <= end
+                self.captured[g][slot] = (self.salts[rid], tuple(req.token_ids[:position]))
         filled = []
         for g, spec in enumerate(self.specs):
             for i in range(start // spec.block_size, end // spec.block_size) if spec.block_size else ():
@@ -145,6 +159,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         for g, (got, from_hit) in enumerate(zip(ids, hit_ids(hit))):
             assert got[: len(from_hit)] == from_hit
+            if isinstance(self.specs[g], LinearStateSpec) and hit.blocks[g]:
+                self.restored[g].append((hit.blocks[g][0].slot, got[0]))  # restored: copied, not zeroed (C1)
+                continue
             self.given[g] += got[len(from_hit) :]
         self.tables[rid] = ids
         req.num_computed_tokens = hit.num_tokens
@@ -204,6 +221,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         assert all(not pool.cached for pool in self.pools)
         self.written = [{} for _ in self.specs]
+        self.captured = [{} for _ in self.specs]
 
     # -- after every rule ------------------------------------------------------------------------
 
@@ -218,6 +236,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.manager.pending_is_empty()
         flagged = [g for g, group in enumerate(self.GROUPS) if group[2]]
         assert pending.blocks_to_zero == {g: self.given[g] for g in flagged if self.given[g]}
+        assert pending.state_copies == {g: r for g, r in enumerate(self.restored) if r}
+        self.restored = [[] for _ in self.specs]
         evicted = self.evicted_since_last_take()
         self.check_poison_orders(pending.blocks_to_poison, evicted)
         self.given = [[] for _ in self.specs]
@@ -271,7 +291,7 @@ class FullAndSlidingWindow(KVCacheMachine):
 
 
 class MLAAndLinearState(KVCacheMachine):
-    GROUPS = ((mla(4), 10, False), (state(), 4, True))
+    GROUPS = ((mla(4), 10, False), (state(), 4, True, 3))  # 3 checkpoint slots, stride 4
     POISON = False
 
 
