@@ -134,7 +134,9 @@ def _load(name: str, flags: tuple[str, ...]):
 
 
 def _build_key(name: str, extra_flags: tuple[str, ...]) -> str:
-    """Sources, flags and CPU identity: a cached build is reused only where it was compiled for."""
+    """Sources, flags, CPU identity, and where the sources and torch live: a cached build is
+    reused only where it was compiled for, and two checkouts (or venvs) on one machine do not
+    rebuild over each other's build directory."""
     flags = ""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -142,4 +144,5 @@ def _build_key(name: str, extra_flags: tuple[str, ...]) -> str:
         pass
     identity = b"".join(p.read_bytes() for p in (_CSRC / f"{name}.cpp", _CSRC / "fast_exp.h"))
     identity += platform.machine().encode() + flags.encode() + " ".join(extra_flags).encode()
+    identity += str(_CSRC.resolve()).encode() + torch.__file__.encode()
     return hashlib.sha256(identity).hexdigest()[:12]
