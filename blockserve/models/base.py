@@ -7,6 +7,11 @@ A family subclass validates its config, builds its `model` (which holds `embed_t
 declares its `checkpoint` layout (weights.py); the shell owns the rest. The batch is flattened
 (no batch dimension); each KV layer finds its cache slice and metadata in the ForwardContext.
 Parameters are created on the meta device; `load_weights` materialises them.
+
+Tensor parallelism (`placement.tp` set): a family that declares `supports_tensor_parallel` builds
+its layers sharded (distributed/parallel_layers.py); the lm_head (or the tied, vocab-parallel
+embedding) computes each rank's vocabulary rows and gathers the logits to rank 0, so
+`compute_logits` returns None on the other ranks. A family that does not is refused here.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.context import ForwardContext
+from blockserve.distributed.parallel_layers import ParallelLMHead, gather_vocab_logits
 from blockserve.kv.specs import KVCacheSpec
 from blockserve.models.placement import Placement
 from blockserve.models.weights import CheckpointLayout, load_checkpoint
@@ -30,9 +36,19 @@ class CausalLM(nn.Module):
     with tanh (Gemma)."""
 
     checkpoint: ClassVar[CheckpointLayout] = CheckpointLayout()
+    supports_tensor_parallel: ClassVar[bool] = False  # the family shards its layers over placement.tp
+
+    @classmethod
+    def check_tensor_parallel(cls, tp_size: int) -> None:
+        """ValueError unless this family can be served over `tp_size` ranks (before anything is built)."""
+        if tp_size > 1 and not cls.supports_tensor_parallel:
+            raise ValueError(f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size="
+                             f"{tp_size}); serve it with tensor_parallel_size=1. Families that do: the Llama "
+                             "family (Llama, Mistral, Qwen2, Qwen3, SmolLM2), Gemma 3 and DeepSeek-V3")
 
     def __init__(self, hf_config, model: nn.Module, placement: Placement, *, logits_scaling: float = 1.0,
                  final_logit_softcapping: float | None = None):
+        type(self).check_tensor_parallel(1 if placement.tp is None else placement.tp.size)
         super().__init__()
         self.config = hf_config
         self.placement = placement
@@ -42,7 +58,9 @@ class CausalLM(nn.Module):
         self.model = model
         if not self.tie_word_embeddings:
             with torch.device("meta"):
-                self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+                self.lm_head = (nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+                                if placement.tp is None else
+                                ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, placement.tp))
         # The tied lm_head over the GGUF's blocks of the embedding (models/quantized_linear.py), if any.
         self.quantized_lm_head: nn.Module | None = None
 
@@ -51,9 +69,17 @@ class CausalLM(nn.Module):
         Positions must be below max_position_embeddings."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
-        if self.quantized_lm_head is not None:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (tensor-parallel: on rank 0;
+        None on the others, after taking part in the gather)."""
+        tp = self.placement.tp
+        if tp is not None:
+            logits = (self.lm_head(hidden) if not self.tie_word_embeddings else
+                      gather_vocab_logits(F.linear(hidden, self.model.embed_tokens.weight).float(),
+                                          self.config.vocab_size, tp))
+            if logits is None:
+                return None
+        elif self.quantized_lm_head is not None:
             logits = self.quantized_lm_head(hidden)  # float32 by construction
         elif self.tie_word_embeddings:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()

@@ -13,6 +13,9 @@ times mscale^2 under YaRN. Routing: sigmoid scores, bias-corrected, group-limite
 Not supported: DeepSeek-V3's fp8 checkpoints (`weight_scale_inv`) — dequantise to bf16/fp32
 first — and its multi-token-prediction layer, whose weights (layers past num_hidden_layers) are
 ignored as transformers ignores them.
+
+Tensor-parallel (placement.tp): MLA heads sharded, the latent cache whole on every rank
+(mla_block.py); the MLPs and every expert sharded by intermediate size (moe.py); the vocabulary split.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.distributed.parallel_layers import vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, RMSNorm, require_activation
 from blockserve.models.mla_block import MLABlock
@@ -52,7 +56,8 @@ class DeepseekV3DecoderLayer(nn.Module):
                                   scale=yarn_softmax_scale(config))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         dense = layer_idx < config.first_k_dense_replace
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size) if dense else DeepseekMoE(config)
+        tp = placement.tp
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp) if dense else DeepseekMoE(config, tp)
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
@@ -64,7 +69,7 @@ class DeepseekV3Model(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim, placement)  # computed here, not loaded
         with torch.device("meta"):  # weights: materialised by load_weights
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, placement.tp)
             self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, attention_backend_cls, placement)
                                         for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -82,6 +87,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     before use. The attention backend's name picks the MLA flavour (exact / whole_block)."""
 
     checkpoint = CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore_layers_past_config=True)
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
         require_activation(hf_config, "silu", "DeepSeek-V3")

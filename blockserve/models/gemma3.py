@@ -23,6 +23,8 @@ the paged backends' convention, so the config's window is used unchanged.
 
 Attention logit soft-capping (Gemma 2's `attn_logit_softcapping`) is not implemented by the
 paged backends: a config that sets it is rejected rather than served wrongly.
+
+Tensor-parallel (placement.tp): sharded as the Llama family is (heads, intermediate size, vocabulary).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.distributed.parallel_layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, OffsetRMSNorm, require_activation
 from blockserve.models.placement import Placement
@@ -74,14 +77,17 @@ class GemmaRotary(nn.Module):
 class Gemma3Attention(nn.Module):
     def __init__(self, config, layer_idx: int, head_dim: int, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = placement.tp
+        bias = bool(config.attention_bias)
+        self.qkv_proj = qkv_linear(config.hidden_size, head_dim, config.num_attention_heads,
+                                   config.num_key_value_heads, tp, bias=bias)
+        self.num_heads = config.num_attention_heads // (1 if tp is None else tp.size)  # this rank's
+        self.num_kv_heads = local_kv_heads(config.num_key_value_heads, tp)
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        bias = bool(config.attention_bias)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = row_linear(config.num_attention_heads * head_dim, config.hidden_size, tp, bias=bias,
+                                 what="num_attention_heads * head_dim")
         self.q_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
         window = config.sliding_window if config.layer_types[layer_idx] == SLIDING else None
@@ -107,7 +113,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_idx, head_dim, backend_cls, placement)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, activation="gelu_pytorch_tanh")
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, activation="gelu_pytorch_tanh",
+                            tp=placement.tp)
         self.post_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -125,7 +132,7 @@ class Gemma3TextModel(nn.Module):
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5, dtype=placement.dtype,
                                                          device=placement.device), persistent=False)
         with torch.device("meta"):  # weights: materialised by load_weights
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, placement.tp)
             self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, head_dim, backend_cls, placement)
                                         for i in range(config.num_hidden_layers))
             self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -144,6 +151,7 @@ class Gemma3ForCausalLM(CausalLM):
     transformers' mask), global layers full attention: two specs, hence two KV groups."""
 
     checkpoint = CheckpointLayout(fused=(QKV, GATE_UP))
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
         _validate(hf_config)

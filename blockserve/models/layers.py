@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.native import fused_ops
+from blockserve.distributed.group import TensorParallelGroup
+from blockserve.distributed.parallel_layers import merged_column_linear, row_linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -91,12 +93,14 @@ class GatedRMSNorm(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate) * up), with gate | up from one projection `gate_up_proj` [2I, H]; silu runs
-    as one native pass (silu_and_mul) when the fused ops are built."""
+    as one native pass (silu_and_mul) when the fused ops are built. With a tensor-parallel group
+    `tp`, gate_up is column-parallel (this rank's I/N of each) and down row-parallel (one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
+                 tp: TensorParallelGroup | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = merged_column_linear(hidden_size, (intermediate_size, intermediate_size), tp, bias=bias)
+        self.down_proj = row_linear(intermediate_size, hidden_size, tp, bias=bias, what="intermediate_size")
         self.activation = ACTIVATIONS[activation]
         self.fused = fused_ops() if activation == "silu" else None
 

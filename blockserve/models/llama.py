@@ -12,6 +12,9 @@ One decoder serves them all; the variants differ only in what the config switche
 Each residual add is fused into the norm that follows it; with the native fused ops
 (attention/native.py) the norm+add, the rotary embedding and silu*up are one pass each.
 Q/K/V and gate/up are fused, one matmul each.
+
+Tensor-parallel (placement.tp): q heads, kv heads (replicated when N > num_key_value_heads) and
+the intermediate size sharded by rank, o_proj and down_proj row-parallel, the vocabulary split.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
 from blockserve.attention.native import fused_ops
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.distributed.parallel_layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, RMSNorm, require_activation
 from blockserve.models.placement import Placement
@@ -41,15 +45,18 @@ def _sliding_window_active(config) -> bool:
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, head_dim: int, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = placement.tp
+        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias = attention_bias or config.model_type == "qwen2"
+        self.qkv_proj = qkv_linear(config.hidden_size, head_dim, config.num_attention_heads,
+                                   config.num_key_value_heads, tp, bias=qkv_bias)
+        self.num_heads = config.num_attention_heads // (1 if tp is None else tp.size)  # this rank's
+        self.num_kv_heads = local_kv_heads(config.num_key_value_heads, tp)
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        attention_bias = getattr(config, "attention_bias", False)
-        qkv_bias = attention_bias or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias)
+        self.o_proj = row_linear(config.num_attention_heads * head_dim, config.hidden_size, tp, bias=attention_bias,
+                                 what="num_attention_heads * head_dim")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -83,7 +90,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, head_dim, backend_cls, placement)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False),
+                            tp=placement.tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +110,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(config, head_dim, placement)  # computed here, not loaded
         with torch.device("meta"):  # weights: materialised by load_weights
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, placement.tp)
             self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, head_dim, backend_cls, placement)
                                         for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -119,6 +127,7 @@ class LlamaForCausalLM(CausalLM):
     """`LlamaForCausalLM(hf_config, attention_backend_cls[, placement])`; call `load_weights` before use."""
 
     checkpoint = CheckpointLayout(fused=(QKV, GATE_UP))
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
         require_activation(hf_config, "silu", "the Llama family")

@@ -9,6 +9,10 @@
     <cache>/gguf-<stem>-<key>/      key: hash of the GGUF's absolute path, size and mtime
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
 
+Tensor parallelism: with a `placement` whose `tp` group is set, this rank builds and loads only its
+shard (each checkpoint tensor is narrowed as it is read, models/weights.py); the GGUF's blocks are
+not sharded, so a GGUF is served from its float32 weights only (quantized_matmul=False).
+
 A cache entry is written in a temporary directory and renamed into place, so one that exists
 is complete. The cache root is the `cache_dir` argument, else $BLOCKSERVE_CACHE_DIR, else
 ~/.cache/blockserve. Nothing touches the network: every transformers call is local_files_only.
@@ -38,6 +42,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.models.default_model import default_model_path
+from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
 from blockserve.models.quantized_linear import use_quantized_linears
 from blockserve.models.registry import model_class
@@ -73,11 +78,13 @@ class LoadedModel:
 
 
 def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
-               cache_dir: str | None = None, quantized_matmul: bool = True) -> LoadedModel:
+               cache_dir: str | None = None, quantized_matmul: bool = True,
+               placement: Placement = Placement()) -> LoadedModel:
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
     quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
     and run small batches on them (models/quantized_linear.py); False: float32 only.
+    placement: device, dtype and tensor-parallel group (this rank's shard is loaded).
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or
     a corrupt or mismatched checkpoint. Each message says what to do.
@@ -87,15 +94,36 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         raise FileNotFoundError(f"model path {path} does not exist; pass a Hugging Face model directory "
                                 "(config.json + *.safetensors) or a .gguf file")
     if path.is_dir():
-        return _load_hf_dir(path, attention_backend_cls, str(path))
+        return _load_hf_dir(path, attention_backend_cls, str(path), placement)
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    if placement.tp is not None:
+        check_tensor_parallel(source, placement.tp.size, quantized_matmul)
     hf_dir = _converted_gguf(path, cache_root(cache_dir))
-    loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})")
+    loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})", placement)
     if quantized_matmul:
         used = use_quantized_linears(loaded.model, _gguf_blocks(path, loaded.hf_config))
         logger.info("%d linear layers keep the GGUF's blocks for small batches", used)
     return loaded
+
+
+def check_tensor_parallel(source: str | None, tp_size: int, quantized_matmul: bool) -> None:
+    """ValueError, before any rank starts, if `source` cannot be served over `tp_size` ranks: a GGUF
+    with quantized_matmul (its blocks are not sharded), or a directory whose family does not shard.
+    (Shapes that do not divide are refused as the model is built.)"""
+    if tp_size == 1:
+        return
+    path = default_model_path() if source is None else Path(source).expanduser()
+    if path.suffix.lower() == ".gguf" and quantized_matmul:
+        raise ValueError(f"tensor parallelism does not shard a GGUF's quantized blocks: serve {path.name} over "
+                         f"{tp_size} ranks from its float32 weights with quantized_matmul=False "
+                         "(--no-quantized-matmul), or on one rank")
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError):
+            return  # loading reports it
+        model_class(config.architectures).check_tensor_parallel(tp_size)
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -109,7 +137,8 @@ def gguf_cache_entry(path: Path, root: Path) -> Path:
     return root / f"gguf-{path.stem}-{key}"
 
 
-def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], description: str) -> LoadedModel:
+def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], description: str,
+                 placement: Placement) -> LoadedModel:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; a model directory needs config.json, "
                                 "*.safetensors weights and tokenizer files (as written by save_pretrained)")
@@ -117,7 +146,9 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"could not read {path / 'config.json'}: {error}") from error
-    model = model_class(config.architectures)(config, attention_backend_cls)
+    cls = model_class(config.architectures)
+    cls.check_tensor_parallel(1 if placement.tp is None else placement.tp.size)
+    model = cls(config, attention_backend_cls, placement)
     model.load_weights(_safetensors(path))
     use_input_major_linears(model)
     tokenizer = None
@@ -135,13 +166,13 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         raise FileNotFoundError(f"{path} has no model.safetensors (nor model.safetensors.index.json); "
                                 "save the model with save_pretrained to get safetensors weights")
-    for name in files:
+    for name in files:  # one tensor read at a time: a tensor-parallel rank keeps only its shard of each
         try:
             with safe_open(path / name, framework="pt") as weights:
-                tensors = [(key, weights.get_tensor(key)) for key in weights.keys()]
+                for key in weights.keys():
+                    yield key, weights.get_tensor(key)
         except (SafetensorError, OSError) as error:
             raise ValueError(f"corrupt weights file {path / name}: {error}; download or save it again") from error
-        yield from tensors
 
 
 def _converted_gguf(path: Path, root: Path) -> Path:

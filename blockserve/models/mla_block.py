@@ -8,6 +8,9 @@ build them.
 
 MLA caches one latent row per token: the normalised `kv_lora_rank` compression and the shared
 rope key. The attention backend's name picks the MLA flavour (exact / whole_block).
+
+Tensor-parallel (placement.tp): q and kv_b_proj sharded by heads, o_proj row-parallel; the
+low-rank projections and the latent they produce (the cache) are whole on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.mla import MLA_BACKENDS, MLAttention
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.distributed.parallel_layers import head_linear, row_linear
 from blockserve.models.layers import RMSNorm
 from blockserve.models.placement import Placement
 from blockserve.models.rotary import apply_rotary, apply_rotary_interleaved
@@ -30,7 +34,8 @@ class MLABlock(nn.Module):
     def __init__(self, config, layer_idx: int, attention_backend_cls: type[PagedAttention], placement: Placement,
                  use_rope: bool, scale: float):
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        tp = placement.tp
+        heads = config.num_attention_heads
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -42,17 +47,17 @@ class MLABlock(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = head_linear(hidden, heads, self.qk_head_dim, tp)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # transformers' default eps, not the config's
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = head_linear(self.q_lora_rank, heads, self.qk_head_dim, tp)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
-                                   bias=False)
+        self.kv_b_proj = head_linear(self.kv_lora_rank, heads, self.qk_nope_head_dim + self.v_head_dim, tp)
         self.kv_b_proj.keep_row_major = True  # MLAttention views its weight per head
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = row_linear(heads * self.v_head_dim, hidden, tp, bias=bias, what="num_attention_heads * v_head_dim")
+        self.num_heads = heads // (1 if tp is None else tp.size)  # this rank's
         self.attn = MLAttention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.qk_nope_head_dim,
                                 self.v_head_dim, MLA_BACKENDS[attention_backend_cls.name](scale),
                                 kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,

@@ -11,6 +11,10 @@
 
 (exactly as transformers' DeepseekV3TopkRouter). Softmax routers differ per family and stay in
 their files.
+
+Tensor-parallel (a group `tp`): every expert's intermediate size is sharded (gate | up by rows,
+down by columns), the router is whole on every rank (so every rank routes alike), and the routed
+experts' partial sums are all-reduced once; the shared experts are a tensor-parallel GatedMLP.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.distributed.group import TensorParallelGroup
+from blockserve.distributed.parallel_layers import even_slice
 from blockserve.models.layers import GatedMLP
 
 
@@ -28,10 +34,33 @@ class Experts(nn.Module):
     forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]: Σ over each token's k experts of
     weight · down(silu(gate x) * up x)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TensorParallelGroup | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.tp = tp
+        self.shard = None if tp is None else even_slice(intermediate_size, tp, "moe_intermediate_size")
+        local = intermediate_size if tp is None else self.shard.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+        if tp is not None:
+            self.gate_up_proj.weight_loader = self._narrow_gate_up
+            self.down_proj.weight_loader = self._narrow_down
+
+    def _narrow(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        if tensor.shape[dim] != self.shard.full:
+            raise ValueError(f"checkpoint expert tensor of shape {tuple(tensor.shape)} does not have "
+                             f"moe_intermediate_size = {self.shard.full} along dim {dim}")
+        return tensor.narrow(dim, self.shard.start, self.shard.size).clone()
+
+    def _narrow_gate_up(self, tensor: torch.Tensor, *, part: int | None, expert: int | None) -> torch.Tensor:
+        """One expert's gate or up [I, H] (part 0 / 1), or the whole stack [E, 2I, H] (part None)."""
+        if part is not None:
+            return self._narrow(tensor, 0)
+        return torch.cat([self._narrow(half, 1) for half in tensor.chunk(2, dim=1)], dim=1)
+
+    def _narrow_down(self, tensor: torch.Tensor, *, part: int | None, expert: int | None) -> torch.Tensor:
+        """One expert's down [H, I], or the whole stack [E, H, I]."""
+        return self._narrow(tensor, tensor.dim() - 1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -40,7 +69,7 @@ class Experts(nn.Module):
             gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GroupLimitedRouter(nn.Module):
@@ -75,11 +104,12 @@ class GroupLimitedRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallelGroup | None = None):
         super().__init__()
         self.gate = GroupLimitedRouter(config)
-        self.experts = Experts(config.num_local_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.experts = Experts(config.num_local_experts, config.hidden_size, config.moe_intermediate_size, tp)
+        self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                       tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

@@ -1,17 +1,26 @@
-"""Where a model's tensors live and in which dtype: one frozen value, given to the model's constructor."""
+"""Where a model's tensors live and in which dtype, and over which tensor-parallel group: one frozen
+value, given to the model's constructor."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from blockserve.distributed.group import TensorParallelGroup
 
 
 @dataclass(frozen=True)
 class Placement:
     """The device and dtype of a model's weights, computed tables (RoPE, embedding scale) and KV /
     state specs. Model code reads them here and nowhere else; the default serves on the CPU in
-    float32. (Parameters are declared on the meta device until `load_weights` places them.)"""
+    float32. (Parameters are declared on the meta device until `load_weights` places them.)
+
+    `tp`: the tensor-parallel group this rank's shard belongs to (distributed/group.py); None on
+    one device, where every family builds its plain layers."""
 
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    tp: TensorParallelGroup | None = None

@@ -1,0 +1,104 @@
+"""A tensor-parallel rank other than 0: it loads its shard and runs each step rank 0 sends it.
+
+    rank 0 (engine process)                       rank r > 0 (this module)
+    ───────────────────────                       ────────────────────────
+    join ──────────── rendezvous ──────────────── join
+    EngineConfig ─── broadcast ─────────────────► load this rank's shard (weights narrowed as read)
+    gather ◄──────── (ok, KV memory) | error ──── report
+    (KV config, max_num_seqs, max_model_len) ───► check its KV specs equal rank 0's; build a ModelRunner
+    gather ◄──────── ok | error ───────────────── report
+    per step: SchedulerOutput ─── broadcast ────► the same forward (collectives inside); no sampling
+    None ──────────── broadcast ────────────────► leave
+
+Started by the engine (`spawn`) or by a launcher with the env:// variables set:
+
+    MASTER_ADDR=<rank 0's host> MASTER_PORT=<port> RANK=<r> WORLD_SIZE=<N> python -m blockserve.distributed.worker
+
+It needs no flags: the model and every engine setting come from rank 0. Any error ends the process
+with a non-zero status after telling rank 0 (a report at start-up; mid-run, its connections close,
+which fails rank 0's step at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+
+from blockserve.distributed.group import TensorParallelGroup
+
+logger = logging.getLogger("blockserve.worker")
+
+
+def _report(error: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+def run_worker(init_method: str = "env://", rank: int | None = None, size: int | None = None,
+               startup_timeout_s: float = 600.0, error_pipe=None) -> None:
+    """Serve as one rank until rank 0 says stop; raises what went wrong (after reporting it to rank 0).
+    `error_pipe`: a multiprocessing connection the spawning engine reads a mid-run error from."""
+    from blockserve.attention.paged_attention import BACKENDS
+    from blockserve.kv.specs import with_kv_cache_dtype
+    from blockserve.models.loader import load_model
+    from blockserve.models.placement import Placement
+    from blockserve.engine.config import parse_memory
+    from blockserve.worker.model_runner import ModelRunner
+
+    startup = timedelta(seconds=startup_timeout_s)
+    group = TensorParallelGroup(init_method, rank, size, timeout=startup)
+    try:
+        config = group.broadcast_object(timeout=startup)
+        group.timeout = timedelta(seconds=config.distributed_timeout_s)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        try:
+            loaded = load_model(config.model, BACKENDS[config.attention_backend],
+                                quantized_matmul=config.quantized_matmul, placement=Placement(tp=group))
+            report = ("ok", parse_memory(config.kv_cache_memory))
+        except Exception as error:
+            report = ("error", _report(error))
+        group.gather_objects(report, timeout=startup)
+        if report[0] == "error":
+            return
+        setup = group.broadcast_object(timeout=startup)
+        if setup is None:  # rank 0 failed after loading: nothing to serve
+            return
+        kv_config, max_num_seqs, max_model_len = setup
+        specs = loaded.model.kv_cache_specs(config.block_size)
+        mismatched = [layer for g in kv_config.groups for layer in g.layer_names
+                      if layer not in specs or with_kv_cache_dtype(specs[layer], config.kv_cache_dtype) != g.spec]
+        report = ("ok", None) if not mismatched else (
+            "error", f"rank {group.rank}'s KV specs differ from rank 0's for layers {mismatched[:4]}")
+        group.gather_objects(report, timeout=startup)
+        if mismatched:
+            return
+        runner = ModelRunner(loaded.model, kv_config, max_num_seqs, max_model_len, config.seed)
+        while (step := group.broadcast_object(wait_forever=True)) is not None:
+            runner.execute(step)
+    except BaseException as error:
+        if error_pipe is not None:
+            error_pipe.send(f"rank {group.rank}: {_report(error)}")
+        raise
+    finally:
+        group.close()
+
+
+def spawned_worker(rank: int, size: int, init_method: str, startup_timeout_s: float, error_pipe) -> None:
+    """The entry point of a rank the engine spawned: its error went to the pipe, so exit quietly."""
+    try:
+        run_worker(init_method, rank, size, startup_timeout_s, error_pipe)
+    except BaseException:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_worker("env://")
+    except Exception:
+        logger.exception("tensor-parallel worker failed")
+        sys.exit(1)
