@@ -14,6 +14,7 @@ import torch
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig, parse_memory
+from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.specs import with_kv_cache_dtype
@@ -46,10 +47,25 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     return max_model_len
 
 
+class RunnerFailed(RuntimeError):
+    """The model runner raised in a step. `request_ids` were scheduled in it: their KV for the
+    step may be partly written, so they cannot go on; every other request is untouched."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"the model runner failed in a step of {len(request_ids)} request(s)")
+        self.request_ids = request_ids
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        if loaded is None:
+        self.executor = None  # tensor parallel: ranks 1..N-1 and rank 0's shard (distributed/executor.py)
+        if config.tensor_parallel_size > 1:
+            from blockserve.distributed.executor import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config, loaded)
+            loaded = self.executor.loaded
+        elif loaded is None:
             loaded = load_model_for(config)
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -75,7 +91,7 @@ class EngineCore:
         )
         self.kv_config = plan_kv_cache(
             [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()],
-            parse_memory(config.kv_cache_memory),
+            parse_memory(config.kv_cache_memory) if self.executor is None else self.executor.kv_memory_bytes,
             max_model_len,
             config.max_num_seqs,
             scheduler_config.chunk_cap,
@@ -95,7 +111,9 @@ class EngineCore:
                            "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
                            config.state_checkpoint_share)
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        self.runner = ModelRunner(self.loaded.model, self.kv_config, config.max_num_seqs, max_model_len, config.seed)
+        runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
+        self.runner = (ModelRunner(self.loaded.model, *runner_args) if self.executor is None
+                       else self.executor.start(*runner_args))
         logger.info("KV cache capacity (max_model_len %d):\n%s", max_model_len, self.kv_config.capacity_report())
 
     def add_request(self, request: Request) -> None:
@@ -103,8 +121,14 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def step(self) -> tuple[list[RequestOutput], SchedulerStats]:
+        """One step; RunnerFailed (its cause chained) if the model runner raised."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except EngineDead:  # a tensor-parallel rank failed: fatal for every request, not just these
+            raise
+        except Exception as e:
+            raise RunnerFailed(list(scheduler_output.num_scheduled_tokens)) from e
         outputs, stats = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.config.check_enabled:
             self.kv.check_integrity()
@@ -120,3 +144,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_pending_work()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent); one device has nothing to stop."""
+        if self.executor is not None:
+            self.executor.close()

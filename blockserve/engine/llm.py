@@ -36,6 +36,16 @@ class LLM:
         self.engine = LLMEngine(config, EngineCore(config, loaded))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (idempotent); also on `with LLM(...)` exit."""
+        self.engine.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -45,7 +55,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts are strings or token-id lists."""
+        """One RequestOutput per prompt, in order. Prompts are strings or token-id lists.
+
+        If an engine step fails, raises StepFailed (the model's exception as its cause) with
+        nothing of this call left queued; the next call is served if the engine is intact
+        (`engine_intact`), else refused with EngineDead."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -12,16 +12,34 @@ import time
 from dataclasses import dataclass
 
 from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
+from blockserve.engine.core import EngineCore, RunnerFailed
 from blockserve.engine.detokenizer import IncrementalDetokenizer
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from blockserve.errors import InvalidRequest, RequestRejected
+from blockserve.errors import EngineDead, InvalidRequest, RequestRejected
 from blockserve.kv.block_pool import ResetResult
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import RequestOutput as CoreOutput
 from blockserve.scheduler.output import SchedulerStats
 from blockserve.scheduler.request import Request
+from blockserve.structured.compiler import GrammarCompiler
 from blockserve.worker.model_runner import RunnerTimings
+
+
+class StepFailed(RuntimeError):
+    """An engine step failed: its requests (`request_ids`, as given to add_request) were aborted.
+    `broken` is None while the engine's state is intact (other requests go on, new ones may be
+    added); otherwise it says what is broken, and the engine must not step again."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException | None, broken: str | None = None):
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown error"
+        super().__init__(f"engine step failed ({what}); aborted {len(request_ids)} request(s): {request_ids[:8]}"
+                         + (f"; the engine is broken: {broken}" if broken else ""))
+        self.request_ids = request_ids
+        self.broken = broken
+
+    @property
+    def engine_intact(self) -> bool:
+        return self.broken is None
 
 
 @dataclass
@@ -48,8 +66,10 @@ class LLMEngine:
         self.vocab_size = self.core.loaded.hf_config.vocab_size
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else self.core.loaded.hf_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
+        self._broken: str | None = None  # set by a failed step that left the KV books unbalanced
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -92,9 +112,10 @@ class LLMEngine:
                     priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue a prompt. Raises InvalidRequest (a ValueError; RequestRejected and PromptTooLong
         included) naming what is wrong; a request that fails to be added leaves nothing behind."""
+        self._check_not_broken()
         if request_id in self._parents:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
+        params = self.prepare_params(params or SamplingParams())
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         prompt_ids = self.tokenize(prompt)
@@ -107,6 +128,20 @@ class LLMEngine:
             del self._parents[request_id]  # _add_child adds nothing to the core unless it succeeds
             raise
 
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` checked against this model (logit_bias ids in the vocabulary) with its
+        structured_outputs grammar compiled (a no-op when it is already). InvalidRequest naming
+        what is wrong. Thread-safe, so a server can compile off the engine thread first."""
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
+                                 param="logit_bias")
+        spec = params.structured_outputs
+        if spec is None or spec.compiled is not None:
+            return params
+        compiled = self.grammars.compile(spec)
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, compiled=compiled))
+
     @staticmethod
     def _child_id(parent_id: str, n: int, index: int) -> str:
         return parent_id if n == 1 else f"{parent_id}#{index}"
@@ -114,7 +149,8 @@ class LLMEngine:
     def _add_child(self, parent_id: str, index: int) -> None:
         parent = self._parents[parent_id]
         params = parent.params
-        child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+        child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
+                                           prompt_logprobs=params.prompt_logprobs if index == 0 else None)
         child_id = self._child_id(parent_id, params.n, index)
         request = Request(child_id, parent.output.prompt_token_ids, child_params, self.eos_token_id,
                           arrival_time=time.monotonic(), priority=parent.priority, cache_salt=parent.cache_salt)
@@ -138,8 +174,16 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the (cumulative) outputs of requests that advanced."""
-        core_outputs, _ = self.core.step()
+        """Run one engine step; returns the (cumulative) outputs of requests that advanced.
+
+        If the model runner raises, the requests of that step are aborted (all samples of each)
+        and StepFailed names them, the runner's exception chained; `engine_intact` says whether
+        the KV books still balance (`check_integrity()`), i.e. whether stepping on is safe."""
+        self._check_not_broken()
+        try:
+            core_outputs, _ = self.core.step()
+        except RunnerFailed as e:
+            raise self._step_failed(e) from e.__cause__
         touched: dict[str, RequestOutput] = {}
         for core_output in core_outputs:
             child = self._children.get(core_output.request_id)
@@ -158,10 +202,28 @@ class LLMEngine:
                 del self._parents[parent_id]
         return list(touched.values())
 
+    def _step_failed(self, failure: RunnerFailed) -> StepFailed:
+        parent_ids = list(dict.fromkeys(self._children[c].parent for c in failure.request_ids if c in self._children))
+        self.abort_request(parent_ids)
+        try:
+            self.core.kv.check_integrity()
+        except AssertionError as e:
+            self._broken = f"the KV cache's books no longer balance after a failed step: {e}"
+            return StepFailed(parent_ids, failure.__cause__, self._broken)
+        return StepFailed(parent_ids, failure.__cause__)
+
+    def _check_not_broken(self) -> None:
+        if self._broken is not None:
+            raise EngineDead(f"{self._broken}; this engine cannot serve any more: restart it")
+
     def _apply(self, child: _Child, parent: _Parent, core_output: CoreOutput) -> None:
         completion = parent.output.outputs[child.index]
         if child.index == 0:
             parent.output.num_cached_tokens = core_output.num_cached_tokens
+            if core_output.prompt_logprobs is not None:  # the first sample computes them, for all
+                prompt = parent.output.prompt_token_ids
+                parent.output.prompt_logprobs = [None] + [
+                    self._logprob_dict(token, lp) for token, lp in zip(prompt[1:], core_output.prompt_logprobs)]
         completion.token_ids.extend(core_output.new_token_ids)
         detokenizer = child.detokenizer
         if detokenizer is not None:

@@ -14,8 +14,11 @@ Contracts:
   resetting the prefix cache are commands applied between two steps, so an abort frees the
   request's blocks before the next step starts.
 - A request's error (rejected at add, a bad prompt) goes to that request only: InvalidRequest
-  for bad input, anything else (a bug) after taking out whatever of the request got in. An
-  exception from `step()` is fatal: every stream gets EngineDead and so does every later call.
+  for bad input, anything else (a bug) after taking out whatever of the request got in.
+- A failed step (StepFailed: the model runner raised) ends the requests of that step in
+  RequestFailed (a 500; the traceback is logged) and the others go on, if the engine's books
+  still balance; if they do not, or `step()` raised anything else, it is fatal: every stream
+  gets EngineDead and so does every later call (503 until restarted). Never a hang.
 - Only LLMEngine's public methods are used, never its core.
 - Outputs are cumulative; a slow reader sees only the latest one (deltas are the reader's job).
 - Bounded queue: a request waits from its add until its first output (or its end). The engine
@@ -23,6 +26,12 @@ Contracts:
   add against `max_waiting_requests` / `max_waiting_tokens` (a prompt over the token bound is
   taken only when nothing waits), so the bounds are exact; past either the add raises Overloaded.
   Commands themselves wait at most one step: every queued command is applied before the next.
+- Deadlines: a request added with a `timeout` (default `request_timeout`) that has not ended
+  that many seconds after its add is aborted between two steps (so up to one step late), its
+  stream ending in RequestTimeout (504).
+- Bounded output: a stream holds at most one undelivered output (outputs are cumulative, so the
+  latest replaces the one before), however slowly it is read; `stream_stall_timeout` is how long
+  an HTTP response may wait on a client that reads nothing before it is aborted (streaming.py).
 - Drain: `drain(timeout)` refuses new adds (Draining), lets the open streams end for up to
   `timeout` seconds, then aborts what is left, each stream ending in ShutdownTimeout.
 """
@@ -40,13 +49,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.llm_engine import LLMEngine, StepFailed
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.errors import EngineDead, InvalidRequest
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerStats
 from blockserve.server.config import ServerConfig
-from blockserve.server.http_errors import Draining, Overloaded, ShutdownTimeout
+from blockserve.server.http_errors import Draining, Overloaded, RequestFailed, RequestTimeout, ShutdownTimeout
 
 logger = logging.getLogger("blockserve.server")
 
@@ -79,6 +88,7 @@ class _Live:
     arrival: float
     prompt: str | None  # the text, when the prompt was text
     waiting_tokens: int | None  # prompt tokens while waiting for the first output; None once it came
+    timeout: float | None  # seconds from arrival; None: no deadline
     last_token_time: float | None = None
     num_tokens: int = 0
 
@@ -90,6 +100,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     stream: RequestStream
+    timeout: float | None
     reply: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -97,6 +108,7 @@ class _Add:
 class _Abort:
     request_id: str
     error: BaseException | None = None  # given: the stream ends in it (it is still being read)
+    reason: str = "abort"  # the finish reason the metrics count it under
 
 
 @dataclass
@@ -122,12 +134,21 @@ class RequestStream:
         self.request_id = request_id
         self.arrival = arrival
         self.finished = False
+        self.stall_timeout = engine.stream_stall_timeout
         self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._latest: RequestOutput | BaseException | None = None  # undelivered; an error is the last word
+        self._ready = asyncio.Event()
         self._closed = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # event loop only
-        self._queue.put_nowait(item)
+        if not isinstance(self._latest, BaseException):
+            self._latest = item  # cumulative: the newest output says all the older ones did
+        self._ready.set()
+
+    @property
+    def buffered(self) -> int:
+        """Outputs (or an error) delivered and not yet read: 0 or 1, however slow the reader."""
+        return int(self._latest is not None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -135,9 +156,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not self._queue.empty():  # outputs are cumulative: the latest says it all
-            item = self._queue.get_nowait()
+        await self._ready.wait()
+        item, self._latest = self._latest, None
+        self._ready.clear()
         if isinstance(item, BaseException):
             self._end()
             raise item
@@ -149,27 +170,36 @@ class RequestStream:
         self.finished = True
         self._engine._stream_ended(self)
 
-    def close(self) -> None:
-        """Idempotent; aborts the request (through the engine thread) unless it finished."""
+    def close(self, reason: str = "abort") -> None:
+        """Idempotent; aborts the request (through the engine thread) unless it finished, counted
+        under finish reason `reason` (abort: the client went away; stalled: it stopped reading)."""
         if not self._closed:
             self._closed = True
             if not self.finished:
-                self._engine.abort(self.request_id)
+                self._engine.abort(self.request_id, reason)
             self._engine._stream_ended(self)
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: Observer | None = None, *,
                  max_waiting_requests: int = ServerConfig.max_waiting_requests,
-                 max_waiting_tokens: int = ServerConfig.max_waiting_tokens):
+                 max_waiting_tokens: int = ServerConfig.max_waiting_tokens,
+                 request_timeout: float | None = ServerConfig.request_timeout,
+                 stream_stall_timeout: float = ServerConfig.stream_stall_timeout):
         if max_waiting_requests < 1 or max_waiting_tokens < 1:
             raise ValueError(f"the waiting bounds must be at least 1, got {max_waiting_requests} requests, "
                              f"{max_waiting_tokens} tokens")
+        if (request_timeout is not None and not request_timeout > 0) or not stream_stall_timeout > 0:
+            raise ValueError(f"timeouts must be > 0 seconds, got request_timeout={request_timeout}, "
+                             f"stream_stall_timeout={stream_stall_timeout}")
         self.engine = engine
         self.observer = observer
         self.max_model_len: int = engine.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
+        self.request_timeout = request_timeout
+        self.stream_stall_timeout = stream_stall_timeout
+        self._next_deadline = float("inf")  # engine thread only: no live request's deadline is earlier
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._waiting = QueueDepth()  # engine thread only; published as `queue`
@@ -242,17 +272,19 @@ class AsyncEngine:
     # -- requests (event loop) ---------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, timeout: float | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises the engine's
         reason (InvalidRequest for bad input) if it was not added, leaving nothing behind; Overloaded
-        past a waiting bound, Draining once `drain()` began; EngineDead if the engine stopped."""
+        past a waiting bound, Draining once `drain()` began; EngineDead if the engine stopped.
+        `timeout`: seconds from now until it is aborted with RequestTimeout (default `request_timeout`)."""
         if self.draining:
             error = Draining()
             if self.observer is not None:
                 self.observer.on_rejected(error.reason)
             raise error
         stream = RequestStream(self, request_id, time.monotonic())
-        command = _Add(request_id, prompt, params, cache_salt, stream)
+        command = _Add(request_id, prompt, params, cache_salt, stream,
+                       self.request_timeout if timeout is None else timeout)
         self._submit(command)
         self._open.add(stream)
         self._idle.clear()
@@ -267,9 +299,10 @@ class AsyncEngine:
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request between two steps; unknown or finished ids are ignored."""
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request between two steps; unknown or finished ids are ignored. `reason`: the
+        finish reason the metrics count it under."""
+        self._commands.put(_Abort(request_id, reason=reason))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread between two steps; returns (or raises) what it does."""
@@ -292,8 +325,9 @@ class AsyncEngine:
             while True:
                 if not self._apply_commands(block=not engine.has_unfinished_requests()):
                     break
+                self._expire(time.monotonic())
                 if engine.has_unfinished_requests():
-                    self._publish(engine.step())
+                    self._step()
                 self._publish_stats()
             reason: BaseException = EngineDead("the server is shutting down")
         except BaseException as e:  # a failed step leaves the engine in an unknown state: stop
@@ -302,6 +336,46 @@ class AsyncEngine:
         with self._lock:
             self._dead = reason
         self._fail_all(reason)
+
+    def _step(self) -> None:
+        """One engine step; a failed one ends its requests in RequestFailed, and raises (stopping
+        the engine) unless the engine is intact."""
+        try:
+            outputs = self.engine.step()
+        except StepFailed as failure:
+            logger.error("engine step failed; aborted %d request(s): %s", len(failure.request_ids),
+                         failure.request_ids[:8], exc_info=failure.__cause__ or failure)
+            now = time.monotonic()
+            batch = []
+            for request_id in failure.request_ids:
+                live = self._live.pop(request_id, None)
+                if live is None:
+                    continue
+                self._started(live)
+                if self.observer is not None:
+                    self.observer.on_finished(now - live.arrival, ["error"])
+                batch.append((live.stream, RequestFailed()))
+            if batch:
+                self._deliver(batch)
+            if not failure.engine_intact:
+                raise
+            return
+        self._publish(outputs)
+
+    def _expire(self, now: float) -> None:
+        """Abort every request past its deadline (RequestTimeout)."""
+        if now < self._next_deadline:
+            return
+        next_deadline = float("inf")
+        for request_id, live in list(self._live.items()):
+            if live.timeout is None:
+                continue
+            deadline = live.arrival + live.timeout
+            if deadline <= now:
+                self._abort(request_id, RequestTimeout(live.timeout), "timeout")
+            else:
+                next_deadline = min(next_deadline, deadline)
+        self._next_deadline = next_deadline
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if `block`); False once asked to stop."""
@@ -316,7 +390,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
-                self._abort(command.request_id, command.error)
+                self._abort(command.request_id, command.error, command.reason)
             elif isinstance(command, _AbortAll):
                 for request_id in list(self._live):
                     self._abort(request_id, command.error)
@@ -351,7 +425,10 @@ class AsyncEngine:
             command.reply.set_exception(e)
             return
         self._live[command.request_id] = _Live(command.stream, command.stream.arrival,
-                                               prompt if isinstance(prompt, str) else None, len(prompt_ids))
+                                               prompt if isinstance(prompt, str) else None, len(prompt_ids),
+                                               command.timeout)
+        if command.timeout is not None:
+            self._next_deadline = min(self._next_deadline, command.stream.arrival + command.timeout)
         self._waiting = QueueDepth(waiting.requests + 1, waiting.prompt_tokens + len(prompt_ids))
         command.reply.set_result(None)
 
@@ -361,14 +438,14 @@ class AsyncEngine:
             self._waiting = QueueDepth(self._waiting.requests - 1, self._waiting.prompt_tokens - live.waiting_tokens)
             live.waiting_tokens = None
 
-    def _abort(self, request_id: str, error: BaseException | None = None) -> None:
+    def _abort(self, request_id: str, error: BaseException | None = None, reason: str = "abort") -> None:
         live = self._live.pop(request_id, None)
         if live is None:
             return  # finished already, or never added
         self._started(live)
         self.engine.abort_request([request_id])
         if self.observer is not None:
-            self.observer.on_finished(time.monotonic() - live.arrival, ["abort"])
+            self.observer.on_finished(time.monotonic() - live.arrival, [reason])
         if error is not None:
             self._deliver([(live.stream, error)])
 
@@ -440,4 +517,5 @@ def _snapshot(output: RequestOutput, prompt: str | None) -> RequestOutput:
         [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                           list(c.logprobs) if c.logprobs is not None else None) for c in output.outputs],
         output.num_cached_tokens, output.finished,
+        prompt_logprobs=output.prompt_logprobs,  # set once, never appended to
     )

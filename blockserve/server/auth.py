@@ -15,29 +15,46 @@ from fastapi import Request
 from blockserve.server.config import ServerConfig
 from blockserve.server.http_errors import APIError, error_response
 
-PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache")
+PUBLIC_PATHS = frozenset({"/"})  # the chat page holds no data; its own calls send the key
+OPERATIONS_PATHS = frozenset({"/health", "/metrics"})  # open unless --protect-health-and-metrics
 
 
 class AuthMiddleware:
-    """401 for protected paths without one of the accepted bearer tokens (plain ASGI, so it
-    leaves streaming and disconnect detection alone). No keys: everyone is let in."""
+    """401 without one of the accepted bearer tokens, on every path but the public ones (and
+    /health and /metrics while `open_operations`, for load balancers and scrapers, as vLLM does).
+    Plain ASGI, so it leaves streaming and disconnect detection alone. No keys: everyone is let in.
 
-    def __init__(self, app, api_keys: Sequence[str]):
+    The comparison takes the same time whatever the token: both sides are SHA-256 digests (equal
+    lengths), compared with `hmac.compare_digest`, against every key (no early exit)."""
+
+    def __init__(self, app, api_keys: Sequence[str], open_operations: bool = True):
         self.app = app
-        self.keys = [key.encode() for key in api_keys]
+        self.key_digests = [_digest(key.encode()) for key in api_keys]
+        self.open_paths = PUBLIC_PATHS | OPERATIONS_PATHS if open_operations else PUBLIC_PATHS
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.keys and scope["path"].startswith(PROTECTED_PREFIXES):
+        if scope["type"] == "http" and self.key_digests and scope["path"] not in self.open_paths:
             token = bearer_token(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"))
             if token is None:
                 error = APIError(401, "missing API key: send it as 'Authorization: Bearer <key>'",
                                  code="missing_api_key")
                 await error_response(error)(scope, receive, send)
                 return
-            if not any(hmac.compare_digest(token.encode("latin-1"), key) for key in self.keys):
+            if not self.accepts(token):
                 await error_response(APIError(401, "invalid API key", code="invalid_api_key"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def accepts(self, token: str) -> bool:
+        digest = _digest(token.encode("latin-1"))
+        matched = False
+        for key_digest in self.key_digests:
+            matched |= hmac.compare_digest(digest, key_digest)
+        return matched
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
 
 
 def bearer_token(header: str) -> str | None:

@@ -1,7 +1,8 @@
 """The server's settings, validated once: the model name it answers to, who may call it, how
 tenants share the prefix cache (C6), where `blockserve serve` listens, how much it queues
-(past either bound a new request gets 503 with Retry-After) and how long a shutdown drains,
-and the limits a request must keep to at the edge (limits.py; past one it gets 400, or 413 for the body).
+(past either bound a new request gets 503 with Retry-After), how long a request may take (504)
+and a client may stall a stream, how long a shutdown drains, and the limits a request must keep
+to at the edge (limits.py; past one it gets 400, or 413 for the body).
 
 Each field's metadata is its `blockserve serve` flag (blockserve/config_args.py). Imports
 nothing heavy, so the CLI's help stays fast.
@@ -27,6 +28,9 @@ class ServerConfig:
     prefix_cache_isolation: str = field(default="none", metadata={
         "help": "per-key: derive each request's cache salt from its API key (tenants share no blocks)",
         "choices": ISOLATION_MODES})
+    open_health_and_metrics: bool = field(default=True, metadata={
+        "help": "with --api-key, require the key on /health and /metrics too (default: they stay open for load "
+                "balancers and scrapers, as in vLLM)", "flag": "--protect-health-and-metrics"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
     # Far above any burst a normal user sends (the bundled benchmarks send 64 prompts), far below
@@ -37,6 +41,15 @@ class ServerConfig:
     max_waiting_tokens: int = field(default=2_097_152, metadata={
         "help": "most prompt tokens of requests still waiting for their first token; past it, new requests get "
                 "503 with Retry-After (a longer prompt is still taken when nothing waits)"})
+    # A deadline that no honest request meets is a leak of its blocks: 30 minutes is far above a
+    # full-length CPU generation (8192 tokens at 10 tokens/s is under 14 minutes).
+    request_timeout: float = field(default=1800.0, metadata={
+        "help": "seconds a request may take from its arrival (queueing included) before it is aborted: 504, or an "
+                "error event on a stream; a request's body may ask for less with request_timeout"})
+    # Far above a live client's pauses (a reader's GC, a busy proxy), far below a stuck socket.
+    stream_stall_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a streamed response may wait on a client that reads nothing (its socket buffers "
+                "full) before the request is aborted and the connection dropped"})
     shutdown_timeout: float = field(default=20.0, metadata={
         "help": "seconds SIGTERM / SIGINT lets in-flight requests finish (new ones get 503) before aborting "
                 "the rest and exiting"})
@@ -73,5 +86,8 @@ class ServerConfig:
         if self.max_json_depth > MAX_JSON_DEPTH:
             raise ValueError(f"max_json_depth must be at most {MAX_JSON_DEPTH} (Python's json parser recurses once "
                              f"per level), got {self.max_json_depth}")
+        for name in ("request_timeout", "stream_stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

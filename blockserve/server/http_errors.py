@@ -7,6 +7,11 @@
     a request past a limit                          400, or 413 for the body's size (limits.py)
     unknown route / method                          404 / 405
     EngineDead                                      503
+    RequestTimeout                                  504: past its deadline (--request-timeout or the
+                                                    body's request_timeout); aborted
+    RequestFailed                                   500: the engine step running it failed (logged)
+    StreamStalled                                   408, in a stream's error event: the client read
+                                                    nothing for --stream-stall-timeout; aborted
     Unavailable (Overloaded, Draining, ShutdownTimeout)  503 with Retry-After: the queue is full, or
                                                     the server drains; may succeed later
     anything else                                   500 "internal server error"; the traceback is logged,
@@ -75,6 +80,33 @@ class ShutdownTimeout(Unavailable):
     def __init__(self, timeout: float):
         super().__init__(f"the server shut down before this request finished (in-flight requests get {timeout:g} s: "
                          f"--shutdown-timeout); retry it", code="shutdown_timeout")
+
+
+class RequestTimeout(APIError):
+    """A request past its deadline; it was aborted (its blocks freed). 504, not 408: the request
+    arrived whole and in time (408 says the client was slow to send it); it is the server that
+    did not answer in time, as a gateway whose upstream is too slow."""
+
+    def __init__(self, timeout: float):
+        super().__init__(504, f"the request did not finish within its deadline of {timeout:g} s and was aborted "
+                              f"(the body's request_timeout, else the server's --request-timeout); ask for fewer "
+                              f"tokens or a longer deadline", code="request_timeout")
+
+
+class StreamStalled(APIError):
+    """A streaming client that read nothing for `timeout` seconds: its request was aborted."""
+
+    def __init__(self, timeout: float):
+        super().__init__(408, f"the client read nothing of this stream for {timeout:g} s (--stream-stall-timeout), "
+                              f"so the request was aborted", code="stream_stalled")
+
+
+class RequestFailed(APIError):
+    """The engine step that ran this request raised; the request was aborted, the traceback logged."""
+
+    def __init__(self):
+        super().__init__(500, "internal server error: the engine step running this request failed and the request "
+                              "was aborted (the traceback is in the server's log); retry it", code="engine_step_failed")
 
 
 def error_body(error: APIError) -> dict:

@@ -9,6 +9,8 @@ names the limit and the `blockserve serve` flag that sets it (defaults: server/c
                                          (so Python's recursive json parser never meets it)
     n, prompts, stop strings             400 `invalid_value` with `param`: --max-n, --max-prompts,
                                          --max-stop, --max-stop-length (`check_request_limits`)
+    request_timeout over the server's    400 `invalid_value`: a body may shorten its deadline
+                                         (--request-timeout), never lengthen it
 
 `max_tokens` has no server cap: past the model's length (prompt + max_tokens) the scheduler's
 PromptTooLong is a 400 `context_length_exceeded` before the request is scheduled.
@@ -110,6 +112,10 @@ def check_request_limits(body: CompletionRequest | ChatCompletionRequest, config
     if len(longest) > config.max_stop_length:
         raise _over("stop", f"a stop string is {len(longest)} characters long", config.max_stop_length,
                     "characters per stop string", "--max-stop-length")
+    if body.request_timeout is not None and body.request_timeout > config.request_timeout:
+        raise APIError(400, f"request_timeout: {body.request_timeout:g} s is longer than this server allows "
+                            f"({config.request_timeout:g} s, --request-timeout); ask for at most that",
+                       param="request_timeout", code="invalid_value")
 
 
 def _over(param: str, what: str, limit: int, unit: str, flag: str) -> APIError:

@@ -16,7 +16,9 @@ rejections are observed as they happen.
                                                             that no recurrent-state checkpoint reached
     blockserve_num_preemptions_total                        counter
     blockserve_prompt_tokens_total / _generation_tokens_total  counter
-    blockserve_request_finished_total{finished_reason}      counter (stop, length, abort)
+    blockserve_request_finished_total{finished_reason}      counter (stop, length; abort: the client left;
+                                                            timeout: past its deadline; stalled: the client
+                                                            read nothing; error: its engine step failed)
     blockserve_time_to_first_token_seconds                  histogram
     blockserve_inter_token_latency_seconds                  histogram
     blockserve_e2e_request_latency_seconds                  histogram

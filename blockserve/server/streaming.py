@@ -5,7 +5,11 @@ client going away.
     RequestStream ──► collect() (watching for a disconnect)   ──► one JSON body    (stream: false)
 
 A client that disconnects has every stream of its request closed, which aborts the requests
-(their blocks return to the pool before the next step).
+(their blocks return to the pool before the next step). A client that stays connected but reads
+nothing fills its socket buffers until sending blocks (uvicorn's flow control); a send blocked
+for the streams' `stall_timeout` seconds aborts the requests (finish reason "stalled") and ends
+the response unfinished, so uvicorn drops the connection. Meanwhile each stream holds at most
+one undelivered output: what a slow reader costs the server is bounded.
 """
 
 from __future__ import annotations
@@ -116,16 +120,44 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+class _ClientStalled(Exception):
+    """A send waited longer than the stall timeout: the client reads nothing."""
+
+
+class _StallGuardedResponse(StreamingResponse):
+    """A StreamingResponse whose every send must complete within `stall_timeout` seconds; past
+    it the streams are closed as stalled and the response ends unfinished (uvicorn closes the
+    connection)."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream], stall_timeout: float):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                         background=BackgroundTask(_close_all, streams))
+        self.streams, self.stall_timeout = streams, stall_timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_within(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout)
+            except TimeoutError:
+                raise _ClientStalled from None
+
+        try:
+            await super().__call__(scope, receive, send_within)
+        except* _ClientStalled:
+            logger.warning("aborting %s: the client read nothing for %g s (--stream-stall-timeout)",
+                           ", ".join(s.request_id for s in self.streams), self.stall_timeout)
+            _close_all(self.streams, "stalled")
+
+
+def _close_all(streams: list[RequestStream], reason: str = "abort") -> None:
+    for stream in streams:
+        stream.close(reason)
+
+
 def sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
     """`events` as server-sent events; the streams are closed once the response ends, also when
-    the client disconnected before the body started."""
-
-    def close_all() -> None:
-        for stream in streams:
-            stream.close()
-
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                             background=BackgroundTask(close_all))
+    the client disconnected before the body started, or stopped reading (see above)."""
+    return _StallGuardedResponse(events, streams, streams[0].stall_timeout)
 
 
 def event(model: BaseModel) -> str:
