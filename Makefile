@@ -44,3 +44,27 @@ soak: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Headless Chromium for the chat page's browser test (tests/server/test_chat_page.py): Debian's
+# packages, as root (or through sudo). A no-op when both are installed already.
+.PHONY: install-browser
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+install-browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "install-browser: chromium and chromedriver are installed"; \
+	else \
+		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; \
+	fi
+
+# lm-eval through its OpenAI-compatible backends against a real `blockserve serve` (the bundled
+# model), on two local tasks (benchmarks/lm_eval; no download). The `eval` extra is not in `dev`.
+.PHONY: eval-smoke
+eval-smoke: install
+	$(PY) -m pip install -q -e '.[eval]'
+	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/lm_eval/smoke.py --json results/lm_eval_smoke.json
+
+# The server soak (blockserve/server/soak.py): MINUTES of mixed load against a real `blockserve serve`.
+.PHONY: soak-server
+MINUTES ?= 30
+soak-server: install
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m blockserve.server.soak --minutes $(MINUTES)

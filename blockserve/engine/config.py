@@ -45,6 +45,8 @@ def parse_memory(value: str | int | float) -> int:
 # The attention backends' names (attention/paged_attention.py's BACKENDS, which imports torch);
 # `blockserve -h` stays torch-free, and a test checks the two agree.
 ATTENTION_BACKENDS = ("exact", "whole_block")
+# Who starts tensor-parallel ranks 1..N-1 (blockserve/distributed/executor.py).
+DISTRIBUTED_EXECUTORS = ("spawn", "external")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,19 @@ class EngineConfig:
         "help": "GGUF models: float32 weights only (by default batches of up to 16 rows read the "
                 "file's Q4_0/Q4_1/Q8_0 blocks)", "flag": "--no-quantized-matmul"})
 
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads, MLP and "
+                "vocabulary; the Llama family, Gemma 3 and DeepSeek-V3"})
+    distributed_executor: str = field(default="spawn", metadata={
+        "help": "who starts ranks 1..N-1: spawn (the engine, on this host) or external (a launcher such as "
+                "torchrun, each rank joining with env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; "
+                "workers run `python -m blockserve.distributed.worker`)", "choices": DISTRIBUTED_EXECUTORS})
+    distributed_timeout_s: float = field(default=60.0, metadata={
+        "help": "seconds a tensor-parallel rank may take for one step's communication before the engine "
+                "fails every request and stops"})
+    distributed_startup_timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds the tensor-parallel ranks may take to join and to load their shards"})
+
     def __post_init__(self) -> None:
         from blockserve.attention.paged_attention import BACKENDS
 
@@ -115,6 +130,14 @@ class EngineConfig:
         if not 0 <= self.state_checkpoint_savings_weight <= 1:
             raise ValueError("state_checkpoint_savings_weight must be in [0, 1], got "
                              f"{self.state_checkpoint_savings_weight}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
+            raise ValueError(f"unknown distributed_executor {self.distributed_executor!r}; "
+                             f"choose one of {list(DISTRIBUTED_EXECUTORS)}")
+        if self.distributed_timeout_s <= 0 or self.distributed_startup_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s and distributed_startup_timeout_s must be positive, got "
+                             f"{self.distributed_timeout_s} and {self.distributed_startup_timeout_s}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 

@@ -35,3 +35,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False
+    # SamplingParams.prompt_logprobs: per prompt token, its logprob and the top n (vLLM's shape:
+    # the first is None, nothing precedes it); set once the prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

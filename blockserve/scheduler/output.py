@@ -69,6 +69,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list] = field(default_factory=dict)  # per request, one entry per sampled token
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # requests whose prompt completed (prompt_logprobs.py)
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_logprobs: list | None = None
     error: str | None = None
+    prompt_logprobs: list | None = None  # with the first token only: one entry per prompt token after the first
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ import bisect
 from array import array
 
 from blockserve.errors import PromptTooLong, RequestRejected
-from blockserve.kv.manager import KVCacheManager
+from blockserve.kv.manager import ComputedBlocks, KVCacheManager
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import (
     CachedRequestData,
@@ -40,6 +40,7 @@ class Scheduler:
         # C2: the scheduler's own per-step buffer, drained by every schedule().
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self._no_hit = ComputedBlocks(0, tuple(() for _ in kv.config.groups))
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -126,7 +127,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            hit = self.kv.get_computed_blocks(request)
+            hit = self._no_hit if _wants_prompt_logprobs(request) else self.kv.get_computed_blocks(request)
             n = len(request.token_ids) - hit.num_tokens
             if not self.config.enable_chunked_prefill and n > budget:
                 break
@@ -223,6 +224,7 @@ class Scheduler:
                     request.stop_reason,
                     max(0, request.num_cached_tokens),
                     logprobs[:accepted] if logprobs is not None else None,
+                    prompt_logprobs=runner_output.prompt_logprobs.get(rid),
                 )
             )
             if status:
@@ -302,3 +304,9 @@ class Scheduler:
         assert not self._finished_ids, "finished ids were never handed to the worker"
         assert self.kv.pending_is_empty(), "KV zero or poison orders were never drained"
         self.kv.assert_idle()
+
+
+def _wants_prompt_logprobs(request: Request) -> bool:
+    """Prompt logprobs need the logits of every prompt token, which tokens served from the prefix
+    cache lack (worker/prompt_logprobs.py): such a request is admitted without a hit until it sampled."""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine: the app and its routes.
 
+    GET  /                        the chat page (chat_page.py, static/chat.html)
     GET  /v1/models               the served model
     POST /v1/completions          text completions (completions.py); stream: SSE chunks, then `data: [DONE]`
     POST /v1/chat/completions     chat completions, through the model's chat template (chat.py)
     GET  /health                  200 while the engine runs; 503 once it stopped or while it drains (the body says)
     GET  /metrics                 Prometheus text format (metrics.py)
+    GET  /openapi.json            the OpenAPI document: request constraints, every answer (openapi.py)
     POST /reset_prefix_cache      200, or 409 / 400 with the reason it cannot
     POST /tokenize, /detokenize   a prompt or messages to token ids, and token ids to text (tokenize.py)
 
@@ -12,8 +14,9 @@ Errors are OpenAI's shape (http_errors.py): 400 for invalid parameters, an unkno
 prompt over the model's length or a request past a limit (limits.py; 413 for the body's size);
 401 for a missing or wrong API key (auth.py); 404 / 405 for unknown routes; 503 once the engine
 stopped, and 503 with Retry-After while the waiting queue is full (`--max-waiting-requests` /
-`--max-waiting-tokens`) or the server drains; 500 for anything unexpected. A request's error
-touches that request only. A client that disconnects has its requests aborted (streaming.py).
+`--max-waiting-tokens`) or the server drains; 504 past a request's deadline (`--request-timeout`,
+the body's `request_timeout`); 500 when the engine step running it failed, or for anything
+unexpected. A request's error touches that request only. A client that disconnects has its requests aborted (streaming.py).
 SIGTERM / SIGINT drain (`run_server`).
 """
 
@@ -32,12 +35,17 @@ from blockserve.engine.llm_engine import LLMEngine
 from blockserve.server.async_engine import AsyncEngine
 from blockserve.server.auth import AuthMiddleware
 from blockserve.server.chat import create_chat_completion
+from blockserve.server.chat_page import chat_page_router
 from blockserve.server.completions import create_completion
 from blockserve.server.config import ServerConfig
 from blockserve.server.http_errors import APIError, Draining, add_exception_handlers, error_response
 from blockserve.server.limits import RequestLimitsMiddleware, check_request_limits
 from blockserve.server.metrics import CONTENT_TYPE, Metrics
-from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from blockserve.server.openapi import answers, install_openapi
+from blockserve.server.protocol import (
+    ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, DetokenizeResponse, ModelCard, ModelList,
+    TokenizeResponse,
+)
 from blockserve.server.tokenize import detokenize, tokenize
 
 logger = logging.getLogger("blockserve.server")
@@ -48,7 +56,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
     config = config or ServerConfig()
     metrics = Metrics(config.served_model_name, lambda: async_engine.stats, lambda: async_engine.queue)
     async_engine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
-                               max_waiting_tokens=config.max_waiting_tokens)
+                               max_waiting_tokens=config.max_waiting_tokens, request_timeout=config.request_timeout,
+                               stream_stall_timeout=config.stream_stall_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -58,15 +67,18 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
         finally:
             await asyncio.to_thread(async_engine.shutdown)
 
-    app = FastAPI(title="blockserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="blockserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app)  # the real answers (400s in OpenAI's shape, never 422), streams, the tokenize bodies
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=config.max_request_body_bytes,
                        max_json_depth=config.max_json_depth)
-    app.add_middleware(AuthMiddleware, api_keys=config.api_keys)  # outermost: a stranger's body is never read
+    app.add_middleware(AuthMiddleware, api_keys=config.api_keys,  # outermost: a stranger's body is never read
+                       open_operations=config.open_health_and_metrics)
     add_exception_handlers(app)
+    app.include_router(chat_page_router())  # GET /: the chat page
 
-    @app.get("/health")
+    @app.get("/health", responses=answers(503))
     async def health():
         if not async_engine.is_alive:
             return error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
@@ -74,15 +86,16 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
             return error_response(Draining())
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=answers(ok_media=CONTENT_TYPE))
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=answers(ok=ModelList))
     async def models():
         return ModelList(data=[ModelCard(id=config.served_model_name, max_model_len=async_engine.max_model_len)])
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=answers(400, 409, 413, 503, ok={
+        "type": "object", "properties": {"success": {"type": "boolean"}}, "required": ["success"]}))
     async def reset_prefix_cache():
         if not engine.config.enable_prefix_caching:
             raise APIError(400, "prefix caching is disabled on this server", code="prefix_caching_disabled")
@@ -91,21 +104,21 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
             raise APIError(409, f"prefix cache not reset: {reason}", code="blocks_in_use")
         return {"success": True}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=answers(400, 413, 503, 504, ok=Completion, stream=True))
     async def completions(body: CompletionRequest, request: Request):
         check_request_limits(body, config)
         return await create_completion(async_engine, config, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=answers(400, 413, 503, 504, ok=ChatCompletion, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request_limits(body, config)
         return await create_chat_completion(async_engine, config, body, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=answers(400, 413, 503, ok=TokenizeResponse))
     async def tokenize_route(request: Request):
         return await tokenize(async_engine, config, request)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=answers(400, 413, 503, ok=DetokenizeResponse))
     async def detokenize_route(request: Request):
         return await detokenize(async_engine, config, request)
 

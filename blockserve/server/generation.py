@@ -11,6 +11,7 @@ from blockserve.server.async_engine import AsyncEngine, Prompt, RequestStream
 from blockserve.server.config import ServerConfig
 from blockserve.server.http_errors import APIError, from_exception
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, Usage
+from blockserve.server.structured import logit_bias, structured_outputs
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -55,17 +56,20 @@ def sampling_params(body: Body, max_tokens: int | None, logprobs: int | None) ->
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias=logit_bias(body),
+            structured_outputs=structured_outputs(body),
         )
     except ValueError as e:  # SamplingParams validates its fields together (e.g. min_tokens <= max_tokens)
         raise APIError(400, str(e), code="invalid_value") from None
 
 
 async def add_all(engine: AsyncEngine, request_id: str, prompts: list[Prompt], params: SamplingParams,
-                  salt: str | None) -> list[RequestStream]:
+                  salt: str | None, timeout: float | None = None) -> list[RequestStream]:
     """Add every prompt at once (one engine round trip), as `request_id` (one prompt) or
-    `request_id-i`; if any is rejected, none is kept and its error is raised as an APIError."""
+    `request_id-i`, each with deadline `timeout` (None: the server's); if any is rejected, none
+    is kept and its error is raised as an APIError."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    results = await asyncio.gather(*(engine.add_request(rid, prompt, params, salt)
+    results = await asyncio.gather(*(engine.add_request(rid, prompt, params, salt, timeout)
                                      for rid, prompt in zip(ids, prompts)), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

@@ -6,25 +6,28 @@ the engine does not implement is `Annotated` with `unsupported(...)`: sent with 
 changes nothing (null, or the neutral value listed there) it is accepted; any other value is a
 400 `unsupported_parameter` naming it. A field OpenAI does not publish is refused too
 (`extra="forbid"`), except vLLM's extensions the engine honours: `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `cache_salt` and chat's
-`add_generation_prompt`. `tests/server/test_request_fields.py` walks OpenAI's fields against
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `cache_salt`, `structured_outputs` and chat's
+`add_generation_prompt`, and blockserve's `request_timeout` (a deadline in seconds).
+`tests/server/test_request_fields.py` walks OpenAI's fields against
 this. Logprobs are built here from the engine's per-token entries (`{token id: Logprob}`: the
 top n and the sampled token).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer
 from pydantic_core import PydanticCustomError
 
 from blockserve.engine.outputs import Logprob
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as the schema says (no `true` as the token id 1, no "1" as a number)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def unsupported(hint: str, *neutral: Any) -> AfterValidator:
@@ -40,7 +43,7 @@ def unsupported(hint: str, *neutral: Any) -> AfterValidator:
     return AfterValidator(check)
 
 
-_NO_TOOLS = "tool calling is not supported by this server; remove it"
+_NO_FUNCTIONS = "the legacy function-calling fields are not supported; remove it and use tools and tool_calls"
 _NO_PROMPT_CACHE_POLICY = "the prefix cache has no per-request policy here (caching is automatic); remove it"
 
 
@@ -48,6 +51,40 @@ class StreamOptions(_Body):
     include_usage: bool = False
     include_obfuscation: Annotated[bool | None, unsupported(
         "stream obfuscation is not implemented; remove it or set it to false", False)] = None
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's `structured_outputs` request field: exactly one of the constraints. vLLM's other
+    options are refused by name (the engine has no fallback backend, and its JSON layout is fixed)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark or GBNF
+    json_object: bool | None = None
+    structural_tag: Annotated[Any, unsupported("structural tags are not supported; use json, regex, choice "
+                                               "or grammar")] = None
+    disable_fallback: bool | None = None  # one backend (llguidance), never a fallback: either value holds
+    disable_any_whitespace: Annotated[bool | None, unsupported(
+        "JSON is always generated without free whitespace here; remove it", True)] = None
+    disable_additional_properties: Annotated[bool | None, unsupported(
+        "set additionalProperties in the schema itself; remove it", False)] = None
+    whitespace_pattern: Annotated[str | None, unsupported(
+        "the JSON whitespace is fixed (', ' and ': '); remove it")] = None
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Body):
+    """Chat's `response_format`: text (unconstrained), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Body):
@@ -62,25 +99,32 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    # bounded so that penalised logits stay finite in float32 (found by the fuzzer: 5e-324 divided them to inf)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
+    # blockserve's own: this request's deadline in seconds, at most --request-timeout (limits.py)
+    request_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     user: str | None = None  # an end-user id for abuse monitoring: never changes the output
-    logit_bias: Annotated[dict[str, float] | None, unsupported(
-        "logit_bias is not implemented by the sampler; remove it (or send {})", {})] = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100] (generation.py)
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extension
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo (echo.py)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Annotated[bool | None, unsupported("echo is not supported; remove it or set it to false", False)] = None
-    suffix: Annotated[str | None, unsupported("suffix (insertion) is not supported; remove it", "")] = None
-    best_of: int | None = Field(None, ge=1)  # only equal to n (completions.py)
+    echo: bool | None = None  # the prompt before the completion; with logprobs, the prompt tokens' too (echo.py)
+    # Insertion needs a fill-in-the-middle model and its template (the bundled SmolLM2 has none):
+    # a suffix would otherwise be silently ignored.
+    suffix: Annotated[str | None, unsupported(
+        "suffix (insertion) needs a fill-in-the-middle model and template, which this server does not have; "
+        "remove it", "")] = None
+    best_of: int | None = Field(None, ge=1)  # the best n of best_of candidates, at most --max-n (best_of.py)
 
 
 class TextPart(_Body):
@@ -95,15 +139,49 @@ class TextPart(_Body):
     refusal: Any = None
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments; None: any object
+    strict: bool | None = None  # the arguments always follow `parameters` (a grammar enforces them)
+
+
+class Tool(_Body):
+    type: Literal["function"]  # custom (free-form) tools are refused
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Body):
+    """An assistant turn's call (in the history, and in a response)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: Annotated[str | None, unsupported(
         "an assistant message's refusal is not passed to the chat template; remove it or put it in content")] = None
-    tool_calls: Annotated[list[Any] | None, unsupported(_NO_TOOLS, [])] = None
-    tool_call_id: Annotated[str | None, unsupported(_NO_TOOLS)] = None
-    function_call: Annotated[Any, unsupported(_NO_TOOLS)] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    function_call: Annotated[Any, unsupported(_NO_FUNCTIONS)] = None
     audio: Annotated[Any, unsupported("audio input is not supported; remove it and send text content")] = None
 
 
@@ -118,14 +196,12 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # refused unless neutral: the engine does not implement them
-    tools: Annotated[list[Any] | None, unsupported(_NO_TOOLS + " (or send [])", [])] = None
-    tool_choice: Annotated[Any, unsupported(_NO_TOOLS + " (or send \"none\")", "none")] = None
-    parallel_tool_calls: Annotated[bool | None, unsupported(_NO_TOOLS)] = None
-    functions: Annotated[list[Any] | None, unsupported(_NO_TOOLS + " (or send [])", [])] = None
-    function_call: Annotated[Any, unsupported(_NO_TOOLS + " (or send \"none\")", "none")] = None
-    response_format: Annotated[Any, unsupported(
-        "structured output (json_object, json_schema) is not implemented; remove response_format or send "
-        "{\"type\": \"text\"}", {"type": "text"})] = None
+    tools: list[Tool] | None = None  # tool calling (tools.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
+    functions: Annotated[list[Any] | None, unsupported(_NO_FUNCTIONS + " (or send [])", [])] = None
+    function_call: Annotated[Any, unsupported(_NO_FUNCTIONS + " (or send \"none\")", "none")] = None
+    response_format: ResponseFormat | None = None
     modalities: Annotated[list[str] | None, unsupported("only text output is supported; remove it or send [\"text\"]",
                                                         ["text"])] = None
     audio: Annotated[Any, unsupported("audio output is not supported; remove it")] = None
@@ -188,6 +264,14 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+def _wire_logprob(value: float) -> float:
+    """-inf (a token a grammar or a penalty ruled out) as -9999.0, as vLLM sends it: JSON has no infinity."""
+    return -9999.0 if value == -math.inf else value
+
+
+WireLogprob = Annotated[float, PlainSerializer(_wire_logprob)]
+
+
 def token_text(entry: dict[int, Logprob], token_id: int) -> str:
     """The text of `token_id` as its logprob entry decoded it ("" if it did not)."""
     logprob = entry.get(token_id)
@@ -198,8 +282,8 @@ class CompletionLogprobs(BaseModel):
     """OpenAI's legacy shape; `top_logprobs` maps the top n tokens and the sampled one to logprobs."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[WireLogprob | None] = Field(default_factory=list)  # None: the echoed first prompt token
+    top_logprobs: list[dict[str, WireLogprob] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
     @classmethod
@@ -236,7 +320,7 @@ class Completion(BaseModel):
 
 class TopLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: WireLogprob
     bytes: list[int] | None = None
 
 
@@ -266,6 +350,21 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has id, type and name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
 
 
 class ChatChoice(BaseModel):
@@ -289,6 +388,7 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

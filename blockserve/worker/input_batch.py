@@ -19,6 +19,7 @@ from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import SlidingWindowSpec, cdiv
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerOutput
+from blockserve.structured.matcher import GrammarMatcher
 
 
 @dataclass
@@ -30,6 +31,7 @@ class CachedRequest:
     num_computed: int  # tokens whose KV is written once the scheduled step has run
     table_lens: list[int]  # entries filled in this request's row, per group
     eos_token_id: int | None = None
+    grammar: GrammarMatcher | None = None  # structured outputs: at the output tokens so far
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +73,7 @@ class InputBatch:
             row = self.free_rows.pop()
             self.requests[new.request_id] = CachedRequest(
                 row, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
-                new.num_computed_tokens, [0] * len(self.tables), new.eos_token_id,
+                new.num_computed_tokens, [0] * len(self.tables), new.eos_token_id, grammar=_grammar(new),
             )
             self._append_blocks(self.requests[new.request_id], new.block_ids)
         for cached in out.cached_requests:
@@ -124,3 +126,14 @@ class InputBatch:
                 logits_indices.append(layout.query_start[i + 1] - 1)
         return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
                           torch.tensor(logits_indices, dtype=torch.int64), end_captures)
+
+
+def _grammar(new) -> GrammarMatcher | None:
+    """A new (or re-admitted) request's grammar matcher, advanced past its output tokens so far."""
+    spec = new.sampling_params.structured_outputs
+    if spec is None:
+        return None
+    if spec.compiled is None:
+        raise RuntimeError(f"request {new.request_id}: structured_outputs reached the worker uncompiled; "
+                           "add requests through LLMEngine, which compiles them")
+    return GrammarMatcher(spec.compiled, new.output_token_ids)

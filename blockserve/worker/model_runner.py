@@ -19,6 +19,7 @@ from blockserve.kv.config import KVCacheConfig
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.worker.input_batch import InputBatch
 from blockserve.worker.kv_tensors import KVCacheTensors
+from blockserve.worker.prompt_logprobs import PromptLogprobs
 from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, kept across preemption
         self.layer_caches = self.kv.layer_caches()
         self.timings = RunnerTimings()
+        self.prompt_logprobs = PromptLogprobs()  # requests that asked for them, until their prompt completes
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -54,6 +56,7 @@ class ModelRunner:
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
         self.batch.update(out)
+        self.prompt_logprobs.update(out)
         for group_id, block_ids in out.blocks_to_poison.items():
             self.kv.poison_blocks(group_id, block_ids)
         for group_id, pairs in out.state_copies.items():
@@ -71,6 +74,7 @@ class ModelRunner:
         for group_id, pairs in inputs.end_captures.items():
             self.kv.copy_slots(group_id, pairs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_ids else None
+        self.prompt_logprobs.compute(self.model, hidden, inputs, self.batch.requests)
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {rid: [] for rid in inputs.request_ids}
         logprobs: dict[str, list] = {}
@@ -84,16 +88,24 @@ class ModelRunner:
                     if generator is None:
                         generator = self.generators[rid] = make_generator(request.params.seed)
                 rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, generator,
-                                        request.eos_token_id))
+                                        request.eos_token_id, request.grammar))
             result = self.sampler(logits, SamplingBatch.build(rows))
             for rid, token, token_logprobs in zip(inputs.sample_ids, result.token_ids, result.logprobs):
-                self.batch.requests[rid].output_token_ids.append(token)
+                request = self.batch.requests[rid]
+                request.output_token_ids.append(token)
+                if request.grammar is not None:
+                    request.grammar.accept(token)
                 sampled[rid] = [token]
                 if token_logprobs is not None:
                     logprobs[rid] = [token_logprobs]
+        elif inputs.sample_ids:  # a tensor-parallel rank > 0: rank 0 samples; count the token so lengths agree
+            for rid in inputs.sample_ids:
+                self.batch.requests[rid].output_token_ids.append(-1)
         t4 = time.perf_counter()
         self.timings.prepare += t2 - t1
         self.timings.forward += t3 - t2
         self.timings.sample += t4 - t3
         self.timings.steps += 1
-        return ModelRunnerOutput(sampled, logprobs)
+        prompt_logprobs = {rid: entries for rid in inputs.sample_ids
+                           if (entries := self.prompt_logprobs.take(rid)) is not None}
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)

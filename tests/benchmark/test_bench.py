@@ -14,7 +14,7 @@ import torch
 from blockserve.benchmark.common import percentile, summarize
 from blockserve.cli import main
 from tests.benchmark.conftest import VOCAB
-from tests.server.serve_process import start_server
+from tests.server.serve_process import healthy_server
 
 THREAD_KEYS = {"torch_num_threads", "torch_num_interop_threads", "OMP_NUM_THREADS", "OMP_WAIT_POLICY"}
 
@@ -91,14 +91,9 @@ def test_latency(tiny_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    proc = start_server(["--model", tiny_model, "--max-model-len", "256", "--kv-cache-memory", "32MiB",
-                         "--num-threads", "1"])
-    try:
-        proc.wait_healthy()
+    with healthy_server(["--model", tiny_model, "--max-model-len", "256", "--kv-cache-memory", "32MiB",
+                         "--num-threads", "1"]) as proc:
         yield proc
-    finally:
-        proc.stop()
-        proc.log_cleanup()
 
 
 def check_load(load: dict, requests: int, new: int) -> None:

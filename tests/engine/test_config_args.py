@@ -19,11 +19,13 @@ from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory", "--max-num-seqs",
                 "--max-num-batched-tokens", "--no-prefix-caching", "--attention-backend", "--kv-cache-dtype",
                 "--num-threads", "--poison", "--no-quantized-matmul", "--state-checkpoint-share",
-                "--state-checkpoint-interval", "--state-checkpoint-savings-weight"}
+                "--state-checkpoint-interval", "--state-checkpoint-savings-weight",
+                "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",
+                "--distributed-startup-timeout-s"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",
-                "--max-stop-length"}
+                "--max-stop-length", "--request-timeout", "--stream-stall-timeout", "--protect-health-and-metrics"}
 OFF_CLI = {"enable_chunked_prefill", "max_prefill_chunk", "scheduling_policy", "check_integrity",
            "unsafe_disable_zeroing", "seed"}
 

@@ -101,3 +101,15 @@ def start_server(args: list[str]) -> ServerProcess:
         process = subprocess.Popen([*blockserve_command(), "serve", "--port", str(port), *args],
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return ServerProcess(port, process, log_path)
+
+
+@contextlib.contextmanager
+def healthy_server(args: list[str]):
+    """A started and healthy `blockserve serve ARGS`, stopped (its log removed) however the block ends."""
+    proc = start_server(args)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+        proc.log_cleanup()

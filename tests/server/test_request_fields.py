@@ -56,13 +56,13 @@ COMPLETION_HONOURED = {
     "stream": ({"stream": True}, "SSE chunks"),
     "stream_options": ({"stream": True, "stream_options": {"include_usage": True}}, "a final usage chunk"),
     "user": ({"user": "u-1"}, "an end-user id for abuse monitoring; never changes the output"),
+    "logit_bias": ({"logit_bias": {"1": 5.0, "2": -100}}, "added to the logits by the sampler"),
+    "echo": ({"echo": True, "logprobs": 1}, "the prompt (and its tokens' logprobs) before the completion"),
+    "best_of": ({"best_of": 2}, "the best n of best_of candidates by cumulative logprob"),
 }
 # field -> (a value that would change the answer, the neutral value accepted or NONE, why refused)
 COMPLETION_REFUSED = {
-    "echo": (True, False, "echoing the prompt is not implemented"),
-    "suffix": ("and then", "", "insertion is not implemented"),
-    "logit_bias": ({"1": 5.0}, {}, "the sampler has no logit bias"),
-    "best_of": (2, 1, "no server-side best-of ranking; only best_of == n"),
+    "suffix": ("and then", "", "insertion needs a fill-in-the-middle model and template"),
 }
 
 CHAT_HONOURED = {
@@ -89,16 +89,19 @@ CHAT_HONOURED = {
     "metadata": ({"metadata": {"team": "a"}}, "tags for stored completions; never change the output"),
     "prompt_cache_key": ({"prompt_cache_key": "k"}, "a cache-routing hint; the prefix cache is automatic and "
                                                     "never changes the output (C4)"),
+    "logit_bias": ({"logit_bias": {"1": 5.0}}, "added to the logits by the sampler"),
+    "response_format": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "a grammar (llguidance) masks the logits"),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "a grammar-enforced JSON envelope "
+              "(server/tools.py)"),
+    "tool_choice": ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+                    "auto, required, named: the envelope's grammar; none: plain text"),
+    "parallel_tool_calls": ({"tools": [{"type": "function", "function": {"name": "f"}}],
+                             "parallel_tool_calls": False}, "false: the envelope holds one call"),
 }
 CHAT_REFUSED = {
-    "logit_bias": ({"1": 5.0}, {}, "the sampler has no logit bias"),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], [], "tool calling is not implemented"),
-    "tool_choice": ("auto", "none", "tool calling is not implemented"),
-    "parallel_tool_calls": (True, NONE, "tool calling is not implemented"),
     "functions": ([{"name": "f"}], [], "function calling is not implemented"),
     "function_call": ("auto", "none", "function calling is not implemented"),
-    "response_format": ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-                        {"type": "text"}, "structured output is not implemented"),
     "modalities": (["text", "audio"], ["text"], "text output only"),
     "audio": ({"voice": "alloy", "format": "wav"}, NONE, "no audio output"),
     "prediction": ({"type": "content", "content": "x"}, NONE, "no predicted outputs"),
@@ -115,15 +118,14 @@ CHAT_REFUSED = {
 # vLLM's extensions the engine honours (not in OpenAI's spec, so the walk does not see them)
 EXTENSIONS = {
     "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1, "ignore_eos": True,
-    "stop_token_ids": [2], "cache_salt": "tenant-a",
+    "stop_token_ids": [2], "cache_salt": "tenant-a", "structured_outputs": {"regex": "[a-z]"},
 }
 
 # chat message fields (every role's, from the package) and stream options
 MESSAGE_HONOURED = {"role": "the chat template's role", "content": "text (or text parts)", "name": "passed to the "
-                    "chat template"}
+                    "chat template", "tool_calls": "rendered as the assistant's tool envelope (server/tools.py)",
+                    "tool_call_id": "a tool result, rendered as a user turn"}
 MESSAGE_REFUSED = {
-    "tool_calls": ([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}], []),
-    "tool_call_id": ("c", NONE),
     "function_call": ({"name": "f", "arguments": "{}"}, NONE),
     "audio": ({"id": "a"}, NONE),
     "refusal": ("no", NONE),

@@ -51,8 +51,8 @@ def test_bad_bodies_are_a_400_naming_the_field(chat_model):
         assert_refused("prompt body", status, answer, "add_generation_prompt")
         status, answer = await post(app, "/tokenize", {"messages": MESSAGES, "add_special_tokens": True})
         assert_refused("chat body", status, answer, "add_special_tokens")
-        status, answer = await post(app, "/tokenize", {"messages": [{**MESSAGES[1], "tool_calls": [{"id": "c"}]}]})
-        assert_refused("message field", status, answer, "messages.0.tool_calls")
+        status, answer = await post(app, "/tokenize", {"messages": [{**MESSAGES[1], "audio": {"id": "a"}}]})
+        assert_refused("message field", status, answer, "messages.0.audio")
         status, answer = await post(app, "/detokenize", {"tokens": [1], "skip_special_tokens": True})
         assert_refused("detokenize body", status, answer, "skip_special_tokens")
         for path, sent, param, code in [
