@@ -36,7 +36,7 @@ class KVCacheCoordinator:
                 if config.checkpointing:
                     checkpoints = CheckpointPool(group.num_blocks, group.num_checkpoints, i, pending,
                                                  config.poison_freed_blocks, config.checkpoint_savings_weight)
-                manager = LinearStateManager(group.spec, pool, checkpoints, stride)
+                manager = LinearStateManager(group.spec, pool, checkpoints, stride, pending)
                 self.state_managers.append(manager)
             else:
                 manager = make_attention_manager(group.spec, pool)

@@ -20,15 +20,18 @@ from blockserve.kv.block_pool import Block, BlockPool
 from blockserve.kv.checkpoint_pool import Checkpoint, CheckpointPool
 from blockserve.kv.group_managers import FullAttentionManager
 from blockserve.kv.hashing import BlockHash
+from blockserve.kv.pending import PendingWork
 from blockserve.kv.specs import LinearStateSpec
 
 
 class LinearStateManager(FullAttentionManager):
     spec: LinearStateSpec
 
-    def __init__(self, spec: LinearStateSpec, pool: BlockPool, checkpoints: CheckpointPool | None, stride: int):
+    def __init__(self, spec: LinearStateSpec, pool: BlockPool, checkpoints: CheckpointPool | None, stride: int,
+                 pending: PendingWork):
         super().__init__(spec, pool)
         self.checkpoints = checkpoints
+        self._pending = pending  # where copy and capture orders go (C2)
         self.block_size = stride  # the hash chain the checkpoint keys come from
         self._restores: dict[str, Checkpoint] = {}  # admitted this step, slot not yet allocated
         self._pinned: list[Checkpoint] = []  # restores of this step, unpinned when its orders are taken
@@ -69,7 +72,7 @@ class LinearStateManager(FullAttentionManager):
         restore = self._restores.pop(request_id, None)
         new = self.pool.get_new_blocks(max(0, self.table_len(num_tokens) - len(blocks)), zero=restore is None)
         if restore is not None:
-            self.pool._pending.state_copies.setdefault(self.pool.group_id, []).append(
+            self._pending.state_copies.setdefault(self.pool.group_id, []).append(
                 (restore.slot, new[0].block_id))
         blocks.extend(new)
         return new
@@ -100,7 +103,7 @@ class LinearStateManager(FullAttentionManager):
             self._capturing.setdefault(request_id, []).append((ckpt, position))
             taken.append((position, ckpt.slot))
         if taken:
-            self.pool._pending.state_captures.setdefault(self.pool.group_id, {})[request_id] = taken
+            self._pending.state_captures.setdefault(self.pool.group_id, {})[request_id] = taken
         return taken
 
     def next_cache_point(self, request_id: str) -> float:

@@ -46,7 +46,8 @@ def test_a_sliding_run_reaching_the_first_block_is_a_hit_even_if_shorter_than_th
 
 
 def test_linear_state_without_checkpoints_has_no_hit_and_one_slot():
-    m = LinearStateManager(state(), BlockPool(16, 0, PendingWork(), False), None, 4)
+    pending = PendingWork()
+    m = LinearStateManager(state(), BlockPool(16, 0, pending, False), None, 4, pending)
     plant(m.pool, HASHES, [0])
     assert m.find_longest_hit(HASHES, 40) == []
     assert [m.table_len(n) for n in (0, 1, 1000)] == [0, 1, 1]
