@@ -96,16 +96,18 @@ class ModelShape:
         return 4 * self.layers * self.q_heads * self.head_dim * context
 
 
-def workload_flops(shape: ModelShape, prompt_lens: list[int], max_tokens: int) -> dict:
-    """FLOPs to serve the workload (no prefix caching): each request computes P + G - 1 token
-    positions (the last sampled token is never fed back) and G lm_head rows."""
+def workload_flops(shape: ModelShape, prompt_lens: list[int], max_tokens: int,
+                   cached_prompt_tokens: list[int] | None = None) -> dict:
+    """FLOPs of the work actually done: each request computes its P + G - 1 token positions
+    (the last sampled token is never fed back) except the C leading ones served from the prefix
+    cache (`cached_prompt_tokens[i]`, default none), and G lm_head rows."""
     linear = attn = head = 0.0
     positions = contexts = 0
-    for p in prompt_lens:
+    for p, c in zip(prompt_lens, cached_prompt_tokens or [0] * len(prompt_lens)):
         n = p + max_tokens - 1
-        positions += n
-        contexts += n * (n + 1) // 2  # position t attends t + 1 keys
-        linear += 2 * shape.linear_params * n
+        positions += n - c
+        contexts += n * (n + 1) // 2 - c * (c + 1) // 2  # position t attends t + 1 keys
+        linear += 2 * shape.linear_params * (n - c)
         head += 2 * shape.lm_head_params * max_tokens
     attn = shape.attention_flops(contexts)
     generated = len(prompt_lens) * max_tokens
@@ -118,14 +120,15 @@ def workload_flops(shape: ModelShape, prompt_lens: list[int], max_tokens: int) -
     }
 
 
-def roofline(shape: ModelShape, prompt_lens: list[int], max_tokens: int) -> dict:
+def roofline(shape: ModelShape, prompt_lens: list[int], max_tokens: int,
+             cached_prompt_tokens: list[int] | None = None) -> dict:
     square = measure_gemm_peak()
     shaped = {f"{m}x{k}x{n}": measure_shaped_gemm(m, k, n)
               for m in (1, 16, 64, 256) for k, n in ((shape.hidden, 2 * shape.intermediate),)}
     gemm = max(square, *shaped.values())  # the best rate seen is the peak (a loaded machine only lowers it)
     copy_bw = measure_copy_bandwidth()
     read_bw = measure_read_bandwidth()
-    flops = workload_flops(shape, prompt_lens, max_tokens)
+    flops = workload_flops(shape, prompt_lens, max_tokens, cached_prompt_tokens)
     compute_s = flops["total"] / (gemm * 1e9)
     weight_bytes = 4 * shape.params  # fp32; the tied embedding is read once, by the lm_head
     bw_s = weight_bytes / (copy_bw * 1e9)

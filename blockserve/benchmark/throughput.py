@@ -75,6 +75,7 @@ def run_batch(engine, prompts: list[list[int]], params, tag: str, progress: bool
         "requests_per_s": len(prompts) / seconds, "cpu_per_wall": cpu / seconds, "steps": steps,
         "ms_per_step": 1e3 * seconds / max(steps, 1), "phase_share": {k: v / seconds for k, v in spent.items()},
         "prefix_cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
+        "prefix_cached_per_request": [o.num_cached_tokens for o in outputs],  # in prompt order
         "preemptions": engine.stats().num_preemptions - preempt_before,
     }
 
@@ -134,14 +135,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"threads: torch {threads['torch_num_threads']}, OMP_NUM_THREADS={threads['OMP_NUM_THREADS']}, "
           f"OMP_WAIT_POLICY={threads['OMP_WAIT_POLICY']}")
     if not args.no_roofline:
-        results["roofline"], results["fraction_of_compute_roofline"] = _roofline(loaded, lens, args.max_tokens,
-                                                                                 medians["generated_tokens_per_s"])
+        # The work actually done: prompt tokens served from the prefix cache were not computed.
+        results["roofline"], results["fraction_of_compute_roofline"] = _roofline(
+            loaded, [len(p) for p in prompts], args.max_tokens, medians["generated_tokens_per_s"],
+            rounds[0]["prefix_cached_per_request"])
     env["load_average_end"] = list(os.getloadavg())
     write_json(args.output_json, results)
     return 0
 
 
-def _roofline(loaded, prompt_lens: list[int], max_tokens: int, tok_s: float) -> tuple[dict | None, float | None]:
+def _roofline(loaded, prompt_lens: list[int], max_tokens: int, tok_s: float,
+              cached_prompt_tokens: list[int]) -> tuple[dict | None, float | None]:
     from blockserve.benchmark.roofline import ModelShape, report_lines, roofline
 
     try:
@@ -150,7 +154,8 @@ def _roofline(loaded, prompt_lens: list[int], max_tokens: int, tok_s: float) -> 
         print(f"roofline: not available for this model ({e})")
         return None, None
     print("\n== roofline (fp32; measured now) ==")
-    roof = roofline(shape, prompt_lens, max_tokens)
+    roof = roofline(shape, prompt_lens, max_tokens, cached_prompt_tokens)
+    print(f"counting computed work only: {sum(cached_prompt_tokens)} prompt tokens came from the prefix cache")
     for line in report_lines(roof, tok_s):
         print(line)
     return roof, tok_s / roof["compute_bound_tok_s"]

@@ -160,3 +160,8 @@ def test_roofline_flops_of_the_tiny_model(tiny_model):
     flops = workload_flops(shape, [10, 20], 4)
     assert flops["generated_tokens"] == 8 and flops["computed_positions"] == (10 + 3) + (20 + 3)
     assert flops["total"] == pytest.approx(flops["linear"] + flops["lm_head"] + flops["attention"])
+    # Prompt tokens served from the prefix cache are work not done: not counted.
+    cached = workload_flops(shape, [10, 20], 4, cached_prompt_tokens=[0, 8])
+    assert cached["computed_positions"] == flops["computed_positions"] - 8
+    assert cached["linear"] == pytest.approx(flops["linear"] * (36 - 8) / 36)
+    assert cached["attention"] == pytest.approx(shape.attention_flops(13 * 14 // 2 + 23 * 24 // 2 - 8 * 9 // 2))
