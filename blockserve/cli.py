@@ -5,6 +5,7 @@
     blockserve generate --file prompts.txt --jsonl > out.jsonl      (one prompt per line; - is stdin)
     blockserve chat                                                  (interactive, streamed)
     blockserve serve --port 8000                                     (OpenAI-compatible HTTP server)
+    blockserve serve --data-parallel-size 2                          (2 engine replicas, prefix-affinity routing)
     blockserve bench throughput|latency|serve                        (benchmarks; see blockserve bench -h)
 
 `--model` takes a Hugging Face directory or a .gguf file; it defaults to the bundled SmolLM2.
@@ -22,6 +23,7 @@ from blockserve.config_args import add_config_arguments, config_from_namespace, 
 from blockserve.engine.config import EngineConfig
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
+from blockserve.server.routing import DataParallelConfig
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -156,9 +158,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    config = server_config(args)
+    if config.data_parallel_size > 1:  # N replicas behind one routing front end
+        from blockserve.server.router import run_router
+
+        return run_router(config_from_namespace(EngineConfig, args), config,
+                          config_from_namespace(DataParallelConfig, args), quiet=args.quiet)
     from blockserve.server.app import run_server
 
-    return run_server(config_from_namespace(EngineConfig, args), server_config(args))
+    return run_server(config_from_namespace(EngineConfig, args), config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_config_arguments(serve, ServerConfig, title="server", defaults={"served_model_name": None})
+    add_config_arguments(serve, DataParallelConfig, title="data parallel (with --data-parallel-size > 1)")
     add_config_arguments(serve, EngineConfig, title="engine")
     serve.set_defaults(func=cmd_serve)
 

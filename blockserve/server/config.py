@@ -50,6 +50,9 @@ class ServerConfig:
     stream_stall_timeout: float = field(default=30.0, metadata={
         "help": "seconds a streamed response may wait on a client that reads nothing (its socket buffers "
                 "full) before the request is aborted and the connection dropped"})
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "engine replicas, each its own process with its own scheduler and KV cache, behind one front end "
+                "that routes each request by prefix affinity balanced against load (see --dp-routing)"})
     shutdown_timeout: float = field(default=20.0, metadata={
         "help": "seconds SIGTERM / SIGINT lets in-flight requests finish (new ones get 503) before aborting "
                 "the rest and exiting"})
@@ -78,6 +81,8 @@ class ServerConfig:
                              f"got {self.prefix_cache_isolation!r}")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty strings")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_waiting_requests", "max_waiting_tokens", *LIMITS):

@@ -14,8 +14,10 @@ from pathlib import Path
 import blockserve
 import blockserve.server
 
+# kv.hashing (torch-free): the data-parallel router hashes a prompt's leading blocks exactly as
+# the replicas' prefix caches do, to send it where they are cached.
 ALLOWED = ("blockserve.engine", "blockserve.server", "blockserve.errors", "blockserve.sampling_params",
-           "blockserve.scheduler.output")
+           "blockserve.scheduler.output", "blockserve.kv.hashing")
 ROOT = Path(blockserve.__file__).resolve().parent.parent
 FACADE_USERS = ("blockserve/server", "blockserve/benchmark", "benchmarks")
 CORE_PARTS = {"kv", "scheduler", "runner"}

@@ -1,0 +1,349 @@
+"""The data-parallel front end (`blockserve serve --data-parallel-size N`): one HTTP server that
+proxies to N engine replicas (replicas.py), each request to the replica routing.py picks.
+
+    POST /v1/completions, /v1/chat/completions   routed by prefix affinity and load; streams pass
+                                                 through as the replica sends them
+    POST /tokenize, /detokenize, GET /v1/models  to the least loaded replica
+    GET  /health                                 200 {"status": "ok" | "degraded", "replicas": [...]}
+                                                 while a replica lives; 503 when none does or while draining
+    GET  /metrics                                every live replica's metrics labelled replica="i", and the
+                                                 router's own (requests routed by reason, replicas up, in flight)
+
+The front end tokenizes each prompt with the model's tokenizer (chat messages through its chat
+template) to hash its leading blocks; a prompt it cannot tokenize is routed by load, and the
+replica answers it as it would any. A replica that exits or refuses connections leaves the
+rotation; requests in flight on it get 503 (an error event on a stream already started).
+SIGTERM / SIGINT drain: new requests get 503, the replicas drain (each its --shutdown-timeout)
+and exit, then the front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx2 as httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from blockserve.engine.config import EngineConfig
+from blockserve.server.auth import AuthMiddleware, cache_salt
+from blockserve.server.config import ServerConfig
+from blockserve.server.http_errors import APIError, Draining, error_body, error_response
+from blockserve.server.limits import RequestLimitsMiddleware
+from blockserve.server.metrics import CONTENT_TYPE
+from blockserve.server.replicas import ReplicaProcess, start_replicas, stop_replicas
+from blockserve.server.routing import (
+    REASONS, DataParallelConfig, PrefixIndex, ReplicaLoad, RoutingPolicy, prefix_hashes,
+)
+
+logger = logging.getLogger("blockserve.server")
+
+_WATCH_INTERVAL_S = 0.5  # how often replica processes are polled for an exit
+_FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+def load_tokenizer(engine_config: EngineConfig):
+    """The tokenizer the replicas load (after they converted a GGUF file), or None if the model has none."""
+    from transformers import AutoTokenizer
+
+    from blockserve.models.default_model import default_model_path
+    from blockserve.models.loader import TOKENIZER_FILES, cache_root, gguf_cache_entry
+
+    path = default_model_path() if engine_config.model is None else Path(engine_config.model).expanduser()
+    folder = path if path.is_dir() else gguf_cache_entry(path, cache_root())
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def prompt_token_ids(tokenizer, path: str, body) -> list[int] | None:
+    """The token ids of a completion's (first) prompt or a chat's templated messages; None when
+    they cannot be told here (the replica validates the request)."""
+    if not isinstance(body, dict):
+        return None
+    try:
+        if path == "/v1/chat/completions":
+            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                return None
+            ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+            prompt = prompt[0]  # a batch: its first prompt
+        if isinstance(prompt, str):
+            return None if tokenizer is None else tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < 2**32 for t in prompt):
+            return prompt
+    except Exception:  # a malformed body or a template that rejects it: the replica's 400 to give
+        return None
+    return None
+
+
+class Replicas:
+    """The replicas' processes, their routing state and an HTTP client to them."""
+
+    def __init__(self, processes: list[ReplicaProcess], dp_config: DataParallelConfig):
+        self.processes = processes
+        self.loads = [ReplicaLoad(p.index, PrefixIndex(dp_config.dp_index_blocks)) for p in processes]
+        self.policy = RoutingPolicy(self.loads, dp_config)
+        self.routed = dict.fromkeys(REASONS, 0)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=64))
+        self.draining = False
+
+    def mark_dead(self, index: int, why: str) -> None:
+        if self.loads[index].alive:
+            self.loads[index].alive = False
+            level = logging.INFO if self.draining else logging.ERROR  # exiting is what a drain asks of it
+            logger.log(level, "replica %d (pid %d) is out of rotation: %s", index, self.processes[index].pid, why)
+
+    def check_processes(self) -> None:
+        for process in self.processes:
+            if process.exited():
+                self.mark_dead(process.index, f"its process exited with {process.process.returncode}")
+
+    def status(self) -> list[dict]:
+        return [{"replica": p.index, "pid": p.pid, "port": p.port, "alive": load.alive, "in_flight": load.in_flight,
+                 "routed": load.routed, "indexed_blocks": len(load.prefixes)}
+                for p, load in zip(self.processes, self.loads)]
+
+
+def _unavailable(message: str) -> JSONResponse:
+    return error_response(APIError(503, message, code="replica_unavailable"))
+
+
+def create_router_app(replicas: Replicas, engine_config: EngineConfig, config: ServerConfig, tokenizer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def watch() -> None:
+            while True:
+                replicas.check_processes()
+                await asyncio.sleep(_WATCH_INTERVAL_S)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await replicas.client.aclose()
+
+    app = FastAPI(title="blockserve data-parallel front end", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=config.max_request_body_bytes,
+                       max_json_depth=config.max_json_depth)
+    app.add_middleware(AuthMiddleware, api_keys=config.api_keys, open_operations=config.open_health_and_metrics)
+
+    async def forward(request: Request, load: ReplicaLoad, body: bytes | None) -> Response:
+        """Send `request` to replica `load` and answer with what it answers (streamed as it comes);
+        the replica is finished (its in-flight count dropped) when the answer ends."""
+        process = replicas.processes[load.index]
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        outgoing = replicas.client.build_request(request.method, process.base_url + request.url.path,
+                                                 content=body, headers=headers)
+        try:
+            upstream = await replicas.client.send(outgoing, stream=True)
+        except httpx.ConnectError as e:
+            RoutingPolicy.finish(load)
+            replicas.mark_dead(load.index, f"connection refused ({e})")
+            return _unavailable(f"replica {load.index} is unavailable; retry the request")
+        except httpx.HTTPError as e:
+            RoutingPolicy.finish(load)
+            replicas.check_processes()
+            return _unavailable(f"replica {load.index} failed while serving the request ({type(e).__name__}); "
+                                "retry the request")
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                replicas.check_processes()
+                return _unavailable(f"replica {load.index} failed while serving the request ({type(e).__name__}); "
+                                    "retry the request")
+            finally:
+                await upstream.aclose()
+                RoutingPolicy.finish(load)
+            return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"),
+                            headers={k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"})
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                replicas.check_processes()
+                error = APIError(503, f"replica {load.index} failed mid-stream ({type(e).__name__})",
+                                 code="replica_unavailable")
+                yield f"data: {json.dumps(error_body(error), separators=(',', ':'))}\n\n".encode()
+            finally:
+                await upstream.aclose()
+                RoutingPolicy.finish(load)
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream")
+
+    def pick(hashes) -> ReplicaLoad | Response:
+        if replicas.draining:
+            return error_response(Draining())
+        chosen = replicas.policy.choose(hashes)
+        if chosen is None:
+            return _unavailable("no engine replica is alive")
+        load, reason = chosen
+        replicas.routed[reason] += 1
+        return load
+
+    async def generate(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        ids = await asyncio.to_thread(prompt_token_ids, tokenizer, request.url.path, body)
+        hashes = []
+        if ids is not None:
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            hashes = prefix_hashes(ids, engine_config.block_size, cache_salt(config, request, salt))
+        load = pick(hashes)
+        return load if isinstance(load, Response) else await forward(request, load, raw)
+
+    async def by_load(request: Request) -> Response:
+        load = pick([])
+        return load if isinstance(load, Response) else await forward(request, load, await request.body() or None)
+
+    app.add_api_route("/v1/completions", generate, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    app.add_api_route("/tokenize", by_load, methods=["POST"])
+    app.add_api_route("/detokenize", by_load, methods=["POST"])
+    app.add_api_route("/v1/models", by_load, methods=["GET"])
+
+    @app.get("/health")
+    async def health():
+        replicas.check_processes()
+        status = replicas.status()
+        alive = sum(r["alive"] for r in status)
+        if replicas.draining:
+            return error_response(Draining())
+        if not alive:
+            return JSONResponse({"status": "unavailable", "replicas": status}, status_code=503)
+        return {"status": "ok" if alive == len(status) else "degraded", "replicas": status}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+        async def scrape(process: ReplicaProcess) -> str:
+            if not replicas.loads[process.index].alive:
+                return ""
+            try:
+                answer = await replicas.client.get(process.base_url + "/metrics", headers=headers, timeout=10)
+                return answer.text if answer.status_code == 200 else ""
+            except httpx.HTTPError:
+                return ""
+
+        texts = await asyncio.gather(*(scrape(p) for p in replicas.processes))
+        return Response(merge_metrics(texts) + router_metrics(replicas), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def merge_metrics(texts: list[str]) -> str:
+    """The replicas' Prometheus texts as one: each sample labelled replica="i", each family's
+    samples together under its HELP / TYPE lines (once)."""
+    headers: dict[str, dict[str, str]] = {}  # family -> HELP / TYPE -> its line
+    samples: dict[str, list[str]] = {}
+    for index, text in enumerate(texts):
+        family = ""
+        for line in text.splitlines():
+            parts = line.split(maxsplit=3)
+            if not parts:
+                continue
+            if parts[0] == "#":
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    headers.setdefault(family, {}).setdefault(parts[1], line)
+                    samples.setdefault(family, [])
+                continue
+            name, brace, rest = line.partition("{")
+            if not brace:
+                name, _, rest = line.partition(" ")
+                rest = "} " + rest
+            separator = "" if rest.startswith("}") else ","
+            samples.setdefault(family, []).append(f'{name}{{replica="{index}"{separator}{rest}')
+    return "".join(f"{line}\n" for family, lines in samples.items()
+                   for line in [*headers.get(family, {}).values(), *lines])
+
+
+def router_metrics(replicas: Replicas) -> str:
+    lines = ["# HELP blockserve_router_requests_total Requests the front end routed, by why it chose the replica.",
+             "# TYPE blockserve_router_requests_total counter"]
+    lines += [f'blockserve_router_requests_total{{reason="{r}"}} {n}' for r, n in replicas.routed.items()]
+    lines += ["# HELP blockserve_router_replica_up 1 while the replica is in rotation, 0 once it died.",
+              "# TYPE blockserve_router_replica_up gauge"]
+    lines += [f'blockserve_router_replica_up{{replica="{l.index}"}} {int(l.alive)}' for l in replicas.loads]
+    lines += ["# HELP blockserve_router_in_flight Requests the front end has in flight on the replica.",
+              "# TYPE blockserve_router_in_flight gauge"]
+    lines += [f'blockserve_router_in_flight{{replica="{l.index}"}} {l.in_flight}' for l in replicas.loads]
+    return "".join(line + "\n" for line in lines)
+
+
+# -- `blockserve serve --data-parallel-size N` ----------------------------------------------------
+
+
+def run_router(engine_config: EngineConfig, config: ServerConfig, dp_config: DataParallelConfig,
+               quiet: bool = False) -> int:
+    """Start the replicas, then serve the front end until SIGTERM / SIGINT, which drains: new
+    requests get 503, the replicas drain and exit, then the front end. Returns 0 after a drain."""
+    import uvicorn
+
+    if engine_config.tensor_parallel_size > 1 and engine_config.distributed_executor == "external":
+        raise ValueError("--data-parallel-size > 1 starts its replicas on this host, so each replica's tensor-parallel "
+                         "ranks must be too: drop --distributed-executor external")
+    processes = start_replicas(engine_config, config, quiet=quiet, startup_timeout=dp_config.dp_startup_timeout)
+    try:
+        tokenizer = load_tokenizer(engine_config)
+        replicas = Replicas(processes, dp_config)
+        app = create_router_app(replicas, engine_config, config, tokenizer)
+    except BaseException:
+        stop_replicas(processes, timeout=0)
+        raise
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, except that the first signal drains the replicas before uvicorn's own shutdown;
+        a second one exits at once."""
+
+        async def serve(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            self._signalled = False
+            self._drain: asyncio.Task | None = None
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._signalled:
+                self.should_exit = self.force_exit = True
+                return
+            self._signalled = True
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+        def _start_drain(self, name: str) -> None:
+            logger.info("%s: draining the replicas, then exiting", name)
+            replicas.draining = True
+            self._drain = self._loop.create_task(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            try:
+                await asyncio.to_thread(stop_replicas, processes, config.shutdown_timeout)
+            finally:
+                self.should_exit = True
+
+    logger.info("serving %r on http://%s:%d through %d replicas (routing: %s)", config.served_model_name,
+                config.host, config.port, len(processes), dp_config.dp_routing)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        stop_replicas(processes, timeout=0 if server.force_exit else config.shutdown_timeout)
+    return 1 if server.force_exit else 0

@@ -1,0 +1,199 @@
+"""`blockserve serve --data-parallel-size 2` as a real process: prefix-affinity routing lands
+repeated prefixes on the replica that cached them (more prefix-cache hits than round robin),
+and a replica that dies leaves the other serving while its in-flight request gets 503."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from blockserve.server.routing import DataParallelConfig, PrefixIndex, ReplicaLoad, RoutingPolicy, prefix_hashes
+from tests.models.conftest import save_random_model
+from tests.server.serve_process import healthy_server
+
+SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)
+BLOCK = 4
+ENGINE_ARGS = ["--max-model-len", "512", "--block-size", str(BLOCK), "--num-threads", "1",
+               "--kv-cache-memory", "8MiB"]
+TENANTS = 3  # odd, so round robin sends each tenant's requests to both replicas in turn
+ROUNDS = 4
+PREFIX_TOKENS = 8 * BLOCK
+
+
+def workload() -> list[dict]:
+    """Each tenant (its own salt) repeats its shared prefix with a fresh suffix, tenants interleaved."""
+    requests = []
+    for round_ in range(ROUNDS):
+        for tenant in range(TENANTS):
+            prefix = [(97 * tenant + 5 * j + 1) % 512 for j in range(PREFIX_TOKENS)]
+            suffix = [(31 * round_ + 7 * tenant + j + 300) % 512 for j in range(3)]
+            requests.append({"prompt": prefix + suffix, "max_tokens": 2, "temperature": 0,
+                             "cache_salt": f"tenant-{tenant}"})
+    return requests
+
+
+def prefix_hits(server) -> int:
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    hits = re.findall(r'^blockserve_prefix_cache_hits_total\{replica="(\d)"[^}]*\} (\S+)$', text, re.M)
+    assert {replica for replica, _ in hits} == {"0", "1"}, text  # both replicas scraped, labelled
+    return int(sum(float(value) for _, value in hits))
+
+
+def run_workload(server) -> int:
+    for body in workload():
+        status, answer = server.request("POST", "/v1/completions", body)
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == 2
+    return prefix_hits(server)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-dp")
+    save_random_model(LlamaConfig(**SIZES), path)
+    return str(path)
+
+
+def serve_args(model_dir: str, routing: str) -> list[str]:
+    return ["--model", model_dir, "--data-parallel-size", "2", "--dp-routing", routing, *ENGINE_ARGS]
+
+
+@pytest.fixture(scope="module")
+def round_robin_hits(model_dir):
+    with healthy_server(serve_args(model_dir, "round_robin")) as server:
+        return run_workload(server)
+
+
+@pytest.fixture(scope="module")
+def affinity_server(model_dir):
+    with healthy_server(serve_args(model_dir, "affinity")) as server:
+        pids = [r["pid"] for r in server.request("GET", "/health")[1]["replicas"]]
+        yield server
+        assert server.process.poll() is None  # still up after every test: stopped (SIGTERM) below
+    assert server.process.returncode == 0  # a drain, not a kill
+    assert not any(running(pid) for pid in pids)  # SIGTERM drained the replicas too
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie awaiting its reaper)."""
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_affinity_routing_gets_more_prefix_hits_than_round_robin(affinity_server, round_robin_hits, model_dir):
+    hits = run_workload(affinity_server)
+    # Affinity: each tenant misses once, then hits its prefix on every later request. Round robin:
+    # each tenant misses once on each replica.
+    assert hits == TENANTS * (ROUNDS - 1) * PREFIX_TOKENS
+    assert round_robin_hits == TENANTS * (ROUNDS - 2) * PREFIX_TOKENS
+    status, text = affinity_server.request("GET", "/metrics")
+    assert f'blockserve_router_requests_total{{reason="affinity"}} {TENANTS * (ROUNDS - 1)}' in text
+    assert f'blockserve_router_requests_total{{reason="no_match"}} {TENANTS}' in text
+    status, health = affinity_server.request("GET", "/health")
+    assert status == 200 and health["status"] == "ok" and all(r["alive"] for r in health["replicas"])
+    status, models = affinity_server.request("GET", "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == model_dir
+
+
+def test_streams_pass_through(affinity_server):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", affinity_server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body='{"prompt": [1, 2, 3], "max_tokens": 3, "stream": true}',
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    body = response.read().decode()
+    conn.close()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    events = [line for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_dead_replica_leaves_rotation_and_its_in_flight_request_gets_503(affinity_server):
+    result = {}
+
+    def long_request():
+        result["answer"] = affinity_server.request("POST", "/v1/completions", {
+            "prompt": [5, 6, 7], "max_tokens": 500, "n": 4, "ignore_eos": True, "temperature": 1.0})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    deadline = time.monotonic() + 30
+    busy = None
+    while busy is None and time.monotonic() < deadline:
+        busy = next((r for r in affinity_server.request("GET", "/health")[1]["replicas"] if r["in_flight"]), None)
+    assert busy is not None, "the long request never showed up in flight"
+    os.kill(busy["pid"], signal.SIGKILL)
+    thread.join(timeout=60)
+    status, error = result["answer"]
+    assert status == 503, error
+    assert error["error"]["code"] == "replica_unavailable" and error["error"]["type"] == "server_error"
+
+    status, health = affinity_server.request("GET", "/health")
+    assert status == 200 and health["status"] == "degraded"
+    assert [r["alive"] for r in health["replicas"]] == [r["replica"] != busy["replica"] for r in health["replicas"]]
+    for body in workload()[:4]:  # the survivor takes every request, prefixes included
+        status, answer = affinity_server.request("POST", "/v1/completions", body)
+        assert status == 200, answer
+    status, text = affinity_server.request("GET", "/metrics")
+    assert f'blockserve_router_replica_up{{replica="{busy["replica"]}"}} 0' in text
+
+
+# -- the policy on its own ------------------------------------------------------------------------
+
+
+def policy(**options) -> tuple[RoutingPolicy, list[ReplicaLoad]]:
+    loads = [ReplicaLoad(i, PrefixIndex(64)) for i in range(2)]
+    return RoutingPolicy(loads, DataParallelConfig(**options)), loads
+
+
+def test_load_imbalance_overrides_affinity():
+    routing, loads = policy(dp_load_imbalance=2)
+    hashes = prefix_hashes(list(range(16)), BLOCK, None)
+    first, reason = routing.choose(hashes)
+    assert reason == "no_match"
+    for _ in range(2):  # the holder gets up to 2 more in flight than the idle one
+        assert routing.choose(hashes) == (first, "affinity")
+    other, reason = routing.choose(hashes)
+    assert other is not first and reason == "load"
+    assert first.in_flight == 3 and other.in_flight == 1
+
+
+def test_salts_keep_tenants_apart_and_the_index_is_bounded():
+    routing, loads = policy()
+    tokens = list(range(16))
+    a, _ = routing.choose(prefix_hashes(tokens, BLOCK, "tenant-a"))
+    assert loads[a.index].prefixes.matched_blocks(prefix_hashes(tokens, BLOCK, "tenant-b")) == 0
+    assert loads[a.index].prefixes.matched_blocks(prefix_hashes(tokens, BLOCK, "tenant-a")) == 4
+    index = PrefixIndex(3)
+    hashes = prefix_hashes(tokens, BLOCK, None)
+    index.add(hashes)
+    assert len(index) == 3 and index.matched_blocks(hashes) == 0  # the oldest (first) block was dropped
+
+
+def test_replicas_get_the_front_ends_flags_back():
+    from blockserve.cli import build_parser, server_config
+    from blockserve.config_args import config_from_namespace
+    from blockserve.engine.config import EngineConfig
+    from blockserve.server.replicas import config_flags
+
+    argv = ["serve", "--data-parallel-size", "2", "--max-model-len", "512", "--block-size", "4", "--no-prefix-caching",
+            "--kv-cache-memory", "8MiB", "--request-timeout", "12.5", "--served-model-name", "m", "--api-key", "k"]
+    args = build_parser().parse_args(argv)
+    engine, server = config_from_namespace(EngineConfig, args), server_config(args)
+    again = build_parser().parse_args(["serve", *config_flags(server), *config_flags(engine)])
+    assert config_from_namespace(EngineConfig, again) == engine and server_config(again) == server
