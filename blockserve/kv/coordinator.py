@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from blockserve.kv.block_pool import Block, BlockPool
+from blockserve.kv.block_pool import BlockPool
 from blockserve.kv.checkpoint_pool import CheckpointPool
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.group_managers import make_attention_manager

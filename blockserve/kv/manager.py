@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from blockserve.kv.block_pool import Block, ResetResult
+from blockserve.kv.block_pool import ResetResult
 from blockserve.kv.checkpoint_policy import CapturePlan
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.coordinator import KVCacheCoordinator

@@ -25,13 +25,13 @@ import json
 import logging
 import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx2 as httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from blockserve.engine.config import EngineConfig
+from blockserve.engine.tokenizer import load_tokenizer
 from blockserve.server.auth import AuthMiddleware, cache_salt
 from blockserve.server.config import ServerConfig
 from blockserve.server.http_errors import APIError, Draining, error_body, error_response
@@ -46,20 +46,6 @@ logger = logging.getLogger("blockserve.server")
 
 _WATCH_INTERVAL_S = 0.5  # how often replica processes are polled for an exit
 _FORWARDED_HEADERS = ("authorization", "content-type")
-
-
-def load_tokenizer(engine_config: EngineConfig):
-    """The tokenizer the replicas load (after they converted a GGUF file), or None if the model has none."""
-    from transformers import AutoTokenizer
-
-    from blockserve.models.default_model import default_model_path
-    from blockserve.models.loader import TOKENIZER_FILES, cache_root, gguf_cache_entry
-
-    path = default_model_path() if engine_config.model is None else Path(engine_config.model).expanduser()
-    folder = path if path.is_dir() else gguf_cache_entry(path, cache_root())
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def prompt_token_ids(tokenizer, path: str, body) -> list[int] | None:

@@ -15,9 +15,10 @@ import blockserve
 import blockserve.server
 
 # kv.hashing (torch-free): the data-parallel router hashes a prompt's leading blocks exactly as
-# the replicas' prefix caches do, to send it where they are cached.
+# the replicas' prefix caches do, to send it where they are cached; config_args (stdlib only):
+# it hands its own flags on to the replicas it starts.
 ALLOWED = ("blockserve.engine", "blockserve.server", "blockserve.errors", "blockserve.sampling_params",
-           "blockserve.scheduler.output", "blockserve.kv.hashing")
+           "blockserve.scheduler.output", "blockserve.kv.hashing", "blockserve.config_args")
 ROOT = Path(blockserve.__file__).resolve().parent.parent
 FACADE_USERS = ("blockserve/server", "blockserve/benchmark", "benchmarks")
 CORE_PARTS = {"kv", "scheduler", "runner"}
