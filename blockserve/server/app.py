@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -38,6 +37,7 @@ from blockserve.server.chat import create_chat_completion
 from blockserve.server.chat_page import chat_page_router
 from blockserve.server.completions import create_completion
 from blockserve.server.config import ServerConfig
+from blockserve.server.draining import serve_with_drain
 from blockserve.server.http_errors import APIError, Draining, add_exception_handlers, error_response
 from blockserve.server.limits import RequestLimitsMiddleware, check_request_limits
 from blockserve.server.metrics import CONTENT_TYPE, Metrics
@@ -128,54 +128,22 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
 # -- `blockserve serve` ---------------------------------------------------------------------------
 
 
-_CONNECTIONS_GRACE_S = 5  # after the drain: how long uvicorn waits for connections to close
-
-
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Load the model (logging its KV capacity), then serve until SIGTERM / SIGINT, which drains:
     the port stays open and answers new requests 503 (/health too), in-flight requests get up to
     `config.shutdown_timeout` seconds, the rest are aborted with an error. Returns 0 after a
     drain; 1 if a second signal cut it short."""
-    import uvicorn
-
     engine = LLMEngine(engine_config)
     app = create_app(engine, config)
     async_engine: AsyncEngine = app.state.async_engine
 
-    class DrainingServer(uvicorn.Server):
-        """uvicorn, except that the first signal drains before uvicorn's own shutdown (which
-        closes the port) and no signal is re-raised at exit; a second one exits at once."""
-
-        async def serve(self, sockets=None) -> None:
-            self._loop = asyncio.get_running_loop()
-            self._drain: asyncio.Task | None = None
-            self._signalled = False
-            await super().serve(sockets)
-
-        def handle_exit(self, sig, frame) -> None:  # a signal handler: only hand over to the loop
-            if self._signalled:
-                self.should_exit = self.force_exit = True
-                return
-            self._signalled = True
-            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
-
-        def _start_drain(self, name: str) -> None:
-            logger.info("%s: draining, then exiting", name)
-            self._drain = self._loop.create_task(self._drain_then_exit())
-
-        async def _drain_then_exit(self) -> None:
-            try:
-                await async_engine.drain(config.shutdown_timeout)
-            finally:
-                self.should_exit = True
+    async def drain(name: str) -> None:
+        logger.info("%s: draining, then exiting", name)
+        await async_engine.drain(config.shutdown_timeout)
 
     logger.info("serving %r on http://%s:%d (API keys: %s, prefix-cache isolation: %s)", config.served_model_name,
                 config.host, config.port, len(config.api_keys) or "none", config.prefix_cache_isolation)
-    # uvicorn's own logs (start-up, access lines) stay at warnings; ours follow the CLI's -q.
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=_CONNECTIONS_GRACE_S))
-    server.run()
-    if server.force_exit:
+    if not serve_with_drain(app, config, drain):
         logger.warning("a second signal: exited without finishing the drain")
         return 1
     return 0

@@ -35,7 +35,7 @@ from blockserve.errors import InvalidRequest
 from blockserve.sampling_params import StructuredOutputsParams
 from blockserve.server.http_errors import APIError
 from blockserve.server.protocol import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
-from blockserve.server.tools import JsonValueScanner, ToolSetup, merge_deltas, new_call_id
+from blockserve.server.tools import JsonValueScanner, ToolSetup, history_call_arguments, merge_deltas, new_call_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -92,14 +92,9 @@ def hermes_history(messages: list[dict]) -> list[dict]:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:
-                try:
-                    arguments = json.loads(call.function.arguments)
-                except ValueError:
-                    raise APIError(400, f"messages[{i}]: tool call {call.id!r} has arguments that are not JSON",
-                                   param="messages", code="invalid_value") from None
                 names[call.id] = call.function.name
                 calls.append({"id": call.id, "type": "function",
-                              "function": {"name": call.function.name, "arguments": arguments}})
+                              "function": {"name": call.function.name, "arguments": history_call_arguments(i, call)}})
             m["tool_calls"] = calls
         elif m["role"] == "tool":
             if not m.get("tool_call_id"):

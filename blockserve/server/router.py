@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 from collections.abc import AsyncIterator
 
 import httpx2 as httpx
@@ -34,6 +33,7 @@ from blockserve.engine.config import EngineConfig
 from blockserve.engine.tokenizer import load_tokenizer
 from blockserve.server.auth import AuthMiddleware, cache_salt
 from blockserve.server.config import ServerConfig
+from blockserve.server.draining import serve_with_drain
 from blockserve.server.http_errors import APIError, Draining, error_body, error_response
 from blockserve.server.limits import RequestLimitsMiddleware
 from blockserve.server.metrics import CONTENT_TYPE
@@ -282,8 +282,6 @@ def run_router(engine_config: EngineConfig, config: ServerConfig, dp_config: Dat
                quiet: bool = False) -> int:
     """Start the replicas, then serve the front end until SIGTERM / SIGINT, which drains: new
     requests get 503, the replicas drain and exit, then the front end. Returns 0 after a drain."""
-    import uvicorn
-
     if engine_config.tensor_parallel_size > 1 and engine_config.distributed_executor == "external":
         raise ValueError("--data-parallel-size > 1 starts its replicas on this host, so each replica's tensor-parallel "
                          "ranks must be too: drop --distributed-executor external")
@@ -296,40 +294,16 @@ def run_router(engine_config: EngineConfig, config: ServerConfig, dp_config: Dat
         stop_replicas(processes, timeout=0)
         raise
 
-    class DrainingServer(uvicorn.Server):
-        """uvicorn, except that the first signal drains the replicas before uvicorn's own shutdown;
-        a second one exits at once."""
-
-        async def serve(self, sockets=None) -> None:
-            self._loop = asyncio.get_running_loop()
-            self._signalled = False
-            self._drain: asyncio.Task | None = None
-            await super().serve(sockets)
-
-        def handle_exit(self, sig, frame) -> None:
-            if self._signalled:
-                self.should_exit = self.force_exit = True
-                return
-            self._signalled = True
-            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
-
-        def _start_drain(self, name: str) -> None:
-            logger.info("%s: draining the replicas, then exiting", name)
-            replicas.draining = True
-            self._drain = self._loop.create_task(self._drain_then_exit())
-
-        async def _drain_then_exit(self) -> None:
-            try:
-                await asyncio.to_thread(stop_replicas, processes, config.shutdown_timeout)
-            finally:
-                self.should_exit = True
+    async def drain(name: str) -> None:
+        logger.info("%s: draining the replicas, then exiting", name)
+        replicas.draining = True
+        await asyncio.to_thread(stop_replicas, processes, config.shutdown_timeout)
 
     logger.info("serving %r on http://%s:%d through %d replicas (routing: %s)", config.served_model_name,
                 config.host, config.port, len(processes), dp_config.dp_routing)
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    drained = False
     try:
-        server.run()
+        drained = serve_with_drain(app, config, drain)
     finally:
-        stop_replicas(processes, timeout=0 if server.force_exit else config.shutdown_timeout)
-    return 1 if server.force_exit else 0
+        stop_replicas(processes, timeout=config.shutdown_timeout if drained else 0)
+    return 0 if drained else 1

@@ -106,6 +106,16 @@ def tool_setup(body: ChatCompletionRequest) -> ToolSetup | None:
     return ToolSetup(tools, required=choice == "required", named=named, parallel=body.parallel_tool_calls is not False)
 
 
+def history_call_arguments(index: int, call) -> dict:
+    """The arguments of a tool call in message `index` of the history, parsed; a 400 naming the
+    message if they are not JSON."""
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise APIError(400, f"messages[{index}]: tool call {call.id!r} has arguments that are not JSON",
+                       param="messages", code="invalid_value") from None
+
+
 def render_history(messages: list[dict], setup: ToolSetup | None) -> list[dict]:
     """The chat template's messages: the tool list in the system message; assistant tool_calls
     as envelopes; tool results as user turns. `messages` are chat.py's dicts, an assistant turn's
@@ -116,13 +126,8 @@ def render_history(messages: list[dict], setup: ToolSetup | None) -> list[dict]:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:
-                try:
-                    arguments = json.loads(call.function.arguments)
-                except ValueError:
-                    raise APIError(400, f"messages[{i}]: tool call {call.id!r} has arguments that are not JSON",
-                                   param="messages", code="invalid_value") from None
                 names[call.id] = call.function.name
-                calls.append({"name": call.function.name, "arguments": arguments})
+                calls.append({"name": call.function.name, "arguments": history_call_arguments(i, call)})
             out.append({"role": "assistant", "content": _dumps({"tool_calls": calls})})
         elif m["role"] == "tool":
             call_id = m.get("tool_call_id")
