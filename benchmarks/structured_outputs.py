@@ -75,20 +75,6 @@ WORKLOADS = [
 ]
 
 
-def load_tokenizer():
-    """The bundled model's tokenizer, from the engine's converted-GGUF cache when it is there."""
-    from transformers import AutoTokenizer
-
-    from blockserve.models.default_model import default_model_path
-    from blockserve.models.loader import cache_root, gguf_cache_entry
-
-    path = default_model_path()
-    entry = gguf_cache_entry(path, cache_root())
-    if entry.is_dir():
-        return AutoTokenizer.from_pretrained(entry, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-
-
 class LLGuidance:
     name = "llguidance"
 
@@ -228,6 +214,8 @@ def measure(engine, w: Workload, tokens: list[int], eos: int, vocab_size: int, r
 
 def engines(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    from blockserve.engine.tokenizer import load_tokenizer
+
     tokenizer = load_tokenizer()
     vocab_size = len(tokenizer)
     results: dict = {"cpu": platform.processor() or platform.machine(), "vocab_size": vocab_size, "engines": {}}

@@ -8,16 +8,19 @@ from pathlib import Path
 from blockserve.engine.config import EngineConfig
 
 
-def load_tokenizer(engine_config: EngineConfig):
-    """The model's tokenizer (from a GGUF file: from the converted-model cache its engines wrote),
-    or None if the model has none."""
+def load_tokenizer(engine_config: EngineConfig | None = None):
+    """The tokenizer of `engine_config`'s model (default: the bundled one), or None if it has
+    none. A GGUF file's comes from the converted-model cache an engine wrote, else from the file."""
     from transformers import AutoTokenizer
 
     from blockserve.models.default_model import default_model_path
     from blockserve.models.loader import TOKENIZER_FILES, cache_root, gguf_cache_entry
 
-    path = default_model_path() if engine_config.model is None else Path(engine_config.model).expanduser()
+    model = None if engine_config is None else engine_config.model
+    path = default_model_path() if model is None else Path(model).expanduser()
     folder = path if path.is_dir() else gguf_cache_entry(path, cache_root())
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if path.is_file():  # a GGUF file no engine converted yet
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    return None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.server.async_engine import AsyncEngine, Prompt
-from blockserve.server.protocol import CompletionLogprobs, token_text
+from blockserve.server.protocol import CompletionLogprobs
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,8 @@ async def echoed_prompt(engine: AsyncEngine, prompt: Prompt, output: RequestOutp
     entries = output.prompt_logprobs
     if entries is None or len(entries) != len(ids):
         raise RuntimeError(f"request {output.request_id}: echo with logprobs got no prompt logprobs from the engine")
-    result = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
-    offset = len(first)
-    for entry, token in zip(entries[1:], ids[1:]):
-        piece = token_text(entry, token)
-        result.tokens.append(piece)
-        result.token_logprobs.append(entry[token].logprob)
-        result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in entry.values()})
-        result.text_offset.append(offset)
-        offset += len(piece)
-    return EchoedPrompt(text, result)
+    head = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    return EchoedPrompt(text, concatenated(head, CompletionLogprobs.build(entries[1:], ids[1:], len(first))))
 
 
 def joined(echo: EchoedPrompt, completion: CompletionLogprobs | None) -> CompletionLogprobs | None:
@@ -60,11 +52,12 @@ def joined(echo: EchoedPrompt, completion: CompletionLogprobs | None) -> Complet
         return completion
     if completion is None:
         return echo.logprobs
-    return CompletionLogprobs(
-        tokens=echo.logprobs.tokens + completion.tokens,
-        token_logprobs=echo.logprobs.token_logprobs + completion.token_logprobs,
-        top_logprobs=echo.logprobs.top_logprobs + completion.top_logprobs,
-        text_offset=echo.logprobs.text_offset + completion.text_offset)
+    return concatenated(echo.logprobs, completion)
+
+
+def concatenated(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
 def without_generation(c: CompletionOutput) -> CompletionOutput:

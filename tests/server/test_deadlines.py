@@ -19,6 +19,7 @@ from blockserve.models.loader import load_model
 from blockserve.server.config import ServerConfig
 from blockserve.server.http_errors import RequestTimeout
 from tests.models.conftest import save_random_model
+from tests.server.asgi import sse_events
 from tests.server.test_async_engine import SIZES
 from tests.server.test_backpressure import assert_idle, call, serve
 
@@ -48,11 +49,6 @@ def error_of(raw: bytes) -> dict:
     body = json.loads(raw)
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     return body["error"]
-
-
-def sse_events(raw: bytes) -> list:
-    events = [line[len("data: "):] for line in raw.decode().split("\n") if line.startswith("data: ")]
-    return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
 def test_past_its_deadline_a_request_gets_504_its_blocks_are_freed_and_the_others_finish(model):

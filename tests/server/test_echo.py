@@ -5,19 +5,14 @@ weights."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 
 import pytest
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
-from blockserve.engine.llm_engine import LLMEngine
 from blockserve.models.loader import load_model
-from blockserve.server.app import create_app
-from tests.server.asgi import asgi_request
+from tests.server.asgi import post_each
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,25 +31,8 @@ def offline(loaded):
 
 
 def serve(loaded, requests):
-    """POST each (path, body) in turn to a fresh app (its engine thread running): [(status, answer)],
-    a stream's answer being its list of events."""
-
-    async def main():
-        config = EngineConfig(model=loaded.source, **ARGS)
-        app = create_app(LLMEngine(config, EngineCore(config, loaded)))
-        answers = []
-        async with app.router.lifespan_context(app):
-            for body in requests:
-                status, headers, raw = await asgi_request(app, "POST", "/v1/completions", body)
-                if headers["content-type"].startswith("text/event-stream"):
-                    events = [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
-                    assert events[-1] == "[DONE]"
-                    answers.append((status, [json.loads(e) for e in events[:-1]]))
-                else:
-                    answers.append((status, json.loads(raw)))
-        return answers
-
-    return asyncio.run(main())
+    """POST each completions body in turn to a fresh app: [(status, answer)] (tests/server/asgi.py)."""
+    return post_each(loaded, ARGS, "/v1/completions", requests)
 
 
 def prompt_reference(offline, prompt, top):

@@ -6,7 +6,6 @@ choices parse into schema-valid calls whatever the weights)."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import importlib.util
 import json
@@ -19,11 +18,7 @@ import pytest
 from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
-from blockserve.engine.llm_engine import LLMEngine
 from blockserve.models.loader import load_model
-from blockserve.server.app import create_app
 from blockserve.server.chat import chat_messages
 from blockserve.server.http_errors import APIError
 from blockserve.server.native_tools import (
@@ -33,7 +28,7 @@ from blockserve.server.protocol import ChatCompletionRequest, ToolCall
 from blockserve.server.tools import tool_setup
 from blockserve.structured.grammar import grammar_text
 from tests.models.conftest import save_random_model
-from tests.server.asgi import asgi_request
+from tests.server.asgi import post_each
 from tests.server.test_async_engine import SIZES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -250,22 +245,7 @@ def test_streamed_deltas_match_the_parse(text, parallel, size):
 
 
 def serve(model, bodies):
-    async def main():
-        config = EngineConfig(model=model.source, **ARGS)
-        app = create_app(LLMEngine(config, EngineCore(config, model)))
-        answers = []
-        async with app.router.lifespan_context(app):
-            for body in bodies:
-                status, headers, raw = await asgi_request(app, "POST", "/v1/chat/completions", body)
-                if headers["content-type"].startswith("text/event-stream"):
-                    events = [line[len("data: "):] for line in raw.decode().split("\n\n") if line]
-                    assert events[-1] == "[DONE]"
-                    answers.append((status, [json.loads(e) for e in events[:-1]]))
-                else:
-                    answers.append((status, json.loads(raw)))
-        return answers
-
-    return asyncio.run(main())
+    return post_each(model, ARGS, "/v1/chat/completions", bodies)
 
 
 def chat(**fields):

@@ -32,7 +32,8 @@ from tests.models.conftest import save_random_model
 from tests.server.test_async_engine import ARGS, SIZES
 from tests.server.test_async_engine import assert_idle as assert_engine_idle
 from tests.server.test_backpressure import assert_idle, call, metrics
-from tests.server.test_deadlines import error_of, sse_events
+from tests.server.asgi import sse_events
+from tests.server.test_deadlines import error_of
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 12, "ignore_eos": True, "temperature": 0}
 
