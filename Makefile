@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install run test bench-kv bench-scheduler bench-kernels bench-peers soak clean
+.PHONY: install run test bench-kv bench-scheduler bench-kernels bench-peers bench-peers-native soak clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ bench-kernels: install
 bench-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/peers/run.py --threads 1 --json results/peers.json
+
+# Native llama.cpp (built once from the llama-cpp-python sdist, cached in ~/.cache/blockserve-peers) against
+# blockserve: offline, batch-1 latency and streaming servers at 1/16/64 clients, at 1 thread and all cores.
+bench-peers-native: install
+	$(PY) benchmarks/peers/native.py --json results/peers_native.json
 
 soak: install
 	$(PY) -m blockserve.sim.soak --requests 100000

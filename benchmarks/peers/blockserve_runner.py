@@ -38,6 +38,7 @@ class BlockserveRunner:
             "phase_seconds": phases,
             "phase_share": {k: v / seconds for k, v in phases.items()},
             "prefix_cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
+            "prefix_cached_per_request": [o.num_cached_tokens for o in outputs],  # in prompt order
         }
         del llm
         gc.collect()

@@ -125,8 +125,13 @@ def goals(results: dict, medians: dict, itl: dict) -> None:
         print(f"batch-1 inter-token latency: blockserve {itl['blockserve']:.1f} ms, transformers generate "
               f"{hf:.1f} ms: {hf / itl['blockserve']:.2f}x lower (goal: 1.5x)")
     ours = medians["blockserve"]["tok_s"]
-    fraction = ours / results["roofline"]["compute_bound_tok_s"]
+    computed = results["roofline"].get("blockserve_computed", results["roofline"])
+    fraction = ours / computed["compute_bound_tok_s"]
     results["blockserve_fraction_of_compute_roofline"] = fraction
+    cached = computed["flops"]["computed_positions"] != results["roofline"]["flops"]["computed_positions"]
+    print(f"blockserve's roofline fraction counts the work it computed: {computed['flops']['total'] / 1e12:.3f} TFLOP"
+          + (f" of the workload's {results['roofline']['flops']['total'] / 1e12:.3f} (prompt tokens from its prefix "
+             f"cache excluded); the peers' fractions count the whole workload" if cached else ""))
     peers = {s: m["tok_s"] for s, m in medians.items() if not s.startswith("blockserve")}
     if peers:
         best = max(peers, key=peers.get)
@@ -137,6 +142,6 @@ def goals(results: dict, medians: dict, itl: dict) -> None:
         print(f"blockserve: no peer ran; {100 * fraction:.1f}% of the compute roofline (goal: 60%)")
     for s in medians:
         if s.startswith("blockserve-"):  # blockserve with another setting, e.g. a float16 KV cache
-            share = medians[s]["tok_s"] / results["roofline"]["compute_bound_tok_s"]
+            share = medians[s]["tok_s"] / computed["compute_bound_tok_s"]
             results.setdefault("fraction_of_compute_roofline", {})[s] = share
             print(f"{s}: {100 * share:.1f}% of the compute roofline")

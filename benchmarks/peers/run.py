@@ -77,7 +77,7 @@ import torch
 from tqdm import tqdm
 
 from blockserve.benchmark.common import environment
-from blockserve.benchmark.roofline import ModelShape, roofline
+from blockserve.benchmark.roofline import ModelShape, roofline, workload_flops
 from blockserve.benchmark.workloads import workload_prompts
 from blockserve.config_args import add_config_arguments, namespace_values
 from blockserve.engine.config import EngineConfig
@@ -122,7 +122,7 @@ def main() -> None:
     progress = not args.no_progress
 
     env = environment()
-    print(f"machine: {env['cpu']}, {env['cpus_usable']} usable CPUs; torch {env['torch']} "
+    print(f"machine: {env['cpu']} ({' '.join(env['cpu_simd_flags'])}), {env['cpus_usable']} usable CPUs; torch {env['torch']} "
           f"(threads {env['torch_num_threads']}), transformers {env['transformers']}, python {env['python']}; "
           f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}; "
           f"load average {' '.join(f'{x:.2f}' for x in env['load_average_start'])}; blockserve {env['blockserve_commit']}")
@@ -200,6 +200,10 @@ def main() -> None:
                     f"{s} {1e3 * statistics.median(v):.1f} ms" for s, v in itl.items()))
             results["itl_rounds"].append(itl)
 
+    if "blockserve" in tokens_by_system:  # blockserve's roofline counts only the work it computed
+        cached = results["rounds"][0]["blockserve"]["prefix_cached_per_request"]
+        roof["blockserve_computed"] = computed_bound(roof, workload_flops(shape, lens, args.max_tokens, cached))
+
     for running in args.profile_decode:
         print(f"profiling {running} running requests ...")
         warm = args.max_tokens // 2 if args.profile_warm_steps is None else args.profile_warm_steps
@@ -211,6 +215,13 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {args.json}")
+
+
+def computed_bound(roof: dict, flops: dict) -> dict:
+    """The compute bound of the work one system actually did (prompt tokens from its prefix cache
+    excluded), at the roofline's GEMM peak."""
+    seconds = flops["total"] / (roof["gemm_peak_gflops"] * 1e9)
+    return {"flops": flops, "compute_bound_s": seconds, "compute_bound_tok_s": flops["generated_tokens"] / seconds}
 
 
 def select_systems(args: argparse.Namespace, num_prompts: int) -> list[str]:

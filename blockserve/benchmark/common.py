@@ -42,11 +42,27 @@ def environment() -> dict:
         "blockserve_commit": commit,
         "platform": platform.platform(),
         "cpu": cpu,
+        "cpu_simd_flags": cpu_simd_flags(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         **thread_settings(),
         "load_average_start": list(os.getloadavg()),
     }
+
+
+# The instruction sets the native kernels' paths depend on (attention/csrc/, compiled -march=native).
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_simd_flags() -> list[str]:
+    """Which of SIMD_FLAGS this CPU has (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return []
+    return [flag for flag in SIMD_FLAGS if flag in flags]
 
 
 def thread_settings() -> dict:
@@ -69,8 +85,8 @@ def describe_threads(settings: dict | None = None) -> str:
 
 
 def print_environment(env: dict) -> None:
-    print(f"machine: {env['cpu']}, {env['cpus_usable']} usable CPUs; torch {env['torch']}, python {env['python']}; "
-          f"load average {' '.join(f'{x:.2f}' for x in env['load_average_start'])}; "
+    print(f"machine: {env['cpu']} ({' '.join(env['cpu_simd_flags'])}), {env['cpus_usable']} usable CPUs; "
+          f"torch {env['torch']}, python {env['python']}; load average {' '.join(f'{x:.2f}' for x in env['load_average_start'])}; "
           f"blockserve {env['blockserve_commit']}")
     print(f"threads: {describe_threads(env)}")
     if env["OMP_WAIT_POLICY"] is None and env["torch_num_threads"] > 1:

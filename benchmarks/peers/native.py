@@ -1,0 +1,303 @@
+"""blockserve against llama.cpp built natively, side by side in one run: offline batches, batch-1
+inter-token latency and streaming servers at 1 / 16 / 64 clients, at each thread count.
+
+    make bench-peers-native                  (1 thread and all cores; results/peers_native.json)
+    python benchmarks/peers/native.py --threads 1 2 [--rounds 2] [--clients 1 16 64] [--skip-server]
+        [--input-len 112] [--max-tokens 128] [--batch 64] [--json PATH]
+
+llama.cpp is built once by benchmarks/peers/build_llama_cpp.sh (from the llama-cpp-python sdist's
+vendor/llama.cpp, -DGGML_NATIVE=ON, cached outside the repository). Both systems load the same
+bundled SmolLM2-135M Q4_1 GGUF, each with its own defaults otherwise (llama.cpp: float16 KV;
+blockserve: float32 KV, GGUF blocks for small batches), and every command is a separate process,
+run as a user would:
+
+    offline   llama-batched-bench -npp P -ntg G -npl B -t T        (one context, B parallel sequences)
+              blockserve bench throughput --random-input-len P --num-prompts B --max-tokens G --num-threads T
+              generated tokens / wall time of the whole batch, prefill included
+    batch-1   llama-batched-bench ... -npl 1: T_TG / G              blockserve bench latency --batch-sizes 1: ITL p50
+    server    llama-server -np 64 -t T         blockserve serve --num-threads T
+              both driven by `blockserve bench serve --endpoint completions` with the same random token-id
+              prompts (P tokens, G new, greedy, EOS ignored) at each --clients concurrency
+
+Cells run interleaved (llama.cpp, then blockserve, per round) and report medians over --rounds.
+Each figure carries the other processes' share of the CPU during it: (all CPUs' busy time - the
+measured processes' CPU time) / (wall time x CPUs), from /proc/stat and psutil. The CPU's SIMD flags,
+the thread count and OMP settings go into the JSON with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from blockserve.benchmark.common import environment, print_environment
+from blockserve.models.default_model import default_model_path
+
+HERE = Path(__file__).resolve().parent
+BLOCKSERVE = [sys.executable, "-m", "blockserve.cli"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count()], help="thread counts, one table each")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each cell, interleaved; medians reported")
+    ap.add_argument("--input-len", type=int, default=112, help="prompt tokens (random ids)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (EOS ignored)")
+    ap.add_argument("--batch", type=int, default=64, help="offline batch (parallel sequences)")
+    ap.add_argument("--clients", type=int, nargs="*", default=[1, 16, 64], help="concurrent streaming clients")
+    ap.add_argument("--requests-per-client", type=float, default=2.0,
+                    help="requests per server run = clients x this (at least 4)")
+    ap.add_argument("--skip-server", action="store_true", help="offline and batch-1 cells only")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args()
+
+    env = environment()
+    print_environment(env)
+    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh")], check=True, capture_output=True,
+                                  text=True).stdout.strip().splitlines()[-1])
+    model = str(default_model_path())
+    print(f"llama.cpp binaries: {bin_dir}; model {model}")
+    results = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}, "llama_cpp": str(bin_dir),
+               "tables": []}
+    for threads in args.threads:
+        table = {"threads": threads, "cells": {}}
+        results["tables"].append(table)
+        cells = table["cells"]
+        for r in range(args.rounds):
+            for name, (llama, ours) in offline_cells(bin_dir, model, args, threads).items():
+                cells.setdefault(name, {"llama.cpp": [], "blockserve": []})
+                cells[name]["llama.cpp"].append(llama())
+                cells[name]["blockserve"].append(ours())
+                print(f"[{threads} thr, round {r + 1}] {name}: llama.cpp {cells[name]['llama.cpp'][-1]['value']:.2f}, "
+                      f"blockserve {cells[name]['blockserve'][-1]['value']:.2f}", flush=True)
+            if not args.skip_server:
+                for system, start in (("llama.cpp", start_llama_server), ("blockserve", start_blockserve)):
+                    with Server(start(bin_dir, model, threads, args)) as server:
+                        for clients in args.clients:
+                            run = serve_load(server, clients, args)
+                            cells.setdefault(f"server {clients} clients", {"llama.cpp": [], "blockserve": []})
+                            cells[f"server {clients} clients"][system].append(run)
+                            print(f"[{threads} thr, round {r + 1}] {system} server, {clients} clients: "
+                                  f"{run['value']:.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
+                                  f"ITL p50 {run['itl_p50_ms']:.1f} ms", flush=True)
+    env["load_average_end"] = list(os.getloadavg())
+    report(results)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+class CpuShare:
+    """The other processes' share of the machine's CPUs while a block runs: all CPUs' busy time
+    from /proc/stat, minus the CPU time of the measured processes (and their children)."""
+
+    def __init__(self, pids: list[int] | None = None):
+        self.pids = pids or []
+
+    def _busy(self) -> float:
+        times = psutil.cpu_times()
+        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+    def _ours(self) -> float:
+        total = 0.0
+        for pid in self.pids:
+            try:
+                proc = psutil.Process(pid)
+                for p in (proc, *proc.children(recursive=True)):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        children = os.times()
+        return total + children.children_user + children.children_system
+
+    def __enter__(self):
+        self.t0, self.busy0, self.ours0 = time.perf_counter(), self._busy(), self._ours()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        self.ours = self._ours() - self.ours0
+        others = max(0.0, self._busy() - self.busy0 - self.ours)
+        self.others_share = others / (self.wall * psutil.cpu_count())
+
+
+def run_process(cmd: list[str], env: dict | None = None) -> tuple[str, CpuShare]:
+    with CpuShare() as share:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout + proc.stderr, share
+
+
+def batched_bench(bin_dir: Path, model: str, args, threads: int, batch: int) -> dict:
+    """One llama-batched-bench row: B sequences of P prompt tokens, G generated each."""
+    ctx = batch * (args.input_len + args.max_tokens) + 64
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", model, "-c", str(ctx), "-b", "2048", "-ub", "512",
+           "-npp", str(args.input_len), "-ntg", str(args.max_tokens), "-npl", str(batch), "-t", str(threads),
+           "-tb", str(threads)]
+    out, share = run_process(cmd)
+    rows = [line for line in out.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
+    if not rows:
+        raise RuntimeError(f"no result row in llama-batched-bench's output:\n{out[-2000:]}")
+    pp, tg, b, n_kv, t_pp, s_pp, t_tg, s_tg, t, s = (float(x) for x in rows[-1].strip("| ").split("|"))
+    return {"pp": pp, "tg": tg, "batch": b, "t_pp_s": t_pp, "t_tg_s": t_tg, "t_s": t,
+            "generated_tok_s": b * tg / t, "itl_ms": 1e3 * t_tg / tg, "others_cpu_share": share.others_share,
+            "command": " ".join(cmd)}
+
+
+def blockserve_bench(kind: str, args, threads: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out_json = Path(d) / "out.json"
+        cmd = [*BLOCKSERVE, "bench", kind, "--random-input-len", str(args.input_len), "--max-tokens",
+               str(args.max_tokens), "--num-threads", str(threads), "--no-progress", "--output-json", str(out_json),
+               *extra]
+        _, share = run_process(cmd)
+        record = json.loads(out_json.read_text())
+    return {"record": record, "others_cpu_share": share.others_share, "command": " ".join(cmd)}
+
+
+def offline_cells(bin_dir: Path, model: str, args, threads: int) -> dict:
+    """Cell name -> (llama.cpp run, blockserve run); each run returns a dict with `value`."""
+    def llama_offline():
+        r = batched_bench(bin_dir, model, args, threads, args.batch)
+        return {**r, "value": r["generated_tok_s"]}
+
+    def ours_offline():
+        r = blockserve_bench("throughput", args, threads, ["--num-prompts", str(args.batch), "--no-roofline"])
+        return {**r, "value": r["record"]["generated_tokens_per_s"]}
+
+    def llama_itl():
+        r = batched_bench(bin_dir, model, args, threads, 1)
+        return {**r, "value": r["itl_ms"]}
+
+    def ours_itl():
+        r = blockserve_bench("latency", args, threads, ["--batch-sizes", "1", "--num-iters", "3", "--no-roofline"])
+        return {**r, "value": r["record"]["batch_sizes"][0]["itl_ms"]["median"]}
+
+    return {f"offline batch {args.batch}, generated tok/s": (llama_offline, ours_offline),
+            "batch-1 inter-token latency, ms": (llama_itl, ours_itl)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama_server(bin_dir: Path, model: str, threads: int, args) -> tuple[list[str], int]:
+    port, slots = free_port(), max(args.clients or [1])
+    return [str(bin_dir / "llama-server"), "-m", model, "-np", str(slots), "-c",
+            str(slots * (args.input_len + args.max_tokens + 16)), "-t", str(threads), "-tb", str(threads),
+            "--host", "127.0.0.1", "--port", str(port)], port
+
+
+def start_blockserve(bin_dir: Path, model: str, threads: int, args) -> tuple[list[str], int]:
+    port = free_port()
+    return [*BLOCKSERVE, "serve", "--num-threads", str(threads), "--host", "127.0.0.1", "--port", str(port)], port
+
+
+class Server:
+    """A server process for the length of a `with` block: started, waited for (/health), stopped."""
+
+    def __init__(self, command: tuple[list[str], int]):
+        self.cmd, self.port = command
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"{self.cmd[0]} exited: {self.log.read()[-3000:].decode(errors='replace')}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{' '.join(self.cmd)} did not become healthy in 600 s")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def serve_load(server: Server, clients: int, args) -> dict:
+    requests = max(4, round(clients * args.requests_per_client))
+    with tempfile.TemporaryDirectory() as d:
+        out_json = Path(d) / "serve.json"
+        cmd = [*BLOCKSERVE, "bench", "serve", "--base-url", server.url, "--endpoint", "completions",
+               "--random-input-len", str(args.input_len), "--max-tokens", str(args.max_tokens), "--num-prompts",
+               str(requests), "--max-concurrency", str(clients), "--no-progress", "--output-json", str(out_json)]
+        with CpuShare([server.proc.pid]) as share:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench serve against {server.cmd[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
+        load = json.loads(out_json.read_text())["loads"][0]
+    if load["completion_tokens"] != requests * args.max_tokens:
+        raise RuntimeError(f"{server.cmd[0]} generated {load['completion_tokens']} tokens, expected "
+                           f"{requests * args.max_tokens}")
+    return {"value": load["output_throughput"], "ttft_p50_ms": load["ttft_ms"]["median"],
+            "itl_p50_ms": load["itl_ms"]["median"], "requests": requests, "load": load,
+            "server_command": " ".join(server.cmd), "others_cpu_share": share.others_share,
+            "server_cpu_per_wall": share.ours / share.wall}
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+def report(results: dict) -> None:
+    """Medians per cell, with blockserve's ratio (higher is better for blockserve, whatever the unit)."""
+    for table in results["tables"]:
+        print(f"\n== {table['threads']} thread(s): median of {results['args']['rounds']} round(s); "
+              f"others' CPU share in brackets ==")
+        print(f"{'cell':<42} {'llama.cpp':>22} {'blockserve':>22} {'blockserve x':>13}")
+        table["medians"] = {}
+        for name, runs in table["cells"].items():
+            lower_is_better = name.startswith("batch-1")
+            med = {s: statistics.median(r["value"] for r in v) for s, v in runs.items()}
+            share = {s: statistics.median(r["others_cpu_share"] for r in v) for s, v in runs.items()}
+            ratio = med["llama.cpp"] / med["blockserve"] if lower_is_better else med["blockserve"] / med["llama.cpp"]
+            entry = {"llama.cpp": med["llama.cpp"], "blockserve": med["blockserve"], "blockserve_ratio": ratio,
+                     "others_cpu_share": share}
+            line = (f"{name:<42} {med['llama.cpp']:14.2f} [{share['llama.cpp']:4.0%}] "
+                    f"{med['blockserve']:14.2f} [{share['blockserve']:4.0%}] {ratio:12.2f}x")
+            if name.startswith("server"):
+                for key in ("ttft_p50_ms", "itl_p50_ms"):
+                    entry[key] = {s: statistics.median(r[key] for r in v) for s, v in runs.items()}
+                ttft, itl = entry["ttft_p50_ms"], entry["itl_p50_ms"]
+                line += (f"\n{'':<4}TTFT p50 ms: llama.cpp {ttft['llama.cpp']:.0f}, blockserve {ttft['blockserve']:.0f} "
+                         f"({ttft['llama.cpp'] / ttft['blockserve']:.2f}x better);  ITL p50 ms: llama.cpp "
+                         f"{itl['llama.cpp']:.1f}, blockserve {itl['blockserve']:.1f} "
+                         f"({itl['llama.cpp'] / itl['blockserve']:.2f}x)")
+            table["medians"][name] = entry
+            print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
