@@ -92,7 +92,7 @@ def _scattered_caches(model, seqs: list[_Seq], max_new_tokens: int, block_size: 
             s.tables.append(order[:n])
             order = order[n:]
         groups.append(KVCacheGroup(spec, num_blocks, zero_new_blocks(spec, reads), tuple(names)))
-    kv = KVCacheTensors(KVCacheConfig(tuple(groups), poison_freed_blocks=True))
+    kv = KVCacheTensors(KVCacheConfig(tuple(groups), poison_freed_blocks=True), device="cpu")
     for g, group in enumerate(groups):
         if group.zero_new_blocks:
             kv.zero_blocks(g, [block for s in seqs for block in s.tables[g]])

@@ -56,11 +56,19 @@ class StateMetadata:
     its segment and on the kernel's chunk grid: the layer writes its state after the first
     `position` tokens into that slot. (A capture at a segment's end is a copy of the final
     state, done by the model runner after the forward.)
+
+    State tensors are float32 whatever the model's dtype (the layers compute the recurrence in
+    float32 and return the model's dtype).
     """
 
     layout: BatchLayout
-    slots: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B] int64, on the model's device
     captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    slot_ids: list[int] | None = None  # `slots` on the host: what control flow reads (None: read from slots)
+
+    def __post_init__(self) -> None:
+        if self.slot_ids is None:  # built on the host (the worker passes the list it has)
+            self.slot_ids = self.slots.tolist()
 
 
 @dataclass

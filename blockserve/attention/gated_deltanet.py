@@ -29,7 +29,6 @@ from torch import nn
 
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
-from blockserve.attention.layer import dtype_name
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -154,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
         self.chunk_size = chunk_size
-        self.dtype = dtype  # of the states (the model's)
+        self.dtype = dtype  # the model's (states are float32)
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -163,7 +162,7 @@ class GatedDeltaNet(nn.Module):
 
     def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
         """One state slot per request, whatever `block_size`."""
-        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2, chunk_size=self.chunk_size)
+        return LinearStateSpec(self.state_shapes, ("float32",) * 2, chunk_size=self.chunk_size)
 
     def _qkv(self, mixed: torch.Tensor):
         """Conv output [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, q scaled), v [..., Hv, Dv]."""
@@ -178,6 +177,9 @@ class GatedDeltaNet(nn.Module):
         cache, meta = ctx.for_layer(self.layer_name)
         conv_states, rec_states = cache.tensors
         layout, slots = meta.layout, meta.slots
+        dtype = mixed_qkv.dtype  # the recurrence runs in float32, as its states are stored
+        mixed_qkv, g, beta, conv_weight = (t.float() for t in (mixed_qkv, g, beta, conv_weight))
+        conv_bias = None if conv_bias is None else conv_bias.float()
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim)
         nd = layout.num_decodes
         if nd:
@@ -187,7 +189,7 @@ class GatedDeltaNet(nn.Module):
             out[:nd], rec_states[s] = recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], rec_states[s])
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
-            s, first = int(slots[i]), layout.seq_lens[i] - (end - start)
+            s, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)
             positions, targets = capture_targets(meta.captures.get(i))
             mixed, conv_states[s], *conv_caps = causal_conv1d(mixed_qkv[start:end], conv_states[s], conv_weight,
                                                               conv_bias, first, positions)
@@ -196,4 +198,4 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g[start:end], beta[start:end], rec_states[s], self.chunk_size, first, positions)
             if positions:
                 conv_states[targets], rec_states[targets] = torch.stack(conv_caps[0]), torch.stack(rec_caps[0])
-        return out
+        return out.to(dtype)

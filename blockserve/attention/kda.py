@@ -36,7 +36,6 @@ from torch import nn
 
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext, StateMetadata
-from blockserve.attention.layer import dtype_name
 from blockserve.kv.specs import LinearStateSpec
 
 CHUNK_SIZE = 64
@@ -96,10 +95,10 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE, start: in
         qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl, None]
         G = g[:, sl].cumsum(dim=1)
         n = qc.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         decay = (G[:, :, None] - G[:, None]).masked_fill(~causal[..., None], float("-inf")).exp()  # [H, n, n, Dk]
         lower = ((bc * kc)[:, :, None] * kc[:, None] * decay).sum(-1).tril(-1)
-        eye = torch.eye(n).expand_as(lower)
+        eye = torch.eye(n, dtype=lower.dtype, device=lower.device).expand_as(lower)
         t = torch.linalg.solve_triangular(eye + lower, eye, upper=False, unitriangular=True)
         u = t @ (bc * vc)
         w = t @ (bc * kc * G.exp())
@@ -152,13 +151,13 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = head_dim
         self.conv_kernel_size = conv_kernel_size
         self.conv_dim = 3 * num_heads * head_dim
-        self.dtype = dtype  # of the states (the model's)
+        self.dtype = dtype  # the model's (states are float32)
 
     def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
         """One state slot per request, whatever `block_size`: the conv state and the recurrent state."""
         return LinearStateSpec(
             shapes=((self.conv_dim, self.conv_kernel_size - 1), (self.num_heads, self.head_dim, self.head_dim)),
-            dtypes=(dtype_name(self.dtype),) * 2,
+            dtypes=("float32",) * 2,
             chunk_size=self.chunk_size,
         )
 
@@ -168,6 +167,8 @@ class KimiDeltaAttention(nn.Module):
         meta: StateMetadata
         conv_states, rec_states = cache.tensors
         layout = meta.layout
+        dtype = mixed_qkv.dtype  # the recurrence runs in float32, as its states are stored
+        mixed_qkv, conv_weight, g, beta = (t.float() for t in (mixed_qkv, conv_weight, g, beta))
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:
@@ -179,7 +180,7 @@ class KimiDeltaAttention(nn.Module):
             out[:nd] = o
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
-            slot, first = int(meta.slots[i]), layout.seq_lens[i] - (end - start)
+            slot, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)
             positions, targets = capture_targets(meta.captures.get(i))
             x, conv_states[slot], *conv_caps = causal_conv(mixed_qkv[start:end], conv_states[slot], conv_weight,
                                                            first, positions)
@@ -188,7 +189,7 @@ class KimiDeltaAttention(nn.Module):
                 q, k, v, g[start:end], beta[start:end], rec_states[slot], self.chunk_size, first, positions)
             if positions:
                 conv_states[targets], rec_states[targets] = torch.stack(conv_caps[0]), torch.stack(rec_caps[0])
-        return out
+        return out.to(dtype)
 
     def _split(self, x: torch.Tensor):
         """Conv outputs [N, 3 * H * D] -> q (normalised, scaled), k (normalised), v, each [N, H, D]."""

@@ -31,7 +31,6 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
-from blockserve.attention.layer import dtype_name
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -126,7 +125,7 @@ class Mamba2(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         self.chunk_size = chunk_size
         self.dt_limit = tuple(dt_limit)
-        self.dtype = dtype  # of the states (the model's)
+        self.dtype = dtype  # the model's (states are float32)
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -135,7 +134,7 @@ class Mamba2(nn.Module):
 
     def kv_cache_spec(self, block_size: int) -> LinearStateSpec:
         """One state slot per request, whatever `block_size`."""
-        return LinearStateSpec(self.state_shapes, (dtype_name(self.dtype),) * 2, chunk_size=self.chunk_size)
+        return LinearStateSpec(self.state_shapes, ("float32",) * 2, chunk_size=self.chunk_size)
 
     def _split(self, xBC: torch.Tensor):
         """Conv output [..., conv_dim] -> x [..., H, P], B, C [..., H, N] (groups repeated to heads)."""
@@ -150,6 +149,9 @@ class Mamba2(nn.Module):
         cache, meta = ctx.for_layer(self.layer_name)
         conv_states, ssm_states = cache.tensors
         layout, slots = meta.layout, meta.slots
+        dtype = xBC.dtype  # the recurrence runs in float32, as its states are stored
+        xBC, dt, conv_weight, A, D, dt_bias = (t.float() for t in (xBC, dt, conv_weight, A, D, dt_bias))
+        conv_bias = None if conv_bias is None else conv_bias.float()
         dt = F.softplus(dt + dt_bias)
         out = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
@@ -161,7 +163,7 @@ class Mamba2(nn.Module):
         dt = dt.clamp(*self.dt_limit)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
-            s, first = int(slots[i]), layout.seq_lens[i] - (end - start)
+            s, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)
             positions, targets = capture_targets(meta.captures.get(i))
             mixed, conv_states[s], *conv_caps = causal_conv1d(xBC[start:end], conv_states[s], conv_weight, conv_bias,
                                                               first, positions)
@@ -170,4 +172,4 @@ class Mamba2(nn.Module):
                 x, dt[start:end], A, B, C, D, ssm_states[s], self.chunk_size, first, positions)
             if positions:
                 conv_states[targets], ssm_states[targets] = torch.stack(conv_caps[0]), torch.stack(ssm_caps[0])
-        return out.flatten(1)
+        return out.flatten(1).to(dtype)

@@ -9,13 +9,42 @@ chunks follow and are attended one sequence at a time.
 
 Block 0 of every pool is the null block: never written, always zero, so a table padded with
 it (or a gather padded with its slots) reads zeros.
+
+Host and device: the metadata is built on the host from Python lists, then its tensors move to
+the model's device in one copy per step (`to_device`; nothing moves on the CPU). Each device
+metadata keeps its host twin (`host`): what a backend derives (gather indices, masks) is
+computed from the twin and the lists, then moved once per step. Control flow in the forward
+reads the lists (`layout.seq_lens`, `key_starts`, ...), never a device tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
+
+
+def to_device(tree, device: torch.device):
+    """`tree` (tensors in tuples, lists, dicts, named tuples) with every tensor on `device`: on
+    CUDA from pinned host memory, non-blocking (the pinned staging buffers come from torch's caching
+    host allocator, which keeps a buffer until its copy is done); int64 tensors go in one packed
+    copy. On the CPU `tree` itself."""
+    if device.type == "cpu":
+        return tree
+    leaves, spec = pytree.tree_flatten(tree)
+    packed = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dtype == torch.int64]
+    moved = list(leaves)
+    if packed:
+        sizes = [leaves[i].numel() for i in packed]
+        flat = torch.cat([leaves[i].reshape(-1) for i in packed]).pin_memory().to(device, non_blocking=True)
+        for i, part in zip(packed, flat.split(sizes)):
+            moved[i] = part.view(leaves[i].shape)
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and i not in packed:
+            moved[i] = t.pin_memory().to(device, non_blocking=True)
+    return pytree.tree_unflatten(moved, spec)
 
 
 @dataclass
@@ -49,6 +78,12 @@ class BatchLayout:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.positions, self.seq_of_token
+
+    def with_tensors(self, positions: torch.Tensor, seq_of_token: torch.Tensor) -> BatchLayout:
+        return dataclasses.replace(self, positions=positions, seq_of_token=seq_of_token)
+
 
 @dataclass
 class AttentionMetadata:
@@ -61,6 +96,28 @@ class AttentionMetadata:
     # What a backend derives from this metadata (gather indices, masks), computed by the first
     # layer of the step and reused by the others. Dies with the step.
     derived: dict = field(default_factory=dict)
+    key_starts: list[int] = field(default_factory=list)  # key_start on the host
+    host: AttentionMetadata | None = None  # the host twin of device metadata (None: this is on the host)
+
+    @property
+    def on_host(self) -> AttentionMetadata:
+        """This metadata as built on the host (itself on the CPU)."""
+        return self if self.host is None else self.host
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.layout.tensors(), self.block_table, self.slot_mapping, self.key_start)
+
+    def with_tensors(self, positions, seq_of_token, block_table, slot_mapping, key_start) -> AttentionMetadata:
+        """The device twin: these tensors (moved), the same lists, this metadata as its host."""
+        return dataclasses.replace(self, layout=self.layout.with_tensors(positions, seq_of_token),
+                                   block_table=block_table, slot_mapping=slot_mapping, key_start=key_start,
+                                   derived={}, host=self)
+
+    def derive(self, key, compute):
+        """compute(host metadata) -> tensors, once per step and key, moved to this metadata's device."""
+        if key not in self.derived:
+            self.derived[key] = to_device(compute(self.on_host), self.slot_mapping.device)
+        return self.derived[key]
 
     @staticmethod
     def build(layout: BatchLayout, block_table: torch.Tensor, block_size: int,
@@ -68,8 +125,10 @@ class AttentionMetadata:
         blocks = block_table[layout.seq_of_token, layout.positions // block_size]
         slot_mapping = blocks * block_size + layout.positions % block_size
         if sliding_window is None:
-            key_start = torch.zeros(layout.num_seqs, dtype=torch.int64)
+            key_starts = [0] * layout.num_seqs
         else:  # the first query of a sequence, at position seq_len - q, sees back window - 1 tokens
-            first_query = torch.tensor(layout.seq_lens) - torch.diff(torch.tensor(layout.query_start))
-            key_start = (first_query - sliding_window + 1).clamp(min=0)
-        return AttentionMetadata(layout, block_size, block_table, slot_mapping, key_start, sliding_window)
+            key_starts = [max(0, seq_len - (end - start) - sliding_window + 1) for seq_len, start, end
+                          in zip(layout.seq_lens, layout.query_start, layout.query_start[1:])]
+        key_start = torch.tensor(key_starts, dtype=torch.int64)
+        return AttentionMetadata(layout, block_size, block_table, slot_mapping, key_start, sliding_window,
+                                 key_starts=key_starts)

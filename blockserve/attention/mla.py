@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.context import ForwardContext
+from blockserve.attention.flex_attention import FlexMLA
 from blockserve.attention.layer import dtype_name
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.kv.specs import MLASpec
@@ -67,7 +68,7 @@ class MLABackend:
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
         nd = layout.num_decodes
         if nd:
-            index, mask = self._derived(meta, "decode", lambda: self._decode_indices(meta, nd))
+            index, mask = self._derived(meta, "decode", lambda host: self._decode_indices(host, nd))
             rows = self._read(cache, index)  # [nd, L, R + Dr]
             q_lat = torch.einsum("thd,hdr->thr", q_nope[:nd], w_uk)
             scores = torch.bmm(torch.cat([q_lat, q_rope[:nd]], dim=-1), rows.transpose(1, 2)) * self.scale
@@ -82,7 +83,7 @@ class MLABackend:
                 attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
                 out[start:end] = attn.transpose(0, 1)
                 continue
-            index, mask = self._derived(meta, i, lambda: self._prefill_indices(meta, i, end - start))
+            index, mask = self._derived(meta, i, lambda host: self._prefill_indices(host, i, end - start))
             rows = self._read(cache, index)[0]
             k, v = _expand(rows[:, :rank], rows[:, rank:], w_uk, w_uv)
             probs = (q @ k.transpose(1, 2) * self.scale).masked_fill_(~mask, float("-inf")).softmax(dim=-1)
@@ -90,27 +91,25 @@ class MLABackend:
         return out
 
     def _derived(self, meta: AttentionMetadata, key, compute):
-        """Per step and group the gather indices are the same for every layer: computed once."""
-        key = ("mla", self.name, key)
-        if key not in meta.derived:
-            meta.derived[key] = compute()
-        return meta.derived[key]
+        """Per step and group the gather indices are the same for every layer: computed once, from
+        the host metadata (compute(host meta)), and moved to the device once."""
+        return meta.derive(("mla", self.name, key), compute)
 
     def _decode_indices(self, meta: AttentionMetadata, nd: int):
         """(index, mask [nd, 1, L]: rows before each seq_len) for the step's decodes."""
         seq_lens = torch.tensor(meta.layout.seq_lens[:nd])
-        index, key_pos = self._indices(meta, torch.arange(nd), seq_lens)
+        index, key_pos = self._indices(meta, list(range(nd)))
         return index, (key_pos < seq_lens[:, None])[:, None, :]
 
     def _prefill_indices(self, meta: AttentionMetadata, i: int, n: int):
         """(index, causal mask [n, L], which also excludes rows at or past seq_len) for chunk i."""
         seq_len = meta.layout.seq_lens[i]
-        index, key_pos = self._indices(meta, torch.tensor([i]), torch.tensor([seq_len]))
+        index, key_pos = self._indices(meta, [i])
         return index, key_pos[0][None] <= torch.arange(seq_len - n, seq_len)[:, None]
 
-    def _indices(self, meta: AttentionMetadata, seqs: torch.Tensor,
-                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(what `_read` takes, the position of each row read [N, L]) for sequences `seqs`."""
+    def _indices(self, meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what `_read` takes, the position of each row read [N, L]) for sequences `seqs` (batch
+        indices), from host metadata (shapes from its lists)."""
         raise NotImplementedError
 
     def _read(self, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -131,9 +130,11 @@ class ExactLengthMLA(MLABackend):
     name = "exact"
     reads_unwritten_slots = False
 
-    def _indices(self, meta, seqs, seq_lens):
+    def _indices(self, meta, seqs):
         bs = meta.block_size
-        length = int(seq_lens.max())
+        length = max(meta.layout.seq_lens[i] for i in seqs)
+        seq_lens = torch.tensor([meta.layout.seq_lens[i] for i in seqs], dtype=torch.int64)
+        seqs = torch.tensor(seqs, dtype=torch.int64)
         blocks = meta.block_table[seqs, : -(-length // bs)]  # [N, cols]: may run past a table's end
         slots = (blocks[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :length]
         key_pos = torch.arange(length)[None].expand(len(seqs), -1)
@@ -149,10 +150,13 @@ class WholeBlockMLA(MLABackend):
     name = "whole_block"
     reads_unwritten_slots = True
 
-    def _indices(self, meta, seqs, seq_lens):
+    def _indices(self, meta, seqs):
         bs = meta.block_size
+        seq_lens = torch.tensor([meta.layout.seq_lens[i] for i in seqs], dtype=torch.int64)
         num_blocks = (seq_lens + bs - 1) // bs
-        cols = torch.arange(int(num_blocks.max()))[None].expand(len(seqs), -1)
+        count = max(-(-meta.layout.seq_lens[i] // bs) for i in seqs)
+        seqs = torch.tensor(seqs, dtype=torch.int64)
+        cols = torch.arange(count)[None].expand(len(seqs), -1)
         in_table = cols < num_blocks[:, None]  # past a table's end the row may hold stale ids
         blocks = torch.where(in_table, meta.block_table[seqs[:, None], cols], 0)
         key_pos = torch.arange(blocks.shape[1] * bs)[None].expand(len(seqs), -1)
@@ -162,7 +166,7 @@ class WholeBlockMLA(MLABackend):
         return cache[index].flatten(1, 2)  # [N, blocks * bs, R + Dr]
 
 
-MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLengthMLA, WholeBlockMLA)}
+MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLengthMLA, WholeBlockMLA, FlexMLA)}
 
 
 class MLAttention(nn.Module):

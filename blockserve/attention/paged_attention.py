@@ -22,21 +22,21 @@ them); prefill chunks one sequence at a time (a fresh prompt needs no cache read
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from blockserve.attention.flex_attention import FlexAttention
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.native import paged_decode_kernel
+from blockserve.attention.native_gate import native_reads
 
 DECODE_BUCKETS = 4  # length buckets the decodes of a step are split into
 MIN_BUCKET = 8  # decodes per bucket at least, so small batches stay one call
 
 
-@dataclass
-class _Gather:
+class _Gather(NamedTuple):
     """What a group of sequences reads: [N, L] key positions and validity, and either the slot
     of each key (exact length) or the [N, L / block_size] blocks holding them (whole block)."""
 
@@ -90,23 +90,21 @@ class PagedAttention:
                     is_causal=True, scale=self.scale, enable_gqa=True,
                 )[0].transpose(0, 1)
                 continue
-            g, mask = self._derived(meta, i, lambda: self._prefill_gather(meta, i, seq_len, n))
+            g, mask = self._derived(meta, i, lambda host: self._prefill_gather(host, i, seq_len, n))
             out[start:end] = self._attend(qi, g.read(k_cache), g.read(v_cache), mask)[0].transpose(0, 1)
         return out
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor) -> None:
         """out[:num_decodes] = attention of the decodes' single queries, in length buckets."""
-        for seqs, g in self._derived(meta, "decode", lambda: self._decode_buckets(meta)):
+        for seqs, g in self._derived(meta, "decode", self._decode_buckets):
             mask = g.valid[:, None, None, :]
             out[seqs] = self._attend(q[seqs, :, None], g.read(k_cache), g.read(v_cache), mask)[:, :, 0]
 
     def _derived(self, meta: AttentionMetadata, key, compute):
-        """Per step and group, gather indices are the same for every layer: compute them once."""
-        key = (self.name, key)
-        if key not in meta.derived:
-            meta.derived[key] = compute()
-        return meta.derived[key]
+        """Per step and group, gather indices are the same for every layer: computed once, from the
+        host metadata (compute(host meta)), and moved to the device once."""
+        return meta.derive((self.name, key), compute)
 
     def _decode_buckets(self, meta: AttentionMetadata) -> list[tuple[torch.Tensor, _Gather]]:
         """Decodes sorted by length in up to DECODE_BUCKETS groups, each padded only to its own
@@ -115,15 +113,14 @@ class PagedAttention:
         nd = meta.layout.num_decodes
         if not nd:
             return []
-        seq_lens = torch.tensor(meta.layout.seq_lens[:nd])
-        order = torch.argsort(seq_lens)
+        order = sorted(range(nd), key=meta.layout.seq_lens.__getitem__)
         count = min(DECODE_BUCKETS, max(1, nd // MIN_BUCKET))
         buckets = [order[i * nd // count : (i + 1) * nd // count] for i in range(count)]
-        return [(seqs, self._gather(meta, seqs, seq_lens[seqs])) for seqs in buckets]
+        return [(torch.tensor(seqs, dtype=torch.int64), self._gather(meta, seqs)) for seqs in buckets]
 
     def _prefill_gather(self, meta: AttentionMetadata, i: int, seq_len: int, n: int) -> tuple[_Gather, torch.Tensor]:
         """Sequence i's context slots and its [1, 1, n, L] causal (and window) mask."""
-        g = self._gather(meta, torch.tensor([i]), torch.tensor([seq_len]))
+        g = self._gather(meta, [i])
         query_pos = torch.arange(seq_len - n, seq_len)[:, None]
         mask = g.valid & (g.key_pos <= query_pos)  # [n, L]
         if meta.sliding_window is not None:
@@ -138,7 +135,8 @@ class PagedAttention:
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
         )
 
-    def _gather(self, meta: AttentionMetadata, seqs: torch.Tensor, seq_lens: torch.Tensor) -> _Gather:
+    def _gather(self, meta: AttentionMetadata, seqs: list[int]) -> _Gather:
+        """What sequences `seqs` (batch indices) read, from host metadata (shapes from its lists)."""
         raise NotImplementedError
 
 
@@ -156,18 +154,22 @@ class ExactLengthAttention(PagedAttention):
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor) -> None:
-        if self.decode_kernel is None or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1]):
+        if (self.decode_kernel is None or not native_reads(q, q.dtype)
+                or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1])):
             return super()._attend_decodes(q, k_cache, v_cache, meta, out)
         nd = meta.layout.num_decodes
-        table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda: (
-            meta.block_table[:nd].contiguous(), meta.key_start[:nd].contiguous(),
-            torch.tensor(meta.layout.seq_lens[:nd], dtype=torch.int64)))
+        table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda host: (
+            host.block_table[:nd].contiguous(), host.key_start[:nd].contiguous(),
+            torch.tensor(host.layout.seq_lens[:nd], dtype=torch.int64)))
         decodes = out[:nd]
         self.decode_kernel(decodes, q[:nd].contiguous(), k_cache, v_cache, table, key_start, seq_lens, self.scale)
 
-    def _gather(self, meta: AttentionMetadata, seqs: torch.Tensor, seq_lens: torch.Tensor) -> _Gather:
+    def _gather(self, meta: AttentionMetadata, seqs: list[int]) -> _Gather:
+        lens = meta.layout.seq_lens
+        length = max(lens[i] - meta.key_starts[i] for i in seqs)
+        seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64)
+        seqs = torch.tensor(seqs, dtype=torch.int64)
         start = meta.key_start[seqs]
-        length = int((seq_lens - start).max())
         key_pos = start[:, None] + torch.arange(length)[None]
         valid = key_pos < seq_lens[:, None]
         bs = meta.block_size
@@ -180,11 +182,13 @@ class WholeBlockAttention(PagedAttention):
     name = "whole_block"
     reads_unwritten_slots = True
 
-    def _gather(self, meta: AttentionMetadata, seqs: torch.Tensor, seq_lens: torch.Tensor) -> _Gather:
-        bs = meta.block_size
+    def _gather(self, meta: AttentionMetadata, seqs: list[int]) -> _Gather:
+        bs, lens = meta.block_size, meta.layout.seq_lens
+        count = max((lens[i] - 1) // bs - meta.key_starts[i] // bs for i in seqs) + 1
+        seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64)
+        seqs = torch.tensor(seqs, dtype=torch.int64)
         first = meta.key_start[seqs] // bs
         last = (seq_lens - 1) // bs
-        count = int((last - first).max()) + 1
         cols = first[:, None] + torch.arange(count)[None]
         in_table = cols <= last[:, None]
         blocks = torch.where(in_table, meta.block_table[seqs[:, None], torch.where(in_table, cols, 0)], 0)
@@ -193,4 +197,4 @@ class WholeBlockAttention(PagedAttention):
         return _Gather(key_pos, valid, blocks=blocks)
 
 
-BACKENDS: dict[str, type[PagedAttention]] = {cls.name: cls for cls in (ExactLengthAttention, WholeBlockAttention)}
+BACKENDS: dict[str, type[PagedAttention]] = {cls.name: cls for cls in (ExactLengthAttention, WholeBlockAttention, FlexAttention)}

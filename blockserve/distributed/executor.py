@@ -71,7 +71,7 @@ class TensorParallelExecutor:
         if loaded is not None:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} loads each rank's shard itself: "
                              "pass the model's path, not an already loaded model")
-        check_tensor_parallel(config.model, config.tensor_parallel_size, config.quantized_matmul)
+        check_tensor_parallel(config.model, config.tensor_parallel_size)
         self.config = config
         self.size = config.tensor_parallel_size
         self._startup = timedelta(seconds=config.distributed_startup_timeout_s)
@@ -109,7 +109,8 @@ class TensorParallelExecutor:
             self.group.broadcast_object(config)
             self.group.timeout = timedelta(seconds=config.distributed_timeout_s)
             self.loaded = load_model(config.model, BACKENDS[config.attention_backend],
-                                     quantized_matmul=config.quantized_matmul, placement=Placement(tp=self.group))
+                                     quantized_matmul=config.quantized_matmul,
+                                     quantized_activations=config.quantized_activations, placement=Placement(tp=self.group))
             reports = self.group.gather_objects(("ok", parse_memory(config.kv_cache_memory)), timeout=self._startup)
             self._raise_failed(reports, "load its shard")
             self.kv_memory_bytes = min(memory for _, memory in reports)
@@ -127,7 +128,7 @@ class TensorParallelExecutor:
         try:
             self.group.broadcast_object((kv_config, max_num_seqs, max_model_len), timeout=self._startup)
             self._raise_failed(self.group.gather_objects(("ok", None), timeout=self._startup), "set up its KV cache")
-            self.runner = ModelRunner(self.loaded.model, kv_config, max_num_seqs, max_model_len, seed)
+            self.runner = ModelRunner(self.loaded.model, kv_config, max_num_seqs, max_model_len, seed, device="cpu")
         except BaseException:
             self.close()
             raise

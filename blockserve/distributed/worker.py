@@ -57,7 +57,8 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
             torch.set_num_threads(config.num_threads)
         try:
             loaded = load_model(config.model, BACKENDS[config.attention_backend],
-                                quantized_matmul=config.quantized_matmul, placement=Placement(tp=group))
+                                quantized_matmul=config.quantized_matmul,
+                                quantized_activations=config.quantized_activations, placement=Placement(tp=group))
             report = ("ok", parse_memory(config.kv_cache_memory))
         except Exception as error:
             report = ("error", _report(error))
@@ -76,7 +77,7 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
         group.gather_objects(report, timeout=startup)
         if mismatched:
             return
-        runner = ModelRunner(loaded.model, kv_config, max_num_seqs, max_model_len, config.seed)
+        runner = ModelRunner(loaded.model, kv_config, max_num_seqs, max_model_len, config.seed, device="cpu")
         while (step := group.broadcast_object(wait_forever=True)) is not None:
             runner.execute(step)
     except BaseException as error:

@@ -44,7 +44,11 @@ def parse_memory(value: str | int | float) -> int:
 
 # The attention backends' names (attention/paged_attention.py's BACKENDS, which imports torch);
 # `blockserve -h` stays torch-free, and a test checks the two agree.
-ATTENTION_BACKENDS = ("exact", "whole_block")
+ATTENTION_BACKENDS = ("exact", "whole_block", "flex")
+# The model dtypes (engine/device.py, which imports torch); auto: float32 on CPU, bfloat16 on CUDA.
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The GGUF block kernels' activations (models/quantized_linear.py's ACTIVATIONS; a test checks they agree).
+QUANTIZED_ACTIVATIONS = ("float32", "int8")
 # Who starts tensor-parallel ranks 1..N-1 (blockserve/distributed/executor.py).
 DISTRIBUTED_EXECUTORS = ("spawn", "external")
 
@@ -79,8 +83,17 @@ class EngineConfig:
     max_prefill_chunk: int | None = field(default=None, metadata={
         "help": "most prompt tokens of one request per step (None: the step's token budget)", "cli": False})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "admission order", "cli": False})
+    device: str = field(default="auto", metadata={
+        "help": "where the model runs: auto (cuda when available, else cpu), cpu, cuda or cuda:N"})
+    dtype: str = field(default="auto", metadata={
+        "help": "the model's weights and activations (auto: float32 on CPU, bfloat16 on CUDA); recurrent "
+                "states stay float32", "choices": MODEL_DTYPES})
     kv_cache_memory: str | int | float = field(default="1GiB", metadata={
-        "help": "bytes with a unit (4GiB) or a fraction of free memory", "type": str})
+        "help": "CPU: bytes with a unit (4GiB) or a fraction of free memory (on CUDA the KV budget comes "
+                "from --gpu-memory-utilization)", "type": str})
+    gpu_memory_utilization: float | None = field(default=None, metadata={
+        "help": "CUDA only: the fraction of the device's total memory the engine may use (weights, "
+                "activations and KV cache; the KV cache gets what a profiling forward leaves; default 0.9)"})
     attention_backend: str = field(default="exact", metadata={
         "help": "paged attention flavour", "choices": ATTENTION_BACKENDS})
     # MLA latents and recurrent states keep the model's dtype.
@@ -99,6 +112,10 @@ class EngineConfig:
     quantized_matmul: bool = field(default=True, metadata={
         "help": "GGUF models: float32 weights only (by default batches of up to 16 rows read the "
                 "file's Q4_0/Q4_1/Q8_0 blocks)", "flag": "--no-quantized-matmul"})
+    quantized_activations: str = field(default="float32", metadata={
+        "help": "GGUF blocks: the activations' precision in their matmuls. float32: exact (transformers' "
+                "logits and greedy tokens); int8: rounded per block of 32 as llama.cpp does, ~2x faster "
+                "matmuls up to 64 rows, logits off by ~0.2 on average", "choices": QUANTIZED_ACTIVATIONS})
 
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads, MLP and "
@@ -138,6 +155,16 @@ class EngineConfig:
         if self.distributed_timeout_s <= 0 or self.distributed_startup_timeout_s <= 0:
             raise ValueError("distributed_timeout_s and distributed_startup_timeout_s must be positive, got "
                              f"{self.distributed_timeout_s} and {self.distributed_startup_timeout_s}")
+        from blockserve.engine.device import check_device_name
+
+        check_device_name(self.device)
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(MODEL_DTYPES)}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"unknown quantized_activations {self.quantized_activations!r}; choose one of "
+                             f"{list(QUANTIZED_ACTIVATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 

@@ -14,6 +14,8 @@ import torch
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig, parse_memory
+from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
+from blockserve.engine.kv_budget import cuda_kv_budget, profile_step
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
@@ -30,11 +32,39 @@ logger = logging.getLogger("blockserve")
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
-def load_model_for(config: EngineConfig) -> LoadedModel:
-    """The model `config` names, loaded as it says (torch threads set first, so loading uses them)."""
+def load_model_for(config: EngineConfig, plan: DevicePlan | None = None) -> LoadedModel:
+    """The model `config` names, loaded as it says on `plan`'s device and dtype (default: resolved
+    from `config`; torch threads set first, so loading uses them)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    return load_model(config.model, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul)
+    plan = plan or resolve_device_plan(config.device, config.dtype, config.gpu_memory_utilization)
+    return load_model(config.model, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul,
+                      quantized_activations=config.quantized_activations,
+                      placement=plan.placement)
+
+
+def engine_device_plan(config: EngineConfig, loaded: LoadedModel | None) -> DevicePlan:
+    """config's device plan; with a model loaded already, the model's device and dtype (an explicit
+    config.device or config.dtype that disagrees is a ValueError). Tensor parallelism runs on the
+    CPU (gloo): device auto means cpu there."""
+    tp = config.tensor_parallel_size > 1
+    device = "cpu" if tp and config.device == "auto" else config.device
+    plan = resolve_device_plan(device, config.dtype, config.gpu_memory_utilization)
+    if tp and (plan.device.type != "cpu" or plan.dtype != torch.float32):
+        raise ValueError(f"tensor parallelism runs on the CPU in float32 (gloo), but device={config.device!r} and "
+                         f"dtype={config.dtype!r} resolve to {plan.device} / {plan.dtype}: pass --device cpu "
+                         "--dtype float32, or tensor_parallel_size=1")
+    if loaded is None:
+        return plan
+    weight = next(loaded.model.parameters())
+    if config.device != "auto" and weight.device.type != plan.device.type:
+        raise ValueError(f"device={config.device!r} but the model passed in is on {weight.device}")
+    if config.dtype != "auto" and weight.dtype != plan.dtype:
+        raise ValueError(f"dtype={config.dtype!r} but the model passed in is in {weight.dtype}")
+    utilization = plan.gpu_memory_utilization if weight.device.type == "cuda" else None
+    if utilization is None and weight.device.type == "cuda":
+        utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+    return DevicePlan(weight.device, weight.dtype, utilization)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -58,15 +88,25 @@ class RunnerFailed(RuntimeError):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        self.config = config
+        """The engine over `config`; if building it fails once tensor-parallel ranks are up, they
+        are stopped before the original error propagates (never left for the garbage collector)."""
         self.executor = None  # tensor parallel: ranks 1..N-1 and rank 0's shard (distributed/executor.py)
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        self.config = config
+        self.device_plan = plan = engine_device_plan(config, loaded)
         if config.tensor_parallel_size > 1:
             from blockserve.distributed.executor import TensorParallelExecutor
 
             self.executor = TensorParallelExecutor(config, loaded)
             loaded = self.executor.loaded
         elif loaded is None:
-            loaded = load_model_for(config)
+            loaded = load_model_for(config, plan)
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded
@@ -89,9 +129,20 @@ class EngineCore:
             max_prefill_chunk=config.max_prefill_chunk,
             policy=config.scheduling_policy,
         )
+        kv_groups = [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()]
+        self.kv_budget = None  # CUDA: how gpu_memory_utilization was spent (kv_budget.py)
+        if self.executor is not None:
+            kv_bytes = self.executor.kv_memory_bytes
+        elif plan.is_cuda:  # what gpu_memory_utilization leaves after a profiling forward of the largest step
+            tokens = min(config.max_num_batched_tokens, max_model_len - 1)
+            self.kv_budget = cuda_kv_budget(plan.device, plan.gpu_memory_utilization,
+                                            lambda: profile_step(model, kv_groups, tokens, plan.device))
+            kv_bytes = self.kv_budget.kv_bytes
+        else:
+            kv_bytes = parse_memory(config.kv_cache_memory)
         self.kv_config = plan_kv_cache(
-            [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()],
-            parse_memory(config.kv_cache_memory) if self.executor is None else self.executor.kv_memory_bytes,
+            kv_groups,
+            kv_bytes,
             max_model_len,
             config.max_num_seqs,
             scheduler_config.chunk_cap,
@@ -112,9 +163,11 @@ class EngineCore:
                            config.state_checkpoint_share)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
-        self.runner = (ModelRunner(self.loaded.model, *runner_args) if self.executor is None
+        self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
                        else self.executor.start(*runner_args))
-        logger.info("KV cache capacity (max_model_len %d):\n%s", max_model_len, self.kv_config.capacity_report())
+        budget_line = "" if self.kv_budget is None else f"\n{self.kv_budget.report()}"
+        logger.info("KV cache capacity (max_model_len %d, %s, %s):\n%s%s", max_model_len, plan.device,
+                    str(plan.dtype).removeprefix("torch."), self.kv_config.capacity_report(), budget_line)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (a ValueError) if it can never be served."""

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import EngineCore, RunnerFailed
 from blockserve.engine.detokenizer import IncrementalDetokenizer
+from blockserve.engine.kv_budget import CudaBudget
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from blockserve.errors import EngineDead, InvalidRequest, RequestRejected
 from blockserve.kv.block_pool import ResetResult
+from blockserve.kv.config import KVCacheConfig
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import RequestOutput as CoreOutput
 from blockserve.scheduler.output import SchedulerStats
@@ -267,6 +269,16 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         """Queue depths, KV usage per group, cumulative prefix-cache and preemption counters."""
         return self.core.scheduler.stats()
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The KV cache groups as built: specs, layers, block counts and the derived zero flags (C1)."""
+        return self.core.kv_config
+
+    @property
+    def device_kv_budget(self) -> CudaBudget | None:
+        """On CUDA, how --gpu-memory-utilization was spent (engine/kv_budget.py); None on the CPU."""
+        return self.core.kv_budget
 
     def reset_prefix_cache(self) -> ResetResult:
         """Drop every cached (unreferenced) block; refused (`ok` False, with the reason) while

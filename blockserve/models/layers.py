@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.native import fused_ops
+from blockserve.attention.native_gate import native_reads
 from blockserve.distributed.group import TensorParallelGroup
 from blockserve.distributed.parallel_layers import merged_column_linear, row_linear
 
@@ -48,7 +49,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        if self.fused is not None and x.dtype == torch.float32 and x.dim() == 2:  # the kernel's dtype
+        if self.fused is not None and native_reads(x) and x.dim() == 2:  # the kernel's device and dtype
             self.fused.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = residual + x
@@ -106,7 +107,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:  # the kernel's input
+        if self.fused is not None and native_reads(gate_up) and gate_up.dim() == 2:  # the kernel's input
             return self.down_proj(self.fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.activation(gate) * up)

@@ -10,8 +10,8 @@
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
 
 Tensor parallelism: with a `placement` whose `tp` group is set, this rank builds and loads only its
-shard (each checkpoint tensor is narrowed as it is read, models/weights.py); the GGUF's blocks are
-not sharded, so a GGUF is served from its float32 weights only (quantized_matmul=False).
+shard (each checkpoint tensor is narrowed as it is read, models/weights.py); a GGUF's quantized
+blocks are narrowed too, by whole rows (column-parallel) or whole 32-wide blocks (row-parallel).
 
 A cache entry is written in a temporary directory and renamed into place, so one that exists
 is complete. The cache root is the `cache_dir` argument, else $BLOCKSERVE_CACHE_DIR, else
@@ -79,11 +79,12 @@ class LoadedModel:
 
 def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
                cache_dir: str | None = None, quantized_matmul: bool = True,
-               placement: Placement = Placement()) -> LoadedModel:
+               placement: Placement = Placement(), quantized_activations: str = "float32") -> LoadedModel:
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
     quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
     and run small batches on them (models/quantized_linear.py); False: float32 only.
+    quantized_activations: those blocks' kernel, "float32" (exact) or "int8" (quantized_linear.py).
     placement: device, dtype and tensor-parallel group (this rank's shard is loaded).
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or
@@ -97,27 +98,22 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         return _load_hf_dir(path, attention_backend_cls, str(path), placement)
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
-    if placement.tp is not None:
-        check_tensor_parallel(source, placement.tp.size, quantized_matmul)
     hf_dir = _converted_gguf(path, cache_root(cache_dir))
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})", placement)
     if quantized_matmul:
-        used = use_quantized_linears(loaded.model, _gguf_blocks(path, loaded.hf_config))
+        used = use_quantized_linears(loaded.model, _gguf_blocks(path, loaded.hf_config),
+                                     activations=quantized_activations)
         logger.info("%d linear layers keep the GGUF's blocks for small batches", used)
     return loaded
 
 
-def check_tensor_parallel(source: str | None, tp_size: int, quantized_matmul: bool) -> None:
-    """ValueError, before any rank starts, if `source` cannot be served over `tp_size` ranks: a GGUF
-    with quantized_matmul (its blocks are not sharded), or a directory whose family does not shard.
-    (Shapes that do not divide are refused as the model is built.)"""
+def check_tensor_parallel(source: str | None, tp_size: int) -> None:
+    """ValueError, before any rank starts, if `source` cannot be served over `tp_size` ranks: a
+    directory whose family does not shard. (Shapes that do not divide, and a GGUF's blocks that do
+    not split into whole 32-wide blocks, are refused as the model is built.)"""
     if tp_size == 1:
         return
     path = default_model_path() if source is None else Path(source).expanduser()
-    if path.suffix.lower() == ".gguf" and quantized_matmul:
-        raise ValueError(f"tensor parallelism does not shard a GGUF's quantized blocks: serve {path.name} over "
-                         f"{tp_size} ranks from its float32 weights with quantized_matmul=False "
-                         "(--no-quantized-matmul), or on one rank")
     if path.is_dir() and (path / "config.json").is_file():
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True)

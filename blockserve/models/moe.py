@@ -32,12 +32,25 @@ class Experts(nn.Module):
     """Routed SwiGLU experts, stacked: gate_up_proj [E, 2I, H] (gate | up), down_proj [E, H, I].
 
     forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]: Σ over each token's k experts of
-    weight · down(silu(gate x) * up x)."""
+    weight · down(silu(gate x) * up x). Two routes compute it (equal up to rounding):
+
+        loop      one matmul pair per expert some token picked; reads `ids` on the host (a free
+                  sync on the CPU; the CPU's route, as before; measured on a loaded machine the
+                  grouped route took 0.3-1.9x its time, so it stays until a quiet measurement)
+        grouped   the (token, expert) pairs sorted by expert, two torch._grouped_mm calls over
+                  the experts' row ranges: nothing read back to the host (the route off the CPU
+                  in bfloat16, the dtype CUDA's grouped_mm takes; other dtypes there loop)
+
+    `route`: None picks by device and dtype; "loop" / "grouped" force one (grouped runs on the CPU
+    in any float dtype)."""
+
+    ROUTES = ("loop", "grouped")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  tp: TensorParallelGroup | None = None):
         super().__init__()
         self.tp = tp
+        self.route: str | None = None
         self.shard = None if tp is None else even_slice(intermediate_size, tp, "moe_intermediate_size")
         local = intermediate_size if tp is None else self.shard.size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
@@ -63,13 +76,35 @@ class Experts(nn.Module):
         return self._narrow(tensor, tensor.dim() - 1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        route = self.route or ("grouped" if x.device.type != "cpu" and x.dtype == torch.bfloat16 else "loop")
+        if route not in self.ROUTES:
+            raise ValueError(f"unknown expert route {route!r}; choose one of {self.ROUTES} (or None: by device)")
+        out = self._grouped(x, weights, ids) if route == "grouped" else self._loop(x, weights, ids)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():  # only the experts some token picked, in id order
             tokens, slot = torch.where(ids == e)  # a token meets each expert at most once
             gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sync-free: pairs sorted by expert (stably, so each token still sums its experts in id
+        order); expert e's rows end at offsets[e] (int32, as grouped_mm takes them)."""
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        tokens = order // ids.shape[1]
+        gate_up = torch._grouped_mm(x[tokens], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        y = y * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
 
 class GroupLimitedRouter(nn.Module):

@@ -18,8 +18,9 @@ for it (part, expert: its piece, None for a plain weight) and returns the tensor
 this rank's rows of it. The model declares that parameter at its own (narrowed) shape, which is
 what the assembled result is checked against. Without the attribute a tensor is used as it is.
 
-Each parameter is then placed on the Placement's device and dtype (sharing memory with the
-checkpoint tensor when it is there already). Errors are ValueErrors: a mis-shaped weight at once;
+Each checkpoint tensor is moved to the Placement's device and dtype as it is read (sharing memory
+with the checkpoint tensor when it is there already), so pieces are assembled there.
+Errors are ValueErrors: a mis-shaped weight at once;
 otherwise one "checkpoint does not match" error naming the unexpected and the missing weights.
 """
 
@@ -140,6 +141,9 @@ def load_checkpoint(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
         narrow = getattr(param, "weight_loader", None)
         if narrow is not None:
             tensor = narrow(tensor, part=slot.part, expert=slot.expert)
+        # Onto the device in the model's dtype now, one tensor at a time: a fused or stacked
+        # parameter is assembled there, never as a float32 copy on the host.
+        tensor = tensor.to(device=placement.device, dtype=placement.dtype)
         if slot.group is None:
             _place(model, slot.target, tensor, param.shape, f"weight {name}", placement)
             loaded.add(slot.target)

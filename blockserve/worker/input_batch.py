@@ -5,16 +5,19 @@ a step's table is one index of those rows. Decodes go first in the step's batch 
 attention backends can attend them in one call.
 
     SchedulerOutput ──update()──► rows, tables, tokens ──prepare()──► StepInputs
+                                  (host)                  built on the host, moved to the
+                                                          device in one copy per step
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from blockserve.attention.context import StateMetadata
-from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import SlidingWindowSpec, cdiv
 from blockserve.sampling_params import SamplingParams
@@ -53,8 +56,11 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, kv_config: KVCacheConfig, max_num_seqs: int, max_model_len: int):
+    """`device`: where the step's inputs go (the model's); the block tables stay on the host."""
+
+    def __init__(self, kv_config: KVCacheConfig, max_num_seqs: int, max_model_len: int, *, device: torch.device):
         self.kv_config = kv_config
+        self.device = torch.device(device)
         self.tables = []
         for group in kv_config.groups:
             width = 1 if group.is_state else cdiv(max_model_len, group.spec.block_size)
@@ -93,7 +99,7 @@ class InputBatch:
                 request.table_lens[group_id] = start + len(ids)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """The step's flattened inputs; advances each request's computed count."""
+        """The step's flattened inputs, on the device; advances each request's computed count."""
         scheduled = out.num_scheduled_tokens
         order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n != 1]
         requests = [self.requests[rid] for rid in order]
@@ -106,15 +112,16 @@ class InputBatch:
         for group_id, (group, table) in enumerate(zip(self.kv_config.groups, self.tables)):
             if group.is_state:
                 slots = table[rows, 0]
+                slot_ids = slots.tolist()
                 inside: dict[int, list[tuple[int, int]]] = {}
                 for rid, captures in out.state_captures.get(group_id, {}).items():
                     i = order.index(rid)
                     for position, slot in captures:
                         if position == layout.seq_lens[i]:
-                            end_captures.setdefault(group_id, []).append((int(slots[i]), slot))
+                            end_captures.setdefault(group_id, []).append((slot_ids[i], slot))
                         else:
                             inside.setdefault(i, []).append((position, slot))
-                metadata.append(StateMetadata(layout, slots, inside))
+                metadata.append(StateMetadata(layout, slots, inside, slot_ids))
                 continue
             window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
             metadata.append(AttentionMetadata.build(layout, table[rows], group.spec.block_size, window))
@@ -124,8 +131,28 @@ class InputBatch:
             if request.num_computed == request.num_tokens:
                 sample_ids.append(rid)
                 logits_indices.append(layout.query_start[i + 1] - 1)
-        return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
+        step = StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
                           torch.tensor(logits_indices, dtype=torch.int64), end_captures)
+        return step if self.device.type == "cpu" else _on_device(step, self.device)
+
+
+def _on_device(step: StepInputs, device: torch.device) -> StepInputs:
+    """`step` with its tensors on `device`, moved in one copy; each metadata keeps its host twin."""
+    tensors = [step.input_ids, step.logits_indices, *step.layout.tensors()]
+    for meta in step.metadata:
+        tensors += [meta.slots] if isinstance(meta, StateMetadata) else list(meta.tensors())[2:]
+    moved = iter(to_device(tensors, device))
+    input_ids, logits_indices = next(moved), next(moved)
+    layout = step.layout.with_tensors(next(moved), next(moved))
+    metadata = []
+    for meta in step.metadata:
+        if isinstance(meta, StateMetadata):
+            metadata.append(dataclasses.replace(meta, layout=layout, slots=next(moved)))
+        else:
+            device_meta = meta.with_tensors(*layout.tensors(), next(moved), next(moved), next(moved))
+            metadata.append(dataclasses.replace(device_meta, layout=layout))
+    return dataclasses.replace(step, input_ids=input_ids, positions=layout.positions, metadata=metadata,
+                               layout=layout, logits_indices=logits_indices)
 
 
 def _grammar(new) -> GrammarMatcher | None:

@@ -29,7 +29,7 @@ TORCH_DTYPES = {
 
 
 class KVCacheTensors:
-    def __init__(self, config: KVCacheConfig, device: torch.device | str = "cpu"):
+    def __init__(self, config: KVCacheConfig, *, device: torch.device | str):
         self.config = config
         self.tensors: list[list[torch.Tensor]] = []  # per group, its tensors
         self.block_dims: list[int] = []  # per group, the dimension indexed by block id
@@ -65,20 +65,24 @@ class KVCacheTensors:
         """State groups: copy slot `src` into slot `dst` in every layer, for each (src, dst)."""
         if not pairs:
             return
-        src, dst = (torch.as_tensor(ids, dtype=torch.int64) for ids in zip(*pairs))
-        if bool((dst == 0).any()):
+        src, dst = zip(*pairs)
+        if 0 in dst:
             raise ValueError(f"group {group_id}: the null slot must never be written")
+        device = self.tensors[group_id][0].device
+        src, dst = (torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True) for ids in (src, dst))
         for tensor in self.tensors[group_id]:
-            tensor[:, dst.to(tensor.device)] = tensor[:, src.to(tensor.device)]
+            tensor[:, dst] = tensor[:, src]
 
     def _fill(self, group_id: int, block_ids, value: float) -> None:
-        index = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        if index.numel() == 0:
+        block_ids = list(block_ids)
+        if not block_ids:
             return
-        if bool((index == 0).any()):
+        if 0 in block_ids:
             raise ValueError(f"group {group_id}: the null block must never be zeroed or poisoned")
-        for tensor in self.tensors[group_id]:
-            tensor.index_fill_(self.block_dims[group_id], index.to(tensor.device), value)
+        tensors = self.tensors[group_id]
+        index = torch.tensor(block_ids, dtype=torch.int64).to(tensors[0].device, non_blocking=True)
+        for tensor in tensors:
+            tensor.index_fill_(self.block_dims[group_id], index, value)
 
     def layer_caches(self) -> dict[str, LayerCache | MLACache | StateCache]:
         """Each layer's views of its group's tensors, by layer name."""

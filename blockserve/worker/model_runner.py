@@ -39,12 +39,16 @@ class RunnerTimings:
 
 
 class ModelRunner:
+    """Runs `model` on `device` (where its weights are): the KV tensors, the step's inputs, the
+    sampler and the seeded generators all live there."""
+
     def __init__(self, model: torch.nn.Module, kv_config: KVCacheConfig, max_num_seqs: int, max_model_len: int,
-                 seed: int | None = None):
+                 seed: int | None = None, *, device: torch.device | str):
         self.model = model
-        self.kv = KVCacheTensors(kv_config)
-        self.batch = InputBatch(kv_config, max_num_seqs, max_model_len)
-        self.sampler = Sampler(seed=seed)
+        self.device = torch.device(device)
+        self.kv = KVCacheTensors(kv_config, device=self.device)
+        self.batch = InputBatch(kv_config, max_num_seqs, max_model_len, device=self.device)
+        self.sampler = Sampler(device=self.device, seed=seed)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, kept across preemption
         self.layer_caches = self.kv.layer_caches()
         self.timings = RunnerTimings()
@@ -86,10 +90,10 @@ class ModelRunner:
                 if request.params.seed is not None:
                     generator = self.generators.get(rid)
                     if generator is None:
-                        generator = self.generators[rid] = make_generator(request.params.seed)
+                        generator = self.generators[rid] = make_generator(request.params.seed, self.device)
                 rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, generator,
                                         request.eos_token_id, request.grammar))
-            result = self.sampler(logits, SamplingBatch.build(rows))
+            result = self.sampler(logits, SamplingBatch.build(rows, self.device))
             for rid, token, token_logprobs in zip(inputs.sample_ids, result.token_ids, result.logprobs):
                 request = self.batch.requests[rid]
                 request.output_token_ids.append(token)

@@ -47,8 +47,9 @@ _TINY = torch.finfo(torch.float32).tiny  # floor for exponential draws, so log(E
 _TOP_P_FIRST_K = 256  # top-p first looks for each row's nucleus among this many tokens
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator a seeded request keeps for its whole life and passes to every step."""
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The generator a seeded request keeps for its whole life and passes to every step, on the
+    engine's device."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
@@ -65,7 +66,7 @@ class TokenConstraint(Protocol):
 @dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs of one request this step. `generator` is required when
-    `params.seed` is set (create it once with `make_generator(params.seed)`)."""
+    `params.seed` is set (create it once with `make_generator(params.seed, device)`)."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
@@ -94,7 +95,7 @@ class _Penalties:
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """One step's sampling parameters as tensors; build with `SamplingBatch.build(rows)`.
+    """One step's sampling parameters as tensors; build with `SamplingBatch.build(rows, device)`.
 
     Tensors named per sampled row have one entry per row in `sampled_rows` (the non-greedy rows).
     A filter's tensor is None when no sampled row uses that filter.
@@ -119,7 +120,7 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], device: torch.device | str = "cpu") -> SamplingBatch:
+    def build(cls, rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingBatch:
         if not rows:
             raise ValueError("a SamplingBatch needs at least one row")
         device = _canonical(device)
@@ -127,7 +128,7 @@ class SamplingBatch:
             if row.params.seed is not None and row.generator is None:
                 raise ValueError(
                     f"row {i} has seed {row.params.seed} but no generator: keep "
-                    f"make_generator(params.seed) with the request and pass it every step"
+                    f"make_generator(params.seed, device) with the request and pass it every step"
                 )
             if row.generator is not None and _canonical(row.generator.device) != device:
                 raise ValueError(f"row {i}'s generator is on {row.generator.device}, the batch on {device}")
@@ -225,7 +226,7 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row. Holds the generator that rows without their own share."""
 
-    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None):
+    def __init__(self, *, device: torch.device | str, seed: int | None = None):
         self.device = _canonical(device)
         self.generator = torch.Generator(device=self.device)
         if seed is None:

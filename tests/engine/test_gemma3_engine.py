@@ -18,6 +18,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.kv.specs import cdiv
 from blockserve.models.loader import load_model
+from tests.backends import SUITE_BACKENDS
 from tests.models.conftest import save_random_model
 
 S, F = "sliding_attention", "full_attention"
@@ -73,7 +74,7 @@ def generate(llm: LLM, runs: int = 1) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_engine_matches_transformers(tiny, backend, scenario):
     path, _, expected = tiny
     llm = LLM(str(path), block_size=4, attention_backend=backend, check_integrity=True,
@@ -92,7 +93,7 @@ def test_engine_matches_transformers(tiny, backend, scenario):
     scheduler.assert_idle()
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_poisoned_epochs(tiny, backend):
     """C1, the stale-block scenario: three passes of the prompt set through one engine whose every
     garbage block (including sliding blocks released mid-request) is NaN, in a cache small enough

@@ -33,6 +33,7 @@ from blockserve.attention.mla import MLAttention
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec
 from blockserve.models.loader import load_model
+from tests.backends import SUITE_BACKENDS
 from tests.models.conftest import MLA_CONFIGS, VOCAB, tiny_model  # noqa: F401 (a fixture)
 from tests.paged_harness import assert_greedy_parity, reference_outputs
 
@@ -79,7 +80,7 @@ def generate(llm: LLM, prompt_set: list[list[int]], new_tokens: int = NEW_TOKENS
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_engine_matches_transformers(tiny, backend, scenario, caplog):
     name, path, reference = tiny
     options = SCENARIOS[scenario]
@@ -104,7 +105,7 @@ def test_engine_matches_transformers(tiny, backend, scenario, caplog):
     scheduler.assert_idle()
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_poisoned_cache_without_zeroing_deepseek(tiny_model, backend):
     """C1 for MLA alone (DeepSeek-V3 has no state group): with every garbage block NaN and zeroing
     forced off, the exact flavour still matches; the whole-block flavour breaks. With the derived

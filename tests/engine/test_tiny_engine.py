@@ -13,6 +13,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
+from tests.backends import SUITE_BACKENDS
 from tests.models.conftest import save_random_model
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -62,7 +63,7 @@ def generate(llm: LLM, runs: int = 1) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_engine_matches_transformers(tiny, backend, scenario):
     path, expected = tiny
     llm = LLM(str(path), block_size=4, attention_backend=backend, check_integrity=True,
@@ -77,7 +78,7 @@ def test_engine_matches_transformers(tiny, backend, scenario):
     scheduler.assert_idle()
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_poisoned_cache_without_zeroing(tiny, backend):
     """C1: with every garbage block NaN and zeroing forced off, the exact-length backend still
     matches; the whole-block backend, which reads unwritten slots, breaks. With the derived

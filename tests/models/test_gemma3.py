@@ -21,6 +21,7 @@ from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.models.gemma3 import Gemma3ForCausalLM
 from blockserve.models.loader import load_model
+from tests.backends import SUITE_BACKENDS
 from tests.models.conftest import save_random_model
 from tests.paged_harness import run_paged
 
@@ -64,7 +65,7 @@ def tiny(request, tmp_path_factory):
     return path, reference, expected
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 @pytest.mark.parametrize("mode", ["whole-prompt", "chunked-staggered"])
 def test_logits_and_greedy_match_transformers(tiny, backend, mode):
     path, _, expected = tiny

@@ -15,6 +15,7 @@ from blockserve.attention.native import DISABLE_ENV
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.loader import load_model
+from tests.backends import SUITE_BACKENDS
 from tests.models.conftest import save_random_model
 from tests.paged_harness import run_paged
 
@@ -57,7 +58,7 @@ def tiny(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_matches_transformers(tiny, backend, scenario):
     path, prompts, ref_logits, ref_tokens = tiny
     model = load_model(str(path), BACKENDS[backend]).model

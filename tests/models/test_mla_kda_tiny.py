@@ -18,6 +18,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec, MLASpec
 from blockserve.models.loader import load_model
 from blockserve.models.registry import model_class
+from tests.backends import SUITE_BACKENDS
 from tests.models.conftest import MLA_CONFIGS, VOCAB, save_random_hybrid
 from tests.paged_harness import run_paged
 
@@ -46,7 +47,7 @@ def tiny(request, tiny_model):
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_matches_transformers(tiny, backend, scenario):
     _, path, prompts, ref_logits, ref_tokens = tiny
     model = load_model(str(path), BACKENDS[backend]).model

@@ -19,6 +19,8 @@ from blockserve.worker.sampler import (
     make_generator,
 )
 
+CPU = torch.device("cpu")
+
 
 def row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
     return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator)
@@ -29,7 +31,7 @@ def randn(*shape, seed=0):
 
 
 def sample(logits, rows, seed=0):
-    return Sampler(seed=seed)(logits, SamplingBatch.build(rows))
+    return Sampler(device=CPU, seed=seed)(logits, SamplingBatch.build(rows, CPU))
 
 
 def full_logprobs(out_row, vocab_size):
@@ -66,7 +68,7 @@ def test_greedy_is_argmax_of_the_penalised_logits():
 
 def test_temperatures_below_the_greedy_threshold_are_greedy_and_draw_nothing():
     logits = torch.tensor([[1.0, 2.0, 2.0, 0.5]])
-    generator = make_generator(3)
+    generator = make_generator(3, CPU)
     state = generator.get_state()
     for t in (0.0, GREEDY_TEMPERATURE / 2):
         assert sample(logits, [row(temperature=t, seed=3, generator=generator)]).token_ids == [1]
@@ -162,7 +164,7 @@ def excluded(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def test_filters_never_emit_an_excluded_token(values, temperature, top_k, top_p, min_p, seed):
     logits = torch.tensor(values)
     params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    seeded = [row(**params, seed=seed + i, generator=make_generator(seed + i)) for i in range(30)]
+    seeded = [row(**params, seed=seed + i, generator=make_generator(seed + i, CPU)) for i in range(30)]
     rows = [row(**params)] * 270 + seeded
     tokens = sample(logits.repeat(len(rows), 1), rows, seed=seed).token_ids
     banned = excluded(logits, SamplingParams(**params))
@@ -184,16 +186,16 @@ def run_steps(batches, steps=6, vocab_size=500):
     """Step a few batches; each is a list of (name, params) rows. Rows with a seed keep a generator
     across steps, as the engine does. Logits depend only on the row's own history (so the seeded
     row sees the same logits in every batch). Returns every row's tokens by name."""
-    sampler = Sampler(seed=123)
+    sampler = Sampler(device=CPU, seed=123)
     history = {name: [] for batch in batches for name, _ in batch}
-    generators = {name: make_generator(p.seed) for batch in batches for name, p in batch if p.seed is not None}
+    generators = {name: make_generator(p.seed, CPU) for batch in batches for name, p in batch if p.seed is not None}
     for _ in range(steps):
         for batch in batches:
             logits = torch.stack(
                 [torch.randn(vocab_size, generator=torch.Generator().manual_seed(len(history[name]))) for name, _ in batch]
             )
             rows = [SamplingRow(p, [1, 2, 3], history[name], generators.get(name)) for name, p in batch]
-            for (name, _), token in zip(batch, sampler(logits, SamplingBatch.build(rows)).token_ids):
+            for (name, _), token in zip(batch, sampler(logits, SamplingBatch.build(rows, CPU)).token_ids):
                 history[name].append(token)
     return history
 
@@ -217,7 +219,7 @@ def test_a_seeded_row_samples_the_same_alone_and_in_any_batch():
 
 def test_two_requests_with_the_same_seed_sample_alike():
     logits = randn(1, 1000).repeat(3, 1)
-    rows = [row(seed=7, generator=make_generator(7)), row(), row(seed=7, generator=make_generator(7))]
+    rows = [row(seed=7, generator=make_generator(7, CPU)), row(), row(seed=7, generator=make_generator(7, CPU))]
     tokens = sample(logits, rows).token_ids
     assert tokens[0] == tokens[2]
 
@@ -316,8 +318,8 @@ def test_half_precision_logits_are_accepted():
 
 
 def test_invalid_inputs_get_clear_errors():
-    batch = SamplingBatch.build([row(), row()])
-    sampler = Sampler(seed=0)
+    batch = SamplingBatch.build([row(), row()], CPU)
+    sampler = Sampler(device=CPU, seed=0)
     with pytest.raises(ValueError, match=r"2-D \[num_rows, vocab_size\], got shape \(10,\)"):
         sampler(torch.zeros(10), batch)
     with pytest.raises(ValueError, match="logits have 3 rows but the SamplingBatch has 2"):
@@ -327,13 +329,13 @@ def test_invalid_inputs_get_clear_errors():
     with pytest.raises(ValueError, match="floating point, got torch.int64"):
         sampler(torch.zeros(2, 10, dtype=torch.long), batch)
     with pytest.raises(ValueError, match="at least one row"):
-        SamplingBatch.build([])
-    with pytest.raises(ValueError, match=r"row 1 has seed 5 but no generator: keep make_generator\(params.seed\)"):
-        SamplingBatch.build([row(), row(seed=5)])
+        SamplingBatch.build([], CPU)
+    with pytest.raises(ValueError, match=r"row 1 has seed 5 but no generator: keep make_generator\(params.seed, device\)"):
+        SamplingBatch.build([row(), row(seed=5)], CPU)
     with pytest.raises(ValueError, match="token id 10 is out of range for a vocabulary of 10"):
-        sampler(torch.zeros(2, 10), SamplingBatch.build([row(), row(output=[10], presence_penalty=1)]))
+        sampler(torch.zeros(2, 10), SamplingBatch.build([row(), row(output=[10], presence_penalty=1)], CPU))
     with pytest.raises(ValueError, match="token id 12 is out of range"):
-        sampler(torch.zeros(2, 10), SamplingBatch.build([row(prompt=[12], repetition_penalty=1.1), row()]))
+        sampler(torch.zeros(2, 10), SamplingBatch.build([row(prompt=[12], repetition_penalty=1.1), row()], CPU))
 
 
 def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
@@ -342,11 +344,11 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
     logits[0, 3] = 50.0  # EOS
     logits[0, 5] = 40.0  # a stop token
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(5,))
-    sampler = Sampler(seed=0)
-    early = SamplingBatch.build([SamplingRow(params, [1], [7], eos_token_id=3)])
+    sampler = Sampler(device=CPU, seed=0)
+    early = SamplingBatch.build([SamplingRow(params, [1], [7], eos_token_id=3)], CPU)
     assert sampler(logits, early).token_ids == [0]  # the best token that neither stops nor is blocked
-    done = SamplingBatch.build([SamplingRow(params, [1], [7, 7], eos_token_id=3)])
+    done = SamplingBatch.build([SamplingRow(params, [1], [7, 7], eos_token_id=3)], CPU)
     assert sampler(logits, done).token_ids == [3]
     ignoring = SamplingBatch.build([SamplingRow(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True), [1], [],
-                                                eos_token_id=3)])
+                                                eos_token_id=3)], CPU)
     assert sampler(logits, ignoring).token_ids == [3]  # EOS is an ordinary token when ignored

@@ -1,0 +1,428 @@
+"""Everything a GPU run should prove, in one go (issue 17's "GPU check"), written as one JSON and a
+short text report under --results:
+
+    environment   torch, triton, CUDA, GPU, driver, transformers
+    parity        greedy tokens of a batch of prompts vs transformers on the same device and dtype, for
+                  tiny random Llama, Gemma 3, DeepSeek-V3, Qwen3-Next and Kimi Linear models built here,
+                  per attention backend, with prefix caching on and off, chunked prefill and preemption
+    poison        C1 per attention backend: with poison on, epochs through a recycling cache equal
+                  transformers under the derived zero flags; with zeroing forced off, a backend that
+                  declares reads_unwritten_slots must diverge and one that does not must still match
+    throughput    decode tok/s of a ~1B Llama-shaped random model at batch 1/16/64/256 vs transformers
+                  `generate` (static batch) in the same run and vs the HBM bound (weight bytes per step
+                  / measured device copy bandwidth); CUDA graphs: "not built" (not implemented yet)
+
+The bf16 near-tie rule: a sequence may differ from transformers only at a near-tie, i.e. at its first
+differing position both tokens are in transformers' top 5 and their log-probabilities there are less
+than 0.1 nats apart (bf16 keeps ~3 significant digits, so two paths' logits differ by ~0.01-0.05);
+what follows a near-tie is not compared, and at most half the sequences may need the rule. In
+float32 (CPU) no near-tie is allowed.
+
+    bash benchmarks/gpu_check.sh                                  # the GPU machine (fits 8 minutes on an H200)
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --smoke # tiny shapes, seconds (tested in CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the tiny configs
+
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig  # noqa: E402
+
+from blockserve import LLM, SamplingParams  # noqa: E402
+from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
+from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS, save_random_hybrid, save_random_model  # noqa: E402
+from tests.paged_harness import assert_greedy_parity, reference_outputs  # noqa: E402
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None)
+FAMILIES = {
+    "llama": lambda: (save_random_model, LlamaConfig(**TINY)),
+    "gemma3": lambda: (save_random_model, Gemma3TextConfig(**{**TINY, "num_hidden_layers": 4}, head_dim=16,
+                                                           query_pre_attn_scalar=16, sliding_window=10,
+                                                           layer_types=["sliding_attention", "sliding_attention",
+                                                                        "full_attention", "sliding_attention"])),
+    "deepseek_v3": lambda: (save_random_hybrid, MLA_CONFIGS["deepseek_v3"]()),
+    "qwen3_next": lambda: (save_random_model, STATE_CONFIGS["qwen3_next"]()),
+    "kimi_linear": lambda: (save_random_hybrid, MLA_CONFIGS["kimi_linear"]()),
+}
+# Blocks of 16 tokens (FlexAttention's smallest CUDA tile). "preemption" runs in a cache that holds
+# one request but not the batch (`small_cache`).
+SCENARIOS = {
+    "prefix-caching": dict(enable_prefix_caching=True),
+    "no-prefix-caching": dict(enable_prefix_caching=False),
+    "chunked-prefill": dict(max_num_batched_tokens=24),
+    "preemption": dict(max_num_batched_tokens=32, max_model_len=96),
+}
+BILLION = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+               bos_token_id=None, eos_token_id=None, pad_token_id=None)  # 1.17e9 parameters
+NEAR_TIE_NATS = 0.1
+PARITY_SHARE = 0.55  # of the time budget, for poison and parity together
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda or cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts: seconds, for tests")
+    parser.add_argument("--results", default="results/gpu_check", help="where gpu_check.json and .txt go")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="sections start only within this time")
+    args = parser.parse_args()
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(report: dict) -> None:  # after every section, so a run cut short still leaves its results
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        (out / "gpu_check.txt").write_text(summary(report))
+
+    report = run(args.device, args.smoke, args.budget_s, write)
+    print(summary(report))
+    sys.exit(0 if report["ok"] else 1)
+
+
+def run(device: str, smoke: bool, budget_s: float, write=lambda report: None) -> dict:
+    """The whole check: every section's results, and `ok` (parity and poison all passed); `write`
+    gets the report so far after each section."""
+    start = time.perf_counter()
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    report = {"environment": environment(device), "device": device, "dtype": str(dtype).removeprefix("torch."),
+              "smoke": smoke, "near_tie_rule": __doc__.split("The bf16 near-tie rule: ")[1].split("\n\n")[0]}
+    parity_until = start + PARITY_SHARE * budget_s  # parity's runs stop there; poison and throughput follow
+    sections = [("poison", lambda: poison(device, dtype, smoke)),
+                ("parity", lambda: parity(device, dtype, smoke, parity_until)),
+                ("throughput", lambda: throughput(device, dtype, smoke, start + budget_s))]
+    for name, section in sections:
+        if time.perf_counter() - start > budget_s:
+            report[name] = {"skipped": f"over the {budget_s:.0f} s budget"}
+            continue
+        began = time.perf_counter()
+        try:
+            report[name] = section()
+        except Exception as error:  # one broken section must not hide the others' results
+            report[name] = {"error": f"{type(error).__name__}: {error}"}
+        report[name + "_s"] = round(time.perf_counter() - began, 1)
+        _finish(report, start)
+        write(report)
+    _finish(report, start)
+    write(report)
+    return report
+
+
+def _finish(report: dict, start: float) -> None:
+    report["total_s"] = round(time.perf_counter() - start, 1)
+    report["ok"] = all(isinstance(report.get(k), dict) and report[k].get("ok") for k in ("parity", "poison"))
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "transformers": __import__("transformers").__version__}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as error:
+            env["driver"] = f"nvidia-smi failed: {error}"
+    return env
+
+
+def prompts(count: int) -> list[list[int]]:
+    """`count` prompts of 3 to 62 tokens; a third share a 20-token prefix (prefix hits mid-block)."""
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 512, (20,), generator=gen).tolist()
+    out = []
+    for i in range(count):
+        tail = torch.randint(0, 512, (3 + (i * 11) % 40,), generator=gen).tolist()
+        out.append(shared + tail if i % 3 == 2 else tail)
+    return out
+
+
+def build(family: str, path: Path, device: str, dtype: torch.dtype):
+    """Save family's tiny random model to `path`; its transformers reference on device, in dtype."""
+    save, config = FAMILIES[family]()
+    return save(config, path).to(device=device, dtype=dtype)
+
+
+GPU_BACKENDS = ("exact", "flex")  # whole_block imitates a tile-reading kernel on the CPU: poison-tested only
+
+
+def backends(smoke: bool) -> list[str]:
+    """The backends parity and throughput run: on CPU smoke the default one (FlexAttention is eager there)."""
+    return ["exact"] if smoke else list(GPU_BACKENDS)
+
+
+def engine(model, device: str, dtype: torch.dtype, **options) -> LLM:
+    budget = {"kv_cache_memory": "64MiB"} if device == "cpu" else {"gpu_memory_utilization": 0.5}
+    return LLM(model, device=device, dtype=str(dtype).removeprefix("torch."), check_integrity=True,
+               **{"block_size": 16, **budget, **options})
+
+
+def small_cache(model: str, device: str, dtype: torch.dtype, **options) -> dict:
+    """Engine options for a KV cache that holds one request of max_model_len tokens (and a block to spare), so a batch
+    must preempt. A probe engine gives the bytes per block of each group (a state group: per slot). On
+    CUDA the budget is a fraction of the device's memory less what is in use after a profiling forward
+    (engine/kv_budget.py): the probe measures those too, and the fraction is set to leave that cache."""
+    probe = engine(model, device, dtype, **options)
+    per_request = -(-options["max_model_len"] // 16)
+    target = sum(g.spec.page_size_bytes * len(g.layer_names) * (2 if g.is_state else per_request + 2)
+                 for g in probe.engine.kv_cache_config.groups)
+    budget = probe.engine.device_kv_budget
+    probe.close()
+    del probe
+    if device == "cpu":
+        return {"kv_cache_memory": target}
+    torch.cuda.empty_cache()
+    return {"gpu_memory_utilization": (budget.in_use + budget.activation_peak + target) / budget.total}
+
+
+def greedy(llm: LLM, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=new_tokens), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def judge(got: list[list[int]], reference, dtype: torch.dtype) -> dict:
+    """The near-tie rule (module docstring) as a verdict, not an assertion."""
+    lenient = dtype != torch.float32
+    try:
+        ties = assert_greedy_parity(got, reference, max_near_ties=len(got) // 2 if lenient else 0,
+                                    close=NEAR_TIE_NATS if lenient else 0.0)
+        return {"ok": True, "near_ties": ties}
+    except AssertionError as error:
+        return {"ok": False, "failure": str(error)[:600]}
+
+
+def parity(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
+    """Greedy parity per family, backend and scenario; runs not started by `until` (perf_counter) are
+    listed as skipped."""
+    batch, new_tokens = prompts(8), 10 if smoke else 12
+    families = ["gemma3"] if smoke else list(FAMILIES)  # smoke: the sliding + full model
+    scenarios = ["prefix-caching", "preemption"] if smoke else list(SCENARIOS)
+    results, skipped = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            path = Path(tmp) / family
+            reference = build(family, path, device, dtype)
+            expected = reference_outputs(_on_device(reference, device), batch, new_tokens)
+            del reference
+            for backend in backends(smoke):
+                for scenario in scenarios:
+                    key = f"{family}/{backend}/{scenario}"
+                    if time.perf_counter() > until:
+                        skipped.append(key)
+                        continue
+                    options = dict(SCENARIOS[scenario], attention_backend=backend)
+                    try:
+                        if scenario == "preemption":
+                            options.update(small_cache(str(path), device, dtype, **options))
+                        with engine(str(path), device, dtype, **options) as llm:
+                            runs = 2 if scenario == "prefix-caching" else 1  # the second from the cache
+                            verdicts = [judge(greedy(llm, batch, new_tokens), expected, dtype) for _ in range(runs)]
+                            result = {"ok": all(v["ok"] for v in verdicts), "passes": verdicts}
+                            if scenario == "preemption":
+                                result["preemptions"] = llm.engine.stats().num_preemptions
+                                result["ok"] &= result["preemptions"] > 0
+                    except Exception as error:
+                        result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:600]}
+                    results[key] = result
+    return {"ok": all(r["ok"] for r in results.values()), "runs": results, "skipped": skipped}
+
+
+class _on_device:
+    """transformers' generate with input ids moved to the model's device (reference_outputs builds them on
+    the CPU); logits come back on the CPU."""
+
+    def __init__(self, model, device: str):
+        self.model, self.device = model, device
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        out = self.model.generate(input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **kwargs)
+        out.sequences = out.sequences.cpu()
+        out.logits = tuple(step.float().cpu() for step in out.logits)
+        return out
+
+
+def poison(device: str, dtype: torch.dtype, smoke: bool) -> dict:
+    """C1 per backend on tiny Gemma 3 (sliding + full groups): see the module docstring."""
+    batch, new_tokens = prompts(8), 10
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gemma3"
+        reference = build("gemma3", path, device, dtype)
+        expected = reference_outputs(_on_device(reference, device), batch, new_tokens)
+        del reference
+        for backend in sorted(BACKENDS) if not smoke else ["exact", "whole_block"]:
+            small = dict(max_num_batched_tokens=32, max_model_len=96, enable_prefix_caching=True,
+                         attention_backend=backend, poison=True)
+            try:
+                small.update(small_cache(str(path), device, dtype, **small))
+                with engine(str(path), device, dtype, **small) as llm:
+                    flags = [g.zero_new_blocks for g in llm.engine.kv_cache_config.groups]
+                    epochs = [greedy(llm, batch, new_tokens) for _ in range(2)]
+                    recycled = llm.engine.stats().num_preemptions
+                with engine(str(path), device, dtype, unsafe_disable_zeroing=True, **small) as llm:
+                    unzeroed = greedy(llm, batch, new_tokens)
+                reads = BACKENDS[backend].reads_unwritten_slots
+                zeroed_ok = epochs[0] == epochs[1] and judge(epochs[0], expected, dtype)["ok"]
+                unzeroed_matches = judge(unzeroed, expected, dtype)["ok"]
+                results[backend] = {
+                    "reads_unwritten_slots": reads, "zero_flags": flags, "preemptions": recycled,
+                    "derived_flags_match": zeroed_ok, "zeroing_off_matches": unzeroed_matches,
+                    "ok": zeroed_ok and flags == [reads] * len(flags) and unzeroed_matches != reads and recycled > 0}
+            except Exception as error:
+                results[backend] = {"ok": False, "error": f"{type(error).__name__}: {error}"[:600]}
+    return {"ok": all(r["ok"] for r in results.values()), "backends": results}
+
+
+def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
+    """Decode tok/s per batch size: blockserve (each backend) and transformers, both as
+    B * (N - 1) / (time for N tokens - time for 1 token), and the HBM bound. A measurement not
+    started by `until` (perf_counter) is left out and named in "skipped"."""
+    batches, prompt_len, new_tokens = ([1, 4], 8, 4) if smoke else ([1, 16, 64, 256], 32, 65)
+    shape = TINY if smoke else BILLION
+    gen = torch.Generator().manual_seed(0)
+    results = {"model": shape, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "cuda_graphs": "not built"}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        with torch.device(device):  # initialised where it runs: seconds for 1e9 parameters on a GPU
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype).eval()
+        model.save_pretrained(tmp)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        bandwidth = copy_bandwidth(device, smoke)
+        step_s = weight_bytes / bandwidth
+        results.update(weight_bytes=weight_bytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+                       hbm_bound_step_ms=round(step_s * 1e3, 3))
+        rows = {}
+        skipped = results["skipped"] = []
+        for b in batches:
+            ids = torch.randint(0, shape["vocab_size"], (b, prompt_len), generator=gen)
+            if time.perf_counter() > until:
+                skipped.append(f"transformers batch {b}")
+                rows[b] = {"hbm_bound_tok_s": round(b / step_s, 1)}
+                continue
+            hf = functools.partial(_hf_generate, model, ids.to(device))
+            hf(2)  # warm-up
+            rows[b] = {"hbm_bound_tok_s": round(b / step_s, 1), "transformers_tok_s": _rate(hf, b, new_tokens)}
+        del model
+        _empty_cache(device)
+        errors = results["errors"] = {}
+        for backend in backends(smoke):
+            try:
+                _engine_rates(rows, tmp, device, dtype, backend, batches, prompt_len, new_tokens, until, skipped, gen)
+            except Exception as error:  # one backend's failure leaves the others' figures
+                errors[backend] = f"{type(error).__name__}: {error}"[:600]
+    results["batches"] = rows
+    return results
+
+
+def _engine_rates(rows, model_dir, device, dtype, backend, batches, prompt_len, new_tokens, until, skipped, gen):
+    """blockserve's decode tok/s with `backend` per batch size, into rows[b]."""
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    with engine(model_dir, device, dtype, attention_backend=backend, enable_prefix_caching=False,
+                max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 16) as llm:
+        for b in batches:
+            ids = torch.randint(0, vocab, (b, prompt_len), generator=gen).tolist()
+            if time.perf_counter() > until:
+                skipped.append(f"{backend} batch {b}")
+                continue
+            greedy(llm, ids, 2)  # warm-up (compiles, allocates)
+            rate = _rate(lambda n: greedy(llm, ids, n), b, new_tokens)
+            rows[b][f"blockserve_{backend}_tok_s"] = rate
+            rows[b][f"blockserve_{backend}_vs_hbm_bound"] = round(rate / rows[b]["hbm_bound_tok_s"], 3)
+            if "transformers_tok_s" in rows[b]:
+                rows[b][f"blockserve_{backend}_vs_transformers"] = round(rate / rows[b]["transformers_tok_s"], 2)
+            rows[b]["cuda_graphs_tok_s"] = "not built"
+
+
+def _rate(generate, batch: int, new_tokens: int) -> float:
+    """Decode tokens per second from two timed runs: N tokens and 1 token (prefill and the first token)."""
+    def timed(n):
+        _sync()
+        began = time.perf_counter()
+        generate(n)
+        _sync()
+        return time.perf_counter() - began
+    first = timed(1)
+    full = timed(new_tokens)
+    return round(batch * (new_tokens - 1) / max(full - first, 1e-9), 1)
+
+
+def _hf_generate(model, ids: torch.Tensor, n: int):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False)
+
+
+def copy_bandwidth(device: str, smoke: bool) -> float:
+    """Bytes read + written per second by a device-to-device copy (the best of 10 after warm-up)."""
+    n = (1 << 22) if smoke else (1 << 30)  # 4 MiB / 1 GiB of bytes
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(10):
+        _sync()
+        began = time.perf_counter()
+        dst.copy_(src)
+        _sync()
+        best = min(best, time.perf_counter() - began)
+    return 2 * n / best
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _empty_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def summary(report: dict) -> str:
+    """The short text report."""
+    env = report["environment"]
+    lines = [f"gpu_check on {report['device']} ({report['dtype']}{', smoke' if report['smoke'] else ''}): "
+             f"{'OK' if report['ok'] else 'FAILED'} in {report['total_s']} s",
+             "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    for name in ("parity", "poison"):
+        section = report.get(name, {})
+        runs = section.get("runs") or section.get("backends")
+        if runs is None:
+            lines.append(f"{name}: {section}")
+            continue
+        bad = [k for k, r in runs.items() if not r["ok"]]
+        skipped = section.get("skipped") or []
+        lines.append(f"{name}: {len(runs) - len(bad)}/{len(runs)} ok" + (f"; failed: {', '.join(bad)}" if bad else "")
+                     + (f"; {len(skipped)} skipped for time: {', '.join(skipped)}" if skipped else ""))
+        for k in bad:
+            lines.append(f"  {k}: {json.dumps(runs[k])[:400]}")
+    tp = report.get("throughput", {})
+    if "batches" in tp:
+        lines.append(f"throughput (decode tok/s; HBM bound step {tp['hbm_bound_step_ms']} ms at "
+                     f"{tp['copy_bandwidth_gb_s']} GB/s; CUDA graphs {tp['cuda_graphs']}):")
+        for b, row in tp["batches"].items():
+            lines.append(f"  batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    else:
+        lines.append(f"throughput: {tp}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

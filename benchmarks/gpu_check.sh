@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU check (benchmarks/gpu_check.py) on a machine with no network and its own torch.
+#
+#   bash benchmarks/gpu_check.sh pack    # here, with network: the few pure-Python (and abi3) wheels the
+#                                        # machine lacks, into build/gpu_wheels (~4 MB; no torch)
+#   bash benchmarks/gpu_check.sh [ARGS]  # there: install them and blockserve into a scratch site
+#                                        # directory, then run the check on CUDA (ARGS go to gpu_check.py)
+#
+# Results: $RESULTS, else $OUT/gpu_check where $OUT is set (the device tool's folder), else
+# results/gpu_check. The machine's python3 keeps its own torch, triton and transformers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=build/gpu_wheels
+# What `import blockserve` needs beyond the GPU image's packages (pinned as in pyproject.toml).
+CARRIED="gguf==0.19.0 llguidance==1.9.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5"
+
+if [[ "${1:-}" == pack ]]; then
+    rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$WHEELS" $CARRIED
+    du -sh "$WHEELS"
+    exit 0
+fi
+
+ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no wheels in $WHEELS: run 'bash benchmarks/gpu_check.sh pack' first (with network) and carry $WHEELS" >&2; exit 2; }
+SITE=$(mktemp -d /tmp/blockserve-site.XXXX)
+trap 'rm -rf "$SITE"' EXIT
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$SITE" .
+export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
+RESULTS=${RESULTS:-${OUT:+$OUT/gpu_check}}
+RESULTS=${RESULTS:-results/gpu_check}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+# The check sizes itself to ~450 s (--budget-s); the hard stop keeps it inside 8 minutes, and the
+# sections finished by then are already written.
+timeout 475 python3 benchmarks/gpu_check.py --device cuda --results "$RESULTS" "$@"

@@ -1,0 +1,234 @@
+"""Paged attention over torch's FlexAttention (`torch.nn.attention.flex_attention`), for full
+attention, sliding windows, GQA and MLA (absorbed, over the latent cache), with the step's
+decodes and prefill chunks in one flattened call.
+
+The layer's cache is seen as one long KV sequence of pages; each query row is mapped to its
+sequence and position, and the block mask, built from the block tables, lists per tile of
+Q_BLOCK rows the pages those rows' sequences may read:
+
+    cache [num_pages, bs, Hkv, D]  ->  kv [1, Hkv, num_pages * bs, D]    (a view, no copy)
+    kv index n  ->  page n // bs, slot n % bs;  page p holds positions col[p] * bs + slot
+    row m (seq s, position q) sees n  iff  table[s, col[p]] == p  and  key_start[s] <= pos <= q
+                                           (and pos > q - window for a sliding layer)
+
+A physical page sits at one logical column in every table that holds it (prefix-cache blocks
+are shared at the same position), so `col` is well defined; the null block (page 0) is never
+read. The whole tail of a page in the mask is loaded and given weight zero by the mask, not
+skipped: 0 * NaN = NaN, so reads_unwritten_slots = True and new blocks must be zeroed (C1).
+
+Where it runs. On CUDA, `flex_attention` is compiled with torch.compile (one Triton kernel per
+shape; tiles of Q_BLOCK rows by one page, so the block size must be at least 16). On CPU,
+torch 2.13 runs it eagerly: the unfused math reference (called directly, see `_unfused_reference`)
+that materialises the scores of every row against every KV position it is given and ignores
+the block mask's sparsity (only its mask_mod counts). So on CPU the step's pages are first
+gathered into a compact KV (each distinct page inside its sequences' [key_start, seq_len) range,
+once), which keeps the cost to the pages in use and, like the GPU kernel, reads every slot of each
+page it lists. That path is for tests, not serving: torch's vmap of the mask costs ~0.1 s a call.
+
+No host sync in forward on CUDA: shapes come from the host lists of the layout; everything else
+is tensor arithmetic on the cache's device (no boolean indexing, .item() or .tolist()), computed
+once per step and group (meta.derived). The CUDA path is checked by benchmarks/gpu_check.py (parity,
+C1 poison); CI has no GPU, so its tests run the CPU path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from blockserve.attention.metadata import AttentionMetadata
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError as error:  # an old torch: the backend is unavailable, the rest of blockserve is not
+    BlockMask = flex_attention = None
+    FLEX_UNAVAILABLE: str | None = f"torch {torch.__version__} has no FlexAttention ({error})"
+else:
+    FLEX_UNAVAILABLE = None
+
+Q_BLOCK = 16  # query rows per block-mask tile
+MIN_CUDA_BLOCK_SIZE = 16  # the Triton kernel's smallest KV tile; one page is one tile
+
+
+@dataclass(frozen=True)
+class _StepMask:
+    """What every layer of a group reads in one step: the pages to pass as KV (None: the whole
+    cache) and the block mask over them."""
+
+    pages: torch.Tensor | None
+    block_mask: object
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    """torch.compile(flex_attention), built on first CUDA use (compiling costs seconds per shape
+    family; automatic dynamic shapes keep one kernel across batch sizes)."""
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+@contextlib.contextmanager
+def _unfused_reference():
+    """Run flex_attention's unfused reference directly, without the Dynamo trace (with the eager
+    backend) torch wraps it in by default: the same math, minus seconds of tracing per new shape.
+    torch's own switch for it is a module flag; it is set only for the call and restored."""
+    module = sys.modules[flex_attention.__module__]
+    before = module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        yield
+    finally:
+        module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float) -> torch.Tensor:
+    """q [1, Hq, T, E], k [1, Hkv, L, E], v [1, Hkv, L, Ev] -> [1, Hq, T, Ev]."""
+    if FLEX_UNAVAILABLE:
+        raise RuntimeError(f"attention_backend 'flex' needs FlexAttention: {FLEX_UNAVAILABLE}")
+    if q.device.type == "cuda":
+        options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": MIN_CUDA_BLOCK_SIZE}
+        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                                kernel_options=options)
+    with _unfused_reference():
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> _StepMask:
+    """The block mask of this step's rows over a cache of `num_pages` pages (see the module
+    docstring), and on CPU the compact page list it indexes."""
+    layout, bs = meta.layout, meta.block_size
+    if device.type == "cuda" and bs < MIN_CUDA_BLOCK_SIZE:
+        raise ValueError(f"attention_backend 'flex' on CUDA needs block_size >= {MIN_CUDA_BLOCK_SIZE} "
+                         f"(one page per kernel tile); got {bs}")
+    table = meta.block_table.to(device)
+    seq = layout.seq_of_token.to(device)
+    query_pos = layout.positions.to(device)
+    key_start = meta.key_start.to(device)[seq]
+    rows, width = query_pos.shape[0], table.shape[1]
+    cols = torch.arange(width, device=device).expand_as(table)
+    # A table's entries outside [key_start, seq_len) of its sequence may be stale ids (blocks since
+    # freed, perhaps handed to another sequence at another column): only the entries inside count.
+    last_col = (torch.tensor(layout.seq_lens, dtype=torch.int64).to(device) - 1) // bs
+    in_range = (cols >= (meta.key_start.to(device) // bs)[:, None]) & (cols <= last_col[:, None])
+    pages = None
+    if device.type == "cpu":  # eager FlexAttention reads every position it is given: only the pages in use
+        pages = torch.unique(table[in_range])  # sorted
+        kv_page, kv_len = pages, pages.shape[0]
+        position_in_kv = torch.searchsorted(pages, table).clamp_(max=kv_len - 1)  # exact where in_range
+    else:
+        kv_page, kv_len = torch.arange(num_pages, device=device), num_pages
+        position_in_kv = table
+    col = torch.full((kv_len + 1,), -1, dtype=torch.int64, device=device)  # the last: a sink for the rest
+    col.scatter_(0, torch.where(in_range, position_in_kv, kv_len).flatten(), torch.where(in_range, cols, -1).flatten())
+    col = col[:kv_len]
+    col.masked_fill_(kv_page == 0, -1)  # the null block pads tables and replaces released blocks: never a key
+
+    # Block sparsity: the pages each tile of Q_BLOCK rows touches, in kv order.
+    row_table = table[seq]  # [T, W]
+    row_cols = cols[:1].expand(rows, -1)  # needed below lies inside in_range
+    needed = ((row_cols >= (key_start // bs)[:, None]) & (row_cols <= (query_pos // bs)[:, None])
+              & (row_table != 0))
+    num_q_blocks = -(-rows // Q_BLOCK)
+    tile = (torch.arange(rows, device=device) // Q_BLOCK)[:, None].expand(-1, width)
+    touched = torch.zeros(num_q_blocks, kv_len, dtype=torch.int32, device=device)
+    touched.index_put_((tile, position_in_kv[seq]), needed.to(torch.int32), accumulate=True)
+    touched = touched > 0
+    kv_num_blocks = touched.sum(-1, dtype=torch.int32)
+    kv_indices = touched.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    window = meta.sliding_window
+
+    def mask_mod(b, h, m, n):
+        page = n // bs
+        c = col[page]
+        pos = c * bs + n % bs
+        s = seq[m]
+        visible = (c >= 0) & (table[s, c.clamp(min=0)] == kv_page[page])
+        visible = visible & (pos >= key_start[m]) & (pos <= query_pos[m])
+        if window is not None:
+            visible = visible & (pos > query_pos[m] - window)
+        return visible
+
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
+        seq_lengths=(rows, kv_len * bs), compute_q_blocks=False)
+    return _StepMask(pages, block_mask)
+
+
+def _kv(cache: torch.Tensor, pages: torch.Tensor | None) -> torch.Tensor:
+    """A layer's cache [num_pages, bs, *rest] as one KV sequence [1, heads, L, dim] (rest: [heads,
+    dim], or [dim] for the one shared head of MLA): a view of the whole cache, or on CPU a copy
+    of the step's pages."""
+    if pages is not None:
+        cache = cache.index_select(0, pages)
+    flat = cache.flatten(0, 1)  # [L, *rest]
+    if flat.dim() == 2:
+        flat = flat[:, None]
+    return flat.transpose(0, 1)[None]
+
+
+def _derived_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> _StepMask:
+    key = ("flex", num_pages, device)
+    if key not in meta.derived:
+        meta.derived[key] = step_mask(meta, num_pages, device)
+    return meta.derived[key]
+
+
+class FlexAttention:
+    """The paged-attention backend `flex` (same forward contract as paged_attention.PagedAttention):
+    writes the step's K/V into the cache, then attends every row in one FlexAttention call."""
+
+    name: ClassVar[str] = "flex"
+    reads_unwritten_slots: ClassVar[bool] = True
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], caches [num_pages, bs, Hkv, D] -> [T, Hq, D]."""
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        mask = _derived_mask(meta, k_cache.shape[0], q.device)
+        keys = _kv(k_cache, mask.pages).to(q.dtype)
+        values = _kv(v_cache, mask.pages).to(q.dtype)
+        out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale)
+        return out[0].transpose(0, 1).contiguous()
+
+
+class FlexMLA:
+    """The MLA backend `flex` (same forward contract as mla.MLABackend): every row, prefill or
+    decode, in the absorbed form over the latent cache, as one FlexAttention call in which all
+    query heads share one KV head (GQA with Hkv = 1) of width R + Dr and value width R:
+
+        q_h = [W_UK_h^T q_nope_h | q_rope_h]   k = row = [c | k_rope]   v = c
+        out_h = W_UV_h (softmax(q_h . k) v)
+
+    FlexAttention allows a value width different from the query/key width, so this is the same
+    function of the cache as mla.py's flavours (up to rounding); prefill pays the absorbed
+    form's wider dot products instead of expanding the cache."""
+
+    name: ClassVar[str] = "flex"
+    reads_unwritten_slots: ClassVar[bool] = True
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q_nope [T, H, Dn], q_rope [T, H, Dr], latent [T, R], k_rope [T, Dr], w_uk [H, Dn, R],
+        w_uv [H, Dv, R], cache [num_pages, bs, R + Dr] -> [T, H, Dv]."""
+        rank = latent.shape[-1]
+        rows_in = torch.cat([latent, k_rope], dim=-1).to(cache.dtype)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, rows_in)
+        mask = _derived_mask(meta, cache.shape[0], q_nope.device)
+        rows = _kv(cache, mask.pages).to(q_nope.dtype)  # [1, 1, L, R + Dr]
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        query = torch.cat([q_lat, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, T, R + Dr]
+        out_lat = _attend(query, rows, rows[..., :rank], mask.block_mask, self.scale)  # [1, H, T, R]
+        return torch.einsum("htr,hvr->thv", out_lat[0], w_uv)

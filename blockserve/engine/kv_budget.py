@@ -1,0 +1,83 @@
+"""The KV cache budget on CUDA: what `gpu_memory_utilization` of the device leaves after the
+weights and the activations of the largest step (vLLM's rule).
+
+    budget = gpu_memory_utilization * total device memory
+             - memory in use after a profiling forward (weights, other processes, torch's context)
+             - the forward's activation peak (allocated at its height, freed since)
+
+The profiling forward is one real engine step (a throwaway scheduler, KV manager and model runner
+over a KV cache just big enough for it) of one prompt of max_num_batched_tokens tokens (capped by
+max_model_len - 1), so it runs every layer's real path, sampler included. On the CPU the budget
+is `kv_cache_memory`, as before; `profile_step` itself runs anywhere (tests run it on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from blockserve.kv.capacity import plan_kv_cache
+from blockserve.kv.manager import KVCacheManager
+from blockserve.sampling_params import SamplingParams
+from blockserve.scheduler.config import SchedulerConfig
+from blockserve.scheduler.request import Request
+from blockserve.scheduler.scheduler import Scheduler
+from blockserve.worker.model_runner import ModelRunner
+
+
+def profile_step(model: torch.nn.Module, groups: list, num_tokens: int, device: torch.device) -> None:
+    """Run one step of one prompt of `num_tokens` tokens through `model`. `groups`: the engine's
+    (spec, layer names, reads_unwritten_slots) per KV group. Everything it allocates is freed on
+    return."""
+    max_model_len = num_tokens + 1
+    need = sum(spec.page_size_bytes * max(1, len(layers)) * (spec.max_blocks_held(max_model_len, num_tokens) + 2)
+               for spec, layers, _ in groups)
+    kv_config = plan_kv_cache(groups, 2 * need, max_model_len, 1, num_tokens, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, max_num_seqs=1,
+                                          max_num_batched_tokens=num_tokens), KVCacheManager(kv_config))
+    runner = ModelRunner(model, kv_config, 1, max_model_len, seed=0, device=device)
+    scheduler.add_request(Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0)))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner.execute(out))
+
+
+@dataclass(frozen=True)
+class CudaBudget:
+    """The figures behind a CUDA KV budget, for the capacity report."""
+
+    total: int
+    in_use: int  # after the profiling forward, its cached blocks released
+    activation_peak: int
+    utilization: float
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.utilization * self.total) - self.in_use - self.activation_peak
+
+    def report(self) -> str:
+        gib = 2**30
+        return (f"gpu_memory_utilization {self.utilization} of {self.total / gib:.2f} GiB = "
+                f"{self.utilization * self.total / gib:.2f} GiB: {self.in_use / gib:.2f} GiB in use after the "
+                f"profiling forward, {self.activation_peak / gib:.2f} GiB its activation peak, "
+                f"{self.kv_bytes / gib:.2f} GiB for the KV cache")
+
+
+def cuda_kv_budget(device: torch.device, utilization: float, profile: Callable[[], None]) -> CudaBudget:
+    """Measure `profile()` on CUDA `device` (see the module docstring). ValueError when nothing is
+    left for the KV cache."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    profile()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = CudaBudget(total, total - free, max(0, peak), utilization)
+    if budget.kv_bytes <= 0:
+        raise ValueError(f"no memory left for the KV cache on {device}: {budget.report()}; raise "
+                         "gpu_memory_utilization (--gpu-memory-utilization) or lower max_num_batched_tokens")
+    return budget

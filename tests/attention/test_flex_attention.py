@@ -1,0 +1,135 @@
+"""The FlexAttention backend (`flex`) on CPU: parity with the exact-length backend on tiny paged
+steps (prefill, decode, mixed, sliding window, prefix hit), its C1 declaration under poison, and
+tiny Llama / Gemma 3 engines giving the exact backend's greedy tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, LlamaConfig
+
+from blockserve import LLM, SamplingParams
+from blockserve.attention.flex_attention import FLEX_UNAVAILABLE, FlexAttention
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+from blockserve.attention.paged_attention import BACKENDS
+from tests.attention.test_paged_attention import BS, D, HKV, NUM_BLOCKS, make_step
+from tests.models.conftest import save_random_model
+
+pytestmark = [pytest.mark.skipif(FLEX_UNAVAILABLE is not None, reason=f"FlexAttention unavailable: {FLEX_UNAVAILABLE}"),
+              pytest.mark.usefixtures("one_torch_thread")]
+
+STEPS = {  # (tokens computed before the step, query tokens), decodes first
+    "prefill": [(0, 9), (0, 3)],
+    "decode": [(5, 1), (12, 1), (3, 1), (16, 1)],
+    "mixed": [(5, 1), (12, 1), (0, 9), (6, 5), (8, 4)],
+}
+
+
+def forward(name: str, seqs, window=None, fill=0.0, share_first_block=False, zero_tables=False):
+    """One step of backend `name` over make_step's caches; `share_first_block`: the last sequence's
+    first block is the first sequence's (a prefix hit: same tokens, same block); `zero_tables`:
+    with fill NaN, every block a table names is zeroed before the earlier tokens are written."""
+    k_cache, v_cache, table, q, k, v, full_k, full_v = make_step(seqs, fill=fill)
+    if share_first_block:
+        table[-1, 0] = table[0, 0]
+    if zero_tables:
+        used = table.unique()
+        for cache in (k_cache, v_cache):
+            cache[used] = torch.nan_to_num(cache[used], nan=0.0)
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    meta = AttentionMetadata.build(layout, table, BS, window)
+    return BACKENDS[name](1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_matches_exact_backend(step, window):
+    torch.testing.assert_close(forward("flex", STEPS[step], window), forward("exact", STEPS[step], window),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_hit_reads_the_shared_block_once():
+    """Two sequences name the same physical block at column 0 (the second starts mid-sequence
+    after a prefix hit): the compact KV holds it once, and both read it."""
+    seqs = [(6, 1), (7, 3)]  # the second's first block (4 computed tokens) is the first's
+    torch.testing.assert_close(forward("flex", seqs, share_first_block=True),
+                               forward("exact", seqs, share_first_block=True), rtol=1e-5, atol=1e-5)
+
+
+def test_stale_table_entries_are_ignored():
+    """Entries past a sequence's last block may be stale ids (the model runner's table is not
+    cleared): one naming another sequence's block, the others a free block full of NaN. Neither
+    is read, and the other sequence's block keeps its own column."""
+    seqs = STEPS["mixed"]
+    k_cache, v_cache, table, q, k, v, *_ = make_step(seqs, fill=float("nan"))
+    used = table.unique()
+    for cache in (k_cache, v_cache):
+        cache[used] = torch.nan_to_num(cache[used], nan=0.0)
+    free = next(b for b in range(NUM_BLOCKS) if b not in used.tolist())
+    stale = torch.tensor([int(table[2, 1])] + [free] * (len(seqs) - 1))[:, None]
+    table = torch.cat([table, stale], dim=1)
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    outs = [BACKENDS[name](1 / math.sqrt(D)).forward(q, k, v, k_cache.clone(), v_cache.clone(),
+                                                       AttentionMetadata.build(layout, table, BS))
+            for name in ("flex", "exact")]
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_heads_map_to_their_kv_head():
+    """Changing KV head 1's values changes only the query heads that share it."""
+    seqs = STEPS["mixed"]
+    k_cache, v_cache, table, q, k, v, *_ = make_step(seqs, fill=0.0)
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    backend = FlexAttention(1 / math.sqrt(D))
+    base = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), AttentionMetadata.build(layout, table, BS))
+    v2, v_cache2 = v.clone(), v_cache.clone()
+    v2[:, 1] += 1
+    v_cache2[:, :, 1] += 1
+    moved = backend.forward(q, k, v2, k_cache.clone(), v_cache2, AttentionMetadata.build(layout, table, BS))
+    group = q.shape[1] // HKV
+    torch.testing.assert_close(moved[:, :group], base[:, :group])
+    assert not torch.allclose(moved[:, group:], base[:, group:])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_poison_c1(window):
+    """C1: flex reads whole pages (reads_unwritten_slots = True). With every unwritten slot NaN it
+    turns NaN; with the blocks its tables name zeroed (what the derived flag orders) it equals the
+    clean run, NaN in every free block notwithstanding."""
+    seqs = STEPS["mixed"]
+    assert FlexAttention.reads_unwritten_slots
+    clean = forward("flex", seqs, window)
+    assert forward("flex", seqs, window, fill=float("nan")).isnan().any()
+    assert torch.equal(forward("flex", seqs, window, fill=float("nan"), zero_tables=True), clean)
+
+
+LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)
+GEMMA3 = dict(LLAMA, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention"])
+MODELS = {"llama": lambda: LlamaConfig(**LLAMA), "gemma3": lambda: Gemma3TextConfig(**GEMMA3)}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_engine_greedy_tokens_equal_exact(family, tmp_path):
+    """Batched prompts (two sharing a prefix), chunked prefill, prefix caching on: the greedy tokens
+    of attention_backend='flex' equal 'exact''s, with poison on and the derived zero flags."""
+    save_random_model(MODELS[family](), tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 512, (9,), generator=gen).tolist()
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 11)]
+    prompts += [shared + [5, 6], shared + [7]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    tokens = {}
+    for backend in ("exact", "flex"):
+        llm = LLM(str(tmp_path), block_size=4, attention_backend=backend, max_num_batched_tokens=8, poison=True,
+                  check_integrity=True, kv_cache_memory="1MiB", enable_prefix_caching=True)
+        assert all(g.zero_new_blocks == BACKENDS[backend].reads_unwritten_slots
+                   for g in llm.engine.core.kv_config.groups)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.core.kv.prefix_cache_stats().hits > 0
+    assert tokens["flex"] == tokens["exact"]
