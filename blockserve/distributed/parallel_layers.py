@@ -12,6 +12,11 @@ KV heads: with N <= num_kv_heads each rank holds num_kv_heads / N of them; with 
 (N a multiple of it) each rank holds one, shared by the N / num_kv_heads ranks whose query heads
 attend to it (replicated), as a dense model's GQA groups q heads onto kv heads.
 
+Recurrent layers (Qwen3-Next, Granite 4.0-H, Kimi Linear) shard by head the same way: their fused
+in-projections are column-parallel with one slice per part (`sliced_column_linear`), their conv
+weights and per-head vectors are narrowed as they load (`shard_on_load`), and Mamba2's B/C groups,
+like KV heads, are replicated when N exceeds their number (`shared_head_slice`).
+
 Each parameter carries `weight_loader(tensor, *, part, expert)` (models/weights.py): given a
 full checkpoint tensor (of one part of a fused layer, or all parts) it returns a copy of this
 rank's slice, so a rank never keeps the full weight. With no group (`tp` None) the factories return
@@ -23,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,14 +56,20 @@ def even_slice(full: int, tp: TensorParallelGroup, what: str) -> Slice:
 def kv_head_slice(num_kv_heads: int, head_dim: int, tp: TensorParallelGroup) -> Slice:
     """This rank's KV heads (rows of k or v): num_kv_heads / N of them, or one replicated head when
     N > num_kv_heads. ValueError unless one of the two divides the other."""
-    if num_kv_heads >= tp.size:
-        heads = even_slice(num_kv_heads, tp, "num_key_value_heads")
-        return Slice(num_kv_heads * head_dim, heads.start * head_dim, heads.size * head_dim)
-    if tp.size % num_kv_heads:
+    return shared_head_slice(num_kv_heads, head_dim, tp, "num_key_value_heads")
+
+
+def shared_head_slice(num_heads: int, head_rows: int, tp: TensorParallelGroup, what: str) -> Slice:
+    """This rank's `num_heads / N` heads of `head_rows` rows each, or, when N > num_heads (a multiple
+    of it), the one head it shares with the N / num_heads ranks next to it (replicated): KV heads,
+    Mamba2's B/C groups. ValueError naming `what` unless one of the two divides the other."""
+    if num_heads >= tp.size:
+        return head_slice(num_heads, head_rows, tp, what)
+    if tp.size % num_heads:
         raise ValueError(f"tensor_parallel_size = {tp.size} is neither a divisor nor a multiple of "
-                         f"num_key_value_heads = {num_kv_heads}")
-    head = tp.rank // (tp.size // num_kv_heads)
-    return Slice(num_kv_heads * head_dim, head * head_dim, head_dim)
+                         f"{what} = {num_heads}")
+    head = tp.rank // (tp.size // num_heads)
+    return Slice(num_heads * head_rows, head * head_rows, head_rows)
 
 
 def head_slice(num_heads: int, head_rows: int, tp: TensorParallelGroup, what: str = "num_attention_heads") -> Slice:
@@ -68,6 +80,22 @@ def head_slice(num_heads: int, head_rows: int, tp: TensorParallelGroup, what: st
 
 def local_kv_heads(num_kv_heads: int, tp: TensorParallelGroup | None) -> int:
     return num_kv_heads if tp is None else max(1, num_kv_heads // tp.size)
+
+
+def local_heads(num_heads: int, tp: TensorParallelGroup | None, what: str) -> int:
+    """How many of `num_heads` this rank holds: all on one device, else num_heads / N (ValueError
+    naming `what` unless N divides it)."""
+    return num_heads if tp is None else even_slice(num_heads, tp, what).size
+
+
+def shard_on_load(param: nn.Parameter, slices: Sequence[Slice] | None, dim: int = 0) -> nn.Parameter:
+    """Give `param` (declared at this rank's shape) a `weight_loader` that takes this rank's rows of
+    each of `slices` (the parts of a fused tensor, in order) along `dim` of a checkpoint tensor:
+    conv weights, per-head vectors. `slices` None (one device): `param` as it is. Returns `param`."""
+    if slices is not None:
+        chosen = tuple(slices)
+        param.weight_loader = lambda tensor, *, part, expert: _narrow_rows(tensor, chosen, part, dim, "parameter")
+    return param
 
 
 def _narrow_rows(tensor: torch.Tensor, slices: Sequence[Slice], part: int | None, dim: int, name: str) -> torch.Tensor:
@@ -94,6 +122,15 @@ class ColumnParallelLinear(nn.Linear):
     def _narrow(self, tensor: torch.Tensor, *, part: int | None, expert: int | None) -> torch.Tensor:
         return _narrow_rows(tensor, self.slices, part, 0, type(self).__name__)
 
+    def narrow_blocks(self, raw: np.ndarray, block_bytes: int) -> np.ndarray:
+        """This rank's rows of a GGUF weight's quantized blocks [out (all parts), in / 32 * block_bytes]:
+        whole rows, so every block stays whole (models/quantized_linear.py)."""
+        if raw.shape[0] != sum(s.full for s in self.slices):
+            raise ValueError(f"GGUF blocks of {raw.shape[0]} rows for a {type(self).__name__} of parts "
+                             f"{[s.full for s in self.slices]}; the GGUF file does not match the model")
+        offsets = np.cumsum([0] + [s.full for s in self.slices])
+        return np.concatenate([raw[o + s.start:o + s.start + s.size] for o, s in zip(offsets, self.slices)])
+
 
 class RowParallelLinear(nn.Linear):
     """y = Σ_r x_r W_rᵀ + b: this rank's columns of W (its slice of the input), one all-reduce; the
@@ -107,6 +144,16 @@ class RowParallelLinear(nn.Linear):
 
     def _narrow(self, tensor: torch.Tensor, *, part: int | None, expert: int | None) -> torch.Tensor:
         return _narrow_rows(tensor, [self.in_slice], None, 1, type(self).__name__)
+
+    def narrow_blocks(self, raw: np.ndarray, block_bytes: int) -> np.ndarray:
+        """This rank's columns of a GGUF weight's quantized blocks [out, in / 32 * block_bytes]: whole
+        32-wide blocks; ValueError unless this rank's slice of the input starts and ends on one."""
+        start, size = self.in_slice.start, self.in_slice.size
+        if start % 32 or size % 32:
+            raise ValueError(f"{self.in_slice.full} inputs over {self.tp.size} ranks are {size} per rank, not "
+                             "whole 32-wide GGUF blocks: serve it with --no-quantized-matmul or on fewer ranks")
+        blocks = raw.reshape(raw.shape[0], self.in_slice.full // 32, block_bytes)
+        return np.ascontiguousarray(blocks[:, start // 32:(start + size) // 32]).reshape(raw.shape[0], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(F.linear(x, self.weight))
@@ -200,12 +247,31 @@ def qkv_linear(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: in
     return ColumnParallelLinear(hidden_size, [q, kv, kv], bias)
 
 
+def kv_linear(in_features: int, head_dim: int, num_kv_heads: int, tp: TensorParallelGroup | None, *,
+              bias: bool = False) -> nn.Linear:
+    """k or v alone [num_kv_heads * head_dim, in], sharded by KV heads (replicated when N > num_kv_heads)."""
+    if tp is None:
+        return nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
+    return ColumnParallelLinear(in_features, [kv_head_slice(num_kv_heads, head_dim, tp)], bias)
+
+
 def head_linear(in_features: int, num_heads: int, head_rows: int, tp: TensorParallelGroup | None, *,
-                bias: bool = False) -> nn.Linear:
-    """[num_heads * head_rows, in], sharded by whole heads."""
+                bias: bool = False, what: str = "num_attention_heads") -> nn.Linear:
+    """[num_heads * head_rows, in], sharded by whole heads (`what` names num_heads in errors)."""
     if tp is None:
         return nn.Linear(in_features, num_heads * head_rows, bias=bias)
-    return ColumnParallelLinear(in_features, [head_slice(num_heads, head_rows, tp)], bias)
+    return ColumnParallelLinear(in_features, [head_slice(num_heads, head_rows, tp, what)], bias)
+
+
+def sliced_column_linear(in_features: int, full_parts: Sequence[int], slices: Sequence[Slice] | None, *,
+                         bias: bool = False) -> nn.Linear:
+    """A fused projection whose parts (full sizes `full_parts`, in order) are sharded as `slices` say
+    (heads, groups, replicated groups); `slices` None: the plain layer of one device."""
+    if slices is None:
+        return nn.Linear(in_features, sum(full_parts), bias=bias)
+    if [s.full for s in slices] != list(full_parts):
+        raise ValueError(f"the slices {slices} do not cover the parts {list(full_parts)}")
+    return ColumnParallelLinear(in_features, slices, bias)
 
 
 def row_linear(in_features: int, out_features: int, tp: TensorParallelGroup | None, *, bias: bool = False,

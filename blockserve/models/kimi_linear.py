@@ -20,6 +20,13 @@ Checkpoints: the names moonshotai/Kimi-Linear publishes (and save_pretrained wri
 `q_conv1d` / `k_conv1d` / `v_conv1d` (loaded as one `qkv_conv1d`), `f_a_proj` / `f_b_proj` /
 `dt_bias` / `A_log` under `self_attn`. transformers' runtime names (`mlp.`, `forget_gate.`) are
 accepted too.
+
+Tensor-parallel (placement.tp, N ranks): KDA by head. q / k / v, f_b, g_b and b projections are
+column-parallel by head, the q | k | v conv channels and dt_bias / A_log narrowed to this rank's
+heads, the low-rank f_a / g_a whole on every rank, o_norm per head (whole weight), o_proj
+row-parallel; each rank's state slot holds H/N heads. MLA heads sharded with the latent cache
+whole on every rank (mla_block.py); the MLPs and every expert sharded by intermediate size (moe.py).
+linear_num_heads, num_attention_heads and the intermediate sizes must divide by N.
 """
 
 from __future__ import annotations
@@ -30,6 +37,14 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.kda import KimiDeltaAttention
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.distributed.parallel_layers import (
+    head_linear,
+    head_slice,
+    local_heads,
+    row_linear,
+    shard_on_load,
+    vocab_embedding,
+)
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, GatedRMSNorm, RMSNorm, require_activation
 from blockserve.models.mla_block import MLABlock
@@ -43,22 +58,25 @@ class KDABlock(nn.Module):
 
     def __init__(self, config, layer_idx: int, placement: Placement):
         super().__init__()
-        self.num_heads = h = config.linear_num_heads
+        tp, heads = placement.tp, config.linear_num_heads
+        self.num_heads = h = local_heads(heads, tp, "linear_num_heads")  # this rank's
         self.head_dim = d = config.linear_head_dim
         hidden, kernel = config.hidden_size, config.linear_conv_kernel_dim
-        self.q_proj = nn.Linear(hidden, h * d, bias=False)
-        self.k_proj = nn.Linear(hidden, h * d, bias=False)
-        self.v_proj = nn.Linear(hidden, h * d, bias=False)
+        self.q_proj, self.k_proj, self.v_proj = (head_linear(hidden, heads, d, tp, what="linear_num_heads")
+                                                 for _ in range(3))
         self.qkv_conv1d = nn.Conv1d(3 * h * d, 3 * h * d, kernel, groups=3 * h * d, bias=False)  # [q | k | v] channels
-        self.f_a_proj = nn.Linear(hidden, d, bias=False)
-        self.f_b_proj = nn.Linear(d, h * d, bias=False)
-        self.dt_bias = nn.Parameter(torch.empty(h * d))
-        self.A_log = nn.Parameter(torch.empty(1, 1, h, 1))
-        self.b_proj = nn.Linear(hidden, h, bias=False)
+        by_head = None if tp is None else head_slice(heads, d, tp, "linear_num_heads")
+        shard_on_load(self.qkv_conv1d.weight, None if tp is None else [by_head] * 3)
+        self.f_a_proj = nn.Linear(hidden, d, bias=False)  # low rank: whole on every rank
+        self.f_b_proj = head_linear(d, heads, d, tp, what="linear_num_heads")
+        self.dt_bias = shard_on_load(nn.Parameter(torch.empty(h * d)), None if tp is None else [by_head])
+        self.A_log = shard_on_load(nn.Parameter(torch.empty(1, 1, h, 1)),
+                                   None if tp is None else [head_slice(heads, 1, tp, "linear_num_heads")], dim=2)
+        self.b_proj = head_linear(hidden, heads, 1, tp, what="linear_num_heads")
         self.g_a_proj = nn.Linear(hidden, d, bias=False)
-        self.g_b_proj = nn.Linear(d, h * d, bias=False)
-        self.o_norm = GatedRMSNorm(d, config.rms_norm_eps, torch.sigmoid)
-        self.o_proj = nn.Linear(h * d, hidden, bias=False)
+        self.g_b_proj = head_linear(d, heads, d, tp, what="linear_num_heads")
+        self.o_norm = GatedRMSNorm(d, config.rms_norm_eps, torch.sigmoid)  # per head: whole on every rank
+        self.o_proj = row_linear(heads * d, hidden, tp, what="linear_num_heads * linear_head_dim")
         self.attn = KimiDeltaAttention(f"model.layers.{layer_idx}.self_attn", h, d, kernel, dtype=placement.dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -84,7 +102,8 @@ class KimiLinearDecoderLayer(nn.Module):
             self.self_attn = MLABlock(config, layer_idx, attention_backend_cls, placement, use_rope=False, scale=scale)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sparse = config.mlp_layer_types[layer_idx] == "sparse"
-        self.mlp = DeepseekMoE(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size)
+        tp = placement.tp
+        self.mlp = DeepseekMoE(config, tp) if sparse else GatedMLP(config.hidden_size, config.intermediate_size, tp=tp)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -96,7 +115,7 @@ class KimiLinearModel(nn.Module):
     def __init__(self, config, attention_backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         with torch.device("meta"):  # weights: materialised by load_weights
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, placement.tp)
             self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i, attention_backend_cls, placement)
                                         for i in range(config.num_hidden_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -125,6 +144,7 @@ class KimiLinearForCausalLM(CausalLM):
         ),
         ignore_layers_past_config=True,
     )
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
         require_activation(hf_config, "silu", "Kimi Linear")

@@ -17,6 +17,21 @@ RMSNorms scale by (1 + weight) (the checkpoint stores the offset); the gated nor
 layers scales by weight. KV: full-attention layers hold K/V blocks (FullAttentionSpec); linear
 layers hold one state slot per request (LinearStateSpec: conv state, recurrent state), zeroed
 for a new request because the spec says so (C1).
+
+Tensor-parallel (placement.tp, N ranks): the linear layers by key head. The fused projections are
+laid out per key head, so this rank's key heads are one run of rows:
+
+    in_proj_qkvz  [k-head 0: q | k | rep v | rep z][k-head 1: ...] ...   rows of k-heads [r Hk/N, (r+1) Hk/N)
+    in_proj_ba    [k-head 0: rep b | rep a][k-head 1: ...] ...
+    conv1d        channels q | k | v, each narrowed to this rank's heads
+    A_log, dt_bias  this rank's value heads; the gated norm is per value head (whole weight)
+    out_proj      row-parallel
+
+so each rank's state slot holds Hv/N heads (1/N of the bytes). Gated attention: q | gate by
+heads, k / v by KV heads (replicated when N > num_key_value_heads), o_proj row-parallel. MoE:
+the router and the shared expert's gate whole, experts and the shared expert sharded by
+intermediate size. linear_num_key_heads, num_attention_heads and the intermediate sizes must
+divide by N.
 """
 
 from __future__ import annotations
@@ -29,6 +44,17 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import GatedDeltaNet
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.distributed.group import TensorParallelGroup
+from blockserve.distributed.parallel_layers import (
+    head_linear,
+    head_slice,
+    kv_linear,
+    local_heads,
+    local_kv_heads,
+    row_linear,
+    shard_on_load,
+    vocab_embedding,
+)
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, GatedRMSNorm, OffsetRMSNorm, require_activation
 from blockserve.models.moe import Experts
@@ -41,14 +67,16 @@ class Qwen3NextAttention(nn.Module):
     def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int,
                  placement: Placement):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
+        tp, hidden = placement.tp, config.hidden_size
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = local_heads(heads, tp, "num_attention_heads"), local_kv_heads(kv_heads, tp)
+        self.head_dim = d = config.head_dim
         self.rotary_dim = rotary_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)  # per head: q | gate
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = head_linear(hidden, heads, 2 * d, tp, bias=bias)  # per head: q | gate
+        self.k_proj = kv_linear(hidden, d, kv_heads, tp, bias=bias)
+        self.v_proj = kv_linear(hidden, d, kv_heads, tp, bias=bias)
+        self.o_proj = row_linear(heads * d, hidden, tp, bias=bias, what="num_attention_heads * head_dim")
         self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, self.head_dim,
@@ -70,21 +98,30 @@ class Qwen3NextAttention(nn.Module):
 class Qwen3NextGatedDeltaNet(nn.Module):
     def __init__(self, config, layer_idx: int, placement: Placement):
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        self.rep = self.num_v_heads // self.num_k_heads
+        tp, hidden = placement.tp, config.hidden_size
+        k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if v_heads % k_heads:
+            raise ValueError(f"linear_num_value_heads ({v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({k_heads})")
+        self.rep = rep = v_heads // k_heads
+        # Whole key-head groups per rank (their value heads with them): this rank's share of each.
+        self.num_k_heads = local_heads(k_heads, tp, "linear_num_key_heads")
+        self.num_v_heads = self.num_k_heads * rep
         self.deltanet = GatedDeltaNet(f"model.layers.{layer_idx}.linear_attn", self.num_k_heads, self.num_v_heads,
-                                      self.head_k_dim, self.head_v_dim, config.linear_conv_kernel_dim,
-                                      dtype=placement.dtype)
+                                      dk, dv, config.linear_conv_kernel_dim, dtype=placement.dtype)
         conv_dim = self.deltanet.conv_dim
-        value_dim = self.num_v_heads * self.head_v_dim
-        self.in_proj_qkvz = nn.Linear(config.hidden_size, conv_dim + value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(config.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = head_linear(hidden, k_heads, 2 * dk + 2 * rep * dv, tp, what="linear_num_key_heads")
+        self.in_proj_ba = head_linear(hidden, k_heads, 2 * rep, tp, what="linear_num_key_heads")
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, F.silu)  # per value head
-        self.out_proj = nn.Linear(value_dim, config.hidden_size, bias=False)
+        q_or_k, v = (None, None) if tp is None else (head_slice(k_heads, dk, tp, "linear_num_key_heads"),
+                                                      head_slice(v_heads, dv, tp, "linear_num_value_heads"))
+        shard_on_load(self.conv1d.weight, None if tp is None else [q_or_k, q_or_k, v])  # channels q | k | v
+        per_head = None if tp is None else [head_slice(v_heads, 1, tp, "linear_num_value_heads")]
+        self.dt_bias = shard_on_load(nn.Parameter(torch.empty(self.num_v_heads)), per_head)
+        self.A_log = shard_on_load(nn.Parameter(torch.empty(self.num_v_heads)), per_head)
+        self.norm = GatedRMSNorm(dv, config.rms_norm_eps, F.silu)  # per value head: whole on every rank
+        self.out_proj = row_linear(v_heads * dv, hidden, tp, what="linear_num_value_heads * linear_value_head_dim")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, dk, dv, rep = x.shape[0], self.head_k_dim, self.head_v_dim, self.rep
@@ -102,12 +139,12 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Softmax router, top-k (renormalised if norm_topk_prob), plus a sigmoid-gated shared expert."""
 
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallelGroup | None = None):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # whole: every rank routes alike
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, tp=tp)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +170,9 @@ class Qwen3NextDecoderLayer(nn.Module):
                              "(expected 'linear_attention' or 'full_attention')")
         sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
                   and (layer_idx + 1) % config.decoder_sparse_step == 0)
-        self.mlp = SparseMoeBlock(config) if sparse else GatedMLP(config.hidden_size, config.intermediate_size)
+        tp = placement.tp
+        self.mlp = (SparseMoeBlock(config, tp) if sparse else
+                    GatedMLP(config.hidden_size, config.intermediate_size, tp=tp))
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,7 +192,7 @@ class Qwen3NextModel(nn.Module):
         rotary_dim = int(config.head_dim * factor)
         self.rotary = RotaryEmbedding(config, rotary_dim, placement)  # computed here, not loaded
         with torch.device("meta"):  # weights: materialised by load_weights
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, placement.tp)
             self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, backend_cls, rotary_dim, placement)
                                         for i in range(config.num_hidden_layers))
             self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -173,6 +212,7 @@ class Qwen3NextForCausalLM(CausalLM):
     (`mtp.*`) are skipped."""
 
     checkpoint = CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore=(r"^mtp\.",))
+    supports_tensor_parallel = True
 
     def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
         require_activation(hf_config, "silu", "Qwen3-Next")

@@ -1,9 +1,10 @@
 """Tensor parallelism through the whole engine, 2 gloo ranks of one thread each: TP=2 gives TP=1's
 greedy tokens, and its top-3 logprobs per step (and prompt logprobs) within 1e-4 (the logits'
 partial sums are added in another order); KV heads are sharded (or replicated when there are fewer
-than ranks); shapes and families that cannot be sharded are refused at start-up; a rank that dies
-or raises mid-run fails every request with EngineDead and leaves no process; rank 1 joining over
-env:// from its own process (another "node" on loopback) serves the same tokens.
+than ranks); shapes that cannot be sharded are refused at start-up; a rank that dies or raises
+mid-run fails every request with EngineDead and leaves no process; rank 1 joining over env:// from
+its own process (another "node" on loopback) serves the same tokens. The recurrent-state families:
+test_tp_recurrent.py.
 
 Each TP=2 engine spawns a process that imports torch and loads its shard: ~5-10 s each here, so
 the default suite runs one engine per property and BLOCKSERVE_TP_FULL=1 the rest (conftest.py).
@@ -24,11 +25,10 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.llm import LLM
 from blockserve.errors import EngineDead
 from blockserve.models.llama import LlamaForCausalLM
-from blockserve.models.qwen3_next import Qwen3NextForCausalLM
 from blockserve.models.placement import Placement
 from blockserve.sampling_params import SamplingParams
 from tests.distributed.ranks import free_port
-from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS, save_random_hybrid, save_random_model
+from tests.models.conftest import MLA_CONFIGS, save_random_hybrid, save_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -125,17 +125,6 @@ def test_unshardable_shape_is_refused_naming_the_dimension(overrides, dimension)
     config = LlamaConfig(**{**_COMMON, "vocab_size": 64, "num_key_value_heads": 2, **overrides})
     with pytest.raises(ValueError, match=dimension):
         LlamaForCausalLM(config, BACKENDS["exact"], Placement(tp=_Shard(rank=0, size=4)))
-
-
-def test_family_without_tensor_parallel_is_refused():
-    with pytest.raises(ValueError, match="Qwen3NextForCausalLM does not support tensor parallelism"):
-        Qwen3NextForCausalLM(STATE_CONFIGS["qwen3_next"](), BACKENDS["exact"], Placement(tp=_Shard(rank=0, size=2)))
-
-
-def test_gguf_blocks_are_refused_with_the_way_out():
-    with pytest.raises(ValueError, match="--no-quantized-matmul"):
-        LLM(None, tensor_parallel_size=2, **ENGINE)
-    assert not multiprocessing.active_children()
 
 
 def _fail_mid_step(llm: LLM, how: str) -> None:
