@@ -1,11 +1,13 @@
 """The engine replicas behind `blockserve serve --data-parallel-size N`: each a plain
 `blockserve serve` subprocess on its own loopback port, with the front end's engine and server
 flags (API keys through the environment, never argv), started together and stopped with SIGTERM
-(which drains each one).
+(which drains each one). A replica is sent SIGTERM too when the front end dies without
+stopping it (Linux: the parent-death signal), so none outlives it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -24,6 +26,7 @@ from blockserve.server.config import ServerConfig
 logger = logging.getLogger("blockserve.server")
 
 LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 _KILL_GRACE_S = 10  # after a replica's own drain: how long it may take to exit before it is killed
 
 
@@ -83,13 +86,29 @@ def start_replicas(engine_config: EngineConfig, server_config: ServerConfig, *, 
     for index in range(server_config.data_parallel_size):
         port = free_port()
         command = replica_command(engine_config, server_config, port, quiet)
-        replicas.append(ReplicaProcess(index, port, subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)))
+        replicas.append(ReplicaProcess(index, port, subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                                                     preexec_fn=_ended_with(os.getpid()))))
     try:
         _wait_healthy(replicas, startup_timeout)
     except BaseException:
         stop_replicas(replicas, timeout=0)
         raise
     return replicas
+
+
+def _ended_with(parent: int):
+    """For Popen's preexec_fn: on Linux the child is sent SIGTERM (so it drains and exits) when
+    `parent`, the front end, dies however it dies, SIGKILL included; no replica outlives it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, only called after it
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the front end died before the line above: nobody would signal it
+            os._exit(1)
+
+    return in_child
 
 
 def _wait_healthy(replicas: list[ReplicaProcess], timeout: float) -> None:

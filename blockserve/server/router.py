@@ -6,13 +6,16 @@ proxies to N engine replicas (replicas.py), each request to the replica routing.
     POST /tokenize, /detokenize, GET /v1/models  to the least loaded replica
     GET  /health                                 200 {"status": "ok" | "degraded", "replicas": [...]}
                                                  while a replica lives; 503 when none does or while draining
-    GET  /metrics                                every live replica's metrics labelled replica="i", and the
-                                                 router's own (requests routed by reason, replicas up, in flight)
+    GET  /metrics                                each replica's metrics labelled replica="i", their totals
+                                                 replica="total", and the router's own (requests routed by
+                                                 reason, replicas up and scraped, in flight): replica_metrics.py
 
 The front end tokenizes each prompt with the model's tokenizer (chat messages through its chat
 template) to hash its leading blocks; a prompt it cannot tokenize is routed by load, and the
 replica answers it as it would any. A replica that exits or refuses connections leaves the
-rotation; requests in flight on it get 503 (an error event on a stream already started).
+rotation; requests in flight on it get 503 (an error event on a stream already started); a
+request it refused the connection to goes to the next replica. A client that disconnects has its
+connection to the replica closed, which aborts the request there.
 SIGTERM / SIGINT drain: new requests get 503, the replicas drain (each its --shutdown-timeout)
 and exit, then the front end.
 """
@@ -23,8 +26,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
+import threading
 from collections.abc import AsyncIterator
 
+import anyio
 import httpx2 as httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +43,7 @@ from blockserve.server.draining import serve_with_drain
 from blockserve.server.http_errors import APIError, Draining, error_body, error_response
 from blockserve.server.limits import RequestLimitsMiddleware
 from blockserve.server.metrics import CONTENT_TYPE
+from blockserve.server.replica_metrics import ReplicaMetrics, merge, parse, render, router_families
 from blockserve.server.replicas import ReplicaProcess, start_replicas, stop_replicas
 from blockserve.server.routing import (
     REASONS, DataParallelConfig, PrefixIndex, ReplicaLoad, RoutingPolicy, prefix_hashes,
@@ -46,6 +53,7 @@ logger = logging.getLogger("blockserve.server")
 
 _WATCH_INTERVAL_S = 0.5  # how often replica processes are polled for an exit
 _FORWARDED_HEADERS = ("authorization", "content-type")
+_CLIENT_CLOSED = 499  # the status logged for a request whose client left before its answer (nginx's)
 
 
 def prompt_token_ids(tokenizer, path: str, body) -> list[int] | None:
@@ -82,6 +90,7 @@ class Replicas:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=64))
         self.draining = False
+        self.metrics: list[ReplicaMetrics | None] = [None] * len(processes)  # each one's last /metrics
 
     def mark_dead(self, index: int, why: str) -> None:
         if self.loads[index].alive:
@@ -98,6 +107,45 @@ class Replicas:
         return [{"replica": p.index, "pid": p.pid, "port": p.port, "alive": load.alive, "in_flight": load.in_flight,
                  "routed": load.routed, "indexed_blocks": len(load.prefixes)}
                 for p, load in zip(self.processes, self.loads)]
+
+
+async def _client_left(request: Request) -> None:
+    """Returns once the client disconnects (its request body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Relay(StreamingResponse):
+    """A replica's event stream relayed as it comes; a transport error mid-stream ends it with an
+    error event. However the response ends (done, the client gone, the server stopping), the
+    connection to the replica is closed (so a replica whose client left aborts the request) and
+    `on_end` runs, once."""
+
+    def __init__(self, upstream: httpx.Response, index: int, on_end, on_error):
+        self._upstream = upstream
+        self._on_end = on_end
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                on_error()
+                error = APIError(503, f"replica {index} failed mid-stream ({type(e).__name__})",
+                                 code="replica_unavailable")
+                yield f"data: {json.dumps(error_body(error), separators=(',', ':'))}\n\n".encode()
+
+        super().__init__(events(), status_code=upstream.status_code, media_type="text/event-stream")
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._upstream.aclose()
+            finally:
+                self._on_end()
 
 
 def _unavailable(message: str) -> JSONResponse:
@@ -125,51 +173,69 @@ def create_router_app(replicas: Replicas, engine_config: EngineConfig, config: S
                        max_json_depth=config.max_json_depth)
     app.add_middleware(AuthMiddleware, api_keys=config.api_keys, open_operations=config.open_health_and_metrics)
 
-    async def forward(request: Request, load: ReplicaLoad, body: bytes | None) -> Response:
-        """Send `request` to replica `load` and answer with what it answers (streamed as it comes);
-        the replica is finished (its in-flight count dropped) when the answer ends."""
+    async def exchange(request: Request, load: ReplicaLoad, body: bytes | None) -> Response | None:
+        """Send `request` to replica `load` and answer with what it answers (a stream relayed as it
+        comes); None if it refused the connection (it is out of rotation). The replica is finished
+        (its in-flight count dropped) once the answer has ended, however it ends."""
         process = replicas.processes[load.index]
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         outgoing = replicas.client.build_request(request.method, process.base_url + request.url.path,
                                                  content=body, headers=headers)
+        relayed = False
         try:
-            upstream = await replicas.client.send(outgoing, stream=True)
-        except httpx.ConnectError as e:
-            RoutingPolicy.finish(load)
-            replicas.mark_dead(load.index, f"connection refused ({e})")
-            return _unavailable(f"replica {load.index} is unavailable; retry the request")
+            try:
+                upstream = await replicas.client.send(outgoing, stream=True)
+            except httpx.ConnectError as e:  # the request never reached it: `route` tries the next replica
+                replicas.mark_dead(load.index, f"connection refused ({e})")
+                return None
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                relayed = True
+                return _Relay(upstream, load.index, on_end=lambda: RoutingPolicy.finish(load),
+                              on_error=replicas.check_processes)
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+            return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"),
+                            headers={k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"})
         except httpx.HTTPError as e:
-            RoutingPolicy.finish(load)
             replicas.check_processes()
             return _unavailable(f"replica {load.index} failed while serving the request ({type(e).__name__}); "
                                 "retry the request")
-        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                content = await upstream.aread()
-            except httpx.HTTPError as e:
-                replicas.check_processes()
-                return _unavailable(f"replica {load.index} failed while serving the request ({type(e).__name__}); "
-                                    "retry the request")
-            finally:
-                await upstream.aclose()
-                RoutingPolicy.finish(load)
-            return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"),
-                            headers={k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"})
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:
-                replicas.check_processes()
-                error = APIError(503, f"replica {load.index} failed mid-stream ({type(e).__name__})",
-                                 code="replica_unavailable")
-                yield f"data: {json.dumps(error_body(error), separators=(',', ':'))}\n\n".encode()
-            finally:
-                await upstream.aclose()
+        finally:
+            if not relayed:
                 RoutingPolicy.finish(load)
 
-        return StreamingResponse(relay(), status_code=upstream.status_code, media_type="text/event-stream")
+    async def forward(request: Request, load: ReplicaLoad, body: bytes | None) -> Response | None:
+        """`exchange`, given up as soon as the client disconnects: the connection to the replica is
+        closed, so the replica sees its client leave and aborts the request (its blocks freed)."""
+        answer = asyncio.ensure_future(exchange(request, load, body))
+        left = asyncio.ensure_future(_client_left(request))
+        try:
+            await asyncio.wait([answer, left], return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done() and left.exception() is not None:
+                logger.warning("cannot watch for the client leaving: %r", left.exception())
+                await asyncio.wait([answer])
+            if answer.done():
+                return answer.result()
+        finally:
+            left.cancel()
+            if not answer.done():
+                answer.cancel()
+                await asyncio.wait([answer])
+        logger.info("the client left before replica %d answered: its request there was closed", load.index)
+        return Response(status_code=_CLIENT_CLOSED)
+
+    async def route(request: Request, hashes, body: bytes | None) -> Response:
+        """Forward to the replica the policy picks; one that refuses the connection leaves the
+        rotation and the request goes to the next pick (503 once none is alive)."""
+        while True:
+            load = pick(hashes)
+            if isinstance(load, Response):
+                return load
+            answer = await forward(request, load, body)
+            if answer is not None:
+                return answer
 
     def pick(hashes) -> ReplicaLoad | Response:
         if replicas.draining:
@@ -192,12 +258,10 @@ def create_router_app(replicas: Replicas, engine_config: EngineConfig, config: S
         if ids is not None:
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             hashes = prefix_hashes(ids, engine_config.block_size, cache_salt(config, request, salt))
-        load = pick(hashes)
-        return load if isinstance(load, Response) else await forward(request, load, raw)
+        return await route(request, hashes, raw)
 
     async def by_load(request: Request) -> Response:
-        load = pick([])
-        return load if isinstance(load, Response) else await forward(request, load, await request.body() or None)
+        return await route(request, [], await request.body() or None)
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
@@ -220,62 +284,51 @@ def create_router_app(replicas: Replicas, engine_config: EngineConfig, config: S
     async def metrics(request: Request):
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
 
-        async def scrape(process: ReplicaProcess) -> str:
-            if not replicas.loads[process.index].alive:
-                return ""
-            try:
-                answer = await replicas.client.get(process.base_url + "/metrics", headers=headers, timeout=10)
-                return answer.text if answer.status_code == 200 else ""
-            except httpx.HTTPError:
-                return ""
+        async def scrape(process: ReplicaProcess) -> None:
+            alive = replicas.loads[process.index].alive
+            last = replicas.metrics[process.index]
+            families = last.families if last is not None else ()
+            if alive:
+                try:
+                    answer = await replicas.client.get(process.base_url + "/metrics", headers=headers, timeout=10)
+                    if answer.status_code == 200:
+                        replicas.metrics[process.index] = ReplicaMetrics(parse(answer.text), alive=True, scraped=True)
+                        return
+                except (httpx.HTTPError, ValueError) as e:  # unreachable, or not exposition text
+                    logger.warning("replica %d: /metrics could not be read (%s)", process.index, e)
+            if last is not None:
+                replicas.metrics[process.index] = ReplicaMetrics(families, alive=alive, scraped=False)
 
-        texts = await asyncio.gather(*(scrape(p) for p in replicas.processes))
-        return Response(merge_metrics(texts) + router_metrics(replicas), media_type=CONTENT_TYPE)
+        replicas.check_processes()
+        await asyncio.gather(*(scrape(p) for p in replicas.processes))
+        status = [(p.index, load.alive, bool(m and m.scraped), load.in_flight)
+                  for p, load, m in zip(replicas.processes, replicas.loads, replicas.metrics)]
+        return Response(render([*merge(replicas.metrics), *router_families(replicas.routed, status)]),
+                        media_type=CONTENT_TYPE)
 
     return app
 
 
-def merge_metrics(texts: list[str]) -> str:
-    """The replicas' Prometheus texts as one: each sample labelled replica="i", each family's
-    samples together under its HELP / TYPE lines (once)."""
-    headers: dict[str, dict[str, str]] = {}  # family -> HELP / TYPE -> its line
-    samples: dict[str, list[str]] = {}
-    for index, text in enumerate(texts):
-        family = ""
-        for line in text.splitlines():
-            parts = line.split(maxsplit=3)
-            if not parts:
-                continue
-            if parts[0] == "#":
-                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                    family = parts[2]
-                    headers.setdefault(family, {}).setdefault(parts[1], line)
-                    samples.setdefault(family, [])
-                continue
-            name, brace, rest = line.partition("{")
-            if not brace:
-                name, _, rest = line.partition(" ")
-                rest = "} " + rest
-            separator = "" if rest.startswith("}") else ","
-            samples.setdefault(family, []).append(f'{name}{{replica="{index}"{separator}{rest}')
-    return "".join(f"{line}\n" for family, lines in samples.items()
-                   for line in [*headers.get(family, {}).values(), *lines])
-
-
-def router_metrics(replicas: Replicas) -> str:
-    lines = ["# HELP blockserve_router_requests_total Requests the front end routed, by why it chose the replica.",
-             "# TYPE blockserve_router_requests_total counter"]
-    lines += [f'blockserve_router_requests_total{{reason="{r}"}} {n}' for r, n in replicas.routed.items()]
-    lines += ["# HELP blockserve_router_replica_up 1 while the replica is in rotation, 0 once it died.",
-              "# TYPE blockserve_router_replica_up gauge"]
-    lines += [f'blockserve_router_replica_up{{replica="{l.index}"}} {int(l.alive)}' for l in replicas.loads]
-    lines += ["# HELP blockserve_router_in_flight Requests the front end has in flight on the replica.",
-              "# TYPE blockserve_router_in_flight gauge"]
-    lines += [f'blockserve_router_in_flight{{replica="{l.index}"}} {l.in_flight}' for l in replicas.loads]
-    return "".join(line + "\n" for line in lines)
-
-
 # -- `blockserve serve --data-parallel-size N` ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """SIGTERM raises SystemExit inside the block (as SIGINT raises KeyboardInterrupt), so the
+    `except` / `finally` clauses that stop the replicas run; the handler before it is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the stopping short
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_router(engine_config: EngineConfig, config: ServerConfig, dp_config: DataParallelConfig,
@@ -285,14 +338,15 @@ def run_router(engine_config: EngineConfig, config: ServerConfig, dp_config: Dat
     if engine_config.tensor_parallel_size > 1 and engine_config.distributed_executor == "external":
         raise ValueError("--data-parallel-size > 1 starts its replicas on this host, so each replica's tensor-parallel "
                          "ranks must be too: drop --distributed-executor external")
-    processes = start_replicas(engine_config, config, quiet=quiet, startup_timeout=dp_config.dp_startup_timeout)
-    try:
-        tokenizer = load_tokenizer(engine_config)
-        replicas = Replicas(processes, dp_config)
-        app = create_router_app(replicas, engine_config, config, tokenizer)
-    except BaseException:
-        stop_replicas(processes, timeout=0)
-        raise
+    with _terminate_raises():  # a SIGTERM while the replicas start stops them, not just the front end
+        processes = start_replicas(engine_config, config, quiet=quiet, startup_timeout=dp_config.dp_startup_timeout)
+        try:
+            tokenizer = load_tokenizer(engine_config)
+            replicas = Replicas(processes, dp_config)
+            app = create_router_app(replicas, engine_config, config, tokenizer)
+        except BaseException:
+            stop_replicas(processes, timeout=0)
+            raise
 
     async def drain(name: str) -> None:
         logger.info("%s: draining the replicas, then exiting", name)

@@ -1,18 +1,22 @@
 """`blockserve serve --data-parallel-size 2` as a real process: prefix-affinity routing lands
-repeated prefixes on the replica that cached them (more prefix-cache hits than round robin),
-and a replica that dies leaves the other serving while its in-flight request gets 503."""
+repeated prefixes on the replica that cached them (more prefix-cache hits than round robin);
+/metrics parses, per replica and in total; a client that leaves (streaming or not) has its
+request aborted on its replica, the others unaffected; a replica that dies leaves the other
+serving while its in-flight request gets 503 (its counters kept in the totals); replicas are
+sent SIGTERM (so they drain and exit) when their front end is killed without a drain."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig
 
 from blockserve.server.routing import DataParallelConfig, PrefixIndex, ReplicaLoad, RoutingPolicy, prefix_hashes
@@ -43,11 +47,9 @@ def workload() -> list[dict]:
 
 
 def prefix_hits(server) -> int:
-    status, text = server.request("GET", "/metrics")
-    assert status == 200
-    hits = re.findall(r'^blockserve_prefix_cache_hits_total\{replica="(\d)"[^}]*\} (\S+)$', text, re.M)
-    assert {replica for replica, _ in hits} == {"0", "1"}, text  # both replicas scraped, labelled
-    return int(sum(float(value) for _, value in hits))
+    hits = {s.labels["replica"]: s.value for s in scrape(server) if s.name == "blockserve_prefix_cache_hits_total"}
+    assert hits.keys() == {"0", "1", "total"}  # both replicas scraped, labelled, and their total
+    return int(hits["0"] + hits["1"])
 
 
 def run_workload(server) -> int:
@@ -70,9 +72,24 @@ def serve_args(model_dir: str, routing: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def round_robin_hits(model_dir):
+def round_robin_run(model_dir) -> dict:
+    """The workload's prefix hits under round robin; then the front end is SIGKILLed (no drain, no
+    stopping of its replicas): how many replicas began a drain of their own within 30 s (their log
+    lines, in the front end's log); every replica is killed after."""
     with healthy_server(serve_args(model_dir, "round_robin")) as server:
-        return run_workload(server)
+        hits = run_workload(server)
+        pids = [r["pid"] for r in server.request("GET", "/health")[1]["replicas"]]
+        drains_before = server.log().count("SIGTERM: draining")
+        server.process.kill()
+        server.process.wait()
+        deadline = time.monotonic() + 30
+        while server.log().count("SIGTERM: draining") - drains_before < len(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        drains = server.log().count("SIGTERM: draining") - drains_before
+    for pid in pids:  # their drain and exit are the single server's (test_drain.py): not waited for here
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+    return {"hits": hits, "replicas": len(pids), "drains": drains}
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +110,19 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_affinity_routing_gets_more_prefix_hits_than_round_robin(affinity_server, round_robin_hits, model_dir):
-    hits = run_workload(affinity_server)
+def test_affinity_routing_gets_more_prefix_hits_than_round_robin(affinity_server, round_robin_run, model_dir):
+    hits, round_robin_hits = run_workload(affinity_server), round_robin_run["hits"]
     # Affinity: each tenant misses once, then hits its prefix on every later request. Round robin:
     # each tenant misses once on each replica.
     assert hits == TENANTS * (ROUNDS - 1) * PREFIX_TOKENS
     assert round_robin_hits == TENANTS * (ROUNDS - 2) * PREFIX_TOKENS
+    samples = scrape(affinity_server)
+    assert total(samples, "blockserve_prefix_cache_hits_total", replica="total") == hits
+    assert total(samples, "blockserve_prefix_cache_queries_total", replica="total") == sum(
+        total(samples, "blockserve_prefix_cache_queries_total", replica=r) for r in ("0", "1")) > hits
+    requests = TENANTS * ROUNDS
+    assert total(samples, "blockserve_e2e_request_latency_seconds_count", replica="total") == requests
+    assert total(samples, "blockserve_e2e_request_latency_seconds_bucket", replica="total", le="+Inf") == requests
     status, text = affinity_server.request("GET", "/metrics")
     assert f'blockserve_router_requests_total{{reason="affinity"}} {TENANTS * (ROUNDS - 1)}' in text
     assert f'blockserve_router_requests_total{{reason="no_match"}} {TENANTS}' in text
@@ -106,6 +130,10 @@ def test_affinity_routing_gets_more_prefix_hits_than_round_robin(affinity_server
     assert status == 200 and health["status"] == "ok" and all(r["alive"] for r in health["replicas"])
     status, models = affinity_server.request("GET", "/v1/models")
     assert status == 200 and models["data"][0]["id"] == model_dir
+
+
+def test_replicas_drain_when_their_front_end_is_killed(round_robin_run):
+    assert round_robin_run["drains"] == round_robin_run["replicas"] == 2  # the parent-death signal (SIGTERM)
 
 
 def test_streams_pass_through(affinity_server):
@@ -123,6 +151,62 @@ def test_streams_pass_through(affinity_server):
     assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
 
 
+def scrape(server) -> list:
+    """The front end's /metrics, parsed (so valid exposition text): its samples."""
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def total(samples: list, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def in_flight_replica(server) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        busy = next((r for r in server.request("GET", "/health")[1]["replicas"] if r["in_flight"]), None)
+        if busy is not None:
+            return busy
+    raise AssertionError("the request never showed up in flight")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_has_its_request_aborted_on_the_replica(affinity_server, stream):
+    before = scrape(affinity_server)
+    body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 480, "ignore_eos": True, "temperature": 1.0,
+                       "stream": stream}).encode()
+    client = socket.create_connection(("127.0.0.1", affinity_server.port), timeout=60)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    if stream:  # its headers: the front end relays the replica's stream
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += client.recv(65536)
+        assert received.startswith(b"HTTP/1.1 200") and b"text/event-stream" in received
+    busy = in_flight_replica(affinity_server)
+    replica = str(busy["replica"])
+    deadline = time.monotonic() + 30
+    while not total(scrape(affinity_server), "blockserve_num_requests_running", replica=replica):
+        assert time.monotonic() < deadline, "the replica never started the request"
+    status, other = affinity_server.request("POST", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4})
+    assert status == 200 and other["usage"]["completion_tokens"] == 4  # the others are served meanwhile
+    client.close()  # the client leaves, unanswered
+
+    def finished(samples, reason: str, on: str = "total") -> float:
+        return total(samples, "blockserve_request_finished_total", replica=on, finished_reason=reason)
+
+    deadline = time.monotonic() + 30
+    while finished(after := scrape(affinity_server), "abort", replica) == finished(before, "abort", replica):
+        assert time.monotonic() < deadline, "the replica never aborted the request"
+    assert finished(after, "abort") == finished(before, "abort") + 1
+    assert finished(after, "length") == finished(before, "length") + 1  # the other one only
+    assert total(after, "blockserve_num_requests_running", replica="total") == 0
+    assert total(after, "blockserve_kv_cache_usage_ratio", replica="total") == 0  # its blocks freed
+    assert total(after, "blockserve_router_in_flight") == 0
+
+
 def test_a_dead_replica_leaves_rotation_and_its_in_flight_request_gets_503(affinity_server):
     result = {}
 
@@ -132,25 +216,34 @@ def test_a_dead_replica_leaves_rotation_and_its_in_flight_request_gets_503(affin
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    deadline = time.monotonic() + 30
-    busy = None
-    while busy is None and time.monotonic() < deadline:
-        busy = next((r for r in affinity_server.request("GET", "/health")[1]["replicas"] if r["in_flight"]), None)
-    assert busy is not None, "the long request never showed up in flight"
+    busy = in_flight_replica(affinity_server)
+    hits_before = total(scrape(affinity_server), "blockserve_prefix_cache_hits_total", replica=str(busy["replica"]))
     os.kill(busy["pid"], signal.SIGKILL)
     thread.join(timeout=60)
     status, error = result["answer"]
     assert status == 503, error
     assert error["error"]["code"] == "replica_unavailable" and error["error"]["type"] == "server_error"
 
-    status, health = affinity_server.request("GET", "/health")
-    assert status == 200 and health["status"] == "degraded"
+    deadline = time.monotonic() + 10  # its exit is seen at once or by the front end's watcher (every 0.5 s)
+    while (health := affinity_server.request("GET", "/health"))[1]["status"] != "degraded":
+        assert time.monotonic() < deadline, health
+    status, health = health
+    assert status == 200
     assert [r["alive"] for r in health["replicas"]] == [r["replica"] != busy["replica"] for r in health["replicas"]]
     for body in workload()[:4]:  # the survivor takes every request, prefixes included
         status, answer = affinity_server.request("POST", "/v1/completions", body)
         assert status == 200, answer
-    status, text = affinity_server.request("GET", "/metrics")
-    assert f'blockserve_router_replica_up{{replica="{busy["replica"]}"}} 0' in text
+    samples = scrape(affinity_server)
+    dead = str(busy["replica"])
+    assert total(samples, "blockserve_router_replica_up", replica=dead) == 0
+    assert total(samples, "blockserve_router_replica_scraped", replica=dead) == 0
+    assert total(samples, "blockserve_router_in_flight") == 0
+    # what it served stays in its samples and the totals (they never go backwards); it runs nothing now
+    assert total(samples, "blockserve_prefix_cache_hits_total", replica=dead) == hits_before
+    alive = str(1 - busy["replica"])
+    assert total(samples, "blockserve_prefix_cache_hits_total", replica="total") == hits_before + total(
+        samples, "blockserve_prefix_cache_hits_total", replica=alive)
+    assert not [s for s in samples if s.name == "blockserve_num_requests_running" and s.labels["replica"] == dead]
 
 
 # -- the policy on its own ------------------------------------------------------------------------
