@@ -3,16 +3,31 @@
 A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
 bound by reading those weights: 4 bytes per weight. The file's Q4_0 / Q4_1 and Q8_0 blocks
 encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so for the few rows
-of a small decode batch the native kernel (attention/csrc/quantized_matmul.cpp) reads the blocks
-and dequantises them in registers; larger batches are compute-bound and keep the float32 GEMM.
+of a decode batch the native kernel (attention/csrc/quantized_matmul.cpp) reads the blocks
+instead; larger batches are compute-bound and keep the float32 GEMM. Two kernels read them:
 
-    rows <= max_rows   x @ W^T over the blocks      (same weights; float rounding differs)
+    activations="float32"  the weights dequantised in registers, float32 x: exact up to float
+                           rounding. The default: the model then gives transformers' logits and
+                           greedy tokens (DESIGN's parity contract).
+    activations="int8"     x rounded to int8 per block of 32 and integer dot products (as llama.cpp
+                           does on CPU): ~2x faster than "float32" and ahead of the float32 GEMM up to
+                           64 rows, but each matmul is off x @ W^T by up to sum_k |w_k| * max|x_block| / 254
+                           (~1e-3 relative); over SmolLM2's 30 layers that moves logits by ~0.2 on
+                           average (up to 2.3), and in the parity test's second prompt it flips the
+                           16th greedy token, a near-tie (transformers' top two 0.155 apart).
+                           Chosen with --quantized-activations int8 (EngineConfig).
+
+    rows <= max_rows   x @ W^T over the blocks      (same weights; x rounded as `activations` says)
     rows >  max_rows   the float32 layer it wraps  (nn.Linear; PanelLinear when it has at least
                                                     PANEL_MIN_OUT outputs: faster above 16 rows)
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
 cost memory on top of the float32 copy (SmolLM2-135M: 112 MB next to 538 MB).
+
+Tensor-parallel: each rank keeps the blocks of its own shard (`narrow_blocks` of the column- and
+row-parallel layers, distributed/parallel_layers.py); a row-parallel layer's partial product is
+all-reduced, as its float32 layer's is. The tied LM head stays the vocab-parallel float32 one.
 """
 
 from __future__ import annotations
@@ -25,15 +40,21 @@ import torch
 from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
+from blockserve.attention.native_gate import native_reads
+from blockserve.distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear
 from blockserve.models.weights import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which reading the blocks beats the float32 GEMM, by the kernel's SIMD lanes
-# (SmolLM2's 30 layers on one core; AVX-512: 3.5x faster at 1 row, 1.5x at 16, even at ~28;
-# the AVX2 path, built here with -mno-avx512f: 2.9x at 1 row, 1.07x at 8; docs/performance.md).
-MAX_ROWS = {16: 16, 8: 8}
+# Rows up to which reading the blocks beats the float32 GEMM, by activations and the kernel's SIMD
+# lanes. float32 (SmolLM2's 30 layers on one core; AVX-512: 3.5x faster at 1 row, 1.5x at 16, even
+# at ~28; AVX2, built with -mno-avx512f: 2.9x at 1 row, 1.07x at 8; docs/performance.md). int8 (AVX2,
+# benchmarks/quantized_matmul.py, SmolLM2's five shapes, one thread, fastest rounds on a loaded 2-core
+# EPYC: 2.7-4.8x the float32 GEMM at 1-4 rows, 1.0-1.3x at 64; results/quantized_matmul_avx2.json): 64.
+# The AVX-512 build runs the same loop with VNNI's dpbusd; not measured yet, so 64 there as well.
+MAX_ROWS = {("int8", 16): 64, ("int8", 8): 64, ("float32", 16): 16, ("float32", 8): 8}
+ACTIVATIONS = ("float32", "int8")  # EngineConfig.quantized_activations' choices (engine/config.py)
 
 GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
@@ -84,10 +105,15 @@ def sharing_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn
 
 class QuantizedLinear(nn.Module):
     """A float32 linear layer `dense` (nn.Linear or PanelLinear, weight [N, K]) plus the packed
-    GGUF blocks of the same weight; forward picks by the number of rows."""
+    GGUF blocks of the same weight; forward picks by the number of rows. `activations` picks the
+    kernel for the rows the blocks serve (see the module docstring);
+    `max_rows` None: MAX_ROWS."""
 
-    def __init__(self, dense: nn.Module, packed: torch.Tensor, format: str, max_rows: int | None = None):
+    def __init__(self, dense: nn.Module, packed: torch.Tensor, format: str, max_rows: int | None = None,
+                 activations: str = "float32"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
         self.out_features, self.in_features = dense.out_features, dense.in_features
         expected = -(-self.out_features // GROUP) * self.in_features // 32 * PACKED_BYTES[format]
         if self.in_features % 32 or packed.numel() != expected:
@@ -97,8 +123,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         ops = quantized_matmul_ops()
         self.q4_1 = format in NIBBLES
-        self.max_rows = MAX_ROWS[ops.simd_lanes()] if max_rows is None else max_rows
-        self.kernel = ops.quantized_matmul
+        self.activations = activations
+        self.max_rows = MAX_ROWS[activations, ops.simd_lanes()] if max_rows is None else max_rows
+        self.kernel = ops.quantized_matmul_int8 if activations == "int8" else ops.quantized_matmul
 
     @property
     def weight(self) -> torch.Tensor:
@@ -109,19 +136,21 @@ class QuantizedLinear(nn.Module):
         return self.dense.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != torch.float32:
+        if x.dim() != 2 or x.shape[0] > self.max_rows or not native_reads(x):
             return self.dense(x)
         out = self.kernel(x, self.packed, self.out_features, self.q4_1)
+        if isinstance(self.dense, RowParallelLinear):  # this rank's columns: sum over the ranks
+            out = self.dense.tp.all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)
 
 
 def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
-                          max_rows: int | None = None) -> int:
+                          max_rows: int | None = None, activations: str = "float32") -> int:
     """Give `model`'s linear layers their GGUF blocks: (Hugging Face weight name, GGUF type name,
     raw blocks [N, ...] with rows in the Hugging Face order); `max_rows` None: the kernel's
-    crossover (MAX_ROWS). Fused projections (q/k/v, gate/up) get their parts' rows concatenated,
-    when all parts share one format. A tied input embedding becomes the model's
-    `quantized_lm_head`. Returns how many layers use blocks; 0 when the kernel cannot run here."""
+    crossover (MAX_ROWS); `activations`: QuantizedLinear's. Fused
+    projections (q/k/v, gate/up) get their parts' rows concatenated, when all parts share one format.
+    A tied input embedding becomes the model's `quantized_lm_head`. Returns how many layers use blocks; 0 when the kernel cannot run here."""
     ops = quantized_matmul_ops()
     if ops is None or not ops.simd_lanes():
         logger.info("GGUF blocks not used for small batches: %s", "no native kernels" if ops is None
@@ -147,18 +176,22 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
         if format not in FORMATS:
             continue
         if module_path == "model.embed_tokens" and getattr(model, "tie_word_embeddings", False):
+            if isinstance(modules[module_path], VocabParallelEmbedding):  # its logits: the ranks' gather
+                continue
             embedding = modules[module_path]
             model.quantized_lm_head = QuantizedLinear(sharing_linear(embedding.weight), pack_blocks(raw, format),
-                                                      format, max_rows)
+                                                      format, max_rows, activations)
             used += 1
             continue
         linear = modules.get(module_path)
+        if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):  # this rank's blocks only
+            raw = linear.narrow_blocks(raw, FORMATS[format])
         if not isinstance(linear, (nn.Linear, PanelLinear)) or linear.out_features != raw.shape[0]:
             continue
         if type(linear) is nn.Linear and linear.out_features >= PANEL_MIN_OUT:
             linear = PanelLinear(linear.weight.detach(), linear.bias)
         parent_module = modules[parent] if parent else model
         setattr(parent_module, module_path.rpartition(".")[2],
-                QuantizedLinear(linear, pack_blocks(raw, format), format, max_rows))
+                QuantizedLinear(linear, pack_blocks(raw, format), format, max_rows, activations))
         used += 1
     return used

@@ -1,5 +1,13 @@
 """QuantizedLinear: GGUF blocks packed for the native kernel give the matmul of the weights gguf's
-own dequantiser produces, for the rows it handles; more rows go to the float32 copy."""
+own dequantiser produces, for the rows it handles; more rows go to the float32 copy.
+
+Tolerances. activations="float32": x @ W^T up to float32 rounding (rtol = atol = 1e-5).
+activations="int8" rounds x to int8 per block of 32 first, so it is held to two rules:
+  tight  against float64 (x rounded as the kernel rounds it) @ W^T: |error| <= 1e-5 * (|x~| @ |W|^T) + 1e-6
+         (float32 accumulation of exact integer block dots);
+  loose  against the float32 x @ W^T: |error| <= sum_k |w_k| * s_k / 2 (+ the tight slack), s_k the
+         scale max|x_block| / 127 of x's block holding k: the rounding of x is at most half a step.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +19,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
-from blockserve.models.quantized_linear import QuantizedLinear, pack_blocks, sharing_linear, use_quantized_linears
+from blockserve.engine.config import QUANTIZED_ACTIVATIONS, EngineConfig
+from blockserve.models.quantized_linear import (ACTIVATIONS, QuantizedLinear, pack_blocks, sharing_linear,
+                                                use_quantized_linears)
 from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
 
 ops = quantized_matmul_ops()
 pytestmark = pytest.mark.skipif(ops is None or not ops.simd_lanes(),
                                 reason="the quantized kernel needs native kernels built with AVX-512 or AVX2")
+
+
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the int8 kernel rounds it (float64), and each element's block scale s (float64):
+    s = max|x_block| / 127, x ~ s * round-half-even(x * (127 / max|x_block|)), in float32 as the kernel."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    scale = (amax / 127).double().expand(blocks.shape)
+    return (torch.round(blocks * inv).double() * scale).reshape(x.shape), scale.reshape(x.shape)
+
+
+def assert_int8_matmul(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The int8 kernel's result against both rules of the module docstring."""
+    x_rounded, scale = rounded(x)
+    w = weight.double()
+    b = 0 if bias is None else bias.double()
+    slack = 1e-5 * (x_rounded.abs() @ w.abs().T) + 1e-6
+    tight = (out.double() - (x_rounded @ w.T + b)).abs()
+    assert (tight <= slack).all(), f"off the rounded-x reference by {(tight - slack).max().item():.3g} past the slack"
+    loose = (out.double() - (x.double() @ w.T + b)).abs()
+    bound = 0.5 * (scale @ w.abs().T) + slack
+    assert (loose <= bound).all(), f"off x @ W^T by {(loose - bound).max().item():.3g} past the rounding bound"
 
 
 def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -26,40 +59,114 @@ def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndar
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format]).copy())
 
 
+@pytest.mark.parametrize("activations", ["int8", "float32"])
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 13, 64])  # 13: the last group of four is padded
-def test_blocks_give_the_dequantised_matmul(format, rows):
+def test_blocks_give_the_dequantised_matmul(format, rows, activations):
     raw, weight = quantized(rows, 96, format)
     bias = torch.randn(rows)
     # A decoy float32 copy: up to max_rows rows must come from the blocks, more from the copy.
     decoy = torch.zeros_like(weight)
-    layer = QuantizedLinear(sharing_linear(decoy, bias), pack_blocks(raw, format), format)
-    assert layer.max_rows >= 8
+    layer = QuantizedLinear(sharing_linear(decoy, bias), pack_blocks(raw, format), format, activations=activations)
+    assert layer.max_rows >= (64 if activations == "int8" else 8)
     for m in (1, 2, 3, 4, 5, 7, layer.max_rows):
         x = torch.randn(m, 96)
-        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        if activations == "int8":
+            assert_int8_matmul(layer(x), x, weight, bias)
+        else:
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     x = torch.randn(layer.max_rows + 1, 96)
     assert torch.equal(layer(x), F.linear(x, decoy, bias))
 
 
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_avx2_path_gives_the_dequantised_matmul(format):
-    """The kernel as a CPU without AVX-512 gets it (compiled here with -mno-avx512f)."""
+    """Both kernels as a CPU without AVX-512 gets them (compiled here with -mno-avx512f)."""
     avx2 = quantized_matmul_ops(without_avx512=True)
     if avx2 is None or avx2.simd_lanes() != 8:
         pytest.skip("no AVX2 build here")
     raw, weight = quantized(13, 96, format)
-    for m in (1, 2, 3, 8):
+    packed = pack_blocks(raw, format)
+    for m in (1, 2, 3, 8, 61):
         x = torch.randn(m, 96)
-        torch.testing.assert_close(avx2.quantized_matmul(x, pack_blocks(raw, format), 13, format != "Q8_0"),
+        torch.testing.assert_close(avx2.quantized_matmul(x, packed, 13, format != "Q8_0"),
                                    F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        assert_int8_matmul(avx2.quantized_matmul_int8(x, packed, 13, format != "Q8_0"), x, weight)
 
 
-def test_non_contiguous_rows():
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+def test_int8_rows_at_every_remainder_and_thread_count(format):
+    """Rows 1..64 (every remainder of the kernel's passes of four rows), several blocks per row,
+    blocks of x that are all zero, tiny or huge, and the same bits at 1 and 2 threads."""
+    raw, weight = quantized(37, 192, format, seed=5)
+    packed = pack_blocks(raw, format)
+    x = torch.randn(64, 192)
+    x[3, 32:64] = 0  # a zero block: scale 0
+    x[5, :32] *= 1e-30
+    x[6, 64:96] *= 1e20
+    x[7, 100] = 1e3  # one outlier in its block
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [ops.quantized_matmul_int8(x[:m], packed, 37, format != "Q8_0") for m in range(1, 65)]
+        torch.set_num_threads(2)
+        two = ops.quantized_matmul_int8(x, packed, 37, format != "Q8_0")
+    finally:
+        torch.set_num_threads(threads)
+    for m, out in enumerate(one, 1):
+        assert out.shape == (m, 37) and torch.equal(out, one[-1][:m])
+    assert torch.equal(two, one[-1])
+    assert_int8_matmul(one[-1], x, weight)
+    assert ops.quantized_matmul_int8(torch.zeros(0, 192), packed, 37, format != "Q8_0").shape == (0, 37)
+
+
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+def test_int8_non_finite_rows_stay_non_finite(format):
+    """A NaN or an infinity in a row of x makes that row's outputs NaN or infinite (as x @ W^T), never a
+    finite value; the other rows are untouched."""
+    raw, weight = quantized(8, 64, format)
+    x = torch.randn(4, 64)
+    x[1, 40] = float("nan")
+    x[2, 3] = float("inf")
+    out = ops.quantized_matmul_int8(x, pack_blocks(raw, format), 8, format != "Q8_0")
+    assert out[1].isnan().all() and not out[2].isfinite().any()
+    assert_int8_matmul(out[[0, 3]], x[[0, 3]], weight)
+
+
+def test_int8_q8_0_weights_at_the_ends_of_their_range():
+    """Q8_0 levels -128 and 127 against x levels -127 and 127: the signed-byte products stay exact."""
+    raw = np.zeros((4, 34), np.uint8)
+    raw[:, 0:2] = np.full((4, 1), np.float16(0.5)).view(np.uint8)
+    raw[:, 2:] = np.array([[-128] * 32, [127] * 32, [-128, 127] * 16, [127, -128] * 16], np.int8).view(np.uint8)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).copy())
+    x = torch.tensor([[1.0, -1.0] * 16, [-1.0] * 32, [1.0] * 32])
+    out = ops.quantized_matmul_int8(x, pack_blocks(raw, "Q8_0"), 4, False)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=1e-4)
+
+
+def test_activations_default_to_float32_and_unknown_ones_are_refused():
     raw, weight = quantized(8, 64, "Q4_1")
-    layer = QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1")
+    packed = pack_blocks(raw, "Q4_1")
+    layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1")
+    assert layer.activations == "float32" and layer.kernel is ops.quantized_matmul
+    layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int8")
+    assert layer.activations == "int8" and layer.kernel is ops.quantized_matmul_int8 and layer.max_rows == 64
+    with pytest.raises(ValueError, match="activations must be one of"):
+        QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int4")
+    assert ACTIVATIONS == QUANTIZED_ACTIVATIONS  # EngineConfig's choices (torch-free) are the kernel's
+    with pytest.raises(ValueError, match="unknown quantized_activations 'int4'"):
+        EngineConfig(quantized_activations="int4")
+
+
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+def test_non_contiguous_rows(activations):
+    raw, weight = quantized(8, 64, "Q4_1")
+    layer = QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1", activations=activations)
     x = torch.randn(3, 128)[:, ::2]
-    torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    if activations == "int8":
+        assert_int8_matmul(layer(x), x, weight)
+    else:
+        torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_blocks_that_do_not_fit_the_weight_are_refused():
@@ -68,6 +175,10 @@ def test_blocks_that_do_not_fit_the_weight_are_refused():
         QuantizedLinear(sharing_linear(torch.zeros(8, 96)), pack_blocks(raw, "Q8_0"), "Q8_0")
     with pytest.raises(RuntimeError, match="bytes"):
         ops.quantized_matmul(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
+    with pytest.raises(RuntimeError, match="bytes"):
+        ops.quantized_matmul_int8(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.quantized_matmul_int8(torch.randn(1, 48), pack_blocks(raw, "Q8_0"), 8, False)
 
 
 class TwoLayer(nn.Module):

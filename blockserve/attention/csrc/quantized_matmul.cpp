@@ -1,9 +1,11 @@
 // out = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0; Q4_0 is packed as Q4_1) and
 // dequantised in registers: the weights are exactly the values the format encodes (what gguf's
 // dequantiser produces), read at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
-// For the few rows of a small decode batch, where a float32 matmul is bound by reading its
-// weights. An AVX-512 path and an AVX2 one (8 lanes), chosen at compile time (-march=native);
-// simd_lanes() says which.
+// For the rows of a decode batch, where a float32 matmul is bound by reading its weights. Two
+// kernels over the same packed blocks: quantized_matmul (float32 activations, exact up to float
+// rounding) and quantized_matmul_int8 (activations rounded to int8 per block, integer dot
+// products: about twice as fast; see its section below). An AVX-512 path and an AVX2 one
+// (8 lanes), chosen at compile time (-march=native); simd_lanes() says which.
 //
 // Per block of 32 weights:  Q4_1  w = d * q + m   (q in 0..15)     Q8_0  w = d * q   (q in -128..127)
 // so a row's dot product is  sum_b d_b * (q_b . x_b) + m_b * sum(x_b); the block sums of x are
@@ -19,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -195,19 +198,174 @@ void run(const Problem& p) {
 }
 #endif
 
-torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool q4_1) {
-#if !BLOCKSERVE_LANES
-  TORCH_CHECK(false, "quantized_matmul was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
+// ---- int8 activations ----------------------------------------------------------------------
+// quantized_matmul_int8 quantises each row of x per block of 32 (as llama.cpp's q8 formats do):
+//   s = max|x_b| / 127,  x_b ~ s * r  (r = round-to-nearest-even(x_b * (127 / max|x_b|)), int8)
+// and takes integer dot products of r with the weights' integer levels, one float multiply by
+// d * s per block and output row; Q4_1's min term takes the sum of the rounded block (llama.cpp's q8_1):
+//   out = sum_b d_b * s_b * (q_b . r_b) + m_b * s_b * sum(r_b)  =  (x rounded) @ W^T
+// so only the rounding of x differs from quantized_matmul: |error| <= sum_k |w_k| * s_k / 2.
+// The weights' bytes are read once per group of four output rows for kInt8Rows rows of x at a
+// time, straight from the packed layout above; both SIMD builds run the same 256-bit loop (one
+// block is one register), the AVX-512 build with VNNI's dpbusd in place of maddubs + madd.
+
+#if BLOCKSERVE_LANES
+constexpr int64_t kInt8Rows = 4;  // rows of x per pass over a group's weights (registers)
+
+struct Int8Problem {
+  const int8_t* r;     // [M, K] x rounded to int8 per block
+  const float* s;      // [M, K / 32] the blocks' scales
+  const float* xsum;   // [M, K / 32] s * the sum of the block's levels (Q4_1 only)
+  const uint8_t* w;    // packed groups
+  float* out;          // [M, N]
+  int64_t M, K, N;
+};
+
+// x rows -> int8 levels, scales and s * sum(levels) per block of 32 (AVX2: also what AVX-512 CPUs run).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* r, float* s, float* xsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < M * K / kBlock; ++b, x += kBlock) {
+    __m256 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
+    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    const float amax = _mm_cvtss_f32(t);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // rounds to nearest even
+    // packs interleave the 128-bit halves: dwords come out as 0-3 of q0, q1, q2, q3, then 4-7 of each
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + b * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
+    // A NaN in the block would vanish from amax (max_ps drops it) and from the levels: make the
+    // scale NaN so the outputs are NaN, as x @ W^T's would be (an infinity gives inf or NaN by itself).
+    __m256 nan = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
+    s[b] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4e));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xb1));
+    xsum[b] = s[b] * static_cast<float>(_mm_cvtsi128_si32(sum4));
+  }
+}
+
+// Eight int32 lanes summing to u . v (u unsigned, v signed bytes; no adjacent pair of products
+// may leave int16, which holds for 4-bit weights and for |int8 weights| . int8 levels in -127..127).
+inline __m256i dot_u8s8(__m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
 #else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
+
+// The four output rows' dot products: [p0 p1 p2 p3 | p0' p1' p2' p3'], the two halves summing to them.
+inline __m256 group_dots(const __m256i p[kGroup]) {
+  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])));
+}
+
+// Rows r0..r0+R of x against output rows g*4..g*4+4 (those below N): each block's weights are
+// widened to bytes once and dotted with the R rows' levels; the accumulators hold the four outputs
+// twice over (the two halves of group_dots), added at the end.
+template <bool Q4, int R>
+void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
+  const int64_t blocks = p.K / kBlock;
+  const uint8_t* gb = p.w + g * blocks * group_block_bytes<Q4>();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+    prefetch_ahead<Q4>(gb);
+    const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(gb));
+    __m256i w[kGroup];  // Q4: the levels 0..15; Q8_0: |q| (its signs are moved onto x)
+    if constexpr (Q4) {
+      for (int i = 0; i < kGroup; ++i) {  // byte j holds weight j (low nibble) and j + 16 (high)
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * i));
+        w[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+      }
+    } else {
+      for (int i = 0; i < kGroup; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * i));
+    }
+    const __m256 m = Q4 ? _mm256_zextps128_ps256(_mm_loadu_ps(reinterpret_cast<const float*>(gb + 16)))
+                        : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t row_block = (r0 + r) * blocks + b;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.r + row_block * kBlock));
+      __m256i dots[kGroup];
+      for (int i = 0; i < kGroup; ++i)
+        dots[i] = Q4 ? dot_u8s8(w[i], x) : dot_u8s8(_mm256_sign_epi8(w[i], w[i]), _mm256_sign_epi8(x, w[i]));
+      acc[r] = _mm256_fmadd_ps(group_dots(dots), _mm256_mul_ps(d, _mm256_set1_ps(p.s[row_block])), acc[r]);
+      if constexpr (Q4) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(p.xsum[row_block]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float sums[kGroup];
+    _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1)));
+    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i) p.out[(r0 + r) * p.N + g * kGroup + i] = sums[i];
+  }
+}
+
+template <bool Q4>
+void run_int8(const Int8Problem& p) {
+  const int64_t groups = (p.N + kGroup - 1) / kGroup;
+  // A task of at least ~kMinWork row-blocks of work: a 1-row call over a small layer stays on one thread.
+  constexpr int64_t kMinWork = 1024;
+  const int64_t grain = std::max<int64_t>(1, kMinWork / (p.M * (p.K / kBlock)));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r0 = 0; r0 < p.M; r0 += kInt8Rows) {  // the group's weights stay in L1 across passes
+        switch (std::min(kInt8Rows, p.M - r0)) {
+          case 1: group_int8<Q4, 1>(p, g, r0); break;
+          case 2: group_int8<Q4, 2>(p, g, r0); break;
+          case 3: group_int8<Q4, 3>(p, g, r0); break;
+          default: group_int8<Q4, 4>(p, g, r0); break;
+        }
+      }
+  });
+}
+#endif
+
+// Checks shared by both entry points; returns x contiguous.
+torch::Tensor checked_input(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool q4_1) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: 2-D float32 expected");
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 expected");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32 for GGUF block formats");
   const int64_t groups = (N + kGroup - 1) / kGroup;
   const int64_t bytes = groups * (K / kBlock) * (q4_1 ? group_block_bytes<true>() : group_block_bytes<false>());
   TORCH_CHECK(packed.numel() == bytes, "packed weights have ", packed.numel(), " bytes; ", bytes,
               " expected for ", N, " x ", K);
+  return x.contiguous();
+}
+
+torch::Tensor quantized_matmul_int8(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool q4_1) {
+#if !BLOCKSERVE_LANES
+  TORCH_CHECK(false, "quantized_matmul_int8 was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
+#else
+  x = checked_input(x, packed, out_features, q4_1);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  std::vector<int8_t> levels(M * K);
+  std::vector<float> scales(M * K / kBlock), sums(M * K / kBlock);
+  quantize_rows(x.data_ptr<float>(), M, K, levels.data(), scales.data(), sums.data());
+  const Int8Problem p{levels.data(), scales.data(), sums.data(), packed.data_ptr<uint8_t>(), out.data_ptr<float>(),
+                      M, K, N};
+  if (q4_1) run_int8<true>(p); else run_int8<false>(p);
+  return out;
+#endif
+}
+
+torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool q4_1) {
+#if !BLOCKSERVE_LANES
+  TORCH_CHECK(false, "quantized_matmul was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
+#else
+  x = checked_input(x, packed, out_features, q4_1);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   std::vector<float> xsum(q4_1 ? M * K / kBlock : 0);
@@ -229,5 +387,7 @@ int64_t simd_lanes() { return BLOCKSERVE_LANES; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_matmul", &quantized_matmul,
         "out [M, N] = x [M, K] @ W^T, W packed Q4_1 (q4_1=True) or Q8_0");
+  m.def("quantized_matmul_int8", &quantized_matmul_int8,
+        "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int8 per block of 32 (integer dots)");
   m.def("simd_lanes", &simd_lanes, "16: the AVX-512 path, 8: AVX2, 0: neither (quantized_matmul cannot run)");
 }

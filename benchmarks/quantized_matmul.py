@@ -1,0 +1,145 @@
+"""x @ W^T over GGUF blocks (attention/csrc/quantized_matmul.cpp) against the float32 matmul it
+replaces, for SmolLM2-135M's shapes and formats (Q4_1 layers, the Q8_0 tied lm_head):
+
+    int8     quantized_matmul_int8: x rounded to int8 per block of 32, integer dot products
+    float    quantized_matmul: weights dequantised in registers, float32 activations
+    dense    the float32 layer QuantizedLinear falls back to (column-major nn.Linear, or
+             PanelLinear for >= PANEL_MIN_OUT outputs)
+
+Each cell: the median over --rounds of the mean of a few calls, the variants interleaved in
+every round (the machine may be shared; the fastest round is kept too, and the printed speed-ups
+in brackets compare those); weight GB/s counts the packed bytes the kernels read
+(the float32 bytes for dense). Prints a table per thread count and writes the raw figures, the
+CPU flags and the thread settings as JSON. Run:
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/quantized_matmul.py [--avx2] [--threads 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import gguf
+import numpy as np
+import torch
+
+from blockserve.attention.native import quantized_matmul_ops, why_not_native
+from blockserve.benchmark.common import environment, print_environment, write_json
+from blockserve.models.quantized_linear import PACKED_BYTES, pack_blocks
+from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear, column_major
+
+# name: (in_features, out_features, GGUF format) as in SmolLM2-135M-Instruct.Q4_1.gguf
+SHAPES = {"qkv": (576, 960, "Q4_1"), "o": (576, 576, "Q4_1"), "gate_up": (576, 3072, "Q4_1"),
+          "down": (1536, 576, "Q4_1"), "lm_head": (576, 49152, "Q8_0")}
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+VARIANTS = ("int8", "float", "dense")
+
+
+def layer(in_features: int, out_features: int, format: str):
+    """Packed blocks of a random matrix and the float32 layer over gguf's dequantisation of them."""
+    weights = np.random.default_rng(0).standard_normal((out_features, in_features)).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[format]
+    raw = gguf.quants.quantize(weights, kind)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
+    if out_features >= PANEL_MIN_OUT:
+        dense = PanelLinear(weight, None)
+    else:
+        dense = torch.nn.Linear(in_features, out_features, bias=False)
+        dense.weight.data = column_major(weight)
+    return pack_blocks(raw, format), dense
+
+
+def mean_seconds(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int, target_s: float) -> list[dict]:
+    torch.set_num_threads(threads)
+    cells = []
+    with torch.inference_mode():
+        for name, (k, n, format) in shapes.items():
+            packed, dense = layer(k, n, format)
+            q4 = format != "Q8_0"
+            packed_bytes = -(-n // 4) * k // 32 * PACKED_BYTES[format]
+            for m in rows:
+                x = torch.randn(m, k)
+                fns = {"int8": lambda: ops.quantized_matmul_int8(x, packed, n, q4),
+                       "float": lambda: ops.quantized_matmul(x, packed, n, q4),
+                       "dense": lambda: dense(x)}
+                calls = {v: max(1, int(target_s / max(mean_seconds(fn, 2), 1e-7))) for v, fn in fns.items()}
+                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                for _ in range(rounds):
+                    for v in VARIANTS:
+                        times[v].append(mean_seconds(fns[v], calls[v]))
+                us = {v: statistics.median(times[v]) * 1e6 for v in VARIANTS}
+                best = {v: min(times[v]) * 1e6 for v in VARIANTS}
+                cells.append({"shape": name, "in": k, "out": n, "format": format, "rows": m, "threads": threads,
+                              "us": us, "min_us": best,
+                              "samples_us": {v: [t * 1e6 for t in times[v]] for v in VARIANTS},
+                              "weight_gb_s": {"int8": packed_bytes / us["int8"] / 1e3,
+                                              "float": packed_bytes / us["float"] / 1e3,
+                                              "dense": 4 * n * k / us["dense"] / 1e3}})
+    return cells
+
+
+def print_table(cells: list[dict]) -> None:
+    print(f"{'shape':<8} {'rows':>4} {'int8 us':>9} {'float us':>9} {'dense us':>9} {'int8 GB/s':>9} "
+          f"{'int8/dense':>10} {'int8/float':>10}   (medians; speed-ups of the fastest rounds)")
+    for c in cells:
+        us, best = c["us"], c["min_us"]
+        print(f"{c['shape']:<8} {c['rows']:>4} {us['int8']:>9.1f} {us['float']:>9.1f} {us['dense']:>9.1f} "
+              f"{c['weight_gb_s']['int8']:>9.1f} {us['dense'] / us['int8']:>9.2f}x {us['float'] / us['int8']:>9.2f}x"
+              f"   ({best['dense'] / best['int8']:.2f}x, {best['float'] / best['int8']:.2f}x)")
+
+
+def crossovers(cells: list[dict]) -> dict:
+    """Per shape and thread count: the most rows up to which int8 beats dense at every row count measured."""
+    best: dict[str, int] = {}
+    for key in dict.fromkeys(f"{c['shape']}@{c['threads']}" for c in cells):
+        best[key] = 0
+        for c in sorted((c for c in cells if f"{c['shape']}@{c['threads']}" == key), key=lambda c: c["rows"]):
+            if c["us"]["int8"] >= c["us"]["dense"]:
+                break
+            best[key] = c["rows"]
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--target-ms", type=float, default=2.0, help="time per variant per round")
+    parser.add_argument("--avx2", action="store_true", help="the kernel built with -mno-avx512f (the AVX2 path)")
+    parser.add_argument("--json", default="results/quantized_matmul.json")
+    args = parser.parse_args()
+    reason = why_not_native()
+    ops = None if reason else quantized_matmul_ops(without_avx512=args.avx2)
+    if ops is None or not ops.simd_lanes():
+        raise SystemExit(f"the quantized kernel cannot run here ({reason or 'no AVX2 / AVX-512 build'})")
+    env = environment()
+    print_environment(env)
+    print(f"kernel path: {ops.simd_lanes()} lanes ({'AVX-512' if ops.simd_lanes() == 16 else 'AVX2'}); uptime: "
+          f"{os.popen('uptime').read().strip()}")
+    shapes = {s: SHAPES[s] for s in args.shapes}
+    cells = []
+    for threads in args.threads:
+        print(f"\n{threads} thread(s)")
+        found = measure(ops, shapes, tuple(args.rows), threads, args.rounds, args.target_ms / 1e3)
+        print_table(found)
+        cells += found
+    env["load_average_end"] = list(os.getloadavg())
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in env['load_average_end'])}")
+    write_json(args.json, {"environment": env, "simd_lanes": ops.simd_lanes(), "args": vars(args), "cells": cells,
+                           "int8_beats_dense_up_to_rows": crossovers(cells)})
+
+
+if __name__ == "__main__":
+    main()
