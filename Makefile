@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install run test bench-kv bench-scheduler bench-kernels bench-peers bench-peers-native soak clean
+.PHONY: install run test bench-kv bench-scheduler bench-kernels bench-glue bench-threads bench-peers bench-peers-native soak clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# blockserve itself starts with OMP_WAIT_POLICY=PASSIVE unless the environment sets a wait policy
+# (blockserve/thread_policy.py; benchmarks/thread_policy.py measures the alternatives); the
+# benchmark scripts below get the same setting.
+THREAD_POLICY := OMP_WAIT_POLICY=PASSIVE
+
 run: install
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/blockserve generate --chat-template --max-tokens 128 "$(PROMPT)"
+	$(VENV)/bin/blockserve generate --chat-template --max-tokens 128 "$(PROMPT)"
 
 # One torch thread: on a shared 2-core machine a second one stalls whenever another process runs.
 test: install
@@ -25,19 +30,27 @@ test: install
 
 # Developer benchmarks (benchmarks/); `blockserve bench ...` (blockserve/benchmark/) measures the installed engine.
 bench-kv: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/kv_core.py
+	$(THREAD_POLICY) $(PY) benchmarks/kv_core.py
 
 bench-scheduler: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/scheduler_overhead.py
+	$(THREAD_POLICY) $(PY) benchmarks/scheduler_overhead.py
 
 bench-kernels: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/decode_kernels.py
+	$(THREAD_POLICY) $(PY) benchmarks/decode_kernels.py
+
+# The decode step with and without its fused decode attention (one process, alternating), and the
+# OpenMP wait policies at 1 and 2 threads (fresh processes, alternating).
+bench-glue: install
+	$(THREAD_POLICY) $(PY) benchmarks/decode_glue.py --running 1 16 --json results/decode_glue.json
+
+bench-threads: install
+	$(PY) benchmarks/thread_policy.py --json results/thread_policy.json
 
 # The `peers` extra adds llama-cpp-python (a compiled wheel, kept out of `dev` so CI never builds it).
 # One thread for every system: on this shared 2-core box a second one measures the neighbours.
 bench-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/peers/run.py --threads 1 --json results/peers.json
+	$(THREAD_POLICY) $(PY) benchmarks/peers/run.py --threads 1 --json results/peers.json
 
 # Native llama.cpp (built once from the llama-cpp-python sdist, cached in ~/.cache/blockserve-peers) against
 # blockserve: offline, batch-1 latency and streaming servers at 1/16/64 clients, at 1 thread and all cores.

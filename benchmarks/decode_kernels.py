@@ -1,7 +1,8 @@
 """Micro-benchmarks behind docs/performance.md's decode-step figures, peers side by side.
 
-    attention  the native decode kernel (attention/csrc/paged_decode.cpp): its AVX-512 path
-               against the portable one (built with -mno-avx512f), float32 / float16 / bfloat16
+    attention  the native decode kernel (attention/csrc/paged_decode.cpp): this CPU's build
+               against one with -mno-avx512f (the AVX2 path; the same build on a CPU without
+               AVX-512), float32 / float16 / bfloat16
                caches; 64 sequences of 60-245 tokens (SmolLM2's 9 query and 3 KV heads of 64),
                blocks in random order, 30 layers' caches read in turn (from DRAM) or one layer
                30 times (from L3)
@@ -47,7 +48,7 @@ def attention(rounds: int) -> None:
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(LAYERS)]
     q = torch.randn(SEQS, Q_HEADS, HEAD, generator=gen)
     out, starts = torch.empty_like(q), torch.zeros(SEQS, dtype=torch.int64)
-    kernels = {"avx512 path": paged_decode_kernel(), "portable path": paged_decode_kernel(without_avx512=True)}
+    kernels = {"native build": paged_decode_kernel(), "-mno-avx512f build": paged_decode_kernel(without_avx512=True)}
     mb = 2 * int(lens.sum()) * KV_HEADS * HEAD * 4 / 1e6
     print(f"decode attention, one layer: {SEQS} sequences, {int(lens.sum())} keys, {mb:.1f} MB of float32 K/V")
     results: dict[str, list[float]] = {}

@@ -9,6 +9,8 @@
     blockserve bench throughput|latency|serve                        (benchmarks; see blockserve bench -h)
 
 `--model` takes a Hugging Face directory or a .gguf file; it defaults to the bundled SmolLM2.
+Every command runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets a wait policy
+(blockserve/thread_policy.py says why).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from blockserve.engine.config import EngineConfig
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 from blockserve.server.routing import DataParallelConfig
+from blockserve.thread_policy import apply_defaults
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -207,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_defaults()  # the OpenMP wait policy (thread_policy.py): before anything loads torch
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("blockserve").setLevel(logging.WARNING if args.quiet else logging.INFO)

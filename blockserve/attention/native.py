@@ -54,9 +54,16 @@ class PagedDecodeKernel:
     def __call__(self, *args) -> None:
         self._module.paged_decode_attention(*args)
 
+    def rotary_decode(self, *args) -> None:
+        """`(out, qkv, cos, sin, k_cache, v_cache, slot_mapping, block_table, key_start, seq_lens,
+        num_heads, scale)`: a decode-only step's rotary, cache write and attention in one call
+        (attention/rotary_decode.py)."""
+        self._module.rotary_decode_attention(*args)
+
     def reads(self, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> bool:
-        """float32 queries over a float32 cache always; over float16 / bfloat16 caches where the
-        AVX-512 path is compiled in and the head size is 64, 128 or 256."""
+        """float32 queries over a float32 cache always; over float16 / bfloat16 caches where an
+        intrinsics path (AVX-512, or AVX2 + FMA + F16C) is compiled in and the head size is 64,
+        128 or 256."""
         if q_dtype != torch.float32:
             return False
         if cache_dtype == torch.float32:
@@ -66,8 +73,8 @@ class PagedDecodeKernel:
 
 def paged_decode_kernel(without_avx512: bool = False) -> PagedDecodeKernel | None:
     """The decode kernel of csrc/paged_decode.cpp, or None when native kernels are disabled or
-    cannot be built. without_avx512: compiled with -mno-avx512f, the portable path (how tests
-    cover it on an AVX-512 machine)."""
+    cannot be built. without_avx512: compiled with -mno-avx512f, the AVX2 path a CPU without
+    AVX-512 gets (how tests cover it on an AVX-512 machine)."""
     module = _native("paged_decode", ("-mno-avx512f",) if without_avx512 else ())
     return None if module is None else PagedDecodeKernel(module)
 
@@ -79,8 +86,8 @@ def fused_ops():
 
 
 def quantized_matmul_ops(without_avx512: bool = False):
-    """The module of csrc/quantized_matmul.cpp (quantized_matmul, simd_lanes), or None when native
-    kernels are disabled or cannot be built. without_avx512: compiled with -mno-avx512f, the AVX2
+    """The module of csrc/quantized_matmul.cpp (quantized_matmul, quantized_matmul_int8, simd_lanes),
+    or None when native kernels are disabled or cannot be built. without_avx512: compiled with -mno-avx512f, the AVX2
     path a CPU without AVX-512 gets (how tests cover it on an AVX-512 machine)."""
     return _native("quantized_matmul", ("-mno-avx512f",) if without_avx512 else ())
 
@@ -142,7 +149,7 @@ def _build_key(name: str, extra_flags: tuple[str, ...]) -> str:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    identity = b"".join(p.read_bytes() for p in (_CSRC / f"{name}.cpp", _CSRC / "fast_exp.h"))
+    identity = b"".join(p.read_bytes() for p in (_CSRC / f"{name}.cpp", *sorted(_CSRC.glob("*.h"))))
     identity += platform.machine().encode() + flags.encode() + " ".join(extra_flags).encode()
     identity += str(_CSRC.resolve()).encode() + torch.__file__.encode()
     return hashlib.sha256(identity).hexdigest()[:12]

@@ -10,7 +10,8 @@ One decoder serves them all; the variants differ only in what the config switche
     x ─► embed ─► [ x += o(attn(rope(qkv(norm x))))  x += down(silu(gate) * up)(norm x) ] × L ─► norm
 
 Each residual add is fused into the norm that follows it; with the native fused ops
-(attention/native.py) the norm+add, the rotary embedding and silu*up are one pass each.
+(attention/native.py) the norm+add, the rotary embedding and silu*up are one pass each, and a
+decode-only step's rotary + KV write + attention is one call (attention/rotary_decode.py).
 Q/K/V and gate/up are fused, one matmul each.
 
 Tensor-parallel (placement.tp): q heads, kv heads (replicated when N > num_key_value_heads) and
@@ -25,7 +26,9 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
 from blockserve.attention.native import fused_ops
+from blockserve.attention.native_gate import native_reads
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.distributed.parallel_layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, RMSNorm, require_activation
@@ -64,17 +67,22 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, head_dim,
                               backend_cls(head_dim**-0.5), dtype=placement.dtype)
         self.fused = fused_ops()
+        self.rotary_decode = None if self.qk_norm else RotaryDecode(self.attn)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.rotary_decode is not None:  # a decode-only step: rotary, cache write and attention in one call
+            out = self.rotary_decode(qkv, cos[:, 0], sin[:, 0], ctx)
+            if out is not None:
+                return self.o_proj(out)
         v = qkv[:, self.q_size + self.kv_size:]
         if self.qk_norm:
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        elif self.fused is not None and qkv.dtype == torch.float32:  # the kernel's dtype: q, k rotated in place
+        elif self.fused is not None and native_reads(qkv):  # the kernel's device and dtype: q, k rotated in place
             self.fused.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos[:, 0], sin[:, 0])
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)

@@ -124,6 +124,25 @@ def test_native_decode_kernel_builds_where_a_compiler_exists():
     assert BACKENDS["exact"](1.0).decode_kernel is not None
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native-default", "native-without-avx512"])
+def test_16bit_caches_are_read_natively_on_every_avx2_cpu(portable):
+    """A CPU with AVX2 + FMA + F16C (e.g. Zen 3, no AVX-512) decodes float16 and bfloat16 caches in
+    the native kernel at head sizes 64, 128 and 256, with or without AVX-512."""
+    if why_not_native() is not None:
+        pytest.skip(f"native kernels cannot be built here ({why_not_native()})")
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU lacks AVX2, FMA or F16C")
+    kernel = paged_decode_kernel(without_avx512=portable)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert all(kernel.reads(torch.float32, dtype, head) for head in (64, 128, 256))
+        assert not kernel.reads(torch.float32, dtype, 8)
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["native-default", "native-without-avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 4), (64, 32), (8, 4)])

@@ -5,9 +5,18 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "fast_exp.h"
+#include "rotary.h"
+
+// Rows per parallel task: at least ~32k floats (~10 us of work), so a small step (a decode batch)
+// runs inline on the calling thread instead of paying a wake-up per region.
+static int64_t rows_per_task(int64_t floats_per_row) {
+  constexpr int64_t kMinFloatsPerTask = 32768;
+  return std::max<int64_t>(1, kMinFloatsPerTask / std::max<int64_t>(1, floats_per_row));
+}
 
 static void check(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == torch::kFloat32, name, ": float32 expected");
@@ -23,7 +32,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(2 * hidden), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* __restrict xr = xp + t * xs;
       float* __restrict rr = rp + t * rs;
@@ -42,27 +51,15 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 // layout): x1, x2 = halves; x1' = x1 cos - x2 sin; x2' = x2 cos + x1 sin; cos, sin [T, D / 2].
 void rotary_(torch::Tensor qkv, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
   check(qkv, "qkv"); check(cos, "cos"); check(sin, "sin");
-  const int64_t rows = qkv.size(0), half = head_dim / 2;
+  const int64_t rows = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) >= heads * head_dim && head_dim % 2 == 0, "rotary_: shapes");
-  TORCH_CHECK(cos.size(0) == rows && cos.size(1) == half && sin.sizes() == cos.sizes(), "rotary_: cos/sin shapes");
+  TORCH_CHECK(cos.size(0) == rows && cos.size(1) == head_dim / 2 && sin.sizes() == cos.sizes(), "rotary_: cos/sin shapes");
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t qs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* __restrict c = cp + t * cs;
-      const float* __restrict s = sp + t * ss;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* __restrict x1 = qp + t * qs + h * head_dim;
-        float* __restrict x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
-        }
-      }
-    }
+  at::parallel_for(0, rows, rows_per_task(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rotate_half_heads(qp + t * qs, heads, head_dim, cp + t * cs, sp + t * ss);
   });
 }
 
@@ -75,7 +72,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(3 * inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict g = gp + t * gs;
       const float* __restrict u = g + inter;

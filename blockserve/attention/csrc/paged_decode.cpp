@@ -7,11 +7,11 @@
 // below seq_len are read (never an unwritten slot). The softmax runs online, block by block, so
 // K and V are read once each.
 //
-// Two implementations of one sequence's decode: a portable one the compiler vectorises (float32
-// caches), and, where AVX-512 is available and the head size is 64, 128 or 256, one written with
-// intrinsics that scores 16 keys at a time (each key's partial dot products summed across lanes by
-// one transpose), runs the softmax on those 16 lanes, and also reads float16 and bfloat16 caches
-// (widened to float32 in registers; all arithmetic stays float32).
+// Three implementations of one sequence's decode: a portable one the compiler vectorises (float32
+// caches), and, where the head size is 64, 128 or 256, two written with intrinsics: AVX-512 scores
+// 16 keys at a time, AVX2 (+ FMA + F16C, e.g. Zen 3) 8 at a time. Each sums a chunk's per-key
+// partial dot products across lanes by one transpose, runs the softmax on those lanes, and also
+// reads float16 and bfloat16 caches (widened to float32 in registers; all arithmetic stays float32).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,14 +19,21 @@
 #include <algorithm>
 #include <cfloat>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fast_exp.h"
+#include "rotary.h"
 
 #if defined(__AVX512F__)
 #define BLOCKSERVE_AVX512 1
 #else
 #define BLOCKSERVE_AVX512 0
+#endif
+#if !BLOCKSERVE_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BLOCKSERVE_AVX2 1
+#else
+#define BLOCKSERVE_AVX2 0
 #endif
 
 // Where the block holding position `base` keeps its K and V rows; the next block's (if the
@@ -198,23 +205,120 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
 }
 #endif
 
-// attend_sequence_avx512's type, so decode_all can hold one where that path is not compiled in.
+#if BLOCKSERVE_AVX2
+// 8 cache values widened to float32.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// lane j of the result = the sum of v[j]'s 8 lanes: two rounds of pairwise adds within 128-bit
+// halves (hadd), then the low and high halves of each vector added across.
+static inline __m256 transpose_sum8(const __m256* v) {
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
+}
+
+static inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float reduce_add8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// attend_sequence_avx512's contract on 8 lanes, head size 8 * C: per query head, a chunk's 8
+// scores in one vector, the online softmax on it, then its weights scale the V rows into the
+// accumulator, 64 floats (8 registers, 8 independent FMA chains) at a time.
+template <typename T, int C>
+static void attend_sequence_avx2(const float* __restrict qn, const T* kp, const T* vp, const int64_t* table,
+                                 int64_t start, int64_t stop, int64_t n_heads, const int64_t* kv_offset,
+                                 int64_t block_size, int64_t slot_stride, float scale, float* __restrict acc,
+                                 float* __restrict weights, float* __restrict correction,
+                                 float* __restrict run_max, float* __restrict run_sum) {
+  constexpr int64_t dim = 8 * C;
+  constexpr int SLICE = C < 8 ? C : 8;  // accumulator registers per pass over a chunk's V rows
+  const int64_t block_stride = block_size * slot_stride;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t base = start - start % block_size; base < stop; base += block_size) {
+    const BlockRows<T> rows = block_rows(kp, vp, table, base, stop, block_size, block_stride);
+    const T* __restrict kb = rows.k;
+    const T* __restrict vb = rows.v;
+    const int64_t hi = std::min(stop, base + block_size) - base;
+    for (int64_t lo = std::max(start, base) - base; lo < hi; lo += 8) {  // keys [lo, lo + n) of the block
+      const int64_t n = std::min<int64_t>(8, hi - lo);
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+      for (int64_t hq = 0; hq < n_heads; ++hq) {  // scores: every head's 8 in one vector
+        const T* kh = kb + lo * slot_stride + kv_offset[hq];
+        const float* qh = qn + hq * dim;
+        __m256 part[8];
+        for (int j = 0; j < 8; ++j) part[j] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j)  // only written slots are read: keys past n stay zero
+            if (j < n) part[j] = _mm256_fmadd_ps(qc, load8(kh + j * slot_stride + 8 * c), part[j]);
+        }
+        _mm256_store_ps(weights + 8 * hq, _mm256_mul_ps(transpose_sum8(part), _mm256_set1_ps(scale)));
+      }
+      for (int64_t hq = 0; hq < n_heads; ++hq) {  // online softmax; heads are independent chains
+        const __m256 score = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_load_ps(weights + 8 * hq), valid);
+        const float chunk_max = std::max(run_max[hq], reduce_max8(score));
+        const __m256 w = _mm256_and_ps(valid, fast_exp8(_mm256_sub_ps(score, _mm256_set1_ps(chunk_max))));
+        correction[hq] = fast_exp(run_max[hq] - chunk_max);
+        run_max[hq] = chunk_max;
+        run_sum[hq] = run_sum[hq] * correction[hq] + reduce_add8(w);
+        _mm256_store_ps(weights + 8 * hq, w);
+      }
+      for (int64_t hq = 0; hq < n_heads; ++hq) {  // weighted V rows, SLICE registers of the accumulator at a time
+        const T* vh = vb + lo * slot_stride + kv_offset[hq];
+        const float* wh = weights + 8 * hq;
+        const __m256 fix = _mm256_set1_ps(correction[hq]);
+        for (int s = 0; s < C; s += SLICE) {
+          float* ah = acc + hq * dim + 8 * s;
+          __m256 sum[SLICE];
+          for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_mul_ps(_mm256_loadu_ps(ah + 8 * c), fix);
+          for (int64_t j = 0; j < n; ++j) {
+            const __m256 wj = _mm256_set1_ps(wh[j]);
+            const T* vr = vh + j * slot_stride + 8 * s;
+            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, load8(vr + 8 * c), sum[c]);
+          }
+          for (int c = 0; c < SLICE; ++c) _mm256_storeu_ps(ah + 8 * c, sum[c]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// The intrinsics paths' type (attend_sequence_avx512 / _avx2), so decode_all can hold one where neither is compiled in.
 template <typename T>
 using FastPath = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, const int64_t*,
                           int64_t, int64_t, float, float*, float*, float*, float*, float*);
 
-// Whether float16 and bfloat16 caches are read (by the AVX-512 path only) at this head size.
-static bool reads_16bit(int64_t dim) { return BLOCKSERVE_AVX512 && (dim == 64 || dim == 128 || dim == 256); }
+// Whether float16 and bfloat16 caches are read (by an intrinsics path: AVX-512 or AVX2) at this head size.
+static bool reads_16bit(int64_t dim) {
+  return (BLOCKSERVE_AVX512 || BLOCKSERVE_AVX2) && (dim == 64 || dim == 128 || dim == 256);
+}
 
 // Every sequence's decode, for a cache of element type T (float, at::Half or at::BFloat16).
+// Sequence n's query heads are the n_heads * dim floats at qp + n * q_stride.
 template <typename T>
-static void decode_all(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                       torch::Tensor block_table, torch::Tensor key_start, torch::Tensor seq_lens, float scale) {
-  const int64_t n_seqs = q.size(0), n_heads = q.size(1), dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), n_kv_heads = k_cache.size(2);
+static void decode_all(torch::Tensor out, const float* qp, int64_t q_stride, int64_t n_seqs, int64_t n_heads,
+                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                       torch::Tensor key_start, torch::Tensor seq_lens, float scale) {
+  const int64_t dim = k_cache.size(3), block_size = k_cache.size(1), n_kv_heads = k_cache.size(2);
   const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);  // query heads per KV head
   const int64_t slot_stride = n_kv_heads * dim;
-  const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
@@ -222,11 +326,14 @@ static void decode_all(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
   const int64_t* starts = key_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
 
-  // The path for this head size: AVX-512 where compiled in (64, 128, 256), else the portable one.
+  // The path for this head size: AVX-512 or AVX2 where compiled in (64, 128, 256), else the portable one.
   FastPath<T> fast = nullptr;
 #if BLOCKSERVE_AVX512
   fast = dim == 64 ? attend_sequence_avx512<T, 4> : dim == 128 ? attend_sequence_avx512<T, 8>
        : dim == 256 ? attend_sequence_avx512<T, 16> : nullptr;
+#elif BLOCKSERVE_AVX2
+  fast = dim == 64 ? attend_sequence_avx2<T, 8> : dim == 128 ? attend_sequence_avx2<T, 16>
+       : dim == 256 ? attend_sequence_avx2<T, 32> : nullptr;
 #endif
   auto portable = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
 
@@ -239,7 +346,7 @@ static void decode_all(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
     std::vector<float> weights_buffer(n_heads * 16 + 16);  // 16 scores, then weights, per head; 64-byte aligned
     float* weights = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(weights_buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t n = begin; n < end; ++n) {
-      const float* qn = qp + n * n_heads * dim;
+      const float* qn = qp + n * q_stride;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
@@ -258,30 +365,103 @@ static void decode_all(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
   });
 }
 
+// What both entry points require of the cache and the per-sequence tensors.
+static void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                        const torch::Tensor& key_start, const torch::Tensor& seq_lens, int64_t n_seqs,
+                        int64_t n_heads, const char* name) {
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), name, ": K and V caches of one dtype expected");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(cache_type == torch::kFloat32 || cache_type == torch::kFloat16 || cache_type == torch::kBFloat16,
+              name, ": float32, float16 or bfloat16 caches expected");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), name, ": K and V caches of one shape expected");
+  TORCH_CHECK(block_table.dtype() == torch::kInt64 && key_start.dtype() == torch::kInt64 &&
+                  seq_lens.dtype() == torch::kInt64,
+              name, ": int64 block_table, key_start and seq_lens expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous() &&
+                  key_start.is_contiguous() && seq_lens.is_contiguous(),
+              name, ": contiguous tensors expected");
+  TORCH_CHECK(block_table.size(0) >= n_seqs && key_start.numel() >= n_seqs && seq_lens.numel() >= n_seqs,
+              name, ": a block table row, key_start and seq_len per sequence expected");
+  TORCH_CHECK(n_heads % k_cache.size(2) == 0, name, ": query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || reads_16bit(k_cache.size(3)),
+              name, ": a float16 or bfloat16 cache needs AVX-512 or AVX2 (+ FMA, F16C) and head size 64, 128 or 256");
+}
+
+template <typename... Args>
+static void dispatch_cache(const torch::Tensor& k_cache, Args&&... args) {
+  if (k_cache.scalar_type() == torch::kFloat32)
+    decode_all<float>(std::forward<Args>(args)...);
+  else if (k_cache.scalar_type() == torch::kFloat16)
+    decode_all<at::Half>(std::forward<Args>(args)...);
+  else  // bfloat16: check_cache admits no other type
+    decode_all<at::BFloat16>(std::forward<Args>(args)...);
+}
+
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_table, torch::Tensor key_start, torch::Tensor seq_lens,
                             double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
               "paged_decode_attention: float32 q and out expected");
-  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_decode_attention: K and V caches of one dtype expected");
-  TORCH_CHECK(block_table.dtype() == torch::kInt64 && key_start.dtype() == torch::kInt64 &&
-                  seq_lens.dtype() == torch::kInt64,
-              "paged_decode_attention: int64 block_table, key_start and seq_lens expected");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_table.is_contiguous() && key_start.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode_attention: contiguous tensors expected");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "paged_decode_attention: shape mismatch");
-  const float fscale = static_cast<float>(scale);
-  TORCH_CHECK(k_cache.dtype() == torch::kFloat32 || reads_16bit(q.size(2)),
-              "paged_decode_attention: a float16 or bfloat16 cache needs AVX-512 and head size 64, 128 or 256");
-  if (k_cache.dtype() == torch::kFloat32)
-    decode_all<float>(out, q, k_cache, v_cache, block_table, key_start, seq_lens, fscale);
-  else if (k_cache.dtype() == torch::kFloat16)
-    decode_all<at::Half>(out, q, k_cache, v_cache, block_table, key_start, seq_lens, fscale);
-  else if (k_cache.dtype() == torch::kBFloat16)
-    decode_all<at::BFloat16>(out, q, k_cache, v_cache, block_table, key_start, seq_lens, fscale);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "paged_decode_attention: contiguous q and out [N, Hq, D] expected");
+  check_cache(k_cache, v_cache, block_table, key_start, seq_lens, q.size(0), q.size(1), "paged_decode_attention");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "paged_decode_attention: shape mismatch");
+  dispatch_cache(k_cache, out, q.data_ptr<float>(), q.size(1) * q.size(2), q.size(0), q.size(1), k_cache, v_cache,
+                 block_table, key_start, seq_lens, static_cast<float>(scale));
+}
+
+// A decode-only step of a rotate_half RoPE attention layer in one call. qkv [N, (Hq + 2 Hkv) D]
+// holds q | k | v of each sequence's one new token: q and k are rotated in place (cos, sin
+// [N, D / 2]), k and v are written to slot slot_mapping[n] of the caches (rounded to the cache's
+// dtype, as a copy would), then out [N, Hq, D] = paged_decode_attention over the caches. Every
+// write lands before any sequence is attended.
+void rotary_decode_attention(torch::Tensor out, torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                             torch::Tensor block_table, torch::Tensor key_start, torch::Tensor seq_lens,
+                             int64_t n_heads, double scale) {
+  const char* name = "rotary_decode_attention";
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 &&
+                  sin.dtype() == torch::kFloat32,
+              name, ": float32 qkv, cos, sin and out expected");
+  check_cache(k_cache, v_cache, block_table, key_start, seq_lens, qkv.size(0), n_heads, name);
+  const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t q_size = n_heads * dim, kv_size = n_kv_heads * dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size && qkv.stride(1) == 1,
+              name, ": qkv [N, (Hq + 2 Hkv) D] with contiguous rows expected");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == n_seqs * q_size, name, ": contiguous out [N, Hq, D] expected");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n_seqs && cos.size(1) == dim / 2 && sin.sizes() == cos.sizes() &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1 && dim % 2 == 0,
+              name, ": cos, sin [N, D / 2] expected");
+  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == n_seqs,
+              name, ": an int64 slot per sequence expected");
+  float* qkvp = qkv.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t n = 0; n < n_seqs; ++n)
+    TORCH_CHECK(slots[n] >= 0 && slots[n] < num_slots, name, ": slot ", slots[n], " outside the cache (", num_slots,
+                " slots)");
+  auto write = [&](auto* kc, auto* vc) {
+    using T = std::remove_pointer_t<decltype(kc)>;
+    for (int64_t n = 0; n < n_seqs; ++n) {  // a few KB per sequence: not worth a parallel region
+      float* row = qkvp + n * qkv.stride(0);
+      rotate_half_heads(row, n_heads + n_kv_heads, dim, cos.data_ptr<float>() + n * cos.stride(0),
+                        sin.data_ptr<float>() + n * sin.stride(0));
+      T* kd = kc + slots[n] * kv_size;
+      T* vd = vc + slots[n] * kv_size;
+      for (int64_t i = 0; i < kv_size; ++i) {
+        kd[i] = static_cast<T>(row[q_size + i]);
+        vd[i] = static_cast<T>(row[q_size + kv_size + i]);
+      }
+    }
+  };
+  if (k_cache.scalar_type() == torch::kFloat32)
+    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else if (k_cache.scalar_type() == torch::kFloat16)
+    write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
   else
-    TORCH_CHECK(false, "paged_decode_attention: float32, float16 or bfloat16 caches expected");
+    write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  dispatch_cache(k_cache, out, static_cast<const float*>(qkvp), qkv.stride(0), n_seqs, n_heads, k_cache, v_cache,
+                 block_table, key_start, seq_lens, static_cast<float>(scale));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -289,4 +469,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache, in place (out, q, k_cache, v_cache, block_table, key_start, "
         "seq_lens, scale)");
+  m.def("rotary_decode_attention", &rotary_decode_attention,
+        "a decode-only step: rotate q, k of qkv in place, write k, v to the caches, attend (out, qkv, cos, sin, "
+        "k_cache, v_cache, slot_mapping, block_table, key_start, seq_lens, n_heads, scale)");
 }

@@ -1,0 +1,78 @@
+"""The native decode kernel (attention/csrc/paged_decode.cpp) as built for this CPU against its
+portable path (the same source built with -mno-avx2 -mno-avx512f: loops the compiler vectorises,
+float32 caches only), per cache dtype: decode_kernels.py's shape (64 sequences of 60-245 tokens,
+SmolLM2's 9 query and 3 KV heads of 64), 30 layers' caches read in turn (DRAM) or one layer 30
+times (L3). Rounds alternate; medians; the other processes' CPU share recorded.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_attention_paths.py [--rounds 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_share import CpuShare  # noqa: E402
+from decode_kernels import BLOCK, HEAD, KV_HEADS, LAYERS, Q_HEADS, SEQS, timed  # noqa: E402
+
+from blockserve.attention import native  # noqa: E402
+from blockserve.benchmark.common import environment  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(60, 246, (SEQS,), generator=gen)
+    need = (lens + BLOCK - 1) // BLOCK
+    order = torch.randperm(int(need.sum()), generator=gen) + 1
+    table = torch.zeros(SEQS, int(need.max()), dtype=torch.int64)
+    for i, offset in enumerate(torch.cumsum(need, 0) - need):
+        table[i, : need[i]] = order[offset : offset + need[i]]
+    shape = (int(need.sum()) + 1, BLOCK, KV_HEADS, HEAD)
+    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(LAYERS)]
+    q = torch.randn(SEQS, Q_HEADS, HEAD, generator=gen)
+    out, starts = torch.empty_like(q), torch.zeros(SEQS, dtype=torch.int64)
+    portable = native._native("paged_decode", ("-mno-avx2", "-mno-avx512f"))
+    kernels = {"this CPU's build": native.paged_decode_kernel(),
+               "portable path": None if portable is None else native.PagedDecodeKernel(portable)}
+    times: dict[str, list[float]] = {}
+    with CpuShare() as share:
+        for _ in range(args.rounds):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                layers = [(k.to(dtype), v.to(dtype)) for k, v in caches]
+                for name, kernel in kernels.items():
+                    if kernel is None or not kernel.reads(torch.float32, dtype, HEAD):
+                        continue
+                    for where, reads in (("DRAM", layers), ("L3", layers[:1] * LAYERS)):
+                        def run(reads=reads, kernel=kernel):
+                            for k, v in reads:
+                                kernel(out, q, k, v, table, starts, lens, HEAD**-0.5)
+                        run()
+                        label = f"{name}, {str(dtype).removeprefix('torch.')}, from {where}"
+                        times.setdefault(label, []).append(timed(run, 3) / LAYERS)
+    print(f"decode attention, one layer: {SEQS} sequences, {int(lens.sum())} keys, 1 thread; "
+          f"others' CPU share {100 * (share.others or 0):.0f}%")
+    medians = {label: 1e3 * statistics.median(v) for label, v in times.items()}
+    for label, ms in medians.items():
+        print(f"  {label:<40} {ms:6.3f} ms per layer")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": environment(), "others_cpu_share": share.others,
+                                               "ms_per_layer": medians,
+                                               "rounds_ms": {k: [1e3 * x for x in v] for k, v in times.items()}},
+                                              indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""A decode step of the bundled SmolLM2 with its fused decode attention (attention/rotary_decode.py:
+rotary + KV write + attention in one native call per layer) against the reference path (rotary_,
+index_copy_ x 2, the backend's decode kernel), in one process, rounds alternating, medians.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_glue.py --running 1 16 [--threads 1]
+        [--kv-cache-dtype float16] [--json results/decode_glue.json]
+
+Each figure carries the other processes' CPU share while it was taken (benchmarks/cpu_share.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_share import CpuShare  # noqa: E402
+
+from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
+from blockserve.benchmark.common import environment, write_json  # noqa: E402
+from blockserve.engine.llm import LLM  # noqa: E402
+from blockserve.models.llama import LlamaAttention  # noqa: E402
+from blockserve.models.loader import load_model  # noqa: E402
+from blockserve.sampling_params import SamplingParams  # noqa: E402
+
+
+def decoding_engine(loaded, running: int, steps: int, kv_cache_dtype: str):
+    """An engine with `running` requests past their prefill, with room for `steps` more tokens each."""
+    llm = LLM(loaded, kv_cache_dtype=kv_cache_dtype)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    for i in range(running):
+        engine.add_request(f"r{i}", [1 + (7 * i + j) % 500 for j in range(48 + 5 * i)], params)
+    started: set[str] = set()
+    while len(started) < running:  # until every request has its first token (chunked prefill)
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+    for _ in range(4):  # every request decoding, the decode path warm
+        engine.step()
+    return llm
+
+
+def set_fused(model, on: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, LlamaAttention) and not module.qk_norm:
+            module.rotary_decode = module._rotary_decode if on else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--running", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="decode steps per variant per round")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {"environment": environment(), "args": vars(args), "batches": []}
+    loaded = load_model(None, BACKENDS["exact"])
+    model = loaded.model
+    for running in args.running:
+        llm = decoding_engine(loaded, running, 2 * args.rounds * args.steps, args.kv_cache_dtype)
+        for module in model.modules():
+            if isinstance(module, LlamaAttention):
+                module._rotary_decode = module.rotary_decode
+        times: dict[str, list[float]] = {"fused decode": [], "reference": []}
+        shares: dict[str, list[float]] = {k: [] for k in times}
+        for _ in range(args.rounds):
+            for variant in times:
+                set_fused(model, variant == "fused decode")
+                walls = []
+                with CpuShare() as share:
+                    for _ in range(args.steps):
+                        start = time.perf_counter()
+                        llm.engine.step()
+                        walls.append(time.perf_counter() - start)
+                times[variant].append(statistics.median(walls))
+                shares[variant].append(share.others or 0.0)
+        set_fused(model, True)
+        row = {"running": running, **{f"{k} step ms": 1e3 * statistics.median(v) for k, v in times.items()},
+               "others_cpu_share": statistics.median(shares["fused decode"] + shares["reference"])}
+        results["batches"].append(row)
+        print(f"{running:3d} running: fused decode {row['fused decode step ms']:7.2f} ms/step, reference "
+              f"{row['reference step ms']:7.2f} ms/step ({row['reference step ms'] / row['fused decode step ms']:.2f}x); "
+              f"others' CPU share {100 * row['others_cpu_share']:.0f}%  [{args.threads} thread(s), kv {args.kv_cache_dtype}]")
+        del llm
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

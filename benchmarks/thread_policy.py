@@ -1,0 +1,105 @@
+"""OpenMP thread policy against decode speed: the bundled SmolLM2's decode step at 1 and 16 running
+requests, under each (threads, OMP_WAIT_POLICY / GOMP_SPINCOUNT) setting, in fresh processes (the
+OpenMP runtime reads its environment once, when torch loads), settings alternating round by round,
+medians. Each figure carries the other processes' CPU share while it was taken.
+
+    .venv/bin/python benchmarks/thread_policy.py [--rounds 2] [--json results/thread_policy.json]
+
+    PASSIVE          a waiting thread sleeps at once: every parallel region pays a futex wake-up
+    spin 10k         GOMP_SPINCOUNT=10000: spins ~10 us, then sleeps
+    default          libgomp's default: spins 300k iterations (~0.1-1 ms), then sleeps
+    ACTIVE           spins forever: the fastest on an idle machine, a collapse beside a busy neighbour
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SETTINGS: dict[str, tuple[int, dict[str, str]]] = {
+    "1 thread, PASSIVE": (1, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "2 threads, PASSIVE": (2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "2 threads, spin 10k": (2, {"GOMP_SPINCOUNT": "10000"}),
+    "2 threads, default spin": (2, {}),
+    "2 threads, ACTIVE": (2, {"OMP_WAIT_POLICY": "ACTIVE"}),
+}
+OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+
+
+def child(threads: int, running: list[int], steps: int) -> None:
+    """Measure in this process (its environment already set) and print one JSON line."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_share import CpuShare
+    from decode_glue import decoding_engine
+
+    from blockserve.attention.paged_attention import BACKENDS
+    from blockserve.models.loader import load_model
+
+    torch.set_num_threads(threads)
+    loaded = load_model(None, BACKENDS["exact"])
+    out = {}
+    for n in running:
+        llm = decoding_engine(loaded, n, steps, "auto")
+        walls = []
+        with CpuShare() as share:
+            for _ in range(steps):
+                start = time.perf_counter()
+                llm.engine.step()
+                walls.append(time.perf_counter() - start)
+        out[n] = {"step_ms": 1e3 * statistics.median(walls), "others_cpu_share": share.others}
+        del llm
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--running", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        return child(args.child, args.running, args.steps)
+    runs: dict[str, list[dict]] = {name: [] for name in args.settings}
+    for _ in range(args.rounds):
+        for name in args.settings:
+            threads, env = SETTINGS[name]
+            full_env = {k: v for k, v in os.environ.items() if k not in OMP_KEYS}
+            full_env.update(env, OMP_NUM_THREADS=str(threads))
+            cmd = [sys.executable, __file__, "--child", str(threads), "--steps", str(args.steps),
+                   "--running", *map(str, args.running)]
+            proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, check=True)
+            line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+            runs[name].append(json.loads(line.removeprefix("RESULT ")))
+            print(f"  round {len(runs[name])}, {name}: {line.removeprefix('RESULT ')}", flush=True)
+    table = {}
+    print(f"decode step, median of {args.rounds} round(s) x {args.steps} steps; others' CPU share in brackets")
+    for name, results in runs.items():
+        table[name] = {}
+        cells = []
+        for n in args.running:
+            ms = statistics.median(r[str(n)]["step_ms"] for r in results)
+            share = statistics.median(r[str(n)]["others_cpu_share"] or 0.0 for r in results)
+            table[name][n] = {"step_ms": ms, "others_cpu_share": share}
+            cells.append(f"{n:3d} running {ms:8.2f} ms [{100 * share:3.0f}%]")
+        print(f"  {name:<26} " + "   ".join(cells))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "settings": {k: SETTINGS[k] for k in args.settings},
+                                               "runs": runs, "medians": table}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

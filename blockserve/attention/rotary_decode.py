@@ -1,0 +1,54 @@
+"""A decode-only step of a rotate_half-RoPE attention layer in one native call.
+
+At batch 1 a decoder layer's attention is ~15 small tensor ops (rotary, two cache writes, views,
+the decode kernel): their Python and dispatch cost rivals the math. When every row of the step
+is a decode, csrc/paged_decode.cpp's rotary_decode_attention does all of it in one pass:
+
+    qkv [T, (Hq + 2 Hkv) D] ─► rotate q, k in place ─► write k, v at slot_mapping ─► attend ─► [T, Hq * D]
+
+It is exactly what the reference path computes (fused rotary_, the backend's index_copy_ and
+its native decode kernel), so results do not change. Anything else (prefill rows, a sliding
+window, a backend without the native kernel, a dtype or device the kernel does not take)
+returns None and the caller runs the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockserve.attention.context import ForwardContext
+from blockserve.attention.layer import Attention
+from blockserve.attention.native import PagedDecodeKernel
+from blockserve.attention.native_gate import native_reads
+
+
+class RotaryDecode:
+    """`RotaryDecode(attn)(qkv, cos, sin, ctx)` -> attention output [T, Hq * D], or None when the
+    step is not one the fused call covers (then nothing was modified). cos, sin [T, D / 2]."""
+
+    def __init__(self, attn: Attention):
+        self.attn = attn
+
+    def _kernel(self) -> PagedDecodeKernel | None:
+        """The backend's own native decode kernel: None where it has none (or it was switched off)."""
+        return getattr(self.attn.backend, "decode_kernel", None)
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 ctx: ForwardContext) -> torch.Tensor | None:
+        attn = self.attn
+        kernel = self._kernel()
+        if kernel is None or attn.sliding_window is not None or not native_reads(qkv) or not native_reads(cos):
+            return None
+        cache, meta = ctx.for_layer(attn.layer_name)
+        layout = meta.layout
+        t = qkv.shape[0]
+        if (layout.num_decodes != t or layout.num_seqs != t or meta.sliding_window is not None
+                or not kernel.reads(qkv.dtype, cache.k_cache.dtype, attn.head_dim)):
+            return None
+        table, key_start, seq_lens = meta.derive(("rotary_decode", "seqs"), lambda host: (
+            host.block_table[:t].contiguous(), host.key_start[:t].contiguous(),
+            torch.tensor(host.layout.seq_lens[:t], dtype=torch.int64)))
+        out = qkv.new_empty(t, attn.num_heads * attn.head_dim)
+        kernel.rotary_decode(out, qkv, cos, sin, cache.k_cache, cache.v_cache, meta.slot_mapping, table, key_start,
+                             seq_lens, attn.num_heads, attn.backend.scale)
+        return out
