@@ -1,7 +1,7 @@
 """kv_cache_dtype: attention K/V stored as float16 or bfloat16 through the whole engine.
 
 The tiny model has head size 64, so decodes go to the native kernel's 16-bit path where it is
-built (AVX-512), else to the gathered PyTorch path. With float16 (11-bit mantissa) the greedy
+built (AVX-512 or AVX2), else to the gathered PyTorch path. With float16 (11-bit mantissa) the greedy
 outputs must stay those of the float32 cache. bfloat16 (8 bits) rounds 8x coarser, enough to flip
 this random model's greedy picks within a few tokens, so for it only the storage is checked here
 (tests/attention checks its reads exactly). Either way the cache must really hold 16-bit values,

@@ -1,4 +1,4 @@
-"""The soak's one-minute version (`make soak-server` runs it for 30): mixed load against a real
+"""The soak's 40-second version (`make soak-server` runs it for 30): mixed load against a real
 `blockserve serve` with the bundled model (blockserve/server/soak.py). No unexpected answer, the
 server's RSS grows by less than 5 MB after the warm-up, every KV block is free at the end, and
 SIGTERM then drains and exits 0."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 from blockserve.server.soak import MIX, SoakConfig, run_soak, serve
 
 
-def test_a_minute_of_mixed_load_leaves_nothing_behind():
+def test_forty_seconds_of_mixed_load_leave_nothing_behind():
     with serve() as (port, process):
-        report = run_soak(port, process.pid, SoakConfig(duration_s=60, warmup_s=20))
+        report = run_soak(port, process.pid, SoakConfig(duration_s=40, warmup_s=15))
     print(report.summary())
     assert report.by_class["unexpected"] == 0, report.unexpected
     assert set(report.by_kind) == set(MIX), report.by_kind  # every kind of load ran
