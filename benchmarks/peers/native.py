@@ -3,7 +3,7 @@ inter-token latency and streaming servers at 1 / 16 / 64 clients, at each thread
 
     make bench-peers-native                  (1 thread and all cores; results/peers_native.json)
     python benchmarks/peers/native.py --threads 1 2 [--rounds 2] [--clients 1 16 64] [--skip-server]
-        [--input-len 112] [--max-tokens 128] [--batch 64] [--json PATH]
+        [--input-len 112] [--max-tokens 128] [--batch 64] [--blockserve-flags '...'] [--json PATH]
 
 llama.cpp is built once by benchmarks/peers/build_llama_cpp.sh (from the llama-cpp-python sdist's
 vendor/llama.cpp, -DGGML_NATIVE=ON, cached outside the repository). Both systems load the same
@@ -17,7 +17,9 @@ run as a user would:
     batch-1   llama-batched-bench ... -npl 1: T_TG / G              blockserve bench latency --batch-sizes 1: ITL p50
     server    llama-server -np 64 -t T         blockserve serve --num-threads T
               both driven by `blockserve bench serve --endpoint completions` with the same random token-id
-              prompts (P tokens, G new, greedy, EOS ignored) at each --clients concurrency
+              prompts (P tokens, G new, greedy, EOS ignored) at each --clients concurrency;
+              output tok/s, TTFT p50, ITL p50 (gaps between content chunks: a server that holds
+              back incomplete UTF-8 sends some chunks of 2+ tokens) and TPOT p50 (per token)
 
 Cells run interleaved (llama.cpp, then blockserve, per round) and report medians over --rounds.
 Each figure carries the other processes' share of the CPU during it: (all CPUs' busy time - the
@@ -60,6 +62,8 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=float, default=2.0,
                     help="requests per server run = clients x this (at least 4)")
     ap.add_argument("--skip-server", action="store_true", help="offline and batch-1 cells only")
+    ap.add_argument("--blockserve-flags", default="", help="engine flags for every blockserve command, e.g. "
+                    "'--quantized-activations int8' (default: none, blockserve's defaults)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -91,7 +95,7 @@ def main() -> int:
                             cells[f"server {clients} clients"][system].append(run)
                             print(f"[{threads} thr, round {r + 1}] {system} server, {clients} clients: "
                                   f"{run['value']:.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
-                                  f"ITL p50 {run['itl_p50_ms']:.1f} ms", flush=True)
+                                  f"ITL p50 {run['itl_p50_ms']:.1f} ms, TPOT p50 {run['tpot_p50_ms']:.1f} ms", flush=True)
     env["load_average_end"] = list(os.getloadavg())
     report(results)
     if args.json:
@@ -168,7 +172,7 @@ def blockserve_bench(kind: str, args, threads: int, extra: list[str]) -> dict:
         out_json = Path(d) / "out.json"
         cmd = [*BLOCKSERVE, "bench", kind, "--random-input-len", str(args.input_len), "--max-tokens",
                str(args.max_tokens), "--num-threads", str(threads), "--no-progress", "--output-json", str(out_json),
-               *extra]
+               *extra, *args.blockserve_flags.split()]
         _, share = run_process(cmd)
         record = json.loads(out_json.read_text())
     return {"record": record, "others_cpu_share": share.others_share, "command": " ".join(cmd)}
@@ -206,12 +210,13 @@ def start_llama_server(bin_dir: Path, model: str, threads: int, args) -> tuple[l
     port, slots = free_port(), max(args.clients or [1])
     return [str(bin_dir / "llama-server"), "-m", model, "-np", str(slots), "-c",
             str(slots * (args.input_len + args.max_tokens + 16)), "-t", str(threads), "-tb", str(threads),
-            "--host", "127.0.0.1", "--port", str(port)], port
+            "--threads-http", str(slots + 4), "--host", "127.0.0.1", "--port", str(port)], port
 
 
 def start_blockserve(bin_dir: Path, model: str, threads: int, args) -> tuple[list[str], int]:
     port = free_port()
-    return [*BLOCKSERVE, "serve", "--num-threads", str(threads), "--host", "127.0.0.1", "--port", str(port)], port
+    return [*BLOCKSERVE, "serve", "--num-threads", str(threads), "--host", "127.0.0.1", "--port", str(port),
+            *args.blockserve_flags.split()], port
 
 
 class Server:
@@ -247,7 +252,20 @@ class Server:
         self.log.close()
 
 
-def serve_load(server: Server, clients: int, args) -> dict:
+def serve_load(server: Server, clients: int, args, attempts: int = 2) -> dict:
+    """One bench serve run at `clients`; a run with a failed request is run again (once by default),
+    and the failures are kept in the record."""
+    failures = []
+    for _ in range(attempts):
+        try:
+            return {**_serve_load(server, clients, args), "failed_attempts": failures}
+        except RuntimeError as error:
+            failures.append(str(error)[-1500:])
+            print(f"{server.cmd[0]} at {clients} clients: a run failed, retrying ({str(error)[-300:]})", flush=True)
+    raise RuntimeError(f"{server.cmd[0]} at {clients} clients failed {attempts} times:\n" + "\n".join(failures))
+
+
+def _serve_load(server: Server, clients: int, args) -> dict:
     requests = max(4, round(clients * args.requests_per_client))
     with tempfile.TemporaryDirectory() as d:
         out_json = Path(d) / "serve.json"
@@ -263,7 +281,7 @@ def serve_load(server: Server, clients: int, args) -> dict:
         raise RuntimeError(f"{server.cmd[0]} generated {load['completion_tokens']} tokens, expected "
                            f"{requests * args.max_tokens}")
     return {"value": load["output_throughput"], "ttft_p50_ms": load["ttft_ms"]["median"],
-            "itl_p50_ms": load["itl_ms"]["median"], "requests": requests, "load": load,
+            "itl_p50_ms": load["itl_ms"]["median"], "tpot_p50_ms": load["tpot_ms"]["median"], "requests": requests, "load": load,
             "server_command": " ".join(server.cmd), "others_cpu_share": share.others_share,
             "server_cpu_per_wall": share.ours / share.wall}
 
@@ -288,13 +306,14 @@ def report(results: dict) -> None:
             line = (f"{name:<42} {med['llama.cpp']:14.2f} [{share['llama.cpp']:4.0%}] "
                     f"{med['blockserve']:14.2f} [{share['blockserve']:4.0%}] {ratio:12.2f}x")
             if name.startswith("server"):
-                for key in ("ttft_p50_ms", "itl_p50_ms"):
+                for key in ("ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms"):
                     entry[key] = {s: statistics.median(r[key] for r in v) for s, v in runs.items()}
-                ttft, itl = entry["ttft_p50_ms"], entry["itl_p50_ms"]
+                ttft, itl, tpot = entry["ttft_p50_ms"], entry["itl_p50_ms"], entry["tpot_p50_ms"]
                 line += (f"\n{'':<4}TTFT p50 ms: llama.cpp {ttft['llama.cpp']:.0f}, blockserve {ttft['blockserve']:.0f} "
                          f"({ttft['llama.cpp'] / ttft['blockserve']:.2f}x better);  ITL p50 ms: llama.cpp "
                          f"{itl['llama.cpp']:.1f}, blockserve {itl['blockserve']:.1f} "
-                         f"({itl['llama.cpp'] / itl['blockserve']:.2f}x)")
+                         f"({itl['llama.cpp'] / itl['blockserve']:.2f}x);  TPOT p50 ms: llama.cpp "
+                         f"{tpot['llama.cpp']:.1f}, blockserve {tpot['blockserve']:.1f}")
             table["medians"][name] = entry
             print(line)
 

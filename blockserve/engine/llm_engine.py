@@ -62,13 +62,21 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None):
+        """The engine over `core` (default: one built from `config`, which a failure here stops
+        again, tensor-parallel ranks included, before the error propagates)."""
         self.config = config
         self.core = core or EngineCore(config)
-        self.tokenizer = self.core.loaded.tokenizer  # None: token-id prompts only, no text
-        self.vocab_size = self.core.loaded.hf_config.vocab_size
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else self.core.loaded.hf_config.eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
+        try:
+            self.tokenizer = self.core.loaded.tokenizer  # None: token-id prompts only, no text
+            self.vocab_size = self.core.loaded.hf_config.vocab_size
+            loaded = self.core.loaded
+            eos = self.tokenizer.eos_token_id if self.tokenizer is not None else loaded.hf_config.eos_token_id
+            self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
+        except BaseException:
+            if core is None:
+                self.core.close()
+            raise
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
         self._broken: str | None = None  # set by a failed step that left the KV books unbalanced

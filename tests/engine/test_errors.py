@@ -63,3 +63,24 @@ def test_bad_engine_arguments_name_the_problem(tmp_path):
         LLM(None, attention_backend="flash")
     with pytest.raises(ValueError, match="cannot read kv_cache_memory"):
         LLM(None, kv_cache_memory="lots")
+
+
+def test_an_engine_that_fails_after_its_core_is_built_stops_that_core(llm, monkeypatch):
+    """LLMEngine builds its core, then its grammar compiler: a failure there closes the core it
+    built (its tensor-parallel ranks, if any), and leaves a core it was given to its owner."""
+    from blockserve.engine import core as core_module
+    from blockserve.engine import llm_engine
+
+    closed = []
+    monkeypatch.setattr(core_module.EngineCore, "close", lambda self: closed.append(self))
+
+    def broken(*args):
+        raise RuntimeError("grammar compiler failed")
+
+    monkeypatch.setattr(llm_engine, "GrammarCompiler", broken)
+    with pytest.raises(RuntimeError, match="grammar compiler failed"):
+        llm_engine.LLMEngine(llm.engine.config)
+    assert len(closed) == 1 and closed[0] is not llm.engine.core
+    with pytest.raises(RuntimeError, match="grammar compiler failed"):
+        llm_engine.LLMEngine(llm.engine.config, llm.engine.core)
+    assert len(closed) == 1  # the given core is not ours to stop
