@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_share import CpuShare  # noqa: E402
-from decode_kernels import BLOCK, HEAD, KV_HEADS, LAYERS, Q_HEADS, SEQS, timed  # noqa: E402
+from decode_kernels import HEAD, LAYERS, SEQS, decode_problem, timed  # noqa: E402
 
 from blockserve.attention import native  # noqa: E402
 from blockserve.benchmark.common import environment  # noqa: E402
@@ -32,17 +32,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(60, 246, (SEQS,), generator=gen)
-    need = (lens + BLOCK - 1) // BLOCK
-    order = torch.randperm(int(need.sum()), generator=gen) + 1
-    table = torch.zeros(SEQS, int(need.max()), dtype=torch.int64)
-    for i, offset in enumerate(torch.cumsum(need, 0) - need):
-        table[i, : need[i]] = order[offset : offset + need[i]]
-    shape = (int(need.sum()) + 1, BLOCK, KV_HEADS, HEAD)
-    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(LAYERS)]
-    q = torch.randn(SEQS, Q_HEADS, HEAD, generator=gen)
-    out, starts = torch.empty_like(q), torch.zeros(SEQS, dtype=torch.int64)
+    lens, table, caches, q, out, starts = decode_problem()
     portable = native._native("paged_decode", ("-mno-avx2", "-mno-avx512f"))
     kernels = {"this CPU's build": native.paged_decode_kernel(),
                "portable path": None if portable is None else native.PagedDecodeKernel(portable)}

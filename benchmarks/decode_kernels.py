@@ -36,7 +36,9 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def attention(rounds: int) -> None:
+def decode_problem() -> tuple:
+    """SEQS decodes of 60-245 tokens over LAYERS float32 caches, blocks in random order: (lens,
+    block table, [(k, v)] per layer, q, out, key starts), the same every call (seed 0)."""
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(60, 246, (SEQS,), generator=gen)
     need = (lens + BLOCK - 1) // BLOCK
@@ -47,7 +49,11 @@ def attention(rounds: int) -> None:
     shape = (int(need.sum()) + 1, BLOCK, KV_HEADS, HEAD)
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(LAYERS)]
     q = torch.randn(SEQS, Q_HEADS, HEAD, generator=gen)
-    out, starts = torch.empty_like(q), torch.zeros(SEQS, dtype=torch.int64)
+    return lens, table, caches, q, torch.empty_like(q), torch.zeros(SEQS, dtype=torch.int64)
+
+
+def attention(rounds: int) -> None:
+    lens, table, caches, q, out, starts = decode_problem()
     kernels = {"native build": paged_decode_kernel(), "-mno-avx512f build": paged_decode_kernel(without_avx512=True)}
     mb = 2 * int(lens.sum()) * KV_HEADS * HEAD * 4 / 1e6
     print(f"decode attention, one layer: {SEQS} sequences, {int(lens.sum())} keys, {mb:.1f} MB of float32 K/V")
