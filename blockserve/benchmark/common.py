@@ -74,6 +74,7 @@ def thread_settings() -> dict:
         "torch_num_interop_threads": torch.get_num_interop_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),  # a spin length instead of a policy (thread_policy.py)
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"),
     }
 
@@ -81,7 +82,8 @@ def thread_settings() -> dict:
 def describe_threads(settings: dict | None = None) -> str:
     s = settings or thread_settings()
     return (f"torch threads {s['torch_num_threads']} (interop {s['torch_num_interop_threads']}), "
-            f"OMP_NUM_THREADS={s['OMP_NUM_THREADS']}, OMP_WAIT_POLICY={s['OMP_WAIT_POLICY']}")
+            f"OMP_NUM_THREADS={s['OMP_NUM_THREADS']}, OMP_WAIT_POLICY={s['OMP_WAIT_POLICY']}"
+            + (f", GOMP_SPINCOUNT={s['GOMP_SPINCOUNT']}" if s.get("GOMP_SPINCOUNT") else ""))
 
 
 def print_environment(env: dict) -> None:

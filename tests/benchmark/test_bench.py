@@ -16,7 +16,8 @@ from blockserve.cli import main
 from tests.benchmark.conftest import VOCAB
 from tests.server.serve_process import healthy_server
 
-THREAD_KEYS = {"torch_num_threads", "torch_num_interop_threads", "OMP_NUM_THREADS", "OMP_WAIT_POLICY"}
+THREAD_KEYS = {"torch_num_threads", "torch_num_interop_threads", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+               "GOMP_SPINCOUNT"}
 
 
 def bench(tmp_path, *argv: str) -> dict:
