@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_share import CpuShare  # noqa: E402
-from decode_kernels import HEAD, LAYERS, SEQS, decode_problem, timed  # noqa: E402
+from decode_kernels import SEQS, decode_problem, time_decode_kernels  # noqa: E402
 
 from blockserve.attention import native  # noqa: E402
 from blockserve.benchmark.common import environment  # noqa: E402
@@ -36,21 +36,8 @@ def main() -> None:
     portable = native._native("paged_decode", ("-mno-avx2", "-mno-avx512f"))
     kernels = {"this CPU's build": native.paged_decode_kernel(),
                "portable path": None if portable is None else native.PagedDecodeKernel(portable)}
-    times: dict[str, list[float]] = {}
     with CpuShare() as share:
-        for _ in range(args.rounds):
-            for dtype in (torch.float32, torch.float16, torch.bfloat16):
-                layers = [(k.to(dtype), v.to(dtype)) for k, v in caches]
-                for name, kernel in kernels.items():
-                    if kernel is None or not kernel.reads(torch.float32, dtype, HEAD):
-                        continue
-                    for where, reads in (("DRAM", layers), ("L3", layers[:1] * LAYERS)):
-                        def run(reads=reads, kernel=kernel):
-                            for k, v in reads:
-                                kernel(out, q, k, v, table, starts, lens, HEAD**-0.5)
-                        run()
-                        label = f"{name}, {str(dtype).removeprefix('torch.')}, from {where}"
-                        times.setdefault(label, []).append(timed(run, 3) / LAYERS)
+        times = time_decode_kernels(kernels, args.rounds, (lens, table, caches, q, out, starts))
     print(f"decode attention, one layer: {SEQS} sequences, {int(lens.sum())} keys, 1 thread; "
           f"others' CPU share {100 * (share.others or 0):.0f}%")
     medians = {label: 1e3 * statistics.median(v) for label, v in times.items()}

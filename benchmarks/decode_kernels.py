@@ -52,17 +52,17 @@ def decode_problem() -> tuple:
     return lens, table, caches, q, torch.empty_like(q), torch.zeros(SEQS, dtype=torch.int64)
 
 
-def attention(rounds: int) -> None:
-    lens, table, caches, q, out, starts = decode_problem()
-    kernels = {"native build": paged_decode_kernel(), "-mno-avx512f build": paged_decode_kernel(without_avx512=True)}
-    mb = 2 * int(lens.sum()) * KV_HEADS * HEAD * 4 / 1e6
-    print(f"decode attention, one layer: {SEQS} sequences, {int(lens.sum())} keys, {mb:.1f} MB of float32 K/V")
+def time_decode_kernels(kernels: dict, rounds: int, problem: tuple) -> dict[str, list[float]]:
+    """Seconds per layer of each kernel (None: not built, skipped) over decode_problem()'s caches in
+    float32, float16 and bfloat16 (where it reads them), from DRAM (LAYERS caches in turn) and from
+    L3 (one cache LAYERS times), every round: {"name, dtype, from where": [per round]}."""
+    lens, table, caches, q, out, starts = problem
     results: dict[str, list[float]] = {}
     for _ in range(rounds):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             layers = [(k.to(dtype), v.to(dtype)) for k, v in caches]
             for name, kernel in kernels.items():
-                if not kernel.reads(torch.float32, dtype, HEAD):
+                if kernel is None or not kernel.reads(torch.float32, dtype, HEAD):
                     continue
                 for where, reads in (("DRAM", layers), ("L3", layers[:1] * LAYERS)):
                     def run(reads=reads, kernel=kernel):
@@ -71,6 +71,15 @@ def attention(rounds: int) -> None:
                     run()
                     label = f"{name}, {str(dtype).removeprefix('torch.')}, from {where}"
                     results.setdefault(label, []).append(timed(run, 3) / LAYERS)
+    return results
+
+
+def attention(rounds: int) -> None:
+    lens, table, caches, q, out, starts = decode_problem()
+    kernels = {"native build": paged_decode_kernel(), "-mno-avx512f build": paged_decode_kernel(without_avx512=True)}
+    mb = 2 * int(lens.sum()) * KV_HEADS * HEAD * 4 / 1e6
+    print(f"decode attention, one layer: {SEQS} sequences, {int(lens.sum())} keys, {mb:.1f} MB of float32 K/V")
+    results = time_decode_kernels(kernels, rounds, (lens, table, caches, q, out, starts))
     for label, times in results.items():
         print(f"  {label:<42} {1e3 * statistics.median(times):6.3f} ms per layer")
 

@@ -118,8 +118,8 @@ class EngineConfig:
                 "matmuls up to 64 rows, logits off by ~0.2 on average", "choices": QUANTIZED_ACTIVATIONS})
 
     tensor_parallel_size: int = field(default=1, metadata={
-        "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads, MLP and "
-                "vocabulary; the Llama family, Gemma 3 and DeepSeek-V3"})
+        "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads (recurrent "
+                "state too), MLP and vocabulary"})
     distributed_executor: str = field(default="spawn", metadata={
         "help": "who starts ranks 1..N-1: spawn (the engine, on this host) or external (a launcher such as "
                 "torchrun, each rank joining with env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; "
