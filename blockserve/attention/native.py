@@ -105,6 +105,12 @@ def _say_once(message: str) -> None:
     logger.warning(message)
 
 
+# -fopenmp: at::parallel_for is inline OpenMP (ATen/ParallelOpenMP.h); without the flag a kernel's
+# parallel_for runs on one thread whatever torch's thread count. The OpenMP runtime it links is the
+# libgomp.so.1 torch has already loaded (one thread pool, torch's settings).
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+           "-fno-trapping-math", "-fopenmp")
+
 _builds: dict[tuple[str, tuple[str, ...]], Future] = {}
 _builds_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -132,8 +138,7 @@ def _load(name: str, flags: tuple[str, ...]):
         from torch.utils.cpp_extension import load
 
         return load(name=f"blockserve_{name}_{_build_key(name, flags)}", sources=[str(_CSRC / f"{name}.cpp")],
-                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math",
-                                  "-fno-signed-zeros", "-fno-trapping-math", *flags],
+                    extra_cflags=[*_CFLAGS, *flags], extra_ldflags=["-fopenmp"],
                     extra_include_paths=[str(_CSRC)], verbose=False)
     except Exception as error:  # a failed build must not stop the engine: fall back, say why
         logger.warning("building native kernel %s failed (%s): using the PyTorch path", name, error)
@@ -150,6 +155,6 @@ def _build_key(name: str, extra_flags: tuple[str, ...]) -> str:
     except OSError:
         pass
     identity = b"".join(p.read_bytes() for p in (_CSRC / f"{name}.cpp", *sorted(_CSRC.glob("*.h"))))
-    identity += platform.machine().encode() + flags.encode() + " ".join(extra_flags).encode()
+    identity += platform.machine().encode() + flags.encode() + " ".join((*_CFLAGS, *extra_flags)).encode()
     identity += str(_CSRC.resolve()).encode() + torch.__file__.encode()
     return hashlib.sha256(identity).hexdigest()[:12]

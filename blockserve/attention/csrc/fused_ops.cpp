@@ -11,10 +11,10 @@
 #include "fast_exp.h"
 #include "rotary.h"
 
-// Rows per parallel task: at least ~32k floats (~10 us of work), so a small step (a decode batch)
-// runs inline on the calling thread instead of paying a wake-up per region.
+// Rows per parallel task: at least ~64k floats (~20 us of work), so a decode batch runs inline on
+// the calling thread instead of paying a hand-off per region.
 static int64_t rows_per_task(int64_t floats_per_row) {
-  constexpr int64_t kMinFloatsPerTask = 32768;
+  constexpr int64_t kMinFloatsPerTask = 1 << 16;
   return std::max<int64_t>(1, kMinFloatsPerTask / std::max<int64_t>(1, floats_per_row));
 }
 

@@ -41,7 +41,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 4;   // output rows packed together
-constexpr int64_t kRows = BLOCKSERVE_LANES == 16 ? 4 : 2;  // rows of x sharing one pass over a group (registers)
+constexpr int64_t kRows = BLOCKSERVE_LANES == 16 ? 4 : 8;  // rows of x sharing one pass over a group (registers)
 constexpr int64_t kPrefetchBlocks = 24;  // how far ahead (in group blocks) to prefetch weights
 
 template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 96 : 144; }
@@ -127,22 +127,27 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 #endif
 
 #ifdef BLOCKSERVE_AVX2
-// The same with 8 lanes (CPUs without AVX-512): a block is four vectors, weights are converted
-// and scaled (no 16-entry lookup in AVX2), x is read from L1 (too few registers to hold it).
+// The same with 8 lanes (CPUs without AVX-512), one output row of the group at a time: a block of
+// its levels is converted once (no 16-entry lookup in AVX2) into four vectors and dotted with the
+// block of each of R rows of x, scaled once per block. Holding one output row's accumulators (not
+// four) leaves registers for R = 8 rows of x, so the conversion is shared by up to 8 rows. The
+// four passes find the group's blocks in L1; the next group is prefetched a line per block
+// meanwhile, so memory streams while the passes compute.
 template <bool Q4, int R>
 void group_avx2(const Problem& p, int64_t g, int64_t r0) {
   const int64_t blocks = p.K / kBlock;
-  const uint8_t* gb = p.w + g * blocks * group_block_bytes<Q4>();
-  __m256 acc[kGroup][R];
-  float mins[R][kGroup] = {};
-  for (int i = 0; i < kGroup; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  const int64_t group_bytes = blocks * group_block_bytes<Q4>();
+  const uint8_t* group = p.w + g * group_bytes;
+  const char* next = reinterpret_cast<const char*>(group + group_bytes);
   const __m256i low4 = _mm256_set1_epi32(15);
-  for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
-    prefetch_ahead<Q4>(gb);
-    const float* d = reinterpret_cast<const float*>(gb);
-    for (int i = 0; i < kGroup; ++i) {
-      __m256 w[4];  // weights 0-7, 8-15, 16-23, 24-31 of the block
+  for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i) {
+    __m256 acc[R];
+    float mins[R] = {};
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* gb = group;
+    for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+      if (const int64_t line = 64 * (i * blocks + b); r0 == 0 && line < group_bytes) _mm_prefetch(next + line, _MM_HINT_T0);
+      __m256 w[4];  // levels 0-7, 8-15, 16-23, 24-31 of the block
       if constexpr (Q4) {
         const uint8_t* q = gb + 32 + 16 * i;
         const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
@@ -156,41 +161,56 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
         for (int k = 0; k < 4; ++k)
           w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
       }
-      const __m256 scale = _mm256_set1_ps(d[i]);
-      for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(w[k], scale);
-      for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(reinterpret_cast<const float*>(gb)[i]);
+      for (int r = 0; r < R; ++r) {  // q . x over the block, then one multiply-add by d (not d * q per weight)
         const float* x = p.x + (r0 + r) * p.K + b * kBlock;
-        for (int k = 0; k < 4; ++k) acc[i][r] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + 8 * k), acc[i][r]);
+        __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+        for (int k = 1; k < 4; ++k) dot = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + 8 * k), dot);
+        acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+      }
+      if constexpr (Q4) {
+        const float m = reinterpret_cast<const float*>(gb + 16)[i];
+        for (int r = 0; r < R; ++r) mins[r] += m * p.xsum[(r0 + r) * blocks + b];
       }
     }
-    if constexpr (Q4) {
-      const float* m = reinterpret_cast<const float*>(gb + 16);
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < kGroup; ++i) mins[r][i] += m[i] * p.xsum[(r0 + r) * blocks + b];
+    for (int r = 0; r < R; ++r) {
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      s = _mm_hadd_ps(s, s);
+      s = _mm_hadd_ps(s, s);
+      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm_cvtss_f32(s) + mins[r];
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i) {
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
-      s = _mm_hadd_ps(s, s);
-      s = _mm_hadd_ps(s, s);
-      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm_cvtss_f32(s) + mins[r][i];
-    }
 }
 
 template <bool Q4>
 void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
-  if (R == 1) return group_avx2<Q4, 1>(p, g, r0);
-  return group_avx2<Q4, 2>(p, g, r0);
+  switch (R) {
+    case 1: return group_avx2<Q4, 1>(p, g, r0);
+    case 2: return group_avx2<Q4, 2>(p, g, r0);
+    case 3: return group_avx2<Q4, 3>(p, g, r0);
+    case 4: return group_avx2<Q4, 4>(p, g, r0);
+    case 5: return group_avx2<Q4, 5>(p, g, r0);
+    case 6: return group_avx2<Q4, 6>(p, g, r0);
+    case 7: return group_avx2<Q4, 7>(p, g, r0);
+    default: return group_avx2<Q4, 8>(p, g, r0);
+  }
 }
 #endif
 
 #if BLOCKSERVE_LANES
 
+// Group-block-rows (one group's block against one row of x) a task must have before a call splits
+// across threads: ~30 us of work. Handing a task to a spinning thread costs about a microsecond
+// (blockserve's default wait policy, thread_policy.py); to a sleeping one ~100 us on a VM
+// (OMP_WAIT_POLICY=PASSIVE, or after the spin ran out).
+inline int64_t groups_per_task(int64_t M, int64_t K, int64_t min_work) {
+  return std::max<int64_t>(1, min_work / (M * (K / kBlock)));
+}
+
 template <bool Q4>
 void run(const Problem& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 2048), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r0 = 0; r0 < p.M; r0 += kRows)  // the group's weights stay in L1 across passes
         group_simd<Q4>(p, g, r0, std::min(kRows, p.M - r0));
@@ -312,10 +332,7 @@ void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
 template <bool Q4>
 void run_int8(const Int8Problem& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  // A task of at least ~kMinWork row-blocks of work: a 1-row call over a small layer stays on one thread.
-  constexpr int64_t kMinWork = 1024;
-  const int64_t grain = std::max<int64_t>(1, kMinWork / (p.M * (p.K / kBlock)));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 4096), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r0 = 0; r0 < p.M; r0 += kInt8Rows) {  // the group's weights stay in L1 across passes
         switch (std::min(kInt8Rows, p.M - r0)) {
