@@ -1,6 +1,10 @@
-"""A decode step of the bundled SmolLM2 with its fused decode attention (attention/rotary_decode.py:
-rotary + KV write + attention in one native call per layer) against the reference path (rotary_,
-index_copy_ x 2, the backend's decode kernel), in one process, rounds alternating, medians.
+"""A decode step of the bundled SmolLM2 three ways, in one process, rounds alternating, medians:
+
+    flat loop     what the engine runs: the layers' native calls from one loop (models/llama_decode.py)
+    module path   the same calls through the module tree, with the fused decode attention
+                  (attention/rotary_decode.py: rotary + KV write + attention in one native call per layer)
+    reference     the module tree without the fused decode attention (rotary_, index_copy_ x 2, the
+                  backend's decode kernel)
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_glue.py --running 1 16 [--threads 1]
         [--kv-cache-dtype float16] [--json results/decode_glue.json]
@@ -25,6 +29,7 @@ from cpu_share import CpuShare  # noqa: E402
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
 from blockserve.benchmark.common import environment, write_json  # noqa: E402
 from blockserve.engine.llm import LLM  # noqa: E402
+from blockserve.models import llama  # noqa: E402
 from blockserve.models.llama import LlamaAttention  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.sampling_params import SamplingParams  # noqa: E402
@@ -45,10 +50,15 @@ def decoding_engine(loaded, running: int, steps: int, kv_cache_dtype: str):
     return llm
 
 
-def set_fused(model, on: bool) -> None:
+VARIANTS = ("flat loop", "module path", "reference")
+
+
+def set_variant(model, variant: str, flat_loop) -> None:
+    """Switch the engine's model to `variant` (flat_loop: llama_decode.decode_layers)."""
+    llama.decode_layers = flat_loop if variant == "flat loop" else (lambda *args: None)
     for module in model.modules():
         if isinstance(module, LlamaAttention) and not module.qk_norm:
-            module.rotary_decode = module._rotary_decode if on else None
+            module.rotary_decode = None if variant == "reference" else module._rotary_decode
 
 
 def main() -> None:
@@ -64,16 +74,17 @@ def main() -> None:
     results = {"environment": environment(), "args": vars(args), "batches": []}
     loaded = load_model(None, BACKENDS["exact"])
     model = loaded.model
+    flat_loop = llama.decode_layers
     for running in args.running:
         llm = decoding_engine(loaded, running, 2 * args.rounds * args.steps, args.kv_cache_dtype)
         for module in model.modules():
             if isinstance(module, LlamaAttention):
                 module._rotary_decode = module.rotary_decode
-        times: dict[str, list[float]] = {"fused decode": [], "reference": []}
+        times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
         shares: dict[str, list[float]] = {k: [] for k in times}
         for _ in range(args.rounds):
             for variant in times:
-                set_fused(model, variant == "fused decode")
+                set_variant(model, variant, flat_loop)
                 walls = []
                 with CpuShare() as share:
                     for _ in range(args.steps):
@@ -82,13 +93,14 @@ def main() -> None:
                         walls.append(time.perf_counter() - start)
                 times[variant].append(statistics.median(walls))
                 shares[variant].append(share.others or 0.0)
-        set_fused(model, True)
+        set_variant(model, "flat loop", flat_loop)
         row = {"running": running, **{f"{k} step ms": 1e3 * statistics.median(v) for k, v in times.items()},
-               "others_cpu_share": statistics.median(shares["fused decode"] + shares["reference"])}
+               "others_cpu_share": statistics.median(x for v in shares.values() for x in v)}
         results["batches"].append(row)
-        print(f"{running:3d} running: fused decode {row['fused decode step ms']:7.2f} ms/step, reference "
-              f"{row['reference step ms']:7.2f} ms/step ({row['reference step ms'] / row['fused decode step ms']:.2f}x); "
-              f"others' CPU share {100 * row['others_cpu_share']:.0f}%  [{args.threads} thread(s), kv {args.kv_cache_dtype}]")
+        flat = row["flat loop step ms"]
+        print(f"{running:3d} running: " + ", ".join(f"{k} {row[f'{k} step ms']:7.2f} ms/step ({row[f'{k} step ms'] / flat:.2f}x)"
+                                                   for k in VARIANTS)
+              + f"; others' CPU share {100 * row['others_cpu_share']:.0f}%  [{args.threads} thread(s), kv {args.kv_cache_dtype}]")
         del llm
     write_json(args.json, results)
 

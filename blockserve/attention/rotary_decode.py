@@ -24,7 +24,9 @@ from blockserve.attention.native_gate import native_reads
 
 class RotaryDecode:
     """`RotaryDecode(attn)(qkv, cos, sin, ctx)` -> attention output [T, Hq * D], or None when the
-    step is not one the fused call covers (then nothing was modified). cos, sin [T, D / 2]."""
+    step is not one the fused call covers (then nothing was modified). cos, sin [T, D / 2].
+    The same in two halves: `prepare(x, cos, ctx)` (x: any tensor of qkv's device and dtype) says
+    whether the step is covered, before anything runs; `run(prepared, qkv, cos, sin)` does it."""
 
     def __init__(self, attn: Attention):
         self.attn = attn
@@ -33,22 +35,32 @@ class RotaryDecode:
         """The backend's own native decode kernel: None where it has none (or it was switched off)."""
         return getattr(self.attn.backend, "decode_kernel", None)
 
-    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 ctx: ForwardContext) -> torch.Tensor | None:
+    def prepare(self, x: torch.Tensor, cos: torch.Tensor, ctx: ForwardContext) -> tuple | None:
+        """The kernel and its cache and metadata arguments for this step, or None when not covered."""
         attn = self.attn
         kernel = self._kernel()
-        if kernel is None or attn.sliding_window is not None or not native_reads(qkv) or not native_reads(cos):
+        if kernel is None or attn.sliding_window is not None or not native_reads(x) or not native_reads(cos):
             return None
         cache, meta = ctx.for_layer(attn.layer_name)
         layout = meta.layout
-        t = qkv.shape[0]
+        t = x.shape[0]
         if (layout.num_decodes != t or layout.num_seqs != t or meta.sliding_window is not None
-                or not kernel.reads(qkv.dtype, cache.k_cache.dtype, attn.head_dim)):
+                or not kernel.reads(x.dtype, cache.k_cache.dtype, attn.head_dim)):
             return None
         table, key_start, seq_lens = meta.derive(("rotary_decode", "seqs"), lambda host: (
             host.block_table[:t].contiguous(), host.key_start[:t].contiguous(),
             torch.tensor(host.layout.seq_lens[:t], dtype=torch.int64)))
-        out = qkv.new_empty(t, attn.num_heads * attn.head_dim)
-        kernel.rotary_decode(out, qkv, cos, sin, cache.k_cache, cache.v_cache, meta.slot_mapping, table, key_start,
-                             seq_lens, attn.num_heads, attn.backend.scale)
+        return kernel, (cache.k_cache, cache.v_cache, meta.slot_mapping, table, key_start, seq_lens, attn.num_heads,
+                        attn.backend.scale)
+
+    def run(self, prepared: tuple, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        kernel, (k_cache, v_cache, slot_mapping, table, key_start, seq_lens, num_heads, scale) = prepared
+        out = qkv.new_empty(qkv.shape[0], num_heads * self.attn.head_dim)
+        kernel.rotary_decode(out, qkv, cos, sin, k_cache, v_cache, slot_mapping, table, key_start, seq_lens,
+                             num_heads, scale)
         return out
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 ctx: ForwardContext) -> torch.Tensor | None:
+        prepared = self.prepare(qkv, cos, ctx)
+        return None if prepared is None else self.run(prepared, qkv, cos, sin)

@@ -11,7 +11,8 @@ One decoder serves them all; the variants differ only in what the config switche
 
 Each residual add is fused into the norm that follows it; with the native fused ops
 (attention/native.py) the norm+add, the rotary embedding and silu*up are one pass each, and a
-decode-only step's rotary + KV write + attention is one call (attention/rotary_decode.py).
+decode-only step's rotary + KV write + attention is one call (attention/rotary_decode.py), and
+such a step runs the layers' native calls from one flat loop (llama_decode.py).
 Q/K/V and gate/up are fused, one matmul each.
 
 Tensor-parallel (placement.tp): q heads, kv heads (replicated when N > num_key_value_heads) and
@@ -32,6 +33,7 @@ from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.distributed.parallel_layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, RMSNorm, require_activation
+from blockserve.models.llama_decode import decode_layers
 from blockserve.models.placement import Placement
 from blockserve.models.rotary import RotaryEmbedding, apply_rotary
 from blockserve.models.weights import GATE_UP, QKV, CheckpointLayout
@@ -126,6 +128,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = self.rotary(positions)
         x, residual = self.embed_tokens(input_ids), None
+        hidden = decode_layers(self.layers, self.norm, x, cos, sin, ctx)  # a decode-only step, flat (llama_decode.py)
+        if hidden is not None:
+            return hidden
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
         return self.norm(x, residual)[0]

@@ -75,6 +75,23 @@ def test_fused_decode_equals_the_reference_path(cache_dtype, head_dim):
     torch.testing.assert_close(mine.v_cache, theirs.v_cache, rtol=0, atol=0, equal_nan=True)
 
 
+def test_two_threads_attend_to_the_same_bits():
+    """Five sequences of ~100 keys: enough work that the kernel splits them over two threads (tasks
+    of >= 2^17 key elements); each sequence is one thread's, so outputs and caches are bitwise equal."""
+    query_lens, computed = [1] * 5, [100, 120, 90, 130, 110]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            attn, ctx, qkv, cos, sin = make_step(query_lens, computed, 64, torch.float32)
+            results.append((RotaryDecode(attn)(qkv, cos, sin, ctx), ctx.layers["layer"].k_cache))
+    finally:
+        torch.set_num_threads(threads)
+    (one, k_one), (two, k_two) = results
+    assert torch.equal(one, two) and torch.equal(k_one.nan_to_num(7.0), k_two.nan_to_num(7.0))
+
+
 def test_a_step_with_prefill_rows_is_left_to_the_reference_path():
     attn, ctx, qkv, cos, sin = make_step([1, 3], [5, 0], 64, torch.float32)
     before, cache_before = qkv.clone(), ctx.layers["layer"].k_cache.clone()

@@ -1,0 +1,74 @@
+"""The flat decode loop (models/llama_decode.py) against the module path it stands in for: the same
+greedy tokens and bitwise the same logprobs, on a tiny random Llama (tied embeddings, so every
+linear the loop calls is exercised) served through the real engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import blockserve.models.llama as llama
+from blockserve import LLM, SamplingParams
+from blockserve.attention.native import why_not_native
+from tests.models.conftest import save_random_model
+
+pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
+
+CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def generate(path, monkeypatch, flat: bool) -> tuple[list, int]:
+    """Three prompts decoding side by side (chunked prefill, then decode-only steps): tokens and
+    logprobs, and how many steps the flat loop ran."""
+    ran = []
+
+    def counted(*args):
+        hidden = llama_decode_layers(*args) if flat else None
+        ran.append(hidden is not None)
+        return hidden
+
+    llama_decode_layers = llama.decode_layers
+    monkeypatch.setattr(llama, "decode_layers", counted)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+    llm = LLM(str(path), max_num_batched_tokens=8, block_size=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
+    monkeypatch.setattr(llama, "decode_layers", llama_decode_layers)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(ran)
+
+
+def test_the_flat_decode_loop_gives_the_module_paths_results(tmp_path, monkeypatch):
+    save_random_model(LlamaConfig(**CONFIG), tmp_path)
+    flat, flat_steps = generate(tmp_path, monkeypatch, flat=True)
+    modules, module_steps = generate(tmp_path, monkeypatch, flat=False)
+    assert flat_steps >= 10 and module_steps == 0  # the loop really ran (decode-only steps), and really did not
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(flat, modules):
+        assert tokens == want_tokens
+        assert [{t: lp.logprob for t, lp in d.items()} for d in logprobs] == \
+               [{t: lp.logprob for t, lp in d.items()} for d in want_logprobs]
+
+
+def test_a_step_with_a_prefill_row_is_left_to_the_module_path(tmp_path, monkeypatch):
+    """Steps mixing a prefill chunk with decodes (the first prompt decodes while the third is still
+    being prefilled in chunks of 8) are not flat: the loop declines them before touching anything."""
+    save_random_model(LlamaConfig(**CONFIG), tmp_path)
+    seen = []
+    real = llama.decode_layers
+
+    def recorded(layers, norm, x, cos, sin, ctx):
+        before = x.clone()
+        hidden = real(layers, norm, x, cos, sin, ctx)
+        layout = ctx.metadata[0].layout
+        seen.append((layout.num_decodes == layout.num_seqs, hidden is not None))
+        if hidden is None:
+            assert torch.equal(x, before)
+        return hidden
+
+    monkeypatch.setattr(llama, "decode_layers", recorded)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=8, block_size=4)
+    llm.generate([[1, 2, 3], list(range(20, 37))], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert (False, False) in seen and (True, True) in seen
+    assert all(flat == all_decodes for all_decodes, flat in seen)
