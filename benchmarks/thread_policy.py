@@ -3,10 +3,13 @@ requests, under each (threads, OMP_WAIT_POLICY / GOMP_SPINCOUNT) setting, in fre
 OpenMP runtime reads its environment once, when torch loads), settings alternating round by round,
 medians. Each figure carries the other processes' CPU share while it was taken.
 
-    .venv/bin/python benchmarks/thread_policy.py [--rounds 2] [--json results/thread_policy.json]
+    .venv/bin/python benchmarks/thread_policy.py [--rounds 2] [--busy-neighbours 1] [--json results/thread_policy.json]
+
+`--busy-neighbours N` runs N processes spinning on the CPU for the whole measurement: a loaded machine.
 
     PASSIVE          a waiting thread sleeps at once: every parallel region pays a futex wake-up
     spin 10k         GOMP_SPINCOUNT=10000: spins ~10 us, then sleeps
+    spin 100k        GOMP_SPINCOUNT=100000: spins ~0.1-1 ms, then sleeps
     default          libgomp's default: spins 300k iterations (~0.1-1 ms), then sleeps
     ACTIVE           spins forever: the fastest on an idle machine, a collapse beside a busy neighbour
 """
@@ -25,6 +28,7 @@ SETTINGS: dict[str, tuple[int, dict[str, str]]] = {
     "1 thread, PASSIVE": (1, {"OMP_WAIT_POLICY": "PASSIVE"}),
     "2 threads, PASSIVE": (2, {"OMP_WAIT_POLICY": "PASSIVE"}),
     "2 threads, spin 10k": (2, {"GOMP_SPINCOUNT": "10000"}),
+    "2 threads, spin 100k": (2, {"GOMP_SPINCOUNT": "100000"}),
     "2 threads, default spin": (2, {}),
     "2 threads, ACTIVE": (2, {"OMP_WAIT_POLICY": "ACTIVE"}),
 }
@@ -66,12 +70,23 @@ def main() -> None:
     ap.add_argument("--running", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--busy-neighbours", type=int, default=0, help="processes that keep a CPU busy meanwhile")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         return child(args.child, args.running, args.steps)
     runs: dict[str, list[dict]] = {name: [] for name in args.settings}
+    neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_neighbours)]
+    try:
+        measure(args, runs)
+    finally:
+        for proc in neighbours:
+            proc.kill()
+    report(args, runs)
+
+
+def measure(args, runs: dict[str, list[dict]]) -> None:
     for _ in range(args.rounds):
         for name in args.settings:
             threads, env = SETTINGS[name]
@@ -83,6 +98,9 @@ def main() -> None:
             line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
             runs[name].append(json.loads(line.removeprefix("RESULT ")))
             print(f"  round {len(runs[name])}, {name}: {line.removeprefix('RESULT ')}", flush=True)
+
+
+def report(args, runs: dict[str, list[dict]]) -> None:
     table = {}
     print(f"decode step, median of {args.rounds} round(s) x {args.steps} steps; others' CPU share in brackets")
     for name, results in runs.items():
@@ -96,7 +114,9 @@ def main() -> None:
         print(f"  {name:<26} " + "   ".join(cells))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "settings": {k: SETTINGS[k] for k in args.settings},
+        from blockserve.benchmark.common import environment
+
+        Path(args.json).write_text(json.dumps({"environment": environment(), "args": vars(args), "settings": {k: SETTINGS[k] for k in args.settings},
                                                "runs": runs, "medians": table}, indent=1))
         print(f"wrote {args.json}")
 

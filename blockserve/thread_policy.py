@@ -2,14 +2,15 @@
 
 A thread that finishes its share of a parallel region either spins (a fast hand-off to the next
 region, but it holds a core a neighbouring process may need) or sleeps (a futex wake-up per
-region). A decode step runs ~120 parallel regions (its matmuls; the small ops never split), with
-tens of microseconds of Python between them. Measured at 2 threads on a shared 2-core Zen 3
-(benchmarks/thread_policy.py, docs/performance.md): a short spin (GOMP_SPINCOUNT=10000, ~10 us)
-was faster than sleeping at batch 1 (15.7 vs 21 ms), but at 16 rows it ran 2-2.4x slower beside a
-busy neighbour (three runs of four), which sleeping never did. So `blockserve` starts with
-OMP_WAIT_POLICY=PASSIVE, the safe one, unless the caller chose a policy themselves (set
-GOMP_SPINCOUNT=10000 on a machine of your own). At one thread none of this matters: there are no
-parallel regions.
+region: ~100 us on a VM). A decode step runs a few hundred parallel regions (its matmuls, the LM
+head, attention over long contexts) with microseconds of Python between them. Measured at 2
+threads on a quiet 2-core Zen 3 (benchmarks/thread_policy.py, results/thread_policy_quiet.json):
+batch-1 decode steps of 28.2 ms sleeping (OMP_WAIT_POLICY=PASSIVE), twice one thread's 13.5 ms,
+and 12.4 ms spinning up to 100k iterations (GOMP_SPINCOUNT=100000; 130 vs 182 ms at 16 rows). So
+`blockserve` starts with GOMP_SPINCOUNT=100000 unless the caller chose a policy themselves. Beside a
+busy neighbour spinning collapses (110 ms per batch-1 step, results/thread_policy_loaded.json):
+the engine then runs on fewer threads (engine/thread_governor.py), and one thread has no parallel
+regions to spin in.
 
 The runtime reads its environment once, when torch loads: `apply_defaults()` must run before
 anything imports torch (blockserve.cli does it first thing). Pure Python, no torch.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+DEFAULTS: dict[str, str] = {"GOMP_SPINCOUNT": "100000"}
 # Any of these set by the caller is their choice of policy: the defaults then stay out.
 USER_CHOICES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 

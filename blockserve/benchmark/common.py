@@ -91,8 +91,8 @@ def print_environment(env: dict) -> None:
           f"torch {env['torch']}, python {env['python']}; load average {' '.join(f'{x:.2f}' for x in env['load_average_start'])}; "
           f"blockserve {env['blockserve_commit']}")
     print(f"threads: {describe_threads(env)}")
-    if env["OMP_WAIT_POLICY"] is None and env["torch_num_threads"] > 1:
-        print("note: OMP_WAIT_POLICY is unset; on a shared machine OMP_WAIT_POLICY=PASSIVE avoids spin-wait collapse")
+    if env["OMP_WAIT_POLICY"] is None and env.get("GOMP_SPINCOUNT") is None and env["torch_num_threads"] > 1:
+        print("note: no wait policy is set: libgomp spins 300k iterations (blockserve's commands set GOMP_SPINCOUNT=100000)")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -108,6 +108,10 @@ class EngineConfig:
         "help": "C1 tests only: ignore the derived zero flags", "cli": False})
     seed: int | None = field(default=0, metadata={"help": "seed for requests without their own", "cli": False})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+    adaptive_threads: bool = field(default=True, metadata={
+        "help": "CPU: fixed thread count (by default the engine runs on fewer threads while other processes "
+                "keep the CPUs busy, up to --num-threads; engine/thread_governor.py)",
+        "flag": "--no-adaptive-threads"})
     # Applies when the engine loads the model (a LoadedModel passed in was loaded with load_model's own setting).
     quantized_matmul: bool = field(default=True, metadata={
         "help": "GGUF models: float32 weights only (by default batches of up to 16 rows read the "

@@ -16,6 +16,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig, parse_memory
 from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
 from blockserve.engine.kv_budget import cuda_kv_budget, profile_step
+from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
@@ -165,6 +166,9 @@ class EngineCore:
         runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
         self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
                        else self.executor.start(*runner_args))
+        self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
+        if self.executor is None and plan.device.type == "cpu" and config.adaptive_threads:
+            self.thread_governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         budget_line = "" if self.kv_budget is None else f"\n{self.kv_budget.report()}"
         logger.info("KV cache capacity (max_model_len %d, %s, %s):\n%s%s", max_model_len, plan.device,
                     str(plan.dtype).removeprefix("torch."), self.kv_config.capacity_report(), budget_line)
@@ -175,6 +179,9 @@ class EngineCore:
 
     def step(self) -> tuple[list[RequestOutput], SchedulerStats]:
         """One step; RunnerFailed (its cause chained) if the model runner raised."""
+        if self.thread_governor is not None and (threads := self.thread_governor.tick()) is not None:
+            logger.info("torch threads: %d of %d (the cores other processes leave free)", threads,
+                        self.thread_governor.max_threads)
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.runner.execute(scheduler_output)

@@ -1,0 +1,74 @@
+"""Torch's thread count, lowered while other processes keep the machine's cores busy.
+
+blockserve's threads spin for a while between parallel regions (blockserve/thread_policy.py), so a
+decode step's few hundred regions hand over in microseconds on a quiet machine. Beside a busy
+neighbour a spinning thread loses its core for whole time slices and every region waits for it:
+measured on a 2-core Zen 3 (results/thread_policy_*.json), batch-1 decode steps of 12.4 ms at two
+spinning threads, 13.5 ms at one, but 110 ms at two spinning threads beside one busy process
+(13.3 ms at one). So the engine watches the other processes' CPU use and runs on the cores they leave:
+
+    others = (busy CPU time of the machine - this process's) / elapsed   (in cores, /proc/stat)
+    threads = clamp(floor(cores - others + 1/4), 1, max_threads)          every `interval` seconds
+
+A neighbour using more than a quarter of a core takes one thread away; when it stops, the next
+sample gives the thread back. Where /proc/stat cannot be read the count stays at max_threads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every process has spent busy (all CPUs, since boot), or None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_busy_seconds() -> float:
+    """CPU seconds this process has spent busy (every thread)."""
+    t = os.times()
+    return t.user + t.system
+
+
+class ThreadGovernor:
+    """`tick()` once per engine step: every `interval` seconds it samples the CPU counters and sets
+    the thread count (`set_threads`) to what the other processes leave; returns the new count when
+    it changed, else None."""
+
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None], *, interval: float = 1.0,
+                 cores: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 machine_busy: Callable[[], float | None] = machine_busy_seconds,
+                 own_busy: Callable[[], float] = own_busy_seconds):
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be at least 1, got {max_threads}")
+        self.max_threads = self.threads = max_threads
+        self.cores = cores or os.cpu_count() or 1
+        self.interval = interval
+        self._set_threads, self._clock, self._machine_busy, self._own_busy = set_threads, clock, machine_busy, own_busy
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float | None, float]:
+        return self._clock(), self._machine_busy(), self._own_busy()
+
+    def tick(self) -> int | None:
+        if self.max_threads == 1 or self._clock() - self._last[0] < self.interval:
+            return None
+        (then, busy_then, own_then), now = self._last, self._sample()
+        self._last = now
+        if busy_then is None or now[1] is None:
+            return None
+        others = max(0.0, (now[1] - busy_then) - (now[2] - own_then)) / (now[0] - then)
+        threads = max(1, min(self.max_threads, int(self.cores - others + 0.25)))
+        if threads == self.threads:
+            return None
+        self.threads = threads
+        self._set_threads(threads)
+        return threads
