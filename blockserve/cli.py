@@ -9,7 +9,7 @@
     blockserve bench throughput|latency|serve                        (benchmarks; see blockserve bench -h)
 
 `--model` takes a Hugging Face directory or a .gguf file; it defaults to the bundled SmolLM2.
-Every command runs with GOMP_SPINCOUNT=100000 unless the environment sets a wait policy
+Every command runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets a wait policy
 (blockserve/thread_policy.py says why).
 """
 

@@ -10,12 +10,12 @@ from blockserve.thread_policy import DEFAULTS, apply_defaults
 
 def test_the_default_policy_is_set_when_the_caller_chose_none():
     environ = {"PATH": "/bin"}
-    assert apply_defaults(environ) == DEFAULTS == {"GOMP_SPINCOUNT": "100000"}
+    assert apply_defaults(environ) == DEFAULTS == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert environ == {"PATH": "/bin", **DEFAULTS}
 
 
 def test_a_policy_the_caller_chose_is_kept():
-    for choice in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+    for choice in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
         environ = dict(choice)
         assert apply_defaults(environ) == {}
         assert environ == choice
@@ -27,6 +27,6 @@ def test_the_cli_sets_it_before_torch_loads():
     code = ("import sys, os, blockserve.cli as cli; assert 'torch' not in sys.modules; "
             "[os.environ.pop(k, None) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]; cli.build_parser = lambda: (_ for _ in ()).throw(SystemExit(0));\n"
             "try:\n    cli.main([])\nexcept SystemExit:\n    pass\n"
-            "assert os.environ['GOMP_SPINCOUNT'] == '100000' and 'torch' not in sys.modules")
+            "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE' and 'torch' not in sys.modules")
     env = {"PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)

@@ -1,11 +1,11 @@
 """Torch's thread count, lowered while other processes keep the machine's cores busy.
 
-blockserve's threads spin for a while between parallel regions (blockserve/thread_policy.py), so a
-decode step's few hundred regions hand over in microseconds on a quiet machine. Beside a busy
-neighbour a spinning thread loses its core for whole time slices and every region waits for it:
-measured on a 2-core Zen 3 (results/thread_policy_*.json), batch-1 decode steps of 12.4 ms at two
-spinning threads, 13.5 ms at one, but 110 ms at two spinning threads beside one busy process
-(13.3 ms at one). So the engine watches the other processes' CPU use and runs on the cores they leave:
+Beside a busy neighbour every parallel region waits for the thread that lost its core: measured
+on a 2-core Zen 3 beside one busy process (results/thread_policy_loaded.json), batch-1 / 16-row
+decode steps of 13.3 / 130 ms at one thread, 16.6 / 189 ms at two sleeping threads
+(OMP_WAIT_POLICY=PASSIVE, blockserve's default) and 110 / 1149 ms at two spinning ones; on the
+quiet machine two threads were the faster (results/thread_policy_quiet.json). So the engine
+watches the other processes' CPU use and runs on the cores they leave:
 
     others = (busy CPU time of the machine - this process's) / elapsed   (in cores, /proc/stat)
     threads = clamp(floor(cores - others + 1/4), 1, max_threads)          every `interval` seconds

@@ -76,9 +76,9 @@ def test_fused_decode_equals_the_reference_path(cache_dtype, head_dim):
 
 
 def test_two_threads_attend_to_the_same_bits():
-    """Five sequences of ~100 keys: enough work that the kernel splits them over two threads (tasks
-    of >= 2^17 key elements); each sequence is one thread's, so outputs and caches are bitwise equal."""
-    query_lens, computed = [1] * 5, [100, 120, 90, 130, 110]
+    """Five sequences of ~750 keys: enough work that the kernel splits them over two threads (tasks
+    of >= 2^20 key elements); each sequence is one thread's, so outputs and caches are bitwise equal."""
+    query_lens, computed = [1] * 5, [700, 760, 720, 800, 740]
     threads = torch.get_num_threads()
     results = []
     try:

@@ -11,10 +11,10 @@
 #include "fast_exp.h"
 #include "rotary.h"
 
-// Rows per parallel task: at least ~64k floats (~20 us of work), so a decode batch runs inline on
-// the calling thread instead of paying a hand-off per region.
+// Rows per parallel task: at least ~512k floats (~150 us of work; waking a sleeping thread costs
+// ~100 us on a VM), so a decode batch or a short prefill runs inline on the calling thread.
 static int64_t rows_per_task(int64_t floats_per_row) {
-  constexpr int64_t kMinFloatsPerTask = 1 << 16;
+  constexpr int64_t kMinFloatsPerTask = 1 << 19;
   return std::max<int64_t>(1, kMinFloatsPerTask / std::max<int64_t>(1, floats_per_row));
 }
 

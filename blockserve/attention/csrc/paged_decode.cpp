@@ -338,12 +338,12 @@ static void decode_all(torch::Tensor out, const float* qp, int64_t q_stride, int
   auto portable = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
 
   // One work item per sequence: its blocks are read whole and in order (K then V rows of every head).
-  // Split across threads only in tasks of >= ~2^17 key elements (~20 us; a hand-off to a spinning
-  // thread costs ~1 us, to a sleeping one ~100 us): a small batch of short contexts stays inline.
+  // Split across threads only in tasks of >= ~2^20 key elements (~150 us: waking a sleeping thread
+  // costs ~100 us on a VM): a small batch of short contexts stays on the calling thread.
   int64_t keys = 0;
   for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
   const int64_t per_seq = std::max<int64_t>(1, keys * n_heads * dim / std::max<int64_t>(1, n_seqs));
-  at::parallel_for(0, n_seqs, std::max<int64_t>(1, (int64_t{1} << 17) / per_seq), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_seqs, std::max<int64_t>(1, (int64_t{1} << 20) / per_seq), [&](int64_t begin, int64_t end) {
     std::vector<float> acc(n_heads * dim), score(n_heads * block_size), run_max(n_heads), run_sum(n_heads),
         correction(n_heads);
     std::vector<int64_t> kv_offset(n_heads);  // where query head hq's K/V row starts in a slot

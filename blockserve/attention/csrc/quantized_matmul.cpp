@@ -200,9 +200,10 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 #if BLOCKSERVE_LANES
 
 // Group-block-rows (one group's block against one row of x) a task must have before a call splits
-// across threads: ~30 us of work. Handing a task to a spinning thread costs about a microsecond
-// (blockserve's default wait policy, thread_policy.py); to a sleeping one ~100 us on a VM
-// (OMP_WAIT_POLICY=PASSIVE, or after the spin ran out).
+// across threads: ~0.4 ms of work (float32; the int8 kernel's are twice as fast), since handing a
+// task to a sleeping thread (blockserve's default OMP_WAIT_POLICY=PASSIVE, thread_policy.py) costs
+// ~100 us on a VM. A batch-1 call over one of a small model's layers (SmolLM2's gate_up: 13.8k)
+// stays on the calling thread; the LM head and larger batches split.
 inline int64_t groups_per_task(int64_t M, int64_t K, int64_t min_work) {
   return std::max<int64_t>(1, min_work / (M * (K / kBlock)));
 }
@@ -210,7 +211,7 @@ inline int64_t groups_per_task(int64_t M, int64_t K, int64_t min_work) {
 template <bool Q4>
 void run(const Problem& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 2048), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 32768), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r0 = 0; r0 < p.M; r0 += kRows)  // the group's weights stay in L1 across passes
         group_simd<Q4>(p, g, r0, std::min(kRows, p.M - r0));
@@ -332,7 +333,7 @@ void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
 template <bool Q4>
 void run_int8(const Int8Problem& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 4096), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 65536), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r0 = 0; r0 < p.M; r0 += kInt8Rows) {  // the group's weights stay in L1 across passes
         switch (std::min(kInt8Rows, p.M - r0)) {
