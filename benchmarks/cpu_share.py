@@ -4,7 +4,8 @@
         ...                       # the measured work, in this process
     share.others                  # (busy CPU time of the machine - this process's) / (wall x CPUs)
 
-From /proc/stat (every process's busy time) and os.times() (this process's, threads included);
+From /proc/stat (every process's busy time) and os.times() (this process's, threads included),
+as the engine's thread governor reads them;
 None where /proc/stat cannot be read. A figure taken while `others` is large measured the neighbours.
 """
 
@@ -13,20 +14,8 @@ from __future__ import annotations
 import os
 import time
 
-
-def _busy_seconds() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
+from blockserve.engine.thread_governor import machine_busy_seconds as _busy_seconds
+from blockserve.engine.thread_governor import own_busy_seconds as _own_seconds
 
 
 class CpuShare:

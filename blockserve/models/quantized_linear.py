@@ -49,11 +49,13 @@ logger = logging.getLogger(__name__)
 
 # Rows up to which reading the blocks beats the float32 GEMM, by activations and the kernel's SIMD
 # lanes. float32 (SmolLM2's 30 layers on one core; AVX-512: 3.5x faster at 1 row, 1.5x at 16, even
-# at ~28; AVX2, built with -mno-avx512f: 2.9x at 1 row, 1.07x at 8; docs/performance.md). int8 (AVX2,
+# at ~28; AVX2, the 8-row kernel: even with the GEMM at 16 rows on one thread, 2.6x faster on two,
+# where the blocks' task pool hands over without OpenMP's wake-ups; behind it at 32;
+# results/quantized_matmul_avx2_8rows*.json, results/quantized_matmul_avx2_pool.json). int8 (AVX2,
 # benchmarks/quantized_matmul.py, SmolLM2's five shapes, one thread, fastest rounds on a loaded 2-core
 # EPYC: 2.7-4.8x the float32 GEMM at 1-4 rows, 1.0-1.3x at 64; results/quantized_matmul_avx2.json): 64.
 # The AVX-512 build runs the same loop with VNNI's dpbusd; not measured yet, so 64 there as well.
-MAX_ROWS = {("int8", 16): 64, ("int8", 8): 64, ("float32", 16): 16, ("float32", 8): 8}
+MAX_ROWS = {("int8", 16): 64, ("int8", 8): 64, ("float32", 16): 16, ("float32", 8): 16}
 ACTIVATIONS = ("float32", "int8")  # EngineConfig.quantized_activations' choices (engine/config.py)
 
 GROUP = 4  # output rows packed together (the kernel's layout)

@@ -18,7 +18,7 @@ from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 # The engine flags as `add_engine_args` wrote them out by hand, before they were generated.
 ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory", "--max-num-seqs",
                 "--max-num-batched-tokens", "--no-prefix-caching", "--attention-backend", "--kv-cache-dtype",
-                "--num-threads", "--poison", "--no-quantized-matmul", "--state-checkpoint-share",
+                "--num-threads", "--no-adaptive-threads", "--poison", "--no-quantized-matmul", "--state-checkpoint-share",
                 "--state-checkpoint-interval", "--state-checkpoint-savings-weight",
                 "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",
                 "--distributed-startup-timeout-s", "--device", "--dtype", "--gpu-memory-utilization",

@@ -18,7 +18,8 @@
 // The row count is padded to a multiple of four with zero rows.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "task_pool.h"
 
 #include <algorithm>
 #include <limits>
@@ -199,19 +200,20 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 
 #if BLOCKSERVE_LANES
 
-// Group-block-rows (one group's block against one row of x) a task must have before a call splits
-// across threads: ~0.4 ms of work (float32; the int8 kernel's are twice as fast), since handing a
-// task to a sleeping thread (blockserve's default OMP_WAIT_POLICY=PASSIVE, thread_policy.py) costs
-// ~100 us on a VM. A batch-1 call over one of a small model's layers (SmolLM2's gate_up: 13.8k)
-// stays on the calling thread; the LM head and larger batches split.
-inline int64_t groups_per_task(int64_t M, int64_t K, int64_t min_work) {
-  return std::max<int64_t>(1, min_work / (M * (K / kBlock)));
+// The row groups in tasks of >= `min_work` group-block-rows (one group's block against one row of
+// x; ~30 us of work), run on the module's TaskPool (task_pool.h): a decode step's ~120 calls hand
+// over to spinning workers in microseconds, and the pool sleeps between steps.
+template <typename F>
+void for_each_group_range(int64_t groups, int64_t M, int64_t K, int64_t min_work, const F& body) {
+  const int64_t per_task = std::max<int64_t>(1, min_work / (M * (K / kBlock)));
+  const int64_t tasks = (groups + per_task - 1) / per_task;
+  blockserve::task_pool().run(tasks, [&](int64_t t) { body(t * per_task, std::min(groups, (t + 1) * per_task)); });
 }
 
 template <bool Q4>
 void run(const Problem& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 32768), [&](int64_t begin, int64_t end) {
+  for_each_group_range(groups, p.M, p.K, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r0 = 0; r0 < p.M; r0 += kRows)  // the group's weights stay in L1 across passes
         group_simd<Q4>(p, g, r0, std::min(kRows, p.M - r0));
@@ -333,7 +335,7 @@ void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
 template <bool Q4>
 void run_int8(const Int8Problem& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, groups_per_task(p.M, p.K, 65536), [&](int64_t begin, int64_t end) {
+  for_each_group_range(groups, p.M, p.K, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r0 = 0; r0 < p.M; r0 += kInt8Rows) {  // the group's weights stay in L1 across passes
         switch (std::min(kInt8Rows, p.M - r0)) {

@@ -1,0 +1,131 @@
+// A thread pool for the short calls of a decode step, where OpenMP's hand-off is the problem: a
+// sleeping OpenMP thread (OMP_WAIT_POLICY=PASSIVE) takes ~100 us to wake on a VM, and a spinning
+// one holds its core after every region, starving the server's own threads (thread_policy.py).
+//
+//   run(n, f)   f(0..n-1) once each, on the calling thread and the pool's workers, returns when
+//               all are done. Tasks are claimed one at a time from a shared counter, so the caller
+//               never waits for a worker that is asleep or descheduled: it takes the unclaimed
+//               tasks itself and waits only for tasks a worker has begun.
+//
+// A worker spins for kSpinMicros after its last task (the next call of a decode step comes within
+// tens of microseconds), then sleeps on a condition variable until the next call: between steps
+// the pool holds no core. Which thread runs a task never changes its result (each task writes
+// its own outputs), so results are the same bits at any thread count. The pool has
+// at::get_num_threads() - 1 workers, started on first use; fewer threads (the engine's governor)
+// retire the extra ones at the next call.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define BLOCKSERVE_PAUSE() _mm_pause()
+#else
+#define BLOCKSERVE_PAUSE() std::this_thread::yield()
+#endif
+
+namespace blockserve {
+
+class TaskPool {
+ public:
+  static constexpr int64_t kSpinMicros = 200;
+
+  ~TaskPool() { resize(0); }
+
+  template <typename F>
+  void run(int64_t n, const F& f) {
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+    if (threads <= 1 || at::in_parallel_region()) {
+      for (int64_t t = 0; t < n; ++t) f(t);
+      return;
+    }
+    std::lock_guard<std::mutex> one_call(call_mutex_);  // one job at a time (callers on other threads wait)
+    resize(at::get_num_threads() - 1);
+    Job job{[](const void* fn, int64_t t) { (*static_cast<const F*>(fn))(t); }, &f, n};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);  // a worker going to sleep cannot miss the new generation
+      job_.store(&job, std::memory_order_seq_cst);
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+    }
+    wake_.notify_all();  // a cheap no-op for spinning workers; wakes sleeping ones
+    job.work();
+    while (job.done.load(std::memory_order_acquire) < n) BLOCKSERVE_PAUSE();
+    job_.store(nullptr, std::memory_order_seq_cst);
+    while (inside_.load(std::memory_order_seq_cst) != 0) BLOCKSERVE_PAUSE();  // no worker still holds &job
+  }
+
+ private:
+  struct Job {
+    void (*call)(const void*, int64_t);
+    const void* fn;
+    int64_t n;
+    std::atomic<int64_t> next{0}, done{0};
+
+    void work() {
+      for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+        call(fn, t);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+
+  void resize(int64_t workers) {
+    if (static_cast<int64_t>(workers_.size()) == workers) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_.store(true);
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+    workers_.clear();
+    stop_.store(false);
+    for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this] { loop(); });
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      // Spin on the generation for kSpinMicros, then sleep until it moves (or stop).
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+      for (int spins = 1; generation_.load(std::memory_order_acquire) == seen && !stop_.load(); ++spins) {
+        if (spins % 256 == 0 && std::chrono::steady_clock::now() > until) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          wake_.wait(lock, [&] { return generation_.load() != seen || stop_.load(); });
+          break;
+        }
+        BLOCKSERVE_PAUSE();
+      }
+      if (stop_.load()) return;
+      seen = generation_.load();
+      inside_.fetch_add(1, std::memory_order_seq_cst);
+      if (Job* job = job_.load(std::memory_order_seq_cst)) job->work();
+      inside_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  std::mutex call_mutex_, mutex_;
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> generation_{0};  // moved under mutex_, read while spinning
+  std::atomic<bool> stop_{false};
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<int64_t> inside_{0};
+};
+
+// The pool of this extension module (one per loaded .so), its workers joined when the module unloads.
+inline TaskPool& task_pool() {
+  static TaskPool pool;
+  return pool;
+}
+
+}  // namespace blockserve
