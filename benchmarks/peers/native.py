@@ -256,22 +256,25 @@ def serve_load(server: Server, clients: int, args, attempts: int = 2) -> dict:
     """One bench serve run at `clients`; a run with a failed request is run again (once by default),
     and the failures are kept in the record."""
     failures = []
-    for _ in range(attempts):
+    for attempt in range(attempts):
         try:
-            return {**_serve_load(server, clients, args), "failed_attempts": failures}
+            return {**_serve_load(server, clients, args, seed=1000 * clients + attempt), "failed_attempts": failures}
         except RuntimeError as error:
             failures.append(str(error)[-1500:])
             print(f"{server.cmd[0]} at {clients} clients: a run failed, retrying ({str(error)[-300:]})", flush=True)
     raise RuntimeError(f"{server.cmd[0]} at {clients} clients failed {attempts} times:\n" + "\n".join(failures))
 
 
-def _serve_load(server: Server, clients: int, args) -> dict:
+def _serve_load(server: Server, clients: int, args, seed: int) -> dict:
+    """`seed`: the random prompts' (one per client count and attempt: both servers get the same
+    prompts, and neither finds a run's prompts in its prompt cache from an earlier run or a retry)."""
     requests = max(4, round(clients * args.requests_per_client))
     with tempfile.TemporaryDirectory() as d:
         out_json = Path(d) / "serve.json"
         cmd = [*BLOCKSERVE, "bench", "serve", "--base-url", server.url, "--endpoint", "completions",
                "--random-input-len", str(args.input_len), "--max-tokens", str(args.max_tokens), "--num-prompts",
-               str(requests), "--max-concurrency", str(clients), "--no-progress", "--output-json", str(out_json)]
+               str(requests), "--max-concurrency", str(clients), "--seed", str(seed), "--no-progress",
+               "--output-json", str(out_json)]
         with CpuShare([server.proc.pid]) as share:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

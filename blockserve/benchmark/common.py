@@ -92,7 +92,8 @@ def print_environment(env: dict) -> None:
           f"blockserve {env['blockserve_commit']}")
     print(f"threads: {describe_threads(env)}")
     if env["OMP_WAIT_POLICY"] is None and env.get("GOMP_SPINCOUNT") is None and env["torch_num_threads"] > 1:
-        print("note: no wait policy is set: libgomp spins 300k iterations (blockserve's commands set GOMP_SPINCOUNT=100000)")
+        print("note: no OpenMP wait policy is set (libgomp spins 300k iterations); blockserve's commands set "
+              "one (blockserve/thread_policy.py)")
 
 
 def percentile(values: list[float], q: float) -> float:

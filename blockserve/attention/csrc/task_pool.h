@@ -11,8 +11,9 @@
 // tens of microseconds), then sleeps on a condition variable until the next call: between steps
 // the pool holds no core. Which thread runs a task never changes its result (each task writes
 // its own outputs), so results are the same bits at any thread count. The pool has
-// at::get_num_threads() - 1 workers, started on first use; fewer threads (the engine's governor)
-// retire the extra ones at the next call.
+// at::get_num_threads() - 1 workers, started on first use and resized by the next call that
+// splits when torch's count changes (the engine's thread governor); at one thread calls run
+// inline and the workers stay asleep. Not fork-safe once started (blockserve's processes exec).
 
 #pragma once
 
