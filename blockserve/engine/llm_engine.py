@@ -67,9 +67,9 @@ class LLMEngine:
         self.config = config
         self.core = core or EngineCore(config)
         try:
-            self.tokenizer = self.core.loaded.tokenizer  # None: token-id prompts only, no text
-            self.vocab_size = self.core.loaded.hf_config.vocab_size
             loaded = self.core.loaded
+            self.tokenizer = loaded.tokenizer  # None: token-id prompts only, no text
+            self.vocab_size = loaded.hf_config.vocab_size
             eos = self.tokenizer.eos_token_id if self.tokenizer is not None else loaded.hf_config.eos_token_id
             self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)

@@ -15,6 +15,7 @@ from blockserve.attention.native import paged_decode_kernel, why_not_native
 from blockserve.attention.paged_attention import ExactLengthAttention
 from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.models.rotary import apply_rotary
+from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
 
@@ -79,15 +80,11 @@ def test_two_threads_attend_to_the_same_bits():
     """Five sequences of ~750 keys: enough work that the kernel splits them over two threads (tasks
     of >= 2^20 key elements); each sequence is one thread's, so outputs and caches are bitwise equal."""
     query_lens, computed = [1] * 5, [700, 760, 720, 800, 740]
-    threads = torch.get_num_threads()
     results = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    for n in (1, 2):
+        with torch_threads(n):
             attn, ctx, qkv, cos, sin = make_step(query_lens, computed, 64, torch.float32)
             results.append((RotaryDecode(attn)(qkv, cos, sin, ctx), ctx.layers["layer"].k_cache))
-    finally:
-        torch.set_num_threads(threads)
     (one, k_one), (two, k_two) = results
     assert torch.equal(one, two) and torch.equal(k_one.nan_to_num(7.0), k_two.nan_to_num(7.0))
 

@@ -23,6 +23,7 @@ from blockserve.engine.config import QUANTIZED_ACTIVATIONS, EngineConfig
 from blockserve.models.quantized_linear import (ACTIVATIONS, QuantizedLinear, pack_blocks, sharing_linear,
                                                 use_quantized_linears)
 from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
+from tests.threads import torch_threads
 
 ops = quantized_matmul_ops()
 pytestmark = pytest.mark.skipif(ops is None or not ops.simd_lanes(),
@@ -105,14 +106,10 @@ def test_int8_rows_at_every_remainder_and_thread_count(format):
     x[5, :32] *= 1e-30
     x[6, 64:96] *= 1e20
     x[7, 100] = 1e3  # one outlier in its block
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = [ops.quantized_matmul_int8(x[:m], packed, 37, format != "Q8_0") for m in range(1, 65)]
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = ops.quantized_matmul_int8(x, packed, 37, format != "Q8_0")
-    finally:
-        torch.set_num_threads(threads)
     for m, out in enumerate(one, 1):
         assert out.shape == (m, 37) and torch.equal(out, one[-1][:m])
     assert torch.equal(two, one[-1])
@@ -121,22 +118,18 @@ def test_int8_rows_at_every_remainder_and_thread_count(format):
 
 
 def test_both_kernels_split_across_threads_to_the_same_bits():
-    """4096 x 2304 (1024 row groups of 72 blocks): enough work per call that both kernels split it
-    over two threads even at one row (the smallest task is 32768 group-block-rows for float32,
-    65536 for int8; the split does not depend on the format), and each output is computed by one
-    thread whatever the split: the same bits."""
+    """4096 x 2304 (1024 row groups of 72 blocks): many tasks per call even at one row (a task is
+    2048 group-block-rows for float32, 4096 for int8; the split does not depend on the format), so
+    both kernels split over two threads, and each output is computed by one thread whatever the
+    split: the same bits."""
     raw, weight = quantized(4096, 2304, "Q4_1", seed=2)
     packed = pack_blocks(raw, "Q4_1")
-    threads = torch.get_num_threads()
     for rows in (1, 16):
         x = torch.randn(rows, 2304, generator=torch.Generator().manual_seed(rows))
-        try:
-            results = []
-            for n in (1, 2):
-                torch.set_num_threads(n)
+        results = []
+        for n in (1, 2):
+            with torch_threads(n):
                 results.append([kernel(x, packed, 4096, True) for kernel in (ops.quantized_matmul, ops.quantized_matmul_int8)])
-        finally:
-            torch.set_num_threads(threads)
         (float_one, int8_one), (float_two, int8_two) = results
         assert torch.equal(float_two, float_one) and torch.equal(int8_two, int8_one)
         torch.testing.assert_close(float_one, F.linear(x, weight), rtol=1e-4, atol=1e-3)  # K = 2304 terms
