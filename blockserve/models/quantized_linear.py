@@ -19,7 +19,11 @@ instead; larger batches are compute-bound and keep the float32 GEMM. Two kernels
 
     rows <= max_rows   x @ W^T over the blocks      (same weights; x rounded as `activations` says)
     rows >  max_rows   the float32 layer it wraps  (nn.Linear; PanelLinear when it has at least
-                                                    PANEL_MIN_OUT outputs: faster above 16 rows)
+                                                    PANEL_MIN_OUT outputs: faster above 16 rows),
+                       on x rounded as the int8 kernel rounds it (`round_like_int8`) under "int8"
+
+so a row's result does not depend on how many rows share its step (batch-invariant up to float
+rounding under either setting): a request's tokens are the same alone or in a batch.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
@@ -95,6 +99,16 @@ def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
 
+def round_like_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] rounded per block of 32 exactly as quantized_matmul_int8 rounds it, back in float32:
+    s * round-half-even(x * (127 / max|x_b|)) with s = max|x_b| / 127 (the same float32 operations;
+    an all-zero block stays zero, a block holding NaN becomes NaN)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
 def sharing_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     """An nn.Linear over existing tensors (nothing allocated), e.g. over a tied embedding."""
     def shared(t: torch.Tensor | None) -> nn.Parameter | None:  # a Parameter over the same storage
@@ -139,7 +153,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > self.max_rows or not native_reads(x):
-            return self.dense(x)
+            return self.dense(round_like_int8(x) if self.activations == "int8" else x)
         out = self.kernel(x, self.packed, self.out_features, self.q4_1)
         if isinstance(self.dense, RowParallelLinear):  # this rank's columns: sum over the ranks
             out = self.dense.tp.all_reduce(out)

@@ -80,6 +80,22 @@ def test_blocks_give_the_dequantised_matmul(format, rows, activations):
     assert torch.equal(layer(x), F.linear(x, decoy, bias))
 
 
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+def test_int8_rows_get_the_same_rounding_alone_or_in_a_large_batch(format):
+    """Past max_rows the float32 layer runs on x rounded as the kernel rounds it, so a row's result
+    does not depend on how many rows share its step (a request alone or in a prefill-sized batch)."""
+    raw, weight = quantized(13, 96, format, seed=3)
+    bias = torch.randn(13)
+    layer = QuantizedLinear(sharing_linear(weight, bias), pack_blocks(raw, format), format, activations="int8")
+    x = torch.randn(layer.max_rows + 3, 96)
+    x[1, :32] = 0  # a zero block
+    batched = layer(x)
+    alone = torch.cat([layer(row[None]) for row in x])
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+    assert_int8_matmul(batched, x, weight, bias)
+    assert layer(torch.full((layer.max_rows + 1, 96), float("nan"))).isnan().all()
+
+
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_avx2_path_gives_the_dequantised_matmul(format):
     """Both kernels as a CPU without AVX-512 gets them (compiled here with -mno-avx512f)."""
