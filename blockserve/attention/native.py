@@ -36,8 +36,9 @@ ENGINE_KERNELS: tuple[tuple[str, tuple[str, ...]], ...] = (("fused_ops", ()), ("
 
 def why_not_native() -> str | None:
     """Why native kernels will not be built here (disabled, no compiler or no ninja), or None."""
-    if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "no", "off"):
-        return f"disabled by {DISABLE_ENV}"
+    disabled = _disabled()
+    if disabled is not None:
+        return disabled
     for tool in (os.environ.get("CXX", "c++"), "ninja"):
         if shutil.which(tool) is None:
             return f"{tool} is not on PATH"
@@ -92,8 +93,18 @@ def quantized_matmul_ops(without_avx512: bool = False):
     return _native("quantized_matmul", ("-mno-avx512f",) if without_avx512 else ())
 
 
+def _disabled() -> str | None:
+    if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "no", "off"):
+        return f"disabled by {DISABLE_ENV}"
+    return None
+
+
 def _native(name: str, flags: tuple[str, ...] = ()):
-    reason = why_not_native()  # checked on every call, so it can be switched off at any time
+    # The switch is read on every call, so kernels can be turned off at any time; the compiler and
+    # ninja only matter until the module is built (looking them up on PATH costs ~0.1 ms a call,
+    # and decode steps ask for their kernels every step).
+    built = (name, flags) in _builds and _builds[(name, flags)].done()
+    reason = _disabled() if built else why_not_native()
     if reason is not None:
         _say_once(f"native kernels not used ({reason}): the PyTorch paths run instead (slower)")
         return None
