@@ -22,8 +22,8 @@ instead; larger batches are compute-bound and keep the float32 GEMM. Two kernels
                                                     PANEL_MIN_OUT outputs: faster above 16 rows),
                        on x rounded as the int8 kernel rounds it (`round_like_int8`) under "int8"
 
-so a row's result does not depend on how many rows share its step (batch-invariant up to float
-rounding under either setting): a request's tokens are the same alone or in a batch.
+so under either setting a row's result does not depend on how many rows share its step, up to
+float rounding: a request alone and in a batch gets the same logits to ~1e-6.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
