@@ -80,7 +80,7 @@ def main() -> None:
     results = {"environment": environment(), "args": vars(args), "batches": []}
     for running in args.running:
         llm = decoding_engine(loaded, running, 2 * args.rounds * args.steps + 2, "auto")
-        timings = llm.engine.core.runner.timings
+        timings = llm.engine.step_timings()
         recorder.calls, recorder.on = [], True
         llm.engine.step()
         recorder.on = False

@@ -78,7 +78,8 @@ def test_fused_decode_equals_the_reference_path(cache_dtype, head_dim):
 
 def test_two_threads_attend_to_the_same_bits():
     """Five sequences of ~750 keys: enough work that the kernel splits them over two threads (tasks
-    of >= 2^20 key elements); each sequence is one thread's, so outputs and caches are bitwise equal."""
+    of >= 2^17 key elements on the task pool); each sequence is one thread's, so outputs and caches
+    are bitwise equal."""
     query_lens, computed = [1] * 5, [700, 760, 720, 800, 740]
     results = []
     for n in (1, 2):

@@ -24,6 +24,7 @@
 
 #include "fast_exp.h"
 #include "rotary.h"
+#include "task_pool.h"
 
 #if defined(__AVX512F__)
 #define BLOCKSERVE_AVX512 1
@@ -310,6 +311,10 @@ static bool reads_16bit(int64_t dim) {
   return (BLOCKSERVE_AVX512 || BLOCKSERVE_AVX2) && (dim == 64 || dim == 128 || dim == 256);
 }
 
+// Decode batches of up to this many sequences split on the task pool (decode_all): the row count up
+// to which the float32 blocks matmuls run there too (MAX_ROWS in models/quantized_linear.py).
+constexpr int64_t kPoolSeqs = 16;
+
 // Every sequence's decode, for a cache of element type T (float, at::Half or at::BFloat16).
 // Sequence n's query heads are the n_heads * dim floats at qp + n * q_stride.
 template <typename T>
@@ -338,12 +343,16 @@ static void decode_all(torch::Tensor out, const float* qp, int64_t q_stride, int
   auto portable = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
 
   // One work item per sequence: its blocks are read whole and in order (K then V rows of every head).
-  // Split across threads only in tasks of >= ~2^20 key elements (~150 us: waking a sleeping thread
-  // costs ~100 us on a VM): a small batch of short contexts stays on the calling thread.
+  // Up to kPoolSeqs sequences, in tasks of >= ~2^17 key elements (~20 us), on the task pool the
+  // quantized matmuls of such steps use (task_pool.h: one pool per process), whose worker is still
+  // spinning from the last matmul: OpenMP would wake a sleeping thread (~100 us) or, spinning, hold
+  // that worker's core. Larger batches run float32 GEMMs on OpenMP, so their attention stays there
+  // too, in tasks of >= ~2^20 key elements (~150 us; a pool worker spinning beside OpenMP's cost
+  // bench throughput at batch 64 5-8%). Which thread runs a sequence never changes its result.
   int64_t keys = 0;
   for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
   const int64_t per_seq = std::max<int64_t>(1, keys * n_heads * dim / std::max<int64_t>(1, n_seqs));
-  at::parallel_for(0, n_seqs, std::max<int64_t>(1, (int64_t{1} << 20) / per_seq), [&](int64_t begin, int64_t end) {
+  const auto body = [&](int64_t begin, int64_t end) {
     std::vector<float> acc(n_heads * dim), score(n_heads * block_size), run_max(n_heads), run_sum(n_heads),
         correction(n_heads);
     std::vector<int64_t> kv_offset(n_heads);  // where query head hq's K/V row starts in a slot
@@ -367,7 +376,15 @@ static void decode_all(torch::Tensor out, const float* qp, int64_t q_stride, int
         for (int64_t d = 0; d < dim; ++d) on[hq * dim + d] = acc[hq * dim + d] * inv;
       }
     }
-  });
+  };
+  if (n_seqs <= kPoolSeqs) {
+    const int64_t per_task = std::max<int64_t>(1, (int64_t{1} << 17) / per_seq);
+    blockserve::task_pool().run((n_seqs + per_task - 1) / per_task, [&](int64_t task) {
+      body(task * per_task, std::min(n_seqs, (task + 1) * per_task));
+    });
+  } else {
+    at::parallel_for(0, n_seqs, std::max<int64_t>(1, (int64_t{1} << 20) / per_seq), body);
+  }
 }
 
 // What both entry points require of the cache and the per-sequence tensors.

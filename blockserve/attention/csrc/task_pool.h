@@ -123,7 +123,9 @@ class TaskPool {
   std::atomic<int64_t> inside_{0};
 };
 
-// The pool of this extension module (one per loaded .so), its workers joined when the module unloads.
+// The process's pool. Its static is a GNU unique symbol (nm: `u`), which the dynamic linker binds
+// to one instance process-wide, so every extension module built with this header (each its own
+// .so: the quantized matmuls, decode attention) hands its tasks to the same workers.
 inline TaskPool& task_pool() {
   static TaskPool pool;
   return pool;
