@@ -85,7 +85,7 @@ def main() -> None:
         llm.engine.step()
         recorder.on = False
         calls = recorder.calls
-        steps, replays, phases = [], [], {"forward": [], "other runner phases": []}
+        steps, replays, forwards, other_phases = [], [], [], []
         with CpuShare() as share:
             for _ in range(args.rounds):
                 for _ in range(args.steps):
@@ -93,16 +93,16 @@ def main() -> None:
                     start = time.perf_counter()
                     llm.engine.step()
                     steps.append(time.perf_counter() - start)
-                    phases["forward"].append(timings.forward - before[0])
-                    phases["other runner phases"].append(timings.total - before[1] - phases["forward"][-1])
+                    forwards.append(timings.forward - before[0])
+                    other_phases.append(timings.total - before[1] - forwards[-1])
                 for _ in range(args.steps):
                     start = time.perf_counter()
                     for fn, call_args in calls:
                         fn(*call_args)
                     replays.append(time.perf_counter() - start)
         row = {"running": running, "native_calls": len(calls), "step_ms": 1e3 * statistics.median(steps),
-               "forward_ms": 1e3 * statistics.median(phases["forward"]),
-               "other_runner_phases_ms": 1e3 * statistics.median(phases["other runner phases"]),
+               "forward_ms": 1e3 * statistics.median(forwards),
+               "other_runner_phases_ms": 1e3 * statistics.median(other_phases),
                "native_calls_alone_ms": 1e3 * statistics.median(replays), "others_cpu_share": share.others}
         results["batches"].append(row)
         print(f"{running:3d} running, {args.threads} thread(s): step {row['step_ms']:.2f} ms = forward "

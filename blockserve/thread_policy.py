@@ -12,9 +12,9 @@ collapses whenever another thread wants its core: beside a busy process 110 ms p
 streamed token, one client's TPOT went from 22 to 33 ms (benchmarks/peers/native.py). So the
 policy depends on the command: `serve` sleeps (PASSIVE), the offline ones (generate, chat, bench)
 spin up to 100k iterations, unless the caller chose a policy themselves. The calls too short
-for a wake-up, a small batch's quantized matmuls, run on a pool of their own that spins only
-between the calls of a step (attention/csrc/task_pool.h); paged attention and the fused ops split
-only work that pays for a wake-up (~150 us a task). Beside busy processes the engine also runs on
+for a wake-up, a small batch's quantized matmuls and decode attention, run on a pool of their own
+that spins only between the calls of a step (attention/csrc/task_pool.h); larger batches' attention
+and the fused ops split on OpenMP only work that pays for a wake-up (~150 us a task). Beside busy processes the engine also runs on
 fewer threads (engine/thread_governor.py).
 
 The runtime reads its environment once, when torch loads: `apply_defaults()` must run before

@@ -378,10 +378,7 @@ static void decode_all(torch::Tensor out, const float* qp, int64_t q_stride, int
     }
   };
   if (n_seqs <= kPoolSeqs) {
-    const int64_t per_task = std::max<int64_t>(1, (int64_t{1} << 17) / per_seq);
-    blockserve::task_pool().run((n_seqs + per_task - 1) / per_task, [&](int64_t task) {
-      body(task * per_task, std::min(n_seqs, (task + 1) * per_task));
-    });
+    blockserve::for_each_range(n_seqs, std::max<int64_t>(1, (int64_t{1} << 17) / per_seq), body);
   } else {
     at::parallel_for(0, n_seqs, std::max<int64_t>(1, (int64_t{1} << 20) / per_seq), body);
   }

@@ -201,13 +201,11 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 #if BLOCKSERVE_LANES
 
 // The row groups in tasks of >= `min_work` group-block-rows (one group's block against one row of
-// x; ~30 us of work), run on the module's TaskPool (task_pool.h): a decode step's ~120 calls hand
+// x; ~30 us of work), run on the process's TaskPool (task_pool.h): a decode step's ~120 calls hand
 // over to spinning workers in microseconds, and the pool sleeps between steps.
 template <typename F>
 void for_each_group_range(int64_t groups, int64_t M, int64_t K, int64_t min_work, const F& body) {
-  const int64_t per_task = std::max<int64_t>(1, min_work / (M * (K / kBlock)));
-  const int64_t tasks = (groups + per_task - 1) / per_task;
-  blockserve::task_pool().run(tasks, [&](int64_t t) { body(t * per_task, std::min(groups, (t + 1) * per_task)); });
+  blockserve::for_each_range(groups, std::max<int64_t>(1, min_work / (M * (K / kBlock))), body);
 }
 
 template <bool Q4>

@@ -131,4 +131,11 @@ inline TaskPool& task_pool() {
   return pool;
 }
 
+// body(begin, end) over [0, n) in ranges of `per_task` items, the ranges run on task_pool().
+template <typename F>
+void for_each_range(int64_t n, int64_t per_task, const F& body) {
+  task_pool().run((n + per_task - 1) / per_task,
+                  [&](int64_t t) { body(t * per_task, std::min(n, (t + 1) * per_task)); });
+}
+
 }  // namespace blockserve
