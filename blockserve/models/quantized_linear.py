@@ -105,7 +105,9 @@ def round_like_int8(x: torch.Tensor) -> torch.Tensor:
     an all-zero block stays zero, a block holding NaN becomes NaN)."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # torch.full_like(...) / amax, not 127.0 / amax: torch computes a scalar over a tensor as
+    # reciprocal(amax) * 127, two roundings, which moves an element at a rounding tie one level.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
 
 
