@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     lens, table, caches, q, out, starts = decode_problem()
-    portable = native._native("paged_decode", ("-mno-avx2", "-mno-avx512f"))
+    portable = native._native(("-mno-avx2", "-mno-avx512f"))
     kernels = {"this CPU's build": native.paged_decode_kernel(),
                "portable path": None if portable is None else native.PagedDecodeKernel(portable)}
     with CpuShare() as share:

@@ -1,13 +1,15 @@
-"""A decode step of the bundled SmolLM2 three ways, in one process, rounds alternating, medians:
+"""A decode step of the bundled SmolLM2 four ways, in one process, rounds alternating, medians:
 
-    flat loop     what the engine runs: the layers' native calls from one loop (models/llama_decode.py)
+    native stack  what the engine runs where every layer is on GGUF blocks at the step's row count:
+                  the whole decoder stack in one native call (csrc/decode_stack.h)
+    flat loop     the layers' native calls from one Python loop (models/llama_decode.py)
     module path   the same calls through the module tree, with the fused decode attention
                   (attention/rotary_decode.py: rotary + KV write + attention in one native call per layer)
     reference     the module tree without the fused decode attention (rotary_, index_copy_ x 2, the
                   backend's decode kernel)
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_glue.py --running 1 16 [--threads 1]
-        [--kv-cache-dtype float16] [--json results/decode_glue.json]
+        [--kv-cache-dtype float16] [--quantized-activations int8] [--json results/decode_glue.json]
 
 Each figure carries the other processes' CPU share while it was taken (benchmarks/cpu_share.py).
 """
@@ -29,7 +31,7 @@ from cpu_share import CpuShare  # noqa: E402
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
 from blockserve.benchmark.common import environment, write_json  # noqa: E402
 from blockserve.engine.llm import LLM  # noqa: E402
-from blockserve.models import llama  # noqa: E402
+from blockserve.models import llama, llama_decode  # noqa: E402
 from blockserve.models.llama import LlamaAttention  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.sampling_params import SamplingParams  # noqa: E402
@@ -50,12 +52,14 @@ def decoding_engine(loaded, running: int, steps: int, kv_cache_dtype: str):
     return llm
 
 
-VARIANTS = ("flat loop", "module path", "reference")
+NATIVE_STACK = llama_decode.native_stack
+VARIANTS = ("native stack", "flat loop", "module path", "reference")
 
 
 def set_variant(model, variant: str, flat_loop) -> None:
     """Switch the engine's model to `variant` (flat_loop: llama_decode.decode_layers)."""
-    llama.decode_layers = flat_loop if variant == "flat loop" else (lambda *args: None)
+    llama.decode_layers = flat_loop if variant in ("native stack", "flat loop") else (lambda *args: None)
+    llama_decode.native_stack = NATIVE_STACK if variant == "native stack" else (lambda *args: None)
     for module in model.modules():
         if isinstance(module, LlamaAttention) and not module.qk_norm:
             module.rotary_decode = None if variant == "reference" else module._rotary_decode
@@ -68,11 +72,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="decode steps per variant per round")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantized-activations", default="float32", choices=("float32", "int8"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = {"environment": environment(), "args": vars(args), "batches": []}
-    loaded = load_model(None, BACKENDS["exact"])
+    loaded = load_model(None, BACKENDS["exact"], quantized_activations=args.quantized_activations)
     model = loaded.model
     flat_loop = llama.decode_layers
     for running in args.running:
@@ -93,12 +98,12 @@ def main() -> None:
                         walls.append(time.perf_counter() - start)
                 times[variant].append(statistics.median(walls))
                 shares[variant].append(share.others or 0.0)
-        set_variant(model, "flat loop", flat_loop)
+        set_variant(model, "native stack", flat_loop)
         row = {"running": running, **{f"{k} step ms": 1e3 * statistics.median(v) for k, v in times.items()},
                "others_cpu_share": statistics.median(x for v in shares.values() for x in v)}
         results["batches"].append(row)
-        flat = row["flat loop step ms"]
-        print(f"{running:3d} running: " + ", ".join(f"{k} {row[f'{k} step ms']:7.2f} ms/step ({row[f'{k} step ms'] / flat:.2f}x)"
+        base = row["native stack step ms"]
+        print(f"{running:3d} running: " + ", ".join(f"{k} {row[f'{k} step ms']:7.2f} ms/step ({row[f'{k} step ms'] / base:.2f}x)"
                                                    for k in VARIANTS)
               + f"; others' CPU share {100 * row['others_cpu_share']:.0f}%  [{args.threads} thread(s), kv {args.kv_cache_dtype}]")
         del llm

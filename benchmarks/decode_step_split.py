@@ -1,6 +1,7 @@
 """Where a decode step of the bundled SmolLM2 goes: the engine step against its native calls alone.
 
-One process: the engine decodes `--running` requests; every native call of one step (the GGUF
+One process: the engine decodes `--running` requests on the flat loop (models/llama_decode.py; the
+native stack, which the engine runs where it can, is switched off: it is one call); every native call of one step (the GGUF
 blocks' matmuls, the fused norms and activation, the fused rotary + attention) is recorded with
 its arguments and replayed back to back, rounds alternating with timed engine steps. The gap
 between the runner's forward and the replay is Python and dispatch between the calls; the gap
@@ -38,6 +39,7 @@ class CallRecorder:
 
     def __init__(self, model: torch.nn.Module):
         self.on, self.calls = False, []
+        llama_decode.native_stack = lambda *args: None  # the flat loop's calls: the native stack hides them
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
                 module.kernel = self.wrap(module.kernel)

@@ -1,14 +1,13 @@
-"""Native CPU kernels (csrc/): paged decode attention, fused layer ops and matmuls over GGUF
-quantized weights, compiled on first use for the machine they run on.
+"""Native CPU kernels (csrc/): paged decode attention, fused layer ops, matmuls over GGUF
+quantized weights and a Llama decode stack, compiled on first use for the machine they run on.
 
-The build needs a C++ compiler and ninja (torch.utils.cpp_extension); it takes ~25 s a kernel once
-and is cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the source and
-the CPU's instruction sets, since it is compiled with -march=native. The first getter called starts
-the builds of all three engine kernels side by side (each in its own build directory, under its
-own lock) and waits only for its own, so a fresh machine pays for one build, not three in a row.
-Without a compiler, or with
-BLOCKSERVE_NATIVE_KERNELS=0, the getters return None and callers use their PyTorch path
-(same results up to float rounding, slower).
+All of them are one extension module (csrc/module.cpp binds kernels.h's entry points), so one
+kernel may call another's directly. The build needs a C++ compiler and ninja
+(torch.utils.cpp_extension); ninja compiles the sources side by side (~45 s on 2 cores, once)
+and the module is cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the
+sources and the CPU's instruction sets, since it is compiled with -march=native. Without a
+compiler, or with BLOCKSERVE_NATIVE_KERNELS=0, the getters return None and callers use their
+PyTorch path (same results up to float rounding, slower).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import os
 import platform
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,9 +27,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BLOCKSERVE_NATIVE_KERNELS"
-# What an engine loads (the getters' defaults): started together on the first request for any kernel.
-ENGINE_KERNELS: tuple[tuple[str, tuple[str, ...]], ...] = (("fused_ops", ()), ("paged_decode", ()),
-                                                           ("quantized_matmul", ()))
+# The module's translation units: the bindings, then one file per kernel (kernels.h, decode_stack.h).
+SOURCES = ("module.cpp", "fused_ops.cpp", "paged_decode.cpp", "quantized_matmul.cpp", "decode_stack.cpp")
+AVX2_ONLY = ("-mno-avx512f",)  # the build a CPU without AVX-512 gets (how tests cover it on one with it)
 
 
 def why_not_native() -> str | None:
@@ -76,21 +74,21 @@ def paged_decode_kernel(without_avx512: bool = False) -> PagedDecodeKernel | Non
     """The decode kernel of csrc/paged_decode.cpp, or None when native kernels are disabled or
     cannot be built. without_avx512: compiled with -mno-avx512f, the AVX2 path a CPU without
     AVX-512 gets (how tests cover it on an AVX-512 machine)."""
-    module = _native("paged_decode", ("-mno-avx512f",) if without_avx512 else ())
+    module = _native(AVX2_ONLY if without_avx512 else ())
     return None if module is None else PagedDecodeKernel(module)
 
 
 def fused_ops():
-    """The module of csrc/fused_ops.cpp (add_rms_norm_, rotary_, silu_and_mul), or None when
-    native kernels are disabled or cannot be built."""
-    return _native("fused_ops")
+    """The native module, for csrc/fused_ops.cpp's add_rms_norm_, rotary_ and silu_and_mul (and
+    csrc/decode_stack.h's DecodeStack), or None when native kernels are disabled or cannot be built."""
+    return _native()
 
 
 def quantized_matmul_ops(without_avx512: bool = False):
-    """The module of csrc/quantized_matmul.cpp (quantized_matmul, quantized_matmul_int8, simd_lanes),
-    or None when native kernels are disabled or cannot be built. without_avx512: compiled with -mno-avx512f, the AVX2
+    """The native module, for csrc/quantized_matmul.cpp's quantized_matmul, quantized_matmul_int8
+    and simd_lanes, or None when native kernels are disabled or cannot be built. without_avx512: compiled with -mno-avx512f, the AVX2
     path a CPU without AVX-512 gets (how tests cover it on an AVX-512 machine)."""
-    return _native("quantized_matmul", ("-mno-avx512f",) if without_avx512 else ())
+    return _native(AVX2_ONLY if without_avx512 else ())
 
 
 def _disabled() -> str | None:
@@ -99,16 +97,19 @@ def _disabled() -> str | None:
     return None
 
 
-def _native(name: str, flags: tuple[str, ...] = ()):
+def _native(flags: tuple[str, ...] = ()):
     # The switch is read on every call, so kernels can be turned off at any time; the compiler and
     # ninja only matter until the module is built (looking them up on PATH costs ~0.1 ms a call,
     # and decode steps ask for their kernels every step).
-    built = (name, flags) in _builds and _builds[(name, flags)].done()
-    reason = _disabled() if built else why_not_native()
+    reason = _disabled() if flags in _built else why_not_native()
     if reason is not None:
         _say_once(f"native kernels not used ({reason}): the PyTorch paths run instead (slower)")
         return None
-    return _build(name, flags)
+    if flags not in _built:
+        with _build_lock:  # one build at a time; a caller arriving meanwhile waits and reuses it
+            if flags not in _built:
+                _built[flags] = _load(flags)
+    return _built[flags]
 
 
 @functools.cache
@@ -122,41 +123,26 @@ def _say_once(message: str) -> None:
 _CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
            "-fno-trapping-math", "-fopenmp")
 
-_builds: dict[tuple[str, tuple[str, ...]], Future] = {}
-_builds_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_built: dict[tuple[str, ...], object] = {}  # flags -> the loaded module, or None where the build failed
+_build_lock = threading.Lock()
 
 
-def _build(name: str, flags: tuple[str, ...] = ()):
-    """csrc/{name}.cpp compiled (with `flags` after the usual ones) and loaded, or None (the
-    reason is logged); built once per process. The first call also starts ENGINE_KERNELS'
-    builds, which then compile in parallel with this one (torch builds each extension name in
-    its own directory under its own file lock; the compilers run as subprocesses)."""
-    global _pool
-    with _builds_lock:
-        if _pool is None:  # not daemon threads: an exit waits for a build, never leaves its lock behind
-            _pool = ThreadPoolExecutor(max_workers=len(ENGINE_KERNELS), thread_name_prefix="blockserve-native")
-        for key in ((name, flags), *ENGINE_KERNELS):  # the requested one first: it gets a worker first
-            if key not in _builds:
-                _builds[key] = _pool.submit(_load, *key)
-        future = _builds[(name, flags)]
-    return future.result()
-
-
-def _load(name: str, flags: tuple[str, ...]):
-    logger.info("loading native kernel %s (compiled on its first use on this machine, ~25 s)", name)
+def _load(flags: tuple[str, ...]):
+    """csrc/'s module compiled (with `flags` after the usual ones) and loaded, or None (the reason
+    is logged)."""
+    logger.info("loading the native kernels (compiled on their first use on this machine, ~45 s)")
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"blockserve_{name}_{_build_key(name, flags)}", sources=[str(_CSRC / f"{name}.cpp")],
+        return load(name=f"blockserve_kernels_{_build_key(flags)}", sources=[str(_CSRC / s) for s in SOURCES],
                     extra_cflags=[*_CFLAGS, *flags], extra_ldflags=["-fopenmp"],
                     extra_include_paths=[str(_CSRC)], verbose=False)
     except Exception as error:  # a failed build must not stop the engine: fall back, say why
-        logger.warning("building native kernel %s failed (%s): using the PyTorch path", name, error)
+        logger.warning("building the native kernels failed (%s): using the PyTorch paths", error)
         return None
 
 
-def _build_key(name: str, extra_flags: tuple[str, ...]) -> str:
+def _build_key(extra_flags: tuple[str, ...]) -> str:
     """Sources, flags, CPU identity, and where the sources and torch live: a cached build is
     reused only where it was compiled for, and two checkouts (or venvs) on one machine do not
     rebuild over each other's build directory."""
@@ -165,7 +151,7 @@ def _build_key(name: str, extra_flags: tuple[str, ...]) -> str:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    identity = b"".join(p.read_bytes() for p in (_CSRC / f"{name}.cpp", *sorted(_CSRC.glob("*.h"))))
+    identity = b"".join(p.read_bytes() for p in (*(_CSRC / s for s in SOURCES), *sorted(_CSRC.glob("*.h"))))
     identity += platform.machine().encode() + flags.encode() + " ".join((*_CFLAGS, *extra_flags)).encode()
     identity += str(_CSRC.resolve()).encode() + torch.__file__.encode()
     return hashlib.sha256(identity).hexdigest()[:12]

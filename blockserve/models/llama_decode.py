@@ -13,6 +13,11 @@ its fused norms, RotaryDecode and GatedMLP), so the hidden states are bitwise eq
 count, a row-parallel all-reduce under tensor parallelism). Anything the loop does not cover (a
 prefill row, q/k norms, a sliding window, a kernel that is not built) returns None before
 anything ran, and the module path runs.
+
+Where every linear layer runs on its GGUF blocks at this row count (no tensor parallelism), the
+whole loop is one native call instead: csrc/decode_stack.h's DecodeStack, built on the first such
+step over the layers' own tensors, calls the same kernels in the same order (the same bits again)
+without the ~240 calls from Python per step, whose glue was about a third of a batch-1 step.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch import nn
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.native import fused_ops
+from blockserve.distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from blockserve.models.quantized_linear import QuantizedLinear
 
 
 def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -42,6 +49,10 @@ def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor,
         if step is None:
             return None
         prepared.append(step)
+    stack = native_stack(layers, final_norm, x.shape[0])
+    if stack is not None:
+        inputs = [step[1] for step in prepared]  # per layer: k, v caches, slot mapping, table, key start, seq lens
+        return stack.run(x, cos, sin, *([layer_inputs[i] for layer_inputs in inputs] for i in range(6)))
     residual = None
     for layer, step in zip(layers, prepared):
         attn, mlp = layer.self_attn, layer.mlp
@@ -57,3 +68,32 @@ def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor,
         x = mlp.down_proj.forward(fused.silu_and_mul(mlp.gate_up_proj.forward(x)))
     fused.add_rms_norm_(x, residual, final_norm.weight, final_norm.eps)
     return x
+
+
+def native_stack(layers: nn.ModuleList, final_norm: nn.Module, rows: int):
+    """The DecodeStack over `layers` (built on the first call, kept on `layers`), or None where it
+    does not run this step: a layer not on GGUF blocks (or not at `rows` rows), tensor parallelism,
+    linear layers of mixed activations, or attention layers of different head counts or scales."""
+    if "_native_stack" not in layers.__dict__:
+        layers.__dict__["_native_stack"] = _build_stack(layers, final_norm)
+    built = layers.__dict__["_native_stack"]
+    return built[0] if built is not None and rows <= built[1] else None
+
+
+def _build_stack(layers: nn.ModuleList, final_norm: nn.Module):
+    """(DecodeStack, the most rows every layer's blocks serve), or None (see native_stack)."""
+    linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    attention = {(layer.self_attn.num_heads, layer.self_attn.attn.backend.scale) for layer in layers}
+    if (not all(isinstance(linear, QuantizedLinear) for linear in linears) or len(attention) != 1
+            or len({linear.activations for linear in linears}) != 1
+            or any(isinstance(linear.dense, (ColumnParallelLinear, RowParallelLinear)) for linear in linears)):
+        return None
+    (num_heads, scale), = attention
+    norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms.append(final_norm)
+    stack = fused_ops().DecodeStack(
+        [linear.packed for linear in linears], [linear.out_features for linear in linears],
+        [linear.q4_1 for linear in linears], [linear.bias for linear in linears], [norm.weight for norm in norms],
+        [norm.eps for norm in norms], linears[0].activations == "int8", num_heads, scale)
+    return stack, min(linear.max_rows for linear in linears)

@@ -1,16 +1,22 @@
-"""The flat decode loop (models/llama_decode.py) against the module path it stands in for: the same
-greedy tokens and bitwise the same logprobs, on a tiny random Llama (tied embeddings, so every
-linear the loop calls is exercised) served through the real engine."""
+"""The flat decode loop (models/llama_decode.py) against the module path it stands in for, and the
+native stack against the flat loop: the same greedy tokens and bitwise the same logprobs, on a tiny
+random Llama (tied embeddings, so every linear the loop calls is exercised) served through the real
+engine."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from transformers import LlamaConfig
 
 import blockserve.models.llama as llama
 from blockserve import LLM, SamplingParams
-from blockserve.attention.native import why_not_native
+from blockserve.attention.native import quantized_matmul_ops, why_not_native
+from blockserve.attention.paged_attention import BACKENDS
+from blockserve.models import llama_decode
+from blockserve.models.loader import load_model
+from blockserve.models.quantized_linear import use_quantized_linears
 from tests.models.conftest import save_random_model
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
@@ -72,3 +78,38 @@ def test_a_step_with_a_prefill_row_is_left_to_the_module_path(tmp_path, monkeypa
     llm.generate([[1, 2, 3], list(range(20, 37))], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert (False, False) in seen and (True, True) in seen
     assert all(flat == all_decodes for all_decodes, flat in seen)
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, activations):
+    """With GGUF blocks on every linear layer, a decode-only step is one native call (DecodeStack):
+    the same greedy tokens and bitwise the same logprobs as the flat loop, which runs where the stack
+    is switched off."""
+    reference = save_random_model(LlamaConfig(**CONFIG), tmp_path)
+    if (ops := quantized_matmul_ops()) is None or not ops.simd_lanes():
+        pytest.skip("the quantized kernel needs native kernels built with AVX-512 or AVX2")
+    blocks = [(name, "Q4_1" if "mlp" in name else "Q8_0",
+               gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType["Q4_1" if "mlp" in name else "Q8_0"]))
+              for name, weight in reference.state_dict().items()
+              if name.endswith("proj.weight") and name.startswith("model.layers.")]
+    loaded = load_model(str(tmp_path), BACKENDS["exact"])
+    assert use_quantized_linears(loaded.model, blocks, activations=activations) == 4 * CONFIG["num_hidden_layers"]
+    stacks = []
+
+    def counted(*args):
+        stacks.append(real_stack(*args))
+        return stacks[-1]
+
+    real_stack = llama_decode.native_stack
+    results = []
+    for stack in (counted, lambda *args: None):
+        monkeypatch.setattr(llama_decode, "native_stack", stack)
+        llm = LLM(loaded, max_num_batched_tokens=8, block_size=4)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                        for o in outs])
+        del llm
+    assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran
+    assert results[0] == results[1]

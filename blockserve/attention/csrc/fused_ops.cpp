@@ -2,7 +2,7 @@
 // time in the matmuls rather than in ~30 small tensor ops per layer. Each matches the PyTorch
 // expression in its comment (float32; the reductions are summed in a different order).
 
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -11,6 +11,8 @@
 #include "fast_exp.h"
 #include "rotary.h"
 
+namespace blockserve {
+
 // Rows per parallel task: at least ~512k floats (~150 us of work; waking a sleeping thread costs
 // ~100 us on a VM), so a decode batch or a short prefill runs inline on the calling thread.
 static int64_t rows_per_task(int64_t floats_per_row) {
@@ -18,13 +20,13 @@ static int64_t rows_per_task(int64_t floats_per_row) {
   return std::max<int64_t>(1, kMinFloatsPerTask / std::max<int64_t>(1, floats_per_row));
 }
 
-static void check(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32, name, ": float32 expected");
+static void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat, name, ": float32 expected");
   TORCH_CHECK(t.stride(-1) == 1, name, ": the last dimension must be contiguous");
 }
 
 // residual += x; x = rms_norm(residual) * weight        (x, residual [T, H], both updated in place)
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check(x, "x"); check(residual, "residual"); check(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.numel() == x.size(1), "add_rms_norm_: shapes");
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -49,7 +51,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 
 // The first `heads` heads of each row of qkv [T, >= heads * D] rotated in place (rotate_half
 // layout): x1, x2 = halves; x1' = x1 cos - x2 sin; x2' = x2 cos + x1 sin; cos, sin [T, D / 2].
-void rotary_(torch::Tensor qkv, int64_t heads, int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor qkv, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin) {
   check(qkv, "qkv"); check(cos, "cos"); check(sin, "sin");
   const int64_t rows = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) >= heads * head_dim && head_dim % 2 == 0, "rotary_: shapes");
@@ -64,11 +66,11 @@ void rotary_(torch::Tensor qkv, int64_t heads, int64_t head_dim, torch::Tensor c
 }
 
 // out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: [T, 2 * I] expected");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = at::empty({rows, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
@@ -83,8 +85,4 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight, in place");
-  m.def("rotary_", &rotary_, "rotate the first `heads` heads of each row of qkv in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
-}
+}  // namespace blockserve

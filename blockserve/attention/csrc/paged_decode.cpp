@@ -13,7 +13,7 @@
 // partial dot products across lanes by one transpose, runs the softmax on those lanes, and also
 // reads float16 and bfloat16 caches (widened to float32 in registers; all arithmetic stays float32).
 
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -36,6 +36,8 @@
 #else
 #define BLOCKSERVE_AVX2 0
 #endif
+
+namespace blockserve {
 
 // Where the block holding position `base` keeps its K and V rows; the next block's (if the
 // sequence reaches it) are prefetched, to arrive while this one is used.
@@ -307,7 +309,7 @@ using FastPath = void (*)(const float*, const T*, const T*, const int64_t*, int6
                           int64_t, int64_t, float, float*, float*, float*, float*, float*);
 
 // Whether float16 and bfloat16 caches are read (by an intrinsics path: AVX-512 or AVX2) at this head size.
-static bool reads_16bit(int64_t dim) {
+bool reads_16bit(int64_t dim) {
   return (BLOCKSERVE_AVX512 || BLOCKSERVE_AVX2) && (dim == 64 || dim == 128 || dim == 256);
 }
 
@@ -318,9 +320,9 @@ constexpr int64_t kPoolSeqs = 16;
 // Every sequence's decode, for a cache of element type T (float, at::Half or at::BFloat16).
 // Sequence n's query heads are the n_heads * dim floats at qp + n * q_stride.
 template <typename T>
-static void decode_all(torch::Tensor out, const float* qp, int64_t q_stride, int64_t n_seqs, int64_t n_heads,
-                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                       torch::Tensor key_start, torch::Tensor seq_lens, float scale) {
+static void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seqs, int64_t n_heads,
+                       at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                       at::Tensor key_start, at::Tensor seq_lens, float scale) {
   const int64_t dim = k_cache.size(3), block_size = k_cache.size(1), n_kv_heads = k_cache.size(2);
   const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);  // query heads per KV head
   const int64_t slot_stride = n_kv_heads * dim;
@@ -385,16 +387,16 @@ static void decode_all(torch::Tensor out, const float* qp, int64_t q_stride, int
 }
 
 // What both entry points require of the cache and the per-sequence tensors.
-static void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                        const torch::Tensor& key_start, const torch::Tensor& seq_lens, int64_t n_seqs,
+static void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                        const at::Tensor& key_start, const at::Tensor& seq_lens, int64_t n_seqs,
                         int64_t n_heads, const char* name) {
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), name, ": K and V caches of one dtype expected");
   const auto cache_type = k_cache.scalar_type();
-  TORCH_CHECK(cache_type == torch::kFloat32 || cache_type == torch::kFloat16 || cache_type == torch::kBFloat16,
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16,
               name, ": float32, float16 or bfloat16 caches expected");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), name, ": K and V caches of one shape expected");
-  TORCH_CHECK(block_table.dtype() == torch::kInt64 && key_start.dtype() == torch::kInt64 &&
-                  seq_lens.dtype() == torch::kInt64,
+  TORCH_CHECK(block_table.dtype() == at::kLong && key_start.dtype() == at::kLong &&
+                  seq_lens.dtype() == at::kLong,
               name, ": int64 block_table, key_start and seq_lens expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous() &&
                   key_start.is_contiguous() && seq_lens.is_contiguous(),
@@ -402,24 +404,24 @@ static void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cac
   TORCH_CHECK(block_table.size(0) >= n_seqs && key_start.numel() >= n_seqs && seq_lens.numel() >= n_seqs,
               name, ": a block table row, key_start and seq_len per sequence expected");
   TORCH_CHECK(n_heads % k_cache.size(2) == 0, name, ": query heads must be a multiple of KV heads");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || reads_16bit(k_cache.size(3)),
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || reads_16bit(k_cache.size(3)),
               name, ": a float16 or bfloat16 cache needs AVX-512 or AVX2 (+ FMA, F16C) and head size 64, 128 or 256");
 }
 
 template <typename... Args>
-static void dispatch_cache(const torch::Tensor& k_cache, Args&&... args) {
-  if (k_cache.scalar_type() == torch::kFloat32)
+static void dispatch_cache(const at::Tensor& k_cache, Args&&... args) {
+  if (k_cache.scalar_type() == at::kFloat)
     decode_all<float>(std::forward<Args>(args)...);
-  else if (k_cache.scalar_type() == torch::kFloat16)
+  else if (k_cache.scalar_type() == at::kHalf)
     decode_all<at::Half>(std::forward<Args>(args)...);
   else  // bfloat16: check_cache admits no other type
     decode_all<at::BFloat16>(std::forward<Args>(args)...);
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_table, torch::Tensor key_start, torch::Tensor seq_lens,
+void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens,
                             double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat,
               "paged_decode_attention: float32 q and out expected");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
               "paged_decode_attention: contiguous q and out [N, Hq, D] expected");
@@ -434,13 +436,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 // [N, D / 2]), k and v are written to slot slot_mapping[n] of the caches (rounded to the cache's
 // dtype, as a copy would), then out [N, Hq, D] = paged_decode_attention over the caches. Every
 // write lands before any sequence is attended.
-void rotary_decode_attention(torch::Tensor out, torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-                             torch::Tensor block_table, torch::Tensor key_start, torch::Tensor seq_lens,
+void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                             at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                             at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens,
                              int64_t n_heads, double scale) {
   const char* name = "rotary_decode_attention";
-  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 &&
-                  sin.dtype() == torch::kFloat32,
+  TORCH_CHECK(qkv.dtype() == at::kFloat && out.dtype() == at::kFloat && cos.dtype() == at::kFloat &&
+                  sin.dtype() == at::kFloat,
               name, ": float32 qkv, cos, sin and out expected");
   check_cache(k_cache, v_cache, block_table, key_start, seq_lens, qkv.size(0), n_heads, name);
   const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = k_cache.size(3);
@@ -451,7 +453,7 @@ void rotary_decode_attention(torch::Tensor out, torch::Tensor qkv, torch::Tensor
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n_seqs && cos.size(1) == dim / 2 && sin.sizes() == cos.sizes() &&
                   cos.stride(1) == 1 && sin.stride(1) == 1 && dim % 2 == 0,
               name, ": cos, sin [N, D / 2] expected");
-  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == n_seqs,
+  TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n_seqs,
               name, ": an int64 slot per sequence expected");
   float* qkvp = qkv.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -473,9 +475,9 @@ void rotary_decode_attention(torch::Tensor out, torch::Tensor qkv, torch::Tensor
       }
     }
   };
-  if (k_cache.scalar_type() == torch::kFloat32)
+  if (k_cache.scalar_type() == at::kFloat)
     write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  else if (k_cache.scalar_type() == torch::kFloat16)
+  else if (k_cache.scalar_type() == at::kHalf)
     write(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
   else
     write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
@@ -483,12 +485,4 @@ void rotary_decode_attention(torch::Tensor out, torch::Tensor qkv, torch::Tensor
                  block_table, key_start, seq_lens, static_cast<float>(scale));
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("reads_16bit", &reads_16bit, "whether float16 / bfloat16 caches are read at this head size");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV cache, in place (out, q, k_cache, v_cache, block_table, key_start, "
-        "seq_lens, scale)");
-  m.def("rotary_decode_attention", &rotary_decode_attention,
-        "a decode-only step: rotate q, k of qkv in place, write k, v to the caches, attend (out, qkv, cos, sin, "
-        "k_cache, v_cache, slot_mapping, block_table, key_start, seq_lens, n_heads, scale)");
-}
+}  // namespace blockserve

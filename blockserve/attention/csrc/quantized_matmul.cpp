@@ -17,7 +17,7 @@
 //   Q8_0 group block (144 B): d[4] f32 | 4 x 32 int8
 // The row count is padded to a multiple of four with zero rows.
 
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include "task_pool.h"
 
@@ -38,6 +38,7 @@
 #include <immintrin.h>
 #endif
 
+namespace blockserve {
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -348,9 +349,9 @@ void run_int8(const Int8Problem& p) {
 #endif
 
 // Checks shared by both entry points; returns x contiguous.
-torch::Tensor checked_input(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool q4_1) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: 2-D float32 expected");
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 expected");
+at::Tensor checked_input(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool q4_1) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x: 2-D float32 expected");
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous(), "packed: contiguous uint8 expected");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32 for GGUF block formats");
   const int64_t groups = (N + kGroup - 1) / kGroup;
@@ -360,13 +361,15 @@ torch::Tensor checked_input(const torch::Tensor& x, const torch::Tensor& packed,
   return x.contiguous();
 }
 
-torch::Tensor quantized_matmul_int8(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool q4_1) {
+}  // namespace
+
+at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1) {
 #if !BLOCKSERVE_LANES
   TORCH_CHECK(false, "quantized_matmul_int8 was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
 #else
   x = checked_input(x, packed, out_features, q4_1);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   std::vector<int8_t> levels(M * K);
   std::vector<float> scales(M * K / kBlock), sums(M * K / kBlock);
@@ -378,13 +381,13 @@ torch::Tensor quantized_matmul_int8(torch::Tensor x, torch::Tensor packed, int64
 #endif
 }
 
-torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool q4_1) {
+at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1) {
 #if !BLOCKSERVE_LANES
   TORCH_CHECK(false, "quantized_matmul was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
 #else
   x = checked_input(x, packed, out_features, q4_1);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   std::vector<float> xsum(q4_1 ? M * K / kBlock : 0);
   for (size_t b = 0; b < xsum.size(); ++b) {
@@ -400,12 +403,4 @@ torch::Tensor quantized_matmul(torch::Tensor x, torch::Tensor packed, int64_t ou
 
 int64_t simd_lanes() { return BLOCKSERVE_LANES; }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantized_matmul", &quantized_matmul,
-        "out [M, N] = x [M, K] @ W^T, W packed Q4_1 (q4_1=True) or Q8_0");
-  m.def("quantized_matmul_int8", &quantized_matmul_int8,
-        "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int8 per block of 32 (integer dots)");
-  m.def("simd_lanes", &simd_lanes, "16: the AVX-512 path, 8: AVX2, 0: neither (quantized_matmul cannot run)");
-}
+}  // namespace blockserve

@@ -1,0 +1,32 @@
+// The entry points of the native CPU kernels. Each is defined in its own file (one concept per
+// file) and all are linked into one extension module, bound to Python in module.cpp, so one
+// kernel may call another's entry points directly (decode_stack.cpp runs whole decoder layers).
+// The kernel files include ATen only (a third of torch/extension.h's compile time).
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace blockserve {
+
+// fused_ops.cpp: elementwise steps of a decoder layer, one pass each (float32).
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_(at::Tensor qkv, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+
+// paged_decode.cpp: decode attention read in place from the paged KV cache.
+bool reads_16bit(int64_t head_size);
+void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale);
+void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                             at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_table,
+                             at::Tensor key_start, at::Tensor seq_lens, int64_t n_heads, double scale);
+
+// quantized_matmul.cpp: out = x @ W^T over GGUF blocks (float32 or int8-rounded activations).
+at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
+at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
+int64_t simd_lanes();
+
+}  // namespace blockserve
