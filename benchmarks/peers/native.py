@@ -69,6 +69,8 @@ def main() -> int:
 
     env = environment()
     print_environment(env)
+    if inherited := [k for k in OPENMP_VARIABLES if k in os.environ]:
+        print(f"note: {', '.join(inherited)} not passed to the engines (each runs with its own defaults)")
     bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh")], check=True, capture_output=True,
                                   text=True).stdout.strip().splitlines()[-1])
     model = str(default_model_path())
@@ -143,9 +145,20 @@ class CpuShare:
         self.others_share = others / (self.wall * psutil.cpu_count())
 
 
-def run_process(cmd: list[str], env: dict | None = None) -> tuple[str, CpuShare]:
+# Set in this process, these would reach both engines and override their own defaults: llama.cpp's
+# OpenMP threads spin, blockserve picks a policy per command (thread_policy.py). An inherited
+# OMP_WAIT_POLICY=PASSIVE made llama.cpp's batch-1 ITL 36.3 ms instead of ~9.
+OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+
+
+def engine_env() -> dict[str, str]:
+    """This process's environment without OPENMP_VARIABLES: each engine runs as a user starts it."""
+    return {k: v for k, v in os.environ.items() if k not in OPENMP_VARIABLES}
+
+
+def run_process(cmd: list[str]) -> tuple[str, CpuShare]:
     with CpuShare() as share:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return proc.stdout + proc.stderr, share
@@ -228,7 +241,7 @@ class Server:
 
     def __enter__(self):
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=engine_env())
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

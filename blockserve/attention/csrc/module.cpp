@@ -33,5 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("q4_1"), pybind11::arg("biases"),
            pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("int8"), pybind11::arg("num_heads"),
            pybind11::arg("scale"))
-      .def("run", &DecodeStack::run, DecodeStack::kRunDoc);
+      // Without the GIL: a server's event loop streams tokens while the step's layers run.
+      .def("run", &DecodeStack::run, DecodeStack::kRunDoc, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
