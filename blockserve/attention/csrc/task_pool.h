@@ -123,9 +123,9 @@ class TaskPool {
   std::atomic<int64_t> inside_{0};
 };
 
-// The process's pool. Its static is a GNU unique symbol (nm: `u`), which the dynamic linker binds
-// to one instance process-wide, so every extension module built with this header (each its own
-// .so: the quantized matmuls, decode attention) hands its tasks to the same workers.
+// The process's pool: the one module's kernels (matmuls, decode attention) share it. Its static is
+// a GNU unique symbol (nm: `u`), which the dynamic linker binds to one instance process-wide, so a
+// second build of the module in one process (-mno-avx512f, in tests) hands its tasks to the same workers.
 inline TaskPool& task_pool() {
   static TaskPool pool;
   return pool;
