@@ -108,8 +108,8 @@ def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, ac
         gen = torch.Generator().manual_seed(3)
         prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
-        results.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                        for o in outs])
+        results.append([(o.outputs[0].token_ids,
+                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
         del llm
     assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran
     assert results[0] == results[1]
