@@ -3,7 +3,7 @@ quantized weights and a Llama decode stack, compiled on first use for the machin
 
 All of them are one extension module (csrc/module.cpp binds kernels.h's entry points), so one
 kernel may call another's directly. The build needs a C++ compiler and ninja
-(torch.utils.cpp_extension); ninja compiles the sources side by side (~45 s on 2 cores, once)
+(torch.utils.cpp_extension); ninja compiles the sources side by side (~50 s on 2 cores, once)
 and the module is cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the
 sources and the CPU's instruction sets, since it is compiled with -march=native. Without a
 compiler, or with BLOCKSERVE_NATIVE_KERNELS=0, the getters return None and callers use their
@@ -131,7 +131,7 @@ _build_lock = threading.Lock()
 def _load(flags: tuple[str, ...]):
     """csrc/'s module compiled (with `flags` after the usual ones) and loaded, or None (the reason
     is logged)."""
-    logger.info("loading the native kernels (compiled on their first use on this machine, ~45 s)")
+    logger.info("loading the native kernels (compiled on their first use on this machine, ~50 s)")
     try:
         from torch.utils.cpp_extension import load
 

@@ -50,9 +50,8 @@ def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor,
             return None
         prepared.append(step)
     stack = native_stack(layers, final_norm, x.shape[0])
-    if stack is not None:
-        inputs = [step[1] for step in prepared]  # per layer: k, v caches, slot mapping, table, key start, seq lens
-        return stack.run(x, cos, sin, *([layer_inputs[i] for layer_inputs in inputs] for i in range(6)))
+    if stack is not None:  # per layer: k, v caches, slot mapping, table, key start, seq lens; as six lists
+        return stack.run(x, cos, sin, *zip(*(args[:6] for _, args in prepared)))
     residual = None
     for layer, step in zip(layers, prepared):
         attn, mlp = layer.self_attn, layer.mlp
