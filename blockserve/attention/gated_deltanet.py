@@ -29,6 +29,7 @@ from torch import nn
 
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
+from blockserve.attention.pointwise import silu
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -166,7 +167,7 @@ class GatedDeltaNet(nn.Module):
 
     def _qkv(self, mixed: torch.Tensor):
         """Conv output [..., conv_dim] -> q, k [..., Hv, Dk] (normalised, q scaled), v [..., Hv, Dv]."""
-        q, k, v = F.silu(mixed).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = silu(mixed).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
         q = l2norm(q.unflatten(-1, (self.num_k_heads, self.head_k_dim))).repeat_interleave(rep, dim=-2)
         k = l2norm(k.unflatten(-1, (self.num_k_heads, self.head_k_dim))).repeat_interleave(rep, dim=-2)

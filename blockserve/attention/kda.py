@@ -36,6 +36,7 @@ from torch import nn
 
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext, StateMetadata
+from blockserve.attention.pointwise import silu
 from blockserve.kv.specs import LinearStateSpec
 
 CHUNK_SIZE = 64
@@ -175,7 +176,7 @@ class KimiDeltaAttention(nn.Module):
             slots = meta.slots[:nd]
             ext = torch.cat([conv_states[slots], mixed_qkv[:nd, :, None]], dim=2)  # [nd, C, K]
             conv_states[slots] = ext[:, :, 1:]
-            q, k, v = self._split(F.silu((ext * conv_weight).sum(-1)))
+            q, k, v = self._split(silu((ext * conv_weight).sum(-1)))
             o, rec_states[slots] = kda_step(q, k, v, g[:nd], beta[:nd], rec_states[slots])
             out[:nd] = o
         for i in range(nd, layout.num_seqs):
@@ -184,7 +185,7 @@ class KimiDeltaAttention(nn.Module):
             positions, targets = capture_targets(meta.captures.get(i))
             x, conv_states[slot], *conv_caps = causal_conv(mixed_qkv[start:end], conv_states[slot], conv_weight,
                                                            first, positions)
-            q, k, v = self._split(F.silu(x))
+            q, k, v = self._split(silu(x))
             out[start:end], rec_states[slot], *rec_caps = kda_chunked(
                 q, k, v, g[start:end], beta[start:end], rec_states[slot], self.chunk_size, first, positions)
             if positions:

@@ -31,6 +31,7 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
+from blockserve.attention.pointwise import silu, softplus
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -139,7 +140,7 @@ class Mamba2(nn.Module):
     def _split(self, xBC: torch.Tensor):
         """Conv output [..., conv_dim] -> x [..., H, P], B, C [..., H, N] (groups repeated to heads)."""
         gn = self.n_groups * self.state_size
-        x, B, C = F.silu(xBC).split([self.intermediate_size, gn, gn], dim=-1)
+        x, B, C = silu(xBC).split([self.intermediate_size, gn, gn], dim=-1)
         rep = self.num_heads // self.n_groups
         B, C = (t.unflatten(-1, (self.n_groups, self.state_size)).repeat_interleave(rep, dim=-2) for t in (B, C))
         return x.unflatten(-1, (self.num_heads, self.head_dim)), B, C
@@ -152,7 +153,7 @@ class Mamba2(nn.Module):
         dtype = xBC.dtype  # the recurrence runs in float32, as its states are stored
         xBC, dt, conv_weight, A, D, dt_bias = (t.float() for t in (xBC, dt, conv_weight, A, D, dt_bias))
         conv_bias = None if conv_bias is None else conv_bias.float()
-        dt = F.softplus(dt + dt_bias)
+        dt = softplus(dt + dt_bias)
         out = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:

@@ -143,10 +143,10 @@ def test_capture_positions_are_checked():
 
 def test_layer_chunks_on_the_absolute_grid():
     """A prefill cut at 13 then continued equals, bit for bit, the same cut once more at the grid
-    position 24: the layer runs its chunks on positions, not on each step's tokens. 16 heads, so
-    that each token's dt is whole SIMD vectors: torch's softplus rounds a vector's tail elements
-    differently, which would make the layer's inputs to the scan depend on the cut."""
-    heads = 16
+    position 24: the layer runs its chunks on positions, not on each step's tokens. 6 heads, so a
+    token's dt is no whole SIMD vector: torch's own softplus rounds a vector loop's tail elements
+    differently, which made the layer's inputs to the scan depend on the cut (attention/pointwise.py)."""
+    heads = 6
     layer = Mamba2("l", num_heads=heads, head_dim=P, n_groups=2, state_size=N, conv_kernel_size=4, chunk_size=8,
                    dtype=torch.float32)
     gen = torch.Generator().manual_seed(6)
