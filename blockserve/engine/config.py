@@ -49,6 +49,10 @@ ATTENTION_BACKENDS = ("exact", "whole_block", "flex")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The GGUF block kernels' activations (models/quantized_linear.py's ACTIVATIONS; a test checks they agree).
 QUANTIZED_ACTIVATIONS = ("float32", "int8")
+# float32: transformers' logits and greedy tokens, and a prefill chunked differently (a prefix-cache
+# hit, another batch) moves them by float rounding only; int8's rounding of x turns those ~1e-6
+# differences into ~0.1 in logprobs (docs/performance.md). int8 is opt-in.
+DEFAULT_QUANTIZED_ACTIVATIONS = "float32"
 # Who starts tensor-parallel ranks 1..N-1 (blockserve/distributed/executor.py).
 DISTRIBUTED_EXECUTORS = ("spawn", "external")
 
@@ -114,12 +118,14 @@ class EngineConfig:
         "flag": "--no-adaptive-threads"})
     # Applies when the engine loads the model (a LoadedModel passed in was loaded with load_model's own setting).
     quantized_matmul: bool = field(default=True, metadata={
-        "help": "GGUF models: float32 weights only (by default batches of up to 16 rows read the "
-                "file's Q4_0/Q4_1/Q8_0 blocks)", "flag": "--no-quantized-matmul"})
-    quantized_activations: str = field(default="float32", metadata={
-        "help": "GGUF blocks: the activations' precision in their matmuls. float32: exact (transformers' "
-                "logits and greedy tokens); int8: rounded per block of 32 as llama.cpp does, ~2x faster "
-                "matmuls up to 64 rows, logits off by ~0.2 on average", "choices": QUANTIZED_ACTIVATIONS})
+        "help": "GGUF models: float32 weights only (by default the linear layers read the file's "
+                "Q4_0/Q4_1/Q8_0 blocks: at every batch size with int8 activations, up to 16 rows with float32)",
+        "flag": "--no-quantized-matmul"})
+    quantized_activations: str = field(default=DEFAULT_QUANTIZED_ACTIVATIONS, metadata={
+        "help": "GGUF blocks: the activations' precision in their matmuls. float32 (default): exact "
+                "(transformers' logits and greedy tokens); int8: rounded per block of 32 as llama.cpp does, "
+                "~1.6-1.9x faster batch-1 decode on AVX2 (about even on AVX-512), logits ~0.2 off transformers' "
+                "on average", "choices": QUANTIZED_ACTIVATIONS})
 
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads (recurrent "

@@ -44,7 +44,7 @@ from blockserve.attention.paged_attention import PagedAttention
 from blockserve.models.default_model import default_model_path
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
-from blockserve.models.quantized_linear import use_quantized_linears
+from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, use_quantized_linears
 from blockserve.models.registry import model_class
 from blockserve.models.weight_layout import use_input_major_linears
 
@@ -79,12 +79,14 @@ class LoadedModel:
 
 def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
                cache_dir: str | None = None, quantized_matmul: bool = True,
-               placement: Placement = Placement(), quantized_activations: str = "float32") -> LoadedModel:
+               placement: Placement = Placement(),
+               quantized_activations: str = DEFAULT_ACTIVATIONS) -> LoadedModel:
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
     quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
-    and run small batches on them (models/quantized_linear.py); False: float32 only.
-    quantized_activations: those blocks' kernel, "float32" (exact) or "int8" (quantized_linear.py).
+    and run on them (models/quantized_linear.py); False: float32 only.
+    quantized_activations: those blocks' kernel, "float32" (exact: transformers' logits; up to 16 rows)
+    or "int8" (llama.cpp's rounding; every batch size).
     placement: device, dtype and tensor-parallel group (this rank's shard is loaded).
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or

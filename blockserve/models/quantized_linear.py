@@ -2,28 +2,36 @@
 
 A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
 bound by reading those weights: 4 bytes per weight. The file's Q4_0 / Q4_1 and Q8_0 blocks
-encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so for the few rows
-of a decode batch the native kernel (attention/csrc/quantized_matmul.cpp) reads the blocks
-instead; larger batches are compute-bound and keep the float32 GEMM. Two kernels read them:
+encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so the native kernels
+(attention/csrc/quantized_matmul.cpp) read the blocks instead. Two kernels read them:
 
     activations="float32"  the weights dequantised in registers, float32 x: exact up to float
-                           rounding. The default: the model then gives transformers' logits and
-                           greedy tokens (DESIGN's parity contract).
-    activations="int8"     x rounded to int8 per block of 32 and integer dot products (as llama.cpp
-                           does on CPU): ~2x faster than "float32" and ahead of the float32 GEMM up to
-                           64 rows, but each matmul is off x @ W^T by up to sum_k |w_k| * max|x_block| / 254
+                           rounding, so the model gives transformers' logits and greedy tokens
+                           (DESIGN's parity contract). The default (DEFAULT_ACTIVATIONS). Compute-bound
+                           past a few rows, so the float32 GEMM takes larger batches.
+    activations="int8"     x rounded to int8 per block of 32 and integer dot products, as llama.cpp
+                           computes a GGUF's matmuls on CPU (--quantized-activations int8): on AVX2
+                           ~2x faster than "float32" at decode (about even on AVX-512, with VNNI),
+                           and even with the float32 GEMM at prefill sizes, so it serves every row
+                           count. Each matmul is off x @ W^T by up to sum_k |w_k| * max|x_block| / 254
                            (~1e-3 relative); over SmolLM2's 30 layers that moves logits by ~0.2 on
                            average (up to 2.3), and in the parity test's second prompt it flips the
-                           16th greedy token, a near-tie (transformers' top two 0.155 apart).
-                           Chosen with --quantized-activations int8 (EngineConfig).
+                           16th greedy token, a near-tie (transformers' top two 0.155 apart). The
+                           rounding is discontinuous: a float-rounding difference upstream (another
+                           chunking of a prefill: a prefix-cache hit, a batch) can move an element
+                           one level, and over the layers such moves add up to ~0.1 in logprobs
+                           where "float32" moves ~1e-5.
 
-    rows <= max_rows   x @ W^T over the blocks      (same weights; x rounded as `activations` says)
-    rows >  max_rows   the float32 layer it wraps  (nn.Linear; PanelLinear when it has at least
-                                                    PANEL_MIN_OUT outputs: faster above 16 rows),
-                       on x rounded as the int8 kernel rounds it (`round_like_int8`) under "int8"
+    float32:  rows <= max_rows   x @ W^T over the blocks
+              rows >  max_rows   the float32 layer it wraps (nn.Linear; PanelLinear when it has at
+                                 least PANEL_MIN_OUT outputs: faster above 16 rows)
+    int8:     every row count    the int8 kernel (row tiles of 128 inside it); the float32 layer on x
+                                 rounded as the kernel rounds it (`round_like_int8`) only where the
+                                 kernel cannot run (no native build, x not a 2-D float32 CPU tensor)
 
-so under either setting a row's result does not depend on how many rows share its step, up to
-float rounding: a request alone and in a batch gets the same logits to ~1e-6.
+Under "int8" a matmul row's result is the same bits whatever shares its call (each output is the
+same integer block dots summed in the same order); under "float32" the same up to float rounding
+(~1e-6): the blocks and the GEMM sum in different orders.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
@@ -51,16 +59,19 @@ from blockserve.models.weights import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which reading the blocks beats the float32 GEMM, by activations and the kernel's SIMD
-# lanes. float32 (SmolLM2's 30 layers on one core; AVX-512: 3.5x faster at 1 row, 1.5x at 16, even
-# at ~28; AVX2, the 8-row kernel: even with the GEMM at 16 rows on one thread, 2.6x faster on two,
-# where the blocks' task pool hands over without OpenMP's wake-ups; behind it at 32;
-# results/quantized_matmul_avx2_8rows*.json, results/quantized_matmul_avx2_pool.json). int8 (AVX2,
-# benchmarks/quantized_matmul.py, SmolLM2's five shapes, one thread, fastest rounds on a loaded 2-core
-# EPYC: 2.7-4.8x the float32 GEMM at 1-4 rows, 1.0-1.3x at 64; results/quantized_matmul_avx2.json): 64.
-# The AVX-512 build runs the same loop with VNNI's dpbusd; not measured yet, so 64 there as well.
-MAX_ROWS = {("int8", 16): 64, ("int8", 8): 64, ("float32", 16): 16, ("float32", 8): 16}
+# Rows up to which the blocks serve a layer, by activations and the kernel's SIMD lanes. float32: where
+# reading them beats the float32 GEMM (SmolLM2's 30 layers on one core; AVX-512: 3.5x faster at 1 row,
+# 1.5x at 16, even at ~28; AVX2, the 8-row kernel: even with the GEMM at 16 rows on one thread, 2.6x
+# faster on two, where the blocks' task pool hands over without OpenMP's wake-ups; behind it at 32;
+# results/quantized_matmul_avx2_8rows*.json, results/quantized_matmul_avx2_pool.json). int8: every row
+# count (EVERY_ROW). On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
+# (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
+# (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same bits
+# whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd.
+EVERY_ROW = 2 ** 62
+MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 16, ("float32", 8): 16}
 ACTIVATIONS = ("float32", "int8")  # EngineConfig.quantized_activations' choices (engine/config.py)
+DEFAULT_ACTIVATIONS = "float32"  # and its default (engine/config.py's DEFAULT_QUANTIZED_ACTIVATIONS)
 
 GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
@@ -128,7 +139,7 @@ class QuantizedLinear(nn.Module):
     `max_rows` None: MAX_ROWS."""
 
     def __init__(self, dense: nn.Module, packed: torch.Tensor, format: str, max_rows: int | None = None,
-                 activations: str = "float32"):
+                 activations: str = DEFAULT_ACTIVATIONS):
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
@@ -163,7 +174,7 @@ class QuantizedLinear(nn.Module):
 
 
 def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
-                          max_rows: int | None = None, activations: str = "float32") -> int:
+                          max_rows: int | None = None, activations: str = DEFAULT_ACTIVATIONS) -> int:
     """Give `model`'s linear layers their GGUF blocks: (Hugging Face weight name, GGUF type name,
     raw blocks [N, ...] with rows in the Hugging Face order); `max_rows` None: the kernel's
     crossover (MAX_ROWS); `activations`: QuantizedLinear's. Fused

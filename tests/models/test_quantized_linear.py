@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.native import quantized_matmul_ops
-from blockserve.engine.config import QUANTIZED_ACTIVATIONS, EngineConfig
-from blockserve.models.quantized_linear import (ACTIVATIONS, QuantizedLinear, pack_blocks, round_like_int8,
-                                                sharing_linear, use_quantized_linears)
+from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
+from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, QuantizedLinear,
+                                                pack_blocks, round_like_int8, sharing_linear, use_quantized_linears)
 from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
 from tests.threads import torch_threads
 
@@ -77,38 +77,44 @@ def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndar
 def test_blocks_give_the_dequantised_matmul(format, rows, activations):
     raw, weight = quantized(rows, 96, format)
     bias = torch.randn(rows)
-    # A decoy float32 copy: up to max_rows rows must come from the blocks, more from the copy.
+    # A decoy float32 copy: the rows the blocks serve (float32: up to max_rows; int8: every row count,
+    # 300 crossing the kernel's row tiles of 128) must come from the blocks, more from the copy.
     decoy = torch.zeros_like(weight)
     layer = QuantizedLinear(sharing_linear(decoy, bias), pack_blocks(raw, format), format, activations=activations)
-    assert layer.max_rows >= (64 if activations == "int8" else 8)
-    for m in (1, 2, 3, 4, 5, 7, layer.max_rows):
+    served = (1, 2, 3, 4, 5, 7, 64, 300) if activations == "int8" else (1, 2, 3, 4, 5, 7, layer.max_rows)
+    assert layer.max_rows == (EVERY_ROW if activations == "int8" else 16)
+    for m in served:
         x = torch.randn(m, 96)
         if activations == "int8":
             assert_int8_matmul(layer(x), x, weight, bias)
         else:
             assert_float32_matmul(layer(x), x, weight, bias)
-    x = torch.randn(layer.max_rows + 1, 96)
-    assert torch.equal(layer(x), F.linear(x, decoy, bias))
+    if activations == "float32":
+        x = torch.randn(layer.max_rows + 1, 96)
+        assert torch.equal(layer(x), F.linear(x, decoy, bias))
 
 
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
-def test_int8_rows_get_the_same_rounding_alone_or_in_a_large_batch(format):
-    """Past max_rows the float32 layer runs on x rounded as the kernel rounds it, so a row's result
-    does not depend on how many rows share its step (a request alone or in a prefill-sized batch)."""
+def test_int8_rows_get_the_same_bits_alone_or_in_a_prefill_sized_batch(format):
+    """The int8 kernel serves every row count, row tiles included, and each output is the same
+    arithmetic whatever shares the call: a row alone and in a batch of 300 get the same bits (a
+    request's tokens do not depend on what shares its steps). Where the kernel cannot run (here: a
+    3-D x), the float32 layer takes x rounded as the kernel rounds it."""
     raw, weight = quantized(13, 96, format, seed=3)
     bias = torch.randn(13)
     layer = QuantizedLinear(sharing_linear(weight, bias), pack_blocks(raw, format), format, activations="int8")
-    x = torch.randn(layer.max_rows + 3, 96)
+    x = torch.randn(300, 96)
     x[1, :32] = 0  # a zero block
     batched = layer(x)
-    alone = torch.cat([layer(row[None]) for row in x])
-    assert_int8_matmul(batched, x, weight, bias)  # both the matmul of x rounded as the kernel rounds it
-    assert_int8_matmul(alone, x, weight, bias)
-    assert layer(torch.full((layer.max_rows + 1, 96), float("nan"))).isnan().all()
+    assert torch.equal(batched, torch.cat([layer(row[None]) for row in x]))
+    assert torch.equal(batched[130:260], layer(x[130:260]))
+    assert_int8_matmul(batched, x, weight, bias)
+    assert_int8_matmul(layer(x[None]).reshape(300, 13), x, weight, bias)
+    assert layer(torch.full((200, 96), float("nan"))).isnan().all()
 
 
 def test_round_like_int8_is_the_kernels_rounding_to_the_bit():
-    """round_like_int8 (the float32 path past max_rows) rounds x exactly as quantized_matmul_int8 does,
+    """round_like_int8 (the float32 path where the int8 kernel cannot run) rounds x exactly as quantized_matmul_int8 does,
     ties included. The weight is Q8_0's identity (d = 2^-6, q = 64: w = 1 exactly), so the kernel's
     output is its rounded x, s * r in one float32 rounding; x sits at the rounding ties
     (r + 1/2) * s, where a second rounding in 127 / max|x_b| moves a level."""
@@ -207,12 +213,14 @@ def test_activations_default_to_float32_and_unknown_ones_are_refused():
     raw, weight = quantized(8, 64, "Q4_1")
     packed = pack_blocks(raw, "Q4_1")
     layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1")
-    assert layer.activations == "float32" and layer.kernel is ops.quantized_matmul
+    assert layer.activations == "float32" and layer.kernel is ops.quantized_matmul and layer.max_rows == 16
     layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int8")
-    assert layer.activations == "int8" and layer.kernel is ops.quantized_matmul_int8 and layer.max_rows == 64
+    assert layer.activations == "int8" and layer.kernel is ops.quantized_matmul_int8 and layer.max_rows == EVERY_ROW
     with pytest.raises(ValueError, match="activations must be one of"):
         QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int4")
-    assert ACTIVATIONS == QUANTIZED_ACTIVATIONS  # EngineConfig's choices (torch-free) are the kernel's
+    # EngineConfig's choices and default (torch-free) are the kernel's
+    assert ACTIVATIONS == QUANTIZED_ACTIVATIONS and DEFAULT_ACTIVATIONS == DEFAULT_QUANTIZED_ACTIVATIONS
+    assert EngineConfig().quantized_activations == DEFAULT_ACTIVATIONS
     with pytest.raises(ValueError, match="unknown quantized_activations 'int4'"):
         EngineConfig(quantized_activations="int4")
 
@@ -285,8 +293,8 @@ def test_panel_linear_is_the_same_linear():
 
 
 def test_wide_layers_with_blocks_run_larger_batches_on_panels():
-    """A wide layer that gets blocks keeps its float32 copy as panels (above max_rows, where the
-    panels are faster); a narrow one stays an nn.Linear."""
+    """A wide layer that gets blocks keeps its float32 copy as panels (above float32's max_rows, where
+    the panels are faster); a narrow one stays an nn.Linear."""
     wide_raw, wide = quantized(PANEL_MIN_OUT, 64, "Q8_0")
     narrow_raw, narrow = quantized(8, 64, "Q8_0", seed=1)
     model = TwoLayer()

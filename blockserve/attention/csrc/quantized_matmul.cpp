@@ -331,20 +331,29 @@ void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
   }
 }
 
+// Rows of x per pass over all the weights: a tile's levels (at most 128 x K bytes) stay in L2 while
+// the weights stream past them, so a prefill of any length runs here. Each output is the same
+// arithmetic in the same order whatever the tile or the row count: a row's result does not depend
+// on what shares its call.
+constexpr int64_t kInt8TileRows = 128;
+
 template <bool Q4>
 void run_int8(const Int8Problem& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  for_each_group_range(groups, p.M, p.K, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r0 = 0; r0 < p.M; r0 += kInt8Rows) {  // the group's weights stay in L1 across passes
-        switch (std::min(kInt8Rows, p.M - r0)) {
-          case 1: group_int8<Q4, 1>(p, g, r0); break;
-          case 2: group_int8<Q4, 2>(p, g, r0); break;
-          case 3: group_int8<Q4, 3>(p, g, r0); break;
-          default: group_int8<Q4, 4>(p, g, r0); break;
+  for (int64_t tile = 0; tile < p.M; tile += kInt8TileRows) {
+    const int64_t tile_end = std::min(p.M, tile + kInt8TileRows);
+    for_each_group_range(groups, tile_end - tile, p.K, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        for (int64_t r0 = tile; r0 < tile_end; r0 += kInt8Rows) {  // the group's weights stay in L1 across passes
+          switch (std::min(kInt8Rows, tile_end - r0)) {
+            case 1: group_int8<Q4, 1>(p, g, r0); break;
+            case 2: group_int8<Q4, 2>(p, g, r0); break;
+            case 3: group_int8<Q4, 3>(p, g, r0); break;
+            default: group_int8<Q4, 4>(p, g, r0); break;
+          }
         }
-      }
-  });
+    });
+  }
 }
 #endif
 
