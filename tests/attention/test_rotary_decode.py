@@ -76,11 +76,13 @@ def test_fused_decode_equals_the_reference_path(cache_dtype, head_dim):
     torch.testing.assert_close(mine.v_cache, theirs.v_cache, rtol=0, atol=0, equal_nan=True)
 
 
-def test_two_threads_attend_to_the_same_bits():
-    """Five sequences of ~750 keys: enough work that the kernel splits them over two threads (tasks
-    of >= 2^17 key elements on the task pool); each sequence is one thread's, so outputs and caches
-    are bitwise equal."""
-    query_lens, computed = [1] * 5, [700, 760, 720, 800, 740]
+@pytest.mark.parametrize("computed", [[700, 760, 720, 800, 740], [3000]])
+def test_two_threads_attend_to_the_same_bits(computed):
+    """Five sequences of ~750 keys, or one of 3000: enough work that the kernel splits it over two
+    threads (tasks of >= 2^17 key elements on the task pool, one item per sequence and KV head, so
+    one sequence's two KV heads go to two threads); each head is one thread's, so outputs and
+    caches are bitwise equal, and match the reference path."""
+    query_lens = [1] * len(computed)
     results = []
     for n in (1, 2):
         with torch_threads(n):
@@ -88,6 +90,8 @@ def test_two_threads_attend_to_the_same_bits():
             results.append((RotaryDecode(attn)(qkv, cos, sin, ctx), ctx.layers["layer"].k_cache))
     (one, k_one), (two, k_two) = results
     assert torch.equal(one, two) and torch.equal(k_one.nan_to_num(7.0), k_two.nan_to_num(7.0))
+    ref_attn, ref_ctx, qkv, cos, sin = make_step(query_lens, computed, 64, torch.float32)
+    torch.testing.assert_close(one, reference(ref_attn, ref_ctx, qkv, cos, sin), rtol=1e-5, atol=1e-5)
 
 
 def test_a_step_with_prefill_rows_is_left_to_the_reference_path():

@@ -344,45 +344,49 @@ static void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_
 #endif
   auto portable = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
 
-  // One work item per sequence: its blocks are read whole and in order (K then V rows of every head).
-  // Up to kPoolSeqs sequences, in tasks of >= ~2^17 key elements (~20 us), on the task pool the
-  // quantized matmuls of such steps use (task_pool.h: one pool per process), whose worker is still
-  // spinning from the last matmul: OpenMP would wake a sleeping thread (~100 us) or, spinning, hold
-  // that worker's core. Larger batches run float32 GEMMs on OpenMP, so their attention stays there
-  // too, in tasks of >= ~2^20 key elements (~150 us; a pool worker spinning beside OpenMP's cost
-  // bench throughput at batch 64 5-8%). Which thread runs a sequence never changes its result.
+  // One work item per sequence and KV head: the item's `group` query heads against that head's K/V
+  // rows (read in order, block by block), so one sequence splits across threads too (a batch-1
+  // step's attention ran on one core). Heads never interact, so a head's result is the same bits
+  // whatever the split. Up to kPoolSeqs sequences, in tasks of >= ~2^17 key elements (~20 us), on
+  // the task pool the quantized matmuls of such steps use (task_pool.h: one pool per process),
+  // whose worker is still spinning from the last matmul: OpenMP would wake a sleeping thread
+  // (~100 us) or, spinning, hold that worker's core. Larger batches run on OpenMP, in tasks of
+  // >= ~2^20 key elements (~150 us; a pool worker spinning beside OpenMP's GEMM threads cost bench
+  // throughput at batch 64 5-8%).
   int64_t keys = 0;
   for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
-  const int64_t per_seq = std::max<int64_t>(1, keys * n_heads * dim / std::max<int64_t>(1, n_seqs));
+  const int64_t items = n_seqs * n_kv_heads;
+  const int64_t per_item = std::max<int64_t>(1, keys * group * dim / std::max<int64_t>(1, n_seqs));
   const auto body = [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(n_heads * dim), score(n_heads * block_size), run_max(n_heads), run_sum(n_heads),
-        correction(n_heads);
-    std::vector<int64_t> kv_offset(n_heads);  // where query head hq's K/V row starts in a slot
-    for (int64_t hq = 0; hq < n_heads; ++hq) kv_offset[hq] = (hq / group) * dim;
-    std::vector<float> weights_buffer(n_heads * 16 + 16);  // 16 scores, then weights, per head; 64-byte aligned
+    std::vector<float> acc(group * dim), score(group * block_size), run_max(group), run_sum(group), correction(group);
+    const std::vector<int64_t> kv_offset(group, 0);  // K/V pointers below start at the item's head
+    std::vector<float> weights_buffer(group * 16 + 16);  // 16 scores, then weights, per head; 64-byte aligned
     float* weights = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(weights_buffer.data()) + 63) & ~uintptr_t{63});
-    for (int64_t n = begin; n < end; ++n) {
-      const float* qn = qp + n * q_stride;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / n_kv_heads, kv = item % n_kv_heads;
+      const float* qn = qp + n * q_stride + kv * group * dim;
+      const T* kh = kp + kv * dim;
+      const T* vh = vp + kv * dim;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
       if (fast != nullptr)
-        fast(qn, kp, vp, table + n * width, starts[n], lens[n], n_heads, kv_offset.data(), block_size, slot_stride,
+        fast(qn, kh, vh, table + n * width, starts[n], lens[n], group, kv_offset.data(), block_size, slot_stride,
              scale, acc.data(), weights, correction.data(), run_max.data(), run_sum.data());
       else if constexpr (std::is_same_v<T, float>)
-        portable(qn, kp, vp, table + n * width, starts[n], lens[n], n_heads, group, dim, block_size, slot_stride, scale,
+        portable(qn, kh, vh, table + n * width, starts[n], lens[n], group, group, dim, block_size, slot_stride, scale,
                  acc.data(), score.data(), run_max.data(), run_sum.data());
-      float* on = op + n * n_heads * dim;
-      for (int64_t hq = 0; hq < n_heads; ++hq) {
+      float* on = op + n * n_heads * dim + kv * group * dim;
+      for (int64_t hq = 0; hq < group; ++hq) {
         const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
         for (int64_t d = 0; d < dim; ++d) on[hq * dim + d] = acc[hq * dim + d] * inv;
       }
     }
   };
   if (n_seqs <= kPoolSeqs) {
-    blockserve::for_each_range(n_seqs, std::max<int64_t>(1, (int64_t{1} << 17) / per_seq), body);
+    blockserve::for_each_range(items, std::max<int64_t>(1, (int64_t{1} << 17) / per_item), body);
   } else {
-    at::parallel_for(0, n_seqs, std::max<int64_t>(1, (int64_t{1} << 20) / per_seq), body);
+    at::parallel_for(0, items, std::max<int64_t>(1, (int64_t{1} << 20) / per_item), body);
   }
 }
 
