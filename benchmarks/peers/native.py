@@ -3,7 +3,7 @@ inter-token latency and streaming servers at 1 / 16 / 64 clients, at each thread
 
     make bench-peers-native                  (1 thread and all cores; results/peers_native.json)
     python benchmarks/peers/native.py --threads 1 2 [--rounds 2] [--clients 1 16 64] [--skip-server]
-        [--input-len 112] [--max-tokens 128] [--batch 64] [--blockserve-flags '...'] [--json PATH]
+        [--input-len 112] [--max-tokens 128] [--batch 64] [--blockserve-flags '...'] [--isa avx2] [--json PATH]
 
 llama.cpp is built once by benchmarks/peers/build_llama_cpp.sh (from the llama-cpp-python sdist's
 vendor/llama.cpp, -DGGML_NATIVE=ON, cached outside the repository). Both systems load the same
@@ -24,6 +24,11 @@ run as a user would:
 Cells run interleaved (llama.cpp, then blockserve, per round) and report medians over --rounds.
 blockserve's offline run also measures the fp32 roofline (GEMM peak, bandwidth) after its workload
 and reports its computed work's share of the compute bound.
+
+--isa avx2 measures both engines as a CPU without AVX-512 (a Zen 3) runs them, on an AVX-512 machine:
+llama.cpp built for AVX2 + FMA + F16C (build_llama_cpp.sh avx2); blockserve with its native kernels
+built -mno-avx512f (BLOCKSERVE_NATIVE_ISA=avx2) and torch's own kernels held to AVX2
+(ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA).
 Each figure carries the other processes' share of the CPU during it: (all CPUs' busy time - the
 measured processes' CPU time) / (wall time x CPUs), from /proc/stat and psutil. The CPU's SIMD flags,
 the thread count and OMP settings go into the JSON with every figure.
@@ -66,14 +71,19 @@ def main() -> int:
     ap.add_argument("--skip-server", action="store_true", help="offline and batch-1 cells only")
     ap.add_argument("--blockserve-flags", default="", help="engine flags for every blockserve command, e.g. "
                     "'--quantized-activations int8' (default: none, blockserve's defaults)")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="native: each engine built for this CPU; avx2: both held to AVX2 (see above)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
+    if args.isa == "avx2":
+        os.environ.update(AVX2_ENVIRONMENT)
 
     env = environment()
     print_environment(env)
     if inherited := [k for k in OPENMP_VARIABLES if k in os.environ]:
         print(f"note: {', '.join(inherited)} not passed to the engines (each runs with its own defaults)")
-    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh")], check=True, capture_output=True,
+    env["isa"] = args.isa
+    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh"), args.isa], check=True, capture_output=True,
                                   text=True).stdout.strip().splitlines()[-1])
     model = str(default_model_path())
     print(f"llama.cpp binaries: {bin_dir}; model {model}")
@@ -151,6 +161,10 @@ class CpuShare:
 # OpenMP threads spin, blockserve picks a policy per command (thread_policy.py). An inherited
 # OMP_WAIT_POLICY=PASSIVE made llama.cpp's batch-1 ITL 36.3 ms instead of ~9.
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+# What holds blockserve to the code a CPU without AVX-512 runs: its native kernels' -mno-avx512f
+# build, and torch's vectorised kernels, MKL's GEMM and oneDNN at AVX2.
+AVX2_ENVIRONMENT = {"BLOCKSERVE_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def engine_env() -> dict[str, str]:
@@ -313,7 +327,8 @@ def _serve_load(server: Server, clients: int, args, seed: int) -> dict:
 def report(results: dict) -> None:
     """Medians per cell, with blockserve's ratio (higher is better for blockserve, whatever the unit)."""
     for table in results["tables"]:
-        print(f"\n== {table['threads']} thread(s): median of {results['args']['rounds']} round(s); "
+        isa = "AVX2 builds" if results["environment"]["isa"] == "avx2" else "native builds"
+        print(f"\n== {table['threads']} thread(s), {isa}: median of {results['args']['rounds']} round(s); "
               f"others' CPU share in brackets ==")
         print(f"{'cell':<42} {'llama.cpp':>22} {'blockserve':>22} {'blockserve x':>13}")
         table["medians"] = {}

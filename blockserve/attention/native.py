@@ -7,7 +7,9 @@ kernel may call another's directly. The build needs a C++ compiler and ninja
 and the module is cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the
 sources and the CPU's instruction sets, since it is compiled with -march=native. Without a
 compiler, or with BLOCKSERVE_NATIVE_KERNELS=0, the getters return None and callers use their
-PyTorch path (same results up to float rounding, slower).
+PyTorch path (same results up to float rounding, slower). BLOCKSERVE_NATIVE_ISA=avx2 makes every
+getter return the -mno-avx512f build: the engine then runs the code a CPU without AVX-512 (a Zen 3)
+runs, which is how that path is measured end to end on an AVX-512 machine (benchmarks/peers).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BLOCKSERVE_NATIVE_KERNELS"
+ISA_ENV = "BLOCKSERVE_NATIVE_ISA"  # native (default) | avx2
 # The module's translation units: the bindings, then one file per kernel (kernels.h, decode_stack.h).
 SOURCES = ("module.cpp", "fused_ops.cpp", "paged_decode.cpp", "quantized_matmul.cpp", "decode_stack.cpp")
 AVX2_ONLY = ("-mno-avx512f",)  # the build a CPU without AVX-512 gets (how tests cover it on one with it)
@@ -98,10 +101,18 @@ def _disabled() -> str | None:
     return None
 
 
+def _isa_flags() -> tuple[str, ...]:
+    isa = os.environ.get(ISA_ENV, "native").lower()
+    if isa not in ("native", "avx2"):
+        raise ValueError(f"{ISA_ENV}={isa!r}: choose native or avx2")
+    return AVX2_ONLY if isa == "avx2" else ()
+
+
 def _native(flags: tuple[str, ...] = ()):
-    # The switch is read on every call, so kernels can be turned off at any time; the compiler and
+    # The switches are read on every call, so kernels can be turned off at any time; the compiler and
     # ninja only matter until the module is built (looking them up on PATH costs ~0.1 ms a call,
     # and decode steps ask for their kernels every step).
+    flags = flags or _isa_flags()
     reason = _disabled() if flags in _built else why_not_native()
     if reason is not None:
         _say_once(f"native kernels not used ({reason}): the PyTorch paths run instead (slower)")
