@@ -60,16 +60,19 @@ from blockserve.models.weights import GATE_UP, QKV
 logger = logging.getLogger(__name__)
 
 # Rows up to which the blocks serve a layer, by activations and the kernel's SIMD lanes. float32: where
-# reading them beats the float32 GEMM (SmolLM2's 30 layers on one core; AVX-512: 3.5x faster at 1 row,
-# 1.5x at 16, even at ~28; AVX2, the 8-row kernel: even with the GEMM at 16 rows on one thread, 2.6x
-# faster on two, where the blocks' task pool hands over without OpenMP's wake-ups; behind it at 32;
-# results/quantized_matmul_avx2_8rows*.json, results/quantized_matmul_avx2_pool.json). int8: every row
+# reading them beats the float32 GEMM. AVX-512 (Zen 4): one kernel call is 3.5x faster at 1 row and
+# 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64 (benchmarks/max_rows_ab.py,
+# results/max_rows_ab*.json) gains 1.14-1.21x on two threads, where a decode step then runs as one
+# native call on the task pool, and is even on one. AVX2, the 8-row kernel: even with the GEMM at 16
+# rows on one thread, 2.6x faster on two, where the blocks' task pool hands over without OpenMP's
+# wake-ups; behind it at 32 (results/quantized_matmul_avx2_8rows*.json,
+# results/quantized_matmul_avx2_pool.json); at 64, batch 64 end to end is 0.89x on one thread. int8: every row
 # count (EVERY_ROW). On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
 # (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
 # (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same bits
 # whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd.
 EVERY_ROW = 2 ** 62
-MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 16, ("float32", 8): 16}
+MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 128, ("float32", 8): 16}
 ACTIVATIONS = ("float32", "int8")  # EngineConfig.quantized_activations' choices (engine/config.py)
 DEFAULT_ACTIVATIONS = "float32"  # and its default (engine/config.py's DEFAULT_QUANTIZED_ACTIVATIONS)
 

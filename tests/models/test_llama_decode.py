@@ -80,11 +80,12 @@ def test_a_step_with_a_prefill_row_is_left_to_the_module_path(tmp_path, monkeypa
     assert all(flat == all_decodes for all_decodes, flat in seen)
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, activations):
+@pytest.mark.parametrize("activations,num_prompts", [("float32", 3), ("int8", 3), ("float32", 24)])
+def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, activations, num_prompts):
     """With GGUF blocks on every linear layer, a decode-only step is one native call (DecodeStack):
     the same greedy tokens and bitwise the same logprobs as the flat loop, which runs where the stack
-    is switched off."""
+    is switched off. 24 prompts: steps of 24 decodes, which the stack runs where the blocks serve that
+    many rows (AVX-512; its decode attention then splits on the task pool too)."""
     reference = save_random_model(LlamaConfig(**CONFIG), tmp_path)
     if (ops := quantized_matmul_ops()) is None or not ops.simd_lanes():
         pytest.skip("the quantized kernel needs native kernels built with AVX-512 or AVX2")
@@ -102,14 +103,17 @@ def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, ac
 
     real_stack = llama_decode.native_stack
     results = []
+    lengths = (5, 11, 17) if num_prompts == 3 else range(2, 2 + num_prompts)
     for stack in (counted, lambda *args: None):
         monkeypatch.setattr(llama_decode, "native_stack", stack)
-        llm = LLM(loaded, max_num_batched_tokens=8, block_size=4)
+        llm = LLM(loaded, max_num_batched_tokens=8 if num_prompts == 3 else 64, block_size=4)
         gen = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
         results.append([(o.outputs[0].token_ids,
                          [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
         del llm
-    assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran
+    max_rows = min(linear.max_rows for linear in loaded.model.modules() if hasattr(linear, "max_rows"))
+    if num_prompts <= max_rows:
+        assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran
     assert results[0] == results[1]

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.attention.native import quantized_matmul_ops
+from blockserve.attention.native import ISA_ENV, fused_ops, quantized_matmul_ops
 from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
-from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, QuantizedLinear,
+from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, MAX_ROWS, QuantizedLinear,
                                                 pack_blocks, round_like_int8, sharing_linear, use_quantized_linears)
 from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
 from tests.threads import torch_threads
@@ -82,7 +82,7 @@ def test_blocks_give_the_dequantised_matmul(format, rows, activations):
     decoy = torch.zeros_like(weight)
     layer = QuantizedLinear(sharing_linear(decoy, bias), pack_blocks(raw, format), format, activations=activations)
     served = (1, 2, 3, 4, 5, 7, 64, 300) if activations == "int8" else (1, 2, 3, 4, 5, 7, layer.max_rows)
-    assert layer.max_rows == (EVERY_ROW if activations == "int8" else 16)
+    assert layer.max_rows == MAX_ROWS[activations, ops.simd_lanes()]
     for m in served:
         x = torch.randn(m, 96)
         if activations == "int8":
@@ -92,6 +92,21 @@ def test_blocks_give_the_dequantised_matmul(format, rows, activations):
     if activations == "float32":
         x = torch.randn(layer.max_rows + 1, 96)
         assert torch.equal(layer(x), F.linear(x, decoy, bias))
+
+
+def test_the_isa_switch_gives_every_caller_the_avx2_build(monkeypatch):
+    """BLOCKSERVE_NATIVE_ISA=avx2: the engine's kernels are the -mno-avx512f build, so its MAX_ROWS
+    and code are a Zen 3's (how benchmarks/peers measure that path on an AVX-512 machine)."""
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    if avx2 is None or avx2.simd_lanes() != 8:
+        pytest.skip("no AVX2 build here")
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert quantized_matmul_ops() is avx2 and fused_ops() is avx2
+    raw, weight = quantized(8, 64, "Q4_1")
+    assert QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1").max_rows == MAX_ROWS["float32", 8]
+    monkeypatch.setenv(ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match="choose native or avx2"):
+        quantized_matmul_ops()
 
 
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
@@ -213,7 +228,8 @@ def test_activations_default_to_float32_and_unknown_ones_are_refused():
     raw, weight = quantized(8, 64, "Q4_1")
     packed = pack_blocks(raw, "Q4_1")
     layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1")
-    assert layer.activations == "float32" and layer.kernel is ops.quantized_matmul and layer.max_rows == 16
+    assert layer.activations == "float32" and layer.kernel is ops.quantized_matmul
+    assert layer.max_rows == MAX_ROWS["float32", ops.simd_lanes()]
     layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int8")
     assert layer.activations == "int8" and layer.kernel is ops.quantized_matmul_int8 and layer.max_rows == EVERY_ROW
     with pytest.raises(ValueError, match="activations must be one of"):
