@@ -200,6 +200,11 @@ def test_a_client_that_leaves_has_its_request_aborted_on_the_replica(affinity_se
     deadline = time.monotonic() + 30
     while finished(after := scrape(affinity_server), "abort", replica) == finished(before, "abort", replica):
         assert time.monotonic() < deadline, "the replica never aborted the request"
+    # The abort is counted as it happens; the gauges follow when the engine thread next publishes
+    # its scheduler stats (the same loop iteration), so a scrape in between may still see it running.
+    while total(after, "blockserve_num_requests_running", replica="total"):
+        assert time.monotonic() < deadline, "the aborted request stayed in the running batch"
+        after = scrape(affinity_server)
     assert finished(after, "abort") == finished(before, "abort") + 1
     assert finished(after, "length") == finished(before, "length") + 1  # the other one only
     assert total(after, "blockserve_num_requests_running", replica="total") == 0
