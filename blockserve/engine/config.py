@@ -119,7 +119,8 @@ class EngineConfig:
     # Applies when the engine loads the model (a LoadedModel passed in was loaded with load_model's own setting).
     quantized_matmul: bool = field(default=True, metadata={
         "help": "GGUF models: float32 weights only (by default the linear layers read the file's "
-                "Q4_0/Q4_1/Q8_0 blocks: at every batch size with int8 activations, with float32 up to 128 rows on AVX-512, 16 on AVX2)",
+                "Q4_0/Q4_1/Q8_0 blocks: at every batch size with int8 activations; with float32 up to 128 "
+                "rows on AVX-512, 16 on AVX2)",
         "flag": "--no-quantized-matmul"})
     quantized_activations: str = field(default=DEFAULT_QUANTIZED_ACTIVATIONS, metadata={
         "help": "GGUF blocks: the activations' precision in their matmuls. float32 (default): exact "

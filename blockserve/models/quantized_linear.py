@@ -61,12 +61,13 @@ logger = logging.getLogger(__name__)
 
 # Rows up to which the blocks serve a layer, by activations and the kernel's SIMD lanes. float32: where
 # reading them beats the float32 GEMM. AVX-512 (Zen 4): one kernel call is 3.5x faster at 1 row and
-# 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64 (benchmarks/max_rows_ab.py,
-# results/max_rows_ab*.json) gains 1.14-1.21x on two threads, where a decode step then runs as one
-# native call on the task pool, and is even on one. AVX2, the 8-row kernel: even with the GEMM at 16
-# rows on one thread, 2.6x faster on two, where the blocks' task pool hands over without OpenMP's
-# wake-ups; behind it at 32 (results/quantized_matmul_avx2_8rows*.json,
-# results/quantized_matmul_avx2_pool.json); at 64, batch 64 end to end is 0.89x on one thread. int8: every row
+# 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64 gains 1.36x on two threads,
+# where a decode step then runs as one native call on the task pool, and 1.09x on one
+# (benchmarks/max_rows_ab.py, results/max_rows_ab_{2t,1t}.json). AVX2, the 8-row kernel: even with
+# the GEMM at 16 rows on one thread, 2.6x faster on two, where the blocks' task pool hands over
+# without OpenMP's wake-ups; behind it at 32 (results/quantized_matmul_avx2_8rows*.json,
+# results/quantized_matmul_avx2_pool.json); at 64 rows batch 64 end to end is 0.99x on two threads
+# and 0.91x on one (results/max_rows_ab_avx2_*.json). int8: every row
 # count (EVERY_ROW). On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
 # (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
 # (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same bits
