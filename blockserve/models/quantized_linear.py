@@ -67,11 +67,11 @@ logger = logging.getLogger(__name__)
 # the GEMM at 16 rows on one thread, 2.6x faster on two, where the blocks' task pool hands over
 # without OpenMP's wake-ups; behind it at 32 (results/quantized_matmul_avx2_8rows*.json,
 # results/quantized_matmul_avx2_pool.json); at 64 rows batch 64 end to end is 0.99x on two threads
-# and 0.91x on one (results/max_rows_ab_avx2_*.json). int8: every row
-# count (EVERY_ROW). On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
-# (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
-# (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same bits
-# whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd.
+# and 0.91x on one (results/max_rows_ab_avx2_*.json). csrc/paged_decode.cpp's kPoolSeqs follows the
+# float32 rows per build. int8: every row count (EVERY_ROW). On AVX2 it is 2.7-4.8x the float32 GEMM
+# at 1-4 rows and 1.0-1.3x at 64 (results/quantized_matmul_avx2.json); past 64 it keeps pace with the
+# GEMM (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same
+# bits whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd.
 EVERY_ROW = 2 ** 62
 MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 128, ("float32", 8): 16}
 ACTIVATIONS = ("float32", "int8")  # EngineConfig.quantized_activations' choices (engine/config.py)
