@@ -37,9 +37,9 @@ from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.sampling_params import SamplingParams  # noqa: E402
 
 
-def decoding_engine(loaded, running: int, steps: int, kv_cache_dtype: str):
+def decoding_engine(loaded, running: int, steps: int, kv_cache_dtype: str, **engine_args):
     """An engine with `running` requests past their prefill, with room for `steps` more tokens each."""
-    llm = LLM(loaded, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(loaded, kv_cache_dtype=kv_cache_dtype, **engine_args)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for i in range(running):

@@ -3,9 +3,12 @@ requests, under each (threads, OMP_WAIT_POLICY / GOMP_SPINCOUNT) setting, in fre
 OpenMP runtime reads its environment once, when torch loads), settings alternating round by round,
 medians. Each figure carries the other processes' CPU share while it was taken.
 
-    .venv/bin/python benchmarks/thread_policy.py [--rounds 2] [--busy-neighbours 1] [--json results/thread_policy.json]
+    .venv/bin/python benchmarks/thread_policy.py [--rounds 2] [--busy-neighbours 1] [--neighbour-share 0.5]
+        [--json results/thread_policy.json]
 
-`--busy-neighbours N` runs N processes spinning on the CPU for the whole measurement: a loaded machine.
+`--busy-neighbours N` runs N processes on the CPU for the whole measurement: a loaded machine; each
+spins for `--neighbour-share` of every 10 ms (default 1: all the time) and sleeps the rest. The
+engine's thread governor is off: each setting runs at its own thread count.
 
     PASSIVE          a waiting thread sleeps at once: every parallel region pays a futex wake-up
     spin 10k         GOMP_SPINCOUNT=10000: spins ~10 us, then sleeps
@@ -32,6 +35,17 @@ SETTINGS: dict[str, tuple[int, dict[str, str]]] = {
     "2 threads, default spin": (2, {}),
     "2 threads, ACTIVE": (2, {"OMP_WAIT_POLICY": "ACTIVE"}),
 }
+# A process on the CPU for a share (argv[1]) of every 10 ms.
+NEIGHBOUR = """
+import sys, time
+busy = float(sys.argv[1]) * 0.01
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    if busy < 0.01:
+        time.sleep(0.01 - busy)
+"""
 OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
@@ -52,7 +66,7 @@ def child(threads: int, running: list[int], steps: int) -> None:
     loaded = load_model(None, BACKENDS["exact"])
     out = {}
     for n in running:
-        llm = decoding_engine(loaded, n, steps, "auto")
+        llm = decoding_engine(loaded, n, steps, "auto", adaptive_threads=False)
         walls = []
         with CpuShare() as share:
             for _ in range(steps):
@@ -71,13 +85,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--busy-neighbours", type=int, default=0, help="processes that keep a CPU busy meanwhile")
+    ap.add_argument("--neighbour-share", type=float, default=1.0,
+                    help="the share of every 10 ms each neighbour spins (it sleeps the rest)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         return child(args.child, args.running, args.steps)
     runs: dict[str, list[dict]] = {name: [] for name in args.settings}
-    neighbours = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_neighbours)]
+    if not 0 < args.neighbour_share <= 1:
+        ap.error("--neighbour-share must be in (0, 1]")
+    neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(args.neighbour_share)])
+                  for _ in range(args.busy_neighbours)]
     try:
         measure(args, runs)
     finally:

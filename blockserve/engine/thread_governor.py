@@ -8,10 +8,17 @@ quiet machine two threads were the faster (results/thread_policy_quiet.json). So
 watches the other processes' CPU use and runs on the cores they leave:
 
     others = (busy CPU time of the machine - this process's) / elapsed   (in cores, /proc/stat)
-    threads = clamp(floor(cores - others + 1/4), 1, max_threads)          every `interval` seconds
+    threads = clamp(round(cores - others), 1, max_threads)               every `interval` seconds
 
-A neighbour using more than a quarter of a core takes one thread away; when it stops, the next
-sample gives the thread back. Where /proc/stat cannot be read the count stays at max_threads.
+A neighbour using more than half a core takes one thread away; when it stops, the next sample
+gives the thread back. Half a core is where two threads stop paying on a 2-core Zen 4
+(benchmarks/thread_policy.py --neighbour-share, results/thread_policy_neighbour_*.json; decode
+steps at 1 / 16 running, one thread against two): beside a neighbour spinning a quarter of the
+time 9.1 / 75 ms against 9.3 / 55, half 9.5 / 78 against 9.4 / 67, three quarters 9.8 / 76
+against 10.6 / 82, all the time 9.8 / 80 against 15.0 / 88. The neighbour is seen using less than
+its share while both threads run (0.4 of a core at half, 0.5 at three quarters), so a lower
+threshold would also take a thread from a benchmark client or a quiet neighbour, where two are
+faster. Where /proc/stat cannot be read the count stays at max_threads.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ class ThreadGovernor:
         if busy_then is None or now[1] is None:
             return None
         others = max(0.0, (now[1] - busy_then) - (now[2] - own_then)) / (now[0] - then)
-        threads = max(1, min(self.max_threads, int(self.cores - others + 0.25)))
+        threads = max(1, min(self.max_threads, int(self.cores - others + 0.5)))
         if threads == self.threads:
             return None
         self.threads = threads

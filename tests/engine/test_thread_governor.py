@@ -36,10 +36,18 @@ def test_threads_follow_the_cores_the_others_leave():
     assert governor.tick() is None  # within the interval (0.9 s): no sample yet
     machine.run(0.5, others=3.0)
     assert governor.tick() == 1 and governor.threads == 1  # 3 busy cores of 4
-    for others, want in ((2.2, 2), (0.8, 3), (0.2, 4), (0.0, None)):
+    for others, want in ((2.2, 2), (0.8, 3), (0.4, 4), (0.0, None)):
         machine.run(1.0, others)
         assert governor.tick() == want
     assert set_to == [1, 2, 3, 4]
+
+
+def test_less_than_half_a_core_of_others_takes_no_thread():
+    machine, set_to = Machine(), []
+    governor = machine.governor(4, set_to)
+    for others, want in ((0.45, None), (0.55, 3), (0.45, 4)):  # e.g. a benchmark client beside the engine
+        machine.run(1.0, others)
+        assert governor.tick() == want
 
 
 def test_the_count_never_leaves_one_to_max_threads():
