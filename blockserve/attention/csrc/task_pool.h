@@ -131,9 +131,16 @@ inline TaskPool& task_pool() {
   return pool;
 }
 
-// body(begin, end) over [0, n) in ranges of `per_task` items, the ranges run on task_pool().
+// body(begin, end) over [0, n) in ranges, run on task_pool(): n / min_per_task ranges (rounded up),
+// and where that is more than one, rounded up to a multiple of the thread count with the items
+// shared evenly, so no thread is left with a short last range while the others wait (a 144-group
+// matmul in ranges of 113 ran as 113 + 31 on two threads: 1.6x the balanced time).
 template <typename F>
-void for_each_range(int64_t n, int64_t per_task, const F& body) {
+void for_each_range(int64_t n, int64_t min_per_task, const F& body) {
+  int64_t tasks = (n + min_per_task - 1) / min_per_task;
+  if (const int64_t threads = at::get_num_threads(); tasks > 1 && threads > 1)
+    tasks = std::min(n, (tasks + threads - 1) / threads * threads);
+  const int64_t per_task = (n + tasks - 1) / tasks;
   task_pool().run((n + per_task - 1) / per_task,
                   [&](int64_t t) { body(t * per_task, std::min(n, (t + 1) * per_task)); });
 }
