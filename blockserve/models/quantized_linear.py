@@ -2,7 +2,7 @@
 
 A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
 bound by reading those weights: 4 bytes per weight. The file's Q4_0 / Q4_1 and Q8_0 blocks
-encode the same values in 0.625 and 1.0625 bytes per weight (as packed here), so the native kernels
+encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so the native kernels
 (attention/csrc/quantized_matmul.cpp) read the blocks instead. Two kernels read them:
 
     activations="float32"  the weights dequantised in registers, float32 x: exact up to float
@@ -34,9 +34,8 @@ same integer block dots summed in the same order); under "float32" the same up t
 (~1e-6): the blocks and the GEMM sum in different orders.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
-and Q8_0 (w = d * q), d and m float16 (kept so: the packed blocks are the file's bytes, reordered);
-layers stored otherwise stay float32 only. The blocks cost memory on top of the float32 copy
-(SmolLM2-135M: 96.5 MB next to 538 MB).
+and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
+cost memory on top of the float32 copy (SmolLM2-135M: 112 MB next to 538 MB).
 
 Tensor-parallel: each rank keeps the blocks of its own shard (`narrow_blocks` of the column- and
 row-parallel layers, distributed/parallel_layers.py); a row-parallel layer's partial product is
@@ -81,7 +80,7 @@ DEFAULT_ACTIVATIONS = "float32"  # and its default (engine/config.py's DEFAULT_Q
 GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
 NIBBLES = ("Q4_0", "Q4_1")  # packed in the kernel's Q4_1 layout
-PACKED_BYTES = {"Q4_0": 80, "Q4_1": 80, "Q8_0": 136}  # per group of four rows and block of 32 columns
+PACKED_BYTES = {"Q4_0": 96, "Q4_1": 96, "Q8_0": 144}  # per group of four rows and block of 32 columns
 
 # GGUF files hold Llama-family models: Hugging Face projection -> (our fused one, its index, parts), as llama.py fuses
 FUSED = {part: (group.target, i, len(group.parts)) for group in (QKV, GATE_UP) for i, part in enumerate(group.parts)}
@@ -89,8 +88,8 @@ FUSED = {part: (group.target, i, len(group.parts)) for group in (QKV, GATE_UP) f
 
 def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
     """GGUF blocks [N, K / 32 * block bytes] uint8 -> the kernel's packed layout (see the .cpp):
-    per group of four output rows and per block, the four scales (and mins) as the file's float16,
-    then the four rows' quantized values. N is padded to a multiple of four with zero rows."""
+    per group of four output rows and per block, the four scales (and mins) as float32, then the
+    four rows' quantized values. N is padded to a multiple of four with zero rows."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, FORMATS[format])
     padded = -rows % GROUP
@@ -101,18 +100,16 @@ def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
     def per_group(field: np.ndarray) -> np.ndarray:  # [N, nblocks, b] -> [groups, nblocks, GROUP * b]
         return field.reshape(groups, GROUP, nblocks, -1).transpose(0, 2, 1, 3).reshape(groups, nblocks, -1)
 
-    if format == "Q4_0":  # w = d * (q - 8): Q4_1 with m = -8 d, exact in float16 unless it overflows
-        scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)
-        with np.errstate(over="ignore"):
-            low = (scale * np.float16(-8)).astype(np.float16)
-        if not np.isfinite(low[np.isfinite(scale)]).all():
-            raise ValueError("a Q4_0 block scale above 8188 has no float16 min (-8 d); the GGUF file is not usable "
-                             "with the block kernels")
-        fields = [blocks[..., 0:2], low.view(np.uint8), blocks[..., 2:]]
-    elif format == "Q4_1":
-        fields = [blocks[..., 0:2], blocks[..., 2:4], blocks[..., 4:]]
+    def as_float32(half: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(half).view(np.float16).astype(np.float32).view(np.uint8)
+
+    if format == "Q4_1":
+        fields = [as_float32(blocks[..., 0:2]), as_float32(blocks[..., 2:4]), blocks[..., 4:]]
+    elif format == "Q4_0":  # w = d * (q - 8): Q4_1 with m = -8 d (exact in float32)
+        scale = as_float32(blocks[..., 0:2])
+        fields = [scale, (-8 * scale.view(np.float32)).view(np.uint8), blocks[..., 2:]]
     else:
-        fields = [blocks[..., 0:2], blocks[..., 2:]]
+        fields = [as_float32(blocks[..., 0:2]), blocks[..., 2:]]
     packed = np.concatenate([per_group(field) for field in fields], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 

@@ -23,8 +23,7 @@ from torch import nn
 from blockserve.attention.native import ISA_ENV, fused_ops, quantized_matmul_ops
 from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
 from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, MAX_ROWS, QuantizedLinear,
-                                                PACKED_BYTES, pack_blocks, round_like_int8, sharing_linear,
-                                                use_quantized_linears)
+                                                pack_blocks, round_like_int8, sharing_linear, use_quantized_linears)
 from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
 from tests.threads import torch_threads
 
@@ -263,23 +262,6 @@ def test_blocks_that_do_not_fit_the_weight_are_refused():
         ops.quantized_matmul_int8(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.quantized_matmul_int8(torch.randn(1, 48), pack_blocks(raw, "Q8_0"), 8, False)
-
-
-@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
-def test_packed_blocks_keep_the_files_bytes(format):
-    """The packed layout is the file's blocks reordered (float16 scales kept), padded to groups of
-    four rows: as many bytes as the GGUF blocks, plus Q4_0's min (-8 d, float16)."""
-    raw, _ = quantized(8, 64, format)
-    assert pack_blocks(raw, format).numel() == raw.size + (2 * 16 if format == "Q4_0" else 0)  # 16 blocks
-    raw5, _ = quantized(5, 64, format)
-    assert pack_blocks(raw5, format).numel() == 2 * 2 * PACKED_BYTES[format]  # padded to 8 rows
-
-
-def test_a_q4_0_scale_whose_min_leaves_float16_is_refused():
-    raw, _ = quantized(4, 32, "Q4_0")
-    raw[1, 0:2] = np.frombuffer(np.float16(9000).tobytes(), np.uint8)  # -8 d = -72000: not a float16
-    with pytest.raises(ValueError, match="Q4_0 block scale above 8188"):
-        pack_blocks(raw, "Q4_0")
 
 
 class TwoLayer(nn.Module):

@@ -1,6 +1,6 @@
 // out = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0; Q4_0 is packed as Q4_1) and
 // dequantised in registers: the weights are exactly the values the format encodes (what gguf's
-// dequantiser produces), read at 0.625 (Q4_1) or 1.0625 (Q8_0) bytes per weight instead of 4.
+// dequantiser produces), read at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
 // For the rows of a decode batch, where a float32 matmul is bound by reading its weights. Two
 // kernels over the same packed blocks: quantized_matmul (float32 activations, exact up to float
 // rounding) and quantized_matmul_int8 (activations rounded to int8 per block, integer dot
@@ -13,10 +13,9 @@
 //
 // Packed layout (pack_blocks in models/quantized_linear.py): output rows in groups of
 // four, each group one contiguous run of blocks so a group streams from memory in order:
-//   Q4_1 group block (80 B):  d[4] f16 | m[4] f16 | 4 x 16 B nibbles (byte j: weight j low, j+16 high)
-//   Q8_0 group block (136 B): d[4] f16 | 4 x 32 int8
-// d and m stay the file's float16 (read as the GGUF blocks are: 0.625 and 1.0625 bytes per weight),
-// widened once per block with F16C. The row count is padded to a multiple of four with zero rows.
+//   Q4_1 group block (96 B):  d[4] f32 | m[4] f32 | 4 x 16 B nibbles (byte j: weight j low, j+16 high)
+//   Q8_0 group block (144 B): d[4] f32 | 4 x 32 int8
+// The row count is padded to a multiple of four with zero rows.
 
 #include "kernels.h"
 
@@ -29,7 +28,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define BLOCKSERVE_AVX512 1
 #define BLOCKSERVE_LANES 16
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define BLOCKSERVE_AVX2 1
 #define BLOCKSERVE_LANES 8
 #else
@@ -47,7 +46,7 @@ constexpr int64_t kGroup = 4;   // output rows packed together
 constexpr int64_t kRows = BLOCKSERVE_LANES == 16 ? 4 : 8;  // rows of x sharing one pass over a group (registers)
 constexpr int64_t kPrefetchBlocks = 24;  // how far ahead (in group blocks) to prefetch weights
 
-template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 80 : 136; }
+template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 96 : 144; }
 
 struct Problem {
   const float* x;      // [M, K]
@@ -88,25 +87,24 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
       x_lo[r] = _mm512_loadu_ps(x);
       x_hi[r] = _mm512_loadu_ps(x + 16);
     }
-    alignas(16) float d[kGroup];
-    _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb))));
+    const float* d = reinterpret_cast<const float*>(gb);
     for (int i = 0; i < kGroup; ++i) {
       const __m512 scale = _mm512_set1_ps(d[i]);  // d * q is exact in float32: the weight less m
       __m512 w_lo, w_hi;
       if constexpr (Q4) {  // d * q looked up in a 16-entry table (the lookup reads each lane's low 4 bits)
         const __m512 table = _mm512_mul_ps(levels, scale);
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16 + 16 * i)));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * i)));
         w_lo = _mm512_permutexvar_ps(q, table);
         w_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
       } else {
-        const __m128i* q = reinterpret_cast<const __m128i*>(gb + 8 + 32 * i);
+        const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * i);
         w_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
         w_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
       }
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_fmadd_ps(w_hi, x_hi[r], _mm512_fmadd_ps(w_lo, x_lo[r], acc[i][r]));
     }
     if constexpr (Q4) {
-      const __m128 m = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 8)));
+      const __m128 m = _mm_loadu_ps(reinterpret_cast<const float*>(gb + 16));
       for (int r = 0; r < R; ++r)
         min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
     }
@@ -153,7 +151,7 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
       if (const int64_t line = 64 * (i * blocks + b); r0 == 0 && line < group_bytes) _mm_prefetch(next + line, _MM_HINT_T0);
       __m256 w[4];  // levels 0-7, 8-15, 16-23, 24-31 of the block
       if constexpr (Q4) {
-        const uint8_t* q = gb + 16 + 16 * i;
+        const uint8_t* q = gb + 32 + 16 * i;
         const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
         const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
         w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
@@ -161,11 +159,11 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
         w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
         w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
       } else {
-        const uint8_t* q = gb + 8 + 32 * i;
+        const uint8_t* q = gb + 16 + 32 * i;
         for (int k = 0; k < 4; ++k)
           w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
       }
-      const __m256 scale = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(gb)[i]));
+      const __m256 scale = _mm256_set1_ps(reinterpret_cast<const float*>(gb)[i]);
       for (int r = 0; r < R; ++r) {  // q . x over the block, then one multiply-add by d (not d * q per weight)
         const float* x = p.x + (r0 + r) * p.K + b * kBlock;
         __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
@@ -173,7 +171,7 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
         acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
       }
       if constexpr (Q4) {
-        const float m = _cvtsh_ss(reinterpret_cast<const uint16_t*>(gb + 8)[i]);
+        const float m = reinterpret_cast<const float*>(gb + 16)[i];
         for (int r = 0; r < R; ++r) mins[r] += m * p.xsum[(r0 + r) * blocks + b];
       }
     }
@@ -304,18 +302,17 @@ void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
     prefetch_ahead<Q4>(gb);
-    const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb)));
-    const __m256 d = _mm256_set_m128(d4, d4);
+    const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(gb));
     __m256i w[kGroup];  // Q4: the levels 0..15; Q8_0: |q| (its signs are moved onto x)
     if constexpr (Q4) {
       for (int i = 0; i < kGroup; ++i) {  // byte j holds weight j (low nibble) and j + 16 (high)
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16 + 16 * i));
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * i));
         w[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
       }
     } else {
-      for (int i = 0; i < kGroup; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 8 + 32 * i));
+      for (int i = 0; i < kGroup; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * i));
     }
-    const __m256 m = Q4 ? _mm256_zextps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 8))))
+    const __m256 m = Q4 ? _mm256_zextps128_ps256(_mm_loadu_ps(reinterpret_cast<const float*>(gb + 16)))
                         : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (r0 + r) * blocks + b;
