@@ -109,6 +109,14 @@ def test_the_isa_switch_gives_every_caller_the_avx2_build(monkeypatch):
         quantized_matmul_ops()
 
 
+def test_decode_attention_splits_on_the_pool_up_to_the_float32_block_rows():
+    """csrc/paged_decode.cpp's kPoolSeqs and MAX_ROWS["float32", lanes] are one number per build: a
+    decode step the blocks serve (one native call, the DecodeStack) runs its attention on the pool too."""
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    for build in (ops, *([avx2] if avx2 is not None and avx2.simd_lanes() else [])):
+        assert build.pool_sequences() == MAX_ROWS["float32", build.simd_lanes()]
+
+
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
 def test_int8_rows_get_the_same_bits_alone_or_in_a_prefill_sized_batch(format):
     """The int8 kernel serves every row count, row tiles included, and each output is the same

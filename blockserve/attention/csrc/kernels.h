@@ -18,6 +18,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // paged_decode.cpp: decode attention read in place from the paged KV cache.
 bool reads_16bit(int64_t head_size);
+int64_t pool_sequences();
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale);
 void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,

@@ -13,6 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
 
   m.def("reads_16bit", &reads_16bit, "whether float16 / bfloat16 caches are read at this head size");
+  m.def("pool_sequences", &pool_sequences,
+        "decode batches of up to this many sequences split their attention on the task pool, as the float32 "
+        "blocks matmuls do (MAX_ROWS)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache, in place (out, q, k_cache, v_cache, block_table, key_start, "
         "seq_lens, scale)");
