@@ -75,6 +75,9 @@ class StateMetadata:
 class ForwardContext:
     layers: dict[str, LayerCache | MLACache | StateCache]
     metadata: list[AttentionMetadata | StateMetadata]  # per KV cache group
+    # What the model settles once over these caches and reuses every step (e.g. models/llama_decode.py's
+    # plan). The model runner passes one dict for as long as its caches live; a fresh one is correct, only slower.
+    memo: dict = field(default_factory=dict)
 
     def for_layer(self, layer_name: str):
         """(the layer's cache, its group's metadata for this step)."""

@@ -64,6 +64,9 @@ class BatchLayout:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
+        if num_decodes == len(query_lens):  # decode-only: each sequence's next position (the same, in 2 ops not 8)
+            return BatchLayout(list(range(num_decodes + 1)), [c + 1 for c in num_computed], num_decodes,
+                               torch.tensor(num_computed, dtype=torch.int64), torch.arange(num_decodes))
         query_start = [0]
         for q in query_lens:
             query_start.append(query_start[-1] + q)

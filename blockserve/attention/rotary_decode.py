@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from blockserve.attention.context import ForwardContext
+from blockserve.attention.context import ForwardContext, LayerCache
 from blockserve.attention.layer import Attention
+from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.native import PagedDecodeKernel
 from blockserve.attention.native_gate import native_reads
 
@@ -26,7 +27,9 @@ class RotaryDecode:
     """`RotaryDecode(attn)(qkv, cos, sin, ctx)` -> attention output [T, Hq * D], or None when the
     step is not one the fused call covers (then nothing was modified). cos, sin [T, D / 2].
     The same in two halves: `prepare(x, cos, ctx)` (x: any tensor of qkv's device and dtype) says
-    whether the step is covered, before anything runs; `run(prepared, qkv, cos, sin)` does it."""
+    whether the step is covered, before anything runs; `run(prepared, qkv, cos, sin)` does it.
+    `prepare` is itself two halves, for callers that settle the fixed half once: `fixed(cache,
+    dtype)` (per layer, the same every step) and `step_inputs(meta, t)` (per step and KV group)."""
 
     def __init__(self, attn: Attention):
         self.attn = attn
@@ -35,23 +38,40 @@ class RotaryDecode:
         """The backend's own native decode kernel: None where it has none (or it was switched off)."""
         return getattr(self.attn.backend, "decode_kernel", None)
 
-    def prepare(self, x: torch.Tensor, cos: torch.Tensor, ctx: ForwardContext) -> tuple | None:
-        """The kernel and its cache and metadata arguments for this step, or None when not covered."""
+    def fixed(self, cache: LayerCache, dtype: torch.dtype) -> tuple | None:
+        """(kernel, k_cache, v_cache) where the fused call covers this layer for activations of
+        `dtype` on the CPU reading `cache`, else None: what does not change from step to step."""
         attn = self.attn
         kernel = self._kernel()
-        if kernel is None or attn.sliding_window is not None or not native_reads(x) or not native_reads(cos):
+        if (kernel is None or attn.sliding_window is not None or cache.k_cache.device.type != "cpu"
+                or not kernel.reads(dtype, cache.k_cache.dtype, attn.head_dim)):
             return None
-        cache, meta = ctx.for_layer(attn.layer_name)
+        return kernel, cache.k_cache, cache.v_cache
+
+    @staticmethod
+    def step_inputs(meta: AttentionMetadata, t: int) -> tuple | None:
+        """(slot_mapping, block_table, key_start, seq_lens) of a KV group's metadata for a step of `t`
+        decode rows, or None when the step has other rows (or a sliding window). Derived once per
+        step and group: every layer of the group passes the same tensors."""
         layout = meta.layout
-        t = x.shape[0]
-        if (layout.num_decodes != t or layout.num_seqs != t or meta.sliding_window is not None
-                or not kernel.reads(x.dtype, cache.k_cache.dtype, attn.head_dim)):
+        if layout.num_decodes != t or layout.num_seqs != t or meta.sliding_window is not None:
             return None
         table, key_start, seq_lens = meta.derive(("rotary_decode", "seqs"), lambda host: (
             host.block_table[:t].contiguous(), host.key_start[:t].contiguous(),
             torch.tensor(host.layout.seq_lens[:t], dtype=torch.int64)))
-        return kernel, (cache.k_cache, cache.v_cache, meta.slot_mapping, table, key_start, seq_lens, attn.num_heads,
-                        attn.backend.scale)
+        return meta.slot_mapping, table, key_start, seq_lens
+
+    def prepare(self, x: torch.Tensor, cos: torch.Tensor, ctx: ForwardContext) -> tuple | None:
+        """The kernel and its cache and metadata arguments for this step, or None when not covered."""
+        if not native_reads(x) or not native_reads(cos):
+            return None
+        cache, meta = ctx.for_layer(self.attn.layer_name)
+        fixed = self.fixed(cache, x.dtype)
+        inputs = None if fixed is None else self.step_inputs(meta, x.shape[0])
+        if inputs is None:
+            return None
+        kernel, k_cache, v_cache = fixed
+        return kernel, (k_cache, v_cache, *inputs, self.attn.num_heads, self.attn.backend.scale)
 
     def run(self, prepared: tuple, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         kernel, (k_cache, v_cache, slot_mapping, table, key_start, seq_lens, num_heads, scale) = prepared

@@ -12,7 +12,9 @@ its fused norms, RotaryDecode and GatedMLP), so the hidden states are bitwise eq
 (tests/test_llama_decode.py). The linear layers run their own `forward` (blocks or float32 by row
 count, a row-parallel all-reduce under tensor parallelism). Anything the loop does not cover (a
 prefill row, q/k norms, a sliding window, a kernel that is not built) returns None before
-anything ran, and the module path runs.
+anything ran, and the module path runs. What does not change between steps (each layer's kernel,
+caches and KV group) is settled on the first step and kept in ForwardContext.memo; a step derives
+its metadata once per KV group, not once per layer.
 
 Where every linear layer runs on its GGUF blocks at this row count (no tensor parallelism), the
 whole loop is one native call instead: csrc/decode_stack.h's DecodeStack, built on the first such
@@ -22,14 +24,54 @@ without the ~240 calls from Python per step, whose glue was about a third of a b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.native import fused_ops
+from blockserve.attention.native_gate import native_reads
+from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from blockserve.models.quantized_linear import QuantizedLinear
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What decode_layers settles once per model and KV tensors: per layer the fused attention's
+    fixed inputs (kernel, k_cache, v_cache) and its KV group; the step adds each group's metadata."""
+
+    attention: tuple[tuple, ...]
+    groups: tuple[int, ...]
+    k_caches: tuple[torch.Tensor, ...]
+    v_caches: tuple[torch.Tensor, ...]
+
+
+def decode_plan(layers: nn.ModuleList, dtype: torch.dtype, ctx: ForwardContext) -> DecodePlan | None:
+    """The plan for `layers` over ctx's caches (made on the first step, kept in ctx.memo), or None
+    where some layer has no flat decode at all (no fused attention, MLP or norm; a sliding window)."""
+    key = ("llama_decode", id(layers), dtype)
+    if key not in ctx.memo:
+        ctx.memo[key] = _make_plan(layers, dtype, ctx)
+    return ctx.memo[key]
+
+
+def _make_plan(layers: nn.ModuleList, dtype: torch.dtype, ctx: ForwardContext) -> DecodePlan | None:
+    attention, groups = [], []
+    for layer in layers:
+        attn = layer.self_attn
+        if attn.rotary_decode is None or layer.mlp.fused is None or layer.post_attention_layernorm.fused is None:
+            return None
+        cache = ctx.layers[attn.attn.layer_name]
+        fixed = attn.rotary_decode.fixed(cache, dtype)
+        if fixed is None:
+            return None
+        attention.append(fixed)
+        groups.append(cache.group)
+    return DecodePlan(tuple(attention), tuple(groups), tuple(a[1] for a in attention),
+                      tuple(a[2] for a in attention))
 
 
 def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -37,23 +79,23 @@ def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor,
     """x: the embedding output [T, H]; cos, sin: [T, 1, D / 2] as the rotary gives them. -> the final
     normed hidden states [T, H], or None when the step is not one the loop covers (x untouched)."""
     fused = fused_ops()
-    if fused is None or x.dim() != 2:
+    if fused is None or x.dim() != 2 or not native_reads(x) or not native_reads(cos):
         return None
+    plan = decode_plan(layers, x.dtype, ctx)
+    if plan is None:
+        return None
+    per_group = {}
+    for group in set(plan.groups):
+        per_group[group] = RotaryDecode.step_inputs(ctx.metadata[group], x.shape[0])
+        if per_group[group] is None:
+            return None
+    inputs = [per_group[group] for group in plan.groups]  # per layer: slot mapping, table, key start, seq lens
     cos, sin = cos[:, 0], sin[:, 0]
-    prepared = []
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.rotary_decode is None or mlp.fused is None or layer.post_attention_layernorm.fused is None:
-            return None
-        step = attn.rotary_decode.prepare(x, cos, ctx)
-        if step is None:
-            return None
-        prepared.append(step)
     stack = native_stack(layers, final_norm, x.shape[0])
-    if stack is not None:  # per layer: k, v caches, slot mapping, table, key start, seq lens; as six lists
-        return stack.run(x, cos, sin, *zip(*(args[:6] for _, args in prepared)))
+    if stack is not None:
+        return stack.run(x, cos, sin, plan.k_caches, plan.v_caches, *zip(*inputs))
     residual = None
-    for layer, step in zip(layers, prepared):
+    for layer, (kernel, k_cache, v_cache), step in zip(layers, plan.attention, inputs):
         attn, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
         if residual is None:  # x is the embedding output: it becomes the residual stream
@@ -61,7 +103,8 @@ def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor,
         else:
             fused.add_rms_norm_(x, residual, norm.weight, norm.eps)
         qkv = attn.qkv_proj.forward(x)
-        x = attn.o_proj.forward(attn.rotary_decode.run(step, qkv, cos, sin))
+        prepared = kernel, (k_cache, v_cache, *step, attn.num_heads, attn.attn.backend.scale)
+        x = attn.o_proj.forward(attn.rotary_decode.run(prepared, qkv, cos, sin))
         norm = layer.post_attention_layernorm
         fused.add_rms_norm_(x, residual, norm.weight, norm.eps)
         x = mlp.down_proj.forward(fused.silu_and_mul(mlp.gate_up_proj.forward(x)))

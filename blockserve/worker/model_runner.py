@@ -51,6 +51,7 @@ class ModelRunner:
         self.sampler = Sampler(device=self.device, seed=seed)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, kept across preemption
         self.layer_caches = self.kv.layer_caches()
+        self.memo: dict = {}  # ForwardContext.memo: the model's settled inputs over layer_caches
         self.timings = RunnerTimings()
         self.prompt_logprobs = PromptLogprobs()  # requests that asked for them, until their prompt completes
 
@@ -73,7 +74,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         inputs = self.batch.prepare(out)
         t2 = time.perf_counter()
-        ctx = ForwardContext(self.layer_caches, inputs.metadata)
+        ctx = ForwardContext(self.layer_caches, inputs.metadata, self.memo)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         for group_id, pairs in inputs.end_captures.items():
             self.kv.copy_slots(group_id, pairs)
