@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockserve.attention.native import fused_ops, why_not_native
+from blockserve.attention.native import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.models.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
@@ -49,8 +49,30 @@ def test_silu_and_mul_over_the_whole_range(ops):
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "avx2"])
+def test_argmax_rows_is_torchs_argmax_ties_nan_and_infinities_included(portable):
+    ops = quantized_matmul_ops(without_avx512=True) if portable else fused_ops()
+    gen = torch.Generator().manual_seed(5)
+    for rows, vocab in [(1, 49152), (3, 7), (9, 1000), (2, 33), (1, 1)]:
+        x = torch.randn(rows, vocab, generator=gen)
+        assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices)
+    x = torch.randn(6, 100, generator=gen)
+    x[0] = 0.0
+    x[0, 3] = -0.0  # equal to 0.0: the first zero wins
+    x[1, 70] = x[1, 50] = float("nan")  # the first NaN wins
+    x[2] = float("-inf")
+    x[3, 90] = x[3, 17] = 1e9  # a tie: the lower index
+    x[4, 99] = float("inf")  # in the scalar tail
+    x[5, 5] = float("nan")  # in a vector block, before any max
+    assert ops.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist() == [0, 50, 0, 17, 99, 5]
+    strided = torch.randn(8, 64, generator=gen)[::2]  # rows apart: the row stride is honoured
+    assert torch.equal(ops.argmax_rows(strided), strided.max(dim=-1).indices)
+
+
 def test_bad_input_is_refused_with_a_message(ops):
     with pytest.raises(RuntimeError, match="float32"):
         ops.silu_and_mul(torch.zeros(2, 4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="shapes"):
         ops.add_rms_norm_(torch.zeros(2, 4), torch.zeros(2, 5), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.argmax_rows(torch.zeros(4, 6).t())

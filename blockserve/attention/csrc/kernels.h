@@ -16,6 +16,9 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
 void rotary_(at::Tensor qkv, int64_t heads, int64_t head_dim, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
+// argmax.cpp: greedy sampling's per-row argmax, as torch's max(dim).indices.
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // paged_decode.cpp: decode attention read in place from the paged KV cache.
 bool reads_16bit(int64_t head_size);
 int64_t pool_sequences();

@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight, in place");
   m.def("rotary_", &rotary_, "rotate the first `heads` heads of each row of qkv in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
+  m.def("argmax_rows", &argmax_rows, "x [N, V] float32 -> int64 [N]: each row's first maximum (its first NaN)");
 
   m.def("reads_16bit", &reads_16bit, "whether float16 / bfloat16 caches are read at this head size");
   m.def("pool_sequences", &pool_sequences,
