@@ -117,3 +117,22 @@ def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, ac
     if num_prompts <= max_rows:
         assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran
     assert results[0] == results[1]
+
+
+def test_the_decode_plan_is_made_once_and_reused_every_step(tmp_path, monkeypatch):
+    """What never changes between steps (each layer's kernel, caches, KV group) is settled on the
+    first decode-only step and kept for the runner's life (ForwardContext.memo), not redone per step."""
+    save_random_model(LlamaConfig(**CONFIG), tmp_path)
+    made, ran = [], []
+    real_plan, real_layers = llama_decode._make_plan, llama.decode_layers
+    monkeypatch.setattr(llama_decode, "_make_plan", lambda *args: made.append(1) or real_plan(*args))
+
+    def counted(*args):
+        hidden = real_layers(*args)
+        ran.append(hidden is not None)
+        return hidden
+
+    monkeypatch.setattr(llama, "decode_layers", counted)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=8, block_size=4)
+    llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert sum(ran) >= 10 and len(made) == 1
