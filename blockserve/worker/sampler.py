@@ -328,8 +328,6 @@ def _apply_grammars(logits: torch.Tensor, grammars: tuple[tuple[int, TokenConstr
             logits[row, covered:] = float("-inf")
 
 
-
-
 def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [num_rows, vocab_size], got shape {tuple(logits.shape)}")
