@@ -156,13 +156,15 @@ def test_round_like_int8_is_the_kernels_rounding_to_the_bit():
 
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_avx2_path_gives_the_dequantised_matmul(format):
-    """Both kernels as a CPU without AVX-512 gets them (compiled here with -mno-avx512f)."""
+    """Both kernels as a CPU without AVX-512 gets them (compiled here with -mno-avx512f). Float32
+    passes of 1-5 rows of x apply a block's scale to its dot product, passes of 6-8 to the weights
+    (csrc/quantized_matmul.cpp's kPrescaleRows): 14 rows run one pass of each kind."""
     avx2 = quantized_matmul_ops(without_avx512=True)
     if avx2 is None or avx2.simd_lanes() != 8:
         pytest.skip("no AVX2 build here")
     raw, weight = quantized(13, 96, format)
     packed = pack_blocks(raw, format)
-    for m in (1, 2, 3, 8, 61):
+    for m in (1, 2, 3, 5, 6, 7, 8, 14, 61):
         x = torch.randn(m, 96)
         assert_float32_matmul(avx2.quantized_matmul(x, packed, 13, format != "Q8_0"), x, weight)
         assert_int8_matmul(avx2.quantized_matmul_int8(x, packed, 13, format != "Q8_0"), x, weight)

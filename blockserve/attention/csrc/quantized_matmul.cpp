@@ -130,11 +130,18 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 
 #ifdef BLOCKSERVE_AVX2
 // The same with 8 lanes (CPUs without AVX-512), one output row of the group at a time: a block of
-// its levels is converted once (no 16-entry lookup in AVX2) into four vectors and dotted with the
-// block of each of R rows of x, scaled once per block. Holding one output row's accumulators (not
-// four) leaves registers for R = 8 rows of x, so the conversion is shared by up to 8 rows. The
-// four passes find the group's blocks in L1; the next group is prefetched a line per block
-// meanwhile, so memory streams while the passes compute.
+// its levels is converted once (no 16-entry lookup in AVX2) into four vectors and used for the
+// block of each of R rows of x. Holding one output row's accumulators (not four) leaves registers
+// for R = 8 rows of x, so the conversion is shared by up to 8 rows. The four passes find the
+// group's blocks in L1; the next group is prefetched a line per block meanwhile, so memory streams
+// while the passes compute. Two ways to apply the block's scale d, by R:
+// - R < kPrescaleRows: q . x over the block, then one multiply-add by d per row (few rows: the
+//   conversion dominates, and each row's running sum takes one dependent step per block);
+// - R >= kPrescaleRows: d * q once per weight (exact in float32), then four multiply-adds per row
+//   straight into its sum: 4 R + 4 instead of 5 R multiplies, where the multiplies dominate.
+// Q4_1's min terms take one 4-lane multiply-add per block and row of x, for the group's four output rows.
+constexpr int kPrescaleRows = 6;
+
 template <bool Q4, int R>
 void group_avx2(const Problem& p, int64_t g, int64_t r0) {
   const int64_t blocks = p.K / kBlock;
@@ -142,9 +149,19 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
   const uint8_t* group = p.w + g * group_bytes;
   const char* next = reinterpret_cast<const char*>(group + group_bytes);
   const __m256i low4 = _mm256_set1_epi32(15);
+  alignas(16) float mins[R][kGroup] = {};
+  if constexpr (Q4) {
+    for (int r = 0; r < R; ++r) {
+      const float* xsum = p.xsum + (r0 + r) * blocks;
+      __m128 sum = _mm_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b)
+        sum = _mm_fmadd_ps(_mm_loadu_ps(reinterpret_cast<const float*>(group + b * group_block_bytes<Q4>() + 16)),
+                           _mm_set1_ps(xsum[b]), sum);
+      _mm_store_ps(mins[r], sum);
+    }
+  }
   for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i) {
     __m256 acc[R];
-    float mins[R] = {};
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* gb = group;
     for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
@@ -164,22 +181,24 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
           w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
       }
       const __m256 scale = _mm256_set1_ps(reinterpret_cast<const float*>(gb)[i]);
-      for (int r = 0; r < R; ++r) {  // q . x over the block, then one multiply-add by d (not d * q per weight)
-        const float* x = p.x + (r0 + r) * p.K + b * kBlock;
-        __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
-        for (int k = 1; k < 4; ++k) dot = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + 8 * k), dot);
-        acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
-      }
-      if constexpr (Q4) {
-        const float m = reinterpret_cast<const float*>(gb + 16)[i];
-        for (int r = 0; r < R; ++r) mins[r] += m * p.xsum[(r0 + r) * blocks + b];
+      const float* x = p.x + r0 * p.K + b * kBlock;
+      if constexpr (R >= kPrescaleRows) {
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_mul_ps(w[k], scale);
+        for (int k = 0; k < 4; ++k)
+          for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + r * p.K + 8 * k), acc[r]);
+      } else {
+        for (int r = 0; r < R; ++r) {
+          __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x + r * p.K));
+          for (int k = 1; k < 4; ++k) dot = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + r * p.K + 8 * k), dot);
+          acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
       __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
       s = _mm_hadd_ps(s, s);
       s = _mm_hadd_ps(s, s);
-      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm_cvtss_f32(s) + mins[r];
+      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm_cvtss_f32(s) + mins[r][i];
     }
   }
 }

@@ -1,0 +1,106 @@
+"""Two builds of the native kernels side by side: csrc/ at a git revision against the working tree,
+both compiled here with the engine's flags, loaded into one process, and timed on SmolLM2-135M's
+matmul shapes over GGUF blocks (float32 activations), rounds alternating which build goes first.
+Medians in microseconds, the working tree's speed-up, and the largest difference between the two
+builds' outputs (0 where the arithmetic is unchanged).
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/kernel_builds_ab.py --base HEAD [--avx2]
+        [--threads 1 2] [--rows 1 8 16 64] [--shapes qkv o gate_up down] [--rounds 7] [--json F]
+
+--avx2 compiles both with -mno-avx512f (the path a CPU without AVX-512 runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quantized_matmul import SHAPES, layer  # noqa: E402
+
+from blockserve.attention import native  # noqa: E402
+from blockserve.benchmark.common import environment, print_environment, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = Path("blockserve/attention/csrc")
+
+
+def checkout_csrc(revision: str, into: Path) -> Path:
+    """csrc/ as it was at `revision`, unpacked under `into`."""
+    archive = subprocess.run(["git", "archive", revision, str(CSRC)], cwd=ROOT, check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into / CSRC
+
+
+def build(csrc: Path, tag: str, flags: list[str]):
+    from torch.utils.cpp_extension import load
+
+    identity = b"".join(p.read_bytes() for p in sorted(csrc.iterdir())) + " ".join(flags).encode()
+    return load(name=f"kernel_ab_{tag}_{hashlib.sha256(identity).hexdigest()[:12]}",
+                sources=[str(csrc / s) for s in native.SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(csrc)], verbose=False)
+
+
+def timed_us(module, args: tuple, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        module.quantized_matmul(*args)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision whose csrc/ is the baseline")
+    parser.add_argument("--avx2", action="store_true", help="both builds with -mno-avx512f")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64])
+    parser.add_argument("--shapes", nargs="+", choices=[s for s, (_, _, f) in SHAPES.items()],
+                        default=["qkv", "o", "gate_up", "down"])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--target-ms", type=float, default=150.0, help="time per build per round")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    flags = [*native._CFLAGS, *(native.AVX2_ONLY if args.avx2 else ())]
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {"base": build(checkout_csrc(args.base, Path(tmp)), "base", flags),
+                  "tree": build(ROOT / CSRC, "tree", flags)}
+    env = environment()
+    print_environment(env)
+    print(f"base {args.base} against the working tree; lanes {builds['tree'].simd_lanes()}")
+    cells = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for shape in args.shapes:
+            in_features, out_features, format = SHAPES[shape]
+            packed, _ = layer(in_features, out_features, format)
+            for rows in args.rows:
+                call = (torch.randn(rows, in_features), packed, out_features, format == "Q4_1")
+                outputs = {name: module.quantized_matmul(*call) for name, module in builds.items()}
+                calls = max(5, int(args.target_ms / 1e3 / (timed_us(builds["base"], call, 3) / 1e6)))
+                times = {name: [] for name in builds}
+                for round_ in range(args.rounds):
+                    for name in (("base", "tree") if round_ % 2 == 0 else ("tree", "base")):
+                        times[name].append(timed_us(builds[name], call, calls))
+                base, tree = statistics.median(times["base"]), statistics.median(times["tree"])
+                difference = (outputs["base"] - outputs["tree"]).abs().max().item()
+                cells.append({"threads": threads, "shape": shape, "rows": rows, "base_us": base, "tree_us": tree,
+                              "speedup": base / tree, "max_abs_difference": difference, "times_us": times})
+                print(f"{threads}t {shape:8s} rows {rows:4d}  base {base:8.1f} us  tree {tree:8.1f} us  "
+                      f"{base / tree:5.2f}x  max|base-tree| {difference:.2e}", flush=True)
+    write_json(args.json, {"environment": env, "args": vars(args), "cells": cells})
+
+
+if __name__ == "__main__":
+    main()
