@@ -63,18 +63,18 @@ logger = logging.getLogger(__name__)
 # where reading them beats the float32 GEMM. AVX-512 (Zen 4): one kernel call is 3.5x faster at 1
 # row and 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64 gains 1.36x on two
 # threads, where a decode step then runs as one native call on the task pool, and 1.09x on one
-# (benchmarks/max_rows_ab.py, results/max_rows_ab_{2t,1t}.json). AVX2, the 8-row kernel: even with
-# the GEMM at 16 rows on one thread, 2.6x faster on two, where the blocks' task pool hands over
-# without OpenMP's wake-ups; behind it at 32 (results/quantized_matmul_avx2_8rows*.json,
-# results/quantized_matmul_avx2_pool.json); at 64 rows batch 64 end to end is 0.99x on two threads
-# and 0.91x on one (results/max_rows_ab_avx2_*.json). csrc/paged_decode.cpp's kPoolSeqs follows the
-# float32 rows per build (the module's pool_sequences(); tested). int8: every row count (EVERY_ROW).
+# (benchmarks/max_rows_ab.py, results/max_rows_ab_{2t,1t}.json). AVX2, the 8-row kernel with its
+# scales on the weights past 5 rows (1.24-1.37x the kernel before at 8-64 rows,
+# results/kernel_builds_ab_avx2_prescale.json): batch 64 end to end 1.22x max_rows 16 on two
+# threads, 0.97x on one (results/max_rows_ab_avx2_prescale_{2t,1t}.json); past 64 rows the GEMM
+# keeps pace on two threads (results/quantized_matmul_avx2_prescale_rows.json). csrc/paged_decode.cpp's
+# kPoolSeqs follows the float32 rows per build (the module's pool_sequences(); tested). int8: every row count (EVERY_ROW).
 # On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
 # (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
 # (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same
 # bits whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd.
 EVERY_ROW = 2 ** 62
-MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 128, ("float32", 8): 16}
+MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 128, ("float32", 8): 64}
 ACTIVATIONS = ("float32", "int8")  # EngineConfig.quantized_activations' choices (engine/config.py)
 DEFAULT_ACTIVATIONS = "float32"  # and its default (engine/config.py's DEFAULT_QUANTIZED_ACTIVATIONS)
 

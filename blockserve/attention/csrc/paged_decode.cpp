@@ -315,7 +315,7 @@ bool reads_16bit(int64_t dim) {
 
 // Decode batches of up to this many sequences split on the task pool (decode_all): the row count up
 // to which the float32 blocks matmuls run there too (MAX_ROWS in models/quantized_linear.py), per build.
-constexpr int64_t kPoolSeqs = BLOCKSERVE_AVX512 ? 128 : 16;
+constexpr int64_t kPoolSeqs = BLOCKSERVE_AVX512 ? 128 : 64;
 int64_t pool_sequences() { return kPoolSeqs; }
 
 // Every sequence's decode, for a cache of element type T (float, at::Half or at::BFloat16).
