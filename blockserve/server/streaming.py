@@ -136,8 +136,9 @@ class _StallGuardedResponse(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         async def send_within(message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.stall_timeout)
+            try:  # a timeout, not wait_for: on Python 3.11 that wraps every send in a task
+                async with asyncio.timeout(self.stall_timeout):
+                    await send(message)
             except TimeoutError:
                 raise _ClientStalled from None
 
