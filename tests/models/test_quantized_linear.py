@@ -171,6 +171,23 @@ def test_the_avx2_path_gives_the_dequantised_matmul(format):
 
 
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+def test_avx2_float32_rows_get_the_same_bits_in_passes_of_one_to_five(format):
+    """On AVX2, passes of 1-2 rows of x take a group's four output rows together and passes of 3-5
+    one output row at a time, with the same arithmetic per output: a row gets the same bits alone,
+    with one other row or with four (from 6 rows the scale moves onto the weights)."""
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    if avx2 is None or avx2.simd_lanes() != 8:
+        pytest.skip("no AVX2 build here")
+    raw, weight = quantized(37, 192, format, seed=7)
+    packed = pack_blocks(raw, format)
+    x = torch.randn(5, 192)
+    five = avx2.quantized_matmul(x, packed, 37, format != "Q8_0")
+    for m in range(1, 5):
+        assert torch.equal(avx2.quantized_matmul(x[:m], packed, 37, format != "Q8_0"), five[:m])
+    assert_float32_matmul(five, x, weight)
+
+
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
 def test_int8_rows_at_every_remainder_and_thread_count(format):
     """Rows 1..64 (every remainder of the kernel's passes of four rows), several blocks per row,
     blocks of x that are all zero, tiny or huge, and the same bits at 1 and 2 threads."""

@@ -129,18 +129,89 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 #endif
 
 #ifdef BLOCKSERVE_AVX2
-// The same with 8 lanes (CPUs without AVX-512), one output row of the group at a time: a block of
-// its levels is converted once (no 16-entry lookup in AVX2) into four vectors and used for the
-// block of each of R rows of x. Holding one output row's accumulators (not four) leaves registers
-// for R = 8 rows of x, so the conversion is shared by up to 8 rows. The four passes find the
-// group's blocks in L1; the next group is prefetched a line per block meanwhile, so memory streams
-// while the passes compute. Two ways to apply the block's scale d, by R:
+// The same with 8 lanes (CPUs without AVX-512). From 3 rows of x (group_avx2), one output row of
+// the group at a time: a block of its levels is converted once (no 16-entry lookup in AVX2) into
+// four vectors and used for the block of each of R rows of x. Holding one output row's
+// accumulators (not four) leaves registers for R = 8 rows of x, so the conversion is shared by up
+// to 8 rows. The four passes find the group's blocks in L1; the next group is prefetched a line
+// per block meanwhile, so memory streams while the passes compute. Two ways to apply the block's
+// scale d, by R:
 // - R < kPrescaleRows: q . x over the block, then one multiply-add by d per row (few rows: the
 //   conversion dominates, and each row's running sum takes one dependent step per block);
 // - R >= kPrescaleRows: d * q once per weight (exact in float32), then four multiply-adds per row
 //   straight into its sum: 4 R + 4 instead of 5 R multiplies, where the multiplies dominate.
-// Q4_1's min terms take one 4-lane multiply-add per block and row of x, for the group's four output rows.
+// 1-2 rows of x take the group's four output rows in one pass (group_avx2_all_outputs).
+// Q4_1's min terms take one 4-lane multiply-add per block and row of x, for the four output rows.
 constexpr int kPrescaleRows = 6;
+
+// Output row i's levels in group block gb as floats: weights 0-7, 8-15, 16-23, 24-31 of the block.
+template <bool Q4>
+inline void levels_avx2(const uint8_t* gb, int64_t i, __m256 w[4]) {
+  if constexpr (Q4) {
+    const uint8_t* q = gb + 32 + 16 * i;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+  } else {
+    const uint8_t* q = gb + 16 + 32 * i;
+    for (int k = 0; k < 4; ++k)
+      w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
+  }
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// One or two rows of x (decode steps of one or two sequences): the group's four output rows in one
+// pass, so their running sums are 4 R independent chains (a pass per output row waits a
+// multiply-add's latency per block on its R chains). Per output row and row of x the arithmetic
+// of group_avx2 below: the same bits.
+template <bool Q4, int R>
+void group_avx2_all_outputs(const Problem& p, int64_t g, int64_t r0) {
+  const int64_t blocks = p.K / kBlock;
+  const int64_t group_bytes = blocks * group_block_bytes<Q4>();
+  const uint8_t* gb = p.w + g * group_bytes;
+  const char* next = reinterpret_cast<const char*>(gb + group_bytes);
+  __m256 acc[kGroup][R];
+  __m128 min_acc[R];
+  for (int r = 0; r < R; ++r) {
+    min_acc[r] = _mm_setzero_ps();
+    for (int i = 0; i < kGroup; ++i) acc[i][r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+    for (int64_t line = 128 * b; r0 == 0 && line < 128 * (b + 1) && line < group_bytes; line += 64)
+      _mm_prefetch(next + line, _MM_HINT_T0);
+    const float* x = p.x + r0 * p.K + b * kBlock;
+    for (int i = 0; i < kGroup; ++i) {  // the packing pads the group to four rows: all four are readable
+      __m256 w[4];
+      levels_avx2<Q4>(gb, i, w);
+      const __m256 scale = _mm256_set1_ps(reinterpret_cast<const float*>(gb)[i]);
+      for (int r = 0; r < R; ++r) {
+        __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x + r * p.K));
+        for (int k = 1; k < 4; ++k) dot = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + r * p.K + 8 * k), dot);
+        acc[i][r] = _mm256_fmadd_ps(dot, scale, acc[i][r]);
+      }
+    }
+    if constexpr (Q4) {
+      const __m128 m = _mm_loadu_ps(reinterpret_cast<const float*>(gb + 16));
+      for (int r = 0; r < R; ++r) min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float mins[kGroup];
+    _mm_store_ps(mins, min_acc[r]);
+    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
+      p.out[(r0 + r) * p.N + g * kGroup + i] = sum_lanes(acc[i][r]) + (Q4 ? mins[i] : 0.f);
+  }
+}
 
 template <bool Q4, int R>
 void group_avx2(const Problem& p, int64_t g, int64_t r0) {
@@ -148,7 +219,6 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
   const int64_t group_bytes = blocks * group_block_bytes<Q4>();
   const uint8_t* group = p.w + g * group_bytes;
   const char* next = reinterpret_cast<const char*>(group + group_bytes);
-  const __m256i low4 = _mm256_set1_epi32(15);
   alignas(16) float mins[R][kGroup] = {};
   if constexpr (Q4) {
     for (int r = 0; r < R; ++r) {
@@ -166,20 +236,8 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
     const uint8_t* gb = group;
     for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
       if (const int64_t line = 64 * (i * blocks + b); r0 == 0 && line < group_bytes) _mm_prefetch(next + line, _MM_HINT_T0);
-      __m256 w[4];  // levels 0-7, 8-15, 16-23, 24-31 of the block
-      if constexpr (Q4) {
-        const uint8_t* q = gb + 32 + 16 * i;
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
-        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
-        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4));
-        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
-      } else {
-        const uint8_t* q = gb + 16 + 32 * i;
-        for (int k = 0; k < 4; ++k)
-          w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
-      }
+      __m256 w[4];
+      levels_avx2<Q4>(gb, i, w);
       const __m256 scale = _mm256_set1_ps(reinterpret_cast<const float*>(gb)[i]);
       const float* x = p.x + r0 * p.K + b * kBlock;
       if constexpr (R >= kPrescaleRows) {
@@ -194,20 +252,15 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-      s = _mm_hadd_ps(s, s);
-      s = _mm_hadd_ps(s, s);
-      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm_cvtss_f32(s) + mins[r][i];
-    }
+    for (int r = 0; r < R; ++r) p.out[(r0 + r) * p.N + g * kGroup + i] = sum_lanes(acc[r]) + mins[r][i];
   }
 }
 
 template <bool Q4>
 void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
   switch (R) {
-    case 1: return group_avx2<Q4, 1>(p, g, r0);
-    case 2: return group_avx2<Q4, 2>(p, g, r0);
+    case 1: return group_avx2_all_outputs<Q4, 1>(p, g, r0);
+    case 2: return group_avx2_all_outputs<Q4, 2>(p, g, r0);
     case 3: return group_avx2<Q4, 3>(p, g, r0);
     case 4: return group_avx2<Q4, 4>(p, g, r0);
     case 5: return group_avx2<Q4, 5>(p, g, r0);
