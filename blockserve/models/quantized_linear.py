@@ -67,8 +67,9 @@ logger = logging.getLogger(__name__)
 # scales on the weights past 5 rows (1.24-1.37x the kernel before at 8-64 rows,
 # results/kernel_builds_ab_avx2_prescale.json): batch 64 end to end 1.22x max_rows 16 on two
 # threads, 0.97x on one (results/max_rows_ab_avx2_prescale_{2t,1t}.json); past 64 rows the GEMM
-# keeps pace on two threads (results/quantized_matmul_avx2_prescale_rows.json). csrc/paged_decode.cpp's
-# kPoolSeqs follows the float32 rows per build (the module's pool_sequences(); tested). int8: every row count (EVERY_ROW).
+# keeps pace on two threads (results/quantized_matmul_avx2_prescale_rows.json).
+# csrc/paged_decode.cpp's kPoolSeqs follows the float32 rows per build (the module's
+# pool_sequences(); tested). int8: every row count (EVERY_ROW).
 # On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
 # (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
 # (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same
