@@ -100,23 +100,37 @@ def main() -> int:
                 cells[name]["blockserve"].append(ours())
                 print(f"[{threads} thr, round {r + 1}] {name}: llama.cpp {cells[name]['llama.cpp'][-1]['value']:.2f}, "
                       f"blockserve {cells[name]['blockserve'][-1]['value']:.2f}", flush=True)
+                save(results, args.json)
             if not args.skip_server:
                 for system, start in (("llama.cpp", start_llama_server), ("blockserve", start_blockserve)):
                     with Server(start(bin_dir, model, threads, args)) as server:
                         for clients in args.clients:
-                            run = serve_load(server, clients, args)
                             cells.setdefault(f"server {clients} clients", {"llama.cpp": [], "blockserve": []})
+                            try:
+                                run = serve_load(server, clients, args)
+                            except RuntimeError as error:  # kept as a failed cell; the other cells still count
+                                cells[f"server {clients} clients"][system].append({"failed": str(error)[-3000:]})
+                                print(f"[{threads} thr, round {r + 1}] {system} server, {clients} clients: FAILED",
+                                      flush=True)
+                                continue
                             cells[f"server {clients} clients"][system].append(run)
                             print(f"[{threads} thr, round {r + 1}] {system} server, {clients} clients: "
                                   f"{run['value']:.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
                                   f"ITL p50 {run['itl_p50_ms']:.1f} ms, TPOT p50 {run['tpot_p50_ms']:.1f} ms", flush=True)
+                            save(results, args.json)
     env["load_average_end"] = list(os.getloadavg())
     report(results)
+    save(results, args.json)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0
+
+
+def save(results: dict, path: Path | None) -> None:
+    """The results so far, rewritten after every cell: a run cut short keeps what it measured."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -332,7 +346,12 @@ def report(results: dict) -> None:
               f"others' CPU share in brackets ==")
         print(f"{'cell':<42} {'llama.cpp':>22} {'blockserve':>22} {'blockserve x':>13}")
         table["medians"] = {}
-        for name, runs in table["cells"].items():
+        for name, all_runs in table["cells"].items():
+            runs = {s: [r for r in v if "value" in r] for s, v in all_runs.items()}
+            if not all(runs.values()):
+                failed = ", ".join(s for s, v in runs.items() if not v)
+                print(f"{name:<42} failed in every round: {failed} (the errors are in the JSON)")
+                continue
             lower_is_better = name.startswith("batch-1")
             med = {s: statistics.median(r["value"] for r in v) for s, v in runs.items()}
             share = {s: statistics.median(r["others_cpu_share"] for r in v) for s, v in runs.items()}
