@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import torch
-
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.benchmark.common import environment, print_environment, write_json
 from blockserve.models.loader import load_model
-from blockserve.models.quantized_linear import ACTIVATIONS, QuantizedLinear
+from blockserve.models.quantized_linear import ACTIVATIONS, QuantizedLinear, round_per_block
 
 PROMPT = "The capital of France is Paris, and the capital of Spain is Madrid. The capital of Italy is"
 WHOLE = 2048  # token budget: the prompt in one step
@@ -41,20 +39,12 @@ def prompt_logprobs(loaded, budget: int) -> list[float]:
     return [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
 
 
-def rounded_per_block(x, levels: int):
-    """x rounded per block of 32 to s * round(x / s), s = max|x_b| / levels (0 for an all-zero block)."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)) / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv) * (amax / levels)).reshape(x.shape)
-
-
 @contextlib.contextmanager
 def emulated_levels(levels: int):
     """Every QuantizedLinear takes x rounded to +-`levels` per block (its float32 kernels then
     compute that x exactly up to float rounding, as an integer kernel would)."""
     forward = QuantizedLinear.forward
-    QuantizedLinear.forward = lambda self, x: forward(self, rounded_per_block(x, levels))
+    QuantizedLinear.forward = lambda self, x: forward(self, round_per_block(x, levels))
     try:
         yield
     finally:
@@ -70,26 +60,20 @@ def main() -> None:
     args = parser.parse_args()
     env = environment()
     print_environment(env)
-    drift = {}
-    for activations in ACTIVATIONS:
+    drift, one_step, from_float32 = {}, {}, {}
+    settings = [(activations, activations, contextlib.nullcontext()) for activations in ACTIVATIONS]
+    settings += [(f"float32 rounded to +-{levels}", "float32", emulated_levels(levels)) for levels in args.emulate_levels]
+    for name, activations, emulation in settings:
         loaded = load_model(None, BACKENDS["exact"], quantized_activations=activations)
-        whole = prompt_logprobs(loaded, WHOLE)
-        drift[activations] = {budget: max(abs(a - b) for a, b in zip(prompt_logprobs(loaded, budget), whole))
-                              for budget in args.budgets}
-        print(f"{activations:>8}: " + ", ".join(f"budget {b}: max |d logprob| {d:.3g}" for b, d in drift[activations].items())
-              + f"  (against one step; {len(whole)} prompt tokens)")
-    float32_whole = prompt_logprobs(load_model(None, BACKENDS["exact"]), WHOLE)
-    from_float32 = {}
-    for levels in args.emulate_levels:
-        name = f"float32 rounded to +-{levels}"
-        loaded = load_model(None, BACKENDS["exact"])
-        with emulated_levels(levels):
-            whole = prompt_logprobs(loaded, WHOLE)
-            drift[name] = {budget: max(abs(a - b) for a, b in zip(prompt_logprobs(loaded, budget), whole))
+        with emulation:
+            one_step[name] = prompt_logprobs(loaded, WHOLE)
+            drift[name] = {budget: max(abs(a - b) for a, b in zip(prompt_logprobs(loaded, budget), one_step[name]))
                            for budget in args.budgets}
-        from_float32[name] = max(abs(a - b) for a, b in zip(whole, float32_whole))
-        print(f"{name}: " + ", ".join(f"budget {b}: max |d logprob| {d:.3g}" for b, d in drift[name].items())
-              + f"; one step against float32 activations: {from_float32[name]:.3g}")
+        line = f"{name:>8}: " + ", ".join(f"budget {b}: max |d logprob| {d:.3g}" for b, d in drift[name].items())
+        if name not in ACTIVATIONS:
+            from_float32[name] = max(abs(a - b) for a, b in zip(one_step[name], one_step["float32"]))
+            line += f"; one step against float32 activations: {from_float32[name]:.3g}"
+        print(line + f"  (against one step; {len(one_step[name])} prompt tokens)")
     write_json(args.json, {"environment": env, "prompt": PROMPT, "drift": drift,
                            "one_step_against_float32": from_float32})
 

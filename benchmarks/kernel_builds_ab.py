@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--avx2", action="store_true", help="both builds with -mno-avx512f")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64])
-    parser.add_argument("--shapes", nargs="+", choices=[s for s, (_, _, f) in SHAPES.items()],
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
                         default=["qkv", "o", "gate_up", "down"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--target-ms", type=float, default=150.0, help="time per build per round")

@@ -120,12 +120,17 @@ def round_like_int8(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] rounded per block of 32 exactly as quantized_matmul_int8 rounds it, back in float32:
     s * round-half-even(x * (127 / max|x_b|)) with s = max|x_b| / 127 (the same float32 operations;
     an all-zero block stays zero, a block holding NaN becomes NaN)."""
+    return round_per_block(x, 127)
+
+
+def round_per_block(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """x [..., K] rounded per block of 32 to +-`levels` levels of s = max|x_b| / levels, back in float32."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    # torch.full_like(...) / amax, not 127.0 / amax: torch computes a scalar over a tensor as
-    # reciprocal(amax) * 127, two roundings, which moves an element at a rounding tie one level.
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+    # torch.full_like(...) / amax, not levels / amax: torch computes a scalar over a tensor as
+    # reciprocal(amax) * levels, two roundings, which moves an element at a rounding tie one level.
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / levels)).reshape(x.shape)
 
 
 def sharing_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
