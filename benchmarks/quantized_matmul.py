@@ -1,6 +1,7 @@
 """x @ W^T over GGUF blocks (attention/csrc/quantized_matmul.cpp) against the float32 matmul it
 replaces, for SmolLM2-135M's shapes and formats (Q4_1 layers, the Q8_0 tied lm_head):
 
+    int16    quantized_matmul_int16: x rounded to int16 per block of 32, integer dot products
     int8     quantized_matmul_int8: x rounded to int8 per block of 32, integer dot products
     float    quantized_matmul: weights dequantised in registers, float32 activations
     dense    the float32 layer QuantizedLinear falls back to (column-major nn.Linear, or
@@ -35,7 +36,8 @@ from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear, column_m
 SHAPES = {"qkv": (576, 960, "Q4_1"), "o": (576, 576, "Q4_1"), "gate_up": (576, 3072, "Q4_1"),
           "down": (1536, 576, "Q4_1"), "lm_head": (576, 49152, "Q8_0")}
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = ("int8", "float", "dense")
+VARIANTS = ("int16", "int8", "float", "dense")
+INTEGER = ("int16", "int8")
 
 
 def layer(in_features: int, out_features: int, format: str):
@@ -69,7 +71,8 @@ def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int,
             packed_bytes = -(-n // 4) * k // 32 * PACKED_BYTES[format]
             for m in rows:
                 x = torch.randn(m, k)
-                fns = {"int8": lambda: ops.quantized_matmul_int8(x, packed, n, q4),
+                fns = {"int16": lambda: ops.quantized_matmul_int16(x, packed, n, q4),
+                       "int8": lambda: ops.quantized_matmul_int8(x, packed, n, q4),
                        "float": lambda: ops.quantized_matmul(x, packed, n, q4),
                        "dense": lambda: dense(x)}
                 calls = {v: max(1, int(target_s / max(mean_seconds(fn, 2), 1e-7))) for v, fn in fns.items()}
@@ -82,29 +85,28 @@ def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int,
                 cells.append({"shape": name, "in": k, "out": n, "format": format, "rows": m, "threads": threads,
                               "us": us, "min_us": best,
                               "samples_us": {v: [t * 1e6 for t in times[v]] for v in VARIANTS},
-                              "weight_gb_s": {"int8": packed_bytes / us["int8"] / 1e3,
-                                              "float": packed_bytes / us["float"] / 1e3,
+                              "weight_gb_s": {**{v: packed_bytes / us[v] / 1e3 for v in VARIANTS[:-1]},
                                               "dense": 4 * n * k / us["dense"] / 1e3}})
     return cells
 
 
 def print_table(cells: list[dict]) -> None:
-    print(f"{'shape':<8} {'rows':>4} {'int8 us':>9} {'float us':>9} {'dense us':>9} {'int8 GB/s':>9} "
-          f"{'int8/dense':>10} {'int8/float':>10}   (medians; speed-ups of the fastest rounds)")
+    ratios = [f"{v}/{peer}" for v in INTEGER for peer in ("float", "dense")]
+    print(f"{'shape':<8} {'rows':>4} " + " ".join(f"{v + ' us':>9}" for v in VARIANTS) + " "
+          + " ".join(f"{r:>11}" for r in ratios) + "   (medians; speed-ups: peer's time / the variant's)")
     for c in cells:
-        us, best = c["us"], c["min_us"]
-        print(f"{c['shape']:<8} {c['rows']:>4} {us['int8']:>9.1f} {us['float']:>9.1f} {us['dense']:>9.1f} "
-              f"{c['weight_gb_s']['int8']:>9.1f} {us['dense'] / us['int8']:>9.2f}x {us['float'] / us['int8']:>9.2f}x"
-              f"   ({best['dense'] / best['int8']:.2f}x, {best['float'] / best['int8']:.2f}x)")
+        us = c["us"]
+        print(f"{c['shape']:<8} {c['rows']:>4} " + " ".join(f"{us[v]:>9.1f}" for v in VARIANTS) + " "
+              + " ".join(f"{us[peer] / us[v]:>10.2f}x" for v in INTEGER for peer in ("float", "dense")))
 
 
-def crossovers(cells: list[dict]) -> dict:
-    """Per shape and thread count: the most rows up to which int8 beats dense at every row count measured."""
+def crossovers(cells: list[dict], variant: str) -> dict:
+    """Per shape and thread count: the most rows up to which `variant` beats dense at every row count measured."""
     best: dict[str, int] = {}
     for key in dict.fromkeys(f"{c['shape']}@{c['threads']}" for c in cells):
         best[key] = 0
         for c in sorted((c for c in cells if f"{c['shape']}@{c['threads']}" == key), key=lambda c: c["rows"]):
-            if c["us"]["int8"] >= c["us"]["dense"]:
+            if c["us"][variant] >= c["us"]["dense"]:
                 break
             best[key] = c["rows"]
     return best
@@ -138,7 +140,7 @@ def main() -> None:
     env["load_average_end"] = list(os.getloadavg())
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in env['load_average_end'])}")
     write_json(args.json, {"environment": env, "simd_lanes": ops.simd_lanes(), "args": vars(args), "cells": cells,
-                           "int8_beats_dense_up_to_rows": crossovers(cells)})
+                           **{f"{v}_beats_dense_up_to_rows": crossovers(cells, v) for v in INTEGER}})
 
 
 if __name__ == "__main__":

@@ -88,10 +88,10 @@ def fused_ops():
 
 
 def quantized_matmul_ops(without_avx512: bool = False):
-    """The native module, for csrc/quantized_matmul.cpp's quantized_matmul, quantized_matmul_int8
-    and simd_lanes, or None when native kernels are disabled or cannot be built. without_avx512:
-    compiled with -mno-avx512f, the AVX2 path a CPU without AVX-512 gets (how tests cover it on an
-    AVX-512 machine)."""
+    """The native module, for csrc/quantized_matmul.cpp's quantized_matmul, quantized_matmul_int8,
+    quantized_matmul_int16 and simd_lanes, or None when native kernels are disabled or cannot be
+    built. without_avx512: compiled with -mno-avx512f, the AVX2 path a CPU without AVX-512 gets (how
+    tests cover it on an AVX-512 machine)."""
     return _native(AVX2_ONLY if without_avx512 else ())
 
 

@@ -48,10 +48,10 @@ ATTENTION_BACKENDS = ("exact", "whole_block", "flex")
 # The model dtypes (engine/device.py, which imports torch); auto: float32 on CPU, bfloat16 on CUDA.
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The GGUF block kernels' activations (models/quantized_linear.py's ACTIVATIONS; a test checks they agree).
-QUANTIZED_ACTIVATIONS = ("float32", "int8")
+QUANTIZED_ACTIVATIONS = ("float32", "int8", "int16")
 # float32: transformers' logits and greedy tokens, and a prefill chunked differently (a prefix-cache
 # hit, another batch) moves them by float rounding only; int8's rounding of x turns those ~1e-6
-# differences into ~0.1 in logprobs (docs/performance.md). int8 is opt-in.
+# differences into ~0.1 in logprobs, int16's into ~5e-4 (docs/performance.md). Both are opt-in.
 DEFAULT_QUANTIZED_ACTIVATIONS = "float32"
 # Who starts tensor-parallel ranks 1..N-1 (blockserve/distributed/executor.py).
 DISTRIBUTED_EXECUTORS = ("spawn", "external")
@@ -119,14 +119,15 @@ class EngineConfig:
     # Applies when the engine loads the model (a LoadedModel passed in was loaded with load_model's own setting).
     quantized_matmul: bool = field(default=True, metadata={
         "help": "GGUF models: float32 weights only (by default the linear layers read the file's "
-                "Q4_0/Q4_1/Q8_0 blocks: at every batch size with int8 activations; with float32 up to 128 "
-                "rows on AVX-512, 16 on AVX2)",
+                "Q4_0/Q4_1/Q8_0 blocks: at every batch size with int8 or int16 activations; with float32 up "
+                "to 128 rows on AVX-512, 64 on AVX2)",
         "flag": "--no-quantized-matmul"})
     quantized_activations: str = field(default=DEFAULT_QUANTIZED_ACTIVATIONS, metadata={
         "help": "GGUF blocks: the activations' precision in their matmuls. float32 (default): exact "
                 "(transformers' logits and greedy tokens); int8: rounded per block of 32 as llama.cpp does, "
                 "~1.6-1.9x faster batch-1 decode on AVX2 (about even on AVX-512), logits ~0.2 off transformers' "
-                "on average", "choices": QUANTIZED_ACTIVATIONS})
+                "on average; int16: rounded per block of 32 to 16 bits, logits ~1e-3 off on average, "
+                "faster than float32 at batch 1 on AVX2", "choices": QUANTIZED_ACTIVATIONS})
 
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads (recurrent "

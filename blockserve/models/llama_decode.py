@@ -137,5 +137,5 @@ def _build_stack(layers: nn.ModuleList, final_norm: nn.Module):
     stack = fused_ops().DecodeStack(
         [linear.packed for linear in linears], [linear.out_features for linear in linears],
         [linear.q4_1 for linear in linears], [linear.bias for linear in linears], [norm.weight for norm in norms],
-        [norm.eps for norm in norms], linears[0].activations == "int8", num_heads, scale)
+        [norm.eps for norm in norms], linears[0].activations, num_heads, scale)
     return stack, min(linear.max_rows for linear in linears)

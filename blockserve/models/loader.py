@@ -86,7 +86,8 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
     and run on them (models/quantized_linear.py); False: float32 only.
     quantized_activations: those blocks' kernel, "float32" (exact: transformers' logits; up to 128
-    rows on AVX-512, 16 on AVX2) or "int8" (llama.cpp's rounding; every batch size).
+    rows on AVX-512, 64 on AVX2), "int8" (llama.cpp's rounding; every batch size) or "int16"
+    (16-bit rounding; every batch size).
     placement: device, dtype and tensor-parallel group (this rank's shard is loaded).
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or

@@ -3,7 +3,7 @@
 A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
 bound by reading those weights: 4 bytes per weight. The file's Q4_0 / Q4_1 and Q8_0 blocks
 encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so the native kernels
-(attention/csrc/quantized_matmul.cpp) read the blocks instead. Two kernels read them:
+(attention/csrc/quantized_matmul.cpp) read the blocks instead. Three kernels read them:
 
     activations="float32"  the weights dequantised in registers, float32 x: exact up to float
                            rounding, so the model gives transformers' logits and greedy tokens
@@ -21,17 +21,29 @@ encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so t
                            chunking of a prefill: a prefix-cache hit, a batch) can move an element
                            one level, and over the layers such moves add up to ~0.1 in logprobs
                            where "float32" moves ~1e-5.
+    activations="int16"    x rounded to int16 per block of 32 (levels of max|x_b| / 32767) and integer
+                           dot products of 16-bit pairs (--quantized-activations int16): 256 times
+                           finer than int8 for about twice its multiplies. Each matmul is off x @ W^T
+                           by up to sum_k |w_k| * max|x_block| / 65534; over SmolLM2's 30 layers
+                           logits move ~1e-3 on average (up to ~0.01; "float32": ~1e-5, up to 1e-4)
+                           and the parity prompts keep transformers' greedy tokens. On AVX2 at
+                           1-8 rows ~1.3-1.8x faster than "float32", which on AVX-512 (its
+                           16-entry lookup) is about as fast.
 
     float32:  rows <= max_rows   x @ W^T over the blocks
               rows >  max_rows   the float32 layer it wraps (nn.Linear; PanelLinear when it has at
                                  least PANEL_MIN_OUT outputs: faster above 16 rows)
     int8:     every row count    the int8 kernel (row tiles of 128 inside it); the float32 layer on x
-                                 rounded as the kernel rounds it (`round_like_int8`) only where the
+                                 rounded as the kernel rounds it (`round_per_block`) only where the
                                  kernel cannot run (no native build, x not a 2-D float32 CPU tensor)
+    int16:    rows <= max_rows   the int16 kernel (float32's max_rows)
+              rows >  max_rows   the float32 layer on x rounded as the kernel rounds it (also where
+                                 the kernel cannot run)
 
-Under "int8" a matmul row's result is the same bits whatever shares its call (each output is the
-same integer block dots summed in the same order); under "float32" the same up to float rounding
-(~1e-6): the blocks and the GEMM sum in different orders.
+Under "int8", and "int16" up to max_rows, a matmul row's result is the same bits whatever shares its
+call (each output is the same integer block dots summed in the same order); under "float32", and
+"int16" past max_rows, the same up to float rounding (~1e-6): the blocks and the GEMM sum in
+different orders.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
@@ -73,10 +85,16 @@ logger = logging.getLogger(__name__)
 # On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
 # (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
 # (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same
-# bits whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd.
+# bits whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd. int16: float32's
+# rows, so its decode steps are one native call too; larger batches (prefills) take the float32
+# GEMM on x rounded as the kernel rounds it, which is ~1.6x faster there than the int16 kernel
+# (AVX2 and AVX-512, 64-128 rows, results/quantized_matmul_int16_*.json).
 EVERY_ROW = 2 ** 62
-MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 128, ("float32", 8): 64}
-ACTIVATIONS = ("float32", "int8")  # EngineConfig.quantized_activations' choices (engine/config.py)
+MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 128, ("float32", 8): 64,
+            ("int16", 16): 128, ("int16", 8): 64}
+ACTIVATIONS = ("float32", "int8", "int16")  # EngineConfig.quantized_activations' choices (engine/config.py)
+LEVELS = {"int8": 127, "int16": 32767}  # the integer activations' levels either side of zero
+KERNELS = {"float32": "quantized_matmul", "int8": "quantized_matmul_int8", "int16": "quantized_matmul_int16"}
 DEFAULT_ACTIVATIONS = "float32"  # and its default (engine/config.py's DEFAULT_QUANTIZED_ACTIVATIONS)
 
 GROUP = 4  # output rows packed together (the kernel's layout)
@@ -116,15 +134,10 @@ def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
 
-def round_like_int8(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] rounded per block of 32 exactly as quantized_matmul_int8 rounds it, back in float32:
-    s * round-half-even(x * (127 / max|x_b|)) with s = max|x_b| / 127 (the same float32 operations;
-    an all-zero block stays zero, a block holding NaN becomes NaN)."""
-    return round_per_block(x, 127)
-
-
 def round_per_block(x: torch.Tensor, levels: int) -> torch.Tensor:
-    """x [..., K] rounded per block of 32 to +-`levels` levels of s = max|x_b| / levels, back in float32."""
+    """x [..., K] rounded per block of 32 exactly as the integer kernels round it (LEVELS), back in
+    float32: s * round-half-even(x * (levels / max|x_b|)) with s = max|x_b| / levels (the same
+    float32 operations; an all-zero block stays zero, a block holding NaN becomes NaN)."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     # torch.full_like(...) / amax, not levels / amax: torch computes a scalar over a tensor as
@@ -165,7 +178,7 @@ class QuantizedLinear(nn.Module):
         self.q4_1 = format in NIBBLES
         self.activations = activations
         self.max_rows = MAX_ROWS[activations, ops.simd_lanes()] if max_rows is None else max_rows
-        self.kernel = ops.quantized_matmul_int8 if activations == "int8" else ops.quantized_matmul
+        self.kernel = getattr(ops, KERNELS[activations])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -177,7 +190,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > self.max_rows or not native_reads(x):
-            return self.dense(round_like_int8(x) if self.activations == "int8" else x)
+            return self.dense(round_per_block(x, LEVELS[self.activations]) if self.activations in LEVELS else x)
         out = self.kernel(x, self.packed, self.out_features, self.q4_1)
         if isinstance(self.dense, RowParallelLinear):  # this rank's columns: sum over the ranks
             out = self.dense.tp.all_reduce(out)

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 import blockserve.models.llama as llama
 from blockserve import LLM, SamplingParams
-from blockserve.attention.native import quantized_matmul_ops, why_not_native
+from blockserve.attention.native import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models import llama_decode
 from blockserve.models.loader import load_model
@@ -80,7 +80,7 @@ def test_a_step_with_a_prefill_row_is_left_to_the_module_path(tmp_path, monkeypa
     assert all(flat == all_decodes for all_decodes, flat in seen)
 
 
-@pytest.mark.parametrize("activations,num_prompts", [("float32", 3), ("int8", 3), ("float32", 24)])
+@pytest.mark.parametrize("activations,num_prompts", [("float32", 3), ("int8", 3), ("int16", 3), ("float32", 24)])
 def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, activations, num_prompts):
     """With GGUF blocks on every linear layer, a decode-only step is one native call (DecodeStack):
     the same greedy tokens and bitwise the same logprobs as the flat loop, which runs where the stack
@@ -136,3 +136,10 @@ def test_the_decode_plan_is_made_once_and_reused_every_step(tmp_path, monkeypatc
     llm = LLM(str(tmp_path), max_num_batched_tokens=8, block_size=4)
     llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert sum(ran) >= 10 and len(made) == 1
+
+
+def test_the_native_stack_refuses_unknown_activations():
+    if (ops := fused_ops()) is None:
+        pytest.skip(f"no native kernels: {why_not_native()}")
+    with pytest.raises(RuntimeError, match="activations must be float32, int8 or int16, not 'int4'"):
+        ops.DecodeStack([], [], [], [], [torch.ones(4)], [1e-6], "int4", 1, 1.0)

@@ -4,11 +4,12 @@ own dequantiser produces, for the rows it handles; more rows go to the float32 c
 Tolerances. activations="float32": x @ W^T up to float32 accumulation against float64:
   |error| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (scaled by the terms' magnitudes, not the result's, which
   may be near zero; observed at K = 96: at most 2.2e-7 of |x| @ |W|^T).
-activations="int8" rounds x to int8 per block of 32 first, so it is held to two rules:
+activations="int8" and "int16" round x per block of 32 to L = 127 or 32767 levels either side of
+zero first, so they are held to two rules:
   tight  against float64 (x rounded as the kernel rounds it) @ W^T: |error| <= 1e-5 * (|x~| @ |W|^T) + 1e-6
          (float32 accumulation of exact integer block dots);
   loose  against the float32 x @ W^T: |error| <= sum_k |w_k| * s_k / 2 (+ the tight slack), s_k the
-         scale max|x_block| / 127 of x's block holding k: the rounding of x is at most half a step.
+         scale max|x_block| / L of x's block holding k: the rounding of x is at most half a step.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from torch import nn
 
 from blockserve.attention.native import ISA_ENV, fused_ops, quantized_matmul_ops
 from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
-from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, MAX_ROWS, QuantizedLinear,
-                                                pack_blocks, round_like_int8, sharing_linear, use_quantized_linears)
+from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, LEVELS, MAX_ROWS,
+                                                QuantizedLinear, pack_blocks, round_per_block, sharing_linear,
+                                                use_quantized_linears)
 from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
 from tests.threads import torch_threads
 
@@ -32,13 +34,13 @@ pytestmark = pytest.mark.skipif(ops is None or not ops.simd_lanes(),
                                 reason="the quantized kernel needs native kernels built with AVX-512 or AVX2")
 
 
-def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as the int8 kernel rounds it (float64), and each element's block scale s (float64):
-    s = max|x_block| / 127, x ~ s * round-half-even(x * (127 / max|x_block|)), in float32 as the kernel."""
+def rounded(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as an integer kernel rounds it (float64), and each element's block scale s (float64):
+    s = max|x_block| / L, x ~ s * round-half-even(x * (L / max|x_block|)), in float32 as the kernel."""
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # one rounding
-    scale = (amax / 127).double().expand(blocks.shape)
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)) / amax, torch.zeros_like(amax))  # one rounding
+    scale = (amax / levels).double().expand(blocks.shape)
     return (torch.round(blocks * inv).double() * scale).reshape(x.shape), scale.reshape(x.shape)
 
 
@@ -51,9 +53,10 @@ def assert_float32_matmul(out: torch.Tensor, x: torch.Tensor, weight: torch.Tens
         f"off x @ W^T by {(error - slack).max().item():.3g} past float32 accumulation"
 
 
-def assert_int8_matmul(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The int8 kernel's result against both rules of the module docstring."""
-    x_rounded, scale = rounded(x)
+def assert_rounded_matmul(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          levels: int = 127):
+    """An integer kernel's result (x rounded to `levels` per block) against both rules of the module docstring."""
+    x_rounded, scale = rounded(x, levels)
     w = weight.double()
     b = 0 if bias is None else bias.double()
     slack = 1e-5 * (x_rounded.abs() @ w.abs().T) + 1e-6
@@ -71,27 +74,35 @@ def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndar
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format]).copy())
 
 
-@pytest.mark.parametrize("activations", ["int8", "float32"])
+def assert_layer_matmul(layer: QuantizedLinear, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None):
+    """`layer`'s output against the rule of its activations (module docstring)."""
+    if layer.activations in LEVELS:
+        assert_rounded_matmul(out, x, weight, bias, LEVELS[layer.activations])
+    else:
+        assert_float32_matmul(out, x, weight, bias)
+
+
+@pytest.mark.parametrize("activations", ["int8", "int16", "float32"])
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 13, 64])  # 13: the last group of four is padded
 def test_blocks_give_the_dequantised_matmul(format, rows, activations):
     raw, weight = quantized(rows, 96, format)
     bias = torch.randn(rows)
-    # A decoy float32 copy: the rows the blocks serve (float32: up to max_rows; int8: every row count,
-    # 300 crossing the kernel's row tiles of 128) must come from the blocks, more from the copy.
+    # A decoy float32 copy: the rows the blocks serve (up to max_rows; int8: every row count, 300
+    # crossing the kernel's row tiles of 128) must come from the blocks, more from the copy (int16:
+    # on x rounded as the kernel rounds it).
     decoy = torch.zeros_like(weight)
     layer = QuantizedLinear(sharing_linear(decoy, bias), pack_blocks(raw, format), format, activations=activations)
-    served = (1, 2, 3, 4, 5, 7, 64, 300) if activations == "int8" else (1, 2, 3, 4, 5, 7, layer.max_rows)
     assert layer.max_rows == MAX_ROWS[activations, ops.simd_lanes()]
+    served = (1, 2, 3, 4, 5, 7, 64, 300) if layer.max_rows == EVERY_ROW else (1, 2, 3, 4, 5, 7, layer.max_rows)
     for m in served:
         x = torch.randn(m, 96)
-        if activations == "int8":
-            assert_int8_matmul(layer(x), x, weight, bias)
-        else:
-            assert_float32_matmul(layer(x), x, weight, bias)
-    if activations == "float32":
+        assert_layer_matmul(layer, layer(x), x, weight, bias)
+    if layer.max_rows < EVERY_ROW:
         x = torch.randn(layer.max_rows + 1, 96)
-        assert torch.equal(layer(x), F.linear(x, decoy, bias))
+        x_seen = round_per_block(x, LEVELS[activations]) if activations in LEVELS else x
+        assert torch.equal(layer(x), F.linear(x_seen, decoy, bias))
 
 
 def test_the_isa_switch_gives_every_caller_the_avx2_build(monkeypatch):
@@ -117,30 +128,33 @@ def test_decode_attention_splits_on_the_pool_up_to_the_float32_block_rows():
         assert build.pool_sequences() == MAX_ROWS["float32", build.simd_lanes()]
 
 
+@pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
-def test_int8_rows_get_the_same_bits_alone_or_in_a_prefill_sized_batch(format):
-    """The int8 kernel serves every row count, row tiles included, and each output is the same
-    arithmetic whatever shares the call: a row alone and in a batch of 300 get the same bits (a
-    request's tokens do not depend on what shares its steps). Where the kernel cannot run (here: a
-    3-D x), the float32 layer takes x rounded as the kernel rounds it."""
+def test_integer_rows_get_the_same_bits_alone_or_in_a_batch(format, activations):
+    """The integer kernels serve every row count up to max_rows (int8: all, row tiles included) and
+    each output is the same arithmetic whatever shares the call: a row alone and in a batch of 300
+    (int16: max_rows) get the same bits (a request's tokens do not depend on what shares its steps).
+    Where the kernel cannot run (here: a 3-D x), the float32 layer takes x rounded as the kernel rounds it."""
     raw, weight = quantized(13, 96, format, seed=3)
     bias = torch.randn(13)
-    layer = QuantizedLinear(sharing_linear(weight, bias), pack_blocks(raw, format), format, activations="int8")
-    x = torch.randn(300, 96)
+    layer = QuantizedLinear(sharing_linear(weight, bias), pack_blocks(raw, format), format, activations=activations)
+    rows = min(300, layer.max_rows)
+    x = torch.randn(rows, 96)
     x[1, :32] = 0  # a zero block
     batched = layer(x)
     assert torch.equal(batched, torch.cat([layer(row[None]) for row in x]))
-    assert torch.equal(batched[130:260], layer(x[130:260]))
-    assert_int8_matmul(batched, x, weight, bias)
-    assert_int8_matmul(layer(x[None]).reshape(300, 13), x, weight, bias)
-    assert layer(torch.full((200, 96), float("nan"))).isnan().all()
+    assert torch.equal(batched[30:60], layer(x[30:60]))
+    assert_layer_matmul(layer, batched, x, weight, bias)
+    assert_layer_matmul(layer, layer(x[None]).reshape(rows, 13), x, weight, bias)
+    assert layer(torch.full((rows, 96), float("nan"))).isnan().all()
 
 
-def test_round_like_int8_is_the_kernels_rounding_to_the_bit():
-    """round_like_int8 (the float32 path where the int8 kernel cannot run) rounds x exactly as quantized_matmul_int8 does,
-    ties included. The weight is Q8_0's identity (d = 2^-6, q = 64: w = 1 exactly), so the kernel's
-    output is its rounded x, s * r in one float32 rounding; x sits at the rounding ties
-    (r + 1/2) * s, where a second rounding in 127 / max|x_b| moves a level."""
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_round_per_block_is_the_kernels_rounding_to_the_bit(activations):
+    """round_per_block (the float32 path where an integer kernel cannot run) rounds x exactly as the
+    kernel does, ties included. The weight is Q8_0's identity (d = 2^-6, q = 64: w = 1 exactly), so
+    the kernel's output is its rounded x, s * r in one float32 rounding; x sits at the rounding ties
+    (r + 1/2) * s, where a second rounding in L / max|x_b| moves a level."""
     k = 256
     raw = np.zeros((k, k // 32, 34), np.uint8)
     raw[:, :, 0:2] = np.float16(2.0 ** -6).reshape(1, 1, 1).view(np.uint8)
@@ -148,15 +162,17 @@ def test_round_like_int8_is_the_kernels_rounding_to_the_bit():
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(64, k, generator=generator).reshape(64, -1, 32)
     amax = x.abs().amax(-1, keepdim=True)
-    levels = torch.randint(-127, 127, x.shape, generator=generator).float()
-    x = torch.where(x.abs() == amax, x, (levels + 0.5) * (amax / 127)).reshape(64, k)
-    out = ops.quantized_matmul_int8(x, pack_blocks(raw.reshape(k, -1), "Q8_0"), k, False)
-    assert torch.equal(out, round_like_int8(x))
+    top = LEVELS[activations]
+    levels = torch.randint(-top, top, x.shape, generator=generator).float()
+    x = torch.where(x.abs() == amax, x, (levels + 0.5) * (amax / top)).reshape(64, k)
+    layer = QuantizedLinear(sharing_linear(torch.eye(k)), pack_blocks(raw.reshape(k, -1), "Q8_0"), "Q8_0",
+                            activations=activations)
+    assert torch.equal(layer.kernel(x, layer.packed, k, False), round_per_block(x, top))
 
 
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_avx2_path_gives_the_dequantised_matmul(format):
-    """Both kernels as a CPU without AVX-512 gets them (compiled here with -mno-avx512f). Float32
+    """The kernels as a CPU without AVX-512 gets them (compiled here with -mno-avx512f). Float32
     passes of 1-5 rows of x apply a block's scale to its dot product, passes of 6-8 to the weights
     (csrc/quantized_matmul.cpp's kPrescaleRows): 14 rows run one pass of each kind."""
     avx2 = quantized_matmul_ops(without_avx512=True)
@@ -167,7 +183,8 @@ def test_the_avx2_path_gives_the_dequantised_matmul(format):
     for m in (1, 2, 3, 5, 6, 7, 8, 14, 61):
         x = torch.randn(m, 96)
         assert_float32_matmul(avx2.quantized_matmul(x, packed, 13, format != "Q8_0"), x, weight)
-        assert_int8_matmul(avx2.quantized_matmul_int8(x, packed, 13, format != "Q8_0"), x, weight)
+        assert_rounded_matmul(avx2.quantized_matmul_int8(x, packed, 13, format != "Q8_0"), x, weight)
+        assert_rounded_matmul(avx2.quantized_matmul_int16(x, packed, 13, format != "Q8_0"), x, weight, levels=32767)
 
 
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
@@ -187,10 +204,16 @@ def test_avx2_float32_rows_get_the_same_bits_in_passes_of_one_to_five(format):
     assert_float32_matmul(five, x, weight)
 
 
+def integer_kernel(build, activations: str):
+    return {"int8": build.quantized_matmul_int8, "int16": build.quantized_matmul_int16}[activations]
+
+
+@pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
-def test_int8_rows_at_every_remainder_and_thread_count(format):
+def test_integer_rows_at_every_remainder_and_thread_count(format, activations):
     """Rows 1..64 (every remainder of the kernel's passes of four rows), several blocks per row,
     blocks of x that are all zero, tiny or huge, and the same bits at 1 and 2 threads."""
+    kernel = integer_kernel(ops, activations)
     raw, weight = quantized(37, 192, format, seed=5)
     packed = pack_blocks(raw, format)
     x = torch.randn(64, 192)
@@ -199,20 +222,20 @@ def test_int8_rows_at_every_remainder_and_thread_count(format):
     x[6, 64:96] *= 1e20
     x[7, 100] = 1e3  # one outlier in its block
     with torch_threads(1):
-        one = [ops.quantized_matmul_int8(x[:m], packed, 37, format != "Q8_0") for m in range(1, 65)]
+        one = [kernel(x[:m], packed, 37, format != "Q8_0") for m in range(1, 65)]
     with torch_threads(2):
-        two = ops.quantized_matmul_int8(x, packed, 37, format != "Q8_0")
+        two = kernel(x, packed, 37, format != "Q8_0")
     for m, out in enumerate(one, 1):
         assert out.shape == (m, 37) and torch.equal(out, one[-1][:m])
     assert torch.equal(two, one[-1])
-    assert_int8_matmul(one[-1], x, weight)
-    assert ops.quantized_matmul_int8(torch.zeros(0, 192), packed, 37, format != "Q8_0").shape == (0, 37)
+    assert_rounded_matmul(one[-1], x, weight, levels=LEVELS[activations])
+    assert kernel(torch.zeros(0, 192), packed, 37, format != "Q8_0").shape == (0, 37)
 
 
-def test_both_kernels_split_across_threads_to_the_same_bits():
+def test_the_kernels_split_across_threads_to_the_same_bits():
     """4096 x 2304 (1024 row groups of 72 blocks): many tasks per call even at one row (a task is
-    2048 group-block-rows for float32, 4096 for int8; the split does not depend on the format), so
-    both kernels split over two threads, and each output is computed by one thread whatever the
+    2048 group-block-rows for float32, 4096 for the integer kernels; the split does not depend on the
+    format), so the kernels split over two threads, and each output is computed by one thread whatever the
     split: the same bits."""
     raw, weight = quantized(4096, 2304, "Q4_1", seed=2)
     packed = pack_blocks(raw, "Q4_1")
@@ -221,33 +244,36 @@ def test_both_kernels_split_across_threads_to_the_same_bits():
         results = []
         for n in (1, 2):
             with torch_threads(n):
-                results.append([kernel(x, packed, 4096, True) for kernel in (ops.quantized_matmul, ops.quantized_matmul_int8)])
-        (float_one, int8_one), (float_two, int8_two) = results
-        assert torch.equal(float_two, float_one) and torch.equal(int8_two, int8_one)
+                results.append([kernel(x, packed, 4096, True) for kernel in
+                                (ops.quantized_matmul, ops.quantized_matmul_int8, ops.quantized_matmul_int16)])
+        (float_one, *integer_one), (float_two, *integer_two) = results
+        assert torch.equal(float_two, float_one) and all(map(torch.equal, integer_two, integer_one))
         assert_float32_matmul(float_one, x, weight)
 
 
+@pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
-def test_int8_non_finite_rows_stay_non_finite(format):
+def test_integer_non_finite_rows_stay_non_finite(format, activations):
     """A NaN or an infinity in a row of x makes that row's outputs NaN or infinite (as x @ W^T), never a
     finite value; the other rows are untouched."""
     raw, weight = quantized(8, 64, format)
     x = torch.randn(4, 64)
     x[1, 40] = float("nan")
     x[2, 3] = float("inf")
-    out = ops.quantized_matmul_int8(x, pack_blocks(raw, format), 8, format != "Q8_0")
+    out = integer_kernel(ops, activations)(x, pack_blocks(raw, format), 8, format != "Q8_0")
     assert out[1].isnan().all() and not out[2].isfinite().any()
-    assert_int8_matmul(out[[0, 3]], x[[0, 3]], weight)
+    assert_rounded_matmul(out[[0, 3]], x[[0, 3]], weight, levels=LEVELS[activations])
 
 
-def test_int8_q8_0_weights_at_the_ends_of_their_range():
-    """Q8_0 levels -128 and 127 against x levels -127 and 127: the signed-byte products stay exact."""
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_integer_q8_0_weights_at_the_ends_of_their_range(activations):
+    """Q8_0 levels -128 and 127 against x levels -L and L: the integer products stay exact."""
     raw = np.zeros((4, 34), np.uint8)
     raw[:, 0:2] = np.full((4, 1), np.float16(0.5)).view(np.uint8)
     raw[:, 2:] = np.array([[-128] * 32, [127] * 32, [-128, 127] * 16, [127, -128] * 16], np.int8).view(np.uint8)
     weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).copy())
     x = torch.tensor([[1.0, -1.0] * 16, [-1.0] * 32, [1.0] * 32])
-    out = ops.quantized_matmul_int8(x, pack_blocks(raw, "Q8_0"), 4, False)
+    out = integer_kernel(ops, activations)(x, pack_blocks(raw, "Q8_0"), 4, False)
     torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=1e-4)
 
 
@@ -259,6 +285,8 @@ def test_activations_default_to_float32_and_unknown_ones_are_refused():
     assert layer.max_rows == MAX_ROWS["float32", ops.simd_lanes()]
     layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int8")
     assert layer.activations == "int8" and layer.kernel is ops.quantized_matmul_int8 and layer.max_rows == EVERY_ROW
+    layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int16")
+    assert layer.kernel is ops.quantized_matmul_int16 and layer.max_rows == MAX_ROWS["float32", ops.simd_lanes()]
     with pytest.raises(ValueError, match="activations must be one of"):
         QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int4")
     # EngineConfig's choices and default (torch-free) are the kernel's
@@ -268,15 +296,12 @@ def test_activations_default_to_float32_and_unknown_ones_are_refused():
         EngineConfig(quantized_activations="int4")
 
 
-@pytest.mark.parametrize("activations", ["int8", "float32"])
+@pytest.mark.parametrize("activations", ["int8", "int16", "float32"])
 def test_non_contiguous_rows(activations):
     raw, weight = quantized(8, 64, "Q4_1")
     layer = QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1", activations=activations)
     x = torch.randn(3, 128)[:, ::2]
-    if activations == "int8":
-        assert_int8_matmul(layer(x), x, weight)
-    else:
-        assert_float32_matmul(layer(x), x, weight)
+    assert_layer_matmul(layer, layer(x), x, weight)
 
 
 def test_blocks_that_do_not_fit_the_weight_are_refused():
@@ -285,10 +310,11 @@ def test_blocks_that_do_not_fit_the_weight_are_refused():
         QuantizedLinear(sharing_linear(torch.zeros(8, 96)), pack_blocks(raw, "Q8_0"), "Q8_0")
     with pytest.raises(RuntimeError, match="bytes"):
         ops.quantized_matmul(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
-    with pytest.raises(RuntimeError, match="bytes"):
-        ops.quantized_matmul_int8(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.quantized_matmul_int8(torch.randn(1, 48), pack_blocks(raw, "Q8_0"), 8, False)
+    for kernel in (ops.quantized_matmul_int8, ops.quantized_matmul_int16):
+        with pytest.raises(RuntimeError, match="bytes"):
+            kernel(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            kernel(torch.randn(1, 48), pack_blocks(raw, "Q8_0"), 8, False)
 
 
 class TwoLayer(nn.Module):

@@ -8,8 +8,12 @@ namespace blockserve {
 
 DecodeStack::DecodeStack(std::vector<at::Tensor> packed, std::vector<int64_t> out_features, std::vector<bool> q4_1,
                          std::vector<std::optional<at::Tensor>> biases, std::vector<at::Tensor> norms,
-                         std::vector<double> eps, bool int8, int64_t num_heads, double scale)
-    : norms_(std::move(norms)), eps_(std::move(eps)), int8_(int8), num_heads_(num_heads), scale_(scale) {
+                         std::vector<double> eps, const std::string& activations, int64_t num_heads, double scale)
+    : norms_(std::move(norms)), eps_(std::move(eps)), num_heads_(num_heads), scale_(scale) {
+  if (activations == "float32") matmul_ = quantized_matmul;
+  else if (activations == "int8") matmul_ = quantized_matmul_int8;
+  else if (activations == "int16") matmul_ = quantized_matmul_int16;
+  else TORCH_CHECK(false, "DecodeStack: activations must be float32, int8 or int16, not '", activations, "'");
   const size_t n = packed.size();
   TORCH_CHECK(n % 4 == 0 && out_features.size() == n && q4_1.size() == n && biases.size() == n,
               "DecodeStack: 4 linear layers per decoder layer, each with blocks, an output size, a flag and a bias");
@@ -19,8 +23,7 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> packed, std::vector<int64_t> ou
 }
 
 at::Tensor DecodeStack::linear(const Linear& layer, const at::Tensor& x) const {
-  at::Tensor out = int8_ ? quantized_matmul_int8(x, layer.packed, layer.out_features, layer.q4_1)
-                         : quantized_matmul(x, layer.packed, layer.out_features, layer.q4_1);
+  at::Tensor out = matmul_(x, layer.packed, layer.out_features, layer.q4_1);
   return layer.bias ? out.add_(*layer.bias) : out;
 }
 

@@ -5,7 +5,7 @@
 // then the final norm; the same entry points (kernels.h) on the same inputs in the same order as
 // models/llama_decode.py's flat loop, so the hidden states are the same bits, without ~240 calls
 // from Python per step. Every linear layer runs on its GGUF blocks (quantized_matmul, or
-// quantized_matmul_int8 when `int8`), so the caller uses it only for row counts the blocks serve.
+// quantized_matmul_int8 / _int16 by `activations`), so the caller uses it only for row counts the blocks serve.
 
 #pragma once
 
@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace blockserve {
@@ -20,9 +21,10 @@ namespace blockserve {
 class DecodeStack {
  public:
   static constexpr const char* kDoc =
-      "DecodeStack(packed, out_features, q4_1, biases, norms, eps, int8, num_heads, scale): the weights of L "
+      "DecodeStack(packed, out_features, q4_1, biases, norms, eps, activations, num_heads, scale): the weights of L "
       "layers, 4 linear layers each (qkv, o, gate_up, down: their packed blocks, output sizes, Q4_1 flags and "
-      "biases or None), 2 L + 1 norm weights and eps (input and post-attention per layer, then the final norm)";
+      "biases or None), 2 L + 1 norm weights and eps (input and post-attention per layer, then the final norm), "
+      "the blocks' activations (float32, int8 or int16: QuantizedLinear's)";
   static constexpr const char* kRunDoc =
       "run(x, cos, sin, k_caches, v_caches, slot_mappings, block_tables, key_starts, seq_lens) -> the final "
       "normed hidden states [T, H]; x [T, H] the embedding output (used as the residual stream, modified), "
@@ -30,7 +32,7 @@ class DecodeStack {
 
   DecodeStack(std::vector<at::Tensor> packed, std::vector<int64_t> out_features, std::vector<bool> q4_1,
               std::vector<std::optional<at::Tensor>> biases, std::vector<at::Tensor> norms, std::vector<double> eps,
-              bool int8, int64_t num_heads, double scale);
+              const std::string& activations, int64_t num_heads, double scale);
 
   at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                  const std::vector<at::Tensor>& v_caches, const std::vector<at::Tensor>& slot_mappings,
@@ -50,7 +52,8 @@ class DecodeStack {
   std::vector<Linear> linears_;  // 4 per layer: qkv, o, gate_up, down
   std::vector<at::Tensor> norms_;
   std::vector<double> eps_;
-  bool int8_;
+  // The linear layers' kernel (quantized_matmul or one of its integer-activation forms).
+  at::Tensor (*matmul_)(at::Tensor, at::Tensor, int64_t, bool);
   int64_t num_heads_;
   double scale_;
 };

@@ -28,9 +28,10 @@ void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at:
                              at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_table,
                              at::Tensor key_start, at::Tensor seq_lens, int64_t n_heads, double scale);
 
-// quantized_matmul.cpp: out = x @ W^T over GGUF blocks (float32 or int8-rounded activations).
+// quantized_matmul.cpp: out = x @ W^T over GGUF blocks (float32, int8- or int16-rounded activations).
 at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
+at::Tensor quantized_matmul_int16(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 int64_t simd_lanes();
 
 }  // namespace blockserve

@@ -27,15 +27,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_matmul", &quantized_matmul, "out [M, N] = x [M, K] @ W^T, W packed Q4_1 (q4_1=True) or Q8_0");
   m.def("quantized_matmul_int8", &quantized_matmul_int8,
         "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int8 per block of 32 (integer dots)");
+  m.def("quantized_matmul_int16", &quantized_matmul_int16,
+        "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int16 per block of 32 (integer dots)");
   m.def("simd_lanes", &simd_lanes, "16: the AVX-512 path, 8: AVX2, 0: neither (quantized_matmul cannot run)");
 
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<bool>,
-                          std::vector<std::optional<at::Tensor>>, std::vector<at::Tensor>, std::vector<double>, bool,
-                          int64_t, double>(),
+                          std::vector<std::optional<at::Tensor>>, std::vector<at::Tensor>, std::vector<double>,
+                          std::string, int64_t, double>(),
            pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("q4_1"), pybind11::arg("biases"),
-           pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("int8"), pybind11::arg("num_heads"),
+           pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("activations"), pybind11::arg("num_heads"),
            pybind11::arg("scale"))
       // Without the GIL: a server's event loop streams tokens while the step's layers run.
       .def("run", &DecodeStack::run, DecodeStack::kRunDoc, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -1,10 +1,10 @@
 // out = x @ W^T with W kept in a GGUF block format (Q4_1 or Q8_0; Q4_0 is packed as Q4_1) and
 // dequantised in registers: the weights are exactly the values the format encodes (what gguf's
 // dequantiser produces), read at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
-// For the rows of a decode batch, where a float32 matmul is bound by reading its weights. Two
+// For the rows of a decode batch, where a float32 matmul is bound by reading its weights. Three
 // kernels over the same packed blocks: quantized_matmul (float32 activations, exact up to float
-// rounding) and quantized_matmul_int8 (activations rounded to int8 per block, integer dot
-// products: about twice as fast; see its section below). An AVX-512 path and an AVX2 one
+// rounding), quantized_matmul_int8 and quantized_matmul_int16 (activations rounded to 8 or 16
+// bits per block, integer dot products; see their section below). An AVX-512 path and an AVX2 one
 // (8 lanes), chosen at compile time (-march=native); simd_lanes() says which.
 //
 // Per block of 32 weights:  Q4_1  w = d * q + m   (q in 0..15)     Q8_0  w = d * q   (q in -128..127)
@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -292,22 +293,28 @@ void run(const Problem& p) {
 }
 #endif
 
-// ---- int8 activations ----------------------------------------------------------------------
-// quantized_matmul_int8 quantises each row of x per block of 32 (as llama.cpp's q8 formats do):
-//   s = max|x_b| / 127,  x_b ~ s * r  (r = round-to-nearest-even(x_b * (127 / max|x_b|)), int8)
-// and takes integer dot products of r with the weights' integer levels, one float multiply by
+// ---- integer activations (int8, int16) ----------------------------------------------------
+// quantized_matmul_int8 and quantized_matmul_int16 round each row of x per block of 32 to L levels
+// either side of zero (int8: L = 127, as llama.cpp's q8 formats do; int16: L = 32767):
+//   s = max|x_b| / L,  x_b ~ s * r  (r = round-to-nearest-even(x_b * (L / max|x_b|)))
+// and take integer dot products of r with the weights' integer levels, one float multiply by
 // d * s per block and output row; Q4_1's min term takes the sum of the rounded block (llama.cpp's q8_1):
 //   out = sum_b d_b * s_b * (q_b . r_b) + m_b * s_b * sum(r_b)  =  (x rounded) @ W^T
 // so only the rounding of x differs from quantized_matmul: |error| <= sum_k |w_k| * s_k / 2.
-// The weights' bytes are read once per group of four output rows for kInt8Rows rows of x at a
-// time, straight from the packed layout above; both SIMD builds run the same 256-bit loop (one
-// block is one register), the AVX-512 build with VNNI's dpbusd in place of maddubs + madd.
+// The weights' bytes are read once per group of four output rows for kIntRows rows of x at a
+// time, straight from the packed layout above; both SIMD builds run the same 256-bit loop. int8:
+// one block of levels is one register, multiplied by bytes (maddubs + madd; AVX-512 builds: VNNI's
+// dpbusd). int16: two registers, the weights widened to 16 bits (madd, pairs of products into
+// int32; AVX-512 builds: dpwssd), 256 times finer rounding for about twice the multiplies.
 
 #if BLOCKSERVE_LANES
-constexpr int64_t kInt8Rows = 4;  // rows of x per pass over a group's weights (registers)
+constexpr int64_t kIntRows = 4;  // rows of x per pass over a group's weights (registers)
 
-struct Int8Problem {
-  const int8_t* r;     // [M, K] x rounded to int8 per block
+template <typename Level> constexpr float kLevels = sizeof(Level) == 1 ? 127.f : 32767.f;
+
+template <typename Level>
+struct IntProblem {
+  const Level* r;      // [M, K] x rounded per block
   const float* s;      // [M, K / 32] the blocks' scales
   const float* xsum;   // [M, K / 32] s * the sum of the block's levels (Q4_1 only)
   const uint8_t* w;    // packed groups
@@ -315,10 +322,10 @@ struct Int8Problem {
   int64_t M, K, N;
 };
 
-// x rows -> int8 levels, scales and s * sum(levels) per block of 32 (AVX2: also what AVX-512 CPUs run).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* r, float* s, float* xsum) {
+// x rows -> levels, scales and s * sum(levels) per block of 32 (AVX2: also what AVX-512 CPUs run).
+template <typename Level>
+void quantize_rows(const float* x, int64_t M, int64_t K, Level* r, float* s, float* xsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < M * K / kBlock; ++b, x += kBlock) {
     __m256 v[4];
     for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
@@ -328,17 +335,25 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* r, float* s, fl
     t = _mm_max_ps(t, _mm_movehl_ps(t, t));
     t = _mm_max_ss(t, _mm_movehdup_ps(t));
     const float amax = _mm_cvtss_f32(t);
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? kLevels<Level> / amax : 0.f);
     __m256i q[4];
     for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // rounds to nearest even
-    // packs interleave the 128-bit halves: dwords come out as 0-3 of q0, q1, q2, q3, then 4-7 of each
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + b * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
+    if constexpr (sizeof(Level) == 1) {
+      // packs interleave the 128-bit halves: dwords come out as 0-3 of q0, q1, q2, q3, then 4-7 of each
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + b * kBlock),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    } else {
+      // words come out as 0-3 of q0, 0-3 of q1, 4-7 of q0, 4-7 of q1: qwords in the order 0, 2, 1, 3
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + b * kBlock + 16 * h),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xd8));
+    }
     // A NaN in the block would vanish from amax (max_ps drops it) and from the levels: make the
     // scale NaN so the outputs are NaN, as x @ W^T's would be (an infinity gives inf or NaN by itself).
     __m256 nan = _mm256_setzero_ps();
     for (int k = 0; k < 4; ++k) nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
-    s[b] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    s[b] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / kLevels<Level>;
     const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
     sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4e));
@@ -357,41 +372,77 @@ inline __m256i dot_u8s8(__m256i u, __m256i v) {
 #endif
 }
 
+// Eight int32 lanes summing to w . x over 32 int16 pairs (w[0], x[0]: 0-15; w[1], x[1]: 16-31).
+// Exact: |4-bit or int8 weight| <= 128 and |level| <= 32767 keep every pair and sum within int32.
+inline __m256i dot_s16(const __m256i w[2], __m256i x0, __m256i x1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(_mm256_madd_epi16(w[0], x0), w[1], x1);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(w[0], x0), _mm256_madd_epi16(w[1], x1));
+#endif
+}
+
 // The four output rows' dot products: [p0 p1 p2 p3 | p0' p1' p2' p3'], the two halves summing to them.
 inline __m256 group_dots(const __m256i p[kGroup]) {
   return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])));
 }
 
+// The four output rows' integer dots with one row's block of levels `x`. Weights: int8, one
+// register per output row (Q4: the levels 0..15; Q8_0: |q|, its signs moved onto x); int16,
+// two per output row, weights 0-15 and 16-31 widened to 16 bits.
+template <bool Q4, typename Level, typename Weights>
+inline void block_dots(const Weights& w, const Level* x, __m256i dots[kGroup]) {
+  if constexpr (sizeof(Level) == 1) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    for (int i = 0; i < kGroup; ++i)
+      dots[i] = Q4 ? dot_u8s8(w[i], v) : dot_u8s8(_mm256_sign_epi8(w[i], w[i]), _mm256_sign_epi8(v, w[i]));
+  } else {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+    for (int i = 0; i < kGroup; ++i) dots[i] = dot_s16(w[i], x0, x1);
+  }
+}
+
 // Rows r0..r0+R of x against output rows g*4..g*4+4 (those below N): each block's weights are
-// widened to bytes once and dotted with the R rows' levels; the accumulators hold the four outputs
+// widened once and dotted with the R rows' levels; the accumulators hold the four outputs
 // twice over (the two halves of group_dots), added at the end.
-template <bool Q4, int R>
-void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
+template <bool Q4, int R, typename Level>
+void group_int(const IntProblem<Level>& p, int64_t g, int64_t r0) {
+  constexpr bool kWide = sizeof(Level) == 2;
   const int64_t blocks = p.K / kBlock;
   const uint8_t* gb = p.w + g * blocks * group_block_bytes<Q4>();
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
     prefetch_ahead<Q4>(gb);
     const __m256 d = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(gb));
-    __m256i w[kGroup];  // Q4: the levels 0..15; Q8_0: |q| (its signs are moved onto x)
-    if constexpr (Q4) {
-      for (int i = 0; i < kGroup; ++i) {  // byte j holds weight j (low nibble) and j + 16 (high)
+    std::conditional_t<kWide, __m256i[kGroup][2], __m256i[kGroup]> w;
+    for (int i = 0; i < kGroup; ++i) {
+      if constexpr (Q4) {  // byte j holds weight j (low nibble) and j + 16 (high)
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * i));
-        w[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+        if constexpr (kWide) {
+          const __m256i words = _mm256_cvtepu8_epi16(q);
+          w[i][0] = _mm256_and_si256(words, _mm256_set1_epi16(15));
+          w[i][1] = _mm256_srli_epi16(words, 4);
+        } else {
+          w[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+        }
+      } else {
+        const uint8_t* q = gb + 16 + 32 * i;
+        if constexpr (kWide) {
+          for (int h = 0; h < 2; ++h)
+            w[i][h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+        } else {
+          w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        }
       }
-    } else {
-      for (int i = 0; i < kGroup; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * i));
     }
     const __m256 m = Q4 ? _mm256_zextps128_ps256(_mm_loadu_ps(reinterpret_cast<const float*>(gb + 16)))
                         : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (r0 + r) * blocks + b;
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.r + row_block * kBlock));
       __m256i dots[kGroup];
-      for (int i = 0; i < kGroup; ++i)
-        dots[i] = Q4 ? dot_u8s8(w[i], x) : dot_u8s8(_mm256_sign_epi8(w[i], w[i]), _mm256_sign_epi8(x, w[i]));
+      block_dots<Q4>(w, p.r + row_block * kBlock, dots);
       acc[r] = _mm256_fmadd_ps(group_dots(dots), _mm256_mul_ps(d, _mm256_set1_ps(p.s[row_block])), acc[r]);
       if constexpr (Q4) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(p.xsum[row_block]), acc[r]);
     }
@@ -403,25 +454,25 @@ void group_int8(const Int8Problem& p, int64_t g, int64_t r0) {
   }
 }
 
-// Rows of x per pass over all the weights: a tile's levels (at most 128 x K bytes) stay in L2 while
+// Rows of x per pass over all the weights: a tile's levels (at most 128 x K levels) stay in L2 while
 // the weights stream past them, so a prefill of any length runs here. Each output is the same
 // arithmetic in the same order whatever the tile or the row count: a row's result does not depend
 // on what shares its call.
-constexpr int64_t kInt8TileRows = 128;
+constexpr int64_t kIntTileRows = 128;
 
-template <bool Q4>
-void run_int8(const Int8Problem& p) {
+template <bool Q4, typename Level>
+void run_int(const IntProblem<Level>& p) {
   const int64_t groups = (p.N + kGroup - 1) / kGroup;
-  for (int64_t tile = 0; tile < p.M; tile += kInt8TileRows) {
-    const int64_t tile_end = std::min(p.M, tile + kInt8TileRows);
+  for (int64_t tile = 0; tile < p.M; tile += kIntTileRows) {
+    const int64_t tile_end = std::min(p.M, tile + kIntTileRows);
     for_each_group_range(groups, tile_end - tile, p.K, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
-        for (int64_t r0 = tile; r0 < tile_end; r0 += kInt8Rows) {  // the group's weights stay in L1 across passes
-          switch (std::min(kInt8Rows, tile_end - r0)) {
-            case 1: group_int8<Q4, 1>(p, g, r0); break;
-            case 2: group_int8<Q4, 2>(p, g, r0); break;
-            case 3: group_int8<Q4, 3>(p, g, r0); break;
-            default: group_int8<Q4, 4>(p, g, r0); break;
+        for (int64_t r0 = tile; r0 < tile_end; r0 += kIntRows) {  // the group's weights stay in L1 across passes
+          switch (std::min(kIntRows, tile_end - r0)) {
+            case 1: group_int<Q4, 1>(p, g, r0); break;
+            case 2: group_int<Q4, 2>(p, g, r0); break;
+            case 3: group_int<Q4, 3>(p, g, r0); break;
+            default: group_int<Q4, 4>(p, g, r0); break;
           }
         }
     });
@@ -442,24 +493,35 @@ at::Tensor checked_input(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return x.contiguous();
 }
 
-}  // namespace
-
-at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1) {
+// The integer-activation kernels: x rounded to Level per block, then integer dots (see their section).
+template <typename Level>
+at::Tensor quantized_matmul_levels(at::Tensor x, const at::Tensor& packed, int64_t out_features, bool q4_1) {
 #if !BLOCKSERVE_LANES
-  TORCH_CHECK(false, "quantized_matmul_int8 was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
+  TORCH_CHECK(false, "quantized_matmul_int", 8 * sizeof(Level),
+              " was compiled without AVX-512 or AVX2 (check simd_lanes() first)");
 #else
   x = checked_input(x, packed, out_features, q4_1);
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  std::vector<int8_t> levels(M * K);
+  std::vector<Level> levels(M * K);
   std::vector<float> scales(M * K / kBlock), sums(M * K / kBlock);
   quantize_rows(x.data_ptr<float>(), M, K, levels.data(), scales.data(), sums.data());
-  const Int8Problem p{levels.data(), scales.data(), sums.data(), packed.data_ptr<uint8_t>(), out.data_ptr<float>(),
-                      M, K, N};
-  if (q4_1) run_int8<true>(p); else run_int8<false>(p);
+  const IntProblem<Level> p{levels.data(), scales.data(), sums.data(), packed.data_ptr<uint8_t>(),
+                            out.data_ptr<float>(), M, K, N};
+  if (q4_1) run_int<true>(p); else run_int<false>(p);
   return out;
 #endif
+}
+
+}  // namespace
+
+at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1) {
+  return quantized_matmul_levels<int8_t>(x, packed, out_features, q4_1);
+}
+
+at::Tensor quantized_matmul_int16(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1) {
+  return quantized_matmul_levels<int16_t>(x, packed, out_features, q4_1);
 }
 
 at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1) {
