@@ -14,6 +14,10 @@ zero first, so they are held to two rules:
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import gguf
 import numpy as np
 import pytest
@@ -249,6 +253,32 @@ def test_the_kernels_split_across_threads_to_the_same_bits():
         (float_one, *integer_one), (float_two, *integer_two) = results
         assert torch.equal(float_two, float_one) and all(map(torch.equal, integer_two, integer_one))
         assert_float32_matmul(float_one, x, weight)
+
+
+def test_a_forked_child_splits_on_workers_of_its_own():
+    """fork() copies only the calling thread: the pool's workers are gone in the child. Its first
+    split at a new thread count (which resizes the pool) must start fresh workers and give the
+    parent's bits, not wait forever to join workers that do not exist."""
+    raw, _ = quantized(1024, 2304, "Q4_1", seed=3)
+    packed = pack_blocks(raw, "Q4_1")
+    x = torch.randn(1, 2304, generator=torch.Generator().manual_seed(3))
+    with torch_threads(2):
+        expected = ops.quantized_matmul(x, packed, 1024, True)  # the pool now has a worker
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status, never return into pytest
+            try:
+                torch.set_num_threads(3)
+                os._exit(0 if torch.equal(ops.quantized_matmul(x, packed, 1024, True), expected) else 1)
+            finally:
+                os._exit(2)
+    deadline = time.monotonic() + 60
+    while (waited := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if waited == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in the task pool")
+    assert os.waitstatus_to_exitcode(waited[1]) == 0, "the forked child's matmul differed from the parent's"
 
 
 @pytest.mark.parametrize("activations", ["int8", "int16"])

@@ -13,7 +13,8 @@
 // its own outputs), so results are the same bits at any thread count. The pool has
 // at::get_num_threads() - 1 workers, started on first use and resized by the next call that
 // splits when torch's count changes (the engine's thread governor); at one thread calls run
-// inline and the workers stay asleep. Not fork-safe once started (blockserve's processes exec).
+// inline and the workers stay asleep. A child of fork() starts with no workers (they were not
+// copied): the first call that splits there starts its own (see after_fork_in_child).
 
 #pragma once
 
@@ -25,8 +26,11 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
+
+#include <pthread.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -37,11 +41,27 @@
 
 namespace blockserve {
 
+inline void task_pool_after_fork();
+
 class TaskPool {
  public:
   static constexpr int64_t kSpinMicros = 200;
 
+  TaskPool() { pthread_atfork(nullptr, nullptr, [] { task_pool_after_fork(); }); }
   ~TaskPool() { resize(0); }
+
+  // In a child of fork(): only the forking thread exists, so the worker handles name threads that
+  // are not there (joining them would hang) and a lock may be held by one. The handles' memory is
+  // dropped unjoined, the locks and counters start afresh; the next split starts new workers.
+  void after_fork_in_child() {
+    new (&workers_) std::vector<std::thread>();
+    new (&call_mutex_) std::mutex();
+    new (&mutex_) std::mutex();
+    new (&wake_) std::condition_variable();
+    stop_.store(false);
+    job_.store(nullptr);
+    inside_.store(0);
+  }
 
   template <typename F>
   void run(int64_t n, const F& f) {
@@ -130,6 +150,8 @@ inline TaskPool& task_pool() {
   static TaskPool pool;
   return pool;
 }
+
+inline void task_pool_after_fork() { task_pool().after_fork_in_child(); }
 
 // body(begin, end) over [0, n) in ranges, run on task_pool(): n / min_per_task ranges (rounded up),
 // and where that is more than one, rounded up to a multiple of the thread count with the items
