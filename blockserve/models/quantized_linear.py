@@ -15,7 +15,7 @@ encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so t
                            and even with the float32 GEMM at prefill sizes, so it serves every row
                            count. Each matmul is off x @ W^T by up to sum_k |w_k| * max|x_block| / 254
                            (~1e-3 relative); over SmolLM2's 30 layers that moves logits by ~0.2 on
-                           average (up to 2.3), and in the parity test's second prompt it flips the
+                           average (up to ~2.8), and in the parity test's second prompt it flips the
                            16th greedy token, a near-tie (transformers' top two 0.155 apart). The
                            rounding is discontinuous: a float-rounding difference upstream (another
                            chunking of a prefill: a prefix-cache hit, a batch) can move an element
