@@ -27,7 +27,7 @@ encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so t
                            by up to sum_k |w_k| * max|x_block| / 65534; over SmolLM2's 30 layers
                            logits move ~1e-3 on average (up to ~0.01; "float32": ~1e-5, up to 1e-4)
                            and the parity prompts keep transformers' greedy tokens. On AVX2 at
-                           1-8 rows ~1.3-1.8x faster than "float32", which on AVX-512 (its
+                           1-64 rows 1.1-1.8x faster than "float32", which on AVX-512 (its
                            16-entry lookup) is about as fast.
 
     float32:  rows <= max_rows   x @ W^T over the blocks
