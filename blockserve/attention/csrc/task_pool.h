@@ -41,13 +41,14 @@
 
 namespace blockserve {
 
-inline void task_pool_after_fork();
+class TaskPool;
+inline TaskPool& task_pool();
 
 class TaskPool {
  public:
   static constexpr int64_t kSpinMicros = 200;
 
-  TaskPool() { pthread_atfork(nullptr, nullptr, [] { task_pool_after_fork(); }); }
+  TaskPool() { pthread_atfork(nullptr, nullptr, [] { task_pool().after_fork_in_child(); }); }
   ~TaskPool() { resize(0); }
 
   // In a child of fork(): only the forking thread exists, so the worker handles name threads that
@@ -150,8 +151,6 @@ inline TaskPool& task_pool() {
   static TaskPool pool;
   return pool;
 }
-
-inline void task_pool_after_fork() { task_pool().after_fork_in_child(); }
 
 // body(begin, end) over [0, n) in ranges, run on task_pool(): n / min_per_task ranges (rounded up),
 // and where that is more than one, rounded up to a multiple of the thread count with the items
