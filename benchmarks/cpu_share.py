@@ -2,7 +2,7 @@
 
     with CpuShare() as share:
         ...                       # the measured work, in this process
-    share.others                  # (busy CPU time of the machine - this process's) / (wall x CPUs)
+    share.others                  # (busy CPU time of the usable CPUs - this process's) / (wall x CPUs)
 
 From /proc/stat (every process's busy time) and os.times() (this process's, threads included),
 as the engine's thread governor reads them;
@@ -11,11 +11,11 @@ None where /proc/stat cannot be read. A figure taken while `others` is large mea
 
 from __future__ import annotations
 
-import os
 import time
 
 from blockserve.engine.thread_governor import machine_busy_seconds as _busy_seconds
 from blockserve.engine.thread_governor import own_busy_seconds as _own_seconds
+from blockserve.engine.thread_governor import usable_cpus
 
 
 class CpuShare:
@@ -29,4 +29,4 @@ class CpuShare:
         if busy is None or self._busy is None or wall <= 0:
             return
         others = max(0.0, (busy - self._busy) - (_own_seconds() - self._own))
-        self.others = min(1.0, others / (wall * (os.cpu_count() or 1)))
+        self.others = min(1.0, others / (wall * len(usable_cpus())))

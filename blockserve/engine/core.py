@@ -163,6 +163,7 @@ class EngineCore:
                            "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
                            config.state_checkpoint_share)
         self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
         runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
         self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
                        else self.executor.start(*runner_args))
@@ -190,7 +191,7 @@ class EngineCore:
         except Exception as e:
             raise RunnerFailed(list(scheduler_output.num_scheduled_tokens)) from e
         outputs, stats = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.config.check_enabled:
+        if self.check_integrity:
             self.kv.check_integrity()
         return outputs, stats
 

@@ -7,7 +7,7 @@ decode steps of 13.3 / 130 ms at one thread, 16.6 / 189 ms at two sleeping threa
 quiet machine two threads were the faster (results/thread_policy_quiet.json). So the engine
 watches the other processes' CPU use and runs on the cores they leave:
 
-    others = (busy CPU time of the machine - this process's) / elapsed   (in cores, /proc/stat)
+    others = (busy CPU time of the usable CPUs - this process's) / elapsed   (in cores, /proc/stat)
     threads = clamp(round(cores - others), 1, max_threads)               every `interval` seconds
 
 A neighbour using more than half a core takes one thread away; when it stops, the next sample
@@ -28,15 +28,35 @@ import time
 from collections.abc import Callable
 
 
-def machine_busy_seconds() -> float | None:
-    """CPU seconds every process has spent busy (all CPUs, since boot), or None without /proc/stat."""
+def usable_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity: a container's cpuset, `taskset`), or every CPU
+    where the platform does not say."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def machine_busy_seconds(cpus: frozenset[int] | None = None) -> float | None:
+    """CPU seconds every process has spent busy on `cpus` (None: usable_cpus()) since boot, from
+    /proc/stat's per-CPU lines, or None without /proc/stat. Only the CPUs this process may use
+    count: on a shared host the other CPUs' load takes no core from it."""
+    cpus = usable_cpus() if cpus is None else cpus
+    busy = 0
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if not name.startswith("cpu"):
+                    break  # the cpu lines come first
+                if name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                fields = [int(x) for x in rest.split()]
+                idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+                busy += sum(fields[:8]) - idle
+    except (OSError, ValueError, IndexError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def own_busy_seconds() -> float:
@@ -57,7 +77,7 @@ class ThreadGovernor:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
         self.max_threads = self.threads = max_threads
-        self.cores = cores or os.cpu_count() or 1
+        self.cores = cores or len(usable_cpus())
         self.interval = interval
         self._set_threads, self._clock, self._machine_busy, self._own_busy = set_threads, clock, machine_busy, own_busy
         self._last = self._sample()

@@ -7,7 +7,7 @@ import pytest
 from transformers import LlamaConfig
 
 from blockserve import LLM
-from blockserve.engine.thread_governor import ThreadGovernor, machine_busy_seconds
+from blockserve.engine.thread_governor import ThreadGovernor, machine_busy_seconds, usable_cpus
 from tests.models.conftest import save_random_model
 
 
@@ -71,6 +71,19 @@ def test_unreadable_counters_and_one_thread_change_nothing():
     assert one.tick() is None and set_to == []
     with pytest.raises(ValueError, match="max_threads must be at least 1"):
         machine.governor(0, set_to)
+
+
+def test_only_the_cpus_this_process_may_use_count():
+    """In a container's cpuset (or under taskset) the host's other CPUs take no core from the engine."""
+    if machine_busy_seconds() is None:
+        pytest.skip("no /proc/stat here")
+    assert machine_busy_seconds(frozenset()) == 0
+    cpus = sorted(usable_cpus())
+    first = machine_busy_seconds(frozenset(cpus[:1]))
+    mine = machine_busy_seconds()
+    every = machine_busy_seconds(frozenset(range(1024)))
+    assert 0 < first <= mine <= every  # counters only grow, and each set holds the one before
+    assert ThreadGovernor(2, lambda n: None).cores == len(cpus)
 
 
 def test_the_engine_has_one_on_the_cpu_unless_switched_off(tmp_path):
