@@ -110,7 +110,8 @@ class TensorParallelExecutor:
             self.group.timeout = timedelta(seconds=config.distributed_timeout_s)
             self.loaded = load_model(config.model, BACKENDS[config.attention_backend],
                                      quantized_matmul=config.quantized_matmul,
-                                     quantized_activations=config.quantized_activations, placement=Placement(tp=self.group))
+                                     quantized_activations=config.quantized_activations,
+                                     quantized_max_rows=config.quantized_max_rows, placement=Placement(tp=self.group))
             reports = self.group.gather_objects(("ok", parse_memory(config.kv_cache_memory)), timeout=self._startup)
             self._raise_failed(reports, "load its shard")
             self.kv_memory_bytes = min(memory for _, memory in reports)

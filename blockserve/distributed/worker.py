@@ -58,7 +58,8 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
         try:
             loaded = load_model(config.model, BACKENDS[config.attention_backend],
                                 quantized_matmul=config.quantized_matmul,
-                                quantized_activations=config.quantized_activations, placement=Placement(tp=group))
+                                quantized_activations=config.quantized_activations,
+                                quantized_max_rows=config.quantized_max_rows, placement=Placement(tp=group))
             report = ("ok", parse_memory(config.kv_cache_memory))
         except Exception as error:
             report = ("error", _report(error))

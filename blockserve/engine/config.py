@@ -128,6 +128,10 @@ class EngineConfig:
                 "~1.6-1.9x faster batch-1 decode on AVX2 (about even on AVX-512), logits ~0.2 off transformers' "
                 "on average; int16: rounded per block of 32 to 16 bits, logits ~1e-3 off on average, "
                 "faster than float32 at batch 1 on AVX2", "choices": QUANTIZED_ACTIVATIONS})
+    quantized_max_rows: int | None = field(default=None, metadata={
+        "help": "GGUF blocks with float32 or int16 activations: the most rows (batched tokens) they serve, "
+                "the float32 GEMM past that (default: measured on this CPU as the model loads, at most 128 "
+                "on AVX-512, 64 on AVX2; a fixed value makes runs repeatable to the bit)"})
 
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads (recurrent "
@@ -177,6 +181,9 @@ class EngineConfig:
         if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
             raise ValueError(f"unknown quantized_activations {self.quantized_activations!r}; choose one of "
                              f"{list(QUANTIZED_ACTIVATIONS)}")
+        if self.quantized_max_rows is not None and self.quantized_max_rows < 0:
+            raise ValueError(f"quantized_max_rows must be >= 0 (0: the blocks serve no rows), got "
+                             f"{self.quantized_max_rows}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 

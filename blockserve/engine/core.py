@@ -41,6 +41,7 @@ def load_model_for(config: EngineConfig, plan: DevicePlan | None = None) -> Load
     plan = plan or resolve_device_plan(config.device, config.dtype, config.gpu_memory_utilization)
     return load_model(config.model, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul,
                       quantized_activations=config.quantized_activations,
+                      quantized_max_rows=config.quantized_max_rows,
                       placement=plan.placement)
 
 

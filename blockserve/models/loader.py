@@ -80,14 +80,16 @@ class LoadedModel:
 def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
                cache_dir: str | None = None, quantized_matmul: bool = True,
                placement: Placement = Placement(),
-               quantized_activations: str = DEFAULT_ACTIVATIONS) -> LoadedModel:
+               quantized_activations: str = DEFAULT_ACTIVATIONS, quantized_max_rows: int | None = None) -> LoadedModel:
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
     quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
     and run on them (models/quantized_linear.py); False: float32 only.
-    quantized_activations: those blocks' kernel, "float32" (exact: transformers' logits; up to 128
-    rows on AVX-512, 64 on AVX2), "int8" (llama.cpp's rounding; every batch size) or "int16"
-    (16-bit rounding; every batch size).
+    quantized_activations: those blocks' kernel, "float32" (exact: transformers' logits), "int8"
+    (llama.cpp's rounding; every batch size) or "int16" (16-bit rounding).
+    quantized_max_rows: float32 and int16: the most rows the blocks serve, the float32 GEMM past
+    that; None: measured on this CPU (quantized_linear.measure_max_rows; at most 128 rows on
+    AVX-512, 64 on AVX2).
     placement: device, dtype and tensor-parallel group (this rank's shard is loaded).
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or
@@ -105,7 +107,7 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})", placement)
     if quantized_matmul:
         used = use_quantized_linears(loaded.model, _gguf_blocks(path, loaded.hf_config),
-                                     activations=quantized_activations)
+                                     quantized_max_rows, quantized_activations)
         logger.info("%d linear layers keep the GGUF's blocks for small batches", used)
     return loaded
 

@@ -30,7 +30,8 @@ encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so t
                            1-64 rows 1.1-1.8x faster than "float32", which on AVX-512 (its
                            16-entry lookup) is about as fast.
 
-    float32:  rows <= max_rows   x @ W^T over the blocks
+    float32:  rows <= max_rows   x @ W^T over the blocks (max_rows: where they stop beating the
+                                 GEMM on this CPU, measured as the model loads; at most MAX_ROWS)
               rows >  max_rows   the float32 layer it wraps (nn.Linear; PanelLinear when it has at
                                  least PANEL_MIN_OUT outputs: faster above 16 rows)
     int8:     every row count    the int8 kernel (row tiles of 128 inside it); the float32 layer on x
@@ -66,13 +67,15 @@ from torch import nn
 from blockserve.attention.native import quantized_matmul_ops
 from blockserve.attention.native_gate import native_reads
 from blockserve.distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from blockserve.models.row_crossover import crossover_rows, shape_of
 from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear
 from blockserve.models.weights import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
 
-# Rows up to which the blocks serve a layer, by activations and the kernel's SIMD lanes. float32:
-# where reading them beats the float32 GEMM. AVX-512 (Zen 4): one kernel call is 3.5x faster at 1
+# The most rows the blocks serve a layer, by activations and the kernel's SIMD lanes; as a model
+# loads, each layer's max_rows is measured below it (models/row_crossover.py). float32: where
+# reading them beats the float32 GEMM on the CPUs measured. AVX-512 (Zen 4): one kernel call is 3.5x faster at 1
 # row and 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64 gains 1.36x on two
 # threads, where a decode step then runs as one native call on the task pool, and 1.09x on one
 # (benchmarks/max_rows_ab.py, results/max_rows_ab_{2t,1t}.json). AVX2, the 8-row kernel with its
@@ -200,8 +203,8 @@ class QuantizedLinear(nn.Module):
 def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
                           max_rows: int | None = None, activations: str = DEFAULT_ACTIVATIONS) -> int:
     """Give `model`'s linear layers their GGUF blocks: (Hugging Face weight name, GGUF type name,
-    raw blocks [N, ...] with rows in the Hugging Face order); `max_rows` None: the kernel's
-    crossover (MAX_ROWS); `activations`: QuantizedLinear's. Fused
+    raw blocks [N, ...] with rows in the Hugging Face order); `max_rows` None: measured on this
+    CPU (measure_max_rows; at most MAX_ROWS); `activations`: QuantizedLinear's. Fused
     projections (q/k/v, gate/up) get their parts' rows concatenated, when all parts share one format.
     A tied input embedding becomes the model's `quantized_lm_head`. Returns how many layers use blocks; 0 when the kernel cannot run here."""
     ops = quantized_matmul_ops()
@@ -247,4 +250,20 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
         setattr(parent_module, module_path.rpartition(".")[2],
                 QuantizedLinear(linear, pack_blocks(raw, format), format, max_rows, activations))
         used += 1
+    if max_rows is None:
+        measure_max_rows(model)
     return used
+
+
+def measure_max_rows(model: nn.Module) -> None:
+    """Each QuantizedLinear's max_rows set to where its blocks stop beating the float32 GEMM on this
+    CPU (models/row_crossover.py), at most its kernel's MAX_ROWS. Not where they serve every row
+    count (int8), and not under tensor parallelism (the GEMM's all-reduce is a collective: ranks
+    timing it on their own would wait on each other): there the build's MAX_ROWS stands."""
+    linears = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    if (not linears or linears[0].max_rows == EVERY_ROW
+            or any(isinstance(linear.dense, (ColumnParallelLinear, RowParallelLinear)) for linear in linears)):
+        return
+    rows = crossover_rows(linears, linears[0].max_rows)
+    for linear in linears:
+        linear.max_rows = rows[shape_of(linear)]

@@ -1,0 +1,113 @@
+"""How many rows a model's GGUF blocks should serve on this CPU, measured at load time.
+
+A QuantizedLinear runs its blocks kernel up to `max_rows` rows and the float32 GEMM past them.
+Where the two cross depends on the CPU more than on the code: on Zen 4 and Zen 5 the float32
+blocks kernel keeps pace with the GEMM up to the build's ceiling (MAX_ROWS: 64 rows AVX2, 128
+AVX-512; results/quantized_matmul_zen5_*.json), on an Intel Xeon's AVX2 path it is 0.3-0.5x the
+GEMM at 64 rows and already behind at 8-16 (results/quantized_matmul_avx2_int16.json). So the
+loader times both paths on the model's own layers and keeps the blocks while they are the faster:
+
+    rows <= ALWAYS                 the blocks (bandwidth-bound: 2-15x the GEMM wherever measured)
+    candidate rows (CANDIDATES)    per layer shape, largest first (up to the build's MAX_ROWS):
+                                   both paths over the model's layers in order; the first candidate
+                                   the blocks win is the shape's max_rows (the crossover is taken as
+                                   monotone), so where they win at the ceiling, as on Zen 4 and 5,
+                                   one candidate is measured
+
+Each candidate sweeps the layers in model order, so the weights stream from memory as in a real
+step (a single layer timed in a loop sits in cache and flatters the GEMM at 8-16 rows); past 16
+rows both paths are compute-bound and fewer layers suffice (SWEEP_ROW_LAYERS). Each path's time is
+the fastest of REPEATS alternating sweeps. Results are kept per process (MEASURED), keyed by the
+shapes, the activations, the kernel's lanes and torch's thread count, so engines built alike in
+one process choose alike (the choice moves results only by float rounding: the blocks and the
+GEMM sum in different orders).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALWAYS = 4
+CANDIDATES = (8, 16, 32, 64, 128)
+SWEEP_ROW_LAYERS = 256  # past 16 rows, a sweep covers about this many rows x layers
+REPEATS = 2
+
+Shape = tuple[int, int, bool]  # (out_features, in_features, q4_1)
+MEASURED: dict[tuple, dict[Shape, int]] = {}  # this process's measurements (see the module docstring)
+
+
+def shape_of(linear) -> Shape:
+    return linear.out_features, linear.in_features, linear.q4_1
+
+
+def crossover_rows(linears: Sequence, ceiling: int,
+                   time_call: Callable[[Callable[[], object]], float] | None = None) -> dict[Shape, int]:
+    """Per shape of `linears` (QuantizedLinears in model order, one activations kind): the most rows
+    up to `ceiling` the blocks serve faster than the float32 GEMM. `time_call(fn)` -> seconds (a
+    test's fake clock); None: the wall clock, and the result kept for this process."""
+    key = (tuple(shape_of(linear) for linear in linears), linears[0].activations if linears else None,
+           ceiling, torch.get_num_threads())
+    if time_call is None and key in MEASURED:
+        return MEASURED[key]
+    start = time.perf_counter()
+    rows = _measure(linears, ceiling, time_call or _wall_seconds)
+    if time_call is None:
+        MEASURED[key] = rows
+        logger.info("GGUF blocks serve up to %s rows per layer shape (out, in), the float32 GEMM past that "
+                    "(measured in %.2f s at %d threads)", {s[:2]: r for s, r in rows.items()},
+                    time.perf_counter() - start, torch.get_num_threads())
+    return rows
+
+
+def _wall_seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _first_of_each_shape(layers: Sequence, count: int) -> list:
+    seen: Counter[Shape] = Counter()
+    kept = []
+    for linear in layers:
+        seen[shape_of(linear)] += 1
+        if seen[shape_of(linear)] <= count:
+            kept.append(linear)
+    return kept
+
+
+def _measure(linears: Sequence, ceiling: int, time_call) -> dict[Shape, int]:
+    best = {shape_of(linear): min(ALWAYS, ceiling) for linear in linears}
+    open_shapes = set(best)
+    with torch.inference_mode():
+        for rows in sorted((c for c in CANDIDATES if c <= ceiling), reverse=True):
+            if not open_shapes:
+                break
+            layers = [linear for linear in linears if shape_of(linear) in open_shapes]
+            if rows > 16:  # compute-bound: the first few layers of each shape, in model order
+                layers = _first_of_each_shape(layers, max(1, math.ceil(SWEEP_ROW_LAYERS / rows / len(open_shapes))))
+            inputs = {linear.in_features: torch.randn(rows, linear.in_features) for linear in layers}
+            blocks = {shape: math.inf for shape in open_shapes}
+            gemm = dict(blocks)
+            for _ in range(REPEATS):
+                for path, times in (("blocks", blocks), ("gemm", gemm)):
+                    spent: dict[Shape, float] = {}
+                    for linear in layers:
+                        x = inputs[linear.in_features]
+                        call = ((lambda: linear.kernel(x, linear.packed, linear.out_features, linear.q4_1))
+                                if path == "blocks" else (lambda: linear.dense(x)))
+                        spent[shape_of(linear)] = spent.get(shape_of(linear), 0.0) + time_call(call)
+                    for shape, seconds in spent.items():
+                        times[shape] = min(times[shape], seconds)
+            for shape in list(open_shapes):
+                if blocks[shape] <= gemm[shape]:
+                    best[shape] = rows
+                    open_shapes.discard(shape)
+    return best
