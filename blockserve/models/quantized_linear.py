@@ -75,10 +75,10 @@ logger = logging.getLogger(__name__)
 
 # The most rows the blocks serve a layer, by activations and the kernel's SIMD lanes; as a model
 # loads, each layer's max_rows is measured below it (models/row_crossover.py). float32: where
-# reading them beats the float32 GEMM on the CPUs measured. AVX-512 (Zen 4): one kernel call is 3.5x faster at 1
-# row and 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64 gains 1.36x on two
-# threads, where a decode step then runs as one native call on the task pool, and 1.09x on one
-# (benchmarks/max_rows_ab.py, results/max_rows_ab_{2t,1t}.json). AVX2, the 8-row kernel with its
+# reading them beats the float32 GEMM on the CPUs measured. AVX-512 (Zen 4): one kernel call is
+# 3.5x faster at 1 row and 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64
+# gains 1.36x on two threads, where a decode step then runs as one native call on the task pool,
+# and 1.09x on one (benchmarks/max_rows_ab.py, results/max_rows_ab_{2t,1t}.json). AVX2, the 8-row kernel with its
 # scales on the weights past 5 rows (1.14-1.37x the kernel before at 8-64 rows,
 # results/kernel_builds_ab_avx2_prescale.json): batch 64 end to end 1.22x max_rows 16 on two
 # threads, 0.97x on one (results/max_rows_ab_avx2_prescale_{2t,1t}.json); past 64 rows the GEMM

@@ -18,7 +18,7 @@ Each candidate sweeps the layers in model order, so the weights stream from memo
 step (a single layer timed in a loop sits in cache and flatters the GEMM at 8-16 rows); past 16
 rows both paths are compute-bound and fewer layers suffice (SWEEP_ROW_LAYERS). Each path's time is
 the fastest of REPEATS alternating sweeps. Results are kept per process (MEASURED), keyed by the
-shapes, the activations, the kernel's lanes and torch's thread count, so engines built alike in
+shapes, the activations, the ceiling and torch's thread count, so engines built alike in
 one process choose alike (the choice moves results only by float rounding: the blocks and the
 GEMM sum in different orders).
 """
