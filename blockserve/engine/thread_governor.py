@@ -18,7 +18,11 @@ time 9.1 / 75 ms against 9.3 / 55, half 9.5 / 78 against 9.4 / 67, three quarter
 against 10.6 / 82, all the time 9.8 / 80 against 15.0 / 88. The neighbour is seen using less than
 its share while both threads run (0.4 of a core at half, 0.5 at three quarters), so a lower
 threshold would also take a thread from a benchmark client or a quiet neighbour, where two are
-faster. Where /proc/stat cannot be read the count stays at max_threads.
+faster. Samples are taken as the engine steps, so the first after an idle spell spans it; one
+that spans more than IDLE_GAP intervals with the engine busy less than half of it is skipped: a
+benchmark client starting up beside an idle server (a second or two of a core) would otherwise
+take a thread from the first requests it sends. Where /proc/stat cannot be read the count stays
+at max_threads.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+
+
+IDLE_GAP = 2  # intervals without a step, most of them idle: that sample is skipped (ThreadGovernor.tick)
 
 
 def usable_cpus() -> frozenset[int]:
@@ -92,7 +99,10 @@ class ThreadGovernor:
         self._last = now
         if busy_then is None or now[1] is None:
             return None
-        others = max(0.0, (now[1] - busy_then) - (now[2] - own_then)) / (now[0] - then)
+        elapsed, own = now[0] - then, now[2] - own_then
+        if elapsed > IDLE_GAP * self.interval and own < elapsed / 2:
+            return None  # the engine sat idle: a neighbour's burst then (a client starting) says nothing of now
+        others = max(0.0, (now[1] - busy_then) - own) / elapsed
         threads = max(1, min(self.max_threads, int(self.cores - others + 0.5)))
         if threads == self.threads:
             return None

@@ -24,6 +24,11 @@ class Machine:
         self.own += seconds
         self.busy += seconds * (1 + others)
 
+    def idle(self, seconds: float, others: float) -> None:
+        """This process waits (no steps, no CPU) while the others keep `others` cores busy."""
+        self.now += seconds
+        self.busy += seconds * others
+
     def governor(self, max_threads: int, set_to: list[int]) -> ThreadGovernor:
         return ThreadGovernor(max_threads, set_to.append, interval=0.9, cores=4, clock=lambda: self.now,
                               machine_busy=lambda: self.busy if self.readable else None, own_busy=lambda: self.own)
@@ -48,6 +53,23 @@ def test_less_than_half_a_core_of_others_takes_no_thread():
     for others, want in ((0.45, None), (0.55, 3), (0.45, 4)):  # e.g. a benchmark client beside the engine
         machine.run(1.0, others)
         assert governor.tick() == want
+
+
+def test_a_burst_while_the_engine_sat_idle_takes_no_thread():
+    """A client starting up beside an idle server (1.5 cores for 3 s), then its requests: the first
+    sample spans the idle spell and is skipped; load that lasts into the steps counts one sample later."""
+    machine, set_to = Machine(), []
+    governor = machine.governor(4, set_to)
+    machine.idle(3.0, others=1.5)
+    machine.run(0.2, others=0.0)
+    assert governor.tick() is None and set_to == []
+    machine.run(1.0, others=0.0)
+    assert governor.tick() is None and governor.threads == 4
+    machine.idle(3.0, others=0.0)
+    machine.run(1.0, others=3.0)  # busy neighbours while the engine steps: the sample after the pause
+    assert governor.tick() is None  # spans it and is skipped; the next one counts them
+    machine.run(1.0, others=3.0)
+    assert governor.tick() == 1
 
 
 def test_the_count_never_leaves_one_to_max_threads():
