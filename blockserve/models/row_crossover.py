@@ -73,6 +73,14 @@ def _wall_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _blocks(linear, x: torch.Tensor) -> torch.Tensor:
+    return linear.kernel(x, linear.packed, linear.out_features, linear.q4_1)
+
+
+def _gemm(linear, x: torch.Tensor) -> torch.Tensor:
+    return linear.dense(x)
+
+
 def _first_of_each_shape(layers: Sequence, count: int) -> list:
     seen: Counter[Shape] = Counter()
     kept = []
@@ -97,13 +105,11 @@ def _measure(linears: Sequence, ceiling: int, time_call) -> dict[Shape, int]:
             blocks = {shape: math.inf for shape in open_shapes}
             gemm = dict(blocks)
             for _ in range(REPEATS):
-                for path, times in (("blocks", blocks), ("gemm", gemm)):
-                    spent: dict[Shape, float] = {}
+                for run, times in ((_blocks, blocks), (_gemm, gemm)):
+                    spent: Counter[Shape] = Counter()
                     for linear in layers:
                         x = inputs[linear.in_features]
-                        call = ((lambda: linear.kernel(x, linear.packed, linear.out_features, linear.q4_1))
-                                if path == "blocks" else (lambda: linear.dense(x)))
-                        spent[shape_of(linear)] = spent.get(shape_of(linear), 0.0) + time_call(call)
+                        spent[shape_of(linear)] += time_call(lambda: run(linear, x))
                     for shape, seconds in spent.items():
                         times[shape] = min(times[shape], seconds)
             for shape in list(open_shapes):
