@@ -30,8 +30,8 @@ encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so t
                            1-64 rows 1.1-1.8x faster than "float32", which on AVX-512 (its
                            16-entry lookup) is about as fast.
 
-    float32:  rows <= max_rows   x @ W^T over the blocks (max_rows: where they stop beating the
-                                 GEMM on this CPU, measured as the model loads; at most MAX_ROWS)
+    float32:  rows <= max_rows   x @ W^T over the blocks (max_rows: where the GEMM starts to beat
+                                 them clearly on this CPU, measured as the model loads; at most MAX_ROWS)
               rows >  max_rows   the float32 layer it wraps (nn.Linear; PanelLinear when it has at
                                  least PANEL_MIN_OUT outputs: faster above 16 rows)
     int8:     every row count    the int8 kernel (row tiles of 128 inside it); the float32 layer on x
@@ -256,8 +256,8 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
 
 
 def measure_max_rows(model: nn.Module) -> None:
-    """Each QuantizedLinear's max_rows set to where its blocks stop beating the float32 GEMM on this
-    CPU (models/row_crossover.py), at most its kernel's MAX_ROWS. Not where they serve every row
+    """Each QuantizedLinear's max_rows set to where the float32 GEMM starts to beat its blocks clearly on
+    this CPU (models/row_crossover.py), at most its kernel's MAX_ROWS. Not where they serve every row
     count (int8), and not under tensor parallelism (the GEMM's all-reduce is a collective: ranks
     timing it on their own would wait on each other): there the build's MAX_ROWS stands."""
     linears = [module for module in model.modules() if isinstance(module, QuantizedLinear)]

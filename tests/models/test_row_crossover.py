@@ -34,16 +34,16 @@ class FakeGemm(nn.Module):
 
 class FakeCosts:
     """Replaces the linears' two paths with calls that record what they would cost: the GEMM 1 s per
-    row, the blocks 0.5 s per row up to a row count per shape (out_features) and 2 s past it;
+    row, the blocks 0.5 s per row up to a row count per shape (out_features) and `slower` s past it;
     `time_call` returns the recorded cost."""
 
-    def __init__(self, linears, blocks_win_up_to: dict[int, int]):
+    def __init__(self, linears, blocks_win_up_to: dict[int, int], slower: float = 2.0):
         self.calls: list[tuple[int, str, int]] = []  # (out_features, path, rows)
         self.cost = 0.0
         for linear in linears:
             def blocks(x, packed, out_features, q4_1):
                 faster = x.shape[0] <= blocks_win_up_to[out_features]
-                self.record(out_features, "blocks", x.shape[0], 0.5 if faster else 2.0)
+                self.record(out_features, "blocks", x.shape[0], 0.5 if faster else slower)
             linear.kernel, linear.dense = blocks, FakeGemm(self, linear)
 
     def record(self, out_features: int, path: str, rows: int, seconds_per_row: float) -> None:
@@ -78,6 +78,15 @@ def test_each_shape_keeps_its_blocks_while_they_are_the_faster():
     assert {path for _, path, _ in fake.calls} == {"blocks", "gemm"}
     shapes = tuple(shape_of(layer) for layer in layers)
     assert not any(key[0] == shapes for key in row_crossover.MEASURED)  # a fake clock's result is not kept
+
+
+@pytest.mark.parametrize("slower, kept", [(row_crossover.GEMM_MARGIN - 0.05, 64), (row_crossover.GEMM_MARGIN + 0.05, 32)])
+def test_the_gemm_takes_rows_only_by_more_than_the_margin(slower, kept):
+    """Blocks a little slower than the GEMM (within GEMM_MARGIN) keep the rows: one shape on the GEMM
+    would take the whole step off the decoder stack's one native call."""
+    layers = linears_of([8, 8])
+    fake = FakeCosts(layers, {8: 32}, slower=slower)
+    assert crossover_rows(layers, ceiling=64, time_call=fake.time_call) == {shape_of(layers[0]): kept}
 
 
 def test_small_batches_sweep_every_layer_and_large_ones_a_few():
