@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_kernels import HEAD, LAYERS, decode_problem  # noqa: E402
+from decode_kernels import BLOCK, HEAD, LAYERS, decode_problem, timed  # noqa: E402
 from quantized_matmul import SHAPES, layer  # noqa: E402
 
 from blockserve.attention import native  # noqa: E402
@@ -101,7 +101,7 @@ def alternating(builds: dict, rounds: int, timed) -> dict[str, list[float]]:
 def in_order(table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """The block table with each sequence's blocks consecutive, the sequences one after another."""
     ordered, first = torch.zeros_like(table), 1
-    for i, blocks in enumerate(((lens + 15) // 16).tolist()):
+    for i, blocks in enumerate(((lens + BLOCK - 1) // BLOCK).tolist()):
         ordered[i, :blocks] = torch.arange(first, first + blocks)
         first += blocks
     return ordered
@@ -119,10 +119,12 @@ def attention_cells(builds: dict, args) -> list[dict]:
                 def run(kernel, blocks=blocks, layers=layers):
                     for k, v in layers:
                         kernel(out, q, k, v, blocks, starts, lens, HEAD**-0.5)
-                    return out.clone()
 
-                outputs = {name: run(kernel) for name, kernel in kernels.items()}
-                times = alternating(kernels, args.rounds, lambda kernel: _seconds(run, kernel, 3) / LAYERS * 1e3)
+                outputs = {}
+                for name, kernel in kernels.items():
+                    run(kernel)
+                    outputs[name] = out.clone()
+                times = alternating(kernels, args.rounds, lambda kernel: timed(lambda: run(kernel), 3) / LAYERS * 1e3)
                 base, tree = statistics.median(times["base"]), statistics.median(times["tree"])
                 difference = (outputs["base"] - outputs["tree"]).abs().max().item()
                 cells.append({"threads": threads, "cache": str(dtype).removeprefix("torch."), "blocks": order,
@@ -131,13 +133,6 @@ def attention_cells(builds: dict, args) -> list[dict]:
                 print(f"{threads}t {cells[-1]['cache']:8s} blocks {order:8s}  base {base:6.3f} ms  tree {tree:6.3f} ms"
                       f"  {base / tree:5.2f}x  max|base-tree| {difference:.2e}", flush=True)
     return cells
-
-
-def _seconds(run, kernel, reps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(reps):
-        run(kernel)
-    return (time.perf_counter() - start) / reps
 
 
 def main() -> None:
