@@ -72,7 +72,7 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=config.max_request_body_bytes,
-                       max_json_depth=config.max_json_depth)
+                       max_json_depth=config.max_json_depth, body_timeout=config.body_timeout)
     app.add_middleware(AuthMiddleware, api_keys=config.api_keys,  # outermost: a stranger's body is never read
                        open_operations=config.open_health_and_metrics)
     add_exception_handlers(app)

@@ -62,6 +62,15 @@ class ServerConfig:
     # A prompt of 128k tokens is ~1 MB as token ids and ~0.5 MB as text: 16 MiB is 16 of those.
     max_request_body_bytes: int = field(default=16 * 1024 * 1024, metadata={
         "help": "largest request body in bytes; a larger one gets 413 before it is read"})
+    # A client sends its head and body in a few round trips: seconds over the slowest link.
+    # Apache's mod_reqtimeout allows 20 s for a head, nginx 60 s between a body's reads.
+    header_timeout: float = field(default=20.0, metadata={
+        "help": "seconds a client has to send a request's line and headers, from connecting or from the end of "
+                "the previous response on the connection; past it 408 and the connection is closed (slow-loris "
+                "clients)"})
+    body_timeout: float = field(default=30.0, metadata={
+        "help": "seconds the server waits for the next piece of a request body; past it 408 and the connection "
+                "is closed"})
     # JSON nesting of a real request is under 6 (chat content parts); Python's json recurses per level.
     max_json_depth: int = field(default=64, metadata={
         "help": f"deepest JSON nesting ([ and {{) a request body may have (at most {MAX_JSON_DEPTH})"})
@@ -91,7 +100,7 @@ class ServerConfig:
         if self.max_json_depth > MAX_JSON_DEPTH:
             raise ValueError(f"max_json_depth must be at most {MAX_JSON_DEPTH} (Python's json parser recurses once "
                              f"per level), got {self.max_json_depth}")
-        for name in ("request_timeout", "stream_stall_timeout"):
+        for name in ("request_timeout", "stream_stall_timeout", "header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:

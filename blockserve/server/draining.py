@@ -8,6 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from blockserve.server.config import ServerConfig
+from blockserve.server.header_deadline import protocol_with_header_timeout
 
 CONNECTIONS_GRACE_S = 5  # after the drain: how long uvicorn waits for connections to close
 
@@ -42,6 +43,7 @@ def serve_with_drain(app, config: ServerConfig, drain: Callable[[str], Awaitable
 
     # uvicorn's own logs (start-up, access lines) stay at warnings; ours follow the CLI's -q.
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=CONNECTIONS_GRACE_S))
+                                           timeout_graceful_shutdown=CONNECTIONS_GRACE_S,
+                                           http=protocol_with_header_timeout(config.header_timeout)))
     server.run()
     return not server.force_exit

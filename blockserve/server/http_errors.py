@@ -5,6 +5,8 @@
     an unknown or unsupported field                 400 `unsupported_parameter`, `param` its full path
     a missing or wrong API key                      401 (auth.py)
     a request past a limit                          400, or 413 for the body's size (limits.py)
+    a client too slow to send its request           408 `header_timeout` / `body_timeout`, connection
+                                                    closed (header_deadline.py, limits.py)
     unknown route / method                          404 / 405
     EngineDead                                      503
     RequestTimeout                                  504: past its deadline (--request-timeout or the
@@ -114,10 +116,14 @@ def error_body(error: APIError) -> dict:
                                          code=error.code)).model_dump()
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, *, close: bool = False) -> JSONResponse:
+    """`error` as a JSON response; `close`: the server closes the connection after it (the client
+    was too slow to be kept)."""
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
     if error.retry_after is not None:
         headers["Retry-After"] = str(error.retry_after)
+    if close:
+        headers["Connection"] = "close"
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 

@@ -4,6 +4,9 @@ names the limit and the `blockserve serve` flag that sets it (defaults: server/c
     body over --max-request-body-bytes   413 `request_too_large`: refused from its Content-Length,
                                          or as soon as a chunked body's bytes pass the limit; a
                                          body is never held past the limit
+    body that stops arriving             408 `body_timeout`, and the connection closed: no piece of
+                                         it for --body-timeout seconds (the head's own deadline,
+                                         --header-timeout, is header_deadline.py's)
     body not UTF-8                       400 `invalid_encoding`, naming the first bad byte
     JSON nested past --max-json-depth    400 `json_too_deep`, found by a scan before any parse
                                          (so Python's recursive json parser never meets it)
@@ -18,6 +21,7 @@ PromptTooLong is a 400 `context_length_exceeded` before the request is scheduled
 
 from __future__ import annotations
 
+import asyncio
 import re
 from itertools import accumulate
 
@@ -31,13 +35,14 @@ _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class RequestLimitsMiddleware:
-    """Reads each HTTP body up to `max_body_bytes`, refuses it (413 / 400) if it is too large,
-    not UTF-8, or nested deeper than `max_json_depth`, else hands the app the same body. Plain
-    ASGI: after the body, `receive` is the client's own, so disconnect detection is unchanged."""
+    """Reads each HTTP body up to `max_body_bytes`, waiting at most `body_timeout` seconds for each
+    piece, refuses it (413 / 400 / 408) if it is too large, not UTF-8, nested deeper than
+    `max_json_depth` or too slow, else hands the app the same body. Plain ASGI: after the body,
+    `receive` is the client's own, so disconnect detection is unchanged."""
 
-    def __init__(self, app, *, max_body_bytes: int, max_json_depth: int):
+    def __init__(self, app, *, max_body_bytes: int, max_json_depth: int, body_timeout: float):
         self.app = app
-        self.max_body_bytes, self.max_json_depth = max_body_bytes, max_json_depth
+        self.max_body_bytes, self.max_json_depth, self.body_timeout = max_body_bytes, max_json_depth, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -47,7 +52,10 @@ class RequestLimitsMiddleware:
             return await error_response(self._too_large(declared.decode("latin-1")))(scope, receive, send)
         body = bytearray()
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                return await error_response(self._too_slow(), close=True)(scope, receive, send)
             if message["type"] != "http.request":  # the client left before sending its body
                 return
             body += message.get("body", b"")
@@ -68,6 +76,10 @@ class RequestLimitsMiddleware:
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         await self.app(scope, replay, send)
+
+    def _too_slow(self) -> APIError:
+        return APIError(408, f"the request body stopped arriving: nothing of it for {self.body_timeout:g} s "
+                             f"(--body-timeout); the connection was closed", code="body_timeout")
 
     def _too_large(self, size: str) -> APIError:
         return APIError(413, f"the request body ({size} bytes) is larger than this server's limit of "

@@ -170,7 +170,7 @@ def create_router_app(replicas: Replicas, engine_config: EngineConfig, config: S
     app = FastAPI(title="blockserve data-parallel front end", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=config.max_request_body_bytes,
-                       max_json_depth=config.max_json_depth)
+                       max_json_depth=config.max_json_depth, body_timeout=config.body_timeout)
     app.add_middleware(AuthMiddleware, api_keys=config.api_keys, open_operations=config.open_health_and_metrics)
 
     async def exchange(request: Request, load: ReplicaLoad, body: bytes | None) -> Response | None:

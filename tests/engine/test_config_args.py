@@ -26,8 +26,8 @@ ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",
-                "--max-stop-length", "--request-timeout", "--stream-stall-timeout", "--protect-health-and-metrics",
-                "--data-parallel-size"}
+                "--max-stop-length", "--request-timeout", "--stream-stall-timeout", "--header-timeout",
+                "--body-timeout", "--protect-health-and-metrics", "--data-parallel-size"}
 OFF_CLI = {"enable_chunked_prefill", "max_prefill_chunk", "scheduling_policy", "check_integrity",
            "unsafe_disable_zeroing", "seed"}
 

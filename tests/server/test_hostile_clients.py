@@ -2,7 +2,7 @@
 with the bundled model: garbage bytes, truncated JSON, bodies past --max-request-body-bytes
 (declared, and chunked without a length), bytes that are not HTTP, a header past uvicorn's
 bound, and slow-loris clients (headers a byte at a time, a body that never completes), bounded
-in count and time. Each gets a clear answer (OpenAI's error shape wherever the request reached
+in count and time, and cut off at --header-timeout / --body-timeout. Each gets a clear answer (OpenAI's error shape wherever the request reached
 the app) or a closed connection, never a hang or a crash; correct requests are served the whole
 time, and afterwards the server holds no KV block."""
 
@@ -19,11 +19,13 @@ import pytest
 from tests.server.serve_process import start_server
 
 BODY_LIMIT = 65536
+DEADLINE = 2.0  # the test server's --header-timeout and --body-timeout
 CLI_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--num-threads", "1",
-            "--max-request-body-bytes", str(BODY_LIMIT)]
+            "--max-request-body-bytes", str(BODY_LIMIT), "--header-timeout", str(DEADLINE),
+            "--body-timeout", str(DEADLINE)]
 GOOD = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 SLOW_CLIENTS = 16
-SLOW_SECONDS = 3.0
+SLOW_SECONDS = 3.0  # past DEADLINE: the slow clients are cut off meanwhile
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +179,44 @@ def test_slow_loris_clients_do_not_stop_correct_requests(server):
             break
         time.sleep(0.1)
     assert usage and all(line.endswith(" 0.0") for line in usage), usage
+
+
+def read_until_closed(sock: socket.socket, limit: float) -> tuple[float, bytes]:
+    """(when the server closed `sock`, on time.monotonic's clock; all it sent before); fails past
+    `limit` seconds."""
+    data = b""
+    sock.settimeout(limit)
+    while chunk := sock.recv(65536):
+        data += chunk
+    return time.monotonic(), data
+
+
+def parse_response(data: bytes) -> tuple[int, dict]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert "connection: close" in (line.lower() for line in lines), lines
+    return int(lines[0].split()[1]), json.loads(body)
+
+
+def test_slow_clients_are_cut_off_at_their_deadlines(server):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n"
+    good = json.dumps(GOOD).encode()
+    request = head.replace(b"40", str(len(good)).encode()) + b"\r\n" + good
+    opened = time.monotonic()
+    with connect(server) as silent, connect(server) as half_head, connect(server) as half_body, \
+            connect(server) as kept:
+        half_head.sendall(head[:30])  # a head that never ends
+        half_body.sendall(head + b"\r\n" + b'{"prompt": ')  # a body that never ends
+        kept.sendall(request)  # served, then the next request's head never ends
+        assert read_response(kept)[0] == 200
+        served = time.monotonic()
+        kept.sendall(head[:30])
+        closed = {name: read_until_closed(sock, DEADLINE + 10)
+                  for name, sock in (("silent", silent), ("half_head", half_head), ("half_body", half_body),
+                                     ("kept", kept))}
+    since = {name: at - (served if name == "kept" else opened) for name, (at, _) in closed.items()}
+    assert all(0.9 * DEADLINE < seconds < DEADLINE + 5 for seconds in since.values()), since
+    assert closed["silent"][1] == b"", closed  # nothing asked, nothing answered: closed as an idle keep-alive
+    for name, code in (("half_head", "header_timeout"), ("half_body", "body_timeout"), ("kept", "header_timeout")):
+        assert_error(parse_response(closed[name][1]), 408, code)
+    assert_serving(server)
