@@ -8,7 +8,6 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from blockserve.server.config import ServerConfig
-from blockserve.server.header_deadline import protocol_with_header_timeout
 
 CONNECTIONS_GRACE_S = 5  # after the drain: how long uvicorn waits for connections to close
 
@@ -17,6 +16,8 @@ def serve_with_drain(app, config: ServerConfig, drain: Callable[[str], Awaitable
     """Serve `app` on config.host:config.port until a signal, then `await drain(signal name)` and
     exit. True if it ended that way; False if a second signal cut the drain short."""
     import uvicorn
+
+    from blockserve.server.header_deadline import protocol_with_header_timeout
 
     class DrainingServer(uvicorn.Server):
         async def serve(self, sockets=None) -> None:

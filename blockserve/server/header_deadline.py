@@ -9,8 +9,9 @@ nothing is closed without an answer, as an idle kept-alive connection is (an ans
 for would be read as the reply to the client's next request). The body's own deadline is
 `--body-timeout`, kept by limits.py once the head is in.
 
-uvicorn's h11 protocol (what `http="auto"` picks without httptools), with three hooks: the deadline
-is armed whenever the connection waits for a head and cleared when h11 has parsed one.
+uvicorn's h11 protocol (what `http="auto"` picks without httptools), hooked where a connection
+opens, receives, completes a response and closes: the deadline is armed whenever the connection
+waits for a head and cleared when h11 has parsed one.
 """
 
 from __future__ import annotations
