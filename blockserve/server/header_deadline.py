@@ -40,12 +40,10 @@ def protocol_with_header_timeout(timeout: float) -> type[asyncio.Protocol]:
     class HeaderDeadlineProtocol(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._head_deadline: asyncio.TimerHandle | None = None
-            self._head_started = False  # bytes of the awaited head have arrived
             super().connection_made(transport)
             self._follow_head()
 
         def data_received(self, data: bytes) -> None:
-            self._head_started = self._head_started or self._head_deadline is not None
             super().data_received(data)
             self._follow_head()
 
@@ -61,7 +59,6 @@ def protocol_with_header_timeout(timeout: float) -> type[asyncio.Protocol]:
             """Arm the deadline while h11 waits for a request head; clear it once one is parsed."""
             waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
             if waiting and self._head_deadline is None:
-                self._head_started = False
                 self._head_deadline = self.loop.call_later(timeout, self._head_timed_out)
             elif not waiting:
                 self._clear_deadline()
@@ -75,7 +72,7 @@ def protocol_with_header_timeout(timeout: float) -> type[asyncio.Protocol]:
             self._head_deadline = None
             if self.transport.is_closing():
                 return
-            if self._head_started:
+            if self.conn.trailing_data[0]:  # part of a head came: h11 holds it, unparsed
                 self.transport.write(answer)
             self.transport.close()
 

@@ -2,9 +2,10 @@
 with the bundled model: garbage bytes, truncated JSON, bodies past --max-request-body-bytes
 (declared, and chunked without a length), bytes that are not HTTP, a header past uvicorn's
 bound, and slow-loris clients (headers a byte at a time, a body that never completes), bounded
-in count and time, and cut off at --header-timeout / --body-timeout. Each gets a clear answer (OpenAI's error shape wherever the request reached
-the app) or a closed connection, never a hang or a crash; correct requests are served the whole
-time, and afterwards the server holds no KV block."""
+in count and time, and cut off at --header-timeout / --body-timeout. Each gets a clear answer
+(OpenAI's error shape wherever the request reached the app) or a closed connection, never a hang
+or a crash; correct requests are served the whole time, and afterwards the server holds no KV
+block."""
 
 from __future__ import annotations
 
@@ -54,9 +55,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict | str]:
             break
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    status, headers = parse_head(head)
     length = int(headers.get("content-length", -1))
     while length < 0 or len(body) < length:
         chunk = sock.recv(65536)
@@ -68,6 +67,13 @@ def read_response(sock: socket.socket) -> tuple[int, dict | str]:
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    """(status, headers with lower-case names) of a response's head."""
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers
 
 
 def raw_post(server, body: bytes, extra_headers: str = "") -> tuple[int, dict | str]:
@@ -193,9 +199,9 @@ def read_until_closed(sock: socket.socket, limit: float) -> tuple[float, bytes]:
 
 def parse_response(data: bytes) -> tuple[int, dict]:
     head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    assert "connection: close" in (line.lower() for line in lines), lines
-    return int(lines[0].split()[1]), json.loads(body)
+    status, headers = parse_head(head)
+    assert headers.get("connection", "").lower() == "close", headers
+    return status, json.loads(body)
 
 
 def test_slow_clients_are_cut_off_at_their_deadlines(server):
