@@ -37,11 +37,12 @@ from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.sampling_params import SamplingParams  # noqa: E402
 
 
-def decoding_engine(loaded, running: int, steps: int, kv_cache_dtype: str, **engine_args):
-    """An engine with `running` requests past their prefill, with room for `steps` more tokens each."""
+def decoding_engine(loaded, running: int, steps: int, kv_cache_dtype: str, sampling: dict | None = None, **engine_args):
+    """An engine with `running` requests past their prefill, with room for `steps` more tokens each;
+    greedy unless `sampling` says otherwise (SamplingParams fields)."""
     llm = LLM(loaded, kv_cache_dtype=kv_cache_dtype, **engine_args)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0, **(sampling or {}), "max_tokens": steps + 64, "ignore_eos": True})
     for i in range(running):
         engine.add_request(f"r{i}", [1 + (7 * i + j) % 500 for j in range(48 + 5 * i)], params)
     started: set[str] = set()

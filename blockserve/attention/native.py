@@ -31,7 +31,8 @@ _CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BLOCKSERVE_NATIVE_KERNELS"
 ISA_ENV = "BLOCKSERVE_NATIVE_ISA"  # native (default) | avx2
 # The module's translation units: the bindings, then one file per kernel (kernels.h, decode_stack.h).
-SOURCES = ("module.cpp", "fused_ops.cpp", "paged_decode.cpp", "quantized_matmul.cpp", "decode_stack.cpp", "argmax.cpp")
+SOURCES = ("module.cpp", "fused_ops.cpp", "paged_decode.cpp", "quantized_matmul.cpp", "decode_stack.cpp", "argmax.cpp",
+           "sample.cpp")
 AVX2_ONLY = ("-mno-avx512f",)  # the build a CPU without AVX-512 gets (how tests cover it on one with it)
 
 

@@ -2,7 +2,7 @@
 
     logits ─► grammar mask ─► logit_bias ─► penalties ─┬─► log_softmax ─► TokenLogprobs (rows that asked)
                                                        ├─► argmax ─────────────────────────────────────► greedy rows
-                                                       └─► / temperature ─► top-k ─► top-p ─► min-p ─► argmax(z + Gumbel) ─► sampled rows
+                                                       └─► / temperature ─► top-k ─► top-p ─► min-p ─► inverse CDF(u) ─► sampled rows
 
 - Greedy: a temperature below GREEDY_TEMPERATURE (0 included) is argmax of the penalised logits,
   exactly what Hugging Face greedy search picks (ties go to the lowest id).
@@ -20,10 +20,13 @@
   kept; 0 or -1 is off); top-p keeps the most likely tokens until their mass reaches top_p,
   measured after top-k; min-p drops tokens whose probability is below min_p times the top one's.
   Each filter stage runs as one batched op, and is skipped when no row uses it.
-- Sampling is the Gumbel-max trick (the exponential race in log space): argmax(z - log E) with
-  E ~ Exp(1), drawn per row. A row whose request has a seed draws its V numbers a step from its
-  own generator (see `make_generator`), so its samples do not depend on what else is in the
-  batch; the other rows share the sampler's generator.
+- Sampling is by inverse CDF: one uniform number u per row, and the first token, in id order, at
+  which the kept tokens' cumulative probability passes u (times their sum). A row whose request has
+  a seed draws its u from its own generator (see `make_generator`), so its samples do not depend on
+  what else is in the batch; the other rows share the sampler's generator. On the CPU the filters
+  and the draw are one native call (csrc/sample.cpp: selection by histograms, no sort, no OpenMP
+  region); elsewhere the PyTorch ops below, with the same thresholds and the same draw up to float
+  rounding.
 - Logprobs are the log-softmax of the logits after penalties and before temperature and the
   filters (the sampled token's, and the top n = params.logprobs). This differs from vLLM v1's
   default ("raw_logprobs"), which is taken before penalties too; with no penalty set they agree.
@@ -45,7 +48,6 @@ from blockserve.attention.native_gate import native_reads
 from blockserve.sampling_params import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM does)
-_TINY = torch.finfo(torch.float32).tiny  # floor for exponential draws, so log(E) stays finite
 _TOP_P_FIRST_K = 256  # top-p first looks for each row's nucleus among this many tokens
 
 
@@ -274,8 +276,11 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), _logprobs(logits, tokens, batch))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Tokens for the sampled rows (logits [M, V], already penalised). The filters work in
-        place on z, a fresh tensor."""
+        """Tokens for the sampled rows (logits [M, V], already penalised). The PyTorch filters work
+        in place on z, a fresh tensor."""
+        uniforms = self._uniforms(batch)
+        if self.native is not None and native_reads(logits) and logits.stride(-1) == 1:
+            return self.native.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, uniforms)
         z = logits / batch.temperature.unsqueeze(1)
         if batch.top_k is not None:
             z = _top_k(z, batch.top_k, batch.max_top_k)
@@ -283,7 +288,7 @@ class Sampler:
             z = _top_p(z, batch.top_p)
         if batch.min_p is not None:
             z = _min_p(z, batch.min_p)
-        return self._argmax(z.sub_(self._log_exponentials(z, batch)))
+        return _inverse_cdf(z, uniforms)
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Per-row argmax of x [N, V], ties to the lowest index (NaN wins, as in torch): the native
@@ -293,20 +298,28 @@ class Sampler:
             return self.native.argmax_rows(x)
         return x.max(dim=-1).indices
 
-    def _log_exponentials(self, z: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """log E for E ~ Exp(1), shaped like z (so z - log E is z plus Gumbel noise): seeded rows
-        draw V uniforms a step from their own generators, the rest in one block from the shared
-        one. E = -log U, from uniform_ as it is about six times faster than exponential_ on CPU."""
-        noise = torch.empty_like(z)
+    def _uniforms(self, batch: SamplingBatch) -> torch.Tensor:
+        """One number in [0, 1) per sampled row, float64: a seeded row's from its own generator (one
+        a step, whatever else is in the batch), the others' in one block from the sampler's."""
+        uniforms = torch.empty(batch.num_sampled, dtype=torch.float64, device=self.device)
         if not batch.seeded:
-            noise.uniform_(generator=self.generator)
-        else:
-            if batch.unseeded is not None:
-                block = torch.empty((len(batch.unseeded), z.shape[1]), dtype=z.dtype, device=z.device)
-                noise[batch.unseeded] = block.uniform_(generator=self.generator)
-            for j, generator in batch.seeded:
-                noise[j].uniform_(generator=generator)
-        return noise.log_().neg_().clamp_min_(_TINY).log_()
+            return uniforms.uniform_(generator=self.generator)
+        if batch.unseeded is not None:
+            block = torch.empty(len(batch.unseeded), dtype=torch.float64, device=self.device)
+            uniforms[batch.unseeded] = block.uniform_(generator=self.generator)
+        for j, generator in batch.seeded:
+            uniforms[j : j + 1].uniform_(generator=generator)
+        return uniforms
+
+
+def _inverse_cdf(z: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of z [M, V] (filtered tokens at -inf), the first token at which the cumulative
+    softmax passes u times its total; a row holding a NaN, or no finite z, gets argmax's answer."""
+    cdf = torch.softmax(z, dim=-1).double().cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return torch.where(total.squeeze(1).isnan(), z.max(dim=-1).indices, tokens)
 
 
 def _apply_grammars(logits: torch.Tensor, grammars: tuple[tuple[int, TokenConstraint], ...]) -> None:

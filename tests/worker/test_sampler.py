@@ -7,12 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from blockserve.attention.native import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.sampling_params import SamplingParams
 from blockserve.worker.sampler import (
     GREEDY_TEMPERATURE,
     Sampler,
     SamplingBatch,
     SamplingRow,
+    _inverse_cdf,
     _min_p,
     _top_k,
     _top_p,
@@ -20,6 +22,10 @@ from blockserve.worker.sampler import (
 )
 
 CPU = torch.device("cpu")
+# The sampled rows' two implementations: csrc/sample.cpp (the CPU's, where it builds) and PyTorch's.
+PATHS = [pytest.param(True, id="native",
+                      marks=pytest.mark.skipif(why_not_native() is not None, reason=f"no native kernels: {why_not_native()}")),
+         pytest.param(False, id="torch")]
 
 
 def row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
@@ -30,8 +36,11 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def sample(logits, rows, seed=0):
-    return Sampler(device=CPU, seed=seed)(logits, SamplingBatch.build(rows, CPU))
+def sample(logits, rows, seed=0, native=True):
+    sampler = Sampler(device=CPU, seed=seed)
+    if not native:
+        sampler.native = None
+    return sampler(logits, SamplingBatch.build(rows, CPU))
 
 
 def full_logprobs(out_row, vocab_size):
@@ -75,21 +84,23 @@ def test_temperatures_below_the_greedy_threshold_are_greedy_and_draw_nothing():
     assert torch.equal(generator.get_state(), state), "a greedy row consumed random numbers"
 
 
-def test_small_temperatures_concentrate_on_the_argmax_and_large_ones_spread():
+@pytest.mark.parametrize("native", PATHS)
+def test_small_temperatures_concentrate_on_the_argmax_and_large_ones_spread(native):
     logits = randn(1, 50, seed=1).repeat(2000, 1)
     best = int(logits[0].argmax())
     share = {}
     for t in (1e-3, 0.05, 1.0, 5.0):
-        tokens = sample(logits, [row(temperature=t)] * 2000).token_ids
+        tokens = sample(logits, [row(temperature=t)] * 2000, native=native).token_ids
         share[t] = tokens.count(best) / len(tokens)
     assert share[1e-3] == 1.0  # the runner-up is 0.136 below: odds of e^-136 per draw
     assert share[1e-3] >= share[0.05] >= share[1.0] >= share[5.0]
     assert share[5.0] < 0.2
 
 
-def test_equal_maxima_share_the_draws_at_a_low_temperature():
+@pytest.mark.parametrize("native", PATHS)
+def test_equal_maxima_share_the_draws_at_a_low_temperature(native):
     logits = torch.tensor([[9.0, 0.0, 9.0, 8.0]]).repeat(4000, 1)
-    tokens = sample(logits, [row(temperature=0.05)] * 4000).token_ids
+    tokens = sample(logits, [row(temperature=0.05)] * 4000, native=native).token_ids
     assert set(tokens) == {0, 2}
     assert 0.45 < tokens.count(0) / len(tokens) < 0.55
 
@@ -97,23 +108,25 @@ def test_equal_maxima_share_the_draws_at_a_low_temperature():
 # -- the draws follow the filtered distribution ----------------------------------------------------
 
 
-def test_sample_frequencies_match_the_tempered_softmax():
+@pytest.mark.parametrize("native", PATHS)
+def test_sample_frequencies_match_the_tempered_softmax(native):
     logits = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]])
     n = 40000
-    tokens = torch.tensor(sample(logits.repeat(n, 1), [row(temperature=0.7)] * n).token_ids)
+    tokens = torch.tensor(sample(logits.repeat(n, 1), [row(temperature=0.7)] * n, native=native).token_ids)
     observed = torch.bincount(tokens, minlength=5) / n
     expected = torch.softmax(logits[0] / 0.7, dim=-1)
     assert torch.allclose(observed, expected, atol=0.01), (observed, expected)
 
 
-def test_top_k_then_top_p_renormalise_like_hf():
+@pytest.mark.parametrize("native", PATHS)
+def test_top_k_then_top_p_renormalise_like_hf(native):
     """top_p applies to the distribution left by top_k: with k=2 and probabilities .5/.3 left
     renormalised to .625/.375, top_p=0.6 keeps only the first."""
     probs = torch.tensor([0.5, 0.3, 0.2])
     logits = probs.log().unsqueeze(0).repeat(500, 1)
-    tokens = sample(logits, [row(top_k=2, top_p=0.6)] * 500).token_ids
+    tokens = sample(logits, [row(top_k=2, top_p=0.6)] * 500, native=native).token_ids
     assert set(tokens) == {0}
-    tokens = sample(logits, [row(top_k=2, top_p=0.7)] * 500).token_ids
+    tokens = sample(logits, [row(top_k=2, top_p=0.7)] * 500, native=native).token_ids
     assert set(tokens) == {0, 1}
 
 
@@ -166,17 +179,110 @@ def test_filters_never_emit_an_excluded_token(values, temperature, top_k, top_p,
     params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     seeded = [row(**params, seed=seed + i, generator=make_generator(seed + i, CPU)) for i in range(30)]
     rows = [row(**params)] * 270 + seeded
-    tokens = sample(logits.repeat(len(rows), 1), rows, seed=seed).token_ids
     banned = excluded(logits, SamplingParams(**params))
     assert not banned.all()
-    hits = [t for t in tokens if banned[t]]
-    assert not hits, f"emitted excluded tokens {sorted(set(hits))}"
+    for native in (True, False) if why_not_native() is None else (False,):
+        tokens = sample(logits.repeat(len(rows), 1), rows, seed=seed, native=native).token_ids
+        hits = [t for t in tokens if banned[t]]
+        assert not hits, f"{'native' if native else 'torch'}: emitted excluded tokens {sorted(set(hits))}"
 
 
-def test_top_k_off_spellings_and_oversized_k_leave_the_distribution_alone():
+def reference_intervals(logits, temperature, top_k, top_p, min_p):
+    """Each token's share [lower, upper) of [0, 1) in the draw, in float64: the softmax of z over
+    the tokens the filters keep, laid out in id order; and which tokens are kept."""
+    z = logits.double() / temperature
+    keep = torch.isfinite(z)
+    if 0 < top_k < len(z):
+        keep &= z >= z.sort(descending=True).values[top_k - 1]
+    if top_p < 1:
+        ranked, order = torch.where(keep, z, -math.inf).sort(descending=True)
+        probs = torch.softmax(ranked, dim=-1)
+        keep &= z >= ranked[(probs.cumsum(0) - probs) < top_p].min()  # the mass ranked above < top_p
+    if min_p > 0:
+        keep &= z >= z.max() + math.log(min_p)
+    probs = torch.softmax(torch.where(keep, z, -math.inf), dim=-1)
+    upper = probs.cumsum(0)
+    return upper - probs, upper, keep
+
+
+def draw_with(build, logits, temperature, top_k, top_p, min_p, uniforms):
+    """The sampled rows' draw for fixed uniforms: csrc/sample.cpp's (the native or the AVX2 build)
+    or the PyTorch path's."""
+    rows = len(uniforms)
+    per_row = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
+    if build != "torch":
+        ops = fused_ops() if build == "native" else quantized_matmul_ops(without_avx512=True)
+        return ops.sample_rows(logits, per_row(temperature, torch.float32), per_row(top_k, torch.long) if top_k else None,
+                               per_row(top_p, torch.float32) if top_p < 1 else None,
+                               per_row(min_p, torch.float32) if min_p else None, uniforms)
+    z = logits / temperature
+    if top_k:
+        z = _top_k(z, per_row(top_k, torch.long), top_k)
+    if top_p < 1:
+        z = _top_p(z, per_row(top_p, torch.float32))
+    if min_p:
+        z = _min_p(z, per_row(min_p, torch.float32))
+    return _inverse_cdf(z, uniforms)
+
+
+BUILDS = [*(pytest.param(b, marks=pytest.mark.skipif(why_not_native() is not None, reason="no native kernels"))
+            for b in ("native", "avx2")), "torch"]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_each_kept_token_is_drawn_where_its_interval_holds_u(build):
+    """u in the middle of a kept token's interval draws that token, u = 0 the first kept token and
+    u just below 1 the last: the filters keep the tokens the float64 reference keeps, and the draw
+    is the inverse CDF over them (intervals wider than 1e-5, where float32 rounding cannot move u
+    across a boundary)."""
+    gen = torch.Generator().manual_seed(11)
+    # Top-p's nucleus wide (4.0, 0.9: past the kernel's first 256 candidates) and narrow (1.0, 0.9;
+    # among top-k's kept tokens with k = 3, 40 and 300); k past the finite tokens (60, the last row).
+    for temperature, top_k, top_p, min_p in [(1.0, 0, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (4.0, 0, 0.9, 0.0),
+                                             (1.0, 0, 0.9, 0.0), (0.8, 40, 0.95, 0.05), (2.0, 0, 1.0, 0.1),
+                                             (1.0, 3, 0.5, 0.0), (1.0, 300, 0.9, 0.0), (1.0, 60, 0.99, 0.0)]:
+        logits = torch.randn(3001, generator=gen) * 4
+        logits[::97] = -math.inf  # masked (a grammar, blocked ids)
+        if top_k == 60:
+            logits[50:] = -math.inf
+        lower, upper, keep = reference_intervals(logits, temperature, top_k, top_p, min_p)
+        kept = keep.nonzero().squeeze(1)
+        wide = kept[(upper - lower)[kept] > 1e-5]
+        wide = wide[torch.randperm(len(wide), generator=gen)[:300]]
+        uniforms = torch.cat([(lower[wide] + upper[wide]) / 2, torch.tensor([0.0, 1 - 1e-12], dtype=torch.float64)])
+        drawn = draw_with(build, logits.repeat(len(uniforms), 1), temperature, top_k, top_p, min_p, uniforms)
+        params = (temperature, top_k, top_p, min_p)
+        assert drawn[:-2].tolist() == wide.tolist(), params
+        assert drawn[-2:].tolist() == [int(kept[0]), int(kept[-1])], params
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_row_with_a_nan_or_no_finite_logit_gets_argmaxs_answer(build):
+    logits = torch.randn(3, 700)
+    logits[0, 600] = logits[0, 650] = math.nan
+    logits[1] = -math.inf
+    logits[2, 5] = math.nan
+    assert draw_with(build, logits, 0.8, 10, 0.9, 0.0, torch.full((3,), 0.5, dtype=torch.float64)).tolist() == [600, 0, 5]
+
+
+@pytest.mark.skipif(why_not_native() is not None, reason="no native kernels")
+def test_the_native_draw_refuses_bad_input():
+    ops = fused_ops()
+    ones = torch.ones(2)
+    u = torch.full((2,), 0.5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float32 logits"):
+        ops.sample_rows(torch.zeros(2, 5, dtype=torch.float64), ones, None, None, None, u)
+    with pytest.raises(RuntimeError, match="uniforms must be a contiguous"):
+        ops.sample_rows(torch.zeros(2, 5), ones, None, None, None, u.float())
+    with pytest.raises(RuntimeError, match="top_k must be a contiguous"):
+        ops.sample_rows(torch.zeros(2, 5), ones, torch.ones(3, dtype=torch.long), None, None, u)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_top_k_off_spellings_and_oversized_k_leave_the_distribution_alone(native):
     logits = torch.zeros(1, 6).repeat(3000, 1)
     for k in (0, -1, 6, 100):
-        assert set(sample(logits, [row(top_k=k)] * 3000).token_ids) == set(range(6)), k
+        assert set(sample(logits, [row(top_k=k)] * 3000, native=native).token_ids) == set(range(6)), k
 
 
 # -- per-request seeds -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace blockserve {
 
@@ -18,6 +19,11 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 
 // argmax.cpp: greedy sampling's per-row argmax, as torch's max(dim).indices.
 at::Tensor argmax_rows(const at::Tensor& x);
+
+// sample.cpp: one token per row from the tempered softmax after top-k, top-p and min-p (inverse CDF).
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const std::optional<at::Tensor>& top_k,
+                       const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,
+                       const at::Tensor& uniforms);
 
 // paged_decode.cpp: decode attention read in place from the paged KV cache.
 bool reads_16bit(int64_t head_size);

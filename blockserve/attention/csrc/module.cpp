@@ -12,6 +12,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate the first `heads` heads of each row of qkv in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
   m.def("argmax_rows", &argmax_rows, "x [N, V] float32 -> int64 [N]: each row's first maximum (its first NaN)");
+  m.def("sample_rows", &sample_rows,
+        "(logits [M, V] float32, temperature [M] float32, top_k [M] int64 | None, top_p [M] float32 | None, min_p "
+        "[M] float32 | None, uniforms [M] float64 in [0, 1)) -> int64 [M]: each row's token, drawn by inverse CDF "
+        "from softmax(logits / temperature) after the filters (worker/sampler.py)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 
   m.def("reads_16bit", &reads_16bit, "whether float16 / bfloat16 caches are read at this head size");
   m.def("pool_sequences", &pool_sequences,
