@@ -16,10 +16,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-# blockserve's offline commands start with GOMP_SPINCOUNT=100000 and `serve` with OMP_WAIT_POLICY=PASSIVE,
-# unless the environment sets a wait policy (blockserve/thread_policy.py; benchmarks/thread_policy.py
-# measures the alternatives); the benchmark scripts below run offline, with the offline setting.
-THREAD_POLICY := GOMP_SPINCOUNT=100000
+# blockserve's commands start with OMP_WAIT_POLICY=PASSIVE unless the environment sets a wait policy
+# (blockserve/thread_policy.py; benchmarks/thread_policy.py measures the alternatives); the benchmark
+# scripts below run with the same setting.
+THREAD_POLICY := OMP_WAIT_POLICY=PASSIVE
 
 run: install
 	$(VENV)/bin/blockserve generate --chat-template --max-tokens 128 "$(PROMPT)"

@@ -7,7 +7,7 @@ its arguments and replayed back to back, rounds alternating with timed engine st
 between the runner's forward and the replay is Python and dispatch between the calls; the gap
 between the step and the forward is scheduling, input preparation and sampling.
 
-    GOMP_SPINCOUNT=100000 .venv/bin/python benchmarks/decode_step_split.py [--threads 2] [--running 1 16]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step_split.py [--threads 2] [--running 1 16]
         [--json results/decode_step_split.json]
 """
 

@@ -9,8 +9,8 @@
     blockserve bench throughput|latency|serve                        (benchmarks; see blockserve bench -h)
 
 `--model` takes a Hugging Face directory or a .gguf file; it defaults to the bundled SmolLM2.
-`serve` runs with OMP_WAIT_POLICY=PASSIVE and the other commands with GOMP_SPINCOUNT=100000, unless
-the environment sets a wait policy (blockserve/thread_policy.py says why).
+Every command runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets a wait policy
+(blockserve/thread_policy.py says why).
 """
 
 from __future__ import annotations
@@ -211,8 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    command = next((a for a in argv if not a.startswith("-")), None)  # the only global flag is -q
-    apply_defaults(command)  # the OpenMP wait policy (thread_policy.py): before anything loads torch
+    apply_defaults()  # the OpenMP wait policy (thread_policy.py): before anything loads torch
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("blockserve").setLevel(logging.WARNING if args.quiet else logging.INFO)

@@ -2,20 +2,22 @@
 
 A thread that finishes its share of a parallel region either spins (a fast hand-off to the next
 region, but it holds a core another thread may need) or sleeps (a futex wake-up per region: ~100 us
-on a VM). Measured at 2 threads on a quiet 2-core Zen 3 (benchmarks/thread_policy.py,
-results/thread_policy_quiet.json, kernels splitting every ~30 us of work): spinning up to 100k
-iterations (GOMP_SPINCOUNT=100000) gave batch-1 decode steps of 12.4 ms against 28.2 ms sleeping
-(OMP_WAIT_POLICY=PASSIVE) and 13.5 ms at one thread; offline batch 64 (`blockserve bench
-throughput`) ran at 166.8 generated tok/s spinning, 116.3 sleeping. But a spinning thread
-collapses whenever another thread wants its core: beside a busy process 110 ms per step
+on a VM). Every command sleeps (OMP_WAIT_POLICY=PASSIVE) unless the caller chose a policy.
+
+Until issue 16's part 15 the offline commands (generate, chat, bench) spun up to 100k iterations
+(GOMP_SPINCOUNT=100000): when every kernel of a decode step split on OpenMP, spinning gave batch-1
+steps of 12.4 against 28.2 ms sleeping on a 2-core Zen 3 (results/thread_policy_quiet.json). Since
+then the calls of a decode step run on a pool of blockserve's own that spins only between the calls
+of a step (attention/csrc/task_pool.h), and the sampler is one native call (csrc/sample.cpp): a
+decode step of 1 row opens no OpenMP region at all (counted with an LD_PRELOAD shim over
+GOMP_parallel, greedy and sampled alike) and one of 64 rows about eight. Spinning OpenMP workers
+then only compete with the pool's worker for the second core: on a 2-core Zen 5, 16 and 64 running
+requests decode faster sleeping (benchmarks/thread_policy.py), and offline batch 64 runs faster
+sleeping in 7 of 9 pairs (docs/performance.md part 15). A spinning thread also collapses whenever
+another process wants its core: beside a busy process 110 ms per step instead of ~13
 (results/thread_policy_loaded.json), and in `blockserve serve`, whose HTTP thread wakes for every
-streamed token, one client's TPOT went from 22 to 33 ms (benchmarks/peers/native.py). So the
-policy depends on the command: `serve` sleeps (PASSIVE), the offline ones (generate, chat, bench)
-spin up to 100k iterations, unless the caller chose a policy themselves. The calls too short
-for a wake-up, a small batch's quantized matmuls and decode attention, run on a pool of their own
-that spins only between the calls of a step (attention/csrc/task_pool.h); larger batches' attention
-and the fused ops split on OpenMP only work that pays for a wake-up (~150 us a task). Beside busy processes the engine also runs on
-fewer threads (engine/thread_governor.py).
+streamed token, one client's TPOT went from 22 to 33 ms. Beside busy processes the engine also
+runs on fewer threads (engine/thread_governor.py).
 
 The runtime reads its environment once, when torch loads: `apply_defaults()` must run before
 anything imports torch (blockserve.cli does it first thing). Pure Python, no torch.
@@ -26,22 +28,14 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-SERVER_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}  # `serve`: its HTTP thread needs a core too
-OFFLINE_DEFAULTS: dict[str, str] = {"GOMP_SPINCOUNT": "100000"}  # every other command
+DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
 # Any of these set by the caller is their choice of policy: the defaults then stay out.
 USER_CHOICES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
-def defaults_for(command: str | None) -> dict[str, str]:
-    """The policy `blockserve <command>` starts with (command: its first argument, None for none)."""
-    return SERVER_DEFAULTS if command == "serve" else OFFLINE_DEFAULTS
-
-
-def apply_defaults(command: str | None, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Set `command`'s defaults in `environ` unless the caller already chose a wait policy; returns
-    what was set."""
+def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set DEFAULTS in `environ` unless the caller already chose a wait policy; returns what was set."""
     if any(key in environ for key in USER_CHOICES):
         return {}
-    chosen = defaults_for(command)
-    environ.update(chosen)
-    return dict(chosen)
+    environ.update(DEFAULTS)
+    return dict(DEFAULTS)

@@ -172,7 +172,7 @@ class CpuShare:
 
 
 # Set in this process, these would reach both engines and override their own defaults: llama.cpp's
-# OpenMP threads spin, blockserve picks a policy per command (thread_policy.py). An inherited
+# OpenMP threads spin, blockserve's sleep (thread_policy.py). An inherited
 # OMP_WAIT_POLICY=PASSIVE made llama.cpp's batch-1 ITL 36.3 ms instead of ~9.
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 # What holds blockserve to the code a CPU without AVX-512 runs: its native kernels' -mno-avx512f
