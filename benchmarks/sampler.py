@@ -6,10 +6,11 @@ sampled rows drawn by csrc/sample.cpp ("native") or by the PyTorch ops that run 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/sampler.py [--threads 2] [--rounds 3]
         [--running 1 16] [--json results/sampler.json]
 
-The sampler alone draws from logits ~ N(0, 3^2) (a wide distribution: a 0.9 top-p nucleus holds
-thousands of tokens, so the PyTorch path sorts the whole vocabulary); the decode steps sample from
-the model's own logits. Greedy rows use the native argmax either way. Each figure carries the other
-processes' CPU share while it was taken (benchmarks/cpu_share.py).
+The sampler alone draws from logits ~ N(0, 3^2), a wide distribution: at temperature 0.7 a 0.9
+top-p nucleus holds ~240 tokens, at 0.8 a 0.95 one ~1300, so the PyTorch path, which looks among
+each row's 256 most likely first, often sorts the whole vocabulary. The decode steps sample from
+the model's own logits. On the "torch" path greedy rows take PyTorch's argmax too. Each figure
+carries the other processes' CPU share while it was taken (benchmarks/cpu_share.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
 from blockserve.benchmark.common import environment, write_json  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.sampling_params import SamplingParams  # noqa: E402
+from blockserve.worker import sampler as sampler_module  # noqa: E402
 from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow  # noqa: E402
 
 SETTINGS: dict[str, dict] = {
@@ -42,18 +44,22 @@ SETTINGS: dict[str, dict] = {
 PATHS = ("native", "torch")
 
 
-def set_path(sampler: Sampler, path: str, native) -> None:
-    sampler.native = native if path == "native" else None
+NATIVE_READS = sampler_module.native_reads
 
 
-def sampler_alone(rows: int, setting: dict, rounds: int, calls: int, native) -> dict[str, float]:
+def set_path(path: str) -> None:
+    """Every Sampler in this process takes `path`: its native calls are gated by native_reads."""
+    sampler_module.native_reads = NATIVE_READS if path == "native" else (lambda x, dtype=torch.float32: False)
+
+
+def sampler_alone(rows: int, setting: dict, rounds: int, calls: int) -> dict[str, float]:
     sampler = Sampler(device="cpu", seed=0)
     logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(rows)) * 3
     batch_rows = [SamplingRow(SamplingParams(max_tokens=16, **setting), [1, 2], [3])] * rows
     times: dict[str, list[float]] = {path: [] for path in PATHS}
     for _ in range(rounds):
         for path in PATHS:
-            set_path(sampler, path, native)
+            set_path(path)
             walls = []
             for _ in range(calls):
                 batch = SamplingBatch.build(batch_rows, "cpu")
@@ -67,13 +73,11 @@ def sampler_alone(rows: int, setting: dict, rounds: int, calls: int, native) -> 
 def decode_steps(loaded, running: int, setting: dict, rounds: int, steps: int) -> dict[str, float]:
     llm = decoding_engine(loaded, running, 2 * rounds * steps, "auto", setting, adaptive_threads=False)
     engine = llm.engine
-    sampler = engine.core.runner.sampler
-    native = sampler.native
     times: dict[str, list[float]] = {path: [] for path in PATHS}
     shares: list[float] = []
     for _ in range(rounds):
         for path in PATHS:
-            set_path(sampler, path, native)
+            set_path(path)
             walls = []
             with CpuShare() as share:
                 for _ in range(steps):
@@ -82,7 +86,7 @@ def decode_steps(loaded, running: int, setting: dict, rounds: int, steps: int) -
                     walls.append(time.perf_counter() - start)
             times[path].append(statistics.median(walls))
             shares.append(share.others or 0.0)
-    set_path(sampler, "native", native)
+    set_path("native")
     return {**{f"{path} step ms": 1e3 * statistics.median(v) for path, v in times.items()},
             "others_cpu_share": statistics.median(shares)}
 
@@ -97,14 +101,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = {"environment": environment(), "args": vars(args), "sampler": [], "decode": []}
-    native = Sampler(device="cpu").native
-    if native is None:
+    if Sampler(device="cpu").native is None:
         sys.exit("the native kernels are not built here: nothing to compare")
 
     print(f"sampler alone, V = 49152, logits ~ N(0, 9): median us per call  [{args.threads} thread(s)]")
     for name, setting in SETTINGS.items():
         for rows in args.running:
-            row = {"setting": name, "rows": rows, **sampler_alone(rows, setting, args.rounds, 50, native)}
+            row = {"setting": name, "rows": rows, **sampler_alone(rows, setting, args.rounds, 50)}
             results["sampler"].append(row)
             print(f"  {name:40s} {rows:3d} rows: native {row['native us']:9.1f}   torch {row['torch us']:9.1f}"
                   f"   ({row['torch us'] / row['native us']:.1f}x)")
