@@ -15,6 +15,7 @@ which the request is refused (the compile, bounded by that fuel, finishes on its
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -84,16 +85,18 @@ class GrammarCompiler:
         except ValueError as e:
             raise InvalidRequest(f"structured_outputs.{spec.kind} cannot be read: {e}", param=spec.kind) from None
         tokenizer = self._llg_tokenizer()
-        built: list[llguidance.LLMatcher] = []
+        built: list[tuple[llguidance.LLMatcher, float]] = []  # (the matcher, when it was done)
         thread = threading.Thread(target=lambda: built.append(
-            llguidance.LLMatcher(tokenizer, text, log_level=0, limits=self._parser_limits)),
+            (llguidance.LLMatcher(tokenizer, text, log_level=0, limits=self._parser_limits), time.monotonic())),
             name="blockserve-grammar-compile", daemon=True)
+        started = time.monotonic()
         thread.start()
         thread.join(self.limits.compile_timeout_s)
-        if not built:
+        # Past the cap is refused even when this thread was descheduled long enough to see it done.
+        if not built or built[0][1] - started > self.limits.compile_timeout_s:
             raise InvalidRequest(f"compiling structured_outputs.{spec.kind} took longer than "
                                  f"{self.limits.compile_timeout_s:g} s; simplify it", param=spec.kind)
-        matcher = built[0]
+        matcher = built[0][0]
         if matcher.is_error():
             reason = matcher.get_error().strip().splitlines()
             raise InvalidRequest(f"structured_outputs.{spec.kind} cannot be compiled: "
