@@ -42,8 +42,6 @@ SETTINGS: dict[str, dict] = {
     "t 0.8, top-k 40, top-p 0.95, min-p 0.05": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # llama-server's
 }
 PATHS = ("native", "torch")
-
-
 NATIVE_READS = sampler_module.native_reads
 
 

@@ -151,13 +151,16 @@ int64_t draw(const float* e, int64_t n, double u, Scratch& s) {
   const double target = u * total;
   double before = 0;
   int64_t block = -1;
-  for (int64_t b = 0; b < blocks; ++b) {
+  bool passed = false;
+  for (int64_t b = 0; b < blocks && !passed; ++b) {
     if (sums[b] <= 0) continue;
     block = b;
-    if (before + sums[b] > target) break;
-    before += sums[b];
+    passed = before + sums[b] > target;
+    if (!passed) before += sums[b];
   }
-  // Walk the block (the last one with mass, where rounding left target at or past the total).
+  // Walk the block (the last one with mass, where rounding left target at or past the total: its
+  // own sum taken back off, so the walk ends on its last token with mass).
+  if (!passed) before -= sums[block];
   int64_t last = -1;
   for (int64_t j = block * kDrawBlock, end = std::min(n, j + kDrawBlock); j < end; ++j) {
     if (e[j] <= 0) continue;
