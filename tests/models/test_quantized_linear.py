@@ -184,7 +184,7 @@ def test_the_avx2_path_gives_the_dequantised_matmul(format):
         pytest.skip("no AVX2 build here")
     raw, weight = quantized(13, 96, format)
     packed = pack_blocks(raw, format)
-    for m in (1, 2, 3, 5, 6, 7, 8, 14, 61):
+    for m in (1, 2, 3, 5, 6, 7, 8, 9, 10, 14, 61):
         x = torch.randn(m, 96)
         assert_float32_matmul(avx2.quantized_matmul(x, packed, 13, format != "Q8_0"), x, weight)
         assert_rounded_matmul(avx2.quantized_matmul_int8(x, packed, 13, format != "Q8_0"), x, weight)
@@ -192,20 +192,28 @@ def test_the_avx2_path_gives_the_dequantised_matmul(format):
 
 
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
-def test_avx2_float32_rows_get_the_same_bits_in_passes_of_one_to_five(format):
+def test_avx2_float32_rows_get_the_same_bits_in_passes_of_alike_arithmetic(format):
     """On AVX2, passes of 1-2 rows of x take a group's four output rows together and passes of 3-5
-    one output row at a time, with the same arithmetic per output: a row gets the same bits alone,
-    with one other row or with four (from 6 rows the scale moves onto the weights)."""
+    one output row at a time. Q8_0: the same arithmetic per output in both, so a row gets the same
+    bits in passes of 1 to 5. Q4_1: passes of 1-2 rows multiply x in another form (the kernel's
+    mixed_halves), so a row gets the same bits in passes of 1 and 2 (alone, with one other row, or
+    after a pass of 8) and in passes of 3 to 5. From 6 rows the scale moves onto the weights."""
     avx2 = quantized_matmul_ops(without_avx512=True)
     if avx2 is None or avx2.simd_lanes() != 8:
         pytest.skip("no AVX2 build here")
+    q4_1 = format != "Q8_0"
     raw, weight = quantized(37, 192, format, seed=7)
     packed = pack_blocks(raw, format)
-    x = torch.randn(5, 192)
-    five = avx2.quantized_matmul(x, packed, 37, format != "Q8_0")
+    x = torch.randn(10, 192)
+    five = avx2.quantized_matmul(x[:5], packed, 37, q4_1)
+    two = avx2.quantized_matmul(x[:2], packed, 37, q4_1)
     for m in range(1, 5):
-        assert torch.equal(avx2.quantized_matmul(x[:m], packed, 37, format != "Q8_0"), five[:m])
-    assert_float32_matmul(five, x, weight)
+        alike = two if q4_1 and m <= 2 else five
+        assert torch.equal(avx2.quantized_matmul(x[:m], packed, 37, q4_1), alike[:m])
+    after_eight = avx2.quantized_matmul(x, packed, 37, q4_1)[8:]
+    assert torch.equal(after_eight, avx2.quantized_matmul(x[8:], packed, 37, q4_1))
+    for out, rows in ((five, x[:5]), (two, x[:2]), (after_eight, x[8:])):
+        assert_float32_matmul(out, rows, weight)
 
 
 def integer_kernel(build, activations: str):

@@ -51,6 +51,7 @@ template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 96 : 144;
 
 struct Problem {
   const float* x;      // [M, K]
+  const float* mixed;  // [M, K] x in mixed_halves' form (Q4_1 on AVX2, for passes of 1-2 rows)
   const float* xsum;   // [M, K / 32] block sums of x (Q4_1 only)
   const uint8_t* w;    // packed groups
   float* out;          // [M, N]
@@ -141,12 +142,31 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 //   conversion dominates, and each row's running sum takes one dependent step per block);
 // - R >= kPrescaleRows: d * q once per weight (exact in float32), then four multiply-adds per row
 //   straight into its sum: 4 R + 4 instead of 5 R multiplies, where the multiplies dominate.
-// 1-2 rows of x take the group's four output rows in one pass (group_avx2_all_outputs).
-// Q4_1's min terms take one 4-lane multiply-add per block and row of x, for the four output rows.
+// 1-2 rows of x take the group's four output rows in one pass (group_avx2_all_outputs), Q4_1 with
+// fewer instructions per weight (mixed_halves). Q4_1's min terms take one 4-lane multiply-add per block and row of x, for the four output rows.
 constexpr int kPrescaleRows = 6;
 
-// Output row i's levels in group block gb as floats: weights 0-7, 8-15, 16-23, 24-31 of the block.
-template <bool Q4>
+// A Q4_1 block's 16 bytes hold b_j = lo_j + 16 hi_j (lo_j the level of weight j, hi_j of weight
+// 16 + j), so
+//   q . x = sum_j lo_j x[j] + hi_j x[16 + j] = sum_j lo_j (x[j] - x[16 + j] / 16) + b_j (x[16 + j] / 16)
+// The bytes are used whole and only the low nibbles masked off: 8 instead of 10 instructions per
+// block and output row widen the levels, the cost that bounds passes of one or two rows
+// (group_avx2_all_outputs: 1.04-1.11x at one row; passes of more rows load more than they widen
+// and were no faster, so they keep the plain form). x comes in the matching form (mixed_halves:
+// each block's two halves replaced by the two brackets). Exact in real arithmetic; in float32 one
+// more rounding per element of x (x / 16 is exact).
+void mixed_halves(const float* x, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, x += kBlock, out += kBlock)
+    for (int64_t j = 0; j < 16; ++j) {
+      out[16 + j] = x[16 + j] * 0.0625f;
+      out[j] = x[j] - out[16 + j];
+    }
+}
+
+// Output row i's block gb as four vectors of floats, w[k] to multiply the block's x[8k, 8k + 8):
+// Q8_0 (and Q4_1 unmixed) the levels of weights 8k to 8k + 8; Q4_1 Mixed the low nibbles of bytes
+// 0-7, 8-15, then the bytes, to multiply x in mixed_halves' form.
+template <bool Q4, bool Mixed = false>
 inline void levels_avx2(const uint8_t* gb, int64_t i, __m256 w[4]) {
   if constexpr (Q4) {
     const uint8_t* q = gb + 32 + 16 * i;
@@ -155,8 +175,8 @@ inline void levels_avx2(const uint8_t* gb, int64_t i, __m256 w[4]) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
     w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
     w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4));
-    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+    w[2] = _mm256_cvtepi32_ps(Mixed ? a : _mm256_srli_epi32(a, 4));
+    w[3] = _mm256_cvtepi32_ps(Mixed ? c : _mm256_srli_epi32(c, 4));
   } else {
     const uint8_t* q = gb + 16 + 32 * i;
     for (int k = 0; k < 4; ++k)
@@ -173,8 +193,8 @@ inline float sum_lanes(__m256 v) {
 
 // One or two rows of x (decode steps of one or two sequences): the group's four output rows in one
 // pass, so their running sums are 4 R independent chains (a pass per output row waits a
-// multiply-add's latency per block on its R chains). Per output row and row of x the arithmetic
-// of group_avx2 below: the same bits.
+// multiply-add's latency per block on its R chains). Q8_0: per output row and row of x the
+// arithmetic of group_avx2 below, the same bits; Q4_1: x in mixed_halves' form (other bits).
 template <bool Q4, int R>
 void group_avx2_all_outputs(const Problem& p, int64_t g, int64_t r0) {
   const int64_t blocks = p.K / kBlock;
@@ -190,10 +210,10 @@ void group_avx2_all_outputs(const Problem& p, int64_t g, int64_t r0) {
   for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
     for (int64_t line = 128 * b; r0 == 0 && line < 128 * (b + 1) && line < group_bytes; line += 64)
       _mm_prefetch(next + line, _MM_HINT_T0);
-    const float* x = p.x + r0 * p.K + b * kBlock;
+    const float* x = (Q4 ? p.mixed : p.x) + r0 * p.K + b * kBlock;
     for (int i = 0; i < kGroup; ++i) {  // the packing pads the group to four rows: all four are readable
       __m256 w[4];
-      levels_avx2<Q4>(gb, i, w);
+      levels_avx2<Q4, true>(gb, i, w);
       const __m256 scale = _mm256_set1_ps(reinterpret_cast<const float*>(gb)[i]);
       for (int r = 0; r < R; ++r) {
         __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x + r * p.K));
@@ -538,7 +558,15 @@ at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_feature
     for (int64_t j = 0; j < kBlock; ++j) sum += xp[b * kBlock + j];
     xsum[b] = sum;
   }
-  const Problem p{xp, xsum.data(), packed.data_ptr<uint8_t>(), out.data_ptr<float>(), M, K, N};
+  at::Tensor mixed;  // a tensor, not a vector: 64-byte aligned, so no load of 8 floats splits a cache line
+#ifdef BLOCKSERVE_AVX2
+  if (q4_1 && (M % kRows == 1 || M % kRows == 2)) {  // a pass of one or two rows is to come
+    mixed = at::empty_like(x);
+    mixed_halves(xp, M * K / kBlock, mixed.data_ptr<float>());
+  }
+#endif
+  const Problem p{xp, mixed.defined() ? mixed.data_ptr<float>() : nullptr, xsum.data(), packed.data_ptr<uint8_t>(),
+                  out.data_ptr<float>(), M, K, N};
   if (q4_1) run<true>(p); else run<false>(p);
   return out;
 #endif
