@@ -5,10 +5,11 @@ native stack, which the engine runs where it can, is switched off: it is one cal
 blocks' matmuls, the fused norms and activation, the fused rotary + attention) is recorded with
 its arguments and replayed back to back, rounds alternating with timed engine steps. The gap
 between the runner's forward and the replay is Python and dispatch between the calls; the gap
-between the step and the forward is scheduling, input preparation and sampling.
+between the step and the forward is scheduling, input preparation and sampling. --by-call also
+times each recorded call alone and prints the totals per kernel and shape (medians over rounds).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step_split.py [--threads 2] [--running 1 16]
-        [--json results/decode_step_split.json]
+        [--by-call] [--json results/decode_step_split.json]
 """
 
 from __future__ import annotations
@@ -68,12 +69,25 @@ class CallRecorder:
         return call
 
 
+def time_each_call(calls: list) -> dict[str, float]:
+    """Seconds per kernel and argument shapes, summed over one replay of `calls`, each call timed alone."""
+    totals: dict[str, float] = {}
+    for fn, call_args in calls:
+        shapes = " ".join("x".join(map(str, a.shape)) for a in call_args[:2] if isinstance(a, torch.Tensor))
+        name = f"{getattr(fn, '__name__', type(fn).__name__)} {shapes}"
+        start = time.perf_counter()
+        fn(*call_args)
+        totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+    return totals
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--running", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=10, help="engine steps and replays per round")
+    ap.add_argument("--by-call", action="store_true", help="also the replay's time per kernel and shape")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -88,6 +102,7 @@ def main() -> None:
         recorder.on = False
         calls = recorder.calls
         steps, replays, forwards, other_phases = [], [], [], []
+        by_call: dict[str, list[float]] = {}
         with CpuShare() as share:
             for _ in range(args.rounds):
                 for _ in range(args.steps):
@@ -102,16 +117,24 @@ def main() -> None:
                     for fn, call_args in calls:
                         fn(*call_args)
                     replays.append(time.perf_counter() - start)
+                if args.by_call:
+                    for name, seconds in time_each_call(calls).items():
+                        by_call.setdefault(name, []).append(seconds)
         row = {"running": running, "native_calls": len(calls), "step_ms": 1e3 * statistics.median(steps),
                "forward_ms": 1e3 * statistics.median(forwards),
                "other_runner_phases_ms": 1e3 * statistics.median(other_phases),
                "native_calls_alone_ms": 1e3 * statistics.median(replays), "others_cpu_share": share.others}
+        if by_call:
+            row["by_call_ms"] = dict(sorted(((name, 1e3 * statistics.median(v)) for name, v in by_call.items()),
+                                            key=lambda item: -item[1]))
         results["batches"].append(row)
         print(f"{running:3d} running, {args.threads} thread(s): step {row['step_ms']:.2f} ms = forward "
               f"{row['forward_ms']:.2f} (its {len(calls)} native calls alone {row['native_calls_alone_ms']:.2f}) "
               f"+ zeroing, inputs, sampling {row['other_runner_phases_ms']:.2f} + engine "
               f"{row['step_ms'] - row['forward_ms'] - row['other_runner_phases_ms']:.2f}; "
               f"others' CPU share {100 * (share.others or 0):.0f}%", flush=True)
+        for name, ms in row.get("by_call_ms", {}).items():
+            print(f"    {ms:8.2f} ms  {name}")
         del llm
     write_json(args.json, results)
 
