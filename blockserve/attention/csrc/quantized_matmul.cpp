@@ -143,7 +143,8 @@ void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
 // - R >= kPrescaleRows: d * q once per weight (exact in float32), then four multiply-adds per row
 //   straight into its sum: 4 R + 4 instead of 5 R multiplies, where the multiplies dominate.
 // 1-2 rows of x take the group's four output rows in one pass (group_avx2_all_outputs), Q4_1 with
-// fewer instructions per weight (mixed_halves). Q4_1's min terms take one 4-lane multiply-add per block and row of x, for the four output rows.
+// fewer instructions per weight (mixed_halves). Q4_1's min terms take one 4-lane multiply-add per
+// block and row of x, for the four output rows.
 constexpr int kPrescaleRows = 6;
 
 // A Q4_1 block's 16 bytes hold b_j = lo_j + 16 hi_j (lo_j the level of weight j, hi_j of weight
@@ -151,8 +152,8 @@ constexpr int kPrescaleRows = 6;
 //   q . x = sum_j lo_j x[j] + hi_j x[16 + j] = sum_j lo_j (x[j] - x[16 + j] / 16) + b_j (x[16 + j] / 16)
 // The bytes are used whole and only the low nibbles masked off: 8 instead of 10 instructions per
 // block and output row widen the levels, the cost that bounds passes of one or two rows
-// (group_avx2_all_outputs: 1.04-1.11x at one row; passes of more rows load more than they widen
-// and were no faster, so they keep the plain form). x comes in the matching form (mixed_halves:
+// (group_avx2_all_outputs: 1.01-1.10x per layer at one row; passes of more rows load more than
+// they widen and were no faster, so they keep the plain form). x comes in the matching form (mixed_halves:
 // each block's two halves replaced by the two brackets). Exact in real arithmetic; in float32 one
 // more rounding per element of x (x / 16 is exact).
 void mixed_halves(const float* x, int64_t blocks, float* out) {
