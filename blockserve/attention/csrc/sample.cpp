@@ -149,18 +149,17 @@ int64_t draw(const float* e, int64_t n, double u, Scratch& s) {
     total += sum;
   }
   const double target = u * total;
-  double before = 0;
+  double before = 0, through = 0;  // the sums of the blocks with mass ahead of `block`, and through it
   int64_t block = -1;
-  bool passed = false;
-  for (int64_t b = 0; b < blocks && !passed; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
     if (sums[b] <= 0) continue;
     block = b;
-    passed = before + sums[b] > target;
-    if (!passed) before += sums[b];
+    before = through;
+    through += sums[b];
+    if (through > target) break;
   }
-  // Walk the block (the last one with mass, where rounding left target at or past the total: its
-  // own sum taken back off, so the walk ends on its last token with mass).
-  if (!passed) before -= sums[block];
+  // Walk the block: the first whose sum passes target, else (rounding left target at or past the
+  // total) the last with mass, where the walk ends on its last token with mass.
   int64_t last = -1;
   for (int64_t j = block * kDrawBlock, end = std::min(n, j + kDrawBlock); j < end; ++j) {
     if (e[j] <= 0) continue;
