@@ -6,7 +6,8 @@ blocks' matmuls, the fused norms and activation, the fused rotary + attention) i
 its arguments and replayed back to back, rounds alternating with timed engine steps. The gap
 between the runner's forward and the replay is Python and dispatch between the calls; the gap
 between the step and the forward is scheduling, input preparation and sampling. --by-call also
-times each recorded call alone and prints the totals per kernel and shape (medians over rounds).
+times each call on its own during one more replay (the same order, so the same cache state) and
+prints the totals per kernel and shape (medians over rounds).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step_split.py [--threads 2] [--running 1 16]
         [--by-call] [--json results/decode_step_split.json]
@@ -70,7 +71,7 @@ class CallRecorder:
 
 
 def time_each_call(calls: list) -> dict[str, float]:
-    """Seconds per kernel and argument shapes, summed over one replay of `calls`, each call timed alone."""
+    """Seconds per kernel and argument shapes, summed over one replay of `calls` in order, each call timed on its own."""
     totals: dict[str, float] = {}
     for fn, call_args in calls:
         shapes = " ".join("x".join(map(str, a.shape)) for a in call_args[:2] if isinstance(a, torch.Tensor))
