@@ -23,11 +23,14 @@ that materialises the scores of every row against every KV position it is given 
 the block mask's sparsity (only its mask_mod counts). So on CPU the step's pages are first
 gathered into a compact KV (each distinct page inside its sequences' [key_start, seq_len) range,
 once), which keeps the cost to the pages in use and, like the GPU kernel, reads every slot of each
-page it lists. That path is for tests, not serving: torch's vmap of the mask costs ~0.1 s a call.
+page it lists; a captured step (`meta.static_shapes`: a shape may not depend on the tables) reads
+the whole cache there too. That path is for tests, not serving: torch's vmap of the mask costs ~0.1 s a call.
 
-No host sync in forward on CUDA: shapes come from the host lists of the layout; everything else
-is tensor arithmetic on the cache's device (no boolean indexing, .item() or .tolist()), computed
-once per step and group (meta.derived). The CUDA path is checked by benchmarks/gpu_check.py (parity,
+No host sync in forward on CUDA, and no value read from a host list: shapes come from the
+metadata's tensors, everything else is tensor arithmetic on the cache's device (no boolean
+indexing, .item() or .tolist()), computed once per step and group (meta.derived). So a decode
+step can be captured as a CUDA graph and replayed with new metadata in the same tensors
+(worker/cuda_graphs.py). The CUDA path is checked by benchmarks/gpu_check.py (parity,
 C1 poison); CI has no GPU, so its tests run the CPU path.
 """
 
@@ -112,10 +115,10 @@ def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> 
     cols = torch.arange(width, device=device).expand_as(table)
     # A table's entries outside [key_start, seq_len) of its sequence may be stale ids (blocks since
     # freed, perhaps handed to another sequence at another column): only the entries inside count.
-    last_col = (torch.tensor(layout.seq_lens, dtype=torch.int64).to(device) - 1) // bs
+    last_col = (meta.seq_len.to(device) - 1) // bs
     in_range = (cols >= (meta.key_start.to(device) // bs)[:, None]) & (cols <= last_col[:, None])
     pages = None
-    if device.type == "cpu":  # eager FlexAttention reads every position it is given: only the pages in use
+    if device.type == "cpu" and not meta.static_shapes:  # eager FlexAttention reads every position given
         pages = torch.unique(table[in_range])  # sorted
         kv_page, kv_len = pages, pages.shape[0]
         position_in_kv = torch.searchsorted(pages, table).clamp_(max=kv_len - 1)  # exact where in_range
@@ -184,6 +187,7 @@ class FlexAttention:
 
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
+    captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -216,6 +220,7 @@ class FlexMLA:
 
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
+    captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
 
     def __init__(self, scale: float):
         self.scale = scale

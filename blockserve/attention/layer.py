@@ -48,6 +48,12 @@ class Attention(nn.Module):
         """C1: declared by the backend; the engine derives its group's zero flag from it."""
         return self.backend.reads_unwritten_slots
 
+    def cuda_graph_blocker(self) -> str | None:
+        """Why a decode step through this layer cannot be captured as a CUDA graph (None: it can)."""
+        if self.backend.captures_decode:
+            return None
+        return f"attention backend {self.backend.name!r} builds its gathers from host lists (use 'flex')"
+
     def kv_cache_spec(self, block_size: int) -> FullAttentionSpec:
         if self.sliding_window is None:
             return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype_name(self.dtype))

@@ -95,12 +95,15 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [B, W] int64 in batch order, padded with the null block
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     key_start: torch.Tensor  # [B] int64: the first position any query of the sequence sees
+    seq_len: torch.Tensor  # [B] int64: layout.seq_lens as a tensor (for backends that read no host list)
     sliding_window: int | None = None
     # What a backend derives from this metadata (gather indices, masks), computed by the first
     # layer of the step and reused by the others. Dies with the step.
     derived: dict = field(default_factory=dict)
     key_starts: list[int] = field(default_factory=list)  # key_start on the host
     host: AttentionMetadata | None = None  # the host twin of device metadata (None: this is on the host)
+    # A captured step's (worker/cuda_graphs.py): no shape may depend on a tensor's values.
+    static_shapes: bool = False
 
     @property
     def on_host(self) -> AttentionMetadata:
@@ -108,13 +111,13 @@ class AttentionMetadata:
         return self if self.host is None else self.host
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*self.layout.tensors(), self.block_table, self.slot_mapping, self.key_start)
+        return (*self.layout.tensors(), self.block_table, self.slot_mapping, self.key_start, self.seq_len)
 
-    def with_tensors(self, positions, seq_of_token, block_table, slot_mapping, key_start) -> AttentionMetadata:
+    def with_tensors(self, positions, seq_of_token, block_table, slot_mapping, key_start, seq_len) -> AttentionMetadata:
         """The device twin: these tensors (moved), the same lists, this metadata as its host."""
         return dataclasses.replace(self, layout=self.layout.with_tensors(positions, seq_of_token),
                                    block_table=block_table, slot_mapping=slot_mapping, key_start=key_start,
-                                   derived={}, host=self)
+                                   seq_len=seq_len, derived={}, host=self)
 
     def derive(self, key, compute):
         """compute(host metadata) -> tensors, once per step and key, moved to this metadata's device."""
@@ -133,5 +136,6 @@ class AttentionMetadata:
             key_starts = [max(0, seq_len - (end - start) - sliding_window + 1) for seq_len, start, end
                           in zip(layout.seq_lens, layout.query_start, layout.query_start[1:])]
         key_start = torch.tensor(key_starts, dtype=torch.int64)
-        return AttentionMetadata(layout, block_size, block_table, slot_mapping, key_start, sliding_window,
+        seq_len = torch.tensor(layout.seq_lens, dtype=torch.int64)
+        return AttentionMetadata(layout, block_size, block_table, slot_mapping, key_start, seq_len, sliding_window,
                                  key_starts=key_starts)

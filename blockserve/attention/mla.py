@@ -56,6 +56,7 @@ class MLABackend:
 
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
+    captures_decode: ClassVar[bool] = False  # they build their gathers from the host lists
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -192,6 +193,12 @@ class MLAttention(nn.Module):
     def reads_unwritten_slots(self) -> bool:
         """C1: declared by the backend; the engine derives its group's zero flag from it."""
         return self.backend.reads_unwritten_slots
+
+    def cuda_graph_blocker(self) -> str | None:
+        """Why a decode step through this layer cannot be captured as a CUDA graph (None: it can)."""
+        if self.backend.captures_decode:
+            return None
+        return f"attention backend {self.backend.name!r} builds its gathers from host lists (use 'flex')"
 
     def kv_cache_spec(self, block_size: int) -> MLASpec:
         return MLASpec(block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype_name(self.dtype))

@@ -57,6 +57,9 @@ class _Gather(NamedTuple):
 class PagedAttention:
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
+    # Whether a decode step's forward may be captured as a CUDA graph (worker/cuda_graphs.py): it
+    # reads only tensors, no host list. These backends build their gathers from the host lists.
+    captures_decode: ClassVar[bool] = False
 
     def __init__(self, scale: float):
         self.scale = scale
@@ -159,8 +162,7 @@ class ExactLengthAttention(PagedAttention):
             return super()._attend_decodes(q, k_cache, v_cache, meta, out)
         nd = meta.layout.num_decodes
         table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda host: (
-            host.block_table[:nd].contiguous(), host.key_start[:nd].contiguous(),
-            torch.tensor(host.layout.seq_lens[:nd], dtype=torch.int64)))
+            host.block_table[:nd].contiguous(), host.key_start[:nd].contiguous(), host.seq_len[:nd].contiguous()))
         decodes = out[:nd]
         self.decode_kernel(decodes, q[:nd].contiguous(), k_cache, v_cache, table, key_start, seq_lens, self.scale)
 

@@ -57,8 +57,7 @@ class RotaryDecode:
         if layout.num_decodes != t or layout.num_seqs != t or meta.sliding_window is not None:
             return None
         table, key_start, seq_lens = meta.derive(("rotary_decode", "seqs"), lambda host: (
-            host.block_table[:t].contiguous(), host.key_start[:t].contiguous(),
-            torch.tensor(host.layout.seq_lens[:t], dtype=torch.int64)))
+            host.block_table[:t].contiguous(), host.key_start[:t].contiguous(), host.seq_len[:t].contiguous()))
         return meta.slot_mapping, table, key_start, seq_lens
 
     def prepare(self, x: torch.Tensor, cos: torch.Tensor, ctx: ForwardContext) -> tuple | None:

@@ -100,6 +100,12 @@ class EngineConfig:
                 "activations and KV cache; the KV cache gets what a profiling forward leaves; default 0.9)"})
     attention_backend: str = field(default="exact", metadata={
         "help": "paged attention flavour", "choices": ATTENTION_BACKENDS})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly (by default decode steps replay CUDA graphs where every "
+                "layer can be captured, e.g. with --attention-backend flex)"})
+    cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata={
+        "help": "CUDA: a decode batch size captured as a CUDA graph (repeatable; default: 1, 2, 4, ... and "
+                "max_num_seqs); a decode step of n rows replays the smallest size >= n, larger ones run eagerly"})
     # MLA latents and recurrent states keep the model's dtype.
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
@@ -184,6 +190,11 @@ class EngineConfig:
         if self.quantized_max_rows is not None and self.quantized_max_rows < 0:
             raise ValueError(f"quantized_max_rows must be >= 0 (0: the blocks serve no rows), got "
                              f"{self.quantized_max_rows}")
+        if any(size < 1 or size > self.max_num_seqs for size in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be batch sizes from 1 to max_num_seqs ({self.max_num_seqs}), "
+                             f"got {list(self.cuda_graph_sizes)}")
+        if self.cuda_graph_sizes and self.enforce_eager:
+            raise ValueError("cuda_graph_sizes asks for CUDA graphs and enforce_eager forbids them: give one")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -26,6 +27,7 @@ from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
+from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from blockserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("blockserve")
@@ -102,6 +104,8 @@ class EngineCore:
     def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         self.config = config
         self.device_plan = plan = engine_device_plan(config, loaded)
+        if config.cuda_graph_sizes and not plan.is_cuda:
+            raise ValueError(f"cuda_graph_sizes applies on CUDA only; this engine runs on {plan.device}")
         if config.tensor_parallel_size > 1:
             from blockserve.distributed.executor import TensorParallelExecutor
 
@@ -174,6 +178,26 @@ class EngineCore:
         budget_line = "" if self.kv_budget is None else f"\n{self.kv_budget.report()}"
         logger.info("KV cache capacity (max_model_len %d, %s, %s):\n%s%s", max_model_len, plan.device,
                     str(plan.dtype).removeprefix("torch."), self.kv_config.capacity_report(), budget_line)
+        if plan.is_cuda:
+            self._capture_decode_graphs(config)
+
+    def _capture_decode_graphs(self, config: EngineConfig) -> None:
+        """CUDA: decode steps as CUDA graphs, unless enforce_eager, or some layer cannot be captured
+        (then a warning, or a ValueError if cuda_graph_sizes asked for them)."""
+        if config.enforce_eager:
+            logger.info("CUDA graphs: off (enforce_eager); every step runs eagerly")
+            return
+        blockers = graph_blockers(self.loaded.model)
+        if blockers:
+            if config.cuda_graph_sizes:
+                raise ValueError(f"cuda_graph_sizes given, but this model's decode cannot be captured: {'; '.join(blockers)}")
+            logger.warning("CUDA graphs: off, decode steps run eagerly: %s", "; ".join(blockers))
+            return
+        sizes = config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
+        began = time.perf_counter()
+        self.runner.capture_decode_graphs(sizes)
+        logger.info("CUDA graphs: decode captured at batch sizes %s in %.1f s", sorted(set(sizes)),
+                    time.perf_counter() - began)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (a ValueError) if it can never be served."""

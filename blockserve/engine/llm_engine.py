@@ -288,6 +288,12 @@ class LLMEngine:
         """On CUDA, how --gpu-memory-utilization was spent (engine/kv_budget.py); None on the CPU."""
         return self.core.kv_budget
 
+    @property
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes replayed as CUDA graphs (empty: every step runs eagerly)."""
+        graphs = getattr(self.core.runner, "graphs", None)  # a tensor-parallel runner has none
+        return () if graphs is None else tuple(sorted(graphs.graphs))
+
     def reset_prefix_cache(self) -> ResetResult:
         """Drop every cached (unreferenced) block; refused (`ok` False, with the reason) while
         requests hold blocks."""

@@ -75,8 +75,18 @@ class Experts(nn.Module):
         """One expert's down [H, I], or the whole stack [E, H, I]."""
         return self._narrow(tensor, tensor.dim() - 1)
 
+    def _route_for(self, x: torch.Tensor) -> str:
+        return self.route or ("grouped" if x.device.type != "cpu" and x.dtype == torch.bfloat16 else "loop")
+
+    def cuda_graph_blocker(self) -> str | None:
+        """Why a decode step through these experts cannot be captured as a CUDA graph (None: it can)."""
+        if self._route_for(self.gate_up_proj) == "grouped":
+            return None
+        return (f"MoE experts in {str(self.gate_up_proj.dtype).removeprefix('torch.')} take the expert loop, "
+                "which reads the routing back to the host (use --dtype bfloat16)")
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        route = self.route or ("grouped" if x.device.type != "cpu" and x.dtype == torch.bfloat16 else "loop")
+        route = self._route_for(x)
         if route not in self.ROUTES:
             raise ValueError(f"unknown expert route {route!r}; choose one of {self.ROUTES} (or None: by device)")
         out = self._grouped(x, weights, ids) if route == "grouped" else self._loop(x, weights, ids)

@@ -54,13 +54,16 @@ class StepInputs:
     # after the forward as copies (those inside a segment are in the metadata's `captures`).
     end_captures: dict[int, list[tuple[int, int]]]
 
+    def to(self, device: torch.device) -> StepInputs:
+        """These inputs on `device`, moved in one copy (itself on the CPU)."""
+        return self if device.type == "cpu" else _on_device(self, device)
+
 
 class InputBatch:
-    """`device`: where the step's inputs go (the model's); the block tables stay on the host."""
+    """The running requests' rows and block tables, on the host."""
 
-    def __init__(self, kv_config: KVCacheConfig, max_num_seqs: int, max_model_len: int, *, device: torch.device):
+    def __init__(self, kv_config: KVCacheConfig, max_num_seqs: int, max_model_len: int):
         self.kv_config = kv_config
-        self.device = torch.device(device)
         self.tables = []
         for group in kv_config.groups:
             width = 1 if group.is_state else cdiv(max_model_len, group.spec.block_size)
@@ -99,7 +102,8 @@ class InputBatch:
                 request.table_lens[group_id] = start + len(ids)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """The step's flattened inputs, on the device; advances each request's computed count."""
+        """The step's flattened inputs, on the host (`StepInputs.to` moves them); advances each
+        request's computed count."""
         scheduled = out.num_scheduled_tokens
         order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n != 1]
         requests = [self.requests[rid] for rid in order]
@@ -131,9 +135,8 @@ class InputBatch:
             if request.num_computed == request.num_tokens:
                 sample_ids.append(rid)
                 logits_indices.append(layout.query_start[i + 1] - 1)
-        step = StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
+        return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
                           torch.tensor(logits_indices, dtype=torch.int64), end_captures)
-        return step if self.device.type == "cpu" else _on_device(step, self.device)
 
 
 def _on_device(step: StepInputs, device: torch.device) -> StepInputs:
@@ -149,7 +152,7 @@ def _on_device(step: StepInputs, device: torch.device) -> StepInputs:
         if isinstance(meta, StateMetadata):
             metadata.append(dataclasses.replace(meta, layout=layout, slots=next(moved)))
         else:
-            device_meta = meta.with_tensors(*layout.tensors(), next(moved), next(moved), next(moved))
+            device_meta = meta.with_tensors(*layout.tensors(), *(next(moved) for _ in range(4)))
             metadata.append(dataclasses.replace(device_meta, layout=layout))
     return dataclasses.replace(step, input_ids=input_ids, positions=layout.positions, metadata=metadata,
                                layout=layout, logits_indices=logits_indices)

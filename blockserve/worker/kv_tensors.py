@@ -7,6 +7,8 @@ holding all the group's layers, so a zero order is one indexed fill per tensor.
                      slots followed by the checkpoint slots
 
 Block (slot) 0 is the null block: zero from the start, never zeroed, poisoned or written.
+Past the pool's slots each tensor holds one scratch slot (index `num_slots`), which the pool never
+hands out: padded rows of a captured decode step (worker/cuda_graphs.py) write there.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class KVCacheTensors:
         self.tensors: list[list[torch.Tensor]] = []  # per group, its tensors
         self.block_dims: list[int] = []  # per group, the dimension indexed by block id
         for group in config.groups:
-            spec, layers, n = group.spec, max(1, len(group.layer_names)), group.num_slots
+            spec, layers, n = group.spec, max(1, len(group.layer_names)), group.num_slots + 1  # + scratch
             if isinstance(spec, LinearStateSpec):
                 tensors = [torch.zeros(layers, n, *s, dtype=TORCH_DTYPES[d], device=device)
                            for s, d in zip(spec.shapes, spec.dtypes)]
@@ -52,6 +54,10 @@ class KVCacheTensors:
         if config.poison_freed_blocks:  # every block starts as garbage, as after a long uptime
             for group_id, group in enumerate(config.groups):
                 self.poison_blocks(group_id, range(1, group.num_slots))
+
+    def scratch_slot(self, group_id: int) -> int:
+        """The group's scratch block (slot): written only by padding, read only by padding."""
+        return self.config.groups[group_id].num_slots
 
     def zero_blocks(self, group_id: int, block_ids) -> None:
         """C1: zero the given blocks of every layer of the group, one indexed fill per tensor."""

@@ -5,6 +5,9 @@ checkpoints), then sampling.
     SchedulerOutput ─► update rows ─► poison, copy, zero (C1) ─► prepare inputs ─► model ─► sampler
                                                                                        │
                                                       ModelRunnerOutput (tokens, logprobs) ◄┘
+
+On CUDA a decode step of at most the largest captured batch replays a CUDA graph instead of
+running the model's forward eagerly (`capture_decode_graphs`, worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from blockserve.attention.context import ForwardContext
+from blockserve.attention.metadata import to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from blockserve.worker.input_batch import InputBatch
 from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs
@@ -47,13 +52,22 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.kv = KVCacheTensors(kv_config, device=self.device)
-        self.batch = InputBatch(kv_config, max_num_seqs, max_model_len, device=self.device)
+        self.batch = InputBatch(kv_config, max_num_seqs, max_model_len)
         self.sampler = Sampler(device=self.device, seed=seed)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests, kept across preemption
         self.layer_caches = self.kv.layer_caches()
         self.memo: dict = {}  # ForwardContext.memo: the model's settled inputs over layer_caches
         self.timings = RunnerTimings()
         self.prompt_logprobs = PromptLogprobs()  # requests that asked for them, until their prompt completes
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_decode_graphs)
+
+    def capture_decode_graphs(self, sizes, capture: Capture | None = None) -> None:
+        """Capture the model's decode step at each batch size in `sizes` (the caller has checked
+        cuda_graphs.graph_blockers); `capture`: how (default: CUDA graphs on this runner's device)."""
+        capture = capture or cuda_capture(self.device)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv, self.memo, sizes, self.max_model_len, self.device, capture)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -74,11 +88,17 @@ class ModelRunner:
             return ModelRunnerOutput({})
         inputs = self.batch.prepare(out)
         t2 = time.perf_counter()
-        ctx = ForwardContext(self.layer_caches, inputs.metadata, self.memo)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if self.graphs is not None and self.graphs.covers(inputs):
+            hidden = self.graphs.run(inputs)
+            logits_indices = to_device(inputs.logits_indices, self.device)
+        else:
+            inputs = inputs.to(self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions,
+                                ForwardContext(self.layer_caches, inputs.metadata, self.memo))
+            logits_indices = inputs.logits_indices
         for group_id, pairs in inputs.end_captures.items():
             self.kv.copy_slots(group_id, pairs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_ids else None
+        logits = self.model.compute_logits(hidden[logits_indices]) if inputs.sample_ids else None
         self.prompt_logprobs.compute(self.model, hidden, inputs, self.batch.requests)
         t3 = time.perf_counter()
         sampled: dict[str, list[int]] = {rid: [] for rid in inputs.request_ids}

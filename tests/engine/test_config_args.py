@@ -22,7 +22,7 @@ ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory
                 "--state-checkpoint-interval", "--state-checkpoint-savings-weight",
                 "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",
                 "--distributed-startup-timeout-s", "--device", "--dtype", "--gpu-memory-utilization",
-                "--quantized-activations", "--quantized-max-rows"}
+                "--quantized-activations", "--quantized-max-rows", "--enforce-eager", "--cuda-graph-sizes"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",
@@ -79,7 +79,7 @@ def test_the_flags_are_the_old_ones():
 def test_defaults_come_from_the_dataclass():
     args = engine_parser().parse_args([])
     for f in cli_fields(EngineConfig):
-        assert getattr(args, f.name) == f.default, f.name
+        assert getattr(args, f.name) == (None if f.default == () else f.default), f.name  # (): not repeated
     assert config_from_namespace(EngineConfig, args) == EngineConfig()
 
 
@@ -128,12 +128,14 @@ def test_bench_leaves_kv_cache_memory_unset_and_the_config_keeps_its_default():
 
 
 def test_round_trip_config_to_flags_and_back():
-    config = dataclasses.replace(ENGINE_CASES[1][1], num_threads=3)
+    config = dataclasses.replace(ENGINE_CASES[1][1], num_threads=3, cuda_graph_sizes=(1, 4))
     argv = []
     for f in cli_fields(EngineConfig):
         value = getattr(config, f.name)
         if isinstance(value, bool):
             argv += [flag_name(f)] if value != f.default else []
+        elif isinstance(value, tuple):
+            argv += [part for item in value for part in (flag_name(f), str(item))]
         elif value is not None:
             argv += [flag_name(f), str(value)]
     assert config_from_namespace(EngineConfig, engine_parser().parse_args(argv)) == config

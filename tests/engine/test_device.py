@@ -164,16 +164,17 @@ def test_profile_step_runs_the_largest_step(llama):
 
 def test_step_inputs_survive_the_device_move(llama, monkeypatch):
     """The worker's one-copy move of a step's inputs (input_batch._on_device) runs on CUDA only; here
-    the batch is told its device is not the CPU and the copy is a clone, so the repacking into
-    device metadata (and each one's host twin) is exercised: greedy tokens must still equal
-    transformers' exactly (as float32 engines do)."""
+    the step's inputs are told to move to a device other than the CPU and the copy is a clone, so
+    the repacking into device metadata (and each one's host twin) is exercised: greedy tokens must
+    still equal transformers' exactly (as float32 engines do)."""
     import blockserve.worker.input_batch as input_batch
 
     moves = []
     monkeypatch.setattr(input_batch, "to_device", lambda tensors, device: moves.append(device) or
                         [t.clone() for t in tensors])
+    monkeypatch.setattr(input_batch.StepInputs, "to", lambda step, device: input_batch._on_device(
+        step, torch.device("meta")))
     llm = LLM(model=str(llama[0]), max_model_len=64, max_num_batched_tokens=8, attention_backend="whole_block")
-    llm.engine.core.runner.batch.device = torch.device("meta")
     outputs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
     assert moves and set(moves) == {torch.device("meta")}
     assert_greedy_parity([o.outputs[0].token_ids for o in outputs], llama[1])

@@ -1,0 +1,219 @@
+"""CUDA graphs for decode steps (worker/cuda_graphs.py), proven without a GPU.
+
+CI has no GPU, so the capture is replaced by a stand-in with the semantics that matter: the
+forward runs once to "capture" with host reads forbidden (CUDA forbids syncs while capturing),
+once more on fake tensors (torch's FakeTensorMode raises on an op whose output shape depends on
+values: boolean indexing, nonzero, unique), and each replay runs it again over the same static
+metadata objects, whose host lists still hold the capture's placeholders. A layer that reads a host value (a list, a host-built gather) thus
+gets the capture-time value on replay, as under a real graph, while everything computed from the
+static tensors is recomputed. With it, engines whose decode steps replay padded buckets must
+give the eager engine's tokens and logprobs for every family, and a backend that reads host
+lists must be caught. The GPU itself is checked by benchmarks/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import Gemma3TextConfig, LlamaConfig
+
+from blockserve import LLM, SamplingParams
+from blockserve.engine.config import EngineConfig
+from blockserve.models.moe import Experts
+from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
+from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
+from tests.worker.test_sync_free import HostRead, host_reads_raise
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(autouse=True)
+def no_native_kernels(monkeypatch):
+    """The CPU's native kernels are opaque to fake tensors, and a GPU never runs them."""
+    monkeypatch.setenv("BLOCKSERVE_NATIVE_KERNELS", "0")
+
+SIZES = (1, 2, 4, 8)
+KV_MEMORY = 512 * 1024  # a small cache: a captured flex step attends over all of it on the CPU
+NEW_TOKENS = (9, 3, 6, 12, 1, 7)  # per prompt: the decode batch shrinks 6 -> 5 -> ... -> 1, most steps padded
+
+
+class FrozenCapture:
+    """The stand-in for CUDA graph capture (see the module docstring); counts replays per size.
+    `fake`: also run the fake-tensor pass (torch's grouped_mm, the MoE route a graph can hold,
+    declares bfloat16 operands only, so float32 MoE models skip it)."""
+
+    def __init__(self, fake: bool = True):
+        self.replays: list[int] = []
+        self.fake = fake
+
+    def __call__(self, forward):
+        with host_reads_raise():
+            output = forward()
+        if self.fake:
+            with FakeTensorMode(allow_non_fake_inputs=True):  # raises on a value-dependent shape
+                forward()
+
+        def replay():
+            self.replays.append(output.shape[0])
+            with host_reads_raise():
+                output.copy_(forward())
+
+        return replay, output
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, VOCAB, (7,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 11, 6)] + \
+        [shared + torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (2, 9, 5)]
+
+
+def engine(path, backend: str = "flex", dtype: str = "float32") -> LLM:
+    llm = LLM(model=str(path), attention_backend=backend, max_model_len=64, max_num_seqs=8,
+              max_num_batched_tokens=32, seed=0, kv_cache_memory=KV_MEMORY, dtype=dtype)
+    for module in llm.engine.core.runner.model.modules():
+        if isinstance(module, Experts):
+            module.route = "grouped"  # the route bfloat16 takes on a GPU; the CPU's loop reads the host
+    return llm
+
+
+def generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs; twice over, so the second pass hits the prefix cache."""
+    out = []
+    for _ in range(2):
+        params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0) for n in NEW_TOKENS]
+        for o in llm.generate(prompts(), params, use_tqdm=False):
+            c = o.outputs[0]
+            out.append((c.token_ids, [entry[token].logprob for entry, token in zip(c.logprobs, c.token_ids)]))
+    return out
+
+
+def with_graphs(llm: LLM, fake: bool = True) -> FrozenCapture:
+    assert graph_blockers(llm.engine.core.runner.model) == []
+    capture = FrozenCapture(fake)
+    llm.engine.core.runner.capture_decode_graphs(SIZES, capture)
+    assert llm.engine.cuda_graph_sizes == SIZES
+    return capture
+
+
+def assert_same(graphed, eager):
+    assert [tokens for tokens, _ in graphed] == [tokens for tokens, _ in eager]
+    for (_, lp_graphed), (_, lp_eager) in zip(graphed, eager):
+        torch.testing.assert_close(torch.tensor(lp_graphed), torch.tensor(lp_eager), atol=2e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_graphs")
+    save_random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  bos_token_id=None, eos_token_id=None, pad_token_id=None), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3_graphs")
+    s, f = "sliding_attention", "full_attention"
+    save_random_model(Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       query_pre_attn_scalar=16, max_position_embeddings=256, sliding_window=10,
+                                       layer_types=[s, s, f, s], bos_token_id=None, eos_token_id=None,
+                                       pad_token_id=None), path)
+    return path
+
+
+DENSE = ("llama", "gemma3")
+MOE = ("deepseek_v3", "kimi_linear", "qwen3_next", "granitemoehybrid")
+
+
+def family_path(family, request, tiny_model):
+    return request.getfixturevalue(family) if family in DENSE else tiny_model(family)[0]
+
+
+@pytest.mark.parametrize("family", DENSE + MOE)
+def test_replayed_decode_steps_equal_eager_ones(family, request, tiny_model):
+    """Full attention, sliding windows (Gemma 3), MLA with MoE (DeepSeek-V3), KDA + MLA (Kimi
+    Linear), Gated DeltaNet (Qwen3-Next) and Mamba2 (Granite 4.0-H), in float32: the same tokens,
+    and logprobs to float rounding (a padded bucket is a matmul of more rows)."""
+    path = family_path(family, request, tiny_model)
+    eager = generate(engine(path))
+    llm = engine(path)
+    capture = with_graphs(llm, fake=family in DENSE)
+    graphed = generate(llm)
+    assert_same(graphed, eager)
+    assert set(capture.replays) == set(SIZES)  # every bucket replayed, 8 (6 rows) and 4 (3 rows) padded
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_families_capture_in_bfloat16(family, request, tiny_model):
+    """The MoE families in bfloat16 (their GPU dtype), fake-tensor pass included: captured, and
+    the eager engine's greedy tokens (bfloat16 logprobs differ by rounding, up to ~0.1 here)."""
+    path = family_path(family, request, tiny_model)
+    eager = generate(engine(path, dtype="bfloat16"))
+    llm = engine(path, dtype="bfloat16")
+    with_graphs(llm)
+    assert [tokens for tokens, _ in generate(llm)] == [tokens for tokens, _ in eager]
+
+
+def test_padding_writes_the_scratch_block_never_the_null_block(llama):
+    llm = engine(llama)
+    with_graphs(llm)
+    generate(llm)
+    kv = llm.engine.core.runner.kv
+    for g, tensors in enumerate(kv.tensors):
+        cache = tensors[0]  # [layers, 2, blocks, ...]
+        assert not cache[:, :, 0].any()  # C1: the null block is still zero
+        assert cache[:, :, kv.scratch_slot(g)].any()  # the padding rows wrote here
+
+
+def test_the_stand_in_catches_a_backend_that_reads_host_lists(llama):
+    """whole_block builds its decode gathers from the host's seq_lens: captured, it would replay the
+    capture's placeholders (one-token sequences). The stand-in must see that, or the tests above
+    prove nothing."""
+    eager = generate(engine(llama, "whole_block"))
+    llm = engine(llama, "whole_block")
+    assert graph_blockers(llm.engine.core.runner.model)  # the engine would never capture it...
+    llm.engine.core.runner.capture_decode_graphs(SIZES, FrozenCapture())  # ...so force it
+    try:
+        graphed = generate(llm)
+    except HostRead:
+        return
+    assert [tokens for tokens, _ in graphed] != [tokens for tokens, _ in eager]
+
+
+def test_graph_blockers_name_what_cannot_be_captured(llama, tiny_model):
+    assert graph_blockers(engine(llama, "flex").engine.core.runner.model) == []
+    assert graph_blockers(LLM(model=str(llama), attention_backend="exact", max_model_len=64).engine.core.runner.model) == [
+        "attention backend 'exact' builds its gathers from host lists (use 'flex')"]
+    deepseek = LLM(model=str(tiny_model("deepseek_v3")[0]), attention_backend="flex", max_model_len=64)
+    assert graph_blockers(deepseek.engine.core.runner.model) == [
+        "MoE experts in float32 take the expert loop, which reads the routing back to the host (use --dtype bfloat16)"]
+
+
+def test_default_sizes():
+    assert default_graph_sizes(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert default_graph_sizes(5) == (1, 2, 4, 5)
+    assert default_graph_sizes(1) == (1,)
+
+
+def test_config_errors(llama):
+    with pytest.raises(ValueError, match="from 1 to max_num_seqs"):
+        EngineConfig(max_num_seqs=4, cuda_graph_sizes=(1, 8))
+    with pytest.raises(ValueError, match="enforce_eager forbids"):
+        EngineConfig(cuda_graph_sizes=(1,), enforce_eager=True)
+    with pytest.raises(ValueError, match="CUDA only"):
+        LLM(model=str(llama), device="cpu", cuda_graph_sizes=(1, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): real CUDA graphs")
+def test_cuda_graphs_equal_eager_on_cuda(llama):
+    outs = []
+    for options in (dict(enforce_eager=True), dict(cuda_graph_sizes=SIZES)):
+        llm = LLM(model=str(llama), device="cuda", dtype="float32", attention_backend="flex", max_model_len=64,
+                  max_num_seqs=8, max_num_batched_tokens=32, seed=0, **options)
+        assert llm.engine.cuda_graph_sizes == (() if "enforce_eager" in options else SIZES)
+        outs.append(generate(llm))
+    assert [t for t, _ in outs[0]] == [t for t, _ in outs[1]]
