@@ -10,7 +10,7 @@ short text report under --results:
                   declares reads_unwritten_slots must diverge and one that does not must still match
     throughput    decode tok/s of a ~1B Llama-shaped random model at batch 1/16/64/256 vs transformers
                   `generate` (static batch) in the same run and vs the HBM bound (weight bytes per step
-                  / measured device copy bandwidth); CUDA graphs: "not built" (not implemented yet)
+                  / measured device copy bandwidth), flex with and without CUDA graphs for decode
 
 The bf16 near-tie rule: a sequence may differ from transformers only at a near-tie, i.e. at its first
 differing position both tokens are in transformers' top 5 and their log-probabilities there are less
@@ -161,6 +161,7 @@ def build(family: str, path: Path, device: str, dtype: torch.dtype):
 
 
 GPU_BACKENDS = ("exact", "flex")  # whole_block imitates a tile-reading kernel on the CPU: poison-tested only
+PARITY_GRAPH_SIZES = (1, 2, 4, 8)  # the parity and poison batches' decode sizes (8 prompts)
 
 
 def backends(smoke: bool) -> list[str]:
@@ -169,7 +170,11 @@ def backends(smoke: bool) -> list[str]:
 
 
 def engine(model, device: str, dtype: torch.dtype, **options) -> LLM:
+    """An engine on `device`; on CUDA with flex its decode steps replay CUDA graphs (captured at the
+    parity batches' sizes unless `options` say otherwise), as a GPU user gets by default."""
     budget = {"kv_cache_memory": "64MiB"} if device == "cpu" else {"gpu_memory_utilization": 0.5}
+    if device != "cpu" and options.get("attention_backend") == "flex" and not options.get("enforce_eager"):
+        options.setdefault("cuda_graph_sizes", PARITY_GRAPH_SIZES)
     return LLM(model, device=device, dtype=str(dtype).removeprefix("torch."), check_integrity=True,
                **{"block_size": 16, **budget, **options})
 
@@ -234,7 +239,8 @@ def parity(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
                         with engine(str(path), device, dtype, **options) as llm:
                             runs = 2 if scenario == "prefix-caching" else 1  # the second from the cache
                             verdicts = [judge(greedy(llm, batch, new_tokens), expected, dtype) for _ in range(runs)]
-                            result = {"ok": all(v["ok"] for v in verdicts), "passes": verdicts}
+                            result = {"ok": all(v["ok"] for v in verdicts), "passes": verdicts,
+                                      "cuda_graph_sizes": llm.engine.cuda_graph_sizes}
                             if scenario == "preemption":
                                 result["preemptions"] = llm.engine.stats().num_preemptions
                                 result["ok"] &= result["preemptions"] > 0
@@ -297,7 +303,7 @@ def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> di
     batches, prompt_len, new_tokens = ([1, 4], 8, 4) if smoke else ([1, 16, 64, 256], 32, 65)
     shape = TINY if smoke else BILLION
     gen = torch.Generator().manual_seed(0)
-    results = {"model": shape, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "cuda_graphs": "not built"}
+    results = {"model": shape, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         with torch.device(device):  # initialised where it runs: seconds for 1e9 parameters on a GPU
@@ -322,32 +328,45 @@ def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> di
         del model
         _empty_cache(device)
         errors = results["errors"] = {}
-        for backend in backends(smoke):
+        for label, options in engine_variants(device, smoke, batches).items():
             try:
-                _engine_rates(rows, tmp, device, dtype, backend, batches, prompt_len, new_tokens, until, skipped, gen)
-            except Exception as error:  # one backend's failure leaves the others' figures
-                errors[backend] = f"{type(error).__name__}: {error}"[:600]
+                _engine_rates(rows, tmp, device, dtype, label, options, batches, prompt_len, new_tokens, until,
+                              skipped, gen)
+            except Exception as error:  # one variant's failure leaves the others' figures
+                errors[label] = f"{type(error).__name__}: {error}"[:600]
     results["batches"] = rows
     return results
 
 
-def _engine_rates(rows, model_dir, device, dtype, backend, batches, prompt_len, new_tokens, until, skipped, gen):
-    """blockserve's decode tok/s with `backend` per batch size, into rows[b]."""
+def engine_variants(device: str, smoke: bool, batches: list[int]) -> dict[str, dict]:
+    """label -> engine options of the throughput runs: on CUDA flex with CUDA graphs (at the measured
+    batch sizes) first, then each backend eager (exact's decode cannot be captured)."""
+    variants = {}
+    if device != "cpu":
+        variants["flex_cuda_graphs"] = dict(attention_backend="flex", cuda_graph_sizes=tuple(batches))
+    for backend in backends(smoke):
+        variants[backend if device == "cpu" else f"{backend}_eager"] = dict(attention_backend=backend,
+                                                                          enforce_eager=device != "cpu")
+    return variants
+
+
+def _engine_rates(rows, model_dir, device, dtype, label, options, batches, prompt_len, new_tokens, until, skipped,
+                  gen):
+    """blockserve's decode tok/s with engine `options` per batch size, into rows[b] under `label`."""
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    with engine(model_dir, device, dtype, attention_backend=backend, enable_prefix_caching=False,
+    with engine(model_dir, device, dtype, **options, enable_prefix_caching=False,
                 max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 16) as llm:
         for b in batches:
             ids = torch.randint(0, vocab, (b, prompt_len), generator=gen).tolist()
             if time.perf_counter() > until:
-                skipped.append(f"{backend} batch {b}")
+                skipped.append(f"{label} batch {b}")
                 continue
             greedy(llm, ids, 2)  # warm-up (compiles, allocates)
             rate = _rate(lambda n: greedy(llm, ids, n), b, new_tokens)
-            rows[b][f"blockserve_{backend}_tok_s"] = rate
-            rows[b][f"blockserve_{backend}_vs_hbm_bound"] = round(rate / rows[b]["hbm_bound_tok_s"], 3)
+            rows[b][f"blockserve_{label}_tok_s"] = rate
+            rows[b][f"blockserve_{label}_vs_hbm_bound"] = round(rate / rows[b]["hbm_bound_tok_s"], 3)
             if "transformers_tok_s" in rows[b]:
-                rows[b][f"blockserve_{backend}_vs_transformers"] = round(rate / rows[b]["transformers_tok_s"], 2)
-            rows[b]["cuda_graphs_tok_s"] = "not built"
+                rows[b][f"blockserve_{label}_vs_transformers"] = round(rate / rows[b]["transformers_tok_s"], 2)
 
 
 def _rate(generate, batch: int, new_tokens: int) -> float:
@@ -416,7 +435,7 @@ def summary(report: dict) -> str:
     tp = report.get("throughput", {})
     if "batches" in tp:
         lines.append(f"throughput (decode tok/s; HBM bound step {tp['hbm_bound_step_ms']} ms at "
-                     f"{tp['copy_bandwidth_gb_s']} GB/s; CUDA graphs {tp['cuda_graphs']}):")
+                     f"{tp['copy_bandwidth_gb_s']} GB/s):")
         for b, row in tp["batches"].items():
             lines.append(f"  batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     else:

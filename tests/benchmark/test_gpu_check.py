@@ -38,10 +38,9 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert poison["exact"]["zeroing_off_matches"] and not poison["whole_block"]["zeroing_off_matches"]
     assert all(b["derived_flags_match"] and b["preemptions"] > 0 for b in poison.values())
     throughput = report["throughput"]
-    assert throughput["cuda_graphs"] == "not built" and throughput["copy_bandwidth_gb_s"] > 0
+    assert throughput["copy_bandwidth_gb_s"] > 0
     assert not throughput["errors"] and not throughput["skipped"]
     for row in throughput["batches"].values():
         assert row["transformers_tok_s"] > 0 and row["blockserve_exact_tok_s"] > 0 and row["hbm_bound_tok_s"] > 0
-        assert row["cuda_graphs_tok_s"] == "not built"
     text = gpu_check.summary(report)
     assert "OK" in text and "parity: 2/2 ok" in text and "poison: 2/2 ok" in text
