@@ -56,6 +56,10 @@ else:
 
 Q_BLOCK = 16  # query rows per block-mask tile
 MIN_CUDA_BLOCK_SIZE = 16  # the Triton kernel's smallest KV tile; one page is one tile
+CUDA_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": MIN_CUDA_BLOCK_SIZE}
+# Graphs one process may compile: one per model shape, window, block size and dtype it serves
+# (torch's default of 8 is too few for several models in one process, as benchmarks/gpu_check.py runs).
+RECOMPILE_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -68,10 +72,20 @@ class _StepMask:
 
 
 @functools.cache
-def _compiled_flex() -> Callable:
-    """torch.compile(flex_attention), built on first CUDA use (compiling costs seconds per shape
-    family; automatic dynamic shapes keep one kernel across batch sizes)."""
-    return torch.compile(flex_attention, fullgraph=True)
+def compiled_flex(backend: str = "inductor") -> Callable:
+    """attend(q, k, v, block_mask, scale) through torch.compile(flex_attention) with `backend`,
+    built on first use: one graph (fullgraph); a size that changes is made dynamic on the recompile
+    it causes, so a few kernels serve every batch and cache size (compiling costs seconds); the
+    recompile limit is raised, and the scale kept a constant (not a dynamic float read back from
+    a tensor), for this call only."""
+    compiled = torch.compile(flex_attention, fullgraph=True, backend=backend)
+
+    def attend(q, k, v, block_mask, scale):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True):
+            return compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                            kernel_options=CUDA_KERNEL_OPTIONS)
+
+    return attend
 
 
 @contextlib.contextmanager
@@ -93,9 +107,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale
     if FLEX_UNAVAILABLE:
         raise RuntimeError(f"attention_backend 'flex' needs FlexAttention: {FLEX_UNAVAILABLE}")
     if q.device.type == "cuda":
-        options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": MIN_CUDA_BLOCK_SIZE}
-        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
-                                kernel_options=options)
+        return compiled_flex()(q, k, v, block_mask, scale)
     with _unfused_reference():
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
