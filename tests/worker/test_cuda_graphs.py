@@ -16,14 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers import Gemma3TextConfig, LlamaConfig
+from transformers import Gemma3TextConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.engine.config import EngineConfig
 from blockserve.models.moe import Experts
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
-from tests.worker.test_sync_free import HostRead, host_reads_raise
+from tests.worker.test_sync_free import HostRead, host_reads_raise, llama_path  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,16 +104,7 @@ def assert_same(graphed, eager):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama_graphs")
-    save_random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                  bos_token_id=None, eos_token_id=None, pad_token_id=None), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
+def gemma3_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3_graphs")
     s, f = "sliding_attention", "full_attention"
     save_random_model(Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -129,7 +120,7 @@ MOE = ("deepseek_v3", "kimi_linear", "qwen3_next", "granitemoehybrid")
 
 
 def family_path(family, request, tiny_model):
-    return request.getfixturevalue(family) if family in DENSE else tiny_model(family)[0]
+    return request.getfixturevalue(f"{family}_path") if family in DENSE else tiny_model(family)[0]
 
 
 @pytest.mark.parametrize("family", DENSE + MOE)
@@ -183,8 +174,8 @@ def test_the_cuda_flex_call_traces_as_one_graph(request, tiny_model, monkeypatch
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
 
 
-def test_padding_writes_the_scratch_block_never_the_null_block(llama):
-    llm = engine(llama)
+def test_padding_writes_the_scratch_block_never_the_null_block(llama_path):
+    llm = engine(llama_path)
     with_graphs(llm)
     generate(llm)
     kv = llm.engine.core.runner.kv
@@ -194,12 +185,12 @@ def test_padding_writes_the_scratch_block_never_the_null_block(llama):
         assert cache[:, :, kv.scratch_slot(g)].any()  # the padding rows wrote here
 
 
-def test_the_stand_in_catches_a_backend_that_reads_host_lists(llama):
+def test_the_stand_in_catches_a_backend_that_reads_host_lists(llama_path):
     """whole_block builds its decode gathers from the host's seq_lens: captured, it would replay the
     capture's placeholders (one-token sequences). The stand-in must see that, or the tests above
     prove nothing."""
-    eager = generate(engine(llama, "whole_block"))
-    llm = engine(llama, "whole_block")
+    eager = generate(engine(llama_path, "whole_block"))
+    llm = engine(llama_path, "whole_block")
     assert graph_blockers(llm.engine.core.runner.model)  # the engine would never capture it...
     llm.engine.core.runner.capture_decode_graphs(SIZES, FrozenCapture())  # ...so force it
     try:
@@ -209,9 +200,9 @@ def test_the_stand_in_catches_a_backend_that_reads_host_lists(llama):
     assert [tokens for tokens, _ in graphed] != [tokens for tokens, _ in eager]
 
 
-def test_graph_blockers_name_what_cannot_be_captured(llama, tiny_model):
-    assert graph_blockers(engine(llama, "flex").engine.core.runner.model) == []
-    assert graph_blockers(LLM(model=str(llama), attention_backend="exact", max_model_len=64).engine.core.runner.model) == [
+def test_graph_blockers_name_what_cannot_be_captured(llama_path, tiny_model):
+    assert graph_blockers(engine(llama_path, "flex").engine.core.runner.model) == []
+    assert graph_blockers(LLM(model=str(llama_path), attention_backend="exact", max_model_len=64).engine.core.runner.model) == [
         "attention backend 'exact' builds its gathers from host lists (use 'flex')"]
     deepseek = LLM(model=str(tiny_model("deepseek_v3")[0]), attention_backend="flex", max_model_len=64)
     assert graph_blockers(deepseek.engine.core.runner.model) == [
@@ -224,21 +215,21 @@ def test_default_sizes():
     assert default_graph_sizes(1) == (1,)
 
 
-def test_config_errors(llama):
+def test_config_errors(llama_path):
     with pytest.raises(ValueError, match="from 1 to max_num_seqs"):
         EngineConfig(max_num_seqs=4, cuda_graph_sizes=(1, 8))
     with pytest.raises(ValueError, match="enforce_eager forbids"):
         EngineConfig(cuda_graph_sizes=(1,), enforce_eager=True)
     with pytest.raises(ValueError, match="CUDA only"):
-        LLM(model=str(llama), device="cpu", cuda_graph_sizes=(1, 2))
+        LLM(model=str(llama_path), device="cpu", cuda_graph_sizes=(1, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): real CUDA graphs")
-def test_cuda_graphs_equal_eager_on_cuda(llama):
+def test_cuda_graphs_equal_eager_on_cuda(llama_path):
     outs = []
     for options in (dict(enforce_eager=True), dict(cuda_graph_sizes=SIZES)):
-        llm = LLM(model=str(llama), device="cuda", dtype="float32", attention_backend="flex", max_model_len=64,
+        llm = LLM(model=str(llama_path), device="cuda", dtype="float32", attention_backend="flex", max_model_len=64,
                   max_num_seqs=8, max_num_batched_tokens=32, seed=0, **options)
         assert llm.engine.cuda_graph_sizes == (() if "enforce_eager" in options else SIZES)
         outs.append(generate(llm))
