@@ -36,6 +36,7 @@ Only the per-row draws from seeded generators loop in Python.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,6 +44,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from blockserve.attention.metadata import to_device
 from blockserve.attention.native import fused_ops
 from blockserve.attention.native_gate import native_reads
 from blockserve.sampling_params import SamplingParams
@@ -99,7 +101,8 @@ class _Penalties:
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """One step's sampling parameters as tensors; build with `SamplingBatch.build(rows, device)`.
+    """One step's sampling parameters as tensors; build with `SamplingBatch.build(rows, device)`
+    (made on the host, then moved to `device` from pinned memory, the int64 ones in one copy).
 
     Tensors named per sampled row have one entry per row in `sampled_rows` (the non-greedy rows).
     A filter's tensor is None when no sampled row uses that filter.
@@ -138,35 +141,51 @@ class SamplingBatch:
                 raise ValueError(f"row {i}'s generator is on {row.generator.device}, the batch on {device}")
         sampled = [i for i, row in enumerate(rows) if row.params.temperature >= GREEDY_TEMPERATURE]
         params = [rows[i].params for i in sampled]
+        host = torch.device("cpu")
 
         def floats(values):
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return torch.tensor(values, dtype=torch.float32)
 
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         seeded = tuple((j, rows[i].generator) for j, i in enumerate(sampled) if rows[i].generator is not None)
         seeded_ids = {j for j, _ in seeded}
         unseeded = [j for j in range(len(sampled)) if j not in seeded_ids]
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        return cls(
+        batch = cls(
             num_rows=len(rows),
-            device=device,
-            sampled_rows=(torch.tensor(sampled, dtype=torch.long, device=device) if 0 < len(sampled) < len(rows)
-                          else None),
+            device=host,
+            sampled_rows=torch.tensor(sampled, dtype=torch.long) if 0 < len(sampled) < len(rows) else None,
             num_sampled=len(sampled),
             temperature=floats([p.temperature for p in params]) if sampled else None,
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device) if any(top_k) else None,
+            top_k=torch.tensor(top_k, dtype=torch.long) if any(top_k) else None,
             max_top_k=max(top_k, default=0),
             top_p=floats([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
             min_p=floats([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             seeded=seeded,
-            unseeded=torch.tensor(unseeded, dtype=torch.long, device=device) if seeded and unseeded else None,
-            penalties=_build_penalties(rows, device),
-            logprob_rows=torch.tensor(logprob_rows, dtype=torch.long, device=device) if logprob_rows else None,
+            unseeded=torch.tensor(unseeded, dtype=torch.long) if seeded and unseeded else None,
+            penalties=_build_penalties(rows),
+            logprob_rows=torch.tensor(logprob_rows, dtype=torch.long) if logprob_rows else None,
             logprob_counts=tuple(rows[i].params.logprobs for i in logprob_rows),
             blocked=tuple((i, ids) for i, row in enumerate(rows) if (ids := row.blocked_ids())),
             grammars=tuple((i, row.grammar) for i, row in enumerate(rows) if row.grammar is not None),
-            logit_bias=_build_logit_bias(rows, device),
+            logit_bias=_build_logit_bias(rows),
         )
+        return batch if device == host else batch.to(device)
+
+    def to(self, device: torch.device) -> SamplingBatch:
+        """This batch with its tensors on `device` (metadata.to_device: one packed copy of the int64
+        ones, pinned and non-blocking)."""
+        tensors = {name: getattr(self, name) for name in _TENSOR_FIELDS}
+        if self.penalties is not None:  # (dataclasses.asdict would deep-copy the tensors)
+            tensors["penalties"] = {f.name: getattr(self.penalties, f.name) for f in dataclasses.fields(_Penalties)}
+        moved = to_device(tensors, device)
+        if self.penalties is not None:
+            moved["penalties"] = _Penalties(**moved["penalties"])
+        return dataclasses.replace(self, device=device, **moved)
+
+
+_TENSOR_FIELDS = ("sampled_rows", "temperature", "top_k", "top_p", "min_p", "unseeded", "penalties", "logprob_rows",
+                  "logit_bias")
 
 
 def _canonical(device: torch.device | str) -> torch.device:
@@ -176,25 +195,25 @@ def _canonical(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device
 
 
-def _build_logit_bias(rows: Sequence[SamplingRow], device: torch.device):
+def _build_logit_bias(rows: Sequence[SamplingRow]):
     pairs = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias]
     if not pairs:
         return None
     rows_, tokens, biases = zip(*pairs)
-    return (torch.tensor(rows_, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device),
-            torch.tensor(biases, dtype=torch.float32, device=device))
+    return (torch.tensor(rows_, dtype=torch.long), torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(biases, dtype=torch.float32))
 
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
 
 
-def _padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+def _padded(seqs: list[list[int]]) -> torch.Tensor:
     width = max(map(len, seqs), default=0)
-    return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+    return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.long)
 
 
-def _build_penalties(rows: Sequence[SamplingRow], device: torch.device) -> _Penalties | None:
+def _build_penalties(rows: Sequence[SamplingRow]) -> _Penalties | None:
     chosen = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
     if not chosen:
         return None
@@ -203,15 +222,15 @@ def _build_penalties(rows: Sequence[SamplingRow], device: torch.device) -> _Pena
     seen = [list(rows[i].prompt_token_ids) + out if p.repetition_penalty != 1 else [] for i, out, p in zip(chosen, outputs, ps)]
 
     def column(values):
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+        return torch.tensor(values, dtype=torch.float32).unsqueeze(1)
 
     return _Penalties(
-        rows=torch.tensor(chosen, dtype=torch.long, device=device),
+        rows=torch.tensor(chosen, dtype=torch.long),
         repetition=column([p.repetition_penalty for p in ps]),
         frequency=column([p.frequency_penalty for p in ps]),
         presence=column([p.presence_penalty for p in ps]),
-        seen_ids=_padded(seen, device),
-        output_ids=_padded(outputs, device),
+        seen_ids=_padded(seen),
+        output_ids=_padded(outputs),
     )
 
 

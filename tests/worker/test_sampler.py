@@ -1,11 +1,13 @@
 """The batched sampler: greedy, filters, penalties, per-request seeds, logprobs, and errors."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils import _pytree as pytree
 
 from blockserve.attention.native import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.sampling_params import SamplingParams
@@ -458,3 +460,32 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
     ignoring = SamplingBatch.build([SamplingRow(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True), [1], [],
                                                 eos_token_id=3)], CPU)
     assert sampler(logits, ignoring).token_ids == [3]  # EOS is an ordinary token when ignored
+
+
+# -- the move to the device -------------------------------------------------------------------------
+
+
+def test_a_batch_for_another_device_is_built_on_the_host_and_moved_once(monkeypatch):
+    """Off the CPU every tensor of the batch (penalties' included) goes to the device in one to_device
+    call (pinned, non-blocking, int64 packed; metadata.to_device), not one blocking copy each. Here
+    the move is a clone to a pretend device: the moved batch holds the host batch's values."""
+    import blockserve.worker.sampler as sampler_module
+
+    moves = []
+    monkeypatch.setattr(sampler_module, "to_device", lambda tree, device: moves.append(device) or
+                        pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree))
+    rows = [row(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, logprobs=2, logit_bias={3: 1.5}),
+            row(prompt=[1, 2], output=[4], repetition_penalty=1.2, presence_penalty=0.5),
+            row(temperature=0)]
+    meta = torch.device("meta")
+    moved, host = SamplingBatch.build(rows, meta), SamplingBatch.build(rows, CPU)
+    assert moves == [meta] and moved.device == meta and host.device == CPU
+
+    def leaves(batch):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "device"]
+        return pytree.tree_leaves([dataclasses.astuple(v) if dataclasses.is_dataclass(v) else v for v in values])
+
+    assert moved.penalties is not None and moved.logit_bias is not None and moved.top_k is not None
+    assert len(leaves(moved)) == len(leaves(host))
+    for a, b in zip(leaves(moved), leaves(host)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
