@@ -190,7 +190,8 @@ class EngineCore:
         blockers = graph_blockers(self.loaded.model)
         if blockers:
             if config.cuda_graph_sizes:
-                raise ValueError(f"cuda_graph_sizes given, but this model's decode cannot be captured: {'; '.join(blockers)}")
+                raise ValueError("cuda_graph_sizes given, but this model's decode cannot be captured: "
+                                 + "; ".join(blockers))
             logger.warning("CUDA graphs: off, decode steps run eagerly: %s", "; ".join(blockers))
             return
         sizes = config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)

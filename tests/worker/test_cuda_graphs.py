@@ -4,11 +4,12 @@ CI has no GPU, so the capture is replaced by a stand-in with the semantics that 
 forward runs once to "capture" with host reads forbidden (CUDA forbids syncs while capturing),
 once more on fake tensors (torch's FakeTensorMode raises on an op whose output shape depends on
 values: boolean indexing, nonzero, unique), and each replay runs it again over the same static
-metadata objects, whose host lists still hold the capture's placeholders. A layer that reads a host value (a list, a host-built gather) thus
-gets the capture-time value on replay, as under a real graph, while everything computed from the
-static tensors is recomputed. With it, engines whose decode steps replay padded buckets must
-give the eager engine's tokens and logprobs for every family, and a backend that reads host
-lists must be caught. The GPU itself is checked by benchmarks/gpu_check.py.
+metadata objects, whose host lists still hold the capture's placeholders. A layer that reads a
+host value (a list, a host-built gather) thus gets the capture-time value on replay, as under a
+real graph, while everything computed from the static tensors is recomputed. With it, engines
+whose decode steps replay padded buckets must give the eager engine's tokens and logprobs for
+every family, and a backend that reads host lists must be caught. The GPU itself is checked by
+benchmarks/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -202,11 +203,34 @@ def test_the_stand_in_catches_a_backend_that_reads_host_lists(llama_path):
 
 def test_graph_blockers_name_what_cannot_be_captured(llama_path, tiny_model):
     assert graph_blockers(engine(llama_path, "flex").engine.core.runner.model) == []
-    assert graph_blockers(LLM(model=str(llama_path), attention_backend="exact", max_model_len=64).engine.core.runner.model) == [
+    exact = LLM(model=str(llama_path), attention_backend="exact", max_model_len=64)
+    assert graph_blockers(exact.engine.core.runner.model) == [
         "attention backend 'exact' builds its gathers from host lists (use 'flex')"]
     deepseek = LLM(model=str(tiny_model("deepseek_v3")[0]), attention_backend="flex", max_model_len=64)
     assert graph_blockers(deepseek.engine.core.runner.model) == [
         "MoE experts in float32 take the expert loop, which reads the routing back to the host (use --dtype bfloat16)"]
+
+
+def test_the_engine_captures_only_what_it_may(llama_path, monkeypatch, caplog):
+    """EngineCore's choice on CUDA (run here on a CPU engine, with the capture recorded): graphs at
+    the default sizes with flex; none with enforce_eager; a warning naming the reason for a
+    backend that cannot be captured, or an error when cuda_graph_sizes asked for graphs anyway."""
+    import dataclasses
+
+    def choose(backend, **options):
+        llm = LLM(model=str(llama_path), attention_backend=backend, max_model_len=64, max_num_seqs=6)
+        core, captured = llm.engine.core, []
+        monkeypatch.setattr(core.runner, "capture_decode_graphs", captured.append)
+        core._capture_decode_graphs(dataclasses.replace(core.config, **options))
+        return captured
+
+    assert choose("flex") == [(1, 2, 4, 6)]
+    assert choose("flex", enforce_eager=True) == []
+    with caplog.at_level("WARNING", logger="blockserve"):
+        assert choose("exact") == []
+    assert "CUDA graphs: off" in caplog.text and "'exact' builds its gathers from host lists" in caplog.text
+    with pytest.raises(ValueError, match="cuda_graph_sizes given, but this model's decode cannot be captured"):
+        choose("exact", cuda_graph_sizes=(1, 2))
 
 
 def test_default_sizes():
