@@ -282,6 +282,7 @@ def poison(device: str, dtype: torch.dtype, smoke: bool) -> dict:
                     flags = [g.zero_new_blocks for g in llm.engine.kv_cache_config.groups]
                     epochs = [greedy(llm, batch, new_tokens) for _ in range(2)]
                     recycled = llm.engine.stats().num_preemptions
+                    graph_sizes = llm.engine.cuda_graph_sizes
                 with engine(str(path), device, dtype, unsafe_disable_zeroing=True, **small) as llm:
                     unzeroed = greedy(llm, batch, new_tokens)
                 reads = BACKENDS[backend].reads_unwritten_slots
@@ -289,6 +290,7 @@ def poison(device: str, dtype: torch.dtype, smoke: bool) -> dict:
                 unzeroed_matches = judge(unzeroed, expected, dtype)["ok"]
                 results[backend] = {
                     "reads_unwritten_slots": reads, "zero_flags": flags, "preemptions": recycled,
+                    "cuda_graph_sizes": graph_sizes,
                     "derived_flags_match": zeroed_ok, "zeroing_off_matches": unzeroed_matches,
                     "ok": zeroed_ok and flags == [reads] * len(flags) and unzeroed_matches != reads and recycled > 0}
             except Exception as error:
