@@ -42,6 +42,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig  # 
 
 from blockserve import LLM, SamplingParams  # noqa: E402
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
+from blockserve.engine.config import EngineConfig  # noqa: E402
 from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS, save_random_hybrid, save_random_model  # noqa: E402
 from tests.paged_harness import assert_greedy_parity, reference_outputs  # noqa: E402
 
@@ -64,7 +65,7 @@ SCENARIOS = {
     "prefix-caching": dict(enable_prefix_caching=True),
     "no-prefix-caching": dict(enable_prefix_caching=False),
     "chunked-prefill": dict(max_num_batched_tokens=24),
-    "preemption": dict(max_num_batched_tokens=32, max_model_len=96),
+    "preemption": dict(max_num_batched_tokens=32, max_model_len=96, max_num_seqs=8),
 }
 BILLION = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
@@ -180,13 +181,15 @@ def engine(model, device: str, dtype: torch.dtype, **options) -> LLM:
 
 
 def small_cache(model: str, device: str, dtype: torch.dtype, **options) -> dict:
-    """Engine options for a KV cache that holds one request of max_model_len tokens (and a block to spare), so a batch
-    must preempt. A probe engine gives the bytes per block of each group (a state group: per slot). On
-    CUDA the budget is a fraction of the device's memory less what is in use after a profiling forward
+    """Engine options for a KV cache whose attention groups hold one request of max_model_len tokens (and a block
+    to spare), so a batch must preempt; state groups get the slot per running request (and the null slot) that the
+    engine reserves. A probe engine gives the bytes per block of each group (a state group: per slot). On CUDA the
+    budget is a fraction of the device's memory less what is in use after a profiling forward
     (engine/kv_budget.py): the probe measures those too, and the fraction is set to leave that cache."""
     probe = engine(model, device, dtype, **options)
     per_request = -(-options["max_model_len"] // 16)
-    target = sum(g.spec.page_size_bytes * len(g.layer_names) * (2 if g.is_state else per_request + 2)
+    state_slots = options.get("max_num_seqs", EngineConfig.max_num_seqs) + 1  # kv/capacity.py's reservation
+    target = sum(g.spec.page_size_bytes * len(g.layer_names) * (state_slots if g.is_state else per_request + 2)
                  for g in probe.engine.kv_cache_config.groups)
     budget = probe.engine.device_kv_budget
     probe.close()

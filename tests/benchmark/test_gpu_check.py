@@ -1,14 +1,17 @@
 """benchmarks/gpu_check.py's CPU smoke mode (`--device cpu --smoke`): every section runs and reports
-what it must, so the script that only a GPU machine runs in full cannot rot unseen. Never asserts
-on wall-clock figures, only that they are there and positive."""
+what it must, so the script that only a GPU machine runs in full cannot rot unseen; and its parity
+and poison sections at their full grid, in float32 on the CPU. Never asserts on wall-clock figures,
+only that they are there and positive."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,3 +47,19 @@ def test_smoke_mode_runs_every_section(tmp_path):
         assert row["transformers_tok_s"] > 0 and row["blockserve_exact_tok_s"] > 0 and row["hbm_bound_tok_s"] > 0
     text = gpu_check.summary(report)
     assert "OK" in text and "parity: 2/2 ok" in text and "poison: 2/2 ok" in text
+
+
+def test_parity_and_poison_run_their_full_grid_on_the_cpu():
+    """Every family x backend x scenario of the parity section and every backend of the poison section,
+    as the GPU run has them, in float32 on the CPU (flex runs eagerly there): all pass, the hybrid
+    models' preemption runs included (their small cache once left no room for the state slots the
+    engine reserves, a failure only the full grid could show)."""
+    gpu_check = load_gpu_check()
+    parity = gpu_check.parity("cpu", torch.float32, smoke=False, until=time.perf_counter() + 900)
+    runs = parity["runs"]
+    assert set(runs) == {f"{family}/{backend}/{scenario}" for family in gpu_check.FAMILIES
+                         for backend in gpu_check.GPU_BACKENDS for scenario in gpu_check.SCENARIOS}
+    assert parity["ok"] and not parity["skipped"], json.dumps({k: r for k, r in runs.items() if not r["ok"]})[:2000]
+    assert all(r["preemptions"] > 0 for k, r in runs.items() if k.endswith("/preemption"))
+    poison = gpu_check.poison("cpu", torch.float32, smoke=False)
+    assert poison["ok"] and set(poison["backends"]) == {"exact", "whole_block", "flex"}, json.dumps(poison)[:2000]
