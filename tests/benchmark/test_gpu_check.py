@@ -63,3 +63,13 @@ def test_parity_and_poison_run_their_full_grid_on_the_cpu():
     assert all(r["preemptions"] > 0 for k, r in runs.items() if k.endswith("/preemption"))
     poison = gpu_check.poison("cpu", torch.float32, smoke=False)
     assert poison["ok"] and set(poison["backends"]) == {"exact", "whole_block", "flex"}, json.dumps(poison)[:2000]
+
+
+def test_the_gpu_runs_measure_flex_with_and_without_cuda_graphs():
+    gpu_check = load_gpu_check()
+    assert gpu_check.engine_variants("cuda", False, [1, 16]) == {
+        "flex_cuda_graphs": {"attention_backend": "flex", "cuda_graph_sizes": (1, 16)},
+        "exact_eager": {"attention_backend": "exact", "enforce_eager": True},
+        "flex_eager": {"attention_backend": "flex", "enforce_eager": True}}
+    assert gpu_check.engine_variants("cpu", True, [1, 4]) == {
+        "exact": {"attention_backend": "exact", "enforce_eager": False}}
