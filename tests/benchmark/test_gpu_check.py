@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -19,9 +20,14 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 def load_gpu_check():
+    """The script as a module (registered under its name while it runs: its dataclasses look it up)."""
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module
 
 
@@ -32,7 +38,7 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert len(written) == 4 and "poison" in json.loads(written[0])  # after each section, and at the end
     assert report["ok"], gpu_check.summary(report)
     assert {"torch", "triton", "transformers", "python"} <= set(report["environment"])
-    assert "top 5" in report["near_tie_rule"]
+    assert "regret" in report["parity_rule"]
     runs = report["parity"]["runs"]
     assert set(runs) == {"gemma3/exact/prefix-caching", "gemma3/exact/preemption"}
     assert runs["gemma3/exact/preemption"]["preemptions"] > 0
@@ -73,3 +79,18 @@ def test_the_gpu_runs_measure_flex_with_and_without_cuda_graphs():
         "flex_eager": {"attention_backend": "flex", "enforce_eager": True}}
     assert gpu_check.engine_variants("cpu", True, [1, 4]) == {
         "exact": {"attention_backend": "exact", "enforce_eager": False}}
+
+
+def test_the_bfloat16_rule_passes_a_correct_engine_and_fails_a_broken_one(tmp_path):
+    """The GPU run's rule, in bfloat16 on the CPU: the engine's greedy tokens pass (their mean regret
+    under the float32 model is within the margin of transformers' own bfloat16 tokens'), tokens from a
+    broken path (here: each sequence's tokens shifted by one position) fail."""
+    gpu_check = load_gpu_check()
+    batch = gpu_check.prompts(8)
+    reference = gpu_check.Reference.build("llama", tmp_path / "llama", "cpu", torch.bfloat16, batch, 10)
+    with gpu_check.engine(str(tmp_path / "llama"), "cpu", torch.bfloat16, attention_backend="exact") as llm:
+        got = gpu_check.greedy(llm, batch, 10)
+    verdict = gpu_check.judge(got, reference)
+    assert verdict["ok"] and verdict["mean_regret"] >= 0, verdict
+    broken = gpu_check.judge([tokens[1:] + tokens[:1] for tokens in got], reference)
+    assert not broken["ok"] and broken["mean_regret"] > 1, broken
