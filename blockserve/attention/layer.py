@@ -23,6 +23,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def backend_graph_blocker(backend) -> str | None:
+    """Why an attention or MLA backend's decode cannot be captured as a CUDA graph (None: it can)."""
+    if backend.captures_decode:
+        return None
+    return f"attention backend {backend.name!r} builds its gathers from host lists (use 'flex')"
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads over the paged cache of layer `layer_name`, in
     `dtype` (the model's), over the last `sliding_window` tokens when set (itself included).
@@ -50,9 +57,7 @@ class Attention(nn.Module):
 
     def cuda_graph_blocker(self) -> str | None:
         """Why a decode step through this layer cannot be captured as a CUDA graph (None: it can)."""
-        if self.backend.captures_decode:
-            return None
-        return f"attention backend {self.backend.name!r} builds its gathers from host lists (use 'flex')"
+        return backend_graph_blocker(self.backend)
 
     def kv_cache_spec(self, block_size: int) -> FullAttentionSpec:
         if self.sliding_window is None:

@@ -45,7 +45,7 @@ from torch import nn
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.flex_attention import FlexMLA
-from blockserve.attention.layer import dtype_name
+from blockserve.attention.layer import backend_graph_blocker, dtype_name
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.kv.specs import MLASpec
 
@@ -196,9 +196,7 @@ class MLAttention(nn.Module):
 
     def cuda_graph_blocker(self) -> str | None:
         """Why a decode step through this layer cannot be captured as a CUDA graph (None: it can)."""
-        if self.backend.captures_decode:
-            return None
-        return f"attention backend {self.backend.name!r} builds its gathers from host lists (use 'flex')"
+        return backend_graph_blocker(self.backend)
 
     def kv_cache_spec(self, block_size: int) -> MLASpec:
         return MLASpec(block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype_name(self.dtype))

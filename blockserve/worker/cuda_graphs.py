@@ -160,7 +160,8 @@ class DecodeGraphs:
     def _host_inputs(self, size: int, step: StepInputs | None) -> torch.Tensor:
         """The static inputs of a batch of `size` rows on the host: `step`'s rows, then padding (all
         padding for None); pinned on CUDA (the copy to the device does not wait for it)."""
-        flat = torch.empty(size * sum(f.width for f in self.fields), dtype=torch.int64)
+        flat = torch.empty(size * sum(f.width for f in self.fields), dtype=torch.int64,
+                           pin_memory=self.device.type == "cuda")
         views = self._views(flat, size)
         n = 0 if step is None else step.layout.num_seqs
         views["input_ids"][n:] = 0
@@ -187,4 +188,4 @@ class DecodeGraphs:
                 views[f"slot{g}"][:n] = meta.slot_mapping
                 views[f"key_start{g}"][:n] = meta.key_start
                 views[f"seq_len{g}"][:n] = meta.seq_len
-        return flat.pin_memory() if self.device.type == "cuda" else flat
+        return flat
