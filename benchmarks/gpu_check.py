@@ -10,7 +10,8 @@ short text report under --results:
                   reads_unwritten_slots must fail it and one that does not must still pass
     throughput    decode tok/s of a ~1B Llama-shaped random model at batch 1/16/64/256 vs transformers
                   `generate` (static batch) in the same run and vs the HBM bound (weight bytes per step
-                  / measured device copy bandwidth), flex with and without CUDA graphs for decode
+                  / measured device copy bandwidth), flex and triton with CUDA graphs for decode, then
+                  every backend without: the measurement that picks the GPU's attention backend
 
 The parity rule. The truth is transformers in float32 on the same device. In float32 (CPU) our greedy
 tokens must equal its tokens exactly. In bfloat16 greedy tokens cannot be compared one by one: these
@@ -209,20 +210,23 @@ class Reference:
         return torch.cat(regrets).mean().item()
 
 
-GPU_BACKENDS = ("exact", "flex")  # whole_block imitates a tile-reading kernel on the CPU: poison-tested only
+GPU_BACKENDS = ("exact", "flex", "triton")  # whole_block imitates a tile-reading kernel on the CPU: poison only
 PARITY_GRAPH_SIZES = (1, 2, 4, 8)  # the parity and poison batches' decode sizes (8 prompts)
 
 
 def backends(smoke: bool) -> list[str]:
-    """The backends parity and throughput run: on CPU smoke the default one (FlexAttention is eager there)."""
+    """The backends parity and throughput run: on CPU smoke the default one (flex is eager there, triton
+    interpreted)."""
     return ["exact"] if smoke else list(GPU_BACKENDS)
 
 
 def engine(model, device: str, dtype: torch.dtype, **options) -> LLM:
-    """An engine on `device`; on CUDA with flex its decode steps replay CUDA graphs (captured at the
-    parity batches' sizes unless `options` say otherwise), as a GPU user gets by default."""
+    """An engine on `device`; on CUDA with a backend that captures decode steps (flex, triton) they replay
+    CUDA graphs (captured at the parity batches' sizes unless `options` say otherwise), as a GPU user
+    gets by default."""
     budget = {"kv_cache_memory": "64MiB"} if device == "cpu" else {"gpu_memory_utilization": 0.5}
-    if device != "cpu" and options.get("attention_backend") == "flex" and not options.get("enforce_eager"):
+    backend = BACKENDS[options.get("attention_backend", EngineConfig.attention_backend)]
+    if device != "cpu" and backend.captures_decode and not options.get("enforce_eager"):
         options.setdefault("cuda_graph_sizes", PARITY_GRAPH_SIZES)
     return LLM(model, device=device, dtype=str(dtype).removeprefix("torch."), check_integrity=True,
                **{"block_size": 16, **budget, **options})
@@ -390,11 +394,14 @@ def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> di
 
 
 def engine_variants(device: str, smoke: bool, batches: list[int]) -> dict[str, dict]:
-    """label -> engine options of the throughput runs: on CUDA flex with CUDA graphs (at the measured
-    batch sizes) first, then each backend eager (exact's decode cannot be captured)."""
+    """label -> engine options of the throughput runs: on CUDA each backend that captures decode steps
+    with CUDA graphs (at the measured batch sizes) first, then each backend eager (exact's decode
+    cannot be captured)."""
     variants = {}
     if device != "cpu":
-        variants["flex_cuda_graphs"] = dict(attention_backend="flex", cuda_graph_sizes=tuple(batches))
+        for backend in backends(smoke):
+            if BACKENDS[backend].captures_decode:
+                variants[f"{backend}_cuda_graphs"] = dict(attention_backend=backend, cuda_graph_sizes=tuple(batches))
     for backend in backends(smoke):
         variants[backend if device == "cpu" else f"{backend}_eager"] = dict(attention_backend=backend,
                                                                           enforce_eager=device != "cpu")

@@ -1,7 +1,7 @@
 """Hypothesis profiles: CI explores a fixed set of examples, so a landing never hinges on luck;
 local runs explore new ones each time (`HYPOTHESIS_PROFILE=dev`). Fixtures every test package
-may use: one torch thread, and the SmolLM2 parity reference. CUDA is hidden unless
-BLOCKSERVE_TEST_CUDA=1."""
+may use: one torch thread, and the SmolLM2 parity reference. CUDA is hidden, and Triton kernels run
+in Triton's interpreter, unless BLOCKSERVE_TEST_CUDA=1."""
 
 import os
 
@@ -11,8 +11,11 @@ from hypothesis import settings
 # The default suite is the CPU suite (CI has no GPU): on a machine with CUDA, device="auto" would move
 # every engine there in bfloat16 and the float32 parity tests with it. BLOCKSERVE_TEST_CUDA=1 leaves
 # CUDA visible (the CUDA-only tests then run); benchmarks/gpu_check.py is the GPU check.
+# Without CUDA, Triton kernels (the `triton` attention backend) run in Triton's interpreter, which must
+# be chosen before triton is first imported.
 if os.environ.get("BLOCKSERVE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["TRITON_INTERPRET"] = "1"
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)

@@ -27,7 +27,7 @@ def backend_graph_blocker(backend) -> str | None:
     """Why an attention or MLA backend's decode cannot be captured as a CUDA graph (None: it can)."""
     if backend.captures_decode:
         return None
-    return f"attention backend {backend.name!r} builds its gathers from host lists (use 'flex')"
+    return f"attention backend {backend.name!r} builds its gathers from host lists (use 'flex' or 'triton')"
 
 
 class Attention(nn.Module):

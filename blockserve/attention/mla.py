@@ -47,6 +47,7 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.flex_attention import FlexMLA
 from blockserve.attention.layer import backend_graph_blocker, dtype_name
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention.triton_attention import TritonMLA
 from blockserve.kv.specs import MLASpec
 
 
@@ -167,7 +168,8 @@ class WholeBlockMLA(MLABackend):
         return cache[index].flatten(1, 2)  # [N, blocks * bs, R + Dr]
 
 
-MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLengthMLA, WholeBlockMLA, FlexMLA)}
+MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLengthMLA, WholeBlockMLA, FlexMLA,
+                                                                                     TritonMLA)}
 
 
 class MLAttention(nn.Module):

@@ -31,6 +31,7 @@ from blockserve.attention.flex_attention import FlexAttention
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.native import paged_decode_kernel
 from blockserve.attention.native_gate import native_reads
+from blockserve.attention.triton_attention import TritonAttention
 
 DECODE_BUCKETS = 4  # length buckets the decodes of a step are split into
 MIN_BUCKET = 8  # decodes per bucket at least, so small batches stay one call
@@ -199,4 +200,5 @@ class WholeBlockAttention(PagedAttention):
         return _Gather(key_pos, valid, blocks=blocks)
 
 
-BACKENDS: dict[str, type[PagedAttention]] = {cls.name: cls for cls in (ExactLengthAttention, WholeBlockAttention, FlexAttention)}
+BACKENDS: dict[str, type[PagedAttention]] = {cls.name: cls for cls in (ExactLengthAttention, WholeBlockAttention, FlexAttention,
+                                                                   TritonAttention)}

@@ -44,7 +44,7 @@ def parse_memory(value: str | int | float) -> int:
 
 # The attention backends' names (attention/paged_attention.py's BACKENDS, which imports torch);
 # `blockserve -h` stays torch-free, and a test checks the two agree.
-ATTENTION_BACKENDS = ("exact", "whole_block", "flex")
+ATTENTION_BACKENDS = ("exact", "whole_block", "flex", "triton")
 # The model dtypes (engine/device.py, which imports torch); auto: float32 on CPU, bfloat16 on CUDA.
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The GGUF block kernels' activations (models/quantized_linear.py's ACTIVATIONS; a test checks they agree).

@@ -57,7 +57,7 @@ def test_smoke_mode_runs_every_section(tmp_path):
 
 def test_parity_and_poison_run_their_full_grid_on_the_cpu():
     """Every family x backend x scenario of the parity section and every backend of the poison section,
-    as the GPU run has them, in float32 on the CPU (flex runs eagerly there): all pass, the hybrid
+    as the GPU run has them, in float32 on the CPU (flex runs eagerly there, triton interpreted): all pass, the hybrid
     models' preemption runs included (their small cache once left no room for the state slots the
     engine reserves, a failure only the full grid could show)."""
     gpu_check = load_gpu_check()
@@ -68,15 +68,17 @@ def test_parity_and_poison_run_their_full_grid_on_the_cpu():
     assert parity["ok"] and not parity["skipped"], json.dumps({k: r for k, r in runs.items() if not r["ok"]})[:2000]
     assert all(r["preemptions"] > 0 for k, r in runs.items() if k.endswith("/preemption"))
     poison = gpu_check.poison("cpu", torch.float32, smoke=False)
-    assert poison["ok"] and set(poison["backends"]) == {"exact", "whole_block", "flex"}, json.dumps(poison)[:2000]
+    assert poison["ok"] and set(poison["backends"]) == {"exact", "whole_block", "flex", "triton"}, json.dumps(poison)[:2000]
 
 
-def test_the_gpu_runs_measure_flex_with_and_without_cuda_graphs():
+def test_the_gpu_runs_measure_flex_and_triton_with_and_without_cuda_graphs():
     gpu_check = load_gpu_check()
     assert gpu_check.engine_variants("cuda", False, [1, 16]) == {
         "flex_cuda_graphs": {"attention_backend": "flex", "cuda_graph_sizes": (1, 16)},
+        "triton_cuda_graphs": {"attention_backend": "triton", "cuda_graph_sizes": (1, 16)},
         "exact_eager": {"attention_backend": "exact", "enforce_eager": True},
-        "flex_eager": {"attention_backend": "flex", "enforce_eager": True}}
+        "flex_eager": {"attention_backend": "flex", "enforce_eager": True},
+        "triton_eager": {"attention_backend": "triton", "enforce_eager": True}}
     assert gpu_check.engine_variants("cpu", True, [1, 4]) == {
         "exact": {"attention_backend": "exact", "enforce_eager": False}}
 

@@ -150,6 +150,19 @@ def test_moe_families_capture_in_bfloat16(family, request, tiny_model):
     assert [tokens for tokens, _ in generate(llm)] == [tokens for tokens, _ in eager]
 
 
+@pytest.mark.parametrize("family", DENSE + ("deepseek_v3", "kimi_linear"))
+def test_triton_decode_steps_replay_equal_eager(family, request, tiny_model):
+    """The triton backend's kernel (run by Triton's interpreter) reads only the step's tensors: full,
+    sliding and MLA layers replayed in padded buckets give the eager engine's tokens and logprobs.
+    (No fake-tensor pass: a Triton launch needs real memory; its tile map's ops are torch's, as flex's.)"""
+    path = family_path(family, request, tiny_model)
+    eager = generate(engine(path, "triton"))
+    llm = engine(path, "triton")
+    capture = with_graphs(llm, fake=False)
+    assert_same(generate(llm), eager)
+    assert set(capture.replays) == set(SIZES)
+
+
 def test_the_cuda_flex_call_traces_as_one_graph(request, tiny_model, monkeypatch):
     """On CUDA flex_attention is compiled (fullgraph, dynamic shapes): its block mask and mask_mod,
     built from the step's tensors (a captured step's too), must trace without a graph break, and
@@ -204,9 +217,10 @@ def test_the_stand_in_catches_a_backend_that_reads_host_lists(llama_path):
 
 def test_graph_blockers_name_what_cannot_be_captured(llama_path, tiny_model):
     assert graph_blockers(engine(llama_path, "flex").engine.core.runner.model) == []
+    assert graph_blockers(engine(llama_path, "triton").engine.core.runner.model) == []
     exact = LLM(model=str(llama_path), attention_backend="exact", max_model_len=64)
     assert graph_blockers(exact.engine.core.runner.model) == [
-        "attention backend 'exact' builds its gathers from host lists (use 'flex')"]
+        "attention backend 'exact' builds its gathers from host lists (use 'flex' or 'triton')"]
     deepseek = LLM(model=str(tiny_model("deepseek_v3")[0]), attention_backend="flex", max_model_len=64)
     assert graph_blockers(deepseek.engine.core.runner.model) == [
         "MoE experts in float32 take the expert loop, which reads the routing back to the host (use --dtype bfloat16)"]

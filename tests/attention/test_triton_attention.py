@@ -1,0 +1,174 @@
+"""The `triton` backend on the CPU: its kernel (attention/triton_paged.py) run by Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1) against the exact-length backend on tiny paged steps
+(prefill, decode, mixed, long contexts, sliding window, prefix hit, stale table entries), its C1
+declaration under poison (it reads no unwritten slot), tiny engines giving the exact backend's
+greedy tokens, and the same kernel compiled for a Hopper GPU (sm_90) out of interpreter mode.
+(The MLA flavour's kernel parity and poison tests are tests/attention/test_mla.py's, which run
+every MLA backend.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from blockserve import LLM, SamplingParams
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+from blockserve.attention.paged_attention import BACKENDS
+from blockserve.attention.triton_attention import TritonAttention
+from blockserve.attention.triton_paged import TRITON_UNAVAILABLE, interpreting
+from tests.attention.test_flex_attention import MODELS, STEPS, forward
+from tests.attention.test_paged_attention import BS, D, NUM_BLOCKS, make_step
+from tests.models.conftest import save_random_model, tiny_model  # noqa: F401 (a fixture)
+
+pytestmark = [pytest.mark.skipif(TRITON_UNAVAILABLE is not None, reason=f"Triton unavailable: {TRITON_UNAVAILABLE}"),
+              pytest.mark.usefixtures("one_torch_thread")]
+
+LONG = [(3, 1), (0, 40), (20, 19), (33, 1)]  # tiles of several rows, contexts of many pages
+
+
+def test_runs_interpreted():
+    assert interpreting(), "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("step", sorted(STEPS) + ["long"])
+def test_matches_exact_backend(step, window):
+    seqs = LONG if step == "long" else STEPS[step]
+    torch.testing.assert_close(forward("triton", seqs, window), forward("exact", seqs, window), rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_hit_shared_block():
+    seqs = [(6, 1), (7, 3)]  # the second's first block (4 computed tokens) is the first's
+    torch.testing.assert_close(forward("triton", seqs, share_first_block=True),
+                               forward("exact", seqs, share_first_block=True), rtol=1e-5, atol=1e-5)
+
+
+def test_stale_table_entries_are_ignored():
+    """Entries past a sequence's last block (another sequence's block, a NaN free block) are not read."""
+    seqs = STEPS["mixed"]
+    k_cache, v_cache, table, q, k, v, *_ = make_step(seqs, fill=float("nan"))
+    free = next(b for b in range(NUM_BLOCKS) if b not in table.unique().tolist())
+    stale = torch.tensor([int(table[2, 1])] + [free] * (len(seqs) - 1))[:, None]
+    table = torch.cat([table, stale], dim=1)
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    outs = [BACKENDS[name](1 / math.sqrt(D)).forward(q, k, v, k_cache.clone(), v_cache.clone(),
+                                                       AttentionMetadata.build(layout, table, BS))
+            for name in ("triton", "exact")]
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("seqs", [STEPS["mixed"], LONG], ids=["mixed", "long"])
+def test_poison_c1(seqs, window):
+    """C1: the page loads are masked to written slots (reads_unwritten_slots = False): with every
+    unwritten slot NaN and nothing zeroed, the output is bit-identical to the clean run."""
+    assert not TritonAttention.reads_unwritten_slots
+    assert torch.equal(forward("triton", seqs, window, fill=float("nan")), forward("triton", seqs, window))
+
+
+def test_strided_queries():
+    """Queries sliced out of a wider projection (rows not contiguous) read the right elements."""
+    seqs = STEPS["mixed"]
+    k_cache, v_cache, table, q, k, v, *_ = make_step(seqs, fill=0.0)
+    wide = torch.cat([q, torch.randn_like(q)], dim=-1)[..., : q.shape[-1]]
+    assert not wide.is_contiguous()
+    meta = lambda: AttentionMetadata.build(BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs]), table, BS)  # noqa: E731
+    backend = TritonAttention(1 / math.sqrt(D))
+    torch.testing.assert_close(backend.forward(wide, k, v, k_cache.clone(), v_cache.clone(), meta()),
+                               backend.forward(q.contiguous(), k, v, k_cache.clone(), v_cache.clone(), meta()))
+
+
+@pytest.mark.parametrize("family", sorted(MODELS) + ["deepseek_v3"])
+def test_engine_greedy_tokens_equal_exact(family, tmp_path, tiny_model):
+    """Batched prompts (two sharing a prefix), chunked prefill, prefix caching, poison on with the
+    derived zero flags (none for triton): the greedy tokens equal the exact backend's."""
+    if family in MODELS:
+        save_random_model(MODELS[family](), tmp_path)
+        path = tmp_path
+    else:
+        path = tiny_model(family)[0]
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 500, (9,), generator=gen).tolist()
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 11)]
+    prompts += [shared + [5, 6], shared + [7]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    tokens = {}
+    for backend in ("exact", "triton"):
+        llm = LLM(str(path), block_size=4, attention_backend=backend, max_num_batched_tokens=8, poison=True,
+                  check_integrity=True, kv_cache_memory="1MiB", enable_prefix_caching=True)
+        assert all(g.zero_new_blocks == BACKENDS[backend].reads_unwritten_slots
+                   for g in llm.engine.core.kv_config.groups)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.core.kv.prefix_cache_stats().hits > 0
+    assert tokens["triton"] == tokens["exact"]
+
+
+# One child process, Triton out of interpreter mode (no GPU needed): the kernel of each launch the GPU
+# check's families make, compiled for sm_90 by Triton's compiler and ptxas; and the CPU's refusal.
+COMPILE_CHILD = textwrap.dedent("""
+    import json, torch
+    from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+    from blockserve.attention.triton_attention import TritonAttention
+    from blockserve.attention.triton_paged import compile_for
+
+    def meta_for(seqs, window=None):
+        layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+        width = max(-(-(c + n) // 16) for c, n in seqs)
+        return AttentionMetadata.build(layout, torch.arange(1, 1 + len(seqs) * width).view(len(seqs), width), 16, window)
+
+    def attention(dtype, hq, hkv, d, window, seqs):
+        meta = meta_for(seqs, window)
+        q, cache = torch.empty(meta.slot_mapping.shape[0], hq, d, dtype=dtype), torch.empty(64, 16, hkv, d, dtype=dtype)
+        return compile_for(90, torch.empty_like(q), q, cache, cache, meta, d ** -0.5)
+
+    def mla(dtype, h, r, dr, seqs):
+        meta = meta_for(seqs)
+        t = meta.slot_mapping.shape[0]
+        q, q_rope = torch.empty(t, h, r, dtype=dtype), torch.empty(t, h, dr, dtype=dtype)
+        pages = torch.empty(64, 16, r + dr, dtype=dtype)[:, :, None]
+        return compile_for(90, torch.empty_like(q), q, pages[..., :r], pages[..., :r], meta, 0.1, q2=q_rope,
+                           k2=pages[..., r:], value_is_k1=True)
+
+    decode, mixed = [(30, 1)] * 4, [(30, 1), (0, 40), (17, 9)]
+    kernels = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, seqs in (("decode", decode), ("mixed", mixed)):
+            key = f"{str(dtype)[6:]}_{name}"
+            kernels[f"llama_1b_{key}"] = attention(dtype, 32, 8, 64, None, seqs)  # the throughput model
+            kernels[f"gemma3_window_{key}"] = attention(dtype, 4, 2, 16, 6, seqs)
+            kernels[f"mla_deepseek_v3_{key}"] = mla(dtype, 128, 512, 64, seqs)  # the real model's widths
+            kernels[f"mla_tiny_{key}"] = mla(dtype, 4, 16, 4, seqs)
+    meta = meta_for(decode)
+    q = torch.zeros(4, 4, 16)
+    try:
+        TritonAttention(0.25).forward(q, q[:, :2], q[:, :2], torch.zeros(16, 16, 2, 16), torch.zeros(16, 16, 2, 16), meta)
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    print(json.dumps({"refusal": refusal, "kernels": {name: {"cubin": len(k.asm["cubin"]), "shared": k.metadata.shared}
+                                                      for name, k in kernels.items()}}))
+""")
+
+HOPPER_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_90
+
+
+def test_compiles_for_hopper():
+    """The kernels a GPU run launches compile for sm_90 (Triton's compiler and its ptxas, no GPU),
+    each within Hopper's shared memory; and the CPU out of interpreter mode is refused clearly."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert "TRITON_INTERPRET=1" in report["refusal"]
+    assert len(report["kernels"]) == 16
+    for name, kernel in report["kernels"].items():
+        assert kernel["cubin"] > 0, name
+        assert 0 < kernel["shared"] <= HOPPER_SHARED_MEMORY, (name, kernel["shared"])
