@@ -44,6 +44,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata
 
 try:
@@ -218,34 +219,18 @@ class FlexAttention:
         return out[0].transpose(0, 1).contiguous()
 
 
-class FlexMLA:
-    """The MLA backend `flex` (same forward contract as mla.MLABackend): every row, prefill or
-    decode, in the absorbed form over the latent cache, as one FlexAttention call in which all
-    query heads share one KV head (GQA with Hkv = 1) of width R + Dr and value width R:
-
-        q_h = [W_UK_h^T q_nope_h | q_rope_h]   k = row = [c | k_rope]   v = c
-        out_h = W_UV_h (softmax(q_h . k) v)
-
-    FlexAttention allows a value width different from the query/key width, so this is the same
-    function of the cache as mla.py's flavours (up to rounding); prefill pays the absorbed
-    form's wider dot products instead of expanding the cache."""
+class FlexMLA(AbsorbedMLA):
+    """The MLA backend `flex`: the absorbed form (absorbed_mla.py) as one FlexAttention call in which
+    all query heads share one KV head (GQA with Hkv = 1); FlexAttention allows the value width R to
+    differ from the query/key width R + Dr."""
 
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
 
-    def __init__(self, scale: float):
-        self.scale = scale
-
-    def forward(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, cache, meta: AttentionMetadata) -> torch.Tensor:
-        """q_nope [T, H, Dn], q_rope [T, H, Dr], latent [T, R], k_rope [T, Dr], w_uk [H, Dn, R],
-        w_uv [H, Dv, R], cache [num_pages, bs, R + Dr] -> [T, H, Dv]."""
-        rank = latent.shape[-1]
-        rows_in = torch.cat([latent, k_rope], dim=-1).to(cache.dtype)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, rows_in)
-        mask = _derived_mask(meta, cache.shape[0], q_nope.device)
-        rows = _kv(cache, mask.pages).to(q_nope.dtype)  # [1, 1, L, R + Dr]
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+    def _attend_latent(self, q_lat, q_rope, cache, meta: AttentionMetadata) -> torch.Tensor:
+        mask = _derived_mask(meta, cache.shape[0], q_lat.device)
+        rows = _kv(cache, mask.pages).to(q_lat.dtype)  # [1, 1, L, R + Dr]
         query = torch.cat([q_lat, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, T, R + Dr]
-        out_lat = _attend(query, rows, rows[..., :rank], mask.block_mask, self.scale)  # [1, H, T, R]
-        return torch.einsum("htr,hvr->thv", out_lat[0], w_uv)
+        rank = q_lat.shape[-1]
+        return _attend(query, rows, rows[..., :rank], mask.block_mask, self.scale)[0].transpose(0, 1)

@@ -2,9 +2,9 @@
 every row of a step (decodes and prefill chunks) in one launch per layer.
 
     attention   q [T, Hq, D] over the pages of k_cache / v_cache [N, bs, Hkv, D]
-    MLA         absorbed, as FlexMLA: q = [W_UK_h^T q_nope_h | q_rope_h] over the latent rows
-                [c | k_rope] of cache [N, bs, R + Dr] (one KV head shared by all query heads),
-                values c; out_h = W_UV_h (softmax(q . row) c)
+    MLA         absorbed (absorbed_mla.py): [W_UK_h^T q_nope_h | q_rope_h] over the latent rows
+                [c | k_rope] of cache [N, bs, R + Dr], one KV head shared by all query heads,
+                values c
 
 The kernel reads only slots its rows may see (masked page loads), so reads_unwritten_slots =
 False: recycled blocks need no zeroing (C1). It reads no host list, so decode steps are captured
@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.triton_paged import paged_attention
 
@@ -39,24 +40,16 @@ class TritonAttention:
         return paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale)
 
 
-class TritonMLA:
-    """The MLA backend `triton` (same forward contract as mla.MLABackend)."""
+class TritonMLA(AbsorbedMLA):
+    """The MLA backend `triton`: the absorbed form (absorbed_mla.py) as one kernel launch whose keys
+    come in two parts, [c | k_rope], and whose values are the first (read once)."""
 
     name: ClassVar[str] = "triton"
     reads_unwritten_slots: ClassVar[bool] = False
     captures_decode: ClassVar[bool] = True
 
-    def __init__(self, scale: float):
-        self.scale = scale
-
-    def forward(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, cache, meta: AttentionMetadata) -> torch.Tensor:
-        """q_nope [T, H, Dn], q_rope [T, H, Dr], latent [T, R], k_rope [T, Dr], w_uk [H, Dn, R],
-        w_uv [H, Dv, R], cache [num_pages, bs, R + Dr] -> [T, H, Dv]."""
-        rank = latent.shape[-1]
-        rows_in = torch.cat([latent, k_rope], dim=-1).to(cache.dtype)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, rows_in)
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+    def _attend_latent(self, q_lat, q_rope, cache, meta: AttentionMetadata) -> torch.Tensor:
+        rank = q_lat.shape[-1]
         pages = cache[:, :, None]  # [N, bs, 1, R + Dr]: one KV head
-        out_lat = paged_attention(q_lat.new_empty(q_lat.shape), q_lat, pages[..., :rank], pages[..., :rank], meta,
-                                  self.scale, q2=q_rope, k2=pages[..., rank:], value_is_k1=True)
-        return torch.einsum("thr,hvr->thv", out_lat, w_uv)
+        return paged_attention(q_lat.new_empty(q_lat.shape), q_lat, pages[..., :rank], pages[..., :rank], meta,
+                               self.scale, q2=q_rope, k2=pages[..., rank:], value_is_k1=True)

@@ -1,33 +1,25 @@
-"""A paged attention kernel of our own in Triton: every row of a step (decodes and prefill chunks,
-flattened) attends to its sequence's pages in place, reading only the slots it may see.
+"""The launcher of the `triton` attention backend's kernel (triton_kernel.py): every row of a step
+(decodes and prefill chunks, flattened) attends to its sequence's pages in place in one launch,
+reading only the slots it may see.
 
-One program handles a tile of up to BLOCK_Q consecutive query rows of one sequence for a block
-of G_BLOCK query heads that share one KV head, as the rows of one matrix:
-
-    tile rows   r = qi * G_BLOCK + g      query row (tile start + qi), head kv_head * G + g
-    keys        positions lo..hi in steps of BLOCK_N (any number of pages: each key's page is
-                looked up in the block table), one step of an online softmax each (fp32
-                accumulators); lo = the first key any row of the tile sees (key_start, or the
-                window), hi = the tile's last position
-    loads       every table and K/V load is masked to positions [lo, hi]: a slot at or past
-                seq_len (never written) is not read, so reads_unwritten_slots = False (C1)
-
-Keys may come in two parts (`q2`/`k2`, dot products added): MLA's absorbed form scores a head
-as [q_lat | q_rope] . [c | k_rope] over the latent cache row, and its values are the row's
-first part (VALUE_IS_K1: the loaded page is reused, not read twice).
+    tiles       each sequence's query rows in tiles of BLOCK_Q (one in a decode-only step); the
+                grid is (tiles, KV heads, blocks of G_BLOCK query heads sharing a KV head)
+    tile map    which sequence and first row each tile is, computed with tensor ops from the
+                metadata's tensors; the grid's size from shapes alone (spare tiles do nothing)
 
 Shapes and where it runs: tl.dot needs every dimension >= 16, so head widths are padded to a
 power of two >= 16 (masked) and tiles to >= 16 rows; a key step spans whole pages or part of one,
-so any block size works. On CUDA the kernel is compiled by Triton for the device; on the CPU it runs in Triton's
-interpreter (`InterpretedFunction`: numpy, slow: for tests). `compile_for` builds it for a GPU
+so any block size works. On CUDA the kernel is compiled by Triton for the device; on the CPU it runs
+in Triton's interpreter (TRITON_INTERPRET=1: slow, for tests). `compile_for` builds it for a GPU
 target without one (ptxas ships with Triton), which is how CI checks that the CUDA build compiles.
 
-No host sync and no host list: the tile map is computed with tensor ops from the metadata's
-tensors and the grid from shapes alone, so a decode step can be captured as a CUDA graph.
+No host sync and no host list, so a decode step can be captured as a CUDA graph. Triton is
+imported on the first launch: importing blockserve does not pay for it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 from dataclasses import dataclass
@@ -36,14 +28,9 @@ import torch
 
 from blockserve.attention.metadata import AttentionMetadata
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as error:  # the backend is unavailable, the rest of blockserve is not
-    triton = tl = None
-    TRITON_UNAVAILABLE: str | None = f"the triton package is not installed ({error}); pip install triton"
-else:
-    TRITON_UNAVAILABLE = None
+# The backend is unavailable without Triton, the rest of blockserve is not.
+TRITON_UNAVAILABLE = (None if importlib.util.find_spec("triton") is not None
+                      else "the triton package is not installed; pip install triton")
 
 MIN_DOT = 16  # tl.dot's smallest dimension
 PREFILL_TILE = 16  # query rows per tile at most when a step has a prefill chunk (decode-only steps: one)
@@ -53,100 +40,25 @@ KEY_TILE = 64  # keys per step of the online softmax (half that for heads wider 
 WIDE_HEAD = 256
 
 
+def _kernels():
+    """triton_kernel.py, imported on first use (with Triton)."""
+    if TRITON_UNAVAILABLE:
+        raise RuntimeError(f"attention_backend 'triton' needs Triton: {TRITON_UNAVAILABLE}")
+    from blockserve.attention import triton_kernel
+
+    return triton_kernel
+
+
 def interpreting() -> bool:
-    """Whether Triton was imported in interpreter mode (TRITON_INTERPRET=1 set before the import:
-    its library functions are bound to one mode then, so a process runs kernels one way only)."""
-    return TRITON_UNAVAILABLE is None and not isinstance(_KERNEL, triton.runtime.JITFunction)
+    """Whether Triton runs kernels in its interpreter in this process (TRITON_INTERPRET=1 when it
+    was first imported); False without Triton."""
+    return TRITON_UNAVAILABLE is None and _kernels().interpreting()
 
 
 def _pad(n: int) -> int:
     return max(MIN_DOT, 1 << max(0, n - 1).bit_length())
 
 
-def _kernel(
-    out_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr,
-    table_ptr, seq_len_ptr, key_start_ptr, query_start_ptr, tile_seq_ptr, tile_row_ptr,
-    scale_log2e, window,
-    stride_ot, stride_oh, stride_q1t, stride_q1h, stride_q2t, stride_q2h,
-    stride_k1p, stride_k1s, stride_k1h, stride_k2p, stride_k2s, stride_k2h,
-    stride_vp, stride_vs, stride_vh, stride_table,
-    G: tl.constexpr, G_BLOCK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,
-    D1: tl.constexpr, D1_PAD: tl.constexpr, D2: tl.constexpr, D2_PAD: tl.constexpr,
-    DV: tl.constexpr, DV_PAD: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    head_block = tl.program_id(2)
-    seq = tl.load(tile_seq_ptr + tile)
-    if seq >= 0:
-        row0 = tl.load(tile_row_ptr + tile)
-        q_start = tl.load(query_start_ptr + seq)
-        q_end = tl.load(query_start_ptr + seq + 1)
-        seq_len = tl.load(seq_len_ptr + seq)
-        first_pos = seq_len - (q_end - q_start) + (row0 - q_start)  # position of the tile's first row
-        tile_len = tl.minimum(q_end - row0, BLOCK_Q)
-
-        r = tl.arange(0, BLOCK_M)
-        qi = r // G_BLOCK
-        g = head_block * G_BLOCK + r % G_BLOCK
-        row_ok = (qi < tile_len) & (g < G) & (r < BLOCK_Q * G_BLOCK)
-        token = (row0 + qi).to(tl.int64)
-        head = (kv_head * G + g).to(tl.int64)
-        pos = first_pos + qi
-
-        d1 = tl.arange(0, D1_PAD)
-        q1 = tl.load(q1_ptr + token[:, None] * stride_q1t + head[:, None] * stride_q1h + d1[None, :],
-                     mask=row_ok[:, None] & (d1[None, :] < D1), other=0.0)
-        if D2 > 0:
-            d2 = tl.arange(0, D2_PAD)
-            q2 = tl.load(q2_ptr + token[:, None] * stride_q2t + head[:, None] * stride_q2h + d2[None, :],
-                         mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
-        dv = tl.arange(0, DV_PAD)
-
-        lo = tl.load(key_start_ptr + seq)
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, first_pos - window + 1)
-        hi = first_pos + tile_len - 1
-        n = tl.arange(0, BLOCK_N)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-        for start in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
-            key_pos = start + n
-            readable = (key_pos >= lo) & (key_pos <= hi)  # written slots only (C1)
-            page = tl.load(table_ptr + seq * stride_table + key_pos // PAGE, mask=readable, other=0).to(tl.int64)
-            slot = key_pos % PAGE
-            k1 = tl.load(k1_ptr + page[:, None] * stride_k1p + slot[:, None] * stride_k1s + kv_head * stride_k1h
-                         + d1[None, :], mask=readable[:, None] & (d1[None, :] < D1), other=0.0)
-            scores = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=PRECISION)
-            if D2 > 0:
-                k2 = tl.load(k2_ptr + page[:, None] * stride_k2p + slot[:, None] * stride_k2s + kv_head * stride_k2h
-                             + d2[None, :], mask=readable[:, None] & (d2[None, :] < D2), other=0.0)
-                scores += tl.dot(q2, tl.trans(k2.to(q2.dtype)), input_precision=PRECISION)
-            visible = row_ok[:, None] & readable[None, :] & (key_pos[None, :] <= pos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (key_pos[None, :] > pos[:, None] - window)
-            scores = tl.where(visible, scores * scale_log2e, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if VALUE_IS_K1:
-                values = k1
-            else:
-                values = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
-                                 + dv[None, :], mask=readable[:, None] & (dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), values.to(q1.dtype), input_precision=PRECISION)
-            m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-
-
-_KERNEL = None if TRITON_UNAVAILABLE else triton.jit(_kernel)  # interpreted when TRITON_INTERPRET=1
 
 
 @dataclass(frozen=True)
@@ -179,11 +91,12 @@ class TileMap:
 
 
 def tile_rows(meta: AttentionMetadata, heads_per_program: int, width: int) -> int:
-    """Query rows per tile: one in a decode-only step (a shape fact, so the same in a captured graph),
-    else up to PREFILL_TILE within MAX_TILE_ELEMENTS."""
+    """Query rows per tile, a power of two (a tile is a tl.arange): one in a decode-only step (a shape
+    fact, so the same in a captured graph), else up to PREFILL_TILE within MAX_TILE_ELEMENTS."""
     if meta.slot_mapping.shape[0] == meta.block_table.shape[0]:
         return 1
-    return max(1, min(PREFILL_TILE, MAX_TILE_ELEMENTS // (heads_per_program * width)))
+    rows = max(1, min(PREFILL_TILE, MAX_TILE_ELEMENTS // (heads_per_program * width)))
+    return 1 << (rows.bit_length() - 1)
 
 
 def tile_map(meta: AttentionMetadata, rows: int) -> TileMap:
@@ -215,7 +128,8 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
     constexprs = dict(
         G=group, G_BLOCK=head_block, BLOCK_Q=tiles.rows, BLOCK_M=max(MIN_DOT, tiles.rows * head_block),
         BLOCK_N=KEY_TILE if width <= WIDE_HEAD else KEY_TILE // 2, PAGE=meta.block_size,
-        D1=q1.shape[-1], D1_PAD=_pad(q1.shape[-1]), D2=d2, D2_PAD=_pad(d2), DV=out.shape[-1], DV_PAD=_pad(out.shape[-1]),
+        D1=q1.shape[-1], D1_PAD=_pad(q1.shape[-1]), D2=d2, D2_PAD=_pad(d2),
+        DV=out.shape[-1], DV_PAD=_pad(out.shape[-1]),
         HAS_WINDOW=window is not None, VALUE_IS_K1=value_is_k1,
         PRECISION="ieee" if q1.dtype == torch.float32 else None)
     return grid, args, constexprs, 4 if width <= WIDE_HEAD else 8  # wide heads: registers for 8 warps
@@ -228,13 +142,12 @@ def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: to
     Hkv, D1] (and k2 [N, bs, Hkv, D2]) with values v [N, bs, Hkv, Dv] (or k1's first Dv columns when
     `value_is_k1`). The step's K/V must already be written."""
     q1, q2, k1, k2, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q1, q2, k1, k2, v))
-    if TRITON_UNAVAILABLE:
-        raise RuntimeError(f"attention_backend 'triton' needs Triton: {TRITON_UNAVAILABLE}")
-    if q1.device.type == "cpu" and not interpreting():
+    kernels = _kernels()
+    if q1.device.type == "cpu" and not kernels.interpreting():
         raise RuntimeError("attention_backend 'triton' on the CPU runs in Triton's interpreter (for tests): set "
                            "TRITON_INTERPRET=1 in the environment before the process starts")
     grid, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1)
-    _KERNEL[grid](*args, **constexprs, num_warps=num_warps)
+    kernels.KERNEL[grid](*args, **constexprs, num_warps=num_warps)
     return out
 
 
@@ -247,15 +160,17 @@ def compile_for(arch: int, out, q1, k1, v, meta: AttentionMetadata, scale: float
     of time for an NVIDIA GPU of compute capability `arch` (90: Hopper) on a machine with none (the
     tensors may be CPU tensors; only their dtypes, strides and the shapes count). Triton must not be
     in interpreter mode. Returns Triton's compiled kernel (its `asm` holds the PTX and cubin)."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if TRITON_UNAVAILABLE or interpreting():
-        raise RuntimeError(f"compiling needs Triton out of interpreter mode ({TRITON_UNAVAILABLE or 'TRITON_INTERPRET=1'})")
+    kernels = _kernels()
+    if kernels.interpreting():
+        raise RuntimeError("compiling needs Triton out of interpreter mode (TRITON_INTERPRET=1 is set)")
     _, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, tiles=TileMap.build)
-    names = list(inspect.signature(_kernel).parameters)
+    names = list(inspect.signature(kernels.KERNEL.fn).parameters)
     signature = {name: "*" + _TYPES[arg.dtype] if isinstance(arg, torch.Tensor) else "fp32" if isinstance(arg, float)
                  else "i64" for name, arg in zip(names, args)}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    source = ASTSource(fn=_KERNEL, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=kernels.KERNEL, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})

@@ -16,7 +16,7 @@ import torch
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig, parse_memory
 from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
-from blockserve.engine.kv_budget import cuda_kv_budget, profile_step
+from blockserve.engine.kv_budget import cuda_kv_budget, graph_probe, profile_step
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
@@ -136,13 +136,16 @@ class EngineCore:
             policy=config.scheduling_policy,
         )
         kv_groups = [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()]
+        graph_sizes = self._decode_graph_sizes(config) if plan.is_cuda else ()
         self.kv_budget = None  # CUDA: how gpu_memory_utilization was spent (kv_budget.py)
         if self.executor is not None:
             kv_bytes = self.executor.kv_memory_bytes
         elif plan.is_cuda:  # what gpu_memory_utilization leaves after a profiling forward of the largest step
             tokens = min(config.max_num_batched_tokens, max_model_len - 1)
+            probe = (lambda: graph_probe(model, kv_groups, tokens, max(graph_sizes), plan.device)) if graph_sizes \
+                else None
             self.kv_budget = cuda_kv_budget(plan.device, plan.gpu_memory_utilization,
-                                            lambda: profile_step(model, kv_groups, tokens, plan.device))
+                                            lambda: profile_step(model, kv_groups, tokens, plan.device), probe)
             kv_bytes = self.kv_budget.kv_bytes
         else:
             kv_bytes = parse_memory(config.kv_cache_memory)
@@ -178,27 +181,30 @@ class EngineCore:
         budget_line = "" if self.kv_budget is None else f"\n{self.kv_budget.report()}"
         logger.info("KV cache capacity (max_model_len %d, %s, %s):\n%s%s", max_model_len, plan.device,
                     str(plan.dtype).removeprefix("torch."), self.kv_config.capacity_report(), budget_line)
-        if plan.is_cuda:
-            self._capture_decode_graphs(config)
+        if graph_sizes:
+            began, reserved = time.perf_counter(), torch.cuda.memory_reserved(plan.device)
+            self.runner.capture_decode_graphs(graph_sizes)
+            torch.cuda.empty_cache()  # the warm-up runs' activations; the graphs' pool stays
+            held = torch.cuda.memory_reserved(plan.device) - reserved
+            budgeted = 0 if self.kv_budget is None else self.kv_budget.graphs
+            logger.info("CUDA graphs: decode captured at batch sizes %s in %.1f s, holding %.2f GiB (%.2f GiB "
+                        "budgeted)", sorted(set(graph_sizes)), time.perf_counter() - began, held / 2**30,
+                        budgeted / 2**30)
 
-    def _capture_decode_graphs(self, config: EngineConfig) -> None:
-        """CUDA: decode steps as CUDA graphs, unless enforce_eager, or some layer cannot be captured
-        (then a warning, or a ValueError if cuda_graph_sizes asked for them)."""
+    def _decode_graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
+        """CUDA: the batch sizes to capture decode steps at; none with enforce_eager, or when some layer
+        cannot be captured (then a warning, or a ValueError if cuda_graph_sizes asked for them)."""
         if config.enforce_eager:
             logger.info("CUDA graphs: off (enforce_eager); every step runs eagerly")
-            return
+            return ()
         blockers = graph_blockers(self.loaded.model)
         if blockers:
             if config.cuda_graph_sizes:
                 raise ValueError("cuda_graph_sizes given, but this model's decode cannot be captured: "
                                  + "; ".join(blockers))
             logger.warning("CUDA graphs: off, decode steps run eagerly: %s", "; ".join(blockers))
-            return
-        sizes = config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
-        began = time.perf_counter()
-        self.runner.capture_decode_graphs(sizes)
-        logger.info("CUDA graphs: decode captured at batch sizes %s in %.1f s", sorted(set(sizes)),
-                    time.perf_counter() - began)
+            return ()
+        return tuple(config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs))
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (a ValueError) if it can never be served."""

@@ -1,9 +1,11 @@
 """The KV cache budget on CUDA: what `gpu_memory_utilization` of the device leaves after the
-weights and the activations of the largest step (vLLM's rule).
+weights, the activations of the largest step and the decode steps' CUDA graphs (vLLM's rule).
 
     budget = gpu_memory_utilization * total device memory
              - memory in use after a profiling forward (weights, other processes, torch's context)
              - the forward's activation peak (allocated at its height, freed since)
+             - what the CUDA graphs will hold: the largest decode graph, captured on a throwaway
+               runner and released (the engine's graphs share one pool, sized by the largest)
 
 The profiling forward is one real engine step (a throwaway scheduler, KV manager and model runner
 over a KV cache just big enough for it) of one prompt of max_num_batched_tokens tokens (capped by
@@ -13,6 +15,7 @@ is `kv_cache_memory`, as before; `profile_step` itself runs anywhere (tests run 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,20 +30,35 @@ from blockserve.scheduler.scheduler import Scheduler
 from blockserve.worker.model_runner import ModelRunner
 
 
-def profile_step(model: torch.nn.Module, groups: list, num_tokens: int, device: torch.device) -> None:
-    """Run one step of one prompt of `num_tokens` tokens through `model`. `groups`: the engine's
-    (spec, layer names, reads_unwritten_slots) per KV group. Everything it allocates is freed on
-    return."""
+def _throwaway_runner(model: torch.nn.Module, groups: list, num_tokens: int,
+                      device: torch.device) -> tuple[Scheduler, ModelRunner]:
+    """A scheduler and model runner for one sequence of `num_tokens` tokens, over a KV cache just
+    big enough for it. `groups`: the engine's (spec, layer names, reads_unwritten_slots) per KV group."""
     max_model_len = num_tokens + 1
     need = sum(spec.page_size_bytes * max(1, len(layers)) * (spec.max_blocks_held(max_model_len, num_tokens) + 2)
                for spec, layers, _ in groups)
     kv_config = plan_kv_cache(groups, 2 * need, max_model_len, 1, num_tokens, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, max_num_seqs=1,
                                           max_num_batched_tokens=num_tokens), KVCacheManager(kv_config))
-    runner = ModelRunner(model, kv_config, 1, max_model_len, seed=0, device=device)
+    return scheduler, ModelRunner(model, kv_config, 1, max_model_len, seed=0, device=device)
+
+
+def profile_step(model: torch.nn.Module, groups: list, num_tokens: int, device: torch.device) -> None:
+    """Run one step of one prompt of `num_tokens` tokens through `model`. Everything it allocates
+    is freed on return."""
+    scheduler, runner = _throwaway_runner(model, groups, num_tokens, device)
     scheduler.add_request(Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1, temperature=0.0)))
     out = scheduler.schedule()
     scheduler.update_from_output(out, runner.execute(out))
+
+
+def graph_probe(model: torch.nn.Module, groups: list, num_tokens: int, size: int, device: torch.device,
+                capture=None) -> ModelRunner:
+    """A throwaway runner holding `model`'s decode step captured at batch `size` (`capture`: as
+    ModelRunner.capture_decode_graphs takes it); the graph lives as long as the runner."""
+    _, runner = _throwaway_runner(model, groups, num_tokens, device)
+    runner.capture_decode_graphs([size], capture)
+    return runner
 
 
 @dataclass(frozen=True)
@@ -51,21 +69,25 @@ class CudaBudget:
     in_use: int  # after the profiling forward, its cached blocks released
     activation_peak: int
     utilization: float
+    graphs: int = 0  # held by the largest decode graph (0: no graphs)
 
     @property
     def kv_bytes(self) -> int:
-        return int(self.utilization * self.total) - self.in_use - self.activation_peak
+        return int(self.utilization * self.total) - self.in_use - self.activation_peak - self.graphs
 
     def report(self) -> str:
         gib = 2**30
+        graphs = f", {self.graphs / gib:.2f} GiB for CUDA graphs" if self.graphs else ""
         return (f"gpu_memory_utilization {self.utilization} of {self.total / gib:.2f} GiB = "
                 f"{self.utilization * self.total / gib:.2f} GiB: {self.in_use / gib:.2f} GiB in use after the "
-                f"profiling forward, {self.activation_peak / gib:.2f} GiB its activation peak, "
+                f"profiling forward, {self.activation_peak / gib:.2f} GiB its activation peak{graphs}, "
                 f"{self.kv_bytes / gib:.2f} GiB for the KV cache")
 
 
-def cuda_kv_budget(device: torch.device, utilization: float, profile: Callable[[], None]) -> CudaBudget:
-    """Measure `profile()` on CUDA `device` (see the module docstring). ValueError when nothing is
+def cuda_kv_budget(device: torch.device, utilization: float, profile: Callable[[], None],
+                   capture_graphs: Callable[[], object] | None = None) -> CudaBudget:
+    """Measure `profile()` on CUDA `device` (see the module docstring), then, if given, the memory
+    that what `capture_graphs()` returns holds until it is dropped. ValueError when nothing is
     left for the KV cache."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -75,8 +97,18 @@ def cuda_kv_budget(device: torch.device, utilization: float, profile: Callable[[
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
+    graphs = 0
+    if capture_graphs is not None:
+        reserved = torch.cuda.memory_reserved(device)
+        holder = capture_graphs()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-up runs' activations go; the graphs' pool stays
+        graphs = max(0, torch.cuda.memory_reserved(device) - reserved)
+        del holder
+        gc.collect()  # the graphs go with their runner
+        torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    budget = CudaBudget(total, total - free, max(0, peak), utilization)
+    budget = CudaBudget(total, total - free, max(0, peak), utilization, graphs)
     if budget.kv_bytes <= 0:
         raise ValueError(f"no memory left for the KV cache on {device}: {budget.report()}; raise "
                          "gpu_memory_utilization (--gpu-memory-utilization) or lower max_num_batched_tokens")

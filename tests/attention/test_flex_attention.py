@@ -114,22 +114,28 @@ GEMMA3 = dict(LLAMA, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
 MODELS = {"llama": lambda: LlamaConfig(**LLAMA), "gemma3": lambda: Gemma3TextConfig(**GEMMA3)}
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_engine_greedy_tokens_equal_exact(family, tmp_path):
-    """Batched prompts (two sharing a prefix), chunked prefill, prefix caching on: the greedy tokens
-    of attention_backend='flex' equal 'exact''s, with poison on and the derived zero flags."""
-    save_random_model(MODELS[family](), tmp_path)
+def engine_greedy_tokens(path, backends) -> dict[str, list[list[int]]]:
+    """Per backend, the greedy tokens of batched prompts (two sharing a prefix) through an engine with
+    chunked prefill, prefix caching (hits asserted), poison on and the derived zero flags (asserted)."""
     gen = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 512, (9,), generator=gen).tolist()
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 11)]
+    shared = torch.randint(0, 500, (9,), generator=gen).tolist()
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 11)]
     prompts += [shared + [5, 6], shared + [7]]
     params = SamplingParams(temperature=0, max_tokens=6)
     tokens = {}
-    for backend in ("exact", "flex"):
-        llm = LLM(str(tmp_path), block_size=4, attention_backend=backend, max_num_batched_tokens=8, poison=True,
+    for backend in backends:
+        llm = LLM(str(path), block_size=4, attention_backend=backend, max_num_batched_tokens=8, poison=True,
                   check_integrity=True, kv_cache_memory="1MiB", enable_prefix_caching=True)
         assert all(g.zero_new_blocks == BACKENDS[backend].reads_unwritten_slots
                    for g in llm.engine.core.kv_config.groups)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.core.kv.prefix_cache_stats().hits > 0
+    return tokens
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_engine_greedy_tokens_equal_exact(family, tmp_path):
+    """The greedy tokens of attention_backend='flex' equal 'exact''s (engine_greedy_tokens)."""
+    save_random_model(MODELS[family](), tmp_path)
+    tokens = engine_greedy_tokens(tmp_path, ("exact", "flex"))
     assert tokens["flex"] == tokens["exact"]

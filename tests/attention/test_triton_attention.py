@@ -18,12 +18,12 @@ import textwrap
 import pytest
 import torch
 
-from blockserve import LLM, SamplingParams
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.attention.triton_attention import TritonAttention
-from blockserve.attention.triton_paged import TRITON_UNAVAILABLE, interpreting
-from tests.attention.test_flex_attention import MODELS, STEPS, forward
+from blockserve.attention.triton_paged import (MAX_TILE_ELEMENTS, PREFILL_TILE, TRITON_UNAVAILABLE, interpreting,
+                                             tile_rows)
+from tests.attention.test_flex_attention import MODELS, STEPS, engine_greedy_tokens, forward
 from tests.attention.test_paged_attention import BS, D, NUM_BLOCKS, make_step
 from tests.models.conftest import save_random_model, tiny_model  # noqa: F401 (a fixture)
 
@@ -80,7 +80,8 @@ def test_strided_queries():
     k_cache, v_cache, table, q, k, v, *_ = make_step(seqs, fill=0.0)
     wide = torch.cat([q, torch.randn_like(q)], dim=-1)[..., : q.shape[-1]]
     assert not wide.is_contiguous()
-    meta = lambda: AttentionMetadata.build(BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs]), table, BS)  # noqa: E731
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    meta = lambda: AttentionMetadata.build(layout, table, BS)  # noqa: E731 (a fresh one per call)
     backend = TritonAttention(1 / math.sqrt(D))
     torch.testing.assert_close(backend.forward(wide, k, v, k_cache.clone(), v_cache.clone(), meta()),
                                backend.forward(q.contiguous(), k, v, k_cache.clone(), v_cache.clone(), meta()))
@@ -88,26 +89,14 @@ def test_strided_queries():
 
 @pytest.mark.parametrize("family", sorted(MODELS) + ["deepseek_v3"])
 def test_engine_greedy_tokens_equal_exact(family, tmp_path, tiny_model):
-    """Batched prompts (two sharing a prefix), chunked prefill, prefix caching, poison on with the
-    derived zero flags (none for triton): the greedy tokens equal the exact backend's."""
+    """The greedy tokens of attention_backend='triton' equal 'exact''s (engine_greedy_tokens: chunked
+    prefill, prefix hits, poison on, no zeroing for triton's groups)."""
     if family in MODELS:
         save_random_model(MODELS[family](), tmp_path)
         path = tmp_path
     else:
         path = tiny_model(family)[0]
-    gen = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, 500, (9,), generator=gen).tolist()
-    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 11)]
-    prompts += [shared + [5, 6], shared + [7]]
-    params = SamplingParams(temperature=0, max_tokens=6)
-    tokens = {}
-    for backend in ("exact", "triton"):
-        llm = LLM(str(path), block_size=4, attention_backend=backend, max_num_batched_tokens=8, poison=True,
-                  check_integrity=True, kv_cache_memory="1MiB", enable_prefix_caching=True)
-        assert all(g.zero_new_blocks == BACKENDS[backend].reads_unwritten_slots
-                   for g in llm.engine.core.kv_config.groups)
-        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.engine.core.kv.prefix_cache_stats().hits > 0
+    tokens = engine_greedy_tokens(path, ("exact", "triton"))
     assert tokens["triton"] == tokens["exact"]
 
 
@@ -122,7 +111,8 @@ COMPILE_CHILD = textwrap.dedent("""
     def meta_for(seqs, window=None):
         layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
         width = max(-(-(c + n) // 16) for c, n in seqs)
-        return AttentionMetadata.build(layout, torch.arange(1, 1 + len(seqs) * width).view(len(seqs), width), 16, window)
+        table = torch.arange(1, 1 + len(seqs) * width).view(len(seqs), width)
+        return AttentionMetadata.build(layout, table, 16, window)
 
     def attention(dtype, hq, hkv, d, window, seqs):
         meta = meta_for(seqs, window)
@@ -149,7 +139,8 @@ COMPILE_CHILD = textwrap.dedent("""
     meta = meta_for(decode)
     q = torch.zeros(4, 4, 16)
     try:
-        TritonAttention(0.25).forward(q, q[:, :2], q[:, :2], torch.zeros(16, 16, 2, 16), torch.zeros(16, 16, 2, 16), meta)
+        cache = torch.zeros(16, 16, 2, 16)
+        TritonAttention(0.25).forward(q, q[:, :2], q[:, :2], cache, cache.clone(), meta)
         refusal = None
     except RuntimeError as error:
         refusal = str(error)
@@ -172,3 +163,13 @@ def test_compiles_for_hopper():
     for name, kernel in report["kernels"].items():
         assert kernel["cubin"] > 0, name
         assert 0 < kernel["shared"] <= HOPPER_SHARED_MEMORY, (name, kernel["shared"])
+
+
+@pytest.mark.parametrize("heads, width", [(1, 16), (2, 32), (8, 576), (16, 576), (4, 64), (3, 80)])
+def test_tiles_are_powers_of_two(heads, width):
+    meta = AttentionMetadata.build(BatchLayout.build([1, 9], [4, 0]), torch.ones(2, 4, dtype=torch.int64), BS)
+    rows = tile_rows(meta, heads, width)
+    assert 1 <= rows <= PREFILL_TILE and rows & (rows - 1) == 0 and rows * heads * width <= max(MAX_TILE_ELEMENTS,
+                                                                                                heads * width)
+    decode_only = AttentionMetadata.build(BatchLayout.build([1, 1], [4, 7]), torch.ones(2, 4, dtype=torch.int64), BS)
+    assert tile_rows(decode_only, heads, width) == 1

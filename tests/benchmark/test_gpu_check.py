@@ -51,8 +51,10 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert not throughput["errors"] and not throughput["skipped"]
     for row in throughput["batches"].values():
         assert row["transformers_tok_s"] > 0 and row["blockserve_exact_tok_s"] > 0 and row["hbm_bound_tok_s"] > 0
+    assert throughput["fastest"] == {b: "exact" for b in throughput["batches"]}
     text = gpu_check.summary(report)
     assert "OK" in text and "parity: 2/2 ok" in text and "poison: 2/2 ok" in text
+    assert "fastest blockserve variant per batch: 1: exact, 4: exact" in text
 
 
 def test_parity_and_poison_run_their_full_grid_on_the_cpu():
@@ -71,7 +73,7 @@ def test_parity_and_poison_run_their_full_grid_on_the_cpu():
     assert poison["ok"] and set(poison["backends"]) == {"exact", "whole_block", "flex", "triton"}, json.dumps(poison)[:2000]
 
 
-def test_the_gpu_runs_measure_flex_and_triton_with_and_without_cuda_graphs():
+def test_the_gpu_runs_measure_flex_and_triton_with_and_without_cuda_graphs(monkeypatch):
     gpu_check = load_gpu_check()
     assert gpu_check.engine_variants("cuda", False, [1, 16]) == {
         "flex_cuda_graphs": {"attention_backend": "flex", "cuda_graph_sizes": (1, 16)},
@@ -81,6 +83,10 @@ def test_the_gpu_runs_measure_flex_and_triton_with_and_without_cuda_graphs():
         "triton_eager": {"attention_backend": "triton", "enforce_eager": True}}
     assert gpu_check.engine_variants("cpu", True, [1, 4]) == {
         "exact": {"attention_backend": "exact", "enforce_eager": False}}
+    assert gpu_check.backends("cpu", False) == ["exact", "flex", "triton"]  # the tests run Triton interpreted
+    monkeypatch.setattr(gpu_check, "triton_interpreting", lambda: False)
+    assert gpu_check.backends("cpu", False) == ["exact", "flex"]  # a CPU run without the interpreter
+    assert gpu_check.backends("cuda", False) == ["exact", "flex", "triton"]
 
 
 def test_the_bfloat16_rule_passes_a_correct_engine_and_fails_a_broken_one(tmp_path):

@@ -226,26 +226,43 @@ def test_graph_blockers_name_what_cannot_be_captured(llama_path, tiny_model):
         "MoE experts in float32 take the expert loop, which reads the routing back to the host (use --dtype bfloat16)"]
 
 
-def test_the_engine_captures_only_what_it_may(llama_path, monkeypatch, caplog):
-    """EngineCore's choice on CUDA (run here on a CPU engine, with the capture recorded): graphs at
-    the default sizes with flex; none with enforce_eager; a warning naming the reason for a
-    backend that cannot be captured, or an error when cuda_graph_sizes asked for graphs anyway."""
+def test_the_engine_captures_only_what_it_may(llama_path, caplog):
+    """EngineCore's choice on CUDA (asked here of a CPU engine): graphs at the default sizes with flex
+    or triton; none with enforce_eager; a warning naming the reason for a backend that cannot be
+    captured, or an error when cuda_graph_sizes asked for graphs anyway."""
     import dataclasses
 
     def choose(backend, **options):
-        llm = LLM(model=str(llama_path), attention_backend=backend, max_model_len=64, max_num_seqs=6)
-        core, captured = llm.engine.core, []
-        monkeypatch.setattr(core.runner, "capture_decode_graphs", captured.append)
-        core._capture_decode_graphs(dataclasses.replace(core.config, **options))
-        return captured
+        core = LLM(model=str(llama_path), attention_backend=backend, max_model_len=64, max_num_seqs=6).engine.core
+        return core._decode_graph_sizes(dataclasses.replace(core.config, **options))
 
-    assert choose("flex") == [(1, 2, 4, 6)]
-    assert choose("flex", enforce_eager=True) == []
+    assert choose("flex") == choose("triton") == (1, 2, 4, 6)
+    assert choose("triton", cuda_graph_sizes=(3,)) == (3,)
+    assert choose("flex", enforce_eager=True) == ()
     with caplog.at_level("WARNING", logger="blockserve"):
-        assert choose("exact") == []
+        assert choose("exact") == ()
     assert "CUDA graphs: off" in caplog.text and "'exact' builds its gathers from host lists" in caplog.text
     with pytest.raises(ValueError, match="cuda_graph_sizes given, but this model's decode cannot be captured"):
         choose("exact", cuda_graph_sizes=(1, 2))
+
+
+def test_the_kv_budget_probe_captures_the_largest_graph_on_a_throwaway_runner(llama_path):
+    """What the CUDA KV budget subtracts for graphs is measured on a runner of its own (its own small
+    cache), captured at the largest size; the engine's runner and cache are untouched."""
+    from blockserve.engine.kv_budget import CudaBudget, graph_probe
+
+    llm = engine(llama_path, "triton")
+    core = llm.engine.core
+    groups = [(g.spec, g.layer_names, False) for g in core.kv_config.groups]
+    capture = FrozenCapture(fake=False)
+    probe = graph_probe(core.runner.model, groups, 32, 8, torch.device("cpu"), capture)
+    assert probe is not core.runner and probe.kv is not core.runner.kv
+    assert set(probe.graphs.graphs) == {8} and capture.replays == []
+    assert core.runner.graphs is None
+    budget = CudaBudget(total=100 << 30, in_use=10 << 30, activation_peak=2 << 30, utilization=0.9, graphs=1 << 30)
+    assert budget.kv_bytes == int(0.9 * (100 << 30)) - (13 << 30)
+    assert "1.00 GiB for CUDA graphs" in budget.report()
+    assert "CUDA graphs" not in CudaBudget(100 << 30, 10 << 30, 2 << 30, 0.9).report()
 
 
 def test_default_sizes():

@@ -1,0 +1,116 @@
+"""The Triton kernel of the `triton` attention backend (launched by triton_paged.py, which imports
+this module, and with it Triton, only when the backend first runs).
+
+One program handles a tile of up to BLOCK_Q consecutive query rows of one sequence for a block
+of G_BLOCK query heads that share one KV head, as the rows of one matrix:
+
+    tile rows   r = qi * G_BLOCK + g      query row (tile start + qi), head kv_head * G + g
+    keys        positions lo..hi in steps of BLOCK_N (any number of pages: each key's page is
+                looked up in the block table), one step of an online softmax each (fp32
+                accumulators); lo = the first key any row of the tile sees (key_start, or the
+                window), hi = the tile's last position
+    loads       every table and K/V load is masked to positions [lo, hi]: a slot at or past
+                seq_len (never written) is not read, so reads_unwritten_slots = False (C1)
+
+Keys may come in two parts (`q2`/`k2`, dot products added): MLA's absorbed form scores a head
+as [q_lat | q_rope] . [c | k_rope] over the latent cache row, and its values are the row's
+first part (VALUE_IS_K1: the loaded tile is reused, not read twice).
+
+With TRITON_INTERPRET=1 in the environment before Triton is first imported, `KERNEL` runs in
+Triton's interpreter (numpy, on CPU tensors: for tests); Triton binds its library functions to one
+mode at import, so a process runs kernels one way only.
+"""
+
+import triton
+import triton.language as tl
+
+
+def _kernel(
+    out_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr,
+    table_ptr, seq_len_ptr, key_start_ptr, query_start_ptr, tile_seq_ptr, tile_row_ptr,
+    scale_log2e, window,
+    stride_ot, stride_oh, stride_q1t, stride_q1h, stride_q2t, stride_q2h,
+    stride_k1p, stride_k1s, stride_k1h, stride_k2p, stride_k2s, stride_k2h,
+    stride_vp, stride_vs, stride_vh, stride_table,
+    G: tl.constexpr, G_BLOCK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    D1: tl.constexpr, D1_PAD: tl.constexpr, D2: tl.constexpr, D2_PAD: tl.constexpr,
+    DV: tl.constexpr, DV_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    head_block = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq >= 0:
+        row0 = tl.load(tile_row_ptr + tile)
+        q_start = tl.load(query_start_ptr + seq)
+        q_end = tl.load(query_start_ptr + seq + 1)
+        seq_len = tl.load(seq_len_ptr + seq)
+        first_pos = seq_len - (q_end - q_start) + (row0 - q_start)  # position of the tile's first row
+        tile_len = tl.minimum(q_end - row0, BLOCK_Q)
+
+        r = tl.arange(0, BLOCK_M)
+        qi = r // G_BLOCK
+        g = head_block * G_BLOCK + r % G_BLOCK
+        row_ok = (qi < tile_len) & (g < G) & (r < BLOCK_Q * G_BLOCK)
+        token = (row0 + qi).to(tl.int64)
+        head = (kv_head * G + g).to(tl.int64)
+        pos = first_pos + qi
+
+        d1 = tl.arange(0, D1_PAD)
+        q1 = tl.load(q1_ptr + token[:, None] * stride_q1t + head[:, None] * stride_q1h + d1[None, :],
+                     mask=row_ok[:, None] & (d1[None, :] < D1), other=0.0)
+        if D2 > 0:
+            d2 = tl.arange(0, D2_PAD)
+            q2 = tl.load(q2_ptr + token[:, None] * stride_q2t + head[:, None] * stride_q2h + d2[None, :],
+                         mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
+        dv = tl.arange(0, DV_PAD)
+
+        lo = tl.load(key_start_ptr + seq)
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, first_pos - window + 1)
+        hi = first_pos + tile_len - 1
+        n = tl.arange(0, BLOCK_N)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+        for start in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
+            key_pos = start + n
+            readable = (key_pos >= lo) & (key_pos <= hi)  # written slots only (C1)
+            page = tl.load(table_ptr + seq * stride_table + key_pos // PAGE, mask=readable, other=0).to(tl.int64)
+            slot = key_pos % PAGE
+            k1 = tl.load(k1_ptr + page[:, None] * stride_k1p + slot[:, None] * stride_k1s + kv_head * stride_k1h
+                         + d1[None, :], mask=readable[:, None] & (d1[None, :] < D1), other=0.0)
+            scores = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=PRECISION)
+            if D2 > 0:
+                k2 = tl.load(k2_ptr + page[:, None] * stride_k2p + slot[:, None] * stride_k2s + kv_head * stride_k2h
+                             + d2[None, :], mask=readable[:, None] & (d2[None, :] < D2), other=0.0)
+                scores += tl.dot(q2, tl.trans(k2.to(q2.dtype)), input_precision=PRECISION)
+            visible = row_ok[:, None] & readable[None, :] & (key_pos[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (key_pos[None, :] > pos[:, None] - window)
+            scores = tl.where(visible, scores * scale_log2e, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if VALUE_IS_K1:
+                values = k1
+            else:
+                values = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+                                 + dv[None, :], mask=readable[:, None] & (dv[None, :] < DV), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), values.to(q1.dtype), input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+KERNEL = triton.jit(_kernel)
+
+
+def interpreting() -> bool:
+    """Whether Triton was imported in interpreter mode."""
+    return not isinstance(KERNEL, triton.runtime.JITFunction)
