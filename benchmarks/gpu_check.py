@@ -8,6 +8,9 @@ short text report under --results:
     poison        C1 per attention backend: with poison on, epochs through a recycling cache pass the rule
                   under the derived zero flags; with zeroing forced off, a backend that declares
                   reads_unwritten_slots must fail it and one that does not must still pass
+    attention     one attention layer's decode step per backend at batch x context 1x4096, 16x4096, 64x1024
+                  and 256x1024 (Llama-1B heads, blocks of 16): microseconds and KV bytes read per second,
+                  the kernels' own comparison (throughput's short contexts leave attention a small share)
     throughput    decode tok/s of a ~1B Llama-shaped random model at batch 1/16/64/256 vs transformers
                   `generate` (static batch) in the same run and vs the HBM bound (weight bytes per step
                   / measured device copy bandwidth), flex and triton with CUDA graphs for decode, then
@@ -37,6 +40,7 @@ import copy
 import functools
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig  # noqa: E402
 
 from blockserve import LLM, SamplingParams  # noqa: E402
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_device  # noqa: E402
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
 from blockserve.attention.triton_paged import interpreting as triton_interpreting  # noqa: E402
 from blockserve.engine.config import EngineConfig  # noqa: E402
@@ -82,7 +87,8 @@ BILLION = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_h
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                bos_token_id=None, eos_token_id=None, pad_token_id=None)  # 1.17e9 parameters
 REGRET_MARGIN_NATS = 0.25  # the parity rule's bfloat16 allowance (module docstring)
-PARITY_SHARE = 0.55  # of the time budget, for poison and parity together
+PARITY_SHARE = 0.5  # of the time budget, for poison and parity together
+ATTENTION_SHARE = 0.1  # then for the attention kernels' timings
 
 
 def main() -> None:
@@ -114,6 +120,8 @@ def run(device: str, smoke: bool, budget_s: float, write=lambda report: None) ->
     parity_until = start + PARITY_SHARE * budget_s  # parity's runs stop there; poison and throughput follow
     sections = [("poison", lambda: poison(device, dtype, smoke)),
                 ("parity", lambda: parity(device, dtype, smoke, parity_until)),
+                ("attention", lambda: attention_kernels(device, dtype, smoke,
+                                                        parity_until + ATTENTION_SHARE * budget_s)),
                 ("throughput", lambda: throughput(device, dtype, smoke, start + budget_s))]
     for name, section in sections:
         if time.perf_counter() - start > budget_s:
@@ -355,6 +363,50 @@ def poison(device: str, dtype: torch.dtype, smoke: bool) -> dict:
     return {"ok": all(r["ok"] for r in results.values()), "backends": results}
 
 
+LLAMA_1B_HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=64)
+
+
+def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
+    """Per backend and (batch, context): one attention layer's decode step, microseconds (median of
+    repeats, the step's metadata reused as by every layer after the first) and the K/V bytes it reads
+    per second. A measurement not started by `until` (perf_counter) is named in "skipped"."""
+    shapes = [(2, 40)] if smoke else [(1, 4096), (16, 4096), (64, 1024), (256, 1024)]
+    heads, block_size = LLAMA_1B_HEADS, 16
+    hq, hkv, d = heads["num_heads"], heads["num_kv_heads"], heads["head_dim"]
+    gen = torch.Generator().manual_seed(0)
+    results, skipped = {}, []
+    for batch, context in shapes:
+        pages = batch * -(-context // block_size)
+        k_cache = torch.randn(pages + 1, block_size, hkv, d, generator=gen).to(device, dtype)
+        v_cache = torch.randn(pages + 1, block_size, hkv, d, generator=gen).to(device, dtype)
+        table = (torch.randperm(pages, generator=gen) + 1).view(batch, -1)
+        host = AttentionMetadata.build(BatchLayout.build([1] * batch, [context - 1] * batch), table, block_size)
+        q, k, v = (torch.randn(batch, h, d, generator=gen).to(device, dtype) for h in (hq, hkv, hkv))
+        kv_bytes = 2 * batch * context * hkv * d * k_cache.element_size()
+        for backend in backends(device, smoke):
+            key = f"{backend}/{batch}x{context}"
+            if time.perf_counter() > until:
+                skipped.append(key)
+                continue
+            try:
+                layer = BACKENDS[backend](d ** -0.5)
+                meta = host.with_tensors(*to_device(host.tensors(), torch.device(device)))
+                times = []
+                for _ in range(3 if smoke else 23):  # the first three: compilation and warm-up
+                    _sync()
+                    began = time.perf_counter()
+                    layer.forward(q, k, v, k_cache, v_cache, meta)
+                    _sync()
+                    times.append(time.perf_counter() - began)
+                step_s = statistics.median(times[3:] or times)
+                results[key] = {"us": round(step_s * 1e6, 1), "kv_gb_s": round(kv_bytes / step_s / 1e9, 1)}
+            except Exception as error:
+                results[key] = {"error": f"{type(error).__name__}: {error}"[:600]}
+        del k_cache, v_cache
+        _empty_cache(device)
+    return {"heads": heads, "block_size": block_size, "kernels": results, "skipped": skipped}
+
+
 def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
     """Decode tok/s per batch size: blockserve (each backend) and transformers, both as
     B * (N - 1) / (time for N tokens - time for 1 token), and the HBM bound. A measurement not
@@ -497,6 +549,13 @@ def summary(report: dict) -> str:
                      + (f"; {len(skipped)} skipped for time: {', '.join(skipped)}" if skipped else ""))
         for k in bad:
             lines.append(f"  {k}: {json.dumps(runs[k])[:400]}")
+    kernels = report.get("attention", {}).get("kernels")
+    if kernels is not None:
+        lines.append("attention decode layer (us, KV GB/s): " + ", ".join(
+            f"{k} {r['us']} us {r['kv_gb_s']} GB/s" if "us" in r else f"{k} {r['error'][:80]}"
+            for k, r in kernels.items()))
+    else:
+        lines.append(f"attention: {report.get('attention')}")
     tp = report.get("throughput", {})
     if "batches" in tp:
         lines.append(f"throughput (decode tok/s; HBM bound step {tp['hbm_bound_step_ms']} ms at "

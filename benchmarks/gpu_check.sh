@@ -5,6 +5,8 @@
 #                                        # machine lacks, into build/gpu_wheels (~4 MB; no torch)
 #   bash benchmarks/gpu_check.sh [ARGS]  # there: install them and blockserve into a scratch site
 #                                        # directory, then run the check on CUDA (ARGS go to gpu_check.py)
+#   bash benchmarks/gpu_check.sh pytest  # there, in a second call (~2 minutes): the test suite's CUDA-only
+#                                        # tests (CUDA graphs vs eager per backend, the engine on CUDA vs CPU)
 #
 # Results: $RESULTS, else $OUT/gpu_check where $OUT is set (the device tool's folder), else
 # results/gpu_check. The machine's python3 keeps its own torch, triton and transformers.
@@ -33,6 +35,12 @@ export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
 RESULTS=${RESULTS:-${OUT:+$OUT/gpu_check}}
 RESULTS=${RESULTS:-results/gpu_check}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+if [[ "${1:-}" == pytest ]]; then
+    mkdir -p "$RESULTS"
+    BLOCKSERVE_TEST_CUDA=1 timeout 170 python3 -m pytest -p no:cacheprovider -rA -k on_cuda \
+        tests/worker/test_cuda_graphs.py tests/engine/test_device.py 2>&1 | tee "$RESULTS/cuda_pytest.txt"
+    exit "${PIPESTATUS[0]}"
+fi
 # The check sizes itself to ~450 s (--budget-s); the hard stop keeps it inside 8 minutes, and the
 # sections finished by then are already written.
 timeout 475 python3 benchmarks/gpu_check.py --device cuda --results "$RESULTS" "$@"

@@ -35,7 +35,7 @@ def test_smoke_mode_runs_every_section(tmp_path):
     gpu_check = load_gpu_check()
     written = []
     report = gpu_check.run("cpu", smoke=True, budget_s=600, write=lambda r: written.append(json.dumps(r)))
-    assert len(written) == 4 and "poison" in json.loads(written[0])  # after each section, and at the end
+    assert len(written) == 5 and "poison" in json.loads(written[0])  # after each section, and at the end
     assert report["ok"], gpu_check.summary(report)
     assert {"torch", "triton", "transformers", "python"} <= set(report["environment"])
     assert "regret" in report["parity_rule"]
@@ -46,6 +46,8 @@ def test_smoke_mode_runs_every_section(tmp_path):
     poison = report["poison"]["backends"]
     assert poison["exact"]["zeroing_off_matches"] and not poison["whole_block"]["zeroing_off_matches"]
     assert all(b["derived_flags_match"] and b["preemptions"] > 0 for b in poison.values())
+    kernels = report["attention"]["kernels"]
+    assert set(kernels) == {"exact/2x40"} and kernels["exact/2x40"]["us"] > 0 and not report["attention"]["skipped"]
     throughput = report["throughput"]
     assert throughput["copy_bandwidth_gb_s"] > 0
     assert not throughput["errors"] and not throughput["skipped"]
@@ -55,6 +57,17 @@ def test_smoke_mode_runs_every_section(tmp_path):
     text = gpu_check.summary(report)
     assert "OK" in text and "parity: 2/2 ok" in text and "poison: 2/2 ok" in text
     assert "fastest blockserve variant per batch: 1: exact, 4: exact" in text
+    assert "attention decode layer (us, KV GB/s): exact/2x40 " in text
+
+
+def test_the_attention_timings_run_every_backend(monkeypatch):
+    """The attention section's layer timings (smoke shapes) through every GPU backend on the CPU: flex
+    eager, triton interpreted; each gives a time, none an error."""
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(gpu_check, "backends", lambda device, smoke: list(gpu_check.GPU_BACKENDS))
+    kernels = gpu_check.attention_kernels("cpu", torch.float32, smoke=True, until=time.perf_counter() + 300)["kernels"]
+    assert set(kernels) == {f"{b}/2x40" for b in gpu_check.GPU_BACKENDS}
+    assert all(r.get("us", 0) > 0 for r in kernels.values()), kernels
 
 
 def test_parity_and_poison_run_their_full_grid_on_the_cpu():

@@ -181,11 +181,13 @@ def test_step_inputs_survive_the_device_move(llama, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the same engine on the GPU")
-def test_llama_on_cuda_matches_cpu(llama):
+@pytest.mark.parametrize("backend", ["exact", "triton"])
+def test_llama_on_cuda_matches_cpu(llama, backend):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     outs = []
     for device in ("cpu", "cuda"):
         llm = LLM(model=str(llama[0]), device=device, dtype="float32", max_model_len=64, max_num_batched_tokens=16,
+                  attention_backend=backend if device == "cuda" else "exact",
                   **({} if device == "cuda" else {"kv_cache_memory": "64MiB"}))
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)])
     assert outs[0] == outs[1]

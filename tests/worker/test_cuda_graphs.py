@@ -282,10 +282,11 @@ def test_config_errors(llama_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): real CUDA graphs")
-def test_cuda_graphs_equal_eager_on_cuda(llama_path):
+@pytest.mark.parametrize("backend", ["flex", "triton"])
+def test_cuda_graphs_equal_eager_on_cuda(llama_path, backend):
     outs = []
     for options in (dict(enforce_eager=True), dict(cuda_graph_sizes=SIZES)):
-        llm = LLM(model=str(llama_path), device="cuda", dtype="float32", attention_backend="flex", max_model_len=64,
+        llm = LLM(model=str(llama_path), device="cuda", dtype="float32", attention_backend=backend, max_model_len=64,
                   max_num_seqs=8, max_num_batched_tokens=32, seed=0, **options)
         assert llm.engine.cuda_graph_sizes == (() if "enforce_eager" in options else SIZES)
         outs.append(generate(llm))
