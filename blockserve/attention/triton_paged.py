@@ -158,8 +158,11 @@ def compile_for(arch: int, out, q1, k1, v, meta: AttentionMetadata, scale: float
                 value_is_k1: bool = False):
     """The kernel of the launch `paged_attention(out, q1, k1, v, meta, ...)` would make, compiled ahead
     of time for an NVIDIA GPU of compute capability `arch` (90: Hopper) on a machine with none (the
-    tensors may be CPU tensors; only their dtypes, strides and the shapes count). Triton must not be
-    in interpreter mode. Returns Triton's compiled kernel (its `asm` holds the PTX and cubin)."""
+    tensors may be CPU tensors; only their dtypes, strides, alignment and shapes count), specialized
+    as Triton's launcher specializes a launch: integers equal to 1 become constants, integers that
+    are multiples of 16 and 16-byte-aligned pointers are marked divisible by 16 (what lets loads be
+    vectorized). Triton must not be in interpreter mode. Returns Triton's compiled kernel (its `asm`
+    holds the PTX and cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -168,9 +171,20 @@ def compile_for(arch: int, out, q1, k1, v, meta: AttentionMetadata, scale: float
     if kernels.interpreting():
         raise RuntimeError("compiling needs Triton out of interpreter mode (TRITON_INTERPRET=1 is set)")
     _, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, tiles=TileMap.build)
-    names = list(inspect.signature(kernels.KERNEL.fn).parameters)
-    signature = {name: "*" + _TYPES[arg.dtype] if isinstance(arg, torch.Tensor) else "fp32" if isinstance(arg, float)
-                 else "i64" for name, arg in zip(names, args)}
+    signature, attrs = {}, {}
+    for i, (name, arg) in enumerate(zip(inspect.signature(kernels.KERNEL.fn).parameters, args)):
+        if isinstance(arg, float):
+            signature[name] = "fp32"
+            continue
+        if isinstance(arg, torch.Tensor):
+            signature[name], divisible = "*" + _TYPES[arg.dtype], arg.data_ptr() % 16 == 0
+        elif arg == 1:
+            constexprs[name] = 1
+            continue
+        else:
+            signature[name], divisible = "i32" if -2**31 <= arg < 2**31 else "i64", arg % 16 == 0
+        if divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    source = ASTSource(fn=kernels.KERNEL, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=kernels.KERNEL, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
