@@ -16,6 +16,11 @@ Keys may come in two parts (`q2`/`k2`, dot products added): MLA's absorbed form 
 as [q_lat | q_rope] . [c | k_rope] over the latent cache row, and its values are the row's
 first part (VALUE_IS_K1: the loaded tile is reused, not read twice).
 
+Split keys (flash-decoding, decode-only steps): with SPLITS > 1 the grid's third axis also splits
+each row's key steps into SPLITS shares; each program stores its share's normalised output and
+log2-sum-exp (fp32, [tokens, query heads, SPLITS]) and `COMBINE` weighs them into the output. So a
+small batch of long contexts keeps the GPU's multiprocessors busy.
+
 With TRITON_INTERPRET=1 in the environment before Triton is first imported, `KERNEL` runs in
 Triton's interpreter (numpy, on CPU tensors: for tests); Triton binds its library functions to one
 mode at import, so a process runs kernels one way only.
@@ -26,7 +31,7 @@ import triton.language as tl
 
 
 def _kernel(
-    out_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr,
     table_ptr, seq_len_ptr, key_start_ptr, query_start_ptr, tile_seq_ptr, tile_row_ptr,
     scale_log2e, window,
     stride_ot, stride_oh, stride_q1t, stride_q1h, stride_q2t, stride_q2h,
@@ -36,11 +41,12 @@ def _kernel(
     PAGE: tl.constexpr,
     D1: tl.constexpr, D1_PAD: tl.constexpr, D2: tl.constexpr, D2_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    head_block = tl.program_id(2)
+    head_block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     seq = tl.load(tile_seq_ptr + tile)
     if seq >= 0:
         row0 = tl.load(tile_row_ptr + tile)
@@ -75,7 +81,12 @@ def _kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-        for start in range(lo // BLOCK_N * BLOCK_N, hi + 1, BLOCK_N):
+        first_step, last_step = lo // BLOCK_N, hi // BLOCK_N
+        if SPLITS > 1:  # this program's share of the key steps (none, for a short context's last splits)
+            per_split = (last_step - first_step + SPLITS) // SPLITS
+            first_step += split * per_split
+            last_step = tl.minimum(last_step, first_step + per_split - 1)
+        for start in range(first_step * BLOCK_N, (last_step + 1) * BLOCK_N, BLOCK_N):
             key_pos = start + n
             readable = (key_pos >= lo) & (key_pos <= hi)  # written slots only (C1)
             page = tl.load(table_ptr + seq * stride_table + key_pos // PAGE, mask=readable, other=0).to(tl.int64)
@@ -104,11 +115,32 @@ def _kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), values.to(q1.dtype), input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+        if SPLITS == 1:
+            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+        else:  # this split's normalised output and log2-sum-exp, for _combine
+            part = (token * (tl.num_programs(1) * G) + head) * SPLITS + split
+            tl.store(part_out_ptr + part[:, None] * DV_PAD + dv[None, :], out, mask=row_ok[:, None])
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))  # -inf: no key
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
+
+def _combine(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
+             SPLITS: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
+    """out[token, head] = the splits' outputs weighted by their share of the softmax's sum; one
+    program per (token, query head)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
+    lse = tl.load(part_lse_ptr + part)
+    weight = tl.exp2(lse - tl.max(lse, 0))  # every row sees a key (itself): some split's lse is finite
+    dv = tl.arange(0, DV_PAD)
+    parts = tl.load(part_out_ptr + part[:, None] * DV_PAD + dv[None, :])
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 KERNEL = triton.jit(_kernel)
+COMBINE = triton.jit(_combine)
 
 
 def interpreting() -> bool:

@@ -6,6 +6,8 @@ reading only the slots it may see.
                 grid is (tiles, KV heads, blocks of G_BLOCK query heads sharing a KV head)
     tile map    which sequence and first row each tile is, computed with tensor ops from the
                 metadata's tensors; the grid's size from shapes alone (spare tiles do nothing)
+    key splits  in a decode-only step whose programs would leave multiprocessors idle (a small
+                batch), each row's keys are split over up to MAX_SPLITS programs, then combined
 
 Shapes and where it runs: tl.dot needs every dimension >= 16, so head widths are padded to a
 power of two >= 16 (masked) and tiles to >= 16 rows; a key step spans whole pages or part of one,
@@ -19,6 +21,7 @@ imported on the first launch: importing blockserve does not pay for it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import math
@@ -38,6 +41,8 @@ MAX_TILE_ELEMENTS = 16384  # tile rows x head width at most (MLA's 16 heads x 57
 MAX_HEAD_BLOCK = 16  # query heads per program at most (MLA's 128 heads: 8 programs per row)
 KEY_TILE = 64  # keys per step of the online softmax (half that for heads wider than WIDE_HEAD)
 WIDE_HEAD = 256
+MAX_SPLITS = 16  # key splits per decode row at most (triton_kernel.py's flash-decoding)
+MIN_SPLIT_KEYS = 256  # keys per split at least, counted over the block table's width
 
 
 def _kernels():
@@ -107,8 +112,28 @@ def tile_map(meta: AttentionMetadata, rows: int) -> TileMap:
     return meta.derived[key]
 
 
-def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, value_is_k1: bool, tiles=tile_map):
-    """(grid, positional args, constexpr kwargs, num_warps) of one launch. Caches are [pages, bs, heads, dim]."""
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere: no key splits on the CPU by default)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def key_splits(meta: AttentionMetadata, rows: int, programs: int, device: torch.device) -> int:
+    """Key splits per decode row (a power of two): enough for about two programs per multiprocessor,
+    none for prefill tiles, and at most one per MIN_SPLIT_KEYS of the longest context the block
+    table can hold. Shapes only, so a captured graph splits as it was captured."""
+    if rows != 1:
+        return 1
+    by_context = -(-meta.block_table.shape[1] * meta.block_size // MIN_SPLIT_KEYS)
+    splits = max(1, min(MAX_SPLITS, 2 * _multiprocessors(device) // programs, by_context))
+    return 1 << (splits.bit_length() - 1)
+
+
+def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, value_is_k1: bool,
+                 splits: int | None, tiles=tile_map):
+    """(grid, positional args, constexpr kwargs, num_warps) of one launch; with key splits the args
+    name the partial results' buffers, which `paged_attention` combines. Caches are [pages, bs,
+    heads, dim]. `splits`: None for key_splits' choice."""
     num_kv_heads = k1.shape[2]
     group = q1.shape[1] // num_kv_heads
     head_block = min(1 << (group - 1).bit_length(), MAX_HEAD_BLOCK)
@@ -117,11 +142,21 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
     d2 = 0 if q2 is None else q2.shape[-1]
     width = max(_pad(q1.shape[-1]) + (_pad(d2) if d2 else 0), _pad(out.shape[-1]))
     tiles = tiles(meta, tile_rows(meta, head_block, width))
-    grid = (tiles.seq.shape[0], num_kv_heads, -(-group // head_block))
+    head_blocks = -(-group // head_block)
+    if splits is None:
+        splits = key_splits(meta, tiles.rows, tiles.seq.shape[0] * num_kv_heads * head_blocks, q1.device)
+    elif splits > 1 and (tiles.rows != 1 or splits & (splits - 1)):
+        raise ValueError(f"key splits apply to decode-only steps, as a power of two; got {splits}")
+    grid = (tiles.seq.shape[0], num_kv_heads, head_blocks * splits)
+    parts = out, out  # unused without splits
+    if splits > 1:
+        rows = (out.shape[0], out.shape[1], splits)
+        parts = (out.new_empty(*rows, _pad(out.shape[-1]), dtype=torch.float32),
+                 out.new_empty(rows, dtype=torch.float32))
     q2 = q1 if q2 is None else q2
     k2 = k1 if k2 is None else k2
     window = meta.sliding_window
-    args = (out, q1, q2, k1, k2, v, meta.block_table, meta.seq_len, meta.key_start, tiles.query_start,
+    args = (out, *parts, q1, q2, k1, k2, v, meta.block_table, meta.seq_len, meta.key_start, tiles.query_start,
             tiles.seq, tiles.first_row, scale * math.log2(math.e), window or 0,
             out.stride(0), out.stride(1), q1.stride(0), q1.stride(1), q2.stride(0), q2.stride(1),
             *k1.stride()[:3], *k2.stride()[:3], *v.stride()[:3], meta.block_table.stride(0))
@@ -131,60 +166,85 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
         D1=q1.shape[-1], D1_PAD=_pad(q1.shape[-1]), D2=d2, D2_PAD=_pad(d2),
         DV=out.shape[-1], DV_PAD=_pad(out.shape[-1]),
         HAS_WINDOW=window is not None, VALUE_IS_K1=value_is_k1,
-        PRECISION="ieee" if q1.dtype == torch.float32 else None)
+        PRECISION="ieee" if q1.dtype == torch.float32 else None, SPLITS=splits)
     return grid, args, constexprs, 4 if width <= WIDE_HEAD else 8  # wide heads: registers for 8 warps
 
 
 def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                     scale: float, *, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
-                    value_is_k1: bool = False) -> torch.Tensor:
+                    value_is_k1: bool = False, splits: int | None = None) -> torch.Tensor:
     """out [T, Hq, Dv] = attention of q1 [T, Hq, D1] (and q2 [T, Hq, D2]) over the pages of k1 [N, bs,
     Hkv, D1] (and k2 [N, bs, Hkv, D2]) with values v [N, bs, Hkv, Dv] (or k1's first Dv columns when
-    `value_is_k1`). The step's K/V must already be written."""
+    `value_is_k1`). The step's K/V must already be written. `splits`: key splits per decode row
+    (None: key_splits' choice)."""
     q1, q2, k1, k2, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q1, q2, k1, k2, v))
     kernels = _kernels()
     if q1.device.type == "cpu" and not kernels.interpreting():
         raise RuntimeError("attention_backend 'triton' on the CPU runs in Triton's interpreter (for tests): set "
                            "TRITON_INTERPRET=1 in the environment before the process starts")
-    grid, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1)
+    grid, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, splits)
     kernels.KERNEL[grid](*args, **constexprs, num_warps=num_warps)
+    if constexprs["SPLITS"] > 1:
+        kernels.COMBINE[out.shape[:2]](*_combine_args(args, constexprs))
     return out
+
+
+def _combine_args(args, constexprs) -> tuple:
+    """The combine kernel's arguments, from the attention launch's."""
+    out, part_out, part_lse = args[:3]
+    return (out, part_out, part_lse, out.stride(0), out.stride(1), constexprs["SPLITS"], constexprs["DV"],
+            constexprs["DV_PAD"])
 
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
 
 
 def compile_for(arch: int, out, q1, k1, v, meta: AttentionMetadata, scale: float, *, q2=None, k2=None,
-                value_is_k1: bool = False):
-    """The kernel of the launch `paged_attention(out, q1, k1, v, meta, ...)` would make, compiled ahead
-    of time for an NVIDIA GPU of compute capability `arch` (90: Hopper) on a machine with none (the
-    tensors may be CPU tensors; only their dtypes, strides, alignment and shapes count), specialized
-    as Triton's launcher specializes a launch: integers equal to 1 become constants, integers that
-    are multiples of 16 and 16-byte-aligned pointers are marked divisible by 16 (what lets loads be
-    vectorized). Triton must not be in interpreter mode. Returns Triton's compiled kernel (its `asm`
-    holds the PTX and cubin)."""
+                value_is_k1: bool = False, splits: int = 1) -> list:
+    """The kernels the launch `paged_attention(out, q1, k1, v, meta, ..., splits=splits)` would run
+    (the attention kernel, and with key splits the combine kernel), compiled ahead of time for an
+    NVIDIA GPU of compute capability `arch` (90: Hopper) on a machine with none (the tensors may be
+    CPU tensors; only their dtypes, strides, alignment and shapes count). Triton must not be in
+    interpreter mode. Returns Triton's compiled kernels (each one's `asm` holds the PTX and cubin)."""
+    kernels = _kernels()
+    if kernels.interpreting():
+        raise RuntimeError("compiling needs Triton out of interpreter mode (TRITON_INTERPRET=1 is set)")
+    _, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, splits,
+                                                  tiles=TileMap.build)
+    compiled = [_compile(kernels.KERNEL, args, constexprs, num_warps, arch)]
+    if splits > 1:
+        compiled.append(_compile(kernels.COMBINE, _combine_args(args, constexprs), {}, 4, arch))
+    return compiled
+
+
+def _compile(kernel, args, constexprs: dict, num_warps: int, arch: int):
+    """`kernel` compiled for `args` (the constexprs among them by name in `constexprs` or in place),
+    specialized as Triton's launcher specializes a launch: integers equal to 1 become constants,
+    integers that are multiples of 16 and 16-byte-aligned pointers are marked divisible by 16 (what
+    lets loads be vectorized)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernels = _kernels()
-    if kernels.interpreting():
-        raise RuntimeError("compiling needs Triton out of interpreter mode (TRITON_INTERPRET=1 is set)")
-    _, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, tiles=TileMap.build)
-    signature, attrs = {}, {}
-    for i, (name, arg) in enumerate(zip(inspect.signature(kernels.KERNEL.fn).parameters, args)):
-        if isinstance(arg, float):
-            signature[name] = "fp32"
+    constexprs, signature, attrs = dict(constexprs), {}, {}
+    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constexprs:
             continue
-        if isinstance(arg, torch.Tensor):
-            signature[name], divisible = "*" + _TYPES[arg.dtype], arg.data_ptr() % 16 == 0
+        arg = args[i]
+        if i in kernel.constexprs:
+            constexprs[name] = arg
+        elif isinstance(arg, float):
+            signature[name] = "fp32"
+        elif isinstance(arg, torch.Tensor):
+            signature[name] = "*" + _TYPES[arg.dtype]
+            if arg.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif arg == 1:
             constexprs[name] = 1
-            continue
         else:
-            signature[name], divisible = "i32" if -2**31 <= arg < 2**31 else "i64", arg % 16 == 0
-        if divisible:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            signature[name] = "i32" if -2**31 <= arg < 2**31 else "i64"
+            if arg % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    source = ASTSource(fn=kernels.KERNEL, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})

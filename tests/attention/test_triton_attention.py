@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ import torch
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.attention.triton_attention import TritonAttention
+from blockserve.attention import triton_paged
 from blockserve.attention.triton_paged import (MAX_TILE_ELEMENTS, PREFILL_TILE, TRITON_UNAVAILABLE, interpreting,
-                                             tile_rows)
+                                             key_splits, paged_attention, tile_rows)
 from tests.attention.test_flex_attention import MODELS, STEPS, engine_greedy_tokens, forward
 from tests.attention.test_paged_attention import BS, D, NUM_BLOCKS, make_step
 from tests.models.conftest import save_random_model, tiny_model  # noqa: F401 (a fixture)
@@ -74,6 +76,48 @@ def test_poison_c1(seqs, window):
     assert torch.equal(forward("triton", seqs, window, fill=float("nan")), forward("triton", seqs, window))
 
 
+LONG_DECODES = [(299, 1), (150, 1), (3, 1)]  # contexts of several key steps each, and one of one
+
+
+@pytest.mark.parametrize("window", [None, 5, 100])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_key_splits_match_exact(splits, window):
+    """Decode rows with their keys split over several programs and combined (flash-decoding): the
+    exact backend's output, unwritten slots NaN (nothing read), short contexts' empty splits included."""
+    seqs = LONG_DECODES
+    k_cache, v_cache, table, q, k, v, *_ = make_step(seqs, fill=float("nan"))
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    want = BACKENDS["exact"](1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, AttentionMetadata.build(
+        layout, table, BS, window))  # writes the step's K/V into the caches, which the kernel reads
+    got = paged_attention(torch.empty_like(q), q, k_cache, v_cache, AttentionMetadata.build(layout, table, BS, window),
+                          1 / math.sqrt(D), splits=splits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_key_splits_are_for_decode_steps_only():
+    seqs = STEPS["mixed"]
+    k_cache, v_cache, table, q, *_ = make_step(seqs, fill=0.0)
+    meta = AttentionMetadata.build(BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs]), table, BS)
+    with pytest.raises(ValueError, match="decode-only steps"):
+        paged_attention(torch.empty_like(q), q, k_cache, v_cache, meta, 1.0, splits=2)
+
+
+def test_key_split_choice():
+    """About two programs per multiprocessor, a power of two, none for prefill tiles or short tables."""
+    def meta(num_seqs, table_width):
+        layout = BatchLayout.build([1] * num_seqs, [5] * num_seqs)
+        return AttentionMetadata.build(layout, torch.ones(num_seqs, table_width, dtype=torch.int64), 16)
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    with patch.object(triton_paged, "_multiprocessors", lambda device: 132 if device.type == "cuda" else 0):
+        assert key_splits(meta(1, 256), 1, 8, gpu) == 16  # batch 1, 8 KV heads: 16 splits (MAX_SPLITS)
+        assert key_splits(meta(4, 256), 1, 32, gpu) == 8  # 264 // 32 = 8
+        assert key_splits(meta(64, 256), 1, 512, gpu) == 1
+        assert key_splits(meta(1, 32), 1, 8, gpu) == 2  # 512 keys at most: two splits of 256
+        assert key_splits(meta(1, 256), 16, 8, gpu) == 1  # a prefill tile
+        assert key_splits(meta(1, 256), 1, 8, cpu) == 1
+
+
 def test_strided_queries():
     """Queries sliced out of a wider projection (rows not contiguous) read the right elements."""
     seqs = STEPS["mixed"]
@@ -114,18 +158,18 @@ COMPILE_CHILD = textwrap.dedent("""
         table = torch.arange(1, 1 + len(seqs) * width).view(len(seqs), width)
         return AttentionMetadata.build(layout, table, 16, window)
 
-    def attention(dtype, hq, hkv, d, window, seqs):
+    def attention(dtype, hq, hkv, d, window, seqs, splits=1):
         meta = meta_for(seqs, window)
         q, cache = torch.empty(meta.slot_mapping.shape[0], hq, d, dtype=dtype), torch.empty(64, 16, hkv, d, dtype=dtype)
-        return compile_for(90, torch.empty_like(q), q, cache, cache, meta, d ** -0.5)
+        return compile_for(90, torch.empty_like(q), q, cache, cache, meta, d ** -0.5, splits=splits)
 
-    def mla(dtype, h, r, dr, seqs):
+    def mla(dtype, h, r, dr, seqs, splits=1):
         meta = meta_for(seqs)
         t = meta.slot_mapping.shape[0]
         q, q_rope = torch.empty(t, h, r, dtype=dtype), torch.empty(t, h, dr, dtype=dtype)
         pages = torch.empty(64, 16, r + dr, dtype=dtype)[:, :, None]
         return compile_for(90, torch.empty_like(q), q, pages[..., :r], pages[..., :r], meta, 0.1, q2=q_rope,
-                           k2=pages[..., r:], value_is_k1=True)
+                           k2=pages[..., r:], value_is_k1=True, splits=splits)
 
     decode, mixed = [(30, 1)] * 4, [(30, 1), (0, 40), (17, 9)]
     kernels = {}
@@ -136,6 +180,9 @@ COMPILE_CHILD = textwrap.dedent("""
             kernels[f"gemma3_window_{key}"] = attention(dtype, 4, 2, 16, 6, seqs)
             kernels[f"mla_deepseek_v3_{key}"] = mla(dtype, 128, 512, 64, seqs)  # the real model's widths
             kernels[f"mla_tiny_{key}"] = mla(dtype, 4, 16, 4, seqs)
+        key = f"{str(dtype)[6:]}_decode_split"  # small batches of long contexts: key splits and their combine
+        kernels[f"llama_1b_{key}"] = attention(dtype, 32, 8, 64, None, decode, splits=8)
+        kernels[f"mla_deepseek_v3_{key}"] = mla(dtype, 128, 512, 64, decode, splits=4)
     meta = meta_for(decode)
     q = torch.zeros(4, 4, 16)
     try:
@@ -144,8 +191,10 @@ COMPILE_CHILD = textwrap.dedent("""
         refusal = None
     except RuntimeError as error:
         refusal = str(error)
-    print(json.dumps({"refusal": refusal, "kernels": {name: {"cubin": len(k.asm["cubin"]), "shared": k.metadata.shared}
-                                                      for name, k in kernels.items()}}))
+    print(json.dumps({"refusal": refusal, "kernels": {f"{name}/{i}": {"cubin": len(k.asm["cubin"]),
+                                                                       "shared": k.metadata.shared}
+                                                      for name, compiled in kernels.items()
+                                                      for i, k in enumerate(compiled)}}))
 """)
 
 HOPPER_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_90
@@ -159,10 +208,10 @@ def test_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert "TRITON_INTERPRET=1" in report["refusal"]
-    assert len(report["kernels"]) == 16
+    assert len(report["kernels"]) == 16 + 2 * 2 * 2  # the split variants: attention and combine kernels
     for name, kernel in report["kernels"].items():
         assert kernel["cubin"] > 0, name
-        assert 0 < kernel["shared"] <= HOPPER_SHARED_MEMORY, (name, kernel["shared"])
+        assert kernel["shared"] <= HOPPER_SHARED_MEMORY, (name, kernel["shared"])
 
 
 @pytest.mark.parametrize("heads, width", [(1, 16), (2, 32), (8, 576), (16, 576), (4, 64), (3, 80)])

@@ -163,6 +163,25 @@ def test_triton_decode_steps_replay_equal_eager(family, request, tiny_model):
     assert set(capture.replays) == set(SIZES)
 
 
+@pytest.mark.parametrize("family", ("llama", "deepseek_v3"))
+def test_triton_key_splits_in_replayed_steps_equal_unsplit_eager(family, request, tiny_model, monkeypatch):
+    """Decode steps whose keys are split over programs (as on a GPU with idle multiprocessors; forced
+    here) and combined, replayed from captured graphs: the unsplit eager engine's tokens and logprobs."""
+    from blockserve.attention import triton_paged
+
+    path = family_path(family, request, tiny_model)
+    eager = generate(engine(path, "triton"))
+    monkeypatch.setattr(triton_paged, "_multiprocessors", lambda device: 64)
+    monkeypatch.setattr(triton_paged, "MIN_SPLIT_KEYS", 16)
+    splits = []
+    choose = triton_paged.key_splits
+    monkeypatch.setattr(triton_paged, "key_splits", lambda *args: splits.append(choose(*args)) or splits[-1])
+    llm = engine(path, "triton")
+    with_graphs(llm, fake=False)
+    assert_same(generate(llm), eager)
+    assert max(splits) > 1
+
+
 def test_the_cuda_flex_call_traces_as_one_graph(request, tiny_model, monkeypatch):
     """On CUDA flex_attention is compiled (fullgraph, dynamic shapes): its block mask and mask_mod,
     built from the step's tensors (a captured step's too), must trace without a graph break, and
