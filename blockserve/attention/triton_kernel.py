@@ -43,6 +43,7 @@ def _kernel(
     DV: tl.constexpr, DV_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """Program (tile, KV head, head block x split): see the module docstring."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     head_block = tl.program_id(2) // SPLITS

@@ -61,9 +61,8 @@ def interpreting() -> bool:
 
 
 def _pad(n: int) -> int:
+    """n rounded up to a power of two, at least MIN_DOT (a tl.arange's and a tl.dot's width)."""
     return max(MIN_DOT, 1 << max(0, n - 1).bit_length())
-
-
 
 
 @dataclass(frozen=True)
