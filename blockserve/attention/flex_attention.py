@@ -202,6 +202,11 @@ class FlexAttention:
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
 
+    @staticmethod
+    def unavailable(device: torch.device) -> str | None:
+        """Why this backend cannot run on `device` (None: it can)."""
+        return FLEX_UNAVAILABLE
+
     def __init__(self, scale: float):
         self.scale = scale
 

@@ -62,6 +62,11 @@ class PagedAttention:
     # reads only tensors, no host list. These backends build their gathers from the host lists.
     captures_decode: ClassVar[bool] = False
 
+    @staticmethod
+    def unavailable(device: torch.device) -> str | None:
+        """Why this backend cannot run on `device` (None: it can). These run anywhere."""
+        return None
+
     def __init__(self, scale: float):
         self.scale = scale
 

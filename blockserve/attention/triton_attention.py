@@ -19,6 +19,7 @@ import torch
 
 from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention import triton_paged
 from blockserve.attention.triton_paged import paged_attention
 
 
@@ -28,6 +29,11 @@ class TritonAttention:
     name: ClassVar[str] = "triton"
     reads_unwritten_slots: ClassVar[bool] = False  # page loads are masked to written slots
     captures_decode: ClassVar[bool] = True  # reads no host list
+
+    @staticmethod
+    def unavailable(device: torch.device) -> str | None:
+        """Why this backend cannot run on `device` (None: it can)."""
+        return triton_paged.unavailable(device)
 
     def __init__(self, scale: float):
         self.scale = scale

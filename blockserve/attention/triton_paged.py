@@ -60,6 +60,16 @@ def interpreting() -> bool:
     return TRITON_UNAVAILABLE is None and _kernels().interpreting()
 
 
+def unavailable(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device` (None: it can)."""
+    if TRITON_UNAVAILABLE:
+        return TRITON_UNAVAILABLE
+    if device.type == "cpu" and not interpreting():
+        return ("on the CPU it runs only in Triton's interpreter (for tests): set TRITON_INTERPRET=1 in the "
+                "environment before the process starts")
+    return None
+
+
 def _pad(n: int) -> int:
     """n rounded up to a power of two, at least MIN_DOT (a tl.arange's and a tl.dot's width)."""
     return max(MIN_DOT, 1 << max(0, n - 1).bit_length())
@@ -177,10 +187,9 @@ def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: to
     `value_is_k1`). The step's K/V must already be written. `splits`: key splits per decode row
     (None: key_splits' choice)."""
     q1, q2, k1, k2, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q1, q2, k1, k2, v))
+    if (why := unavailable(q1.device)) is not None:
+        raise RuntimeError(f"attention_backend 'triton' cannot run on {q1.device}: {why}")
     kernels = _kernels()
-    if q1.device.type == "cpu" and not kernels.interpreting():
-        raise RuntimeError("attention_backend 'triton' on the CPU runs in Triton's interpreter (for tests): set "
-                           "TRITON_INTERPRET=1 in the environment before the process starts")
     grid, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, splits)
     kernels.KERNEL[grid](*args, **constexprs, num_warps=num_warps)
     if constexprs["SPLITS"] > 1:

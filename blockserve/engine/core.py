@@ -106,6 +106,8 @@ class EngineCore:
         self.device_plan = plan = engine_device_plan(config, loaded)
         if config.cuda_graph_sizes and not plan.is_cuda:
             raise ValueError(f"cuda_graph_sizes applies on CUDA only; this engine runs on {plan.device}")
+        if (why := BACKENDS[config.attention_backend].unavailable(plan.device)) is not None:
+            raise ValueError(f"attention_backend {config.attention_backend!r} cannot run on {plan.device}: {why}")
         if config.tensor_parallel_size > 1:
             from blockserve.distributed.executor import TensorParallelExecutor
 

@@ -19,6 +19,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from blockserve import LLM
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.attention.triton_attention import TritonAttention
@@ -222,3 +223,15 @@ def test_tiles_are_powers_of_two(heads, width):
                                                                                                 heads * width)
     decode_only = AttentionMetadata.build(BatchLayout.build([1, 1], [4, 7]), torch.ones(2, 4, dtype=torch.int64), BS)
     assert tile_rows(decode_only, heads, width) == 1
+
+
+def test_an_engine_that_cannot_run_the_backend_refuses_at_start(tmp_path, monkeypatch):
+    """Outside Triton's interpreter a CPU engine with attention_backend='triton' fails when it is built,
+    saying what to do, instead of failing its first request; so does one without Triton installed."""
+    save_random_model(MODELS["llama"](), tmp_path)
+    monkeypatch.setattr(triton_paged, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' cannot run on cpu: .*TRITON_INTERPRET=1"):
+        LLM(str(tmp_path), attention_backend="triton", kv_cache_memory="1MiB")
+    monkeypatch.setattr(triton_paged, "TRITON_UNAVAILABLE", "the triton package is not installed; pip install triton")
+    with pytest.raises(ValueError, match="pip install triton"):
+        LLM(str(tmp_path), attention_backend="triton", kv_cache_memory="1MiB")
