@@ -223,9 +223,11 @@ GPU_BACKENDS = ("exact", "flex", "triton")  # whole_block imitates a tile-readin
 PARITY_GRAPH_SIZES = (1, 2, 4, 8)  # the parity and poison batches' decode sizes (8 prompts)
 
 
-def backends(device: str, smoke: bool, names=GPU_BACKENDS) -> list[str]:
-    """Which of `names` parity, poison and throughput run: on CPU smoke the default one (flex is eager
-    there); on the CPU triton only in Triton's interpreter (TRITON_INTERPRET=1, as the tests run)."""
+def backends(device: str, smoke: bool, names=None) -> list[str]:
+    """Which of `names` (default GPU_BACKENDS) parity, poison and throughput run: on CPU smoke the default
+    one (flex is eager there); on the CPU triton only in Triton's interpreter (TRITON_INTERPRET=1, as the
+    tests run)."""
+    names = GPU_BACKENDS if names is None else names
     if device == "cpu":
         return ["exact"] if smoke else [name for name in names if name != "triton" or triton_interpreting()]
     return list(names)
