@@ -17,10 +17,9 @@ from typing import ClassVar
 
 import torch
 
+from blockserve.attention import triton_paged
 from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata
-from blockserve.attention import triton_paged
-from blockserve.attention.triton_paged import paged_attention
 
 
 class TritonAttention:
@@ -43,7 +42,7 @@ class TritonAttention:
         """q [T, Hq, D], k/v [T, Hkv, D], caches [num_pages, bs, Hkv, D] -> [T, Hq, D]."""
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        return paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale)
+        return triton_paged.paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale)
 
 
 class TritonMLA(AbsorbedMLA):
@@ -57,5 +56,6 @@ class TritonMLA(AbsorbedMLA):
     def _attend_latent(self, q_lat, q_rope, cache, meta: AttentionMetadata) -> torch.Tensor:
         rank = q_lat.shape[-1]
         pages = cache[:, :, None]  # [N, bs, 1, R + Dr]: one KV head
-        return paged_attention(q_lat.new_empty(q_lat.shape), q_lat, pages[..., :rank], pages[..., :rank], meta,
-                               self.scale, q2=q_rope, k2=pages[..., rank:], value_is_k1=True)
+        latent = pages[..., :rank]
+        return triton_paged.paged_attention(q_lat.new_empty(q_lat.shape), q_lat, latent, latent, meta, self.scale,
+                                            q2=q_rope, k2=pages[..., rank:], value_is_k1=True)
