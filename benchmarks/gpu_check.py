@@ -14,7 +14,8 @@ short text report under --results:
     throughput    decode tok/s of a ~1B Llama-shaped random model at batch 1/16/64/256 vs transformers
                   `generate` (static batch) in the same run and vs the HBM bound (weight bytes per step
                   / measured device copy bandwidth), flex and triton with CUDA graphs for decode, then
-                  every backend without: the measurement that picks the GPU's attention backend
+                  every backend without: the measurement that picks the GPU's attention backend; and
+                  per variant the median step split into the host's work and its wait for the device
 
 The parity rule. The truth is transformers in float32 on the same device. In float32 (CPU) our greedy
 tokens must equal its tokens exactly. In bfloat16 greedy tokens cannot be compared one by one: these
@@ -59,6 +60,7 @@ from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_dev
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
 from blockserve.attention.triton_paged import interpreting as triton_interpreting  # noqa: E402
 from blockserve.engine.config import EngineConfig  # noqa: E402
+from blockserve.worker.sampler import Sampler  # noqa: E402
 from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS, save_random_hybrid, save_random_model  # noqa: E402
 from tests.paged_harness import assert_greedy_parity, reference_outputs  # noqa: E402
 
@@ -241,8 +243,8 @@ def engine(model, device: str, dtype: torch.dtype, **options) -> LLM:
     backend = BACKENDS[options.get("attention_backend", EngineConfig.attention_backend)]
     if device != "cpu" and backend.captures_decode and not options.get("enforce_eager"):
         options.setdefault("cuda_graph_sizes", PARITY_GRAPH_SIZES)
-    return LLM(model, device=device, dtype=str(dtype).removeprefix("torch."), check_integrity=True,
-               **{"block_size": 16, **budget, **options})
+    return LLM(model, device=device, dtype=str(dtype).removeprefix("torch."),
+               **{"block_size": 16, "check_integrity": True, **budget, **options})
 
 
 def small_cache(model: str, device: str, dtype: torch.dtype, **options) -> dict:
@@ -473,7 +475,8 @@ def _engine_rates(rows, model_dir, device, dtype, label, options, batches, promp
                   gen):
     """blockserve's decode tok/s with engine `options` per batch size, into rows[b] under `label`."""
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    with engine(model_dir, device, dtype, **options, enable_prefix_caching=False,
+    # No integrity check after each step here: it walks every block (~9 ms a step at batch 256 on a CPU)
+    with engine(model_dir, device, dtype, **options, enable_prefix_caching=False, check_integrity=False,
                 max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 16) as llm:
         for b in batches:
             ids = torch.randint(0, vocab, (b, prompt_len), generator=gen).tolist()
@@ -483,9 +486,52 @@ def _engine_rates(rows, model_dir, device, dtype, label, options, batches, promp
             greedy(llm, ids, 2)  # warm-up (compiles, allocates)
             rate = _rate(lambda n: greedy(llm, ids, n), b, new_tokens)
             rows[b][f"blockserve_{label}_tok_s"] = rate
+            with StepSplit(llm) as split:
+                greedy(llm, ids, new_tokens)
+            rows[b].update({f"blockserve_{label}_{k}": v for k, v in split.medians().items()})
             rows[b][f"blockserve_{label}_vs_hbm_bound"] = round(rate / rows[b]["hbm_bound_tok_s"], 3)
             if "transformers_tok_s" in rows[b]:
                 rows[b][f"blockserve_{label}_vs_transformers"] = round(rate / rows[b]["transformers_tok_s"], 2)
+
+
+class StepSplit:
+    """Times each engine step whole and the host's wait for the device in it: a synchronize just
+    before the sampler, whose read of the tokens would wait there anyway (patched on the Sampler
+    class while in the block). A step's host work is the rest, the floor under its time however fast
+    the device: where it is above the HBM bound's step, the host, not the kernels, holds throughput
+    back (then overlapping it with the device is next)."""
+
+    def __init__(self, llm: LLM):
+        self.engine = llm.engine
+        self.steps: list[tuple[float, float]] = []  # (step seconds, of which waiting for the device)
+
+    def __enter__(self) -> StepSplit:
+        sample, step, wait = Sampler.__call__, self.engine.step, [0.0]
+
+        def waiting_sample(sampler, *args):
+            began = time.perf_counter()
+            _sync()
+            wait[0] += time.perf_counter() - began
+            return sample(sampler, *args)
+
+        def timed_step():
+            wait[0], began = 0.0, time.perf_counter()
+            outputs = step()
+            self.steps.append((time.perf_counter() - began, wait[0]))
+            return outputs
+
+        Sampler.__call__, self.engine.step, self._sample = waiting_sample, timed_step, sample
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Sampler.__call__ = self._sample
+        del self.engine.step  # the instance attribute; the method shows through again
+
+    def medians(self) -> dict[str, float]:
+        """Median step, device wait and host work in ms over the steps taken (decode dominates)."""
+        return {name: round(statistics.median(values) * 1e3, 3) for name, values in (
+            ("step_ms", [s for s, _ in self.steps]), ("device_wait_ms", [w for _, w in self.steps]),
+            ("host_ms", [s - w for s, w in self.steps]))}
 
 
 def _rate(generate, batch: int, new_tokens: int) -> float:

@@ -32,8 +32,11 @@ def load_gpu_check():
     return module
 
 
-def test_smoke_mode_runs_every_section(tmp_path):
+def test_smoke_mode_runs_every_section(tmp_path, monkeypatch):
     gpu_check = load_gpu_check()
+    checks, build = [], gpu_check.LLM  # each engine's check_integrity
+    monkeypatch.setattr(gpu_check, "LLM", lambda *args, **options: checks.append(options["check_integrity"])
+                        or build(*args, **options))
     written = []
     report = gpu_check.run("cpu", smoke=True, budget_s=600, write=lambda r: written.append(json.dumps(r)))
     assert len(written) == 5 and "poison" in json.loads(written[0])  # after each section, and at the end
@@ -54,6 +57,11 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert not throughput["errors"] and not throughput["skipped"]
     for row in throughput["batches"].values():
         assert row["transformers_tok_s"] > 0 and row["blockserve_exact_tok_s"] > 0 and row["hbm_bound_tok_s"] > 0
+        # on the CPU nothing is waited for: the step is host work
+        assert row["blockserve_exact_step_ms"] >= row["blockserve_exact_host_ms"] > 0
+        assert row["blockserve_exact_device_wait_ms"] < 0.1 * row["blockserve_exact_step_ms"]
+    # parity and poison engines check the KV books after every step; throughput's (the last) do not
+    assert checks[0] is True and checks[-1] is False
     assert throughput["fastest"] == {b: "exact" for b in throughput["batches"]}
     text = gpu_check.summary(report)
     assert "OK" in text and "parity: 2/2 ok" in text and "poison: 2/2 ok" in text
