@@ -195,19 +195,22 @@ class LLMEngine:
         except RunnerFailed as e:
             raise self._step_failed(e) from e.__cause__
         touched: dict[str, RequestOutput] = {}
+        ended: list[str] = []  # parents with a sample that finished this step
         for core_output in core_outputs:
             child = self._children.get(core_output.request_id)
             if child is None:
                 continue
             parent = self._parents[child.parent]
-            self._apply(child, parent, core_output)
+            if self._apply(child, parent, core_output):
+                ended.append(child.parent)
             touched[child.parent] = parent.output
             if child.index == 0 and parent.waiting_children:
                 for index in parent.waiting_children:
                     self._add_child(child.parent, index)
                 parent.waiting_children = []
-        for parent_id, output in touched.items():
-            if all(c.finished for c in output.outputs):
+        for parent_id in ended:
+            output = touched[parent_id]
+            if not output.finished and all(c.finished for c in output.outputs):
                 output.finished = True
                 del self._parents[parent_id]
         return list(touched.values())
@@ -226,7 +229,8 @@ class LLMEngine:
         if self._broken is not None:
             raise EngineDead(f"{self._broken}; this engine cannot serve any more: restart it")
 
-    def _apply(self, child: _Child, parent: _Parent, core_output: CoreOutput) -> None:
+    def _apply(self, child: _Child, parent: _Parent, core_output: CoreOutput) -> bool:
+        """Add a step's output to the sample's completion; True if the sample finished."""
         completion = parent.output.outputs[child.index]
         if child.index == 0:
             parent.output.num_cached_tokens = core_output.num_cached_tokens
@@ -249,9 +253,11 @@ class LLMEngine:
             finish_reason, stop_reason = "stop", detokenizer.stop_string
         elif finish_reason is not None and detokenizer is not None:
             completion.text += detokenizer.finish()
-        if finish_reason is not None:
-            completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
-            del self._children[core_output.request_id]
+        if finish_reason is None:
+            return False
+        completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+        del self._children[core_output.request_id]
+        return True
 
     def _logprob_dict(self, token: int, lp) -> dict[int, Logprob]:
         entries = {}

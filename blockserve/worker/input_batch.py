@@ -23,6 +23,7 @@ from blockserve.kv.specs import SlidingWindowSpec, cdiv
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerOutput
 from blockserve.structured.matcher import GrammarMatcher
+from blockserve.worker.sampler import SamplingRow
 
 
 @dataclass
@@ -35,6 +36,7 @@ class CachedRequest:
     table_lens: list[int]  # entries filled in this request's row, per group
     eos_token_id: int | None = None
     grammar: GrammarMatcher | None = None  # structured outputs: at the output tokens so far
+    sampling_row: SamplingRow | None = None  # the runner's, made on the first sampled step
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +94,8 @@ class InputBatch:
                     f"request {cached.request_id}: worker has {request.num_computed} computed tokens, "
                     f"scheduler {cached.num_computed_tokens}"
                 )
-            self._append_blocks(request, cached.new_block_ids)
+            if any(cached.new_block_ids):  # most decode steps add none
+                self._append_blocks(request, cached.new_block_ids)
 
     def _append_blocks(self, request: CachedRequest, block_ids: list[list[int]]) -> None:
         for group_id, ids in enumerate(block_ids):

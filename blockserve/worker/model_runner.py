@@ -22,7 +22,7 @@ from blockserve.attention.metadata import to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
-from blockserve.worker.input_batch import InputBatch
+from blockserve.worker.input_batch import CachedRequest, InputBatch
 from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs
 from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
@@ -101,36 +101,41 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices]) if inputs.sample_ids else None
         self.prompt_logprobs.compute(self.model, hidden, inputs, self.batch.requests)
         t3 = time.perf_counter()
-        sampled: dict[str, list[int]] = {rid: [] for rid in inputs.request_ids}
+        sampled: dict[str, list[int]] = dict.fromkeys(inputs.request_ids, ())
         logprobs: dict[str, list] = {}
+        requests = [self.batch.requests[rid] for rid in inputs.sample_ids]
         if logits is not None:
-            rows = []
-            for rid in inputs.sample_ids:
-                request = self.batch.requests[rid]
-                generator = None
-                if request.params.seed is not None:
-                    generator = self.generators.get(rid)
-                    if generator is None:
-                        generator = self.generators[rid] = make_generator(request.params.seed, self.device)
-                rows.append(SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, generator,
-                                        request.eos_token_id, request.grammar))
+            rows = [request.sampling_row or self._sampling_row(rid, request)
+                    for rid, request in zip(inputs.sample_ids, requests)]
             result = self.sampler(logits, SamplingBatch.build(rows, self.device))
-            for rid, token, token_logprobs in zip(inputs.sample_ids, result.token_ids, result.logprobs):
-                request = self.batch.requests[rid]
+            for rid, request, token, token_logprobs in zip(inputs.sample_ids, requests, result.token_ids,
+                                                           result.logprobs):
                 request.output_token_ids.append(token)
                 if request.grammar is not None:
                     request.grammar.accept(token)
                 sampled[rid] = [token]
                 if token_logprobs is not None:
                     logprobs[rid] = [token_logprobs]
-        elif inputs.sample_ids:  # a tensor-parallel rank > 0: rank 0 samples; count the token so lengths agree
-            for rid in inputs.sample_ids:
-                self.batch.requests[rid].output_token_ids.append(-1)
+        else:  # a tensor-parallel rank > 0: rank 0 samples; count the token so lengths agree
+            for request in requests:
+                request.output_token_ids.append(-1)
         t4 = time.perf_counter()
         self.timings.prepare += t2 - t1
         self.timings.forward += t3 - t2
         self.timings.sample += t4 - t3
         self.timings.steps += 1
-        prompt_logprobs = {rid: entries for rid in inputs.sample_ids
-                           if (entries := self.prompt_logprobs.take(rid)) is not None}
+        prompt_logprobs = self.prompt_logprobs.take_all(inputs.sample_ids)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _sampling_row(self, request_id: str, request: CachedRequest) -> SamplingRow:
+        """The request's SamplingRow, made on its first sampled step and kept with it (its token
+        lists are the request's own, so the row follows them); a seeded request's generator
+        outlives preemption in `generators`."""
+        generator = None
+        if request.params.seed is not None:
+            generator = self.generators.get(request_id)
+            if generator is None:
+                generator = self.generators[request_id] = make_generator(request.params.seed, self.device)
+        request.sampling_row = SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids,
+                                           generator, request.eos_token_id, request.grammar)
+        return request.sampling_row

@@ -82,6 +82,12 @@ class PromptLogprobs:
                 k = requests[rid].params.prompt_logprobs
                 self._entries[rid].append(TokenLogprobs(value, ids[:k], lps[:k]))
 
+    def take_all(self, request_ids) -> dict[str, list[TokenLogprobs]]:
+        """`take` for each of `request_ids`, those that asked only."""
+        if not self._entries:  # most steps: nobody asked
+            return {}
+        return {rid: entries for rid in request_ids if (entries := self.take(rid)) is not None}
+
     def take(self, request_id: str) -> list[TokenLogprobs] | None:
         """The entries of a request whose prompt just completed (one per prompt token after the
         first), or None if it did not ask; it is forgotten here."""

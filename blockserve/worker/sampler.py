@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -80,6 +80,14 @@ class SamplingRow:
     generator: torch.Generator | None = None
     eos_token_id: int | None = None  # blocked, with the stop token ids, until min_tokens are out
     grammar: TokenConstraint | None = None  # structured outputs: the tokens allowed next
+    # True when only the temperature and the filters matter: no seed, logprobs, penalty, bias,
+    # grammar or min_tokens. The runner keeps a request's row for its life, so this is worked out once.
+    plain: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        object.__setattr__(self, "plain", p.seed is None and p.logprobs is None and not _has_penalty(p)
+                           and not p.logit_bias and self.grammar is None and p.min_tokens == 0)
 
     def blocked_ids(self) -> tuple[int, ...]:
         """Tokens that may not be sampled yet: they would stop the request before min_tokens."""
@@ -131,7 +139,9 @@ class SamplingBatch:
         if not rows:
             raise ValueError("a SamplingBatch needs at least one row")
         device = _canonical(device)
-        for i, row in enumerate(rows):
+        special = [i for i, row in enumerate(rows) if not row.plain]  # the only rows that can need more
+        for i in special:
+            row = rows[i]
             if row.params.seed is not None and row.generator is None:
                 raise ValueError(
                     f"row {i} has seed {row.params.seed} but no generator: keep "
@@ -150,7 +160,7 @@ class SamplingBatch:
         seeded = tuple((j, rows[i].generator) for j, i in enumerate(sampled) if rows[i].generator is not None)
         seeded_ids = {j for j, _ in seeded}
         unseeded = [j for j in range(len(sampled)) if j not in seeded_ids]
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprob_rows = [i for i in special if rows[i].params.logprobs is not None]
         batch = cls(
             num_rows=len(rows),
             device=host,
@@ -163,12 +173,12 @@ class SamplingBatch:
             min_p=floats([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             seeded=seeded,
             unseeded=torch.tensor(unseeded, dtype=torch.long) if seeded and unseeded else None,
-            penalties=_build_penalties(rows),
+            penalties=_build_penalties(rows, special),
             logprob_rows=torch.tensor(logprob_rows, dtype=torch.long) if logprob_rows else None,
             logprob_counts=tuple(rows[i].params.logprobs for i in logprob_rows),
-            blocked=tuple((i, ids) for i, row in enumerate(rows) if (ids := row.blocked_ids())),
-            grammars=tuple((i, row.grammar) for i, row in enumerate(rows) if row.grammar is not None),
-            logit_bias=_build_logit_bias(rows),
+            blocked=tuple((i, ids) for i in special if (ids := rows[i].blocked_ids())),
+            grammars=tuple((i, rows[i].grammar) for i in special if rows[i].grammar is not None),
+            logit_bias=_build_logit_bias(rows, special),
         )
         return batch if device == host else batch.to(device)
 
@@ -195,8 +205,8 @@ def _canonical(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device
 
 
-def _build_logit_bias(rows: Sequence[SamplingRow]):
-    pairs = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias]
+def _build_logit_bias(rows: Sequence[SamplingRow], special: list[int]):
+    pairs = [(i, token, bias) for i in special for token, bias in rows[i].params.logit_bias]
     if not pairs:
         return None
     rows_, tokens, biases = zip(*pairs)
@@ -213,8 +223,8 @@ def _padded(seqs: list[list[int]]) -> torch.Tensor:
     return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.long)
 
 
-def _build_penalties(rows: Sequence[SamplingRow]) -> _Penalties | None:
-    chosen = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+def _build_penalties(rows: Sequence[SamplingRow], special: list[int]) -> _Penalties | None:
+    chosen = [i for i in special if _has_penalty(rows[i].params)]
     if not chosen:
         return None
     ps = [rows[i].params for i in chosen]
