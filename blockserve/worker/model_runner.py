@@ -101,7 +101,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices]) if inputs.sample_ids else None
         self.prompt_logprobs.compute(self.model, hidden, inputs, self.batch.requests)
         t3 = time.perf_counter()
-        sampled: dict[str, list[int]] = dict.fromkeys(inputs.request_ids, ())
+        sampled: dict[str, list[int] | tuple[()]] = dict.fromkeys(inputs.request_ids, ())  # () = none this step
         logprobs: dict[str, list] = {}
         requests = [self.batch.requests[rid] for rid in inputs.sample_ids]
         if logits is not None:

@@ -80,14 +80,15 @@ class SamplingRow:
     generator: torch.Generator | None = None
     eos_token_id: int | None = None  # blocked, with the stop token ids, until min_tokens are out
     grammar: TokenConstraint | None = None  # structured outputs: the tokens allowed next
-    # True when only the temperature and the filters matter: no seed, logprobs, penalty, bias,
-    # grammar or min_tokens. The runner keeps a request's row for its life, so this is worked out once.
+    # True when only the temperature and the filters matter: no seed or generator, logprobs, penalty,
+    # bias, grammar or min_tokens. The runner keeps a request's row for its life, so this is worked out once.
     plain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        object.__setattr__(self, "plain", p.seed is None and p.logprobs is None and not _has_penalty(p)
-                           and not p.logit_bias and self.grammar is None and p.min_tokens == 0)
+        object.__setattr__(self, "plain", p.seed is None and self.generator is None and p.logprobs is None
+                           and not _has_penalty(p) and not p.logit_bias and self.grammar is None
+                           and p.min_tokens == 0)
 
     def blocked_ids(self) -> tuple[int, ...]:
         """Tokens that may not be sampled yet: they would stop the request before min_tokens."""
