@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts: seconds, for tests")
     parser.add_argument("--results", default="results/gpu_check", help="where gpu_check.json and .txt go")
     parser.add_argument("--budget-s", type=float, default=450.0, help="sections start only within this time")
+    parser.add_argument("--sections", type=_names, default=SECTIONS, help=f"comma-separated, of {','.join(SECTIONS)}")
+    parser.add_argument("--backends", type=_names, help="comma-separated attention backends (default: the GPU's)")
+    parser.add_argument("--families", type=_names, help=f"comma-separated parity families, of {','.join(FAMILIES)}")
     args = parser.parse_args()
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,25 +111,35 @@ def main() -> None:
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
         (out / "gpu_check.txt").write_text(summary(report))
 
-    report = run(args.device, args.smoke, args.budget_s, write)
+    report = run(args.device, args.smoke, args.budget_s, write, args.sections, args.backends, args.families)
     print(summary(report))
     sys.exit(0 if report["ok"] else 1)
 
 
-def run(device: str, smoke: bool, budget_s: float, write=lambda report: None) -> dict:
-    """The whole check: every section's results, and `ok` (parity and poison all passed); `write`
-    gets the report so far after each section."""
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+SECTIONS = ("poison", "parity", "attention", "throughput")
+
+
+def run(device: str, smoke: bool, budget_s: float, write=lambda report: None, only=SECTIONS, names=None,
+        families=None) -> dict:
+    """The check's sections in `only` (default all; a rerun after a fix may take fewer), over the attention
+    backends in `names` (default GPU_BACKENDS) and the parity families in `families` (default all):
+    every section's results, and `ok` (parity and poison passed where run); `write` gets the report so
+    far after each section."""
     start = time.perf_counter()
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     report = {"environment": environment(device), "device": device, "dtype": str(dtype).removeprefix("torch."),
               "smoke": smoke, "parity_rule": __doc__.split("The parity rule. ")[1].split("\n\n")[0]}
     parity_until = start + PARITY_SHARE * budget_s  # parity's runs stop there; poison and throughput follow
-    sections = [("poison", lambda: poison(device, dtype, smoke)),
-                ("parity", lambda: parity(device, dtype, smoke, parity_until)),
+    sections = [("poison", lambda: poison(device, dtype, smoke, names)),
+                ("parity", lambda: parity(device, dtype, smoke, parity_until, names, families)),
                 ("attention", lambda: attention_kernels(device, dtype, smoke,
-                                                        parity_until + ATTENTION_SHARE * budget_s)),
-                ("throughput", lambda: throughput(device, dtype, smoke, start + budget_s))]
-    for name, section in sections:
+                                                        parity_until + ATTENTION_SHARE * budget_s, names)),
+                ("throughput", lambda: throughput(device, dtype, smoke, start + budget_s, names))]
+    for name, section in [(name, section) for name, section in sections if name in only]:
         if time.perf_counter() - start > budget_s:
             report[name] = {"skipped": f"over the {budget_s:.0f} s budget"}
             continue
@@ -133,7 +147,7 @@ def run(device: str, smoke: bool, budget_s: float, write=lambda report: None) ->
         try:
             report[name] = section()
         except Exception as error:  # one broken section must not hide the others' results
-            report[name] = {"error": f"{type(error).__name__}: {error}"}
+            report[name] = failure(error)
         report[name + "_s"] = round(time.perf_counter() - began, 1)
         _finish(report, start)
         write(report)
@@ -144,7 +158,7 @@ def run(device: str, smoke: bool, budget_s: float, write=lambda report: None) ->
 
 def _finish(report: dict, start: float) -> None:
     report["total_s"] = round(time.perf_counter() - start, 1)
-    report["ok"] = all(isinstance(report.get(k), dict) and report[k].get("ok") for k in ("parity", "poison"))
+    report["ok"] = all(isinstance(report[k], dict) and report[k].get("ok") for k in ("parity", "poison") if k in report)
 
 
 def environment(device: str) -> dict:
@@ -286,19 +300,21 @@ def judge(got: list[list[int]], reference: Reference) -> dict:
             "transformers_low_precision_regret": round(reference.low_precision_regret, 4)}
 
 
-def parity(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
-    """Greedy parity per family, backend and scenario; runs not started by `until` (perf_counter) are
-    listed as skipped."""
+def parity(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None, families=None) -> dict:
+    """Greedy parity per family, backend and scenario, scenario by scenario (so a short budget still
+    covers every family and backend once); runs not started by `until` (perf_counter) are listed as
+    skipped."""
     batch, new_tokens = prompts(8), 10 if smoke else 12
-    families = ["gemma3"] if smoke else list(FAMILIES)  # smoke: the sliding + full model
+    families = ["gemma3"] if smoke else list(families or FAMILIES)  # smoke: the sliding + full model
     scenarios = ["prefix-caching", "preemption"] if smoke else list(SCENARIOS)
     results, skipped = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        for family in families:
-            path = Path(tmp) / family
-            reference = Reference.build(family, path, device, dtype, batch, new_tokens)
-            for backend in backends(device, smoke):
-                for scenario in scenarios:
+        references = {family: Reference.build(family, Path(tmp) / family, device, dtype, batch, new_tokens)
+                      for family in families}
+        for scenario in scenarios:
+            for family, reference in references.items():
+                path = Path(tmp) / family
+                for backend in backends(device, smoke, names):
                     key = f"{family}/{backend}/{scenario}"
                     if time.perf_counter() > until:
                         skipped.append(key)
@@ -316,9 +332,16 @@ def parity(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
                                 result["preemptions"] = llm.engine.stats().num_preemptions
                                 result["ok"] &= result["preemptions"] > 0
                     except Exception as error:
-                        result = {"ok": False, "error": f"{type(error).__name__}: {error}"[:600]}
+                        result = {"ok": False, **failure(error)}
                     results[key] = result
     return {"ok": all(r["ok"] for r in results.values()), "runs": results, "skipped": skipped}
+
+
+def failure(error: Exception) -> dict:
+    """An exception as a result: its message and the innermost frames of where it was raised (all a
+    GPU run leaves to debug from once the machine is given back)."""
+    return {"error": f"{type(error).__name__}: {error}"[:600],
+            "where": "".join(traceback.format_exception(error, limit=-8))[-2000:]}
 
 
 class _on_device:
@@ -335,14 +358,15 @@ class _on_device:
         return out
 
 
-def poison(device: str, dtype: torch.dtype, smoke: bool) -> dict:
+def poison(device: str, dtype: torch.dtype, smoke: bool, names=None) -> dict:
     """C1 per backend on tiny Gemma 3 (sliding + full groups): see the module docstring."""
     batch, new_tokens = prompts(8), 10
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gemma3"
         reference = Reference.build("gemma3", path, device, dtype, batch, new_tokens)
-        for backend in backends(device, False, sorted(BACKENDS)) if not smoke else ["exact", "whole_block"]:
+        every = backends(device, False, sorted(names or BACKENDS))
+        for backend in every if not smoke else ["exact", "whole_block"]:
             small = dict(max_num_batched_tokens=32, max_model_len=96, enable_prefix_caching=True,
                          attention_backend=backend, poison=True)
             try:
@@ -363,14 +387,14 @@ def poison(device: str, dtype: torch.dtype, smoke: bool) -> dict:
                     "derived_flags_match": zeroed_ok, "zeroing_off_matches": unzeroed_matches,
                     "ok": zeroed_ok and flags == [reads] * len(flags) and unzeroed_matches != reads and recycled > 0}
             except Exception as error:
-                results[backend] = {"ok": False, "error": f"{type(error).__name__}: {error}"[:600]}
+                results[backend] = {"ok": False, **failure(error)}
     return {"ok": all(r["ok"] for r in results.values()), "backends": results}
 
 
 LLAMA_1B_HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=64)
 
 
-def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
+def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None) -> dict:
     """Per backend and (batch, context): one attention layer's decode step, microseconds (median of
     repeats, the step's metadata reused as by every layer after the first) and the K/V bytes it reads
     per second. A measurement not started by `until` (perf_counter) is named in "skipped"."""
@@ -387,7 +411,7 @@ def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float
         host = AttentionMetadata.build(BatchLayout.build([1] * batch, [context - 1] * batch), table, block_size)
         q, k, v = (torch.randn(batch, h, d, generator=gen).to(device, dtype) for h in (hq, hkv, hkv))
         kv_bytes = 2 * batch * context * hkv * d * k_cache.element_size()
-        for backend in backends(device, smoke):
+        for backend in backends(device, smoke, names):
             key = f"{backend}/{batch}x{context}"
             if time.perf_counter() > until:
                 skipped.append(key)
@@ -405,13 +429,13 @@ def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float
                 step_s = statistics.median(times[3:] or times)
                 results[key] = {"us": round(step_s * 1e6, 1), "kv_gb_s": round(kv_bytes / step_s / 1e9, 1)}
             except Exception as error:
-                results[key] = {"error": f"{type(error).__name__}: {error}"[:600]}
+                results[key] = failure(error)
         del k_cache, v_cache
         _empty_cache(device)
     return {"heads": heads, "block_size": block_size, "kernels": results, "skipped": skipped}
 
 
-def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> dict:
+def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None) -> dict:
     """Decode tok/s per batch size: blockserve (each backend) and transformers, both as
     B * (N - 1) / (time for N tokens - time for 1 token), and the HBM bound. A measurement not
     started by `until` (perf_counter) is left out and named in "skipped"."""
@@ -443,12 +467,12 @@ def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> di
         del model
         _empty_cache(device)
         errors = results["errors"] = {}
-        for label, options in engine_variants(device, smoke, batches).items():
+        for label, options in engine_variants(device, smoke, batches, names).items():
             try:
                 _engine_rates(rows, tmp, device, dtype, label, options, batches, prompt_len, new_tokens, until,
                               skipped, gen)
             except Exception as error:  # one variant's failure leaves the others' figures
-                errors[label] = f"{type(error).__name__}: {error}"[:600]
+                errors[label] = failure(error)
     results["batches"] = rows
     results["fastest"] = {b: max(rates, key=rates.get) for b, row in rows.items()
                           if (rates := {k.removeprefix("blockserve_").removesuffix("_tok_s"): v for k, v in row.items()
@@ -456,16 +480,16 @@ def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float) -> di
     return results
 
 
-def engine_variants(device: str, smoke: bool, batches: list[int]) -> dict[str, dict]:
+def engine_variants(device: str, smoke: bool, batches: list[int], names=None) -> dict[str, dict]:
     """label -> engine options of the throughput runs: on CUDA each backend that captures decode steps
     with CUDA graphs (at the measured batch sizes) first, then each backend eager (exact's decode
     cannot be captured)."""
     variants = {}
     if device != "cpu":
-        for backend in backends(device, smoke):
+        for backend in backends(device, smoke, names):
             if BACKENDS[backend].captures_decode:
                 variants[f"{backend}_cuda_graphs"] = dict(attention_backend=backend, cuda_graph_sizes=tuple(batches))
-    for backend in backends(device, smoke):
+    for backend in backends(device, smoke, names):
         variants[backend if device == "cpu" else f"{backend}_eager"] = dict(attention_backend=backend,
                                                                           enforce_eager=device != "cpu")
     return variants
@@ -585,8 +609,8 @@ def summary(report: dict) -> str:
     lines = [f"gpu_check on {report['device']} ({report['dtype']}{', smoke' if report['smoke'] else ''}): "
              f"{'OK' if report['ok'] else 'FAILED'} in {report['total_s']} s",
              "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
-    for name in ("parity", "poison"):
-        section = report.get(name, {})
+    for name in [name for name in ("parity", "poison") if name in report]:  # a rerun may leave sections out
+        section = report[name]
         runs = section.get("runs") or section.get("backends")
         if runs is None:
             lines.append(f"{name}: {section}")
@@ -602,8 +626,8 @@ def summary(report: dict) -> str:
         lines.append("attention decode layer (us, KV GB/s): " + ", ".join(
             f"{k} {r['us']} us {r['kv_gb_s']} GB/s" if "us" in r else f"{k} {r['error'][:80]}"
             for k, r in kernels.items()))
-    else:
-        lines.append(f"attention: {report.get('attention')}")
+    elif "attention" in report:
+        lines.append(f"attention: {report['attention']}")
     tp = report.get("throughput", {})
     if "batches" in tp:
         lines.append(f"throughput (decode tok/s; HBM bound step {tp['hbm_bound_step_ms']} ms at "
@@ -612,7 +636,8 @@ def summary(report: dict) -> str:
             lines.append(f"  batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
         lines.append("fastest blockserve variant per batch: " + ", ".join(f"{b}: {label}"
                                                                         for b, label in tp["fastest"].items()))
-    else:
+        lines += [f"  {label} failed: {error['error'][:300]}" for label, error in tp["errors"].items()]
+    elif "throughput" in report:
         lines.append(f"throughput: {tp}")
     return "\n".join(lines) + "\n"
 

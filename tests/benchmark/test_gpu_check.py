@@ -73,7 +73,7 @@ def test_the_attention_timings_run_every_backend(monkeypatch):
     """The attention section's layer timings (smoke shapes) through every GPU backend on the CPU: flex
     eager, triton interpreted; each gives a time, none an error."""
     gpu_check = load_gpu_check()
-    monkeypatch.setattr(gpu_check, "backends", lambda device, smoke: list(gpu_check.GPU_BACKENDS))
+    monkeypatch.setattr(gpu_check, "backends", lambda device, smoke, names=None: list(gpu_check.GPU_BACKENDS))
     kernels = gpu_check.attention_kernels("cpu", torch.float32, smoke=True, until=time.perf_counter() + 300)["kernels"]
     assert set(kernels) == {f"{b}/2x40" for b in gpu_check.GPU_BACKENDS}
     assert all(r.get("us", 0) > 0 for r in kernels.values()), kernels
