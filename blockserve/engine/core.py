@@ -8,6 +8,7 @@ use (C1); the memory budget becomes a pool size per group, reported before servi
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 
@@ -217,6 +218,8 @@ class EngineCore:
         if self.thread_governor is not None and (threads := self.thread_governor.tick()) is not None:
             logger.info("torch threads: %d of %d (the cores other processes leave free)", threads,
                         self.thread_governor.max_threads)
+        if self.runner is None:
+            raise RuntimeError("this engine is closed: build a new one")
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -241,6 +244,13 @@ class EngineCore:
         return self.scheduler.has_pending_work()
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks, if any (idempotent); one device has nothing to stop."""
+        """Stop the tensor-parallel ranks, if any, and let go of the model, the KV cache and the CUDA
+        graphs, so the device memory they held is free for what runs next (the next engine of a test
+        or a notebook; on CUDA it goes back to the device). Idempotent; the engine serves nothing after."""
         if self.executor is not None:
             self.executor.close()
+        plan = getattr(self, "device_plan", None)
+        self.runner = self.loaded = None
+        if plan is not None and plan.is_cuda:
+            gc.collect()  # the captured graphs and the memo refer to each other
+            torch.cuda.empty_cache()

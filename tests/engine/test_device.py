@@ -10,6 +10,9 @@ path (wrong dtype mixing, a state kept in bf16 across a recurrence) moves tokens
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -186,10 +189,10 @@ def test_llama_on_cuda_matches_cpu(llama, backend):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     outs = []
     for device in ("cpu", "cuda"):
-        llm = LLM(model=str(llama[0]), device=device, dtype="float32", max_model_len=64, max_num_batched_tokens=16,
-                  attention_backend=backend if device == "cuda" else "exact",
-                  **({} if device == "cuda" else {"kv_cache_memory": "64MiB"}))
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)])
+        with LLM(model=str(llama[0]), device=device, dtype="float32", max_model_len=64, max_num_batched_tokens=16,
+                 attention_backend=backend if device == "cuda" else "exact",
+                 **({} if device == "cuda" else {"kv_cache_memory": "64MiB"})) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)])
     assert outs[0] == outs[1]
 
 
@@ -210,3 +213,16 @@ def test_weights_are_assembled_on_the_placement_in_its_dtype(llama, monkeypatch)
     loaded = load_model(str(llama[0]), BACKENDS["exact"], placement=Placement(dtype=torch.bfloat16))
     assert seen and set(seen) == {torch.bfloat16}
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+
+
+def test_close_lets_go_of_the_model_and_the_kv_cache(llama):
+    """A closed engine holds no weights, KV tensors or graphs (on CUDA their memory goes back to the
+    device, so the next engine of a test or notebook can size its cache), and refuses to step."""
+    llm = LLM(model=str(llama[0]), device="cpu", kv_cache_memory="64MiB", max_model_len=64)
+    model, kv = weakref.ref(llm.engine.core.loaded.model), weakref.ref(llm.engine.core.runner.kv)
+    llm.close()
+    gc.collect()
+    assert model() is None and kv() is None
+    llm.close()  # idempotent
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        llm.engine.core.step()
