@@ -253,7 +253,7 @@ def engine(model, device: str, dtype: torch.dtype, **options) -> LLM:
     """An engine on `device`; on CUDA with a backend that captures decode steps (flex, triton) they replay
     CUDA graphs (captured at the parity batches' sizes unless `options` say otherwise), as a GPU user
     gets by default."""
-    budget = {"kv_cache_memory": "64MiB"} if device == "cpu" else {"gpu_memory_utilization": 0.5}
+    budget = {} if "gpu_memory_utilization" in options else {"kv_cache_memory": "64MiB"}  # tiny models' few blocks
     backend = BACKENDS[options.get("attention_backend", EngineConfig.attention_backend)]
     if device != "cpu" and backend.captures_decode and not options.get("enforce_eager"):
         options.setdefault("cuda_graph_sizes", PARITY_GRAPH_SIZES)
@@ -264,22 +264,13 @@ def engine(model, device: str, dtype: torch.dtype, **options) -> LLM:
 def small_cache(model: str, device: str, dtype: torch.dtype, **options) -> dict:
     """Engine options for a KV cache whose attention groups hold one request of max_model_len tokens (and a block
     to spare), so a batch must preempt; state groups get the slot per running request (and the null slot) that the
-    engine reserves. A probe engine gives the bytes per block of each group (a state group: per slot). On CUDA the
-    budget is a fraction of the device's memory less what is in use after a profiling forward and what the
-    CUDA graphs hold (engine/kv_budget.py): the probe measures those too, and the fraction is set to leave
-    that cache."""
-    probe = engine(model, device, dtype, **options)
+    engine reserves. A probe engine gives the bytes per block of each group (a state group: per slot)."""
+    with engine(model, device, dtype, **options) as probe:
+        groups = probe.engine.kv_cache_config.groups
     per_request = -(-options["max_model_len"] // 16)
     state_slots = options.get("max_num_seqs", EngineConfig.max_num_seqs) + 1  # kv/capacity.py's reservation
-    target = sum(g.spec.page_size_bytes * len(g.layer_names) * (state_slots if g.is_state else per_request + 2)
-                 for g in probe.engine.kv_cache_config.groups)
-    budget = probe.engine.device_kv_budget
-    probe.close()
-    del probe
-    if device == "cpu":
-        return {"kv_cache_memory": target}
-    torch.cuda.empty_cache()
-    return {"gpu_memory_utilization": (budget.in_use + budget.activation_peak + budget.graphs + target) / budget.total}
+    return {"kv_cache_memory": sum(g.spec.page_size_bytes * len(g.layer_names) *
+                                   (state_slots if g.is_state else per_request + 2) for g in groups)}
 
 
 def greedy(llm: LLM, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -500,7 +491,8 @@ def _engine_rates(rows, model_dir, device, dtype, label, options, batches, promp
     """blockserve's decode tok/s with engine `options` per batch size, into rows[b] under `label`."""
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     # No integrity check after each step here: it walks every block (~9 ms a step at batch 256 on a CPU)
-    with engine(model_dir, device, dtype, **options, enable_prefix_caching=False, check_integrity=False,
+    budget = {} if device == "cpu" else {"gpu_memory_utilization": 0.5}  # the budget a GPU user gets, profiled
+    with engine(model_dir, device, dtype, **options, **budget, enable_prefix_caching=False, check_integrity=False,
                 max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 16) as llm:
         for b in batches:
             ids = torch.randint(0, vocab, (b, prompt_len), generator=gen).tolist()

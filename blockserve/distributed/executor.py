@@ -62,7 +62,6 @@ class TensorParallelExecutor:
 
     def __init__(self, config, loaded=None):
         from blockserve.attention.paged_attention import BACKENDS
-        from blockserve.engine.config import parse_memory
         from blockserve.models.loader import check_tensor_parallel, load_model
         from blockserve.models.placement import Placement
 
@@ -112,7 +111,7 @@ class TensorParallelExecutor:
                                      quantized_matmul=config.quantized_matmul,
                                      quantized_activations=config.quantized_activations,
                                      quantized_max_rows=config.quantized_max_rows, placement=Placement(tp=self.group))
-            reports = self.group.gather_objects(("ok", parse_memory(config.kv_cache_memory)), timeout=self._startup)
+            reports = self.group.gather_objects(("ok", config.kv_cache_bytes()), timeout=self._startup)
             self._raise_failed(reports, "load its shard")
             self.kv_memory_bytes = min(memory for _, memory in reports)
         except BaseException:

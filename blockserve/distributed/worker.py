@@ -45,7 +45,6 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
     from blockserve.kv.specs import with_kv_cache_dtype
     from blockserve.models.loader import load_model
     from blockserve.models.placement import Placement
-    from blockserve.engine.config import parse_memory
     from blockserve.worker.model_runner import ModelRunner
 
     startup = timedelta(seconds=startup_timeout_s)
@@ -60,7 +59,7 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
                                 quantized_matmul=config.quantized_matmul,
                                 quantized_activations=config.quantized_activations,
                                 quantized_max_rows=config.quantized_max_rows, placement=Placement(tp=group))
-            report = ("ok", parse_memory(config.kv_cache_memory))
+            report = ("ok", config.kv_cache_bytes())
         except Exception as error:
             report = ("error", _report(error))
         group.gather_objects(report, timeout=startup)

@@ -42,6 +42,7 @@ def parse_memory(value: str | int | float) -> int:
     )
 
 
+DEFAULT_KV_CACHE_MEMORY = "1GiB"  # on the CPU, when kv_cache_memory is not given
 # The attention backends' names (attention/paged_attention.py's BACKENDS, which imports torch);
 # `blockserve -h` stays torch-free, and a test checks the two agree.
 ATTENTION_BACKENDS = ("exact", "whole_block", "flex", "triton")
@@ -92,9 +93,10 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "help": "the model's weights and activations (auto: float32 on CPU, bfloat16 on CUDA); recurrent "
                 "states stay float32", "choices": MODEL_DTYPES})
-    kv_cache_memory: str | int | float = field(default="1GiB", metadata={
-        "help": "CPU: bytes with a unit (4GiB) or a fraction of free memory (on CUDA the KV budget comes "
-                "from --gpu-memory-utilization)", "type": str})
+    kv_cache_memory: str | int | float | None = field(default=None, metadata={
+        "help": f"the KV cache's size: bytes with a unit (4GiB), or on the CPU a fraction of free memory "
+                f"(default {DEFAULT_KV_CACHE_MEMORY} on the CPU; on CUDA the cache gets what "
+                f"--gpu-memory-utilization leaves unless this fixes its size)", "type": str})
     gpu_memory_utilization: float | None = field(default=None, metadata={
         "help": "CUDA only: the fraction of the device's total memory the engine may use (weights, "
                 "activations and KV cache; the KV cache gets what a profiling forward leaves; default 0.9)"})
@@ -161,7 +163,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        parse_memory(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+            if self.gpu_memory_utilization is not None:
+                raise ValueError("give kv_cache_memory (the KV cache's size) or gpu_memory_utilization (a share of "
+                                 "the GPU, the cache getting what the model leaves), not both")
         if not 0 <= self.state_checkpoint_share < 1:
             raise ValueError(f"state_checkpoint_share must be in [0, 1), got {self.state_checkpoint_share}")
         if self.state_checkpoint_interval < 0:
@@ -197,6 +203,12 @@ class EngineConfig:
             raise ValueError("cuda_graph_sizes asks for CUDA graphs and enforce_eager forbids them: give one")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
+
+    def kv_cache_bytes(self) -> int:
+        """kv_cache_memory in bytes (DEFAULT_KV_CACHE_MEMORY when not given); on CUDA only bytes with a
+        unit, not a fraction (that would be of the host's memory: the GPU's share is gpu_memory_utilization)."""
+        value = DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
+        return parse_memory(value)
 
     @property
     def poison_enabled(self) -> bool:

@@ -15,9 +15,9 @@ import time
 import torch
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.engine.config import EngineConfig, parse_memory
+from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
-from blockserve.engine.kv_budget import cuda_kv_budget, graph_probe, profile_step
+from blockserve.engine.kv_budget import cuda_kv_budget, fixed_cuda_kv_bytes, graph_probe, profile_step
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
@@ -143,6 +143,8 @@ class EngineCore:
         self.kv_budget = None  # CUDA: how gpu_memory_utilization was spent (kv_budget.py)
         if self.executor is not None:
             kv_bytes = self.executor.kv_memory_bytes
+        elif plan.is_cuda and config.kv_cache_memory is not None:  # a fixed size
+            kv_bytes = fixed_cuda_kv_bytes(config.kv_cache_memory, plan.device)
         elif plan.is_cuda:  # what gpu_memory_utilization leaves after a profiling forward of the largest step
             tokens = min(config.max_num_batched_tokens, max_model_len - 1)
             probe = (lambda: graph_probe(model, kv_groups, tokens, max(graph_sizes), plan.device)) if graph_sizes \
@@ -151,7 +153,7 @@ class EngineCore:
                                             lambda: profile_step(model, kv_groups, tokens, plan.device), probe)
             kv_bytes = self.kv_budget.kv_bytes
         else:
-            kv_bytes = parse_memory(config.kv_cache_memory)
+            kv_bytes = config.kv_cache_bytes()
         self.kv_config = plan_kv_cache(
             kv_groups,
             kv_bytes,

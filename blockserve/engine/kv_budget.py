@@ -11,6 +11,8 @@ The profiling forward is one real engine step (a throwaway scheduler, KV manager
 over a KV cache just big enough for it) of one prompt of max_num_batched_tokens tokens (capped by
 max_model_len - 1), so it runs every layer's real path, sampler included. On the CPU the budget
 is `kv_cache_memory`, as before; `profile_step` itself runs anywhere (tests run it on the CPU).
+On CUDA a `kv_cache_memory` given instead of gpu_memory_utilization fixes the cache's size
+(vLLM's kv_cache_memory_bytes): no profiling, but it must fit in the device's free memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockserve.engine.config import parse_memory
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
 from blockserve.sampling_params import SamplingParams
@@ -28,6 +31,24 @@ from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.request import Request
 from blockserve.scheduler.scheduler import Scheduler
 from blockserve.worker.model_runner import ModelRunner
+
+
+def fixed_cuda_kv_bytes(value: str | int | float, device: torch.device) -> int:
+    """kv_cache_memory given on CUDA, in bytes. ValueError for a fraction (it would be of the host's
+    memory; the GPU's share is gpu_memory_utilization) or more than `device` has free."""
+    try:
+        fraction = 0 < float(value) <= 1
+    except (TypeError, ValueError):  # bytes with a unit
+        fraction = False
+    if fraction:
+        raise ValueError(f"kv_cache_memory={value!r} is a fraction, which on CUDA would be of the host's memory: "
+                         "give bytes with a unit ('4GiB'), or a share of the GPU with gpu_memory_utilization")
+    kv_bytes = parse_memory(value)
+    free, _ = torch.cuda.mem_get_info(device)
+    if kv_bytes > free:
+        raise ValueError(f"kv_cache_memory={value!r} ({kv_bytes / 2**30:.2f} GiB) is more than the "
+                         f"{free / 2**30:.2f} GiB free on {device}")
+    return kv_bytes
 
 
 def _throwaway_runner(model: torch.nn.Module, groups: list, num_tokens: int,

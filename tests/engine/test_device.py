@@ -23,7 +23,7 @@ from blockserve.cli import build_parser
 from blockserve.config_args import config_from_namespace
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import resolve_device, resolve_device_plan, resolve_dtype
-from blockserve.engine.kv_budget import profile_step
+from blockserve.engine.kv_budget import fixed_cuda_kv_bytes, profile_step
 from blockserve.models.loader import load_model
 from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
 from tests.paged_harness import assert_greedy_parity, reference_outputs
@@ -79,6 +79,7 @@ def test_cuda_index_past_the_device_count():
     (dict(dtype="half"), "unknown dtype 'half'"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
     (dict(gpu_memory_utilization=0), r"gpu_memory_utilization must be in \(0, 1\]"),
+    (dict(gpu_memory_utilization=0.5, kv_cache_memory="1GiB"), "or gpu_memory_utilization .*, not both"),
 ])
 def test_config_refuses_bad_values(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -92,6 +93,15 @@ def test_flags():
     assert (config.device, config.dtype, config.gpu_memory_utilization) == ("cpu", "bfloat16", 0.8)
     defaults = config_from_namespace(EngineConfig, build_parser().parse_args(["generate", "hi"]))
     assert (defaults.device, defaults.dtype, defaults.gpu_memory_utilization) == ("auto", "auto", None)
+
+
+def test_kv_cache_memory_sizes_a_cuda_cache_in_bytes_only():
+    """On CUDA kv_cache_memory fixes the cache's size instead of gpu_memory_utilization; a fraction
+    would be of the host's memory, so it is refused (before the device is asked anything)."""
+    for fraction in (0.2, "0.5", 1):
+        with pytest.raises(ValueError, match="is a fraction, which on CUDA would be of the host's memory"):
+            fixed_cuda_kv_bytes(fraction, torch.device("cuda"))
+    assert EngineConfig().kv_cache_bytes() == 2**30 and EngineConfig(kv_cache_memory="64MiB").kv_cache_bytes() == 2**26
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
