@@ -17,6 +17,8 @@ memory no request owns, and never the null block, which stays zero (C1).
 
 `capture(forward) -> (replay, output)` is `cuda_capture` on a GPU; tests pass one that replays
 eagerly with the same frozen metadata, which catches a layer that reads host values (CI has no GPU).
+A capture keeps no reference to `forward`: the caller keeps it (and so every tensor the captured
+kernels read) alive as long as the graph.
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ class _Graph:
     inputs: torch.Tensor  # [size * record width] int64 on the device: every field, field after field
     replay: Callable[[], None]
     output: torch.Tensor  # [size, hidden]
+    # The captured forward, kept with the graph: a CUDA graph holds its kernels' pointers, not references,
+    # so every tensor they read besides `inputs` (the static metadata's, such as the rows' arange, and
+    # what the backends derived while capturing) must live as long as the graph. Dropped, their memory
+    # goes back to the allocator and replays read whatever is put there next.
+    forward: Callable[[], torch.Tensor]
 
 
 class DecodeGraphs:
@@ -146,7 +153,7 @@ class DecodeGraphs:
             return self.model(views["input_ids"], views["positions"], ctx)
 
         replay, output = capture(forward)
-        return _Graph(size, inputs, replay, output)
+        return _Graph(size, inputs, replay, output, forward)
 
     def _views(self, flat: torch.Tensor, size: int) -> dict[str, torch.Tensor]:
         """`flat`'s fields for a batch of `size` rows: [size] each, [size, width] for a table."""

@@ -8,11 +8,15 @@ metadata objects, whose host lists still hold the capture's placeholders. A laye
 host value (a list, a host-built gather) thus gets the capture-time value on replay, as under a
 real graph, while everything computed from the static tensors is recomputed. With it, engines
 whose decode steps replay padded buckets must give the eager engine's tokens and logprobs for
-every family, and a backend that reads host lists must be caught. The GPU itself is checked by
-benchmarks/gpu_check.py.
+every family, and a backend that reads host lists must be caught. Like a real graph, the stand-in
+holds the captured forward only weakly: the engine must keep alive what the captured kernels read
+(the first GPU run replayed freed metadata: wrong tokens, then out-of-range indices). The GPU itself
+is checked by benchmarks/gpu_check.py.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -55,11 +59,14 @@ class FrozenCapture:
         if self.fake:
             with FakeTensorMode(allow_non_fake_inputs=True):  # raises on a value-dependent shape
                 forward()
+        captured = weakref.ref(forward)  # a real graph holds pointers only: the caller must keep it alive
 
         def replay():
             self.replays.append(output.shape[0])
+            again = captured()
+            assert again is not None, "the captured forward was dropped: a real replay would read freed memory"
             with host_reads_raise():
-                output.copy_(forward())
+                output.copy_(again())
 
         return replay, output
 
