@@ -17,6 +17,11 @@ short text report under --results:
                   every backend without: the measurement that picks the GPU's attention backend; and
                   per variant the median step split into the host's work and its wait for the device
 
+On CUDA each backend's sections run in a process of their own, after one that measures
+throughput's baseline (the model, the HBM bound, transformers): a CUDA fault (an illegal address, a
+device-side assert) is sticky, so in one process the first backend's fault failed every later section
+(the first H200 run). A part that dies or overruns its share of the budget is named in the report.
+
 The parity rule. The truth is transformers in float32 on the same device. In float32 (CPU) our greedy
 tokens must equal its tokens exactly. In bfloat16 greedy tokens cannot be compared one by one: these
 tiny models' logits are far from uniform, and bfloat16 (~3 significant digits) moves them enough that
@@ -40,7 +45,9 @@ import argparse
 import copy
 import functools
 import json
+import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -103,7 +110,18 @@ def main() -> None:
     parser.add_argument("--sections", type=_names, default=SECTIONS, help=f"comma-separated, of {','.join(SECTIONS)}")
     parser.add_argument("--backends", type=_names, help="comma-separated attention backends (default: the GPU's)")
     parser.add_argument("--families", type=_names, help=f"comma-separated parity families, of {','.join(FAMILIES)}")
+    parser.add_argument("--isolate", action="store_true", help="each backend in a process of its own (CUDA's default)")
+    parser.add_argument("--in-process", action="store_true", help="everything in this process (the CPU's default)")
+    parser.add_argument("--baseline", help=argparse.SUPPRESS)  # a part's: the baseline another process measured
+    parser.add_argument("--baseline-only", help=argparse.SUPPRESS)  # a part's: measure the baseline into this folder
     args = parser.parse_args()
+    dtype = _dtype(args.device)
+    if args.baseline_only:
+        folder = Path(args.baseline_only)
+        folder.mkdir(parents=True, exist_ok=True)
+        baseline = throughput_baseline(args.device, dtype, args.smoke, time.perf_counter() + args.budget_s, folder)
+        (folder / "baseline.json").write_text(json.dumps(baseline))
+        return
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -111,7 +129,13 @@ def main() -> None:
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
         (out / "gpu_check.txt").write_text(summary(report))
 
-    report = run(args.device, args.smoke, args.budget_s, write, args.sections, args.backends, args.families)
+    isolate = args.isolate or (args.device != "cpu" and not args.in_process)
+    if isolate:
+        report = run_isolated(args.device, args.smoke, args.budget_s, write, args.sections, args.backends,
+                              args.families)
+    else:
+        report = run(args.device, args.smoke, args.budget_s, write, args.sections, args.backends, args.families,
+                     args.baseline)
     print(summary(report))
     sys.exit(0 if report["ok"] else 1)
 
@@ -123,22 +147,30 @@ def _names(text: str) -> tuple[str, ...]:
 SECTIONS = ("poison", "parity", "attention", "throughput")
 
 
+def _dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def _header(device: str, smoke: bool) -> dict:
+    return {"environment": environment(device), "device": device, "dtype": str(_dtype(device)).removeprefix("torch."),
+            "smoke": smoke, "parity_rule": __doc__.split("The parity rule. ")[1].split("\n\n")[0]}
+
+
 def run(device: str, smoke: bool, budget_s: float, write=lambda report: None, only=SECTIONS, names=None,
-        families=None) -> dict:
+        families=None, baseline_dir=None) -> dict:
     """The check's sections in `only` (default all; a rerun after a fix may take fewer), over the attention
-    backends in `names` (default GPU_BACKENDS) and the parity families in `families` (default all):
-    every section's results, and `ok` (parity and poison passed where run); `write` gets the report so
-    far after each section."""
+    backends in `names` (default GPU_BACKENDS) and the parity families in `families` (default all), in
+    this process: every section's results, and `ok` (parity and poison passed where run); `write` gets
+    the report so far after each section. `baseline_dir`: throughput's baseline, measured elsewhere."""
     start = time.perf_counter()
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    report = {"environment": environment(device), "device": device, "dtype": str(dtype).removeprefix("torch."),
-              "smoke": smoke, "parity_rule": __doc__.split("The parity rule. ")[1].split("\n\n")[0]}
+    dtype = _dtype(device)
+    report = _header(device, smoke)
     parity_until = start + PARITY_SHARE * budget_s  # parity's runs stop there; poison and throughput follow
     sections = [("poison", lambda: poison(device, dtype, smoke, names)),
                 ("parity", lambda: parity(device, dtype, smoke, parity_until, names, families)),
                 ("attention", lambda: attention_kernels(device, dtype, smoke,
                                                         parity_until + ATTENTION_SHARE * budget_s, names)),
-                ("throughput", lambda: throughput(device, dtype, smoke, start + budget_s, names))]
+                ("throughput", lambda: throughput(device, dtype, smoke, start + budget_s, names, baseline_dir))]
     for name, section in [(name, section) for name, section in sections if name in only]:
         if time.perf_counter() - start > budget_s:
             report[name] = {"skipped": f"over the {budget_s:.0f} s budget"}
@@ -154,6 +186,113 @@ def run(device: str, smoke: bool, budget_s: float, write=lambda report: None, on
     _finish(report, start)
     write(report)
     return report
+
+
+ISOLATED_ORDER = ("triton", "flex", "exact", "whole_block")  # the likeliest to work, and quickest to compile, first
+UNIT_GRACE_S = 60.0  # a part may overrun its share by this much (a compile, a capture) before it is stopped
+
+
+def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report: None, only=SECTIONS, names=None,
+                 families=None) -> dict:
+    """run(), each part in a process of its own, as on a GPU: a CUDA fault (an illegal address, a
+    device-side assert) is sticky and fails every later call in its process, so one backend's fault must
+    not cost the others' results (the first H200 run lost everything after flex's). The throughput
+    baseline goes first, then each backend's sections, each part given the budget left in proportion to
+    its sections. A part that dies or overruns keeps what it wrote and is named under its sections'
+    `failed_units`; every part's exit is in `units`."""
+    start = time.perf_counter()
+    report = {**_header(device, smoke), "units": {}}
+    main_names = backends(device, smoke, names)
+    poison_names = ["exact", "whole_block"] if smoke else backends(device, False, sorted(names or BACKENDS))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        baseline = work / "baseline"
+        if "throughput" in only:
+            report["units"]["baseline"] = _part(device, smoke, ["--baseline-only", str(baseline), "--budget-s",
+                                                                str(budget_s / 4)], budget_s / 4 + UNIT_GRACE_S,
+                                                work / "baseline.log")
+            if (baseline / "baseline.json").exists():
+                report["throughput"] = {**load_baseline(baseline), "errors": {}}
+            else:
+                report["throughput"] = {"error": "the baseline failed", **report["units"]["baseline"]}
+        order = sorted(set(main_names) | (set(poison_names) if "poison" in only else set()),
+                       key=lambda b: ISOLATED_ORDER.index(b) if b in ISOLATED_ORDER else len(ISOLATED_ORDER))
+        plan = [(b, [s for s in only if (b in poison_names if s == "poison" else b in main_names)
+                     and (s != "throughput" or (baseline / "baseline.json").exists())]) for b in order]
+        plan = [(b, sections) for b, sections in plan if sections]
+        for i, (backend, sections) in enumerate(plan):
+            left = budget_s - (time.perf_counter() - start)
+            share = max(0.0, left) * len(sections) / sum(len(s) for _, s in plan[i:])
+            args = ["--budget-s", f"{share:.1f}", "--sections", ",".join(sections), "--backends", backend,
+                    "--results", str(work / backend), "--in-process"]
+            args += ["--families", ",".join(families)] if families else []
+            args += ["--baseline", str(baseline)] if "throughput" in sections else []
+            grace = UNIT_GRACE_S if i < len(plan) - 1 else UNIT_GRACE_S / 3  # the last ends inside the wrapper's stop
+            outcome = report["units"][backend] = _part(device, smoke, args, share + grace, work / f"{backend}.log")
+            written = work / backend / "gpu_check.json"
+            merge(report, json.loads(written.read_text()) if written.exists() else {}, backend, sections, outcome)
+            _finish_merged(report, start)
+            write(report)
+    _finish_merged(report, start)
+    write(report)
+    return report
+
+
+def _part(device: str, smoke: bool, args: list[str], timeout_s: float, log: Path) -> dict:
+    """Run this script in a process (and session) of its own with `args`, its output to `log`; how it
+    ended: seconds, exit code ("timeout": stopped, with whatever it started), the log's tail unless it
+    exited normally (0, or 1 for a failed check)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--device", device, *(["--smoke"] if smoke else []),
+               *args]
+    began = time.perf_counter()
+    with open(log, "w") as out:
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # its compile workers too
+            child.wait()
+            rc = "timeout"
+    outcome = {"s": round(time.perf_counter() - began, 1), "rc": rc}
+    if rc not in (0, 1):
+        outcome["log_tail"] = log.read_text(errors="replace")[-1500:]
+        print(f"part {args} ended {rc}:\n{outcome['log_tail']}", flush=True)
+    return outcome
+
+
+def merge(report: dict, part: dict, backend: str, sections: list[str], outcome: dict) -> None:
+    """One backend's part report into `report`, section by section; a section the part did not finish
+    (its process died, or the section raised) is named under that section's `failed_units`."""
+    for name in sections:
+        got = part.get(name)
+        into = report.setdefault(name, {})
+        if got is None or "error" in got or isinstance(got.get("skipped"), str):
+            into.setdefault("failed_units", {})[backend] = got if got is not None else outcome
+        elif name == "poison":
+            into.setdefault("backends", {}).update(got["backends"])
+        elif name == "parity":
+            into.setdefault("runs", {}).update(got["runs"])
+            into.setdefault("skipped", []).extend(got["skipped"])
+        elif name == "attention":
+            into.update(heads=got["heads"], block_size=got["block_size"])
+            into.setdefault("kernels", {}).update(got["kernels"])
+            into.setdefault("skipped", []).extend(got["skipped"])
+        else:  # throughput: this backend's rates into the baseline's rows
+            for b, row in got["batches"].items():
+                into["batches"][int(b)].update({k: v for k, v in row.items() if k.startswith("blockserve_")})
+            into["errors"].update(got["errors"])
+            into["skipped"].extend(k for k in got["skipped"] if k not in into["skipped"])
+
+
+def _finish_merged(report: dict, start: float) -> None:
+    for name, key in (("poison", "backends"), ("parity", "runs")):
+        if name in report:
+            section = report[name]
+            section["ok"] = (bool(section.get(key)) and all(r["ok"] for r in section.get(key, {}).values())
+                             and not section.get("failed_units"))
+    if "batches" in report.get("throughput", {}):
+        report["throughput"]["fastest"] = fastest(report["throughput"]["batches"])
+    _finish(report, start)
 
 
 def _finish(report: dict, start: float) -> None:
@@ -426,49 +565,79 @@ def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float
     return {"heads": heads, "block_size": block_size, "kernels": results, "skipped": skipped}
 
 
-def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None) -> dict:
+def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None, baseline_dir=None) -> dict:
     """Decode tok/s per batch size: blockserve (each backend) and transformers, both as
     B * (N - 1) / (time for N tokens - time for 1 token), and the HBM bound. A measurement not
-    started by `until` (perf_counter) is left out and named in "skipped"."""
+    started by `until` (perf_counter) is left out and named in "skipped". `baseline_dir`: where another
+    process saved the model and measured the baseline (`throughput_baseline`); None: measured here."""
+    if baseline_dir is not None:
+        return throughput_variants(load_baseline(baseline_dir), baseline_dir, device, dtype, smoke, until, names)
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = throughput_baseline(device, dtype, smoke, until, tmp)
+        return throughput_variants(baseline, tmp, device, dtype, smoke, until, names)
+
+
+def throughput_baseline(device: str, dtype: torch.dtype, smoke: bool, until: float, model_dir) -> dict:
+    """The ~1B Llama-shaped random model saved to `model_dir`, the HBM bound and transformers' decode
+    tok/s per batch size: what every backend's rates are compared with."""
     batches, prompt_len, new_tokens = ([1, 4], 8, 4) if smoke else ([1, 16, 64, 256], 32, 65)
     shape = TINY if smoke else BILLION
     gen = torch.Generator().manual_seed(0)
     results = {"model": shape, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        with torch.device(device):  # initialised where it runs: seconds for 1e9 parameters on a GPU
-            model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype).eval()
-        model.save_pretrained(tmp)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        bandwidth = copy_bandwidth(device, smoke)
-        step_s = weight_bytes / bandwidth
-        results.update(weight_bytes=weight_bytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
-                       hbm_bound_step_ms=round(step_s * 1e3, 3))
-        rows = {}
-        skipped = results["skipped"] = []
-        for b in batches:
-            ids = torch.randint(0, shape["vocab_size"], (b, prompt_len), generator=gen)
-            if time.perf_counter() > until:
-                skipped.append(f"transformers batch {b}")
-                rows[b] = {"hbm_bound_tok_s": round(b / step_s, 1)}
-                continue
-            hf = functools.partial(_hf_generate, model, ids.to(device))
-            hf(2)  # warm-up
-            rows[b] = {"hbm_bound_tok_s": round(b / step_s, 1), "transformers_tok_s": _rate(hf, b, new_tokens)}
-        del model
-        _empty_cache(device)
-        errors = results["errors"] = {}
-        for label, options in engine_variants(device, smoke, batches, names).items():
-            try:
-                _engine_rates(rows, tmp, device, dtype, label, options, batches, prompt_len, new_tokens, until,
-                              skipped, gen)
-            except Exception as error:  # one variant's failure leaves the others' figures
-                errors[label] = failure(error)
-    results["batches"] = rows
-    results["fastest"] = {b: max(rates, key=rates.get) for b, row in rows.items()
-                          if (rates := {k.removeprefix("blockserve_").removesuffix("_tok_s"): v for k, v in row.items()
-                                        if k.startswith("blockserve_") and k.endswith("_tok_s")})}
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: seconds for 1e9 parameters on a GPU
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype).eval()
+    model.save_pretrained(model_dir)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device, smoke)
+    step_s = weight_bytes / bandwidth
+    results.update(weight_bytes=weight_bytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+                   hbm_bound_step_ms=round(step_s * 1e3, 3))
+    rows = results["batches"] = {}
+    skipped = results["skipped"] = []
+    for b in batches:
+        rows[b] = {"hbm_bound_tok_s": round(b / step_s, 1)}
+        if time.perf_counter() > until:
+            skipped.append(f"transformers batch {b}")
+            continue
+        ids = torch.randint(0, shape["vocab_size"], (b, prompt_len), generator=gen)
+        hf = functools.partial(_hf_generate, model, ids.to(device))
+        hf(2)  # warm-up
+        rows[b]["transformers_tok_s"] = _rate(hf, b, new_tokens)
+    del model
+    _empty_cache(device)
     return results
+
+
+def load_baseline(model_dir) -> dict:
+    """The baseline another process wrote to `model_dir`/baseline.json (batch sizes back to ints)."""
+    results = json.loads((Path(model_dir) / "baseline.json").read_text())
+    results["batches"] = {int(b): row for b, row in results["batches"].items()}
+    return results
+
+
+def throughput_variants(results: dict, model_dir, device: str, dtype: torch.dtype, smoke: bool, until: float,
+                        names=None) -> dict:
+    """`results` (a baseline) with blockserve's rates per engine variant added to its batches, the
+    variants' failures under "errors" and the fastest variant per batch size."""
+    rows, batches = results["batches"], list(results["batches"])
+    errors = results["errors"] = {}
+    gen = torch.Generator().manual_seed(1)
+    for label, options in engine_variants(device, smoke, batches, names).items():
+        try:
+            _engine_rates(rows, model_dir, device, dtype, label, options, batches, results["prompt_tokens"],
+                          results["new_tokens"], until, results["skipped"], gen)
+        except Exception as error:  # one variant's failure leaves the others' figures
+            errors[label] = failure(error)
+    results["fastest"] = fastest(rows)
+    return results
+
+
+def fastest(rows: dict) -> dict:
+    """Per batch size, the blockserve variant of the highest tok/s."""
+    return {b: max(rates, key=rates.get) for b, row in rows.items()
+            if (rates := {k.removeprefix("blockserve_").removesuffix("_tok_s"): v for k, v in row.items()
+                          if k.startswith("blockserve_") and k.endswith("_tok_s")})}
 
 
 def engine_variants(device: str, smoke: bool, batches: list[int], names=None) -> dict[str, dict]:
@@ -613,6 +782,12 @@ def summary(report: dict) -> str:
                      + (f"; {len(skipped)} skipped for time: {', '.join(skipped)}" if skipped else ""))
         for k in bad:
             lines.append(f"  {k}: {json.dumps(runs[k])[:400]}")
+    for name in SECTIONS:  # parts of an isolated run that did not finish a section
+        for unit, what in report.get(name, {}).get("failed_units", {}).items():
+            lines.append(f"{name}: the {unit} part did not finish it: {json.dumps(what)[:400]}")
+    if "units" in report:
+        lines.append("parts (exit code, seconds): " + ", ".join(f"{unit} {u['rc']} {u['s']}"
+                                                                for unit, u in report["units"].items()))
     kernels = report.get("attention", {}).get("kernels")
     if kernels is not None:
         lines.append("attention decode layer (us, KV GB/s): " + ", ".join(

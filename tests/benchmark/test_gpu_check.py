@@ -140,3 +140,33 @@ def test_the_bfloat16_rule_passes_a_correct_engine_and_fails_a_broken_one(tmp_pa
     assert verdict["ok"] and verdict["mean_regret"] >= 0, verdict
     broken = gpu_check.judge([tokens[1:] + tokens[:1] for tokens in got], reference)
     assert not broken["ok"] and broken["mean_regret"] > 1, broken
+
+
+def test_isolated_parts_give_the_in_process_report():
+    """CUDA's default: the throughput baseline and each backend's sections in processes of their own
+    (a CUDA fault is sticky), merged into one report with the same sections as an in-process run."""
+    gpu_check = load_gpu_check()
+    report = gpu_check.run_isolated("cpu", smoke=True, budget_s=600)
+    assert report["ok"], gpu_check.summary(report)
+    assert {unit: u["rc"] for unit, u in report["units"].items()} == {"baseline": 0, "exact": 0, "whole_block": 0}
+    assert set(report["poison"]["backends"]) == {"exact", "whole_block"}
+    assert set(report["parity"]["runs"]) == {"gemma3/exact/prefix-caching", "gemma3/exact/preemption"}
+    assert set(report["attention"]["kernels"]) == {"exact/2x40"}
+    rows = report["throughput"]["batches"]
+    assert set(rows) == {1, 4} and all(row["transformers_tok_s"] > 0 and row["blockserve_exact_tok_s"] > 0
+                                       for row in rows.values())
+    assert report["throughput"]["fastest"] == {1: "exact", 4: "exact"}
+    assert "parts (exit code, seconds): baseline 0" in gpu_check.summary(report)
+
+
+def test_a_part_that_dies_is_named_and_fails_the_check(tmp_path):
+    """A part stopped at its deadline (as one hung by a fault would be) leaves its sections unfinished:
+    they are named under failed_units with the exit and the log's tail, and the check fails."""
+    gpu_check = load_gpu_check()
+    outcome = gpu_check._part("cpu", True, ["--sections", "poison", "--backends", "exact", "--results",
+                                            str(tmp_path / "exact"), "--in-process"], 0.2, tmp_path / "exact.log")
+    assert outcome["rc"] == "timeout" and "log_tail" in outcome
+    report = {"poison": {"backends": {}}}
+    gpu_check.merge(report, {}, "exact", ["poison"], outcome)
+    gpu_check._finish_merged(report, time.perf_counter())
+    assert report["poison"]["failed_units"] == {"exact": outcome} and not report["ok"]

@@ -313,7 +313,8 @@ def test_cuda_graphs_equal_eager_on_cuda(llama_path, backend):
     outs = []
     for options in (dict(enforce_eager=True), dict(cuda_graph_sizes=SIZES)):
         with LLM(model=str(llama_path), device="cuda", dtype="float32", attention_backend=backend, max_model_len=64,
-                 max_num_seqs=8, max_num_batched_tokens=32, seed=0, **options) as llm:  # frees the GPU for the next
+                 max_num_seqs=8, max_num_batched_tokens=32, seed=0, kv_cache_memory=KV_MEMORY,
+                 **options) as llm:  # closed: the GPU's memory is free for the next
             assert llm.engine.cuda_graph_sizes == (() if "enforce_eager" in options else SIZES)
             outs.append(generate(llm))
     assert [t for t, _ in outs[0]] == [t for t, _ in outs[1]]
