@@ -131,8 +131,9 @@ def main() -> None:
 
     isolate = args.isolate or (args.device != "cpu" and not args.in_process)
     if isolate:
+        (out / "parts.log").unlink(missing_ok=True)
         report = run_isolated(args.device, args.smoke, args.budget_s, write, args.sections, args.backends,
-                              args.families)
+                              args.families, out / "parts.log")
     else:
         report = run(args.device, args.smoke, args.budget_s, write, args.sections, args.backends, args.families,
                      args.baseline)
@@ -193,13 +194,13 @@ UNIT_GRACE_S = 60.0  # a part may overrun its share by this much (a compile, a c
 
 
 def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report: None, only=SECTIONS, names=None,
-                 families=None) -> dict:
+                 families=None, logs: Path | None = None) -> dict:
     """run(), each part in a process of its own, as on a GPU: a CUDA fault (an illegal address, a
     device-side assert) is sticky and fails every later call in its process, so one backend's fault must
     not cost the others' results (the first H200 run lost everything after flex's). The throughput
     baseline goes first, then each backend's sections, each part given the budget left in proportion to
     its sections. A part that dies or overruns keeps what it wrote and is named under its sections'
-    `failed_units`; every part's exit is in `units`."""
+    `failed_units`; every part's exit is in `units`, and the end of its output goes to `logs`."""
     start = time.perf_counter()
     report = {**_header(device, smoke), "units": {}}
     main_names = backends(device, smoke, names)
@@ -210,7 +211,7 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
         if "throughput" in only:
             report["units"]["baseline"] = _part(device, smoke, ["--baseline-only", str(baseline), "--budget-s",
                                                                 str(budget_s / 4)], budget_s / 4 + UNIT_GRACE_S,
-                                                work / "baseline.log")
+                                                work / "baseline.log", logs)
             if (baseline / "baseline.json").exists():
                 report["throughput"] = {**load_baseline(baseline), "errors": {}}
             else:
@@ -228,7 +229,8 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
             args += ["--families", ",".join(families)] if families else []
             args += ["--baseline", str(baseline)] if "throughput" in sections else []
             grace = UNIT_GRACE_S if i < len(plan) - 1 else UNIT_GRACE_S / 3  # the last ends inside the wrapper's stop
-            outcome = report["units"][backend] = _part(device, smoke, args, share + grace, work / f"{backend}.log")
+            outcome = report["units"][backend] = _part(device, smoke, args, share + grace, work / f"{backend}.log",
+                                                       logs)
             written = work / backend / "gpu_check.json"
             merge(report, json.loads(written.read_text()) if written.exists() else {}, backend, sections, outcome)
             _finish_merged(report, start)
@@ -238,10 +240,13 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
     return report
 
 
-def _part(device: str, smoke: bool, args: list[str], timeout_s: float, log: Path) -> dict:
-    """Run this script in a process (and session) of its own with `args`, its output to `log`; how it
-    ended: seconds, exit code ("timeout": stopped, with whatever it started), the log's tail unless it
-    exited normally (0, or 1 for a failed check)."""
+LOG_TAIL_CHARS = 20000  # of each part's output, appended to the run's log of parts
+
+
+def _part(device: str, smoke: bool, args: list[str], timeout_s: float, log: Path, logs: Path | None = None) -> dict:
+    """Run this script in a process (and session) of its own with `args`, its output to `log` (and its
+    end appended to `logs`); how it ended: seconds, exit code ("timeout": stopped, with whatever it
+    started), the log's tail unless it exited normally (0, or 1 for a failed check)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--device", device, *(["--smoke"] if smoke else []),
                *args]
     began = time.perf_counter()
@@ -254,6 +259,10 @@ def _part(device: str, smoke: bool, args: list[str], timeout_s: float, log: Path
             child.wait()
             rc = "timeout"
     outcome = {"s": round(time.perf_counter() - began, 1), "rc": rc}
+    if logs is not None:
+        with open(logs, "a") as out:
+            out.write(f"=== part {' '.join(args)}: exit {rc} after {outcome['s']} s\n")
+            out.write(log.read_text(errors="replace")[-LOG_TAIL_CHARS:] + "\n")
     if rc not in (0, 1):
         outcome["log_tail"] = log.read_text(errors="replace")[-1500:]
         print(f"part {args} ended {rc}:\n{outcome['log_tail']}", flush=True)
