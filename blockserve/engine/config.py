@@ -94,9 +94,9 @@ class EngineConfig:
         "help": "the model's weights and activations (auto: float32 on CPU, bfloat16 on CUDA); recurrent "
                 "states stay float32", "choices": MODEL_DTYPES})
     kv_cache_memory: str | int | float | None = field(default=None, metadata={
-        "help": f"the KV cache's size: bytes with a unit (4GiB), or on the CPU a fraction of free memory "
+        "help": "the KV cache's size: bytes with a unit (4GiB), or on the CPU a fraction of free memory "
                 f"(default {DEFAULT_KV_CACHE_MEMORY} on the CPU; on CUDA the cache gets what "
-                f"--gpu-memory-utilization leaves unless this fixes its size)", "type": str})
+                "--gpu-memory-utilization leaves unless this fixes its size)", "type": str})
     gpu_memory_utilization: float | None = field(default=None, metadata={
         "help": "CUDA only: the fraction of the device's total memory the engine may use (weights, "
                 "activations and KV cache; the KV cache gets what a profiling forward leaves; default 0.9)"})
@@ -205,8 +205,8 @@ class EngineConfig:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 
     def kv_cache_bytes(self) -> int:
-        """kv_cache_memory in bytes (DEFAULT_KV_CACHE_MEMORY when not given); on CUDA only bytes with a
-        unit, not a fraction (that would be of the host's memory: the GPU's share is gpu_memory_utilization)."""
+        """kv_cache_memory in bytes (DEFAULT_KV_CACHE_MEMORY when not given): the CPU's KV budget (on
+        CUDA, engine/kv_budget.py's fixed_cuda_kv_bytes reads a given kv_cache_memory)."""
         value = DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
         return parse_memory(value)
 

@@ -254,5 +254,5 @@ class EngineCore:
         plan = getattr(self, "device_plan", None)
         self.runner = self.loaded = None
         if plan is not None and plan.is_cuda:
-            gc.collect()  # the captured graphs and the memo refer to each other
+            gc.collect()  # each captured graph and its forward refer to each other
             torch.cuda.empty_cache()
