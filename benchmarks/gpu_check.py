@@ -224,6 +224,10 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
         for i, (backend, sections) in enumerate(plan):
             left = budget_s - (time.perf_counter() - start)
             share = max(0.0, left) * len(sections) / sum(len(s) for _, s in plan[i:])
+            if share < 1:  # the earlier parts overran: this one's sections are skipped, as in-process runs skip
+                for name in sections:
+                    report.setdefault(name, {}).setdefault("skipped", []).append(f"{backend} (no time left)")
+                continue
             args = ["--budget-s", f"{share:.1f}", "--sections", ",".join(sections), "--backends", backend,
                     "--results", str(work / backend), "--in-process"]
             args += ["--families", ",".join(families)] if families else []
@@ -271,11 +275,14 @@ def _part(device: str, smoke: bool, args: list[str], timeout_s: float, log: Path
 
 def merge(report: dict, part: dict, backend: str, sections: list[str], outcome: dict) -> None:
     """One backend's part report into `report`, section by section; a section the part did not finish
-    (its process died, or the section raised) is named under that section's `failed_units`."""
+    (its process died, or the section raised) is named under that section's `failed_units`, one it did
+    not start for time under `skipped`."""
     for name in sections:
         got = part.get(name)
         into = report.setdefault(name, {})
-        if got is None or "error" in got or isinstance(got.get("skipped"), str):
+        if got is not None and isinstance(got.get("skipped"), str):  # not started: the part's budget was spent
+            into.setdefault("skipped", []).append(f"{backend} ({got['skipped']})")
+        elif got is None or "error" in got:
             into.setdefault("failed_units", {})[backend] = got if got is not None else outcome
         elif name == "poison":
             into.setdefault("backends", {}).update(got["backends"])

@@ -7,8 +7,8 @@
 #                                        # directory, then run the check on CUDA (ARGS go to gpu_check.py)
 #   bash benchmarks/gpu_check.sh pytest  # there, in a second call (~2 minutes): the test suite's CUDA-only
 #                                        # tests (CUDA graphs vs eager per backend, the engine on CUDA vs CPU)
-#   bash benchmarks/gpu_check.sh all     # there, both in one call of under 9 minutes (the check's budget
-#                                        # shortened to 380 s): one machine start for the whole lease
+#   bash benchmarks/gpu_check.sh all     # there, both in one call of under 9.5 minutes (the check's budget
+#                                        # shortened to 360 s): one machine start for the whole lease
 #
 # Results: $RESULTS, else $OUT/gpu_check where $OUT is set (the device tool's folder), else
 # results/gpu_check. The machine's python3 keeps its own torch, triton and transformers.
@@ -32,8 +32,8 @@ fi
 if [[ "${1:-}" == all ]]; then
     shift
     rc=0
-    GPU_CHECK_TIMEOUT_S=410 bash "$SELF" --budget-s 380 "$@" || rc=$?
-    GPU_PYTEST_TIMEOUT_S=120 bash "$SELF" pytest || rc=$((rc ? rc : $?))
+    GPU_CHECK_TIMEOUT_S=390 bash "$SELF" --budget-s 360 "$@" || rc=$?
+    GPU_PYTEST_TIMEOUT_S=150 bash "$SELF" pytest || rc=$((rc ? rc : $?))
     exit "$rc"
 fi
 

@@ -170,3 +170,6 @@ def test_a_part_that_dies_is_named_and_fails_the_check(tmp_path):
     gpu_check.merge(report, {}, "exact", ["poison"], outcome)
     gpu_check._finish_merged(report, time.perf_counter())
     assert report["poison"]["failed_units"] == {"exact": outcome} and not report["ok"]
+    gpu_check.merge(report, {"poison": {"skipped": "over the 5 s budget"}}, "flex", ["poison"], {"rc": 0})
+    assert report["poison"]["skipped"] == ["flex (over the 5 s budget)"]  # not started for time: not a failure
+    assert set(report["poison"]["failed_units"]) == {"exact"}
