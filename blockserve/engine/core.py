@@ -254,5 +254,5 @@ class EngineCore:
         plan = getattr(self, "device_plan", None)
         self.runner = self.loaded = None
         if plan is not None and plan.is_cuda:
-            gc.collect()  # each captured graph and its forward refer to each other
+            gc.collect()  # whatever a reference cycle still holds on the device
             torch.cuda.empty_cache()

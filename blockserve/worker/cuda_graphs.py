@@ -145,12 +145,13 @@ class DecodeGraphs:
                                               views[f"key_start{g}"], views[f"seq_len{g}"], window,
                                               key_starts=[0] * size, static_shapes=True))
         ctx = ForwardContext(self.kv.layer_caches(), metadata, self.memo)
+        model = self.model  # not self: the graph keeps forward, which must not keep the graphs (no cycle)
 
         def forward() -> torch.Tensor:
             for meta in metadata:  # what a backend derives is recomputed by every run, from the tensors
                 if isinstance(meta, AttentionMetadata):
                     meta.derived.clear()
-            return self.model(views["input_ids"], views["positions"], ctx)
+            return model(views["input_ids"], views["positions"], ctx)
 
         replay, output = capture(forward)
         return _Graph(size, inputs, replay, output, forward)

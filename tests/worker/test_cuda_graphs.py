@@ -16,6 +16,7 @@ is checked by benchmarks/gpu_check.py.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -224,6 +225,20 @@ def test_padding_writes_the_scratch_block_never_the_null_block(llama_path):
         cache = tensors[0]  # [layers, 2, blocks, ...]
         assert not cache[:, :, 0].any()  # C1: the null block is still zero
         assert cache[:, :, kv.scratch_slot(g)].any()  # the padding rows wrote here
+
+
+def test_a_closed_engine_frees_its_graphs_without_the_cycle_collector(llama_path):
+    """Each graph keeps its captured forward, which must not refer back to the graphs: a dropped
+    engine's KV cache (on CUDA, the device's memory) goes as soon as its last reference does."""
+    llm = engine(llama_path)
+    with_graphs(llm, fake=False)
+    kv = weakref.ref(llm.engine.core.runner.kv)
+    gc.disable()
+    try:
+        llm.close()
+        assert kv() is None
+    finally:
+        gc.enable()
 
 
 def test_the_stand_in_catches_a_backend_that_reads_host_lists(llama_path):
