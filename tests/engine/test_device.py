@@ -236,3 +236,17 @@ def test_close_lets_go_of_the_model_and_the_kv_cache(llama):
     llm.close()  # idempotent
     with pytest.raises(RuntimeError, match="engine is closed"):
         llm.engine.core.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the device's memory")
+def test_close_gives_the_memory_back_on_cuda(llama):
+    """The first GPU run's failure: a closed engine kept its KV cache, so the next one found no room.
+    After close (graphs captured, a batch generated) what torch holds is back to about where it was."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    with LLM(model=str(llama[0]), device="cuda", dtype="float32", attention_backend="triton", max_model_len=64,
+             max_num_batched_tokens=16, max_num_seqs=8, kv_cache_memory="256MiB", cuda_graph_sizes=(1, 2, 4, 8)) as llm:
+        llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        assert torch.cuda.memory_allocated() - before >= 256 * 2**20
+    assert torch.cuda.memory_allocated() - before < 64 * 2**20  # cuBLAS workspaces and the like may stay
