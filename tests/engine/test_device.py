@@ -248,5 +248,5 @@ def test_close_gives_the_memory_back_on_cuda(llama):
     with LLM(model=str(llama[0]), device="cuda", dtype="float32", attention_backend="triton", max_model_len=64,
              max_num_batched_tokens=16, max_num_seqs=8, kv_cache_memory="256MiB", cuda_graph_sizes=(1, 2, 4, 8)) as llm:
         llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
-        assert torch.cuda.memory_allocated() - before >= 256 * 2**20
+        assert torch.cuda.memory_allocated() - before > 200 * 2**20  # the cache, about 256 MiB
     assert torch.cuda.memory_allocated() - before < 64 * 2**20  # cuBLAS workspaces and the like may stay
