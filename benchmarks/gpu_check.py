@@ -204,7 +204,7 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
     start = time.perf_counter()
     report = {**_header(device, smoke), "units": {}}
     main_names = backends(device, smoke, names)
-    poison_names = ["exact", "whole_block"] if smoke else backends(device, False, sorted(names or BACKENDS))
+    poison_names = poison_backends(device, smoke, names)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         baseline = work / "baseline"
@@ -263,12 +263,13 @@ def _part(device: str, smoke: bool, args: list[str], timeout_s: float, log: Path
             child.wait()
             rc = "timeout"
     outcome = {"s": round(time.perf_counter() - began, 1), "rc": rc}
+    output = log.read_text(errors="replace")
     if logs is not None:
         with open(logs, "a") as out:
             out.write(f"=== part {' '.join(args)}: exit {rc} after {outcome['s']} s\n")
-            out.write(log.read_text(errors="replace")[-LOG_TAIL_CHARS:] + "\n")
+            out.write(output[-LOG_TAIL_CHARS:] + "\n")
     if rc not in (0, 1):
-        outcome["log_tail"] = log.read_text(errors="replace")[-1500:]
+        outcome["log_tail"] = output[-1500:]
         print(f"part {args} ended {rc}:\n{outcome['log_tail']}", flush=True)
     return outcome
 
@@ -504,6 +505,12 @@ class _on_device:
         return out
 
 
+def poison_backends(device: str, smoke: bool, names=None) -> list[str]:
+    """The poison section's backends: of `names` (default every one, whole_block's tile-reading
+    imitation included) those `backends` runs; on CPU smoke exact and whole_block."""
+    return ["exact", "whole_block"] if smoke else backends(device, False, sorted(names or BACKENDS))
+
+
 def poison(device: str, dtype: torch.dtype, smoke: bool, names=None) -> dict:
     """C1 per backend on tiny Gemma 3 (sliding + full groups): see the module docstring."""
     batch, new_tokens = prompts(8), 10
@@ -511,8 +518,7 @@ def poison(device: str, dtype: torch.dtype, smoke: bool, names=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gemma3"
         reference = Reference.build("gemma3", path, device, dtype, batch, new_tokens)
-        every = backends(device, False, sorted(names or BACKENDS))
-        for backend in every if not smoke else ["exact", "whole_block"]:
+        for backend in poison_backends(device, smoke, names):
             small = dict(max_num_batched_tokens=32, max_model_len=96, enable_prefix_caching=True,
                          attention_backend=backend, poison=True)
             try:
