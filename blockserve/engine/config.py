@@ -108,6 +108,10 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata={
         "help": "CUDA: a decode batch size captured as a CUDA graph (repeatable; default: 1, 2, 4, ... and "
                 "max_num_seqs); a decode step of n rows replays the smallest size >= n, larger ones run eagerly"})
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "schedule and launch each step before the previous one's tokens are back, so the host's work "
+                "overlaps the device's (CUDA; on the CPU the forward runs in the launch, so it cannot pay there). "
+                "A request that a stop token ends computes one more token, which is dropped"})
     # MLA latents and recurrent states keep the model's dtype.
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
@@ -201,6 +205,8 @@ class EngineConfig:
                              f"got {list(self.cuda_graph_sizes)}")
         if self.cuda_graph_sizes and self.enforce_eager:
             raise ValueError("cuda_graph_sizes asks for CUDA graphs and enforce_eager forbids them: give one")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling runs on one device: it cannot be combined with tensor_parallel_size > 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 

@@ -11,6 +11,8 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -25,15 +27,16 @@ from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.specs import with_kv_cache_dtype
 from blockserve.models.loader import LoadedModel, load_model
 from blockserve.scheduler.config import SchedulerConfig
-from blockserve.scheduler.output import RequestOutput, SchedulerStats
+from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
-from blockserve.worker.model_runner import ModelRunner
+from blockserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("blockserve")
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+T = TypeVar("T")
 
 
 def load_model_for(config: EngineConfig, plan: DevicePlan | None = None) -> LoadedModel:
@@ -91,11 +94,23 @@ class RunnerFailed(RuntimeError):
         self.request_ids = request_ids
 
 
+def _run(work: Callable[[], T], *steps: SchedulerOutput) -> T:
+    """work(); if it raises, a RunnerFailed for the requests of `steps` (an EngineDead as it is: a
+    tensor-parallel rank failed, which is fatal for every request)."""
+    try:
+        return work()
+    except EngineDead:
+        raise
+    except Exception as e:
+        raise RunnerFailed(list(dict.fromkeys(rid for step in steps for rid in step.num_scheduled_tokens))) from e
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """The engine over `config`; if building it fails once tensor-parallel ranks are up, they
         are stopped before the original error propagates (never left for the garbage collector)."""
         self.executor = None  # tensor parallel: ranks 1..N-1 and rank 0's shard (distributed/executor.py)
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling's step ahead
         try:
             self._build(config, loaded)
         except BaseException:
@@ -216,23 +231,37 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def step(self) -> tuple[list[RequestOutput], SchedulerStats]:
-        """One step; RunnerFailed (its cause chained) if the model runner raised."""
+        """One step; RunnerFailed (its cause chained) if the model runner raised. With async
+        scheduling a step launches the next step and returns the outputs of the one before."""
         if self.thread_governor is not None and (threads := self.thread_governor.tick()) is not None:
             logger.info("torch threads: %d of %d (the cores other processes leave free)", threads,
                         self.thread_governor.max_threads)
         if self.runner is None:
             raise RuntimeError("this engine is closed: build a new one")
         scheduler_output = self.scheduler.schedule()
-        try:
-            runner_output = self.runner.execute(scheduler_output)
-        except EngineDead:  # a tensor-parallel rank failed: fatal for every request, not just these
-            raise
-        except Exception as e:
-            raise RunnerFailed(list(scheduler_output.num_scheduled_tokens)) from e
-        outputs, stats = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.config.async_scheduling:
+            outputs = self._step_ahead(scheduler_output)
+            stats = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
+        else:
+            runner_output = _run(lambda: self.runner.execute(scheduler_output), scheduler_output)
+            outputs, stats = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.check_integrity:
             self.kv.check_integrity()
         return outputs, stats
+
+    def _step_ahead(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """Async scheduling: launch `scheduler_output`, then wait for the step launched before it and
+        apply its tokens while the device runs the new one. A failure takes both steps' requests."""
+        previous, self._in_flight = self._in_flight, None
+        both = (scheduler_output,) if previous is None else (scheduler_output, previous[0])
+        launched = _run(lambda: self.runner.launch(scheduler_output), *both)
+        outputs = []
+        if previous is not None:
+            runner_output = _run(previous[1].result, *both)
+            outputs, _ = self.scheduler.update_from_output(previous[0], runner_output)
+        if not scheduler_output.is_empty:
+            self._in_flight = (scheduler_output, launched)
+        return outputs
 
     def abort(self, request_ids) -> list[str]:
         return self.scheduler.abort(request_ids)
@@ -243,7 +272,7 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_pending_work()
+        return self.scheduler.has_pending_work() or self._in_flight is not None
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any, and let go of the model, the KV cache and the CUDA
@@ -252,7 +281,7 @@ class EngineCore:
         if self.executor is not None:
             self.executor.close()
         plan = getattr(self, "device_plan", None)
-        self.runner = self.loaded = None
+        self.runner = self.loaded = self._in_flight = None
         if plan is not None and plan.is_cuda:
             gc.collect()  # whatever a reference cycle still holds on the device
             torch.cuda.empty_cache()

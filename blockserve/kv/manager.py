@@ -161,7 +161,10 @@ class KVCacheManager:
             return
         hashes = request.block_hashes.get(self.stride, request.token_ids)
         probe = self.coordinator.state_managers[0].checkpoints
-        positions = [p for p in positions if probe.lookup(hashes[p // self.stride - 1]) is None]
+        # Positions already checkpointed are skipped; one past the tokens known (async scheduling: an
+        # input still in flight) has no hash yet, so it is captured, and a twin is dropped on commit.
+        known = len(request.token_ids)
+        positions = [p for p in positions if p > known or probe.lookup(hashes[p // self.stride - 1]) is None]
         if positions:
             self.coordinator.capture(request.request_id, positions, is_decode)
 

@@ -46,6 +46,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0  # tokens whose KV is (or is being) written
+        # Tokens a scheduled step will sample that have not come back yet: they count as the request's
+        # own when scheduling (their input ids are filled in on the device), not in token_ids.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: BlockHashChain | None = None  # set by the scheduler on add
         self.order_key: tuple = ()  # policy order, unique; set by the scheduler on add

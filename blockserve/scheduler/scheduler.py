@@ -7,6 +7,12 @@ lowest-priority, latest-arrived running request that is not yet scheduled this s
 it frees everything and returns to the front of the waiting queue, to be recomputed later.
 
     schedule() ──► SchedulerOutput ──► worker ──► update_from_output() ──► RequestOutputs
+
+With async scheduling (engine/core.py) step N + 1 is scheduled before step N's tokens are back: a
+request N samples for holds a placeholder (`num_output_placeholders`), its next input id is -1 in
+`scheduled_token_ids` (the worker takes it from N's samples on the device), and a request N ends by
+length is not scheduled again. Whatever else ends it at N (a stop token) leaves one wasted row in
+N + 1, whose token is dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         self._no_hit = ComputedBlocks(0, tuple(() for _ in kv.config.groups))
+        self._last_output: SchedulerOutput | None = None  # the latest step scheduled
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -103,7 +110,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(len(request.token_ids) - request.num_computed_tokens, budget, cap)
+            if request.num_output_placeholders and self._ends_by_length(request):
+                i += 1  # its token in flight is its last
+                continue
+            n = min(len(request.token_ids) + request.num_output_placeholders - request.num_computed_tokens, budget, cap)
             if n <= 0:
                 i += 1
                 continue
@@ -127,6 +137,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: re-admitted once it is back
             hit = self._no_hit if _wants_prompt_logprobs(request) else self.kv.get_computed_blocks(request)
             n = len(request.token_ids) - hit.num_tokens
             if not self.config.enable_chunked_prefill and n > budget:
@@ -160,14 +172,20 @@ class Scheduler:
         for request, n in scheduled:
             start = request.num_computed_tokens
             num_scheduled[request.request_id] = n
-            token_ids[request.request_id] = request.token_ids[start : start + n]
+            known = len(request.token_ids)
+            if start + n <= known:
+                token_ids[request.request_id] = request.token_ids[start : start + n]
+            else:  # the input is a token in flight
+                token_ids[request.request_id] = request.token_ids[start:known] + [-1] * (start + n - known)
             if checkpointing:
                 self.kv.plan_captures(request, start, n)
+            if start + n == known + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
             request.num_computed_tokens = start + n  # KV written by the forward pass of this step
 
         pending = self.kv.take_pending()
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(
+        self._last_output = SchedulerOutput(
             new_requests=new,
             cached_requests=cached,
             num_scheduled_tokens=num_scheduled,
@@ -180,6 +198,7 @@ class Scheduler:
             state_copies=pending.state_copies,
             state_captures=pending.state_captures,
         )
+        return self._last_output
 
     def _preempt(self, request: Request) -> None:
         self.running.pop()
@@ -196,17 +215,27 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> tuple[list[RequestOutput], SchedulerStats]:
         """Append sampled tokens, apply stop conditions, free finished requests, and register
-        the blocks this step filled in the prefix cache (only now is their KV written: C4)."""
+        the blocks this step filled in the prefix cache (only now is their KV written: C4).
+
+        With async scheduling the next step is scheduled already: a request may have been preempted
+        since (its token still counts), and its computed count may include the next step's tokens."""
         outputs = []
         any_finished = False
-        for rid in scheduler_output.num_scheduled_tokens:
+        # Each request's computed count before this step, when a later step has advanced it since.
+        starts = None if scheduler_output is self._last_output else _starts(scheduler_output)
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(rid)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted since it was scheduled
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if request is None:
+                continue  # finished or aborted since it was scheduled
+            if request.status is RequestStatus.RUNNING:
+                computed = request.num_computed_tokens if starts is None else starts[rid] + num_scheduled
+                self.kv.cache_blocks(request, computed)
+            elif request.status is not RequestStatus.PREEMPTED:
+                continue
             sampled = runner_output.sampled_token_ids.get(rid)
             if not sampled:
                 continue  # a prompt chunk that does not end the prompt
+            request.num_output_placeholders -= len(sampled)
             status = None
             accepted = 0
             for token in sampled:
@@ -228,11 +257,19 @@ class Scheduler:
                 )
             )
             if status:
+                if request.status is RequestStatus.PREEMPTED:
+                    self.waiting.remove(request)
                 self._finish(request, status)
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs, self.stats(scheduler_output.total_num_scheduled_tokens)
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the tokens in flight bring the request to max_tokens or max_model_len."""
+        pending = request.num_output_placeholders
+        return (len(request.output_token_ids) + pending >= request.max_output_tokens
+                or len(request.token_ids) + pending >= self.config.max_model_len)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         """Runs for every sampled token, so it reads plain attributes only."""
@@ -304,6 +341,13 @@ class Scheduler:
         assert not self._finished_ids, "finished ids were never handed to the worker"
         assert self.kv.pending_is_empty(), "KV zero or poison orders were never drained"
         self.kv.assert_idle()
+
+
+def _starts(out: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's computed count when `out` was scheduled."""
+    starts = {c.request_id: c.num_computed_tokens for c in out.cached_requests}
+    starts.update((n.request_id, n.num_computed_tokens) for n in out.new_requests)
+    return starts
 
 
 def _wants_prompt_logprobs(request: Request) -> bool:

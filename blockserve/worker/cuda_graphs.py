@@ -122,11 +122,14 @@ class DecodeGraphs:
         layout = step.layout
         return 0 < layout.num_seqs == layout.num_decodes <= self.max_size
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """The hidden states [n, hidden] of decode step `step` (host inputs; `covers(step)`)."""
+    def run(self, step: StepInputs, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """The hidden states [n, hidden] of decode step `step` (host inputs; `covers(step)`); `fill`
+        writes the input ids still in flight into the graph's input ids on the device."""
         n = step.layout.num_seqs
         graph = self.graphs[min(size for size in self.graphs if size >= n)]
         graph.inputs.copy_(self._host_inputs(graph.size, step), non_blocking=True)
+        if fill is not None:
+            fill(graph.inputs[:n])  # input_ids is the first field
         graph.replay()
         return graph.output[:n]
 

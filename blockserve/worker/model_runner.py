@@ -13,6 +13,7 @@ running the model's forward eagerly (`capture_decode_graphs`, worker/cuda_graphs
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,10 @@ from blockserve.attention.metadata import to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
-from blockserve.worker.input_batch import CachedRequest, InputBatch
+from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
 from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs
-from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
+from blockserve.worker.sampler import SampledTokens, Sampler, SamplingBatch, SamplingRow, make_generator
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobs()  # requests that asked for them, until their prompt completes
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_decode_graphs)
+        self.last: LaunchedStep | None = None  # the latest step launched: its samples feed in-flight inputs
 
     def capture_decode_graphs(self, sizes, capture: Capture | None = None) -> None:
         """Capture the model's decode step at each batch size in `sizes` (the caller has checked
@@ -69,8 +71,15 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs = DecodeGraphs(self.model, self.kv, self.memo, sizes, self.max_model_len, self.device, capture)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run step `out` and wait for its samples: `launch(out).result()`."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Start step `out` on the device and return without waiting for its samples (on the CPU the
+        step has run when this returns). An input id of -1 (a decode whose input is still in flight,
+        async scheduling) is taken on the device from the last launched step's samples."""
         t0 = time.perf_counter()
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
@@ -85,14 +94,17 @@ class ModelRunner:
         t1 = time.perf_counter()
         self.timings.zero += t1 - t0
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput({})
+            return LaunchedStep.done(ModelRunnerOutput({}))
         inputs = self.batch.prepare(out)
+        fill = self._in_flight_inputs(inputs)
         t2 = time.perf_counter()
         if self.graphs is not None and self.graphs.covers(inputs):
-            hidden = self.graphs.run(inputs)
+            hidden = self.graphs.run(inputs, fill)
             logits_indices = to_device(inputs.logits_indices, self.device)
         else:
             inputs = inputs.to(self.device)
+            if fill is not None:
+                fill(inputs.input_ids)
             hidden = self.model(inputs.input_ids, inputs.positions,
                                 ForwardContext(self.layer_caches, inputs.metadata, self.memo))
             logits_indices = inputs.logits_indices
@@ -101,31 +113,47 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices]) if inputs.sample_ids else None
         self.prompt_logprobs.compute(self.model, hidden, inputs, self.batch.requests)
         t3 = time.perf_counter()
-        sampled: dict[str, list[int] | tuple[()]] = dict.fromkeys(inputs.request_ids, ())  # () = none this step
-        logprobs: dict[str, list] = {}
         requests = [self.batch.requests[rid] for rid in inputs.sample_ids]
+        samples = sampled_ids = None
         if logits is not None:
+            if self.last is not None and any(_reads_output_ids(request) for request in requests):
+                self.last.result()  # penalties and grammars read the output tokens so far
             rows = [request.sampling_row or self._sampling_row(rid, request)
                     for rid, request in zip(inputs.sample_ids, requests)]
-            result = self.sampler(logits, SamplingBatch.build(rows, self.device))
-            for rid, request, token, token_logprobs in zip(inputs.sample_ids, requests, result.token_ids,
-                                                           result.logprobs):
-                request.output_token_ids.append(token)
-                if request.grammar is not None:
-                    request.grammar.accept(token)
-                sampled[rid] = [token]
-                if token_logprobs is not None:
-                    logprobs[rid] = [token_logprobs]
-        else:  # a tensor-parallel rank > 0: rank 0 samples; count the token so lengths agree
-            for request in requests:
-                request.output_token_ids.append(-1)
+            samples = self.sampler.sample(logits, SamplingBatch.build(rows, self.device))
+            sampled_ids, samples = samples.token_ids, samples.to_host_async()
+        for request in requests:  # counted now, the id written by result() (a rank > 0: rank 0 samples)
+            request.output_token_ids.append(-1)
         t4 = time.perf_counter()
         self.timings.prepare += t2 - t1
         self.timings.forward += t3 - t2
         self.timings.sample += t4 - t3
         self.timings.steps += 1
         prompt_logprobs = self.prompt_logprobs.take_all(inputs.sample_ids)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        self.last = LaunchedStep(inputs.request_ids, inputs.sample_ids, requests, samples, sampled_ids,
+                                 prompt_logprobs)
+        return self.last
+
+    def _in_flight_inputs(self, inputs: StepInputs) -> Callable[[torch.Tensor], None] | None:
+        """What writes the step's in-flight input ids (-1 on the host) into its input ids on the device,
+        from the last launched step's samples; None when every input id is known."""
+        num_decodes = inputs.layout.num_decodes
+        holes = (inputs.input_ids[:num_decodes] < 0).nonzero().flatten().tolist()
+        if not holes:
+            return None
+        last = self.last
+        where = {} if last is None or last.sampled_ids is None else last.row_of
+        missing = [inputs.request_ids[i] for i in holes if inputs.request_ids[i] not in where]
+        if missing:
+            raise RuntimeError(f"requests {missing} have an input in flight, but the last step did not sample them")
+        rows = [where[inputs.request_ids[i]] for i in holes]
+        dst, src = to_device((torch.tensor(holes), torch.tensor(rows)), self.device)
+        sampled = last.sampled_ids
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, dst, sampled.index_select(0, src))
+
+        return fill
 
     def _sampling_row(self, request_id: str, request: CachedRequest) -> SamplingRow:
         """The request's SamplingRow, made on its first sampled step and kept with it (its token
@@ -139,3 +167,51 @@ class ModelRunner:
         request.sampling_row = SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids,
                                            generator, request.eos_token_id, request.grammar)
         return request.sampling_row
+
+
+def _reads_output_ids(request: CachedRequest) -> bool:
+    """Whether sampling this request reads the values of its output tokens so far (not just their count)."""
+    params = request.params
+    return request.grammar is not None or params.repetition_penalty != 1 or params.frequency_penalty != 0 \
+        or params.presence_penalty != 0
+
+
+class LaunchedStep:
+    """A step launched on the device. `result()` waits for its samples, writes them into the worker's
+    requests (where `launch` counted them as -1), advances their grammars and returns the step's
+    ModelRunnerOutput; later calls return the same output."""
+
+    def __init__(self, request_ids: list[str], sample_ids: list[str], requests: list[CachedRequest],
+                 samples: SampledTokens | None, sampled_ids: torch.Tensor | None, prompt_logprobs: dict):
+        self.request_ids, self.sample_ids, self.requests = request_ids, sample_ids, requests
+        self.samples = samples  # on their way to the host; None on a tensor-parallel rank > 0
+        self.sampled_ids = sampled_ids  # [len(sample_ids)] on the device: the next step's in-flight inputs
+        self.prompt_logprobs = prompt_logprobs
+        self.row_of = {rid: i for i, rid in enumerate(sample_ids)}  # a request's row in the samples
+        # Where each sampled request's token goes: the -1 launch appended for it.
+        self.slots = [len(request.output_token_ids) - 1 for request in requests]
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> LaunchedStep:
+        step = cls([], [], [], None, None, {})
+        step._output = output
+        return step
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        sampled: dict[str, list[int] | tuple[()]] = dict.fromkeys(self.request_ids, ())  # () = none this step
+        logprobs: dict[str, list] = {}
+        if self.samples is not None:
+            host = self.samples.host()
+            for rid, request, slot, token, token_logprobs in zip(self.sample_ids, self.requests, self.slots,
+                                                                 host.token_ids, host.logprobs):
+                request.output_token_ids[slot] = token
+                if request.grammar is not None:
+                    request.grammar.accept(token)
+                sampled[rid] = [token]
+                if token_logprobs is not None:
+                    logprobs[rid] = [token_logprobs]
+        self._output = ModelRunnerOutput(sampled, logprobs, self.prompt_logprobs)
+        return self._output

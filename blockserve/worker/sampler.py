@@ -131,9 +131,14 @@ class SamplingBatch:
     penalties: _Penalties | None
     logprob_rows: torch.Tensor | None  # [R] rows that asked for logprobs; None when none did
     logprob_counts: tuple[int, ...]  # [R] their params.logprobs (top n)
+    logprob_row_ids: tuple[int, ...]  # [R] logprob_rows on the host (reading the tensor would wait for the device)
     blocked: tuple[tuple[int, tuple[int, ...]], ...]  # (row, token ids masked out this step)
     grammars: tuple[tuple[int, TokenConstraint], ...] = ()  # (row, its grammar): constrained rows only
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
+    # The largest token id logit_bias names, and the penalised rows' tokens (-1: none), checked against
+    # the vocabulary on the host: reading the tensors would wait for the device.
+    max_bias_token: int = -1
+    max_penalty_token: int = -1
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingBatch:
@@ -177,9 +182,12 @@ class SamplingBatch:
             penalties=_build_penalties(rows, special),
             logprob_rows=torch.tensor(logprob_rows, dtype=torch.long) if logprob_rows else None,
             logprob_counts=tuple(rows[i].params.logprobs for i in logprob_rows),
+            logprob_row_ids=tuple(logprob_rows),
             blocked=tuple((i, ids) for i in special if (ids := rows[i].blocked_ids())),
             grammars=tuple((i, rows[i].grammar) for i in special if rows[i].grammar is not None),
             logit_bias=_build_logit_bias(rows, special),
+            max_bias_token=max((t for i in special for t, _ in rows[i].params.logit_bias), default=-1),
+            max_penalty_token=_max_penalty_token(rows, special),
         )
         return batch if device == host else batch.to(device)
 
@@ -213,6 +221,17 @@ def _build_logit_bias(rows: Sequence[SamplingRow], special: list[int]):
     rows_, tokens, biases = zip(*pairs)
     return (torch.tensor(rows_, dtype=torch.long), torch.tensor(tokens, dtype=torch.long),
             torch.tensor(biases, dtype=torch.float32))
+
+
+def _max_penalty_token(rows: Sequence[SamplingRow], special: list[int]) -> int:
+    """The largest token id among the penalised rows' tokens (prompt too under repetition; -1: none)."""
+    largest = -1
+    for i in special:
+        p = rows[i].params
+        if _has_penalty(p):
+            prompt = rows[i].prompt_token_ids if p.repetition_penalty != 1 else ()
+            largest = max(largest, max(prompt, default=-1), max(rows[i].output_token_ids, default=-1))
+    return largest
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -260,6 +279,47 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # [N]; None where the row's params.logprobs is None
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """One step's samples as tensors, where the sampler made them: `token_ids` [N] (int64), and for
+    the rows that asked (`logprob_row_ids`, top `logprob_counts`) the sampled token's logprob [R] and the
+    top ones' ids and logprobs [R, n]. `to_host_async` starts their copy to the host; `host` reads them."""
+
+    token_ids: torch.Tensor
+    logprob_row_ids: tuple[int, ...] = ()
+    logprob_counts: tuple[int, ...] = ()
+    picked: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None  # set by to_host_async on CUDA: the host copies are done
+
+    def to_host_async(self) -> SampledTokens:
+        """These samples copied to pinned host memory without waiting for the device (on CUDA; on the
+        CPU `self`): the device tensors stay usable, e.g. as the next step's input ids."""
+        if self.token_ids.device.type == "cpu":
+            return self
+        names = [name for name in ("token_ids", "picked", "top_ids", "top_logprobs") if getattr(self, name) is not None]
+        moved = {}
+        for name in names:
+            tensor = getattr(self, name)
+            moved[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            moved[name].copy_(tensor, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.token_ids.device))
+        return dataclasses.replace(self, ready=ready, **moved)
+
+    def host(self) -> SamplerOutput:
+        """The samples as lists (waits for the device when they are still being made or copied)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        per_row: list[TokenLogprobs | None] = [None] * len(self.token_ids)
+        if self.logprob_row_ids:
+            picked, top_ids, top_lps = self.picked.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+            for k, (row, n) in enumerate(zip(self.logprob_row_ids, self.logprob_counts)):
+                per_row[row] = TokenLogprobs(picked[k], top_ids[k][:n], top_lps[k][:n])
+        return SamplerOutput(self.token_ids.tolist(), per_row)
+
+
 class Sampler:
     """Samples one token per row. Holds the generator that rows without their own share."""
 
@@ -273,9 +333,20 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """The samples as lists: `sample(...).host()`."""
+        return self.sample(logits, batch).host()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+        """The samples as tensors on the device, without waiting for it (except on a constrained row,
+        whose min_tokens check reads the logits)."""
         if batch.device != self.device:
             raise ValueError(f"the SamplingBatch was built for {batch.device}, the sampler is on {self.device}")
         _check_logits(logits, batch)
+        vocab_size = logits.shape[1]
+        if batch.max_bias_token >= vocab_size:
+            raise ValueError(f"logit_bias token {batch.max_bias_token} is out of range for a vocabulary of {vocab_size}")
+        if batch.max_penalty_token >= vocab_size:
+            raise ValueError(f"token id {batch.max_penalty_token} is out of range for a vocabulary of {vocab_size}")
         logits = logits.float()
         owned = bool(batch.grammars) or batch.logit_bias is not None
         if owned:  # never modify the caller's tensor
@@ -284,9 +355,6 @@ class Sampler:
                 _apply_grammars(logits, batch.grammars)
             if batch.logit_bias is not None:
                 rows, tokens, biases = batch.logit_bias
-                if int(tokens.max()) >= logits.shape[1]:
-                    raise ValueError(f"logit_bias token {int(tokens.max())} is out of range for a vocabulary of "
-                                     f"{logits.shape[1]}")
                 logits.index_put_((rows, tokens), biases, accumulate=True)
         logits = _apply_penalties(logits, batch.penalties)
         if batch.blocked:
@@ -303,7 +371,7 @@ class Sampler:
             tokens = self._argmax(logits)
             if batch.num_sampled:
                 tokens[batch.sampled_rows] = self._sample(logits[batch.sampled_rows], batch)
-        return SamplerOutput(tokens.tolist(), _logprobs(logits, tokens, batch))
+        return _with_logprobs(SampledTokens(tokens.long()), logits, batch)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Tokens for the sampled rows (logits [M, V], already penalised). The PyTorch filters work
@@ -385,9 +453,8 @@ def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
 
 def _columns(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Token ids as column indices into a [P, V + 1] buffer: padding (-1) goes to the spare column V."""
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(f"token id {int(ids.max())} is out of range for a vocabulary of {vocab_size}")
+    """Token ids (checked: < vocab_size) as column indices into a [P, V + 1] buffer: padding (-1) goes
+    to the spare column V."""
     return torch.where(ids < 0, vocab_size, ids)
 
 
@@ -412,19 +479,16 @@ def _apply_penalties(logits: torch.Tensor, penalties: _Penalties | None) -> torc
     return out
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
-    """Per row, the log-softmax of `logits` at the sampled token and at the top n; None for
-    rows that did not ask."""
-    per_row: list[TokenLogprobs | None] = [None] * batch.num_rows
+def _with_logprobs(sampled: SampledTokens, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+    """`sampled` with, for the rows that asked, the log-softmax of `logits` at the sampled token and at
+    the top n."""
     if batch.logprob_rows is None:
-        return per_row
+        return sampled
     lp = torch.log_softmax(logits[batch.logprob_rows], dim=-1)
-    picked = lp.gather(1, tokens[batch.logprob_rows].unsqueeze(1)).squeeze(1).tolist()
+    picked = lp.gather(1, sampled.token_ids[batch.logprob_rows].unsqueeze(1)).squeeze(1)
     top = lp.topk(min(max(batch.logprob_counts), lp.shape[1]), dim=-1)
-    top_ids, top_lps = top.indices.tolist(), top.values.tolist()
-    for k, (row, n) in enumerate(zip(batch.logprob_rows.tolist(), batch.logprob_counts)):
-        per_row[row] = TokenLogprobs(picked[k], top_ids[k][:n], top_lps[k][:n])
-    return per_row
+    return dataclasses.replace(sampled, logprob_row_ids=batch.logprob_row_ids, logprob_counts=batch.logprob_counts,
+                               picked=picked, top_ids=top.indices, top_logprobs=top.values)
 
 
 def _top_k(z: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
@@ -439,14 +503,16 @@ def _top_k(z: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
 def _top_p(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep, per row with p < 1, the most likely tokens until their probability reaches p (a
     token is kept when the tokens ranked above it hold less than p; ties with the last one kept
-    are kept too). Every row's nucleus usually lies in its top _TOP_P_FIRST_K tokens, which
-    saves sorting the whole vocabulary; when one does not, sort."""
+    are kept too). On the CPU, every row's nucleus usually lies in its top _TOP_P_FIRST_K tokens, which
+    saves sorting the whole vocabulary; when one does not, sort. Elsewhere sort at once: finding out
+    would wait for the device."""
     probs = z.softmax(dim=-1)
     p = p.unsqueeze(1)
     on = p < 1
-    top = probs.topk(min(_TOP_P_FIRST_K, z.shape[1]), dim=-1).values
-    mass = top.cumsum(dim=-1)
-    if not bool(((mass[:, -1:] >= p) | ~on).all()):
+    if z.device.type == "cpu":
+        top = probs.topk(min(_TOP_P_FIRST_K, z.shape[1]), dim=-1).values
+        mass = top.cumsum(dim=-1)
+    if z.device.type != "cpu" or not bool(((mass[:, -1:] >= p) | ~on).all()):
         top = probs.sort(dim=-1, descending=True).values
         mass = top.cumsum(dim=-1)
     kept = (mass - top) < p  # the tokens ranked above hold less than p

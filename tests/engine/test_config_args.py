@@ -22,7 +22,8 @@ ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory
                 "--state-checkpoint-interval", "--state-checkpoint-savings-weight",
                 "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",
                 "--distributed-startup-timeout-s", "--device", "--dtype", "--gpu-memory-utilization",
-                "--quantized-activations", "--quantized-max-rows", "--enforce-eager", "--cuda-graph-sizes"}
+                "--quantized-activations", "--quantized-max-rows", "--enforce-eager", "--cuda-graph-sizes",
+                "--async-scheduling"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",

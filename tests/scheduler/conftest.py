@@ -93,6 +93,7 @@ class Driver:
     tokens are all computed. Every step checks, besides `kv.check_integrity()`:
 
     - the token budget, max_num_seqs, the chunk cap, and no split prompt without chunked prefill;
+    - no step computes a request's last token (sampled, never fed back), nor anything past it;
     - no request both scheduled and preempted; victims hold nothing, are the lowest-priority
       latest-arrived running requests, and wait at the front (FCFS) or in key order (priority);
     - the worker's block tables, built only from whole tables of new requests and appended ids
@@ -101,9 +102,13 @@ class Driver:
     - C4: schedule() never adds to the prefix cache, and every cached block was written by a
       completed step of a request that was still running when its output came back;
     - finished requests hold nothing, and nothing is output after a request finished.
+
+    `ahead`: `run()` drives the scheduler as async scheduling does, each step scheduled before the
+    previous one's output is applied (the fake runner samples a step's tokens when it is applied).
     """
 
-    def __init__(self, config: KVCacheConfig, next_token: NextToken = content_token, **limits):
+    def __init__(self, config: KVCacheConfig, next_token: NextToken = content_token, *, ahead: bool = False,
+                 **limits):
         limits.setdefault("max_model_len", 64)
         self.kv = KVCacheManager(config)
         self.scheduler = Scheduler(SchedulerConfig(**limits), self.kv)
@@ -118,6 +123,9 @@ class Driver:
         self._keys: dict[str, tuple] = {}  # (priority,) arrival, order added: the victim has the largest
         self._num_added = 0
         self._chains: dict[Request, BlockHashChain] = {}  # an independent hash chain per request
+        self.ahead = ahead
+        self._sampling: dict[int, set[str]] = {}  # per SchedulerOutput (by id): the requests it samples
+        self._in_flight: SchedulerOutput | None = None  # ahead: scheduled, its output not yet applied
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -148,7 +156,10 @@ class Driver:
 
     def schedule(self) -> SchedulerOutput:
         cached_before = self.cached_hashes()
+        placeholders = {rid: r.num_output_placeholders for rid, r in self.scheduler.requests.items()}
         out = self.scheduler.schedule()
+        self._sampling[id(out)] = {rid for rid in out.num_scheduled_tokens
+                                   if self.scheduler.requests[rid].num_output_placeholders > placeholders[rid]}
         self.kv.check_integrity()
         assert self.kv.pending_is_empty(), "schedule() left zero or poison orders behind (C2)"
         assert self.cached_hashes() <= cached_before, "schedule() put blocks in the prefix cache (C4)"
@@ -160,14 +171,17 @@ class Driver:
     def update(self, out: SchedulerOutput) -> tuple[list[RequestOutput], SchedulerStats]:
         s = self.scheduler
         sampled = {}
-        for rid in out.num_scheduled_tokens:
+        sampling = self._sampling.pop(id(out))
+        starts = {d.request_id: d.num_computed_tokens for d in [*out.new_requests, *out.cached_requests]}
+        for rid, n in out.num_scheduled_tokens.items():
             request = s.requests.get(rid)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted since schedule(): its step's KV must be forgotten (C4)
-            chain = self._chains[request]
-            for bs in self.kv.config.block_sizes:
-                self.written.update(chain.get(bs, request.token_ids)[: request.num_computed_tokens // bs])
-            if request.num_computed_tokens == len(request.token_ids):
+            if request is None or request.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+                continue  # finished or aborted since schedule(): its step's KV must be forgotten (C4)
+            if request.status is RequestStatus.RUNNING:  # (a preempted one's blocks are gone)
+                chain = self._chains[request]
+                for bs in self.kv.config.block_sizes:
+                    self.written.update(chain.get(bs, request.token_ids)[: (starts[rid] + n) // bs])
+            if rid in sampling:
                 sampled[rid] = [self.next_token(request)]
         outputs, stats = s.update_from_output(out, ModelRunnerOutput(sampled))
         self.kv.check_integrity()
@@ -187,7 +201,14 @@ class Driver:
 
     def step(self) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
         out = self.schedule()
-        return (out, *self.update(out))
+        return (out, *self.apply(out))
+
+    def apply(self, out: SchedulerOutput) -> tuple[list[RequestOutput], SchedulerStats]:
+        """Apply `out`'s output; ahead, keep `out` in flight and apply the one before it (if any)."""
+        if not self.ahead:
+            return self.update(out)
+        previous, self._in_flight = self._in_flight, (None if out.is_empty else out)
+        return ([], self.scheduler.stats()) if previous is None else self.update(previous)
 
     def abort(self, rids: Iterable[str]) -> list[str]:
         ended = self.scheduler.abort(rids)
@@ -198,7 +219,7 @@ class Driver:
     def run(self, max_steps: int = 1000) -> int:
         """Step until nothing is left, then check the scheduler is idle (C2). Returns the steps taken."""
         steps = 0
-        while self.scheduler.has_pending_work():
+        while self.scheduler.has_pending_work() or self._in_flight is not None:
             assert steps < max_steps, f"not done after {max_steps} steps"
             self.step()
             steps += 1
@@ -220,7 +241,10 @@ class Driver:
             request = s.requests[rid]
             start = request.num_computed_tokens - n
             assert 1 <= n <= cfg.chunk_cap and start == starts[rid]
-            assert out.scheduled_token_ids[rid] == request.token_ids[start : start + n]
+            last = min(request.num_prompt_tokens + request.max_output_tokens, cfg.max_model_len) - 1
+            assert request.num_computed_tokens <= last, f"{rid}: a step computes past its last token"
+            known = request.token_ids[start : start + n]  # ahead, the last may be in flight: -1
+            assert out.scheduled_token_ids[rid] == known + [-1] * (n - len(known)) and (self.ahead or len(known) == n)
             if not cfg.enable_chunked_prefill:
                 assert request.num_computed_tokens == len(request.token_ids), f"{rid}: prompt split without chunking"
 

@@ -254,13 +254,15 @@ def test_preempted_request_frees_everything_and_is_recomputed(caching):
 # -- no livelock (C5) ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_many_long_requests_on_a_tiny_cache_all_finish(layout, policy, caching):
+def test_many_long_requests_on_a_tiny_cache_all_finish(layout, policy, caching, ahead):
     rng = random.Random(7)
     chunk = 8
-    d = Driver(tight_config(layout, 40, chunk, caching=caching), max_num_batched_tokens=chunk, policy=policy)
+    d = Driver(tight_config(layout, 40, chunk, caching=caching), max_num_batched_tokens=chunk, policy=policy,
+               ahead=ahead)
     total = 0
     shared = tokens(8, start=500)
     for i in range(12):
@@ -269,7 +271,7 @@ def test_many_long_requests_on_a_tiny_cache_all_finish(layout, policy, caching):
         max_tokens = rng.randrange(4, 41 - len(prompt))
         d.add(f"r{i}", prompt, priority=rng.randrange(3), max_tokens=max_tokens)
         total += len(prompt) + max_tokens
-    d.run(max_steps=total)  # the oldest running request computes at least one token every step
+    d.run(max_steps=total + 1)  # the oldest running request computes at least one token every step
     assert {rid: o.finish_reason for rid, o in d.finished.items()} == {f"r{i}": "length" for i in range(12)}
     assert d.num_preemptions > 0  # the case was adversarial
 
@@ -303,11 +305,16 @@ EOS, STOP = 7, 42
 
 
 def finish(script: list[int], **sampling):
-    """Run one request whose outputs follow `script`; return its tokens and final output."""
-    d = Driver(kv_config(), scripted({"r": script}))
-    d.add("r", tokens(5, start=100), eos=EOS, **sampling)
-    d.run()
-    return d.tokens["r"], d.finished["r"]
+    """Run one request whose outputs follow `script`; return its tokens and final output (which
+    async scheduling must not change: checked here)."""
+    results = []
+    for ahead in (False, True):
+        d = Driver(kv_config(), scripted({"r": script}), ahead=ahead)
+        d.add("r", tokens(5, start=100), eos=EOS, **sampling)
+        d.run()
+        results.append((d.tokens["r"], d.finished["r"]))
+    assert results[0] == results[1], "async scheduling changed the output"
+    return results[0]
 
 
 def test_max_tokens_ends_with_length():
@@ -343,8 +350,9 @@ def test_min_tokens_suppresses_eos_and_stop_tokens(min_tokens, expected, stop_re
     assert last.finish_reason == ("length" if len(expected) == 5 else "stop")
 
 
-def test_generation_ends_at_max_model_len():
-    d = Driver(kv_config(), max_model_len=16)
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
+def test_generation_ends_at_max_model_len(ahead):
+    d = Driver(kv_config(), max_model_len=16, ahead=ahead)
     request = d.add("r", tokens(10), max_tokens=None)
     d.run()
     assert len(d.tokens["r"]) == 6 and d.finished["r"].finish_reason == "length"
@@ -479,15 +487,18 @@ def test_stats_count_prefix_queries_and_hits_cumulatively():
 # -- everything at once ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_random_streams_keep_every_invariant(seed, layout, policy):
+def test_random_streams_keep_every_invariant(seed, layout, policy, ahead):
     """Arrivals with shared prefixes and salts, priorities, aborts of requests in any state (between
-    schedule() and update), and a cache small enough to force preemption and eviction."""
+    schedule() and update), and a cache small enough to force preemption and eviction; ahead, each
+    step scheduled before the previous one's output is applied, as async scheduling does."""
     rng = random.Random(seed)
     d = Driver(kv_config(layout, num_blocks=14, num_slots=5, caching=seed != 2), max_num_seqs=6,
-               max_num_batched_tokens=12, max_prefill_chunk=rng.choice([None, 5]), max_model_len=48, policy=policy)
+               max_num_batched_tokens=12, max_prefill_chunk=rng.choice([None, 5]), max_model_len=48, policy=policy,
+               ahead=ahead)
     prefixes = [tokens(rng.randrange(4, 17), start=100 * k) for k in range(3)]
     aborted, added = set(), {}
     for _ in range(400):
@@ -500,7 +511,7 @@ def test_random_streams_keep_every_invariant(seed, layout, policy):
         if rng.random() < 0.05 and d.scheduler.requests:
             victim = rng.choice(sorted(d.scheduler.requests))
             aborted.update(d.abort([victim]))
-        d.update(out)
+        d.apply(out)
         if len(added) == 40 and not d.scheduler.has_pending_work():
             break
     d.run()

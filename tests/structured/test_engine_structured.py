@@ -1,7 +1,7 @@
 """Structured outputs through the offline API on the bundled SmolLM2 (greedy): a batch mixing
 JSON-schema, regex, choice and grammar rows with unconstrained ones; the constrained outputs
 obey their grammar and end with EOS ("stop"); the unconstrained rows get exactly the tokens they
-get alone; preemption (recompute) gives the same outputs; abort and finish leave nothing behind;
+get alone; preemption (recompute) and async scheduling give the same outputs; abort and finish leave nothing behind;
 min_tokens yields to the grammar; a bad schema is refused and the engine goes on."""
 
 from __future__ import annotations
@@ -101,6 +101,16 @@ def test_preemption_recomputes_to_the_same_outputs(loaded, mixed):
     assert [o.outputs[0].token_ids for o in outs] == [out.token_ids for out in mixed]
     scheduler.assert_idle()
     assert small.engine.core.runner.batch.requests == {}
+
+
+def test_async_scheduling_gives_the_same_outputs(loaded, mixed):
+    """A grammar row's next bitmask needs its previous token, so the launch waits for it; a row that
+    EOS ends computes one more token in the step already launched, which is dropped."""
+    ahead = LLM(loaded, max_model_len=512, check_integrity=True, async_scheduling=True)
+    outs = ahead.chat(conversations(), [params(s) for _, s in CASES], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [out.token_ids for out in mixed]
+    ahead.engine.core.scheduler.assert_idle()
+    assert ahead.engine.core.runner.batch.requests == {}
 
 
 def test_min_tokens_yields_to_the_grammar(llm):
