@@ -13,9 +13,10 @@ short text report under --results:
                   the kernels' own comparison (throughput's short contexts leave attention a small share)
     throughput    decode tok/s of a ~1B Llama-shaped random model at batch 1/16/64/256 vs transformers
                   `generate` (static batch) in the same run and vs the HBM bound (weight bytes per step
-                  / measured device copy bandwidth), flex and triton with CUDA graphs for decode, then
-                  every backend without: the measurement that picks the GPU's attention backend; and
-                  per variant the median step split into the host's work and its wait for the device
+                  / measured device copy bandwidth), flex and triton with CUDA graphs for decode (one step
+                  at a time, and with async scheduling), then every backend without: the measurement that
+                  picks the GPU's attention backend and whether async scheduling becomes CUDA's default;
+                  and per variant the median step split into the host's work and its wait for the device
 
 On CUDA each backend's sections run in a process of their own, after one that measures
 throughput's baseline (the model, the HBM bound, transformers): a CUDA fault (an illegal address, a
@@ -68,7 +69,7 @@ from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_dev
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
 from blockserve.attention.triton_paged import interpreting as triton_interpreting  # noqa: E402
 from blockserve.engine.config import EngineConfig  # noqa: E402
-from blockserve.worker.sampler import Sampler  # noqa: E402
+from blockserve.worker.sampler import SampledTokens  # noqa: E402
 from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS, save_random_hybrid, save_random_model  # noqa: E402
 from tests.paged_harness import assert_greedy_parity, reference_outputs  # noqa: E402
 
@@ -664,13 +665,15 @@ def fastest(rows: dict) -> dict:
 
 def engine_variants(device: str, smoke: bool, batches: list[int], names=None) -> dict[str, dict]:
     """label -> engine options of the throughput runs: on CUDA each backend that captures decode steps
-    with CUDA graphs (at the measured batch sizes) first, then each backend eager (exact's decode
-    cannot be captured)."""
+    with CUDA graphs (at the measured batch sizes) first, one step at a time and with async scheduling,
+    then each backend eager (exact's decode cannot be captured)."""
     variants = {}
     if device != "cpu":
         for backend in backends(device, smoke, names):
             if BACKENDS[backend].captures_decode:
-                variants[f"{backend}_cuda_graphs"] = dict(attention_backend=backend, cuda_graph_sizes=tuple(batches))
+                graphs = dict(attention_backend=backend, cuda_graph_sizes=tuple(batches))
+                variants[f"{backend}_cuda_graphs"] = graphs
+                variants[f"{backend}_cuda_graphs_async"] = dict(graphs, async_scheduling=True)
     for backend in backends(device, smoke, names):
         variants[backend if device == "cpu" else f"{backend}_eager"] = dict(attention_backend=backend,
                                                                           enforce_eager=device != "cpu")
@@ -702,24 +705,26 @@ def _engine_rates(rows, model_dir, device, dtype, label, options, batches, promp
 
 
 class StepSplit:
-    """Times each engine step whole and the host's wait for the device in it: a synchronize just
-    before the sampler, whose read of the tokens would wait there anyway (patched on the Sampler
-    class while in the block). A step's host work is the rest, the floor under its time however fast
-    the device: where it is above the HBM bound's step, the host, not the kernels, holds throughput
-    back (then overlapping it with the device is next)."""
+    """Times each engine step whole and the host's wait for the device in it: the read of a step's
+    samples (SampledTokens.host, patched on the class while in the block), which waits for the device
+    to finish that step. A step's host work is the rest, the floor under its time however fast the
+    device: where it is above the HBM bound's step, the host, not the kernels, holds throughput back.
+    One step at a time the host waits for the step it just launched; with async scheduling for the one
+    before, while the new one runs, so there the wait is only what the host's work did not cover."""
 
     def __init__(self, llm: LLM):
         self.engine = llm.engine
         self.steps: list[tuple[float, float]] = []  # (step seconds, of which waiting for the device)
 
     def __enter__(self) -> StepSplit:
-        sample, step, wait = Sampler.__call__, self.engine.step, [0.0]
+        host, step, wait = SampledTokens.host, self.engine.step, [0.0]
 
-        def waiting_sample(sampler, *args):
+        def waiting_host(samples):
             began = time.perf_counter()
-            _sync()
+            if samples.ready is not None:
+                samples.ready.synchronize()
             wait[0] += time.perf_counter() - began
-            return sample(sampler, *args)
+            return host(samples)
 
         def timed_step():
             wait[0], began = 0.0, time.perf_counter()
@@ -727,11 +732,11 @@ class StepSplit:
             self.steps.append((time.perf_counter() - began, wait[0]))
             return outputs
 
-        Sampler.__call__, self.engine.step, self._sample = waiting_sample, timed_step, sample
+        SampledTokens.host, self.engine.step, self._host = waiting_host, timed_step, host
         return self
 
     def __exit__(self, *exc) -> None:
-        Sampler.__call__ = self._sample
+        SampledTokens.host = self._host
         del self.engine.step  # the instance attribute; the method shows through again
 
     def medians(self) -> dict[str, float]:

@@ -12,6 +12,7 @@ running the model's forward eagerly (`capture_decode_graphs`, worker/cuda_graphs
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ class ModelRunner:
         requests = [self.batch.requests[rid] for rid in inputs.sample_ids]
         samples = sampled_ids = None
         if logits is not None:
-            if self.last is not None and any(_reads_output_ids(request) for request in requests):
+            if self.last is not None and not self.last.read and any(map(_reads_output_ids, requests)):
                 self.last.result()  # penalties and grammars read the output tokens so far
             rows = [request.sampling_row or self._sampling_row(rid, request)
                     for rid, request in zip(inputs.sample_ids, requests)]
@@ -136,13 +137,16 @@ class ModelRunner:
 
     def _in_flight_inputs(self, inputs: StepInputs) -> Callable[[torch.Tensor], None] | None:
         """What writes the step's in-flight input ids (-1 on the host) into its input ids on the device,
-        from the last launched step's samples; None when every input id is known."""
+        from the last launched step's samples; None when every input id is known (always, unless the last
+        step's result is still to be read: one step at a time it was read before this step was scheduled)."""
+        last = self.last
+        if last is None or last.read:
+            return None
         num_decodes = inputs.layout.num_decodes
         holes = (inputs.input_ids[:num_decodes] < 0).nonzero().flatten().tolist()
         if not holes:
             return None
-        last = self.last
-        where = {} if last is None or last.sampled_ids is None else last.row_of
+        where = {} if last.sampled_ids is None else last.row_of
         missing = [inputs.request_ids[i] for i in holes if inputs.request_ids[i] not in where]
         if missing:
             raise RuntimeError(f"requests {missing} have an input in flight, but the last step did not sample them")
@@ -187,10 +191,19 @@ class LaunchedStep:
         self.samples = samples  # on their way to the host; None on a tensor-parallel rank > 0
         self.sampled_ids = sampled_ids  # [len(sample_ids)] on the device: the next step's in-flight inputs
         self.prompt_logprobs = prompt_logprobs
-        self.row_of = {rid: i for i, rid in enumerate(sample_ids)}  # a request's row in the samples
         # Where each sampled request's token goes: the -1 launch appended for it.
         self.slots = [len(request.output_token_ids) - 1 for request in requests]
         self._output: ModelRunnerOutput | None = None
+
+    @functools.cached_property
+    def row_of(self) -> dict[str, int]:
+        """Each sampled request's row in the samples."""
+        return {rid: i for i, rid in enumerate(self.sample_ids)}
+
+    @property
+    def read(self) -> bool:
+        """Whether result() has been called."""
+        return self._output is not None
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> LaunchedStep:

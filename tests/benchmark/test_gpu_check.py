@@ -111,11 +111,14 @@ def test_triton_parity_grid_on_the_cpu():
     run_parity_grid(load_gpu_check(), ("triton",))
 
 
-def test_the_gpu_runs_measure_flex_and_triton_with_and_without_cuda_graphs(monkeypatch):
+def test_the_gpu_runs_measure_flex_and_triton_with_and_without_cuda_graphs_and_async(monkeypatch):
     gpu_check = load_gpu_check()
     assert gpu_check.engine_variants("cuda", False, [1, 16]) == {
         "flex_cuda_graphs": {"attention_backend": "flex", "cuda_graph_sizes": (1, 16)},
+        "flex_cuda_graphs_async": {"attention_backend": "flex", "cuda_graph_sizes": (1, 16), "async_scheduling": True},
         "triton_cuda_graphs": {"attention_backend": "triton", "cuda_graph_sizes": (1, 16)},
+        "triton_cuda_graphs_async": {"attention_backend": "triton", "cuda_graph_sizes": (1, 16),
+                                     "async_scheduling": True},
         "exact_eager": {"attention_backend": "exact", "enforce_eager": True},
         "flex_eager": {"attention_backend": "flex", "enforce_eager": True},
         "triton_eager": {"attention_backend": "triton", "enforce_eager": True}}

@@ -206,6 +206,25 @@ def test_llama_on_cuda_matches_cpu(llama, backend):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): async scheduling on the GPU")
+@pytest.mark.parametrize("backend", ["exact", "flex", "triton"])
+def test_async_scheduling_on_cuda_matches_one_step_at_a_time(llama, backend):
+    """The next step launched before the last one's tokens are back (their ids filled in on the
+    device, CUDA graphs replayed where the backend captures them) gives the tokens of one step at a time."""
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=NEW_TOKENS, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=NEW_TOKENS, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=2)]
+    outs = []
+    for ahead in (False, True):
+        with LLM(model=str(llama[0]), device="cuda", dtype="float32", max_model_len=64, max_num_batched_tokens=16,
+                 attention_backend=backend, kv_cache_memory="64MiB", async_scheduling=ahead,
+                 check_integrity=True) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)])
+            llm.engine.core.scheduler.assert_idle()
+    assert outs[0] == outs[1]
+
+
 def test_weights_are_assembled_on_the_placement_in_its_dtype(llama, monkeypatch):
     """A bf16 model is never assembled from float32 host copies: each checkpoint tensor (float32
     here) is converted as it is read, so fused q|k|v and gate|up pieces are already bf16."""

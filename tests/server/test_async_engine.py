@@ -62,11 +62,12 @@ class Recorder:
         self.rejected.append(reason)
 
 
-def run(model, body, observer=None):
-    """Run `body(async_engine)` on a fresh engine's loop; always shut the engine down."""
+def run(model, body, observer=None, **options):
+    """Run `body(async_engine)` on a fresh engine's loop (EngineConfig `options` added to ARGS); always
+    shut the engine down."""
 
     async def main():
-        config = EngineConfig(model=model.source, **ARGS)
+        config = EngineConfig(model=model.source, **ARGS, **options)
         engine = AsyncEngine(LLMEngine(config, EngineCore(config, model)), observer)
         engine.start()
         try:
@@ -95,13 +96,15 @@ async def assert_idle(engine):
     await engine.call(engine.engine.core.scheduler.assert_idle)
 
 
-def test_concurrent_streams_equal_offline(model, expected):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
+def test_concurrent_streams_equal_offline(model, expected, async_scheduling):
     async def body(engine):
         streams = [await engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
         outputs = await asyncio.gather(*(final(s) for s in streams))
+        await assert_idle(engine)
         return [o.outputs[0].token_ids for o in outputs], [o.finished for o in outputs]
 
-    tokens, finished = run(model, body)
+    tokens, finished = run(model, body, async_scheduling=async_scheduling)
     assert tokens == expected and all(finished)
 
 
@@ -137,7 +140,8 @@ async def nothing_left(engine) -> bool:
     return stats.num_running == stats.num_waiting == 0 and stats.kv_usage == [0.0]
 
 
-def test_close_aborts_and_frees_blocks_before_the_next_step(model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
+def test_close_aborts_and_frees_blocks_before_the_next_step(model, async_scheduling):
     recorder = Recorder()
 
     async def body(engine):
@@ -155,7 +159,7 @@ def test_close_aborts_and_frees_blocks_before_the_next_step(model):
         assert await engine.reset_prefix_cache() == (True, "")
         await assert_idle(engine)
 
-    run(model, body, recorder)
+    run(model, body, recorder, async_scheduling=async_scheduling)
 
 
 def test_a_failed_step_fails_every_stream_and_later_requests(model):
