@@ -326,6 +326,9 @@ class Sampler:
     def __init__(self, *, device: torch.device | str, seed: int | None = None):
         self.device = _canonical(device)
         self.native = fused_ops() if self.device.type == "cpu" else None  # its argmax_rows, where built
+        # On the CPU reading a value back costs nothing; elsewhere it waits for the device, so only a
+        # constrained row's min_tokens check does (async scheduling overlaps the host with the device).
+        self.reads_back = self.device.type == "cpu"
         self.generator = torch.Generator(device=self.device)
         if seed is None:
             self.generator.seed()
@@ -383,7 +386,7 @@ class Sampler:
         if batch.top_k is not None:
             z = _top_k(z, batch.top_k, batch.max_top_k)
         if batch.top_p is not None:
-            z = _top_p(z, batch.top_p)
+            z = _top_p(z, batch.top_p, self.reads_back)
         if batch.min_p is not None:
             z = _min_p(z, batch.min_p)
         return _inverse_cdf(z, uniforms)
@@ -500,19 +503,19 @@ def _top_k(z: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
     return z.masked_fill_(z < threshold, float("-inf"))
 
 
-def _top_p(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _top_p(z: torch.Tensor, p: torch.Tensor, reads_back: bool = True) -> torch.Tensor:
     """Keep, per row with p < 1, the most likely tokens until their probability reaches p (a
     token is kept when the tokens ranked above it hold less than p; ties with the last one kept
-    are kept too). On the CPU, every row's nucleus usually lies in its top _TOP_P_FIRST_K tokens, which
-    saves sorting the whole vocabulary; when one does not, sort. Elsewhere sort at once: finding out
-    would wait for the device."""
+    are kept too). Every row's nucleus usually lies in its top _TOP_P_FIRST_K tokens, which saves
+    sorting the whole vocabulary; when one does not, sort. Finding out reads a value back, so without
+    `reads_back` (off the CPU) sort at once."""
     probs = z.softmax(dim=-1)
     p = p.unsqueeze(1)
     on = p < 1
-    if z.device.type == "cpu":
+    if reads_back:
         top = probs.topk(min(_TOP_P_FIRST_K, z.shape[1]), dim=-1).values
         mass = top.cumsum(dim=-1)
-    if z.device.type != "cpu" or not bool(((mass[:, -1:] >= p) | ~on).all()):
+    if not reads_back or not bool(((mass[:, -1:] >= p) | ~on).all()):
         top = probs.sort(dim=-1, descending=True).values
         mass = top.cumsum(dim=-1)
     kept = (mass - top) < p  # the tokens ranked above hold less than p

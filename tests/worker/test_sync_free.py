@@ -3,7 +3,8 @@
 until the GPU drains. Proven on the CPU: whole engine steps (batched prefill, prefix hits, chunked
 prefill, decodes) with those methods patched to raise inside the model's forward only, for a
 dense Llama, DeepSeek-V3 (MLA + MoE, the grouped expert route) and Kimi Linear (KDA + MLA + MoE).
-A companion test shows the guard fires on the CPU's expert loop, which does read ids back."""
+A companion test shows the guard fires on the CPU's expert loop, which does read ids back. The
+sampler too reads nothing back where that would wait (async scheduling's premise)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.models.moe import Experts
+from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -33,7 +35,7 @@ def host_reads_raise():
 
     def raiser(name):
         def read(self, *args, **kwargs):
-            raise HostRead(f"Tensor.{name} called inside the model forward (a host sync on a GPU)")
+            raise HostRead(f"Tensor.{name} called where nothing may be read back (a host sync on a GPU)")
         return read
 
     try:
@@ -118,3 +120,31 @@ def test_cpu_expert_loop_reads_the_host():
         module.route = "loop"
         with pytest.raises(HostRead):
             module(x, weights, ids)
+
+
+def test_the_sampler_reads_nothing_back_where_that_waits():
+    """Off the CPU the sampler queues its work without reading a value back (async scheduling then
+    overlaps the next step's host work with the device): proven on the CPU with the native kernels
+    off and `reads_back` off, every filter, penalty, bias, seed, min_tokens and logprobs in one batch
+    (a constrained row's min_tokens check is the documented exception). The tokens equal the CPU's."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, VOCAB, generator=gen) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=1.0, seed=4, top_p=0.5), SamplingParams(temperature=0, logprobs=3),
+              SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                             logit_bias={5: 2.0}),
+              SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[7])]
+    rows = [SamplingRow(p, [1, 2, 3], [4, 7], make_generator(p.seed, "cpu") if p.seed is not None else None, 9)
+            for p in params]
+    want = Sampler(device="cpu", seed=0)(logits, SamplingBatch.build(rows, "cpu"))
+    rows = [SamplingRow(p, [1, 2, 3], [4, 7], make_generator(p.seed, "cpu") if p.seed is not None else None, 9)
+            for p in params]
+    sampler = Sampler(device="cpu", seed=0)
+    sampler.native, sampler.reads_back = None, False
+    batch = SamplingBatch.build(rows, "cpu")
+    with host_reads_raise():
+        samples = sampler.sample(logits, batch)
+    got = samples.host()
+    assert got.token_ids[0] == want.token_ids[0] == int(logits[0].argmax())
+    assert got.token_ids[3:] == want.token_ids[3:]  # greedy rows: the same whichever kernels
+    assert got.logprobs[3].top_ids == want.logprobs[3].top_ids
