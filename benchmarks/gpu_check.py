@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true", help="everything in this process (the CPU's default)")
     parser.add_argument("--baseline", help=argparse.SUPPRESS)  # a part's: the baseline another process measured
     parser.add_argument("--baseline-only", help=argparse.SUPPRESS)  # a part's: measure the baseline into this folder
+    parser.add_argument("--references", type=Path, help=argparse.SUPPRESS)  # a part's: the parts' shared references
     args = parser.parse_args()
     dtype = _dtype(args.device)
     if args.baseline_only:
@@ -137,7 +139,7 @@ def main() -> None:
                               args.families, out / "parts.log")
     else:
         report = run(args.device, args.smoke, args.budget_s, write, args.sections, args.backends, args.families,
-                     args.baseline)
+                     args.baseline, args.references)
     print(summary(report))
     sys.exit(0 if report["ok"] else 1)
 
@@ -159,17 +161,18 @@ def _header(device: str, smoke: bool) -> dict:
 
 
 def run(device: str, smoke: bool, budget_s: float, write=lambda report: None, only=SECTIONS, names=None,
-        families=None, baseline_dir=None) -> dict:
+        families=None, baseline_dir=None, references: Path | None = None) -> dict:
     """The check's sections in `only` (default all; a rerun after a fix may take fewer), over the attention
     backends in `names` (default GPU_BACKENDS) and the parity families in `families` (default all), in
     this process: every section's results, and `ok` (parity and poison passed where run); `write` gets
-    the report so far after each section. `baseline_dir`: throughput's baseline, measured elsewhere."""
+    the report so far after each section. `baseline_dir`: throughput's baseline, measured elsewhere;
+    `references`: the parity references' folder, shared with other processes."""
     start = time.perf_counter()
     dtype = _dtype(device)
     report = _header(device, smoke)
     parity_until = start + PARITY_SHARE * budget_s  # parity's runs stop there; poison and throughput follow
-    sections = [("poison", lambda: poison(device, dtype, smoke, names)),
-                ("parity", lambda: parity(device, dtype, smoke, parity_until, names, families)),
+    sections = [("poison", lambda: poison(device, dtype, smoke, names, references)),
+                ("parity", lambda: parity(device, dtype, smoke, parity_until, names, families, references)),
                 ("attention", lambda: attention_kernels(device, dtype, smoke,
                                                         parity_until + ATTENTION_SHARE * budget_s, names)),
                 ("throughput", lambda: throughput(device, dtype, smoke, start + budget_s, names, baseline_dir))]
@@ -201,7 +204,8 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
     not cost the others' results (the first H200 run lost everything after flex's). The throughput
     baseline goes first, then each backend's sections, each part given the budget left in proportion to
     its sections. A part that dies or overruns keeps what it wrote and is named under its sections'
-    `failed_units`; every part's exit is in `units`, and the end of its output goes to `logs`."""
+    `failed_units`; every part's exit is in `units`, and the end of its output goes to `logs`. The parts
+    share the parity references: transformers' outputs are computed once."""
     start = time.perf_counter()
     report = {**_header(device, smoke), "units": {}}
     main_names = backends(device, smoke, names)
@@ -209,6 +213,7 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         baseline = work / "baseline"
+        (work / "references").mkdir()
         if "throughput" in only:
             report["units"]["baseline"] = _part(device, smoke, ["--baseline-only", str(baseline), "--budget-s",
                                                                 str(budget_s / 4)], budget_s / 4 + UNIT_GRACE_S,
@@ -230,7 +235,7 @@ def run_isolated(device: str, smoke: bool, budget_s: float, write=lambda report:
                     report.setdefault(name, {}).setdefault("skipped", []).append(f"{backend} (no time left)")
                 continue
             args = ["--budget-s", f"{share:.1f}", "--sections", ",".join(sections), "--backends", backend,
-                    "--results", str(work / backend), "--in-process"]
+                    "--results", str(work / backend), "--in-process", "--references", str(work / "references")]
             args += ["--families", ",".join(families)] if families else []
             args += ["--baseline", str(baseline)] if "throughput" in sections else []
             grace = UNIT_GRACE_S if i < len(plan) - 1 else UNIT_GRACE_S / 3  # the last ends inside the wrapper's stop
@@ -366,16 +371,29 @@ class Reference:
 
     @staticmethod
     def build(family: str, path: Path, device: str, dtype: torch.dtype, batch: list[list[int]],
-              new_tokens: int) -> Reference:
+              new_tokens: int, cache: Path | None = None) -> Reference:
+        """The family's model saved to `path` and judged on `batch`; with `cache`, a folder the parts of an
+        isolated run share, the outputs and regret another part computed for these very weights (their
+        digest is in the key), or computed here and left there for the next."""
         model = save_family(family, path, device)
+        key = hashlib.sha256(repr((str(device), str(dtype), batch, new_tokens)).encode())
+        for weight in model.state_dict().values():
+            key.update(weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        cached = None if cache is None else cache / f"{family}-{key.hexdigest()[:16]}.pt"
+        if cached is not None and cached.exists():
+            saved = torch.load(cached)
+            return Reference(model, batch, saved["outputs"], saved["low_precision_regret"])
         outputs = reference_outputs(_on_device(model, device), batch, new_tokens)
-        if dtype == torch.float32:
-            return Reference(model, batch, outputs)
-        low = copy.deepcopy(model).to(dtype)
-        low_tokens = [tokens for tokens, _ in reference_outputs(_on_device(low, device), batch, new_tokens)]
-        del low
         reference = Reference(model, batch, outputs)
-        reference.low_precision_regret = reference.mean_regret(low_tokens)
+        if dtype != torch.float32:
+            low = copy.deepcopy(model).to(dtype)
+            low_tokens = [tokens for tokens, _ in reference_outputs(_on_device(low, device), batch, new_tokens)]
+            del low
+            reference.low_precision_regret = reference.mean_regret(low_tokens)
+        if cached is not None:
+            partial = cached.with_suffix(".partial")
+            torch.save({"outputs": outputs, "low_precision_regret": reference.low_precision_regret}, partial)
+            partial.replace(cached)  # whole or absent, should the part die here
         return reference
 
     @torch.no_grad()
@@ -448,19 +466,20 @@ def judge(got: list[list[int]], reference: Reference) -> dict:
             "transformers_low_precision_regret": round(reference.low_precision_regret, 4)}
 
 
-def parity(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None, families=None) -> dict:
+def parity(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None, families=None,
+           references: Path | None = None) -> dict:
     """Greedy parity per family, backend and scenario, scenario by scenario (so a short budget still
     covers every family and backend once); runs not started by `until` (perf_counter) are listed as
-    skipped."""
+    skipped. `references`: a folder of references shared between processes (Reference.build)."""
     batch, new_tokens = prompts(8), 10 if smoke else 12
     families = ["gemma3"] if smoke else list(families or FAMILIES)  # smoke: the sliding + full model
     scenarios = ["prefix-caching", "preemption"] if smoke else list(SCENARIOS)
     results, skipped = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        references = {family: Reference.build(family, Path(tmp) / family, device, dtype, batch, new_tokens)
-                      for family in families}
+        judged = {family: Reference.build(family, Path(tmp) / family, device, dtype, batch, new_tokens, references)
+                  for family in families}
         for scenario in scenarios:
-            for family, reference in references.items():
+            for family, reference in judged.items():
                 path = Path(tmp) / family
                 for backend in backends(device, smoke, names):
                     key = f"{family}/{backend}/{scenario}"
@@ -512,13 +531,14 @@ def poison_backends(device: str, smoke: bool, names=None) -> list[str]:
     return ["exact", "whole_block"] if smoke else backends(device, False, sorted(names or BACKENDS))
 
 
-def poison(device: str, dtype: torch.dtype, smoke: bool, names=None) -> dict:
-    """C1 per backend on tiny Gemma 3 (sliding + full groups): see the module docstring."""
+def poison(device: str, dtype: torch.dtype, smoke: bool, names=None, references: Path | None = None) -> dict:
+    """C1 per backend on tiny Gemma 3 (sliding + full groups): see the module docstring. `references`: as
+    parity's."""
     batch, new_tokens = prompts(8), 10
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gemma3"
-        reference = Reference.build("gemma3", path, device, dtype, batch, new_tokens)
+        reference = Reference.build("gemma3", path, device, dtype, batch, new_tokens, references)
         for backend in poison_backends(device, smoke, names):
             small = dict(max_num_batched_tokens=32, max_model_len=96, enable_prefix_caching=True,
                          attention_backend=backend, poison=True)

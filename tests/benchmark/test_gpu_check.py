@@ -162,6 +162,23 @@ def test_isolated_parts_give_the_in_process_report():
     assert "parts (exit code, seconds): baseline 0" in gpu_check.summary(report)
 
 
+def test_the_parts_share_the_parity_references(tmp_path, monkeypatch):
+    """transformers' reference outputs (and in bfloat16 its own regret) are computed by the first part
+    that needs them and read back by the next, for the same weights, prompts and length only."""
+    gpu_check = load_gpu_check()
+    calls, reference_outputs = [], gpu_check.reference_outputs
+    monkeypatch.setattr(gpu_check, "reference_outputs", lambda *args: calls.append(args) or reference_outputs(*args))
+    batch = gpu_check.prompts(2)
+    first = gpu_check.Reference.build("gemma3", tmp_path / "a", "cpu", torch.bfloat16, batch, 3, tmp_path)
+    assert len(calls) == 2  # float32, then bfloat16 for its regret
+    again = gpu_check.Reference.build("gemma3", tmp_path / "b", "cpu", torch.bfloat16, batch, 3, tmp_path)
+    assert len(calls) == 2 and again.low_precision_regret == first.low_precision_regret is not None
+    assert [(t, [lp.tolist() for lp in lps]) for t, lps in again.outputs] == \
+        [(t, [lp.tolist() for lp in lps]) for t, lps in first.outputs]
+    gpu_check.Reference.build("gemma3", tmp_path / "c", "cpu", torch.bfloat16, batch, 4, tmp_path)
+    assert len(calls) == 4  # another length: computed anew
+
+
 def test_a_part_that_dies_is_named_and_fails_the_check(tmp_path):
     """A part stopped at its deadline (as one hung by a fault would be) leaves its sections unfinished:
     they are named under failed_units with the exit and the log's tail, and the check fails."""
