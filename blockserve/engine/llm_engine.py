@@ -139,13 +139,12 @@ class LLMEngine:
             raise
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """`params` checked against this model (logit_bias ids in the vocabulary) with its
+        """`params` checked against this model (logit_bias and stop token ids in the vocabulary) with its
         structured_outputs grammar compiled (a no-op when it is already). InvalidRequest naming
         what is wrong. Thread-safe, so a server can compile off the engine thread first."""
-        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
-                                 param="logit_bias")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if t >= self.vocab_size]:
+                raise InvalidRequest(f"{name} token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=name)
         spec = params.structured_outputs
         if spec is None or spec.compiled is not None:
             return params

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from blockserve.attention.context import LayerCache, MLACache, StateCache
+from blockserve.attention.metadata import to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import LinearStateSpec, MLASpec
 
@@ -75,7 +76,7 @@ class KVCacheTensors:
         if 0 in dst:
             raise ValueError(f"group {group_id}: the null slot must never be written")
         device = self.tensors[group_id][0].device
-        src, dst = (torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True) for ids in (src, dst))
+        src, dst = to_device((torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)), device)
         for tensor in self.tensors[group_id]:
             tensor[:, dst] = tensor[:, src]
 
@@ -86,7 +87,7 @@ class KVCacheTensors:
         if 0 in block_ids:
             raise ValueError(f"group {group_id}: the null block must never be zeroed or poisoned")
         tensors = self.tensors[group_id]
-        index = torch.tensor(block_ids, dtype=torch.int64).to(tensors[0].device, non_blocking=True)
+        index = to_device(torch.tensor(block_ids, dtype=torch.int64), tensors[0].device)
         for tensor in tensors:
             tensor.index_fill_(self.block_dims[group_id], index, value)
 

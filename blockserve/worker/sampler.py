@@ -132,7 +132,10 @@ class SamplingBatch:
     logprob_rows: torch.Tensor | None  # [R] rows that asked for logprobs; None when none did
     logprob_counts: tuple[int, ...]  # [R] their params.logprobs (top n)
     logprob_row_ids: tuple[int, ...]  # [R] logprob_rows on the host (reading the tensor would wait for the device)
-    blocked: tuple[tuple[int, tuple[int, ...]], ...]  # (row, token ids masked out this step)
+    # Token ids masked out this step (min_tokens): (rows, ids) pairs of the unconstrained rows as tensors,
+    # and per constrained row (row, ids), whose grammar may allow nothing else (then it wins).
+    blocked_index: tuple[torch.Tensor, torch.Tensor] | None
+    blocked: tuple[tuple[int, tuple[int, ...]], ...]
     grammars: tuple[tuple[int, TokenConstraint], ...] = ()  # (row, its grammar): constrained rows only
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
     # The largest token id logit_bias names, and the penalised rows' tokens (-1: none), checked against
@@ -183,7 +186,8 @@ class SamplingBatch:
             logprob_rows=torch.tensor(logprob_rows, dtype=torch.long) if logprob_rows else None,
             logprob_counts=tuple(rows[i].params.logprobs for i in logprob_rows),
             logprob_row_ids=tuple(logprob_rows),
-            blocked=tuple((i, ids) for i in special if (ids := rows[i].blocked_ids())),
+            blocked_index=_build_blocked_index(rows, special),
+            blocked=tuple((i, ids) for i in special if rows[i].grammar is not None and (ids := rows[i].blocked_ids())),
             grammars=tuple((i, rows[i].grammar) for i in special if rows[i].grammar is not None),
             logit_bias=_build_logit_bias(rows, special),
             max_bias_token=max((t for i in special for t, _ in rows[i].params.logit_bias), default=-1),
@@ -204,7 +208,7 @@ class SamplingBatch:
 
 
 _TENSOR_FIELDS = ("sampled_rows", "temperature", "top_k", "top_p", "min_p", "unseeded", "penalties", "logprob_rows",
-                  "logit_bias")
+                  "logit_bias", "blocked_index")
 
 
 def _canonical(device: torch.device | str) -> torch.device:
@@ -221,6 +225,15 @@ def _build_logit_bias(rows: Sequence[SamplingRow], special: list[int]):
     rows_, tokens, biases = zip(*pairs)
     return (torch.tensor(rows_, dtype=torch.long), torch.tensor(tokens, dtype=torch.long),
             torch.tensor(biases, dtype=torch.float32))
+
+
+def _build_blocked_index(rows: Sequence[SamplingRow], special: list[int]):
+    """(rows, token ids) of the unconstrained rows' blocked tokens (SamplingRow.blocked_ids); None: none."""
+    pairs = [(i, token) for i in special if rows[i].grammar is None for token in rows[i].blocked_ids()]
+    if not pairs:
+        return None
+    rows_, tokens = zip(*pairs)
+    return torch.tensor(rows_, dtype=torch.long), torch.tensor(tokens, dtype=torch.long)
 
 
 def _max_penalty_token(rows: Sequence[SamplingRow], special: list[int]) -> int:
@@ -360,13 +373,14 @@ class Sampler:
                 rows, tokens, biases = batch.logit_bias
                 logits.index_put_((rows, tokens), biases, accumulate=True)
         logits = _apply_penalties(logits, batch.penalties)
-        if batch.blocked:
+        if batch.blocked or batch.blocked_index is not None:
             logits = logits.clone() if batch.penalties is None and not owned else logits
-            constrained = {row for row, _ in batch.grammars}
-            for row, ids in batch.blocked:
-                kept = logits[row, list(ids)].clone() if row in constrained else None
+            if batch.blocked_index is not None:
+                logits[batch.blocked_index] = float("-inf")
+            for row, ids in batch.blocked:  # constrained rows
+                kept = logits[row, list(ids)].clone()
                 logits[row, list(ids)] = float("-inf")
-                if kept is not None and bool(torch.isneginf(logits[row]).all()):
+                if bool(torch.isneginf(logits[row]).all()):
                     logits[row, list(ids)] = kept  # the grammar allows only these: the grammar wins
         if batch.num_sampled == batch.num_rows:
             tokens = self._sample(logits, batch)

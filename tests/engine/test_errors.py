@@ -29,6 +29,8 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm):
         llm.generate("a text prompt", good, use_tqdm=False)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"stop_token_ids token ids must be in \[0, 512\); got \[600\]"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[5, 600], min_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
         llm.generate([[1], [2]], [good], use_tqdm=False)
     # A batch with one bad prompt is rejected whole, and leaves nothing queued or held.
