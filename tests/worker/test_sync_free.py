@@ -2,7 +2,8 @@
 `.item()`, `.tolist()`, `int(t)`, `bool(t)` or `t.__index__()` in the forward stalls the step
 until the GPU drains. Proven on the CPU: whole engine steps (batched prefill, prefix hits, chunked
 prefill, decodes) with those methods patched to raise inside the model's forward only, for a
-dense Llama, DeepSeek-V3 (MLA + MoE, the grouped expert route) and Kimi Linear (KDA + MLA + MoE).
+dense Llama, DeepSeek-V3 (MLA + MoE, the grouped expert route), Kimi Linear (KDA + MLA + MoE), Qwen3-Next
+(Gated DeltaNet) and Granite 4.0-H (Mamba2).
 A companion test shows the guard fires on the CPU's expert loop, which does read ids back. The
 sampler too reads nothing back where that would wait (async scheduling's premise)."""
 
@@ -102,7 +103,7 @@ def test_llama_forward_is_sync_free(llama_path, backend):
     assert all(len(tokens) == 3 for tokens in run(llama_path, attention_backend=backend))
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear", "qwen3_next", "granitemoehybrid"])
 def test_mla_moe_and_hybrid_forward_is_sync_free(tiny_model, name):
     path, _ = tiny_model(name)
     assert all(len(tokens) == 3 for tokens in run(path))
