@@ -122,6 +122,9 @@ class EngineCore:
         self.device_plan = plan = engine_device_plan(config, loaded)
         if config.cuda_graph_sizes and not plan.is_cuda:
             raise ValueError(f"cuda_graph_sizes applies on CUDA only; this engine runs on {plan.device}")
+        if config.async_scheduling and not plan.is_cuda:
+            logger.warning("async scheduling on %s: the forward runs inside the launch, so nothing overlaps, and "
+                           "each step's tokens come back a step later (it pays on CUDA only)", plan.device)
         if (why := BACKENDS[config.attention_backend].unavailable(plan.device)) is not None:
             raise ValueError(f"attention_backend {config.attention_backend!r} cannot run on {plan.device}: {why}")
         if config.tensor_parallel_size > 1:

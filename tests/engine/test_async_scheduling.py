@@ -128,9 +128,10 @@ def test_async_scheduling_gives_the_same_outputs(loaded):
             assert all(abs(got_lp[t].logprob - want_lp[t].logprob) < 1e-4 for t in got_lp), (got_lp, want_lp)
 
 
-def test_a_failed_step_fails_both_steps_in_flight_and_the_engine_goes_on(tmp_path):
+def test_a_failed_step_fails_both_steps_in_flight_and_the_engine_goes_on(tmp_path, caplog):
     save_random_model(LlamaConfig(**LLAMA), tmp_path)
     llm = LLM(str(tmp_path), async_scheduling=True, check_integrity=True, max_model_len=MAX_MODEL_LEN)
+    assert "async scheduling on cpu: the forward runs inside the launch" in caplog.text  # the CPU user is told
     engine = llm.engine
     greedy = SamplingParams(temperature=0, max_tokens=8)
     engine.add_request("first", [1, 2, 3], greedy)
