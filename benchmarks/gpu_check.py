@@ -315,6 +315,7 @@ def _finish_merged(report: dict, start: float) -> None:
                              and not section.get("failed_units"))
     if "batches" in report.get("throughput", {}):
         report["throughput"]["fastest"] = fastest(report["throughput"]["batches"])
+        report["throughput"]["goals"] = goals(report["throughput"]["batches"])
     _finish(report, start)
 
 
@@ -673,6 +674,7 @@ def throughput_variants(results: dict, model_dir, device: str, dtype: torch.dtyp
         except Exception as error:  # one variant's failure leaves the others' figures
             errors[label] = failure(error)
     results["fastest"] = fastest(rows)
+    results["goals"] = goals(rows)
     return results
 
 
@@ -681,6 +683,28 @@ def fastest(rows: dict) -> dict:
     return {b: max(rates, key=rates.get) for b, row in rows.items()
             if (rates := {k.removeprefix("blockserve_").removesuffix("_tok_s"): v for k, v in row.items()
                           if k.startswith("blockserve_") and k.endswith("_tok_s")})}
+
+
+def goals(rows: dict) -> dict:
+    """Issue 17's throughput goals against the best variant measured (None where nothing was): decode at
+    the largest batch at >= 50% of the HBM bound; batch 1 with CUDA graphs within 1.5x of the bound's
+    step (a rate >= 1/1.5 of its); transformers beaten >= 3x at every batch above 1."""
+    def best(row: dict, suffix: str, graphs_only: bool = False):
+        values = [(v, k.removeprefix("blockserve_").removesuffix(suffix)) for k, v in row.items()
+                  if k.startswith("blockserve_") and k.endswith(suffix) and (not graphs_only or "_cuda_graphs" in k)]
+        return max(values, default=None)
+
+    def verdict(found, bound: float) -> dict | None:
+        return None if found is None else {"value": found[0], "variant": found[1], "met": found[0] >= bound}
+
+    largest = max(rows, default=None)
+    batched = [verdict(best(row, "_vs_transformers"), 3.0) for b, row in rows.items() if b > 1]
+    at_largest = None if largest is None else verdict(best(rows[largest], "_vs_hbm_bound"), 0.5)
+    return {"largest_batch_vs_hbm_bound>=0.5": None if at_largest is None else {"batch": largest, **at_largest},
+            "batch_1_graphs_vs_hbm_bound>=0.667": verdict(best(rows[1], "_vs_hbm_bound", graphs_only=True), 1 / 1.5)
+            if 1 in rows else None,
+            "vs_transformers>=3_at_every_batch>1": None if not batched or None in batched else
+            {"met": all(v["met"] for v in batched), "lowest": min(v["value"] for v in batched)}}
 
 
 def engine_variants(device: str, smoke: bool, batches: list[int], names=None) -> dict[str, dict]:
@@ -850,6 +874,7 @@ def summary(report: dict) -> str:
             lines.append(f"  batch {b}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
         lines.append("fastest blockserve variant per batch: " + ", ".join(f"{b}: {label}"
                                                                         for b, label in tp["fastest"].items()))
+        lines.append("goals: " + "; ".join(f"{goal} {json.dumps(v)}" for goal, v in tp.get("goals", {}).items()))
         lines += [f"  {label} failed: {error['error'][:300]}" for label, error in tp["errors"].items()]
     elif "throughput" in report:
         lines.append(f"throughput: {tp}")

@@ -193,3 +193,20 @@ def test_a_part_that_dies_is_named_and_fails_the_check(tmp_path):
     gpu_check.merge(report, {"poison": {"skipped": "over the 5 s budget"}}, "flex", ["poison"], {"rc": 0})
     assert report["poison"]["skipped"] == ["flex (over the 5 s budget)"]  # not started for time: not a failure
     assert set(report["poison"]["failed_units"]) == {"exact"}
+
+
+def test_the_goals_are_read_off_the_best_variant():
+    gpu_check = load_gpu_check()
+    rows = {1: {"blockserve_flex_cuda_graphs_vs_hbm_bound": 0.7, "blockserve_exact_eager_vs_hbm_bound": 0.9},
+            16: {"blockserve_flex_cuda_graphs_vs_transformers": 4.0, "blockserve_triton_eager_vs_transformers": 2.0,
+                 "blockserve_flex_cuda_graphs_vs_hbm_bound": 0.2},
+            256: {"blockserve_triton_cuda_graphs_async_vs_hbm_bound": 0.3, "blockserve_flex_eager_vs_hbm_bound": 0.1,
+                  "blockserve_triton_cuda_graphs_async_vs_transformers": 2.5}}
+    goals = gpu_check.goals(rows)
+    assert goals["largest_batch_vs_hbm_bound>=0.5"] == {"batch": 256, "value": 0.3, "variant": "triton_cuda_graphs_async",
+                                                        "met": False}
+    # batch 1 counts graphs only: exact eager's 0.9 is not a graph run
+    assert goals["batch_1_graphs_vs_hbm_bound>=0.667"] == {"value": 0.7, "variant": "flex_cuda_graphs", "met": True}
+    assert goals["vs_transformers>=3_at_every_batch>1"] == {"met": False, "lowest": 2.5}
+    assert gpu_check.goals({}) == {"largest_batch_vs_hbm_bound>=0.5": None, "batch_1_graphs_vs_hbm_bound>=0.667": None,
+                                   "vs_transformers>=3_at_every_batch>1": None}
