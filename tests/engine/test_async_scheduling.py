@@ -4,8 +4,8 @@ forward runs inside the launch, so nothing overlaps, but the bookkeeping is the 
 outputs as one step at a time, for every layer kind, under prefix caching, chunked prefill,
 preemption and poison, with the KV books checked after every step and nothing held at the end.
 
-Per request: greedy; a stop token met mid-way (its request computes one more row, dropped); a
-seed with top-k/top-p; the three penalties (which read the output tokens, so the launch waits for
+Per request: greedy; a stop token met mid-way (its request computes one more row, dropped); two
+seeded samples (n=2) with top-k/top-p; the three penalties (which read the output tokens, so the launch waits for
 the step before); logprobs with min_tokens; max_tokens 1 (ended by length while in flight); prompt
 logprobs."""
 
@@ -58,7 +58,7 @@ def mixed_params(greedy: list[list[int]]) -> list[SamplingParams]:
     return [
         greedy_params(),
         greedy_params(stop_token_ids=[greedy[1][4]]),
-        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=12),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=12, n=2),
         greedy_params(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
         greedy_params(logprobs=3, min_tokens=6, stop_token_ids=[greedy[4][1]]),
         greedy_params(max_tokens=1),
@@ -115,8 +115,10 @@ def test_async_scheduling_gives_the_same_outputs(loaded):
     got = [o.outputs[0] for o in got_requests]
     assert ahead.engine.core.scheduler.num_preemptions > 0
     assert sum(in_flight) > 0  # steps really were launched ahead of their inputs
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [[c.token_ids for c in o.outputs] for o in got_requests] == [[c.token_ids for c in o.outputs]
+                                                                       for o in want_requests]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert len(want_requests[2].outputs) == 2
     assert want[1].finish_reason == "stop" and len(want[1].token_ids) == greedy[1].index(greedy[1][4]) + 1
     assert len(want[4].token_ids) >= 6 and len(want[5].token_ids) == 1
     for got_lps, want_lps in ((got[4].logprobs, want[4].logprobs),
