@@ -110,8 +110,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_output_placeholders and self._ends_by_length(request):
-                i += 1  # its token in flight is its last
+            pending = request.num_output_placeholders
+            if pending and len(request.output_token_ids) + pending >= request.max_output_tokens:
+                i += 1  # its token in flight is its last (max_tokens; max_model_len is never later: _validate)
                 continue
             n = min(len(request.token_ids) + request.num_output_placeholders - request.num_computed_tokens, budget, cap)
             if n <= 0:
@@ -265,12 +266,6 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs, self.stats(scheduler_output.total_num_scheduled_tokens)
 
-    def _ends_by_length(self, request: Request) -> bool:
-        """Whether the tokens in flight bring the request to max_tokens or max_model_len."""
-        pending = request.num_output_placeholders
-        return (len(request.output_token_ids) + pending >= request.max_output_tokens
-                or len(request.token_ids) + pending >= self.config.max_model_len)
-
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         """Runs for every sampled token, so it reads plain attributes only."""
         params = request.sampling_params
@@ -281,7 +276,7 @@ class Scheduler:
             if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_output_tokens or len(request.token_ids) >= self.config.max_model_len:
+        if num_output >= request.max_output_tokens:  # prompt + max_output_tokens <= max_model_len (_validate)
             return RequestStatus.FINISHED_LENGTH
         return None
 
