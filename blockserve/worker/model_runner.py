@@ -27,7 +27,7 @@ from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
 from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs
-from blockserve.worker.sampler import SampledTokens, Sampler, SamplingBatch, SamplingRow, make_generator
+from blockserve.worker.sampler import SampledTokens, Sampler, SamplingBatch, SamplingRow, has_penalty, make_generator
 
 
 @dataclass
@@ -175,9 +175,7 @@ class ModelRunner:
 
 def _reads_output_ids(request: CachedRequest) -> bool:
     """Whether sampling this request reads the values of its output tokens so far (not just their count)."""
-    params = request.params
-    return request.grammar is not None or params.repetition_penalty != 1 or params.frequency_penalty != 0 \
-        or params.presence_penalty != 0
+    return request.grammar is not None or has_penalty(request.params)
 
 
 class LaunchedStep:

@@ -87,7 +87,7 @@ class SamplingRow:
     def __post_init__(self) -> None:
         p = self.params
         object.__setattr__(self, "plain", p.seed is None and self.generator is None and p.logprobs is None
-                           and not _has_penalty(p) and not p.logit_bias and self.grammar is None
+                           and not has_penalty(p) and not p.logit_bias and self.grammar is None
                            and p.min_tokens == 0)
 
     def blocked_ids(self) -> tuple[int, ...]:
@@ -106,6 +106,7 @@ class _Penalties:
     presence: torch.Tensor  # [P, 1] float, 0.0 = off
     seen_ids: torch.Tensor  # [P, L] prompt + output token ids (repetition rows only), padded with -1
     output_ids: torch.Tensor  # [P, L'] output token ids, padded with -1
+    max_token: int  # the largest id in seen_ids and output_ids (-1: none), read before they leave the host
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,9 @@ class SamplingBatch:
     blocked: tuple[tuple[int, tuple[int, ...]], ...]
     grammars: tuple[tuple[int, TokenConstraint], ...] = ()  # (row, its grammar): constrained rows only
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
-    # The largest token id logit_bias names, and the penalised rows' tokens (-1: none), checked against
-    # the vocabulary on the host: reading the tensors would wait for the device.
+    # The largest token id logit_bias names (-1: none), checked against the vocabulary on the host:
+    # reading the tensor would wait for the device.
     max_bias_token: int = -1
-    max_penalty_token: int = -1
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingBatch:
@@ -191,7 +191,6 @@ class SamplingBatch:
             grammars=tuple((i, rows[i].grammar) for i in special if rows[i].grammar is not None),
             logit_bias=_build_logit_bias(rows, special),
             max_bias_token=max((t for i in special for t, _ in rows[i].params.logit_bias), default=-1),
-            max_penalty_token=_max_penalty_token(rows, special),
         )
         return batch if device == host else batch.to(device)
 
@@ -236,18 +235,8 @@ def _build_blocked_index(rows: Sequence[SamplingRow], special: list[int]):
     return torch.tensor(rows_, dtype=torch.long), torch.tensor(tokens, dtype=torch.long)
 
 
-def _max_penalty_token(rows: Sequence[SamplingRow], special: list[int]) -> int:
-    """The largest token id among the penalised rows' tokens (prompt too under repetition; -1: none)."""
-    largest = -1
-    for i in special:
-        p = rows[i].params
-        if _has_penalty(p):
-            prompt = rows[i].prompt_token_ids if p.repetition_penalty != 1 else ()
-            largest = max(largest, max(prompt, default=-1), max(rows[i].output_token_ids, default=-1))
-    return largest
-
-
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether `p` sets a penalty (sampling then reads the values of the output tokens so far)."""
     return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
 
 
@@ -257,7 +246,7 @@ def _padded(seqs: list[list[int]]) -> torch.Tensor:
 
 
 def _build_penalties(rows: Sequence[SamplingRow], special: list[int]) -> _Penalties | None:
-    chosen = [i for i in special if _has_penalty(rows[i].params)]
+    chosen = [i for i in special if has_penalty(rows[i].params)]
     if not chosen:
         return None
     ps = [rows[i].params for i in chosen]
@@ -267,13 +256,15 @@ def _build_penalties(rows: Sequence[SamplingRow], special: list[int]) -> _Penalt
     def column(values):
         return torch.tensor(values, dtype=torch.float32).unsqueeze(1)
 
+    seen_ids, output_ids = _padded(seen), _padded(outputs)
     return _Penalties(
         rows=torch.tensor(chosen, dtype=torch.long),
         repetition=column([p.repetition_penalty for p in ps]),
         frequency=column([p.frequency_penalty for p in ps]),
         presence=column([p.presence_penalty for p in ps]),
-        seen_ids=_padded(seen),
-        output_ids=_padded(outputs),
+        seen_ids=seen_ids,
+        output_ids=output_ids,
+        max_token=max((int(ids.max()) for ids in (seen_ids, output_ids) if ids.numel()), default=-1),
     )
 
 
@@ -361,8 +352,8 @@ class Sampler:
         vocab_size = logits.shape[1]
         if batch.max_bias_token >= vocab_size:
             raise ValueError(f"logit_bias token {batch.max_bias_token} is out of range for a vocabulary of {vocab_size}")
-        if batch.max_penalty_token >= vocab_size:
-            raise ValueError(f"token id {batch.max_penalty_token} is out of range for a vocabulary of {vocab_size}")
+        if batch.penalties is not None and batch.penalties.max_token >= vocab_size:
+            raise ValueError(f"token id {batch.penalties.max_token} is out of range for a vocabulary of {vocab_size}")
         logits = logits.float()
         owned = bool(batch.grammars) or batch.logit_bias is not None
         if owned:  # never modify the caller's tensor
