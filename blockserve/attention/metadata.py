@@ -20,6 +20,8 @@ reads the lists (`layout.seq_lens`, `key_starts`, ...), never a device tensor.
 from __future__ import annotations
 
 import dataclasses
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +49,14 @@ def to_device(tree, device: torch.device):
     return pytree.tree_unflatten(moved, spec)
 
 
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A host int64 tensor of `values` (Python ints), made through an array: for the per-step index
+    lists, several times faster than torch.tensor on a list (~5 us against ~19 us for 256 values)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
 @dataclass
 class BatchLayout:
     """How the step's tokens are laid out; shared by every group."""
@@ -66,13 +76,12 @@ class BatchLayout:
             num_decodes += 1
         if num_decodes == len(query_lens):  # decode-only: each sequence's next position (the same, in 2 ops not 8)
             return BatchLayout(list(range(num_decodes + 1)), [c + 1 for c in num_computed], num_decodes,
-                               torch.tensor(num_computed, dtype=torch.int64), torch.arange(num_decodes))
+                               int64_tensor(num_computed), torch.arange(num_decodes))
         query_start = [0]
         for q in query_lens:
             query_start.append(query_start[-1] + q)
-        lens = torch.tensor(query_lens, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), lens)
-        offset = torch.tensor(num_computed, dtype=torch.int64) - torch.tensor(query_start[:-1], dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), int64_tensor(query_lens))
+        offset = int64_tensor(num_computed) - int64_tensor(query_start[:-1])
         positions = torch.arange(query_start[-1], dtype=torch.int64) + offset[seq_of_token]
         seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
         return BatchLayout(query_start, seq_lens, num_decodes, positions, seq_of_token)
@@ -135,7 +144,7 @@ class AttentionMetadata:
         else:  # the first query of a sequence, at position seq_len - q, sees back window - 1 tokens
             key_starts = [max(0, seq_len - (end - start) - sliding_window + 1) for seq_len, start, end
                           in zip(layout.seq_lens, layout.query_start, layout.query_start[1:])]
-        key_start = torch.tensor(key_starts, dtype=torch.int64)
-        seq_len = torch.tensor(layout.seq_lens, dtype=torch.int64)
+        key_start = int64_tensor(key_starts)
+        seq_len = int64_tensor(layout.seq_lens)
         return AttentionMetadata(layout, block_size, block_table, slot_mapping, key_start, seq_len, sliding_window,
                                  key_starts=key_starts)

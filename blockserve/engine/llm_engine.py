@@ -195,11 +195,12 @@ class LLMEngine:
             raise self._step_failed(e) from e.__cause__
         touched: dict[str, RequestOutput] = {}
         ended: list[str] = []  # parents with a sample that finished this step
+        children, parents = self._children, self._parents  # (this loop runs for every request of the step)
         for core_output in core_outputs:
-            child = self._children.get(core_output.request_id)
+            child = children.get(core_output.request_id)
             if child is None:
                 continue
-            parent = self._parents[child.parent]
+            parent = parents[child.parent]
             if self._apply(child, parent, core_output):
                 ended.append(child.parent)
             touched[child.parent] = parent.output
@@ -230,28 +231,29 @@ class LLMEngine:
 
     def _apply(self, child: _Child, parent: _Parent, core_output: CoreOutput) -> bool:
         """Add a step's output to the sample's completion; True if the sample finished."""
-        completion = parent.output.outputs[child.index]
+        output, new_ids, detokenizer = parent.output, core_output.new_token_ids, child.detokenizer
+        completion = output.outputs[child.index]
         if child.index == 0:
-            parent.output.num_cached_tokens = core_output.num_cached_tokens
+            output.num_cached_tokens = core_output.num_cached_tokens
             if core_output.prompt_logprobs is not None:  # the first sample computes them, for all
-                prompt = parent.output.prompt_token_ids
-                parent.output.prompt_logprobs = [None] + [
+                prompt = output.prompt_token_ids
+                output.prompt_logprobs = [None] + [
                     self._logprob_dict(token, lp) for token, lp in zip(prompt[1:], core_output.prompt_logprobs)]
-        completion.token_ids.extend(core_output.new_token_ids)
-        detokenizer = child.detokenizer
+        completion.token_ids.extend(new_ids)
         if detokenizer is not None:
-            completion.text += detokenizer.push(core_output.new_token_ids)
-        if parent.params.logprobs is not None and core_output.new_logprobs:
+            completion.text += detokenizer.push(new_ids)
+        if core_output.new_logprobs and parent.params.logprobs is not None:
             completion.logprobs = (completion.logprobs or []) + [
-                self._logprob_dict(token, lp) for token, lp in zip(core_output.new_token_ids, core_output.new_logprobs)
+                self._logprob_dict(token, lp) for token, lp in zip(new_ids, core_output.new_logprobs)
             ]
         finish_reason, stop_reason = core_output.finish_reason, core_output.stop_reason
-        if detokenizer is not None and detokenizer.stop_string is not None:
-            if finish_reason is None:
-                self.core.finish([core_output.request_id])
-            finish_reason, stop_reason = "stop", detokenizer.stop_string
-        elif finish_reason is not None and detokenizer is not None:
-            completion.text += detokenizer.finish()
+        if detokenizer is not None:
+            if detokenizer.stop_string is not None:
+                if finish_reason is None:
+                    self.core.finish([core_output.request_id])
+                finish_reason, stop_reason = "stop", detokenizer.stop_string
+            elif finish_reason is not None:
+                completion.text += detokenizer.finish()
         if finish_reason is None:
             return False
         completion.finish_reason, completion.stop_reason = finish_reason, stop_reason

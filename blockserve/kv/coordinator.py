@@ -46,7 +46,10 @@ class KVCacheCoordinator:
             for manager in self.attention_managers:
                 manager.pool.on_uncached = self._attention_block_uncached(manager.pool.group_id)
         # Per request, to skip the common steps that change nothing (most decode steps):
-        self.steady: dict[str, tuple[float, float]] = {}  # see FullAttentionManager.steady_limits
+        # (tokens covered, computed count at which a block is released), the minimum over groups (see
+        # FullAttentionManager.steady_limits): a step that holds at most the first and has computed less
+        # than the second changes nothing (KVCacheManager.allocate_slots reads it).
+        self.steady: dict[str, tuple[float, float]] = {}
         self.next_cache_at: dict[str, float] = {}  # written tokens at which some block fills up
 
     def _attention_block_uncached(self, group_id: int) -> Callable[[BlockHash], None]:
@@ -79,11 +82,6 @@ class KVCacheCoordinator:
             if len(managers) == 1 or shortest == bound or bound == 0:
                 return shortest if len(managers) == 1 else bound, [hits.get(m, []) for m in self.managers]
             bound = shortest
-
-    def is_steady(self, request_id: str, num_computed_tokens: int, num_tokens: int) -> bool:
-        """True if holding `num_tokens` needs no new block and releases none in any group."""
-        limits = self.steady.get(request_id)
-        return limits is not None and num_tokens <= limits[0] and num_computed_tokens < limits[1]
 
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: list[list]) -> list[int]:
         return [m.num_blocks_to_allocate(request_id, num_tokens, c) for m, c in zip(self.managers, computed)]

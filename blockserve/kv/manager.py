@@ -88,6 +88,8 @@ class KVCacheManager:
         self._pending = PendingWork()
         self.coordinator = KVCacheCoordinator(config, self._pending)
         self._no_hit = ComputedBlocks(0, tuple(() for _ in config.groups))
+        self._nothing_new = tuple(() for _ in config.groups)  # what a steady step appends, shared
+        self._steady = self.coordinator.steady
         self._plans: dict[str, CapturePlan] = {}
         self._requests = self._queries = self._hits = self._state_lost = 0
 
@@ -117,7 +119,7 @@ class KVCacheManager:
         request: KVRequest,
         num_new_tokens: int,
         computed: ComputedBlocks | None = None,
-    ) -> list[list[int]] | None:
+    ) -> Sequence[Sequence[int]] | None:
         """Blocks for `num_new_tokens` more tokens in every group.
 
         Returns, per group, the block ids appended to the request's table (a hit's blocks
@@ -126,11 +128,16 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}")
-        computed = computed or self._no_hit
         num_computed = request.num_computed_tokens
-        num_tokens = num_computed + computed.num_tokens + num_new_tokens
-        if not computed.num_tokens and self.coordinator.is_steady(request.request_id, num_computed, num_tokens):
-            return [[] for _ in self.config.groups]  # most decode steps: nothing to do
+        num_tokens = num_computed + num_new_tokens
+        if computed is None:
+            # Most decode steps need no new block and release none (the coordinator's steady limits;
+            # read here, not through a call, since this runs for every running request every step).
+            limits = self._steady.get(request.request_id)
+            if limits is not None and num_tokens <= limits[0] and num_computed < limits[1]:
+                return self._nothing_new
+            computed = self._no_hit
+        num_tokens += computed.num_tokens
         # Blocks that left the window are released before counting what the step needs.
         self.coordinator.remove_skipped_blocks(request.request_id, num_computed)
         new_ids = self.coordinator.allocate(

@@ -107,19 +107,21 @@ class Scheduler:
         new: list[NewRequestData] = []
         preempted: set[str] = set()
 
+        # This loop and the one that fills the token ids run for every running request every step.
+        running, allocate_slots = self.running, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             pending = request.num_output_placeholders
             if pending and len(request.output_token_ids) + pending >= request.max_output_tokens:
                 i += 1  # its token in flight is its last (max_tokens; max_model_len is never later: _validate)
                 continue
-            n = min(len(request.token_ids) + request.num_output_placeholders - request.num_computed_tokens, budget, cap)
+            n = min(len(request.token_ids) + pending - request.num_computed_tokens, budget, cap)
             if n <= 0:
                 i += 1
                 continue
-            while (block_ids := self.kv.allocate_slots(request, n)) is None:
-                victim = self.running[-1]  # never one scheduled this step: those sit before index i
+            while (block_ids := allocate_slots(request, n)) is None:
+                victim = running[-1]  # never one scheduled this step: those sit before index i
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
@@ -169,20 +171,21 @@ class Scheduler:
             budget -= n
 
         num_scheduled, token_ids = {}, {}
-        checkpointing = self.kv.checkpointing
+        plan_captures = self.kv.plan_captures if self.kv.checkpointing else None
         for request, n in scheduled:
-            start = request.num_computed_tokens
-            num_scheduled[request.request_id] = n
+            rid, start = request.request_id, request.num_computed_tokens
+            end = start + n
+            num_scheduled[rid] = n
             known = len(request.token_ids)
-            if start + n <= known:
-                token_ids[request.request_id] = request.token_ids[start : start + n]
+            if end <= known:
+                token_ids[rid] = request.token_ids[start:end]
             else:  # the input is a token in flight
-                token_ids[request.request_id] = request.token_ids[start:known] + [-1] * (start + n - known)
-            if checkpointing:
-                self.kv.plan_captures(request, start, n)
-            if start + n == known + request.num_output_placeholders:
+                token_ids[rid] = request.token_ids[start:known] + [-1] * (end - known)
+            if plan_captures is not None:
+                plan_captures(request, start, n)
+            if end == known + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
-            request.num_computed_tokens = start + n  # KV written by the forward pass of this step
+            request.num_computed_tokens = end  # KV written by the forward pass of this step
 
         pending = self.kv.take_pending()
         finished, self._finished_ids = self._finished_ids, set()
@@ -224,16 +227,21 @@ class Scheduler:
         any_finished = False
         # Each request's computed count before this step, when a later step has advanced it since.
         starts = None if scheduler_output is self._last_output else _starts(scheduler_output)
+        # This loop runs for every request of the step: what it looks up per request is bound once here.
+        requests, running = self.requests, RequestStatus.RUNNING
+        cache_blocks = self.kv.cache_blocks if self.kv.enable_caching else None
+        sampled_token_ids = runner_output.sampled_token_ids
+        all_logprobs, all_prompt_logprobs = runner_output.logprobs or None, runner_output.prompt_logprobs or None
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None:
                 continue  # finished or aborted since it was scheduled
-            if request.status is RequestStatus.RUNNING:
-                computed = request.num_computed_tokens if starts is None else starts[rid] + num_scheduled
-                self.kv.cache_blocks(request, computed)
+            if request.status is running:
+                if cache_blocks is not None:
+                    cache_blocks(request, request.num_computed_tokens if starts is None else starts[rid] + num_scheduled)
             elif request.status is not RequestStatus.PREEMPTED:
                 continue
-            sampled = runner_output.sampled_token_ids.get(rid)
+            sampled = sampled_token_ids.get(rid)
             if not sampled:
                 continue  # a prompt chunk that does not end the prompt
             request.num_output_placeholders -= len(sampled)
@@ -245,16 +253,17 @@ class Scheduler:
                 accepted += 1
                 if status := self._stop_status(request, token):
                     break
-            logprobs = runner_output.logprobs.get(rid)
+            logprobs = all_logprobs and all_logprobs.get(rid)
             outputs.append(
                 RequestOutput(
                     rid,
-                    sampled[:accepted],
-                    status.value if status else None,
+                    sampled if accepted == len(sampled) else sampled[:accepted],
+                    status and status.value,
                     request.stop_reason,
-                    max(0, request.num_cached_tokens),
+                    request.num_cached_tokens,  # >= 0: it was admitted
                     logprobs[:accepted] if logprobs is not None else None,
-                    prompt_logprobs=runner_output.prompt_logprobs.get(rid),
+                    None,
+                    all_prompt_logprobs and all_prompt_logprobs.get(rid),
                 )
             )
             if status:

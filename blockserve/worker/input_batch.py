@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from blockserve.attention.context import StateMetadata
-from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_device
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout, int64_tensor, to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import SlidingWindowSpec, cdiv
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerOutput
 from blockserve.structured.matcher import GrammarMatcher
-from blockserve.worker.sampler import SamplingRow
+from blockserve.worker.sampler import SamplingRow, has_penalty
 
 
 @dataclass
@@ -37,6 +37,12 @@ class CachedRequest:
     eos_token_id: int | None = None
     grammar: GrammarMatcher | None = None  # structured outputs: at the output tokens so far
     sampling_row: SamplingRow | None = None  # the runner's, made on the first sampled step
+    # Whether sampling it reads the values of its output tokens so far (a grammar, a penalty), not just
+    # their count: then the previous step's tokens must be back first (async scheduling).
+    reads_output_ids: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reads_output_ids = self.grammar is not None or has_penalty(self.params)
 
     @property
     def num_tokens(self) -> int:
@@ -106,14 +112,21 @@ class InputBatch:
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flattened inputs, on the host (`StepInputs.to` moves them); advances each
-        request's computed count."""
-        scheduled = out.num_scheduled_tokens
-        order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n != 1]
+        request's computed count. Runs once per step over every request, so it builds its tensors
+        from flat lists (int64_tensor) and takes a shortcut on decode-only steps."""
+        scheduled, token_ids = out.num_scheduled_tokens, out.scheduled_token_ids
+        if max(scheduled.values()) == 1:  # decode-only: every request computes one token
+            order = list(scheduled)
+            query_lens = [1] * len(order)
+            flat_ids = [token_ids[rid][0] for rid in order]
+        else:
+            order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n != 1]
+            query_lens = [scheduled[rid] for rid in order]
+            flat_ids = [t for rid in order for t in token_ids[rid]]
         requests = [self.requests[rid] for rid in order]
-        query_lens = [scheduled[rid] for rid in order]
         layout = BatchLayout.build(query_lens, [r.num_computed for r in requests])
-        input_ids = torch.tensor([t for rid in order for t in out.scheduled_token_ids[rid]], dtype=torch.int64)
-        rows = torch.tensor([r.row for r in requests], dtype=torch.int64)
+        input_ids = int64_tensor(flat_ids)
+        rows = int64_tensor([r.row for r in requests])
         metadata: list[AttentionMetadata | StateMetadata] = []
         end_captures: dict[int, list[tuple[int, int]]] = {}
         for group_id, (group, table) in enumerate(zip(self.kv_config.groups, self.tables)):
@@ -133,13 +146,14 @@ class InputBatch:
             window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
             metadata.append(AttentionMetadata.build(layout, table[rows], group.spec.block_size, window))
         sample_ids, logits_indices = [], []
-        for i, (rid, request, n) in enumerate(zip(order, requests, query_lens)):
+        query_ends = layout.query_start[1:]
+        for rid, request, n, end in zip(order, requests, query_lens, query_ends):
             request.num_computed += n
-            if request.num_computed == request.num_tokens:
+            if request.num_computed == len(request.prompt_token_ids) + len(request.output_token_ids):
                 sample_ids.append(rid)
-                logits_indices.append(layout.query_start[i + 1] - 1)
+                logits_indices.append(end - 1)
         return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
-                          torch.tensor(logits_indices, dtype=torch.int64), end_captures)
+                          int64_tensor(logits_indices), end_captures)
 
 
 def _on_device(step: StepInputs, device: torch.device) -> StepInputs:

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from blockserve.attention.context import ForwardContext
-from blockserve.attention.metadata import to_device
+from blockserve.attention.metadata import int64_tensor, to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
 from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs
-from blockserve.worker.sampler import SampledTokens, Sampler, SamplingBatch, SamplingRow, has_penalty, make_generator
+from blockserve.worker.sampler import SampledTokens, Sampler, SamplingBatch, SamplingRow, make_generator
 
 
 @dataclass
@@ -117,7 +117,7 @@ class ModelRunner:
         requests = [self.batch.requests[rid] for rid in inputs.sample_ids]
         samples = sampled_ids = None
         if logits is not None:
-            if self.last is not None and not self.last.read and any(map(_reads_output_ids, requests)):
+            if self.last is not None and not self.last.read and any(r.reads_output_ids for r in requests):
                 self.last.result()  # penalties and grammars read the output tokens so far
             rows = [request.sampling_row or self._sampling_row(rid, request)
                     for rid, request in zip(inputs.sample_ids, requests)]
@@ -151,7 +151,7 @@ class ModelRunner:
         if missing:
             raise RuntimeError(f"requests {missing} have an input in flight, but the last step did not sample them")
         rows = [where[inputs.request_ids[i]] for i in holes]
-        dst, src = to_device((torch.tensor(holes), torch.tensor(rows)), self.device)
+        dst, src = to_device((int64_tensor(holes), int64_tensor(rows)), self.device)
         sampled = last.sampled_ids
 
         def fill(input_ids: torch.Tensor) -> None:
@@ -171,11 +171,6 @@ class ModelRunner:
         request.sampling_row = SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids,
                                            generator, request.eos_token_id, request.grammar)
         return request.sampling_row
-
-
-def _reads_output_ids(request: CachedRequest) -> bool:
-    """Whether sampling this request reads the values of its output tokens so far (not just their count)."""
-    return request.grammar is not None or has_penalty(request.params)
 
 
 class LaunchedStep:

@@ -37,6 +37,7 @@ Only the per-row draws from seeded generators loop in Python.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -44,7 +45,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from blockserve.attention.metadata import to_device
+from blockserve.attention.metadata import int64_tensor, to_device
 from blockserve.attention.native import fused_ops
 from blockserve.attention.native_gate import native_reads
 from blockserve.sampling_params import SamplingParams
@@ -162,8 +163,8 @@ class SamplingBatch:
         params = [rows[i].params for i in sampled]
         host = torch.device("cpu")
 
-        def floats(values):
-            return torch.tensor(values, dtype=torch.float32)
+        def floats(values):  # through an array, as int64_tensor: this runs every step
+            return torch.frombuffer(array("f", values), dtype=torch.float32)
 
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         seeded = tuple((j, rows[i].generator) for j, i in enumerate(sampled) if rows[i].generator is not None)
@@ -173,15 +174,15 @@ class SamplingBatch:
         batch = cls(
             num_rows=len(rows),
             device=host,
-            sampled_rows=torch.tensor(sampled, dtype=torch.long) if 0 < len(sampled) < len(rows) else None,
+            sampled_rows=int64_tensor(sampled) if 0 < len(sampled) < len(rows) else None,
             num_sampled=len(sampled),
             temperature=floats([p.temperature for p in params]) if sampled else None,
-            top_k=torch.tensor(top_k, dtype=torch.long) if any(top_k) else None,
+            top_k=int64_tensor(top_k) if any(top_k) else None,
             max_top_k=max(top_k, default=0),
             top_p=floats([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
             min_p=floats([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             seeded=seeded,
-            unseeded=torch.tensor(unseeded, dtype=torch.long) if seeded and unseeded else None,
+            unseeded=int64_tensor(unseeded) if seeded and unseeded else None,
             penalties=_build_penalties(rows, special),
             logprob_rows=torch.tensor(logprob_rows, dtype=torch.long) if logprob_rows else None,
             logprob_counts=tuple(rows[i].params.logprobs for i in logprob_rows),
