@@ -18,7 +18,8 @@ by wrappers around the calls that make it up:
       update    Scheduler.update_from_output (stop checks, prefix-cache registration)
       rest      host - the above (the runner's other bookkeeping, LLMEngine's outputs)
 
-Medians per phase over `--steps` steps a round, the median round reported; every round carries
+Medians per phase over `--steps` steps a round (and the host's mean: every block_size-th step each
+request gains a block), the median round reported; every round carries
 the other processes' CPU share (benchmarks/cpu_share.py). Compare two commits by running this
 from each checkout in turn (the commit is recorded):
 
@@ -112,6 +113,7 @@ def measure(llm: LLM, timer: PhaseTimer, batch: int, steps: int, rounds: int) ->
                 for phase in PHASES:
                     samples[phase].append(parts[phase])
         per_round.append({"ms": {p: round(statistics.median(v) * 1e3, 4) for p, v in samples.items()},
+                          "host_mean_ms": round(statistics.fmean(samples["host"]) * 1e3, 4),
                           "others_cpu_share": share.others})
     while engine.has_unfinished_requests():
         engine.step()
@@ -140,6 +142,7 @@ def main() -> None:
                 results["batches"].append(row)
                 ms = row["ms"]
                 print(f"batch {batch:4d}: step {ms['step']:.3f} ms = model {ms['model']:.3f} + host {ms['host']:.3f} "
+                      f"(mean {row['host_mean_ms']:.3f}) "
                       f"({row['host_us_per_request']:.2f} us/request: schedule {ms['schedule']:.3f}, prepare "
                       f"{ms['prepare']:.3f}, sample {ms['sample']:.3f}, update {ms['update']:.3f}, rest "
                       f"{ms['rest']:.3f}); others' CPU share {row['others_cpu_share']}", flush=True)

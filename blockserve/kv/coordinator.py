@@ -7,7 +7,7 @@ bound is its deepest checkpoint at or below it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from blockserve.kv.block_pool import BlockPool
 from blockserve.kv.checkpoint_pool import CheckpointPool
@@ -83,11 +83,11 @@ class KVCacheCoordinator:
                 return shortest if len(managers) == 1 else bound, [hits.get(m, []) for m in self.managers]
             bound = shortest
 
-    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: list[list]) -> list[int]:
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: Sequence[Sequence]) -> list[int]:
         return [m.num_blocks_to_allocate(request_id, num_tokens, c) for m, c in zip(self.managers, computed)]
 
     def allocate(self, request_id: str, num_computed_tokens: int, num_tokens: int,
-                 computed: list[list]) -> list[list[int]] | None:
+                 computed: Sequence[Sequence]) -> list[list[int]] | None:
         """Give the request blocks for `num_tokens` tokens in every group, or change nothing.
         A state group's hit (a checkpoint) becomes a copy order into its new running slot."""
         needed = self.num_blocks_to_allocate(request_id, num_tokens, computed)
@@ -95,12 +95,15 @@ class KVCacheCoordinator:
             return None
         new_ids = []
         for manager, hit in zip(self.managers, computed):
-            manager.add_computed_blocks(request_id, hit)
-            new = manager.allocate_new_blocks(request_id, num_tokens)
-            hit_ids = [] if isinstance(manager, LinearStateManager) else [b.block_id for b in hit]
-            new_ids.append(hit_ids + [b.block_id for b in new])
+            if hit:  # (most allocations are a running request's next block, with no hit)
+                manager.add_computed_blocks(request_id, hit)
+            new = [b.block_id for b in manager.allocate_new_blocks(request_id, num_tokens)]
+            if hit and not isinstance(manager, LinearStateManager):
+                new = [b.block_id for b in hit] + new
+            new_ids.append(new)
         limits = [m.steady_limits(request_id, num_computed_tokens) for m in self.managers]
-        self.steady[request_id] = (min(c for c, _ in limits), min(r for _, r in limits))
+        self.steady[request_id] = limits[0] if len(limits) == 1 else (min(c for c, _ in limits),
+                                                                      min(r for _, r in limits))
         return new_ids
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:

@@ -12,6 +12,7 @@ out of the window: those entries become the null block. A linear-state table is 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from blockserve.kv.block_pool import Block, BlockPool
 from blockserve.kv.hashing import BlockHash
@@ -48,14 +49,14 @@ class FullAttentionManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release blocks no future token can attend to (only sliding windows have any)."""
 
-    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: list[Block]) -> int:
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: Sequence[Block]) -> int:
         """Free blocks this group spends to hold `num_tokens` after taking the hit `computed`."""
         held = len(self.req_blocks.get(request_id, ()))
         new = max(0, self.table_len(num_tokens) - held - len(computed))
         revived = sum(1 for b in computed if b.ref_cnt == 0)  # leave the evictable queue
         return new + revived
 
-    def add_computed_blocks(self, request_id: str, computed: list[Block]) -> None:
+    def add_computed_blocks(self, request_id: str, computed: Sequence[Block]) -> None:
         self.pool.touch(computed)
         self.req_blocks.setdefault(request_id, []).extend(computed)
         if computed:

@@ -141,8 +141,7 @@ class KVCacheManager:
         # Blocks that left the window are released before counting what the step needs.
         self.coordinator.remove_skipped_blocks(request.request_id, num_computed)
         new_ids = self.coordinator.allocate(
-            request.request_id, num_computed + computed.num_tokens, num_tokens, [list(b) for b in computed.blocks]
-        )
+            request.request_id, num_computed + computed.num_tokens, num_tokens, computed.blocks)
         if new_ids is not None and request.num_computed_tokens == 0 and self.caching_possible:
             # Counted once per admission that succeeds, not per lookup that had to wait.
             self._requests += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 
 from blockserve.kv.block_pool import Block, BlockPool
 from blockserve.kv.checkpoint_pool import Checkpoint, CheckpointPool
@@ -56,11 +57,11 @@ class LinearStateManager(FullAttentionManager):
     def hit_tokens(self, hit: list) -> int:
         return hit[0].position if hit else 0
 
-    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: list) -> int:
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, computed: Sequence) -> int:
         held = len(self.req_blocks.get(request_id, ()))
         return max(0, self.table_len(num_tokens) - held)  # a restore still needs its running slot
 
-    def add_computed_blocks(self, request_id: str, computed: list) -> None:
+    def add_computed_blocks(self, request_id: str, computed: Sequence) -> None:
         if computed:
             ckpt = computed[0]
             self.checkpoints.pin(ckpt)

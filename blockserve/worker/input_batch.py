@@ -12,6 +12,7 @@ attention backends can attend them in one call.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,9 @@ class InputBatch:
             request = self.requests.pop(rid, None)
             if request is not None:
                 self.free_rows.append(request.row)
+        # The block ids appended to the tables, per group (rows, columns, ids): written in one index per
+        # group at the end (every request gains a block on the same step when their lengths align).
+        writes: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in self.tables]
         for new in out.new_requests:
             if not self.free_rows:
                 raise RuntimeError("more running requests than max_num_seqs rows")
@@ -92,7 +96,7 @@ class InputBatch:
                 row, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
                 new.num_computed_tokens, [0] * len(self.tables), new.eos_token_id, grammar=_grammar(new),
             )
-            self._append_blocks(self.requests[new.request_id], new.block_ids)
+            _append_blocks(self.requests[new.request_id], new.block_ids, writes)
         for cached in out.cached_requests:
             request = self.requests[cached.request_id]
             if request.num_computed != cached.num_computed_tokens:
@@ -101,14 +105,10 @@ class InputBatch:
                     f"scheduler {cached.num_computed_tokens}"
                 )
             if any(cached.new_block_ids):  # most decode steps add none
-                self._append_blocks(request, cached.new_block_ids)
-
-    def _append_blocks(self, request: CachedRequest, block_ids: list[list[int]]) -> None:
-        for group_id, ids in enumerate(block_ids):
+                _append_blocks(request, cached.new_block_ids, writes)
+        for table, (rows, columns, ids) in zip(self.tables, writes):
             if ids:
-                start = request.table_lens[group_id]
-                self.tables[group_id][request.row, start : start + len(ids)] = torch.tensor(ids, dtype=torch.int64)
-                request.table_lens[group_id] = start + len(ids)
+                table[int64_tensor(rows), int64_tensor(columns)] = int64_tensor(ids)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flattened inputs, on the host (`StepInputs.to` moves them); advances each
@@ -154,6 +154,19 @@ class InputBatch:
                 logits_indices.append(end - 1)
         return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
                           int64_tensor(logits_indices), end_captures)
+
+
+def _append_blocks(request: CachedRequest, block_ids: Sequence[Sequence[int]],
+                   writes: list[tuple[list[int], list[int], list[int]]]) -> None:
+    """Append `block_ids` (per group) to the request's table rows: counted now, queued in `writes`."""
+    for group_id, ids in enumerate(block_ids):
+        if ids:
+            start = request.table_lens[group_id]
+            rows, columns, values = writes[group_id]
+            rows += [request.row] * len(ids)
+            columns += range(start, start + len(ids))
+            values += ids
+            request.table_lens[group_id] = start + len(ids)
 
 
 def _on_device(step: StepInputs, device: torch.device) -> StepInputs:
