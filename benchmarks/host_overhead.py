@@ -24,7 +24,8 @@ the other processes' CPU share (benchmarks/cpu_share.py). Compare two commits by
 from each checkout in turn (the commit is recorded):
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_overhead.py
-        [--batch 1 16 64 256] [--rounds 3] [--steps 50] [--json results/host_overhead.json]
+        [--batch 1 16 64 256] [--rounds 3] [--steps 50] [--async-scheduling] [--prefix-caching]
+        [--json results/host_overhead.json]
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--async-scheduling", action="store_true", help="the engine schedules a step ahead (its "
+                    "host work then includes the in-flight bookkeeping; on the CPU nothing overlaps)")
+    ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on (the blocks' hashes too)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -134,7 +138,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         AutoModelForCausalLM.from_config(LlamaConfig(**MODEL)).save_pretrained(tmp)
         loaded = load_model(tmp, BACKENDS["exact"])
-        with LLM(loaded, device="cpu", max_num_seqs=max(args.batch), block_size=16, enable_prefix_caching=False,
+        with LLM(loaded, device="cpu", max_num_seqs=max(args.batch), block_size=16,
+                 enable_prefix_caching=args.prefix_caching, async_scheduling=args.async_scheduling,
                  max_model_len=PROMPT_TOKENS + args.rounds * args.steps + 32, kv_cache_memory="64MiB") as llm:
             timer = PhaseTimer(llm.engine, loaded.model)
             for batch in args.batch:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 
 from fastapi import FastAPI, Request
@@ -136,6 +137,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     engine = LLMEngine(engine_config)
     app = create_app(engine, config)
     async_engine: AsyncEngine = app.state.async_engine
+    freeze_startup_heap()
 
     async def drain(name: str) -> None:
         logger.info("%s: draining, then exiting", name)
@@ -147,3 +149,16 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         logger.warning("a second signal: exited without finishing the drain")
         return 1
     return 0
+
+
+def freeze_startup_heap() -> None:
+    """Collect what start-up left behind, then move every object still alive (the imports of torch,
+    transformers and the server, the model's modules: ~400k objects) into the garbage collector's
+    permanent generation. A full collection scans every tracked object, so unfrozen, the ones serving
+    triggers took ~200 ms at a time on this heap, during which the engine thread held the GIL and no
+    stream advanced; frozen, a collection scans only what serving allocated. The cost: a reference
+    cycle among the frozen objects is never collected (the process serves until it exits). vLLM freezes
+    its engine process's heap after start-up the same way."""
+    gc.collect()
+    gc.freeze()
+    logger.info("froze %d objects alive after start-up out of the garbage collector's scans", gc.get_freeze_count())
