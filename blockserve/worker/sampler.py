@@ -169,7 +169,7 @@ class SamplingBatch:
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         seeded = tuple((j, rows[i].generator) for j, i in enumerate(sampled) if rows[i].generator is not None)
         seeded_ids = {j for j, _ in seeded}
-        unseeded = [j for j in range(len(sampled)) if j not in seeded_ids]
+        unseeded = [j for j in range(len(sampled)) if j not in seeded_ids] if seeded else []
         logprob_rows = [i for i in special if rows[i].params.logprobs is not None]
         batch = cls(
             num_rows=len(rows),
