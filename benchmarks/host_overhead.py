@@ -16,7 +16,8 @@ by wrappers around the calls that make it up:
       sample    the runner's sample phase: the rows' SamplingBatch, the sampler (argmax here), the
                 sampled tokens recorded
       update    Scheduler.update_from_output (stop checks, prefix-cache registration)
-      rest      host - the above (the runner's other bookkeeping, LLMEngine's outputs)
+      rest      host - the above (the runner's other bookkeeping, LLMEngine's outputs; with --graphs
+                also the graph's static inputs, built and copied at launch)
 
 Medians per phase over `--steps` steps a round (and the host's mean: every block_size-th step each
 request gains a block), the median round reported; every round carries
@@ -24,8 +25,8 @@ the other processes' CPU share (benchmarks/cpu_share.py). Compare two commits by
 from each checkout in turn (the commit is recorded):
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_overhead.py
-        [--batch 1 16 64 256] [--rounds 3] [--steps 50] [--async-scheduling] [--prefix-caching]
-        [--json results/host_overhead.json]
+        [--batch 1 16 64 256] [--rounds 3] [--steps 50] [--async-scheduling] [--prefix-caching] [--graphs]
+        [--max-model-len N] [--json results/host_overhead.json]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,9 +52,10 @@ from blockserve.engine.llm import LLM  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.sampling_params import SamplingParams  # noqa: E402
 from blockserve.scheduler import Scheduler  # noqa: E402
+from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers  # noqa: E402
 
 MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
+             num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None,
              pad_token_id=None)
 PROMPT_TOKENS = 32
 PHASES = ("step", "model", "host", "schedule", "prepare", "sample", "update", "rest")
@@ -86,6 +89,14 @@ class PhaseTimer:
                 self.current[phase] = self.current.get(phase, 0.0) + time.perf_counter() - began
 
         setattr(owner, name, timed)  # on the model, an instance attribute: shadows the method (forward too)
+
+
+def capture_host_side_only(forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    """A stand-in for CUDA graph capture on the CPU (`--graphs`): the forward runs once, at capture, and a
+    replay computes nothing (on a GPU the device runs it), so a decode step takes the graph path's host
+    work only, its static inputs built and copied. The sampled tokens are then meaningless; nothing here
+    reads them."""
+    return (lambda: None), forward()
 
 
 def measure(llm: LLM, timer: PhaseTimer, batch: int, steps: int, rounds: int) -> dict:
@@ -131,16 +142,26 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true", help="the engine schedules a step ahead (its "
                     "host work then includes the in-flight bookkeeping; on the CPU nothing overlaps)")
     ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on (the blocks' hashes too)")
+    ap.add_argument("--graphs", action="store_true", help="decode steps through the CUDA-graph path (the flex "
+                    "backend), with a stand-in capture whose replays compute nothing: the graph path's host work")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: what the steps need; the block "
+                    "tables are this long / 16 columns wide, and a step copies them whole")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     results = {"environment": environment(), "args": vars(args), "model": MODEL, "batches": []}
     with tempfile.TemporaryDirectory() as tmp:
         AutoModelForCausalLM.from_config(LlamaConfig(**MODEL)).save_pretrained(tmp)
-        loaded = load_model(tmp, BACKENDS["exact"])
+        loaded = load_model(tmp, BACKENDS["flex" if args.graphs else "exact"])  # exact cannot be captured
         with LLM(loaded, device="cpu", max_num_seqs=max(args.batch), block_size=16,
                  enable_prefix_caching=args.prefix_caching, async_scheduling=args.async_scheduling,
-                 max_model_len=PROMPT_TOKENS + args.rounds * args.steps + 32, kv_cache_memory="64MiB") as llm:
+                 max_model_len=args.max_model_len or PROMPT_TOKENS + args.rounds * args.steps + 32,
+                 kv_cache_memory="64MiB") as llm:
+            if args.graphs:
+                blockers = graph_blockers(loaded.model)
+                if blockers:
+                    raise SystemExit(f"--graphs: this model's decode cannot be captured: {'; '.join(blockers)}")
+                llm.engine.core.runner.capture_decode_graphs(default_graph_sizes(max(args.batch)), capture_host_side_only)
             timer = PhaseTimer(llm.engine, loaded.model)
             for batch in args.batch:
                 row = measure(llm, timer, batch, args.steps, args.rounds)

@@ -262,8 +262,7 @@ class Scheduler:
                     request.stop_reason,
                     request.num_cached_tokens,  # >= 0: it was admitted
                     logprobs[:accepted] if logprobs is not None else None,
-                    None,
-                    all_prompt_logprobs and all_prompt_logprobs.get(rid),
+                    prompt_logprobs=all_prompt_logprobs and all_prompt_logprobs.get(rid),
                 )
             )
             if status:

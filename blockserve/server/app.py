@@ -155,7 +155,7 @@ def freeze_startup_heap() -> None:
     """Collect what start-up left behind, then move every object still alive (the imports of torch,
     transformers and the server, the model's modules: ~400k objects) into the garbage collector's
     permanent generation. A full collection scans every tracked object, so unfrozen, the ones serving
-    triggers took ~200 ms at a time on this heap, during which the engine thread held the GIL and no
+    triggers took ~185 ms at a time on this heap, during which the engine thread held the GIL and no
     stream advanced; frozen, a collection scans only what serving allocated. The cost: a reference
     cycle among the frozen objects is never collected (the process serves until it exits). vLLM freezes
     its engine process's heap after start-up the same way."""

@@ -45,10 +45,6 @@ class CachedRequest:
     def __post_init__(self) -> None:
         self.reads_output_ids = self.grammar is not None or has_penalty(self.params)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
 
 @dataclass
 class StepInputs:

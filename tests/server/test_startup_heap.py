@@ -1,6 +1,6 @@
 """`blockserve serve` freezes the heap start-up leaves (app.freeze_startup_heap) before it serves: a full
 garbage collection then scans only what serving allocates, not the ~400k objects of torch, transformers
-and the model (~190 ms a collection, the engine thread holding the GIL)."""
+and the model (~185 ms a collection, the engine thread holding the GIL)."""
 
 from __future__ import annotations
 
