@@ -225,11 +225,13 @@ class Scheduler:
         since (its token still counts), and its computed count may include the next step's tokens."""
         outputs = []
         any_finished = False
-        # Each request's computed count before this step, when a later step has advanced it since.
-        starts = None if scheduler_output is self._last_output else _starts(scheduler_output)
         # This loop runs for every request of the step: what it looks up per request is bound once here.
         requests, running = self.requests, RequestStatus.RUNNING
         cache_blocks = self.kv.cache_blocks if self.kv.enable_caching else None
+        # Each request's computed count before this step, when a later step has advanced it since (only
+        # caching reads it).
+        ahead = scheduler_output is not self._last_output and cache_blocks is not None
+        starts = _starts(scheduler_output) if ahead else None
         sampled_token_ids = runner_output.sampled_token_ids
         all_logprobs, all_prompt_logprobs = runner_output.logprobs or None, runner_output.prompt_logprobs or None
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():

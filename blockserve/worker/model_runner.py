@@ -146,13 +146,19 @@ class ModelRunner:
         holes = (inputs.input_ids[:num_decodes] < 0).nonzero().flatten().tolist()
         if not holes:
             return None
-        where = {} if last.sampled_ids is None else last.row_of
-        missing = [inputs.request_ids[i] for i in holes if inputs.request_ids[i] not in where]
+        sampled, ids, k = last.sampled_ids, inputs.request_ids, len(holes)
+        if sampled is not None and holes[-1] == k - 1 and ids[:k] == last.sample_ids[:k]:
+            # Steady decode: the first k rows take the last step's first k samples, in the same order.
+            def fill_in_order(input_ids: torch.Tensor) -> None:
+                input_ids[:k].copy_(sampled[:k])
+
+            return fill_in_order
+        where = {} if sampled is None else last.row_of
+        missing = [ids[i] for i in holes if ids[i] not in where]
         if missing:
             raise RuntimeError(f"requests {missing} have an input in flight, but the last step did not sample them")
-        rows = [where[inputs.request_ids[i]] for i in holes]
+        rows = [where[ids[i]] for i in holes]
         dst, src = to_device((int64_tensor(holes), int64_tensor(rows)), self.device)
-        sampled = last.sampled_ids
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, dst, sampled.index_select(0, src))
