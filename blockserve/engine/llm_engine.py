@@ -24,7 +24,8 @@ from blockserve.scheduler.output import RequestOutput as CoreOutput
 from blockserve.scheduler.output import SchedulerStats
 from blockserve.scheduler.request import Request
 from blockserve.structured.compiler import GrammarCompiler
-from blockserve.worker.model_runner import RunnerTimings
+from blockserve.worker.cuda_graphs import Capture, graph_blockers
+from blockserve.worker.model_runner import ModelRunner, RunnerTimings
 
 
 class StepFailed(RuntimeError):
@@ -300,6 +301,17 @@ class LLMEngine:
         """The decode batch sizes replayed as CUDA graphs (empty: every step runs eagerly)."""
         graphs = getattr(self.core.runner, "graphs", None)  # a tensor-parallel runner has none
         return () if graphs is None else tuple(sorted(graphs.graphs))
+
+    def capture_decode_graphs(self, sizes, capture: Capture) -> None:
+        """Capture the decode step at each batch size in `sizes` through `capture` (a stand-in for CUDA
+        graph capture, for tests and benchmarks off a GPU; on CUDA the engine captures at start-up).
+        Raises ValueError, saying why, when this model's decode cannot be captured."""
+        runner = self.core.runner
+        if not isinstance(runner, ModelRunner):
+            raise ValueError("a tensor-parallel engine runs no CUDA graphs")
+        if blockers := graph_blockers(runner.model):
+            raise ValueError("this model's decode cannot be captured: " + "; ".join(blockers))
+        runner.capture_decode_graphs(sizes, capture)
 
     def reset_prefix_cache(self) -> ResetResult:
         """Drop every cached (unreferenced) block; refused (`ok` False, with the reason) while

@@ -100,9 +100,8 @@ def generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 def with_graphs(llm: LLM, fake: bool = True) -> FrozenCapture:
-    assert graph_blockers(llm.engine.core.runner.model) == []
     capture = FrozenCapture(fake)
-    llm.engine.core.runner.capture_decode_graphs(SIZES, capture)
+    llm.engine.capture_decode_graphs(SIZES, capture)  # refuses a model with graph blockers
     assert llm.engine.cuda_graph_sizes == SIZES
     return capture
 
@@ -262,6 +261,9 @@ def test_graph_blockers_name_what_cannot_be_captured(llama_path, tiny_model):
     exact = LLM(model=str(llama_path), attention_backend="exact", max_model_len=64)
     assert graph_blockers(exact.engine.core.runner.model) == [
         "attention backend 'exact' builds its gathers from host lists (use 'flex' or 'triton')"]
+    with pytest.raises(ValueError, match="cannot be captured: attention backend 'exact' builds its gathers"):
+        exact.engine.capture_decode_graphs(SIZES, FrozenCapture())
+    assert exact.engine.cuda_graph_sizes == ()
     deepseek = LLM(model=str(tiny_model("deepseek_v3")[0]), attention_backend="flex", max_model_len=64)
     assert graph_blockers(deepseek.engine.core.runner.model) == [
         "MoE experts in float32 take the expert loop, which reads the routing back to the host (use --dtype bfloat16)"]
