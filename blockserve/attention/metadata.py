@@ -101,11 +101,16 @@ class BatchLayout:
 class AttentionMetadata:
     layout: BatchLayout
     block_size: int
-    block_table: torch.Tensor  # [B, W] int64 in batch order, padded with the null block
+    # [B, W] int64 in batch order. Row i's columns below cdiv(seq_len_i, block_size) are its blocks (the
+    # null block where a window released one); the columns past them are never read and may hold stale
+    # ids (a reused row, an earlier wider step). W covers every row's blocks; it is the step's longest
+    # context rounded up (input_batch.py), so it may be less than table_capacity.
+    block_table: torch.Tensor
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     key_start: torch.Tensor  # [B] int64: the first position any query of the sequence sees
     seq_len: torch.Tensor  # [B] int64: layout.seq_lens as a tensor (for backends that read no host list)
     sliding_window: int | None = None
+    table_capacity: int | None = None  # columns any sequence's table can have (max_model_len's); None: W
     # What a backend derives from this metadata (gather indices, masks), computed by the first
     # layer of the step and reused by the others. Dies with the step.
     derived: dict = field(default_factory=dict)
@@ -113,6 +118,11 @@ class AttentionMetadata:
     host: AttentionMetadata | None = None  # the host twin of device metadata (None: this is on the host)
     # A captured step's (worker/cuda_graphs.py): no shape may depend on a tensor's values.
     static_shapes: bool = False
+
+    @property
+    def max_table_width(self) -> int:
+        """The columns a sequence's table can have, whatever this step's width (a shape fact)."""
+        return self.table_capacity or self.block_table.shape[1]
 
     @property
     def on_host(self) -> AttentionMetadata:
@@ -136,7 +146,7 @@ class AttentionMetadata:
 
     @staticmethod
     def build(layout: BatchLayout, block_table: torch.Tensor, block_size: int,
-              sliding_window: int | None = None) -> AttentionMetadata:
+              sliding_window: int | None = None, table_capacity: int | None = None) -> AttentionMetadata:
         blocks = block_table[layout.seq_of_token, layout.positions // block_size]
         slot_mapping = blocks * block_size + layout.positions % block_size
         if sliding_window is None:
@@ -147,4 +157,4 @@ class AttentionMetadata:
         key_start = int64_tensor(key_starts)
         seq_len = int64_tensor(layout.seq_lens)
         return AttentionMetadata(layout, block_size, block_table, slot_mapping, key_start, seq_len, sliding_window,
-                                 key_starts=key_starts)
+                                 table_capacity, key_starts=key_starts)

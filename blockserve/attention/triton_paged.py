@@ -129,11 +129,12 @@ def _multiprocessors(device: torch.device) -> int:
 
 def key_splits(meta: AttentionMetadata, rows: int, programs: int, device: torch.device) -> int:
     """Key splits per decode row (a power of two): enough for about two programs per multiprocessor,
-    none for prefill tiles, and at most one per MIN_SPLIT_KEYS of the longest context the block
-    table can hold. Shapes only, so a captured graph splits as it was captured."""
+    none for prefill tiles, and at most one per MIN_SPLIT_KEYS of the longest context a table can
+    hold (max_model_len's, not the step's width). Shapes only, so a captured graph splits as it was
+    captured, and an eager step as the graph would."""
     if rows != 1:
         return 1
-    by_context = -(-meta.block_table.shape[1] * meta.block_size // MIN_SPLIT_KEYS)
+    by_context = -(-meta.max_table_width * meta.block_size // MIN_SPLIT_KEYS)
     splits = max(1, min(MAX_SPLITS, 2 * _multiprocessors(device) // programs, by_context))
     return 1 << (splits.bit_length() - 1)
 

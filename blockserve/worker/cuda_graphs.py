@@ -3,7 +3,12 @@ size B in `sizes` and replayed with each step's inputs copied into the tensors i
 
     step of n decode rows ─► bucket B: the smallest size >= n
                           ─► rows [0, n): the step's inputs; rows [n, B): padding
-                          ─► one copy host -> device into B's static inputs ─► replay ─► hidden[:n]
+                          ─► copies host -> device into B's static inputs ─► replay ─► hidden[:n]
+
+The static inputs are one flat int64 tensor of the per-row fields (copied whole) and, per attention
+group, a block table as wide as max_model_len allows. A step's table is narrower (its longest
+context's, input_batch.py), and only its columns are copied: the columns past them keep an earlier
+step's ids, past every row's sequence length, which no backend reads (AttentionMetadata.block_table).
 
 A captured forward is frozen: on replay every kernel it launched runs again on the same tensors,
 while whatever Python read during the capture (a host list, a shape, a dict) keeps the value it
@@ -76,20 +81,15 @@ def cuda_capture(device: torch.device) -> Capture:
     return capture
 
 
-@dataclass(frozen=True)
-class _Field:
-    name: str
-    width: int  # int64 values per row
-
-
 @dataclass
 class _Graph:
     size: int
-    inputs: torch.Tensor  # [size * record width] int64 on the device: every field, field after field
+    inputs: torch.Tensor  # [size * len(fields)] int64 on the device: every per-row field, field after field
+    tables: dict[int, torch.Tensor]  # per attention group, [size, its table capacity] int64 on the device
     replay: Callable[[], None]
     output: torch.Tensor  # [size, hidden]
     # The captured forward, kept with the graph: a CUDA graph holds its kernels' pointers, not references,
-    # so every tensor they read besides `inputs` (the static metadata's, such as the rows' arange, and
+    # so every tensor they read besides the inputs (the static metadata's, such as the rows' arange, and
     # what the backends derived while capturing) must live as long as the graph. Dropped, their memory
     # goes back to the allocator and replays read whatever is put there next.
     forward: Callable[[], torch.Tensor]
@@ -104,14 +104,14 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graph sizes must be positive batch sizes, got {list(sizes)}")
         self.model, self.kv, self.memo, self.device = model, kv, memo, torch.device(device)
         self.groups = kv.config.groups
-        self.fields = [_Field("input_ids", 1), _Field("positions", 1)]
+        self.fields = ["input_ids", "positions"]  # one int64 per row each
+        self.table_widths: dict[int, int] = {}  # per attention group: its tables' capacity (input_batch.py)
         for g, group in enumerate(self.groups):
             if group.is_state:
-                self.fields.append(_Field(f"slots{g}", 1))
+                self.fields.append(f"slots{g}")
             else:
-                width = cdiv(max_model_len, group.spec.block_size)  # the block tables' (input_batch.py)
-                self.fields += [_Field(f"table{g}", width), _Field(f"slot{g}", 1), _Field(f"key_start{g}", 1),
-                                _Field(f"seq_len{g}", 1)]
+                self.table_widths[g] = cdiv(max_model_len, group.spec.block_size)
+                self.fields += [f"slot{g}", f"key_start{g}", f"seq_len{g}"]
         self.graphs: dict[int, _Graph] = {}
         for size in sorted(set(sizes), reverse=True):  # the largest first: the others reuse its memory
             self.graphs[size] = self._capture(size, capture)
@@ -128,6 +128,9 @@ class DecodeGraphs:
         n = step.layout.num_seqs
         graph = self.graphs[min(size for size in self.graphs if size >= n)]
         graph.inputs.copy_(self._host_inputs(graph.size, step), non_blocking=True)
+        for g, table in graph.tables.items():
+            step_table = self._host_table(g, graph.size, step)
+            table[:, : step_table.shape[1]].copy_(step_table, non_blocking=True)
         if fill is not None:
             fill(graph.inputs[:n])  # input_ids is the first field
         graph.replay()
@@ -135,6 +138,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int, capture: Capture) -> _Graph:
         inputs = self._host_inputs(size, None).to(self.device)
+        tables = {g: self._host_table(g, size, None).to(self.device) for g in self.table_widths}
         views = self._views(inputs, size)
         layout = BatchLayout(list(range(size + 1)), [1] * size, size, views["positions"],
                              torch.arange(size, device=self.device))
@@ -144,7 +148,7 @@ class DecodeGraphs:
                 metadata.append(StateMetadata(layout, views[f"slots{g}"], {}, [0] * size))
                 continue
             window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
-            metadata.append(AttentionMetadata(layout, group.spec.block_size, views[f"table{g}"], views[f"slot{g}"],
+            metadata.append(AttentionMetadata(layout, group.spec.block_size, tables[g], views[f"slot{g}"],
                                               views[f"key_start{g}"], views[f"seq_len{g}"], window,
                                               key_starts=[0] * size, static_shapes=True))
         ctx = ForwardContext(self.kv.layer_caches(), metadata, self.memo)
@@ -157,22 +161,16 @@ class DecodeGraphs:
             return model(views["input_ids"], views["positions"], ctx)
 
         replay, output = capture(forward)
-        return _Graph(size, inputs, replay, output, forward)
+        return _Graph(size, inputs, tables, replay, output, forward)
 
     def _views(self, flat: torch.Tensor, size: int) -> dict[str, torch.Tensor]:
-        """`flat`'s fields for a batch of `size` rows: [size] each, [size, width] for a table."""
-        views, start = {}, 0
-        for field in self.fields:
-            part = flat[start : start + size * field.width]
-            views[field.name] = part.view(size, field.width) if field.name.startswith("table") else part
-            start += size * field.width
-        return views
+        """`flat`'s fields for a batch of `size` rows: [size] each."""
+        return dict(zip(self.fields, flat.view(len(self.fields), size)))
 
     def _host_inputs(self, size: int, step: StepInputs | None) -> torch.Tensor:
-        """The static inputs of a batch of `size` rows on the host: `step`'s rows, then padding (all
+        """The per-row inputs of a batch of `size` rows on the host: `step`'s rows, then padding (all
         padding for None); pinned on CUDA (the copy to the device does not wait for it)."""
-        flat = torch.empty(size * sum(f.width for f in self.fields), dtype=torch.int64,
-                           pin_memory=self.device.type == "cuda")
+        flat = torch.empty(size * len(self.fields), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         views = self._views(flat, size)
         n = 0 if step is None else step.layout.num_seqs
         views["input_ids"][n:] = 0
@@ -188,15 +186,25 @@ class DecodeGraphs:
                 if meta is not None:
                     views[f"slots{g}"][:n] = meta.slots
                 continue
-            table = views[f"table{g}"]
-            table[n:] = 0
-            table[n:, 0] = scratch
             views[f"slot{g}"][n:] = scratch * group.spec.block_size
             views[f"key_start{g}"][n:] = 0
             views[f"seq_len{g}"][n:] = 1
             if meta is not None:
-                table[:n] = meta.block_table
                 views[f"slot{g}"][:n] = meta.slot_mapping
                 views[f"key_start{g}"][:n] = meta.key_start
                 views[f"seq_len{g}"][:n] = meta.seq_len
         return flat
+
+    def _host_table(self, g: int, size: int, step: StepInputs | None) -> torch.Tensor:
+        """Attention group g's block table for a batch of `size` rows on the host, as wide as `step`'s
+        (the capacity for None): `step`'s rows, then padding rows whose one block is the scratch block;
+        pinned on CUDA."""
+        meta = None if step is None else step.metadata[g]
+        width = self.table_widths[g] if meta is None else meta.block_table.shape[1]
+        table = torch.empty(size, width, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        n = 0 if meta is None else meta.layout.num_seqs
+        if meta is not None:
+            table[:n] = meta.block_table
+        table[n:] = 0
+        table[n:, 0] = self.kv.scratch_slot(g)
+        return table
