@@ -26,7 +26,7 @@ from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
 from blockserve.worker.kv_tensors import KVCacheTensors
-from blockserve.worker.prompt_logprobs import PromptLogprobs
+from blockserve.worker.prompt_logprobs import PromptLogprobs, read_entries
 from blockserve.worker.sampler import SampledTokens, Sampler, SamplingBatch, SamplingRow, make_generator
 
 
@@ -189,7 +189,7 @@ class LaunchedStep:
         self.request_ids, self.sample_ids, self.requests = request_ids, sample_ids, requests
         self.samples = samples  # on their way to the host; None on a tensor-parallel rank > 0
         self.sampled_ids = sampled_ids  # [len(sample_ids)] on the device: the next step's in-flight inputs
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs = prompt_logprobs  # of requests whose prompt completed, on the device until result()
         # Where each sampled request's token goes: the -1 launch appended for it.
         self.slots = [len(request.output_token_ids) - 1 for request in requests]
         self._output: ModelRunnerOutput | None = None
@@ -225,5 +225,6 @@ class LaunchedStep:
                 sampled[rid] = [token]
                 if token_logprobs is not None:
                     logprobs[rid] = [token_logprobs]
-        self._output = ModelRunnerOutput(sampled, logprobs, self.prompt_logprobs)
+        prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
+        self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
         return self._output

@@ -13,9 +13,15 @@ run through the model here, so they have no logits: the scheduler admits a reque
 for prompt logprobs without a prefix hit (vLLM's choice; its computed blocks are still cached
 for others). A request preempted before its prompt completes is dropped here and recomputed
 from its first token; one preempted later already has its entries.
+
+Nothing is read back while a step is launched (async scheduling overlaps the next step's host work
+with the device): each pass's logprobs stay on the device, and a request's entries are read when
+its step's result is (`read_entries`), after the step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,11 +32,42 @@ from blockserve.worker.sampler import TokenLogprobs
 LOGITS_ROWS_PER_PASS = 256  # prompt positions turned into [rows, vocab] logits at a time (bounds memory)
 
 
+@dataclass
+class _Pass:
+    """One pass's logprobs on the device: each row's target's, and the top n (None: n = 0)."""
+
+    picked: torch.Tensor  # [rows]
+    top: torch.return_types.topk | None
+    _host: tuple[list, list, list] | None = field(default=None, repr=False)
+
+    def host(self) -> tuple[list[float], list[list[int]], list[list[float]]]:
+        """(picked, top ids, top logprobs) per row, read back on the first call."""
+        if self._host is None:
+            picked = self.picked.tolist()
+            if self.top is None:
+                self._host = picked, [[]] * len(picked), [[]] * len(picked)
+            else:
+                self._host = picked, self.top.indices.tolist(), self.top.values.tolist()
+        return self._host
+
+
+Entry = tuple[_Pass, int, int]  # (its pass, its row there, the request's n)
+
+
+def read_entries(entries: list[Entry]) -> list[TokenLogprobs]:
+    """A request's entries (`PromptLogprobs.take`), read back: waits for the steps that computed them."""
+    out = []
+    for rows, row, k in entries:
+        picked, ids, lps = rows.host()
+        out.append(TokenLogprobs(picked[row], ids[row][:k], lps[row][:k]))
+    return out
+
+
 class PromptLogprobs:
     """The entries computed so far of each running request that asked, by request id."""
 
     def __init__(self):
-        self._entries: dict[str, list[TokenLogprobs]] = {}
+        self._entries: dict[str, list[Entry]] = {}
 
     def update(self, out: SchedulerOutput) -> None:
         """Forget finished and preempted requests; start the new ones that ask and have not sampled yet."""
@@ -74,21 +111,18 @@ class PromptLogprobs:
                 continue
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             target = torch.tensor(targets[lo:hi], dtype=torch.long, device=hidden.device)
-            picked = logprobs.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
-            top = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1) if top_n else None
-            top_ids = top.indices.tolist() if top is not None else [[]] * len(picked)
-            top_lps = top.values.tolist() if top is not None else [[]] * len(picked)
-            for rid, value, ids, lps in zip(owners[lo:hi], picked, top_ids, top_lps):
-                k = requests[rid].params.prompt_logprobs
-                self._entries[rid].append(TokenLogprobs(value, ids[:k], lps[:k]))
+            rows_pass = _Pass(logprobs.gather(1, target.unsqueeze(1)).squeeze(1),
+                              logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1) if top_n else None)
+            for row, rid in enumerate(owners[lo:hi]):
+                self._entries[rid].append((rows_pass, row, requests[rid].params.prompt_logprobs))
 
-    def take_all(self, request_ids) -> dict[str, list[TokenLogprobs]]:
+    def take_all(self, request_ids) -> dict[str, list[Entry]]:
         """`take` for each of `request_ids`, those that asked only."""
         if not self._entries:  # most steps: nobody asked
             return {}
         return {rid: entries for rid in request_ids if (entries := self.take(rid)) is not None}
 
-    def take(self, request_id: str) -> list[TokenLogprobs] | None:
+    def take(self, request_id: str) -> list[Entry] | None:
         """The entries of a request whose prompt just completed (one per prompt token after the
-        first), or None if it did not ask; it is forgotten here."""
+        first; `read_entries` reads them), or None if it did not ask; it is forgotten here."""
         return self._entries.pop(request_id, None)

@@ -149,3 +149,22 @@ def test_the_sampler_reads_nothing_back_where_that_waits():
     assert got.token_ids[0] == want.token_ids[0] == int(logits[0].argmax())
     assert got.token_ids[3:] == want.token_ids[3:]  # greedy rows: the same whichever kernels
     assert got.logprobs[3].top_ids == want.logprobs[3].top_ids
+
+
+def test_prompt_logprobs_are_read_back_with_the_result_not_at_launch(llama_path):
+    """Prompt logprobs over chunked prompts read nothing back while the step is launched (their values
+    are checked against transformers in tests/engine/test_prompt_logprobs.py)."""
+    llm = LLM(model=str(llama_path), max_model_len=64, max_num_batched_tokens=8, seed=0)
+    table = llm.engine.core.runner.prompt_logprobs
+    compute = table.compute
+
+    def guarded(*args, **kwargs):
+        with host_reads_raise():
+            return compute(*args, **kwargs)
+
+    table.compute = guarded
+    outputs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)
+    for prompt, output in zip(prompts(), outputs):
+        entries = output.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        assert all(token in entry and len(entry) >= 2 for token, entry in zip(prompt[1:], entries[1:]))
