@@ -331,8 +331,8 @@ class Sampler:
     def __init__(self, *, device: torch.device | str, seed: int | None = None):
         self.device = _canonical(device)
         self.native = fused_ops() if self.device.type == "cpu" else None  # its argmax_rows, where built
-        # On the CPU reading a value back costs nothing; elsewhere it waits for the device, so only a
-        # constrained row's min_tokens check does (async scheduling overlaps the host with the device).
+        # On the CPU reading a value back costs nothing; elsewhere it waits for the device, so nothing
+        # does (async scheduling overlaps the host with the device).
         self.reads_back = self.device.type == "cpu"
         self.generator = torch.Generator(device=self.device)
         if seed is None:
@@ -345,8 +345,7 @@ class Sampler:
         return self.sample(logits, batch).host()
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
-        """The samples as tensors on the device, without waiting for it (except on a constrained row,
-        whose min_tokens check reads the logits)."""
+        """The samples as tensors on the device, without waiting for it."""
         if batch.device != self.device:
             raise ValueError(f"the SamplingBatch was built for {batch.device}, the sampler is on {self.device}")
         _check_logits(logits, batch)
@@ -357,10 +356,11 @@ class Sampler:
             raise ValueError(f"token id {batch.penalties.max_token} is out of range for a vocabulary of {vocab_size}")
         logits = logits.float()
         owned = bool(batch.grammars) or batch.logit_bias is not None
+        allowed = None
         if owned:  # never modify the caller's tensor
             logits = logits.clone()
             if batch.grammars:
-                _apply_grammars(logits, batch.grammars)
+                allowed = _apply_grammars(logits, batch.grammars)
             if batch.logit_bias is not None:
                 rows, tokens, biases = batch.logit_bias
                 logits.index_put_((rows, tokens), biases, accumulate=True)
@@ -369,11 +369,11 @@ class Sampler:
             logits = logits.clone() if batch.penalties is None and not owned else logits
             if batch.blocked_index is not None:
                 logits[batch.blocked_index] = float("-inf")
-            for row, ids in batch.blocked:  # constrained rows
-                kept = logits[row, list(ids)].clone()
-                logits[row, list(ids)] = float("-inf")
-                if bool(torch.isneginf(logits[row]).all()):
-                    logits[row, list(ids)] = kept  # the grammar allows only these: the grammar wins
+            if batch.blocked:  # constrained rows: blocked unless the grammar allows only these (it wins)
+                grammar_of = {row: i for i, (row, _) in enumerate(batch.grammars)}
+                for row, ids in batch.blocked:
+                    if not _allows_only(allowed[grammar_of[row]], ids):
+                        logits[row, list(ids)] = float("-inf")
         if batch.num_sampled == batch.num_rows:
             tokens = self._sample(logits, batch)
         else:
@@ -429,23 +429,32 @@ def _inverse_cdf(z: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(total.squeeze(1).isnan(), z.max(dim=-1).indices, tokens)
 
 
-def _apply_grammars(logits: torch.Tensor, grammars: tuple[tuple[int, TokenConstraint], ...]) -> None:
+def _apply_grammars(logits: torch.Tensor, grammars: tuple[tuple[int, TokenConstraint], ...]) -> np.ndarray:
     """-inf, in place, at the tokens each constrained row's grammar forbids (columns past the
-    grammar's vocabulary included). The bits are unpacked by numpy (little-endian bytes: bit j of
-    word w is token 32w + j) and each row is filled in place, which is several times cheaper on a
-    CPU than unpacking with shifts and writing the rows back through an index."""
+    grammar's vocabulary included); returns what each grammar allows, on the host ([len(grammars),
+    covered columns] bool). The bits are unpacked by numpy (little-endian bytes: bit j of word w is
+    token 32w + j) and each row is filled in place, which is several times cheaper on a CPU than
+    unpacking with shifts and writing the rows back through an index."""
     vocab_size = logits.shape[1]
     words = max(g.num_words for _, g in grammars)
-    bitmask = torch.zeros((len(grammars), words), dtype=torch.int32)
+    bitmask = np.zeros((len(grammars), words), dtype=np.int32)
+    rows = torch.from_numpy(bitmask)  # the same memory, as the grammars fill it
     for i, (_, grammar) in enumerate(grammars):
-        grammar.fill_bitmask(bitmask[i, : grammar.num_words])
+        grammar.fill_bitmask(rows[i, : grammar.num_words])
     covered = min(vocab_size, 32 * words)
-    forbidden = np.unpackbits(np.invert(bitmask.numpy().view(np.uint8)), axis=1, count=covered, bitorder="little")
+    forbidden = np.unpackbits(np.invert(bitmask.view(np.uint8)), axis=1, count=covered, bitorder="little")
+    allowed = ~forbidden.view(bool)
     forbidden = torch.from_numpy(forbidden).view(torch.bool).to(logits.device)
     for i, (row, _) in enumerate(grammars):
         logits[row, :covered].masked_fill_(forbidden[i], float("-inf"))
         if covered < vocab_size:
             logits[row, covered:] = float("-inf")
+    return allowed
+
+
+def _allows_only(allowed: np.ndarray, ids) -> bool:
+    """Whether a grammar that allows `allowed` (one row of `_apply_grammars`') allows no token but `ids`."""
+    return int(allowed.sum()) == sum(1 for t in set(ids) if t < allowed.shape[0] and allowed[t])
 
 
 def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:

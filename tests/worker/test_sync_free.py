@@ -19,6 +19,7 @@ from blockserve import LLM, SamplingParams
 from blockserve.models.moe import Experts
 from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
+from tests.structured.test_sampler_grammar import AllowOnly
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -126,8 +127,9 @@ def test_cpu_expert_loop_reads_the_host():
 def test_the_sampler_reads_nothing_back_where_that_waits():
     """Off the CPU the sampler queues its work without reading a value back (async scheduling then
     overlaps the next step's host work with the device): proven on the CPU with the native kernels
-    off and `reads_back` off, every filter, penalty, bias, seed, min_tokens and logprobs in one batch
-    (a constrained row's min_tokens check is the documented exception). The tokens equal the CPU's."""
+    off and `reads_back` off, every filter, penalty, bias, seed, min_tokens (on constrained rows too:
+    the grammar wins when it allows only what min_tokens blocks) and logprobs in one batch. The tokens
+    equal the CPU's."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, VOCAB, generator=gen) * 3
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
@@ -135,11 +137,17 @@ def test_the_sampler_reads_nothing_back_where_that_waits():
               SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
                              logit_bias={5: 2.0}),
               SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[7])]
-    rows = [SamplingRow(p, [1, 2, 3], [4, 7], make_generator(p.seed, "cpu") if p.seed is not None else None, 9)
-            for p in params]
-    want = Sampler(device="cpu", seed=0)(logits, SamplingBatch.build(rows, "cpu"))
-    rows = [SamplingRow(p, [1, 2, 3], [4, 7], make_generator(p.seed, "cpu") if p.seed is not None else None, 9)
-            for p in params]
+    logits = torch.cat([logits, logits[:2]])
+    logits[6:, 9] = 100.0  # the model wants EOS
+
+    def batch_rows():
+        constrained = [SamplingRow(SamplingParams(temperature=0, min_tokens=4), [1], [], None, 9, AllowOnly(ids, VOCAB))
+                       for ids in ([9], [9, 50])]  # only EOS: EOS; with another token: not EOS
+        return [SamplingRow(p, [1, 2, 3], [4, 7], make_generator(p.seed, "cpu") if p.seed is not None else None, 9)
+                for p in params] + constrained
+
+    want = Sampler(device="cpu", seed=0)(logits, SamplingBatch.build(batch_rows(), "cpu"))
+    rows = batch_rows()
     sampler = Sampler(device="cpu", seed=0)
     sampler.native, sampler.reads_back = None, False
     batch = SamplingBatch.build(rows, "cpu")
@@ -148,6 +156,7 @@ def test_the_sampler_reads_nothing_back_where_that_waits():
     got = samples.host()
     assert got.token_ids[0] == want.token_ids[0] == int(logits[0].argmax())
     assert got.token_ids[3:] == want.token_ids[3:]  # greedy rows: the same whichever kernels
+    assert got.token_ids[6:] == [9, 50]
     assert got.logprobs[3].top_ids == want.logprobs[3].top_ids
 
 
