@@ -3,6 +3,11 @@
 flags (API keys through the environment, never argv), started together and stopped with SIGTERM
 (which drains each one). A replica is sent SIGTERM too when the front end dies without
 stopping it (Linux: the parent-death signal), so none outlives it.
+
+On CUDA each replica runs on a GPU of its own, as vLLM's data-parallel ranks do: replica i sees only
+the i-th GPU visible to the front end (CUDA_VISIBLE_DEVICES, or every GPU of the host), as its
+cuda:0. Fewer GPUs than replicas is an error at start-up: replicas sharing one GPU would each size
+their KV cache from the memory the others had left free.
 """
 
 from __future__ import annotations
@@ -53,6 +58,35 @@ def config_flags(config) -> list[str]:
     return flags
 
 
+def replica_environments(engine_config: EngineConfig, replicas: int, environ=os.environ,
+                         cuda_devices: int | None = None) -> list[dict[str, str]]:
+    """What each replica's environment adds to the front end's to give it its device: on CUDA, its
+    own GPU (CUDA_VISIBLE_DEVICES); nothing on the CPU. ValueError if the GPUs are too few, or the
+    device names one GPU for all. `cuda_devices`: the GPUs torch sees (given by tests)."""
+    device = engine_config.device
+    if device == "cpu" or engine_config.tensor_parallel_size > 1:  # tensor parallelism runs on the CPU
+        return [{} for _ in range(replicas)]
+    if device.startswith("cuda:"):
+        raise ValueError(f"--data-parallel-size {replicas} gives each replica a GPU of its own, so --device "
+                         f"{device} (one GPU for all) cannot be honoured: pass --device cuda (or auto), and choose "
+                         "the GPUs with CUDA_VISIBLE_DEVICES")
+    if cuda_devices is None:
+        import torch
+
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda_devices == 0:
+        if device == "cuda":
+            raise ValueError("--device cuda, but CUDA is not available here: use --device cpu or auto")
+        return [{} for _ in range(replicas)]  # auto on a host without CUDA: the CPU
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in listed.split(",")][:cuda_devices] if listed else [str(i) for i in range(cuda_devices)]
+    if len(visible) < replicas:
+        shown = f" (CUDA_VISIBLE_DEVICES={listed})" if listed else ""
+        raise ValueError(f"--data-parallel-size {replicas} needs a GPU per replica, but {len(visible)} "
+                         f"{'is' if len(visible) == 1 else 'are'} visible{shown}: run fewer replicas, or --device cpu")
+    return [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in visible[:replicas]]
+
+
 @dataclass
 class ReplicaProcess:
     index: int
@@ -82,11 +116,15 @@ def start_replicas(engine_config: EngineConfig, server_config: ServerConfig, *, 
     """Start `server_config.data_parallel_size` replicas and wait until each answers /health;
     RuntimeError (every replica stopped) if one exits or is not healthy in `startup_timeout` s."""
     env = {**os.environ, "BLOCKSERVE_API_KEY": ",".join(server_config.api_keys)}
+    devices = replica_environments(engine_config, server_config.data_parallel_size)
     replicas = []
-    for index in range(server_config.data_parallel_size):
+    for index, device in enumerate(devices):
         port = free_port()
         command = replica_command(engine_config, server_config, port, quiet)
-        replicas.append(ReplicaProcess(index, port, subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+        if device:
+            logger.info("replica %d: %s", index, " ".join(f"{k}={v}" for k, v in device.items()))
+        replicas.append(ReplicaProcess(index, port, subprocess.Popen(command, env={**env, **device},
+                                                                     stdin=subprocess.DEVNULL,
                                                                      preexec_fn=_ended_with(os.getpid()))))
     try:
         _wait_healthy(replicas, startup_timeout)

@@ -295,3 +295,23 @@ def test_replicas_get_the_front_ends_flags_back():
     engine, server = config_from_namespace(EngineConfig, args), server_config(args)
     again = build_parser().parse_args(["serve", *config_flags(server), *config_flags(engine)])
     assert config_from_namespace(EngineConfig, again) == engine and server_config(again) == server
+
+
+def test_each_replica_gets_a_gpu_of_its_own():
+    """On CUDA, replica i sees only the i-th visible GPU (as its cuda:0); on the CPU nothing changes;
+    fewer GPUs than replicas, or one GPU named for all, is refused before anything starts."""
+    from blockserve.engine.config import EngineConfig
+    from blockserve.server.replicas import replica_environments as envs
+
+    auto, cuda, cpu = EngineConfig(), EngineConfig(device="cuda"), EngineConfig(device="cpu")
+    assert envs(auto, 2, {}, cuda_devices=0) == [{}, {}]  # auto without CUDA: the CPU
+    assert envs(cpu, 2, {}, cuda_devices=4) == [{}, {}]
+    assert envs(auto, 2, {}, cuda_devices=4) == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    chosen = {"CUDA_VISIBLE_DEVICES": "3, GPU-5f0e"}  # indices or UUIDs, as the front end was given them
+    assert envs(cuda, 2, chosen, cuda_devices=2) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "GPU-5f0e"}]
+    with pytest.raises(ValueError, match=r"needs a GPU per replica, but 2 are visible \(CUDA_VISIBLE_DEVICES=3, GPU"):
+        envs(auto, 3, chosen, cuda_devices=2)
+    with pytest.raises(ValueError, match="--device cuda:1 .one GPU for all. cannot be honoured"):
+        envs(EngineConfig(device="cuda:1"), 2, {}, cuda_devices=2)
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        envs(cuda, 2, {}, cuda_devices=0)
