@@ -12,7 +12,7 @@ from blockserve.worker import input_batch
 from blockserve.worker.input_batch import step_table_width
 from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
 from tests.worker.test_cuda_graphs import SIZES, FrozenCapture, assert_same, gemma3_path  # noqa: F401 (a fixture)
-from tests.worker.test_sync_free import llama_path  # noqa: F401 (a fixture)
+from tests.worker.test_sync_free import llama_path, save_tiny_llama  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -94,3 +94,31 @@ def test_replayed_steps_read_no_stale_column(backend, llama_path, monkeypatch, w
     assert capture.replays and widths[-1] == 16 and 64 in widths
     tables = [table for graph in llm.engine.core.runner.graphs.graphs.values() for table in graph.tables.values()]
     assert any(table[:, 16:].any() for table in tables)  # stale ids from the wide steps, left in place
+
+
+@pytest.fixture(scope="module")
+def long_llama_path(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("llama_long"), max_position_embeddings=1024)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the GPU kernels")
+@pytest.mark.parametrize("backend", ["flex", "triton"])
+def test_narrow_step_tables_on_cuda(long_llama_path, backend, monkeypatch, widths):
+    """On the GPU's kernels, eager and replayed (block size 16, tables of 64 columns; steps of 32, then
+    16 once the long prompt ends): full-width eager steps' tokens."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (300, 20, 45)]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (4, 12, 10)]
+    outs = []
+    for full, options in ((True, dict(enforce_eager=True)), (False, dict(enforce_eager=True)),
+                          (False, dict(cuda_graph_sizes=(1, 2, 4)))):
+        with monkeypatch.context() as patch:
+            if full:
+                patch.setattr(input_batch, "MIN_STEP_TABLE_WIDTH", 1024)
+            with LLM(model=str(long_llama_path), device="cuda", dtype="float32", attention_backend=backend,
+                     max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64, seed=0,
+                     kv_cache_memory=4 << 20, **options) as llm:
+                outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1] == outs[2]
+    assert {16, 32} <= set(widths)

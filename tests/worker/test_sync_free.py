@@ -49,15 +49,15 @@ def host_reads_raise():
             setattr(torch.Tensor, name, method)
 
 
-def guard_forward(llm: LLM) -> None:
-    model = llm.engine.core.runner.model
-    forward = model.forward
+def guard(owner, name: str) -> None:
+    """From now on `owner.name(...)` raises HostRead where it reads a tensor back."""
+    method = getattr(owner, name)
 
     def guarded(*args, **kwargs):
         with host_reads_raise():
-            return forward(*args, **kwargs)
+            return method(*args, **kwargs)
 
-    model.forward = guarded
+    setattr(owner, name, guarded)
 
 
 def prompts() -> list[list[int]]:
@@ -73,20 +73,24 @@ def run(path, guarded: bool = True, **options) -> list[list[int]]:
         if isinstance(module, Experts):
             module.route = "grouped"  # the route off the CPU
     if guarded:
-        guard_forward(llm)
+        guard(llm.engine.core.runner.model, "forward")
     params = SamplingParams(temperature=0, max_tokens=3)
     first = llm.generate(prompts()[:1], params, use_tqdm=False)  # cached: the others hit its prefix
     rest = llm.generate(prompts(), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in first + rest]
 
 
+def save_tiny_llama(path, max_position_embeddings: int = 256):
+    save_random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=max_position_embeddings, bos_token_id=None,
+                                  eos_token_id=None, pad_token_id=None), path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama_sync")
-    save_random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                  bos_token_id=None, eos_token_id=None, pad_token_id=None), path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("llama_sync"))
 
 
 def test_guard_catches_a_host_read():
@@ -164,14 +168,7 @@ def test_prompt_logprobs_are_read_back_with_the_result_not_at_launch(llama_path)
     """Prompt logprobs over chunked prompts read nothing back while the step is launched (their values
     are checked against transformers in tests/engine/test_prompt_logprobs.py)."""
     llm = LLM(model=str(llama_path), max_model_len=64, max_num_batched_tokens=8, seed=0)
-    table = llm.engine.core.runner.prompt_logprobs
-    compute = table.compute
-
-    def guarded(*args, **kwargs):
-        with host_reads_raise():
-            return compute(*args, **kwargs)
-
-    table.compute = guarded
+    guard(llm.engine.core.runner.prompt_logprobs, "compute")
     outputs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)
     for prompt, output in zip(prompts(), outputs):
         entries = output.prompt_logprobs
