@@ -2,9 +2,9 @@
 
 Each request owns a row of a per-group block-table tensor for as long as the worker holds it;
 a step's table is one index of those rows, only as wide as its longest context needs (rounded up
-to a power of two): a table's full width is max_model_len's, and gathering it whole cost ~0.1 ms a
-step at batch 256 and 8k tokens, ~3 ms at 128k, whatever the contexts served. Decodes go first in the step's batch order so the
-attention backends can attend them in one call.
+to a power of two): a table's full width is max_model_len's, and gathering it whole cost ~0.1 ms
+a step at batch 256 and 8k tokens, ~3 ms at 128k, whatever the contexts served. Decodes go first
+in the step's batch order so the attention backends can attend them in one call.
 
     SchedulerOutput ──update()──► rows, tables, tokens ──prepare()──► StepInputs
                                   (host)                  built on the host, moved to the
