@@ -6,9 +6,10 @@ size B in `sizes` and replayed with each step's inputs copied into the tensors i
                           ─► copies host -> device into B's static inputs ─► replay ─► hidden[:n]
 
 The static inputs are one flat int64 tensor of the per-row fields (copied whole) and, per attention
-group, a block table as wide as max_model_len allows. A step's table is narrower (its longest
-context's, input_batch.py), and only its columns are copied: the columns past them keep an earlier
-step's ids, past every row's sequence length, which no backend reads (AttentionMetadata.block_table).
+group, a block table as wide as max_model_len allows, one for all sizes (size B's is its first B
+rows: the graphs run one at a time). A step's table is narrower (its longest context's,
+input_batch.py), and only its columns are copied: the columns past them keep an earlier step's ids,
+past every row's sequence length, which no backend reads (AttentionMetadata.block_table).
 
 A captured forward is frozen: on replay every kernel it launched runs again on the same tensors,
 while whatever Python read during the capture (a host list, a shape, a dict) keeps the value it
@@ -85,7 +86,7 @@ def cuda_capture(device: torch.device) -> Capture:
 class _Graph:
     size: int
     inputs: torch.Tensor  # [size * len(fields)] int64 on the device: every per-row field, field after field
-    tables: dict[int, torch.Tensor]  # per attention group, [size, its table capacity] int64 on the device
+    tables: dict[int, torch.Tensor]  # per attention group, [size, its table capacity]: the shared tables' rows
     replay: Callable[[], None]
     output: torch.Tensor  # [size, hidden]
     # The captured forward, kept with the graph: a CUDA graph holds its kernels' pointers, not references,
@@ -112,6 +113,8 @@ class DecodeGraphs:
             else:
                 self.table_widths[g] = cdiv(max_model_len, group.spec.block_size)
                 self.fields += [f"slot{g}", f"key_start{g}", f"seq_len{g}"]
+        # One table per attention group for every graph: the largest capture (the KV budget's probe) holds them all.
+        self.tables = {g: self._host_table(g, max(sizes), None).to(self.device) for g in self.table_widths}
         self.graphs: dict[int, _Graph] = {}
         for size in sorted(set(sizes), reverse=True):  # the largest first: the others reuse its memory
             self.graphs[size] = self._capture(size, capture)
@@ -138,7 +141,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int, capture: Capture) -> _Graph:
         inputs = self._host_inputs(size, None).to(self.device)
-        tables = {g: self._host_table(g, size, None).to(self.device) for g in self.table_widths}
+        tables = {g: table[:size] for g, table in self.tables.items()}
         views = self._views(inputs, size)
         layout = BatchLayout(list(range(size + 1)), [1] * size, size, views["positions"],
                              torch.arange(size, device=self.device))

@@ -92,8 +92,10 @@ def test_replayed_steps_read_no_stale_column(backend, llama_path, monkeypatch, w
     widths.clear()
     assert_same(generate(llm), expected)
     assert capture.replays and widths[-1] == 16 and 64 in widths
-    tables = [table for graph in llm.engine.core.runner.graphs.graphs.values() for table in graph.tables.values()]
-    assert any(table[:, 16:].any() for table in tables)  # stale ids from the wide steps, left in place
+    graphs = llm.engine.core.runner.graphs
+    for g, shared in graphs.tables.items():  # one table for every size: size B's is its first B rows
+        assert all(graph.tables[g].data_ptr() == shared.data_ptr() for graph in graphs.graphs.values())
+        assert shared[:, 16:].any()  # stale ids from the wide steps, left in place
 
 
 @pytest.fixture(scope="module")
