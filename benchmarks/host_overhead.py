@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="decode steps through the CUDA-graph path (the flex "
                     "backend), with a stand-in capture whose replays compute nothing: the graph path's host work")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: what the steps need; the block "
-                    "tables are this long / 16 columns wide, and a step copies them whole")
+                    "tables are this long / 16 columns wide; a step's are as wide as its longest context, rounded up")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
