@@ -189,7 +189,7 @@ class LaunchedStep:
         self.request_ids, self.sample_ids, self.requests = request_ids, sample_ids, requests
         self.samples = samples  # on their way to the host; None on a tensor-parallel rank > 0
         self.sampled_ids = sampled_ids  # [len(sample_ids)] on the device: the next step's in-flight inputs
-        self.prompt_logprobs = prompt_logprobs  # of requests whose prompt completed, on the device until result()
+        self.prompt_logprobs = prompt_logprobs  # of requests whose prompt completed, read by result()
         # Where each sampled request's token goes: the -1 launch appended for it.
         self.slots = [len(request.output_token_ids) - 1 for request in requests]
         self._output: ModelRunnerOutput | None = None

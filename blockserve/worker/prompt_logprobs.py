@@ -15,8 +15,8 @@ for others). A request preempted before its prompt completes is dropped here and
 from its first token; one preempted later already has its entries.
 
 Nothing is read back while a step is launched (async scheduling overlaps the next step's host work
-with the device): each pass's logprobs stay on the device, and a request's entries are read when
-its step's result is (`read_entries`), after the step.
+with the device): each pass's logprobs start on their way to the host, and a request's entries are
+read when its step's result is (`read_entries`).
 """
 
 from __future__ import annotations
@@ -27,27 +27,41 @@ import torch
 
 from blockserve.scheduler.output import SchedulerOutput
 from blockserve.worker.input_batch import CachedRequest, StepInputs
-from blockserve.worker.sampler import TokenLogprobs
+from blockserve.worker.sampler import TokenLogprobs, copy_to_host_async
 
 LOGITS_ROWS_PER_PASS = 256  # prompt positions turned into [rows, vocab] logits at a time (bounds memory)
 
 
 @dataclass
 class _Pass:
-    """One pass's logprobs on the device: each row's target's, and the top n (None: n = 0)."""
+    """One pass's logprobs: each row's target's, and the top n (None: n = 0). On CUDA they are
+    copied to pinned host memory as the pass is computed, and `ready` says when the copies are done:
+    reading them waits for this pass only, not for a step launched since (async scheduling)."""
 
     picked: torch.Tensor  # [rows]
-    top: torch.return_types.topk | None
+    top_ids: torch.Tensor | None  # [rows, n]
+    top_logprobs: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
     _host: tuple[list, list, list] | None = field(default=None, repr=False)
 
+    @classmethod
+    def start(cls, picked: torch.Tensor, top: torch.return_types.topk | None) -> _Pass:
+        tensors = [picked] if top is None else [picked, top.indices, top.values]
+        ready = None
+        if picked.device.type != "cpu":
+            tensors, ready = copy_to_host_async(tensors)
+        return cls(tensors[0], *(tensors[1:] or (None, None)), ready)
+
     def host(self) -> tuple[list[float], list[list[int]], list[list[float]]]:
-        """(picked, top ids, top logprobs) per row, read back on the first call."""
+        """(picked, top ids, top logprobs) per row, read on the first call."""
         if self._host is None:
+            if self.ready is not None:
+                self.ready.synchronize()
             picked = self.picked.tolist()
-            if self.top is None:
+            if self.top_ids is None:
                 self._host = picked, [[]] * len(picked), [[]] * len(picked)
             else:
-                self._host = picked, self.top.indices.tolist(), self.top.values.tolist()
+                self._host = picked, self.top_ids.tolist(), self.top_logprobs.tolist()
         return self._host
 
 
@@ -111,8 +125,8 @@ class PromptLogprobs:
                 continue
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             target = torch.tensor(targets[lo:hi], dtype=torch.long, device=hidden.device)
-            rows_pass = _Pass(logprobs.gather(1, target.unsqueeze(1)).squeeze(1),
-                              logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1) if top_n else None)
+            rows_pass = _Pass.start(logprobs.gather(1, target.unsqueeze(1)).squeeze(1),
+                                    logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1) if top_n else None)
             for row, rid in enumerate(owners[lo:hi]):
                 self._entries[rid].append((rows_pass, row, requests[rid].params.prompt_logprobs))
 

@@ -284,6 +284,18 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # [N]; None where the row's params.logprobs is None
 
 
+def copy_to_host_async(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+    """Copies of CUDA `tensors` (one device) in pinned host memory, begun without waiting for the
+    device, and the event recorded after them: once it has happened, the copies hold the values."""
+    moved = []
+    for tensor in tensors:
+        moved.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True))
+        moved[-1].copy_(tensor, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(tensors[0].device))
+    return moved, ready
+
+
 @dataclass(frozen=True)
 class SampledTokens:
     """One step's samples as tensors, where the sampler made them: `token_ids` [N] (int64), and for
@@ -304,14 +316,8 @@ class SampledTokens:
         if self.token_ids.device.type == "cpu":
             return self
         names = [name for name in ("token_ids", "picked", "top_ids", "top_logprobs") if getattr(self, name) is not None]
-        moved = {}
-        for name in names:
-            tensor = getattr(self, name)
-            moved[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            moved[name].copy_(tensor, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.token_ids.device))
-        return dataclasses.replace(self, ready=ready, **moved)
+        moved, ready = copy_to_host_async([getattr(self, name) for name in names])
+        return dataclasses.replace(self, ready=ready, **dict(zip(names, moved)))
 
     def host(self) -> SamplerOutput:
         """The samples as lists (waits for the device when they are still being made or copied)."""
