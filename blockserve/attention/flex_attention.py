@@ -4,7 +4,8 @@ decodes and prefill chunks in one flattened call.
 
 The layer's cache is seen as one long KV sequence of pages; each query row is mapped to its
 sequence and position, and the block mask, built from the block tables, lists per tile of
-Q_BLOCK rows the pages those rows' sequences may read:
+Q_BLOCK rows the pages those rows' sequences may read (`tile_pages`: lists as long as the step's
+rows and table width allow, not as the cache is, so the per-step cost does not grow with the cache):
 
     cache [num_pages, bs, Hkv, D]  ->  kv [1, Hkv, num_pages * bs, D]    (a view, no copy)
     kv index n  ->  page n // bs, slot n % bs;  page p holds positions col[p] * bs + slot
@@ -113,6 +114,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
+def tile_pages(row_pages: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_pages [T, W]: the kv pages each query row reads (kv_len: none) -> (counts [tiles] int32,
+    pages [tiles, N] int32): per tile of Q_BLOCK rows its distinct pages, ascending, in the first
+    `count` columns. Sized by the step (N = min(Q_BLOCK * W, kv_len)), not by the cache; no shape
+    depends on a value, so a captured step can build it."""
+    rows, width = row_pages.shape
+    num_tiles = -(-rows // Q_BLOCK)
+    padded = torch.nn.functional.pad(row_pages.to(torch.int32), (0, 0, 0, num_tiles * Q_BLOCK - rows), value=kv_len)
+    ordered = padded.view(num_tiles, Q_BLOCK * width).sort(dim=-1).values
+    keep = ordered < kv_len
+    keep[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    size = min(Q_BLOCK * width, kv_len)
+    column = torch.where(keep, keep.cumsum(-1) - 1, size)  # a kept page's place; the rest into a sink column
+    pages = torch.zeros(num_tiles, size + 1, dtype=torch.int32, device=row_pages.device)
+    pages.scatter_(1, column, ordered)
+    return keep.sum(-1, dtype=torch.int32), pages[:, :size]
+
+
 def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> _StepMask:
     """The block mask of this step's rows over a cache of `num_pages` pages (see the module
     docstring), and on CPU the compact page list it indexes."""
@@ -143,18 +162,11 @@ def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> 
     col = col[:kv_len]
     col.masked_fill_(kv_page == 0, -1)  # the null block pads tables and replaces released blocks: never a key
 
-    # Block sparsity: the pages each tile of Q_BLOCK rows touches, in kv order.
-    row_table = table[seq]  # [T, W]
+    # Block sparsity: the pages each row needs (kv_len where none), merged per tile of Q_BLOCK rows.
     row_cols = cols[:1].expand(rows, -1)  # needed below lies inside in_range
     needed = ((row_cols >= (key_start // bs)[:, None]) & (row_cols <= (query_pos // bs)[:, None])
-              & (row_table != 0))
-    num_q_blocks = -(-rows // Q_BLOCK)
-    tile = (torch.arange(rows, device=device) // Q_BLOCK)[:, None].expand(-1, width)
-    touched = torch.zeros(num_q_blocks, kv_len, dtype=torch.int32, device=device)
-    touched.index_put_((tile, position_in_kv[seq]), needed.to(torch.int32), accumulate=True)
-    touched = touched > 0
-    kv_num_blocks = touched.sum(-1, dtype=torch.int32)
-    kv_indices = touched.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+              & (table[seq] != 0))
+    kv_num_blocks, kv_indices = tile_pages(torch.where(needed, position_in_kv[seq], kv_len), kv_len)
 
     window = meta.sliding_window
 

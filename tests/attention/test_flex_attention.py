@@ -11,7 +11,7 @@ import torch
 from transformers import Gemma3TextConfig, LlamaConfig
 
 from blockserve import LLM, SamplingParams
-from blockserve.attention.flex_attention import FLEX_UNAVAILABLE, FlexAttention
+from blockserve.attention.flex_attention import FLEX_UNAVAILABLE, Q_BLOCK, FlexAttention, step_mask
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 from tests.attention.test_paged_attention import BS, D, HKV, NUM_BLOCKS, make_step
@@ -139,3 +139,50 @@ def test_engine_greedy_tokens_equal_exact(family, tmp_path):
     save_random_model(MODELS[family](), tmp_path)
     tokens = engine_greedy_tokens(tmp_path, ("exact", "flex"))
     assert tokens["flex"] == tokens["exact"]
+
+
+def sparsity_step(window):
+    """Metadata of 20 decodes (two tiles of rows) and a 14-token prefill chunk. Decodes 0, 3 and 5
+    (one tile) and 19 (the next) share their first block, as prefix hits do; every table ends in
+    stale ids (another sequence's block, a free block, the null block)."""
+    computed = [4, 9, 2, 13, 6, 5, 11, 3, 8, 12, 7, 1, 10, 4, 6, 9, 2, 14, 5, 7]
+    seqs = [(c, 1) for c in computed] + [(10, 14)]
+    free = iter(range(1, 500))
+    tables = [[next(free) for _ in range(-(-(c + n) // BS))] for c, n in seqs]
+    for i in (3, 5, 19):
+        tables[i][0] = tables[0][0]
+    width = max(len(t) for t in tables) + 3
+    rows = [t + [tables[1][1], 499, 0] + [0] * (width - 3 - len(t)) for t in tables]
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    return AttentionMetadata.build(layout, torch.tensor(rows), BS, window)
+
+
+@pytest.mark.parametrize("static_shapes", [False, True], ids=["compact", "whole_cache"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_block_sparsity_lists_each_tile_its_pages_once(window, static_shapes):
+    """The block mask's per-tile page lists are what the CUDA kernel visits (eager CPU ignores them,
+    so only this test checks them): each tile lists, ascending and once, the pages in its rows'
+    [key_start, position] ranges, which hold every key mask_mod lets them see. The lists are sized
+    by the step's rows and table width, not by the cache (`num_pages`)."""
+    meta = sparsity_step(window)
+    meta.static_shapes = static_shapes
+    num_pages = 100_000
+    mask = step_mask(meta, num_pages, torch.device("cpu"))
+    counts, indices = mask.block_mask.kv_num_blocks[0, 0], mask.block_mask.kv_indices[0, 0]
+    kv_index = ({p: p for p in range(num_pages)} if mask.pages is None
+                else {p: i for i, p in enumerate(mask.pages.tolist())})
+    kv_len = len(kv_index)
+    assert indices.shape[-1] == min(Q_BLOCK * meta.block_table.shape[1], kv_len)
+
+    seq, pos, table = meta.layout.seq_of_token.tolist(), meta.layout.positions.tolist(), meta.block_table.tolist()
+    visible = mask.block_mask.mask_mod(0, 0, torch.arange(len(seq))[:, None], torch.arange(kv_len * BS)[None])
+    for tile in range(counts.shape[0]):
+        tile_rows = range(tile * Q_BLOCK, min(len(seq), (tile + 1) * Q_BLOCK))
+        want = {kv_index[table[seq[m]][c]] for m in tile_rows
+                for c in range(meta.key_starts[seq[m]] // BS, pos[m] // BS + 1) if table[seq[m]][c] != 0}
+        listed = indices[tile, :counts[tile]].tolist()
+        assert listed == sorted(want)
+        seen = set((visible[list(tile_rows)].any(0).nonzero().flatten() // BS).tolist())
+        assert seen <= want and (window is not None or seen == want)
+    shared = kv_index[table[0][0]]
+    assert indices[0, :counts[0]].tolist().count(shared) == 1 and shared in indices[1, :counts[1]].tolist()
