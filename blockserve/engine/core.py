@@ -165,8 +165,8 @@ class EngineCore:
             kv_bytes = fixed_cuda_kv_bytes(config.kv_cache_memory, plan.device)
         elif plan.is_cuda:  # what gpu_memory_utilization leaves after a profiling forward of the largest step
             tokens = min(config.max_num_batched_tokens, max_model_len - 1)
-            probe = (lambda: graph_probe(model, kv_groups, tokens, max(graph_sizes), plan.device)) if graph_sizes \
-                else None
+            probe = (lambda: graph_probe(model, kv_groups, tokens, max(graph_sizes), plan.device, max_model_len)) \
+                if graph_sizes else None
             self.kv_budget = cuda_kv_budget(plan.device, plan.gpu_memory_utilization,
                                             lambda: profile_step(model, kv_groups, tokens, plan.device), probe)
             kv_bytes = self.kv_budget.kv_bytes

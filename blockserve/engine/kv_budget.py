@@ -51,17 +51,18 @@ def fixed_cuda_kv_bytes(value: str | int | float, device: torch.device) -> int:
     return kv_bytes
 
 
-def _throwaway_runner(model: torch.nn.Module, groups: list, num_tokens: int,
-                      device: torch.device) -> tuple[Scheduler, ModelRunner]:
+def _throwaway_runner(model: torch.nn.Module, groups: list, num_tokens: int, device: torch.device,
+                      table_len: int | None = None) -> tuple[Scheduler, ModelRunner]:
     """A scheduler and model runner for one sequence of `num_tokens` tokens, over a KV cache just
-    big enough for it. `groups`: the engine's (spec, layer names, reads_unwritten_slots) per KV group."""
+    big enough for it. `groups`: the engine's (spec, layer names, reads_unwritten_slots) per KV group;
+    `table_len`: the max_model_len the runner's block tables are sized for (None: the sequence's)."""
     max_model_len = num_tokens + 1
     need = sum(spec.page_size_bytes * max(1, len(layers)) * (spec.max_blocks_held(max_model_len, num_tokens) + 2)
                for spec, layers, _ in groups)
     kv_config = plan_kv_cache(groups, 2 * need, max_model_len, 1, num_tokens, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, max_num_seqs=1,
                                           max_num_batched_tokens=num_tokens), KVCacheManager(kv_config))
-    return scheduler, ModelRunner(model, kv_config, 1, max_model_len, seed=0, device=device)
+    return scheduler, ModelRunner(model, kv_config, 1, max(max_model_len, table_len or 0), seed=0, device=device)
 
 
 def profile_step(model: torch.nn.Module, groups: list, num_tokens: int, device: torch.device) -> None:
@@ -74,10 +75,12 @@ def profile_step(model: torch.nn.Module, groups: list, num_tokens: int, device: 
 
 
 def graph_probe(model: torch.nn.Module, groups: list, num_tokens: int, size: int, device: torch.device,
-                capture=None) -> ModelRunner:
+                max_model_len: int, capture=None) -> ModelRunner:
     """A throwaway runner holding `model`'s decode step captured at batch `size` (`capture`: as
-    ModelRunner.capture_decode_graphs takes it); the graph lives as long as the runner."""
-    _, runner = _throwaway_runner(model, groups, num_tokens, device)
+    ModelRunner.capture_decode_graphs takes it); the graph lives as long as the runner. Its block
+    tables are as wide as the engine's `max_model_len` makes them, as is what a captured step derives
+    from them (flex's block mask), so the probe holds what the engine's largest graph will."""
+    _, runner = _throwaway_runner(model, groups, num_tokens, device, max_model_len)
     runner.capture_decode_graphs([size], capture)
     return runner
 

@@ -26,6 +26,7 @@ from transformers import Gemma3TextConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.engine.config import EngineConfig
+from blockserve.kv.specs import cdiv
 from blockserve.models.moe import Experts
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
@@ -291,16 +292,21 @@ def test_the_engine_captures_only_what_it_may(llama_path, caplog):
 
 def test_the_kv_budget_probe_captures_the_largest_graph_on_a_throwaway_runner(llama_path):
     """What the CUDA KV budget subtracts for graphs is measured on a runner of its own (its own small
-    cache), captured at the largest size; the engine's runner and cache are untouched."""
+    cache), captured at the largest size, with block tables as wide as the engine's (what flex's mask
+    derives from them in the graph grows with them); the engine's runner and cache are untouched."""
     from blockserve.engine.kv_budget import CudaBudget, graph_probe
 
     llm = engine(llama_path, "triton")
     core = llm.engine.core
     groups = [(g.spec, g.layer_names, False) for g in core.kv_config.groups]
     capture = FrozenCapture(fake=False)
-    probe = graph_probe(core.runner.model, groups, 32, 8, torch.device("cpu"), capture)
+    probe = graph_probe(core.runner.model, groups, 32, 8, torch.device("cpu"), core.runner.max_model_len, capture)
     assert probe is not core.runner and probe.kv is not core.runner.kv
     assert set(probe.graphs.graphs) == {8} and capture.replays == []
+    block_sizes = {g: group.spec.block_size for g, group in enumerate(core.kv_config.groups)}
+    assert {g: table.shape[1] for g, table in probe.graphs.tables.items()} == \
+        {g: cdiv(core.runner.max_model_len, bs) for g, bs in block_sizes.items()}
+    assert all(cdiv(core.runner.max_model_len, bs) > cdiv(32 + 1, bs) for bs in block_sizes.values())  # not the probe's own
     assert core.runner.graphs is None
     budget = CudaBudget(total=100 << 30, in_use=10 << 30, activation_peak=2 << 30, utilization=0.9, graphs=1 << 30)
     assert budget.kv_bytes == int(0.9 * (100 << 30)) - (13 << 30)
