@@ -4,8 +4,8 @@ decodes and prefill chunks in one flattened call.
 
 The layer's cache is seen as one long KV sequence of pages; each query row is mapped to its
 sequence and position, and the block mask, built from the block tables, lists per tile of
-Q_BLOCK rows the pages those rows' sequences may read (`tile_pages`: lists as long as the step's
-rows and table width allow, not as the cache is, so the per-step cost does not grow with the cache):
+Q_BLOCK rows the pages those rows' sequences may read (`tile_pages`, from one row per sequence and
+tile: its cost grows with the step's table width and sequences, not with the cache or a chunk's rows):
 
     cache [num_pages, bs, Hkv, D]  ->  kv [1, Hkv, num_pages * bs, D]    (a view, no copy)
     kv index n  ->  page n // bs, slot n % bs;  page p holds positions col[p] * bs + slot
@@ -46,7 +46,7 @@ from typing import Callable, ClassVar
 import torch
 
 from blockserve.attention.absorbed_mla import AbsorbedMLA
-from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention.metadata import AttentionMetadata, int64_tensor
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -114,27 +114,43 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def tile_pages(row_pages: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """row_pages [T, W]: the kv pages each query row reads (kv_len: none) -> (counts [tiles] int32,
-    pages [tiles, N] int32): per tile of Q_BLOCK rows its distinct pages, ascending, in the first
-    `count` columns. Sized by the step (N = min(Q_BLOCK * W, kv_len)), not by the cache; no shape
-    depends on a value, so a captured step can build it."""
-    rows, width = row_pages.shape
-    num_tiles = -(-rows // Q_BLOCK)
-    padded = torch.nn.functional.pad(row_pages.to(torch.int32), (0, 0, 0, num_tiles * Q_BLOCK - rows), value=kv_len)
-    ordered = padded.view(num_tiles, Q_BLOCK * width).sort(dim=-1).values
+def tile_rows(query_start: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per tile of Q_BLOCK rows, the last row of each sequence in it: those rows (ascending), each
+    one's place among its tile's, and the most any tile has. Such a row's needs hold those of its
+    sequence's earlier rows in the tile (the same table and key_start, an earlier position), so a
+    prefill chunk's tile needs one row, not Q_BLOCK."""
+    rows = torch.zeros(query_start[-1], dtype=torch.bool)
+    rows[Q_BLOCK - 1::Q_BLOCK] = True
+    rows[int64_tensor(query_start[1:]) - 1] = True
+    rows = rows.nonzero().flatten()
+    tiles = rows // Q_BLOCK
+    places = torch.arange(rows.shape[0]) - torch.searchsorted(tiles, tiles)
+    return rows, places, int(places.max()) + 1
+
+
+def tile_pages(row_pages: torch.Tensor, row_tile: torch.Tensor, row_place: torch.Tensor, num_tiles: int,
+               rows_per_tile: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_pages [R, W]: the kv pages some query rows read (kv_len: none); row_tile, row_place [R]:
+    each row's tile and place among that tile's rows (< rows_per_tile) -> (counts [num_tiles] int32,
+    pages [num_tiles, N] int32): per tile its distinct pages, ascending, in the first `count` columns.
+    N = min(rows_per_tile * W, kv_len): sized by the rows given, not by the cache. No shape depends on
+    a value, so a captured step can build it."""
+    width, device = row_pages.shape[1], row_pages.device
+    grid = torch.full((num_tiles, rows_per_tile, width), kv_len, dtype=torch.int32, device=device)
+    grid[row_tile, row_place] = row_pages.to(torch.int32)
+    ordered = grid.view(num_tiles, rows_per_tile * width).sort(dim=-1).values
     keep = ordered < kv_len
     keep[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
-    size = min(Q_BLOCK * width, kv_len)
+    size = min(rows_per_tile * width, kv_len)
     column = torch.where(keep, keep.cumsum(-1) - 1, size)  # a kept page's place; the rest into a sink column
-    pages = torch.zeros(num_tiles, size + 1, dtype=torch.int32, device=row_pages.device)
+    pages = torch.zeros(num_tiles, size + 1, dtype=torch.int32, device=device)
     pages.scatter_(1, column, ordered)
     return keep.sum(-1, dtype=torch.int32), pages[:, :size]
 
 
-def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> _StepMask:
+def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device, compact: bool) -> _StepMask:
     """The block mask of this step's rows over a cache of `num_pages` pages (see the module
-    docstring), and on CPU the compact page list it indexes."""
+    docstring), and with `compact` (CPU, not captured) the compact page list it indexes."""
     layout, bs = meta.layout, meta.block_size
     if device.type == "cuda" and bs < MIN_CUDA_BLOCK_SIZE:
         raise ValueError(f"attention_backend 'flex' on CUDA needs block_size >= {MIN_CUDA_BLOCK_SIZE} "
@@ -150,7 +166,7 @@ def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> 
     last_col = (meta.seq_len.to(device) - 1) // bs
     in_range = (cols >= (meta.key_start.to(device) // bs)[:, None]) & (cols <= last_col[:, None])
     pages = None
-    if device.type == "cpu" and not meta.static_shapes:  # eager FlexAttention reads every position given
+    if compact:
         pages = torch.unique(table[in_range])  # sorted
         kv_page, kv_len = pages, pages.shape[0]
         position_in_kv = torch.searchsorted(pages, table).clamp_(max=kv_len - 1)  # exact where in_range
@@ -162,11 +178,19 @@ def step_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> 
     col = col[:kv_len]
     col.masked_fill_(kv_page == 0, -1)  # the null block pads tables and replaces released blocks: never a key
 
-    # Block sparsity: the pages each row needs (kv_len where none), merged per tile of Q_BLOCK rows.
-    row_cols = cols[:1].expand(rows, -1)  # needed below lies inside in_range
-    needed = ((row_cols >= (key_start // bs)[:, None]) & (row_cols <= (query_pos // bs)[:, None])
-              & (table[seq] != 0))
-    kv_num_blocks, kv_indices = tile_pages(torch.where(needed, position_in_kv[seq], kv_len), kv_len)
+    # Block sparsity: the pages some rows need (kv_len where none; tile_rows' rows, or in a captured
+    # step, which has one row a sequence, all), merged per tile of Q_BLOCK rows.
+    if meta.static_shapes or layout.num_decodes == layout.num_seqs:
+        picked = torch.arange(rows, device=device)
+        place, rows_per_tile = picked % Q_BLOCK, Q_BLOCK
+    else:
+        picked, place, rows_per_tile = meta.derive("flex_tile_rows", lambda host: tile_rows(host.layout.query_start))
+    picked_seq = seq[picked]
+    picked_cols = cols[:1].expand(picked.shape[0], -1)  # needed below lies inside in_range
+    needed = ((picked_cols >= (key_start[picked] // bs)[:, None]) & (picked_cols <= (query_pos[picked] // bs)[:, None])
+              & (table[picked_seq] != 0))
+    kv_num_blocks, kv_indices = tile_pages(torch.where(needed, position_in_kv[picked_seq], kv_len), picked // Q_BLOCK,
+                                           place, -(-rows // Q_BLOCK), rows_per_tile, kv_len)
 
     window = meta.sliding_window
 
@@ -202,7 +226,9 @@ def _kv(cache: torch.Tensor, pages: torch.Tensor | None) -> torch.Tensor:
 def _derived_mask(meta: AttentionMetadata, num_pages: int, device: torch.device) -> _StepMask:
     key = ("flex", num_pages, device)
     if key not in meta.derived:
-        meta.derived[key] = step_mask(meta, num_pages, device)
+        # Eager FlexAttention on the CPU reads every position it is given; a captured step's shapes may not
+        # depend on the tables.
+        meta.derived[key] = step_mask(meta, num_pages, device, device.type == "cpu" and not meta.static_shapes)
     return meta.derived[key]
 
 

@@ -141,15 +141,19 @@ def test_engine_greedy_tokens_equal_exact(family, tmp_path):
     assert tokens["flex"] == tokens["exact"]
 
 
-def sparsity_step(window):
-    """Metadata of 20 decodes (two tiles of rows) and a 14-token prefill chunk. Decodes 0, 3 and 5
-    (one tile) and 19 (the next) share their first block, as prefix hits do; every table ends in
-    stale ids (another sequence's block, a free block, the null block)."""
-    computed = [4, 9, 2, 13, 6, 5, 11, 3, 8, 12, 7, 1, 10, 4, 6, 9, 2, 14, 5, 7]
-    seqs = [(c, 1) for c in computed] + [(10, 14)]
+def sparsity_step(kind: str, window):
+    """Metadata of a step whose tables end in stale ids (another sequence's block, a free block, the
+    null block). "decodes": 20 decodes (two tiles of rows) and a 14-token prefill chunk; decodes 0, 3
+    and 5 (one tile) and 19 (the next) share their first block, as prefix hits do. "chunks": 2 decodes
+    sharing their first block, then chunks of 40 and 5 tokens (at most 3 sequences a tile)."""
+    if kind == "decodes":
+        computed = [4, 9, 2, 13, 6, 5, 11, 3, 8, 12, 7, 1, 10, 4, 6, 9, 2, 14, 5, 7]
+        seqs, sharing = [(c, 1) for c in computed] + [(10, 14)], (3, 5, 19)
+    else:
+        seqs, sharing = [(6, 1), (5, 1), (3, 40), (30, 5)], (1,)
     free = iter(range(1, 500))
     tables = [[next(free) for _ in range(-(-(c + n) // BS))] for c, n in seqs]
-    for i in (3, 5, 19):
+    for i in sharing:
         tables[i][0] = tables[0][0]
     width = max(len(t) for t in tables) + 3
     rows = [t + [tables[1][1], 499, 0] + [0] * (width - 3 - len(t)) for t in tables]
@@ -157,22 +161,29 @@ def sparsity_step(window):
     return AttentionMetadata.build(layout, torch.tensor(rows), BS, window)
 
 
-@pytest.mark.parametrize("static_shapes", [False, True], ids=["compact", "whole_cache"])
+PATHS = {"cpu": dict(static_shapes=False, compact=True), "cuda_eager": dict(static_shapes=False, compact=False),
+         "captured": dict(static_shapes=True, compact=False)}  # step_mask's three, all run on the CPU here
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("window", [None, 5])
-def test_block_sparsity_lists_each_tile_its_pages_once(window, static_shapes):
+@pytest.mark.parametrize("kind", ["decodes", "chunks"])
+def test_block_sparsity_lists_each_tile_its_pages_once(kind, window, path):
     """The block mask's per-tile page lists are what the CUDA kernel visits (eager CPU ignores them,
     so only this test checks them): each tile lists, ascending and once, the pages in its rows'
     [key_start, position] ranges, which hold every key mask_mod lets them see. The lists are sized
-    by the step's rows and table width, not by the cache (`num_pages`)."""
-    meta = sparsity_step(window)
-    meta.static_shapes = static_shapes
+    by the step's table width and the sequences a tile holds (one row stands for a sequence's rows in
+    a tile, all rows in a captured step), not by the cache (`num_pages`) or the rows a chunk has."""
+    meta = sparsity_step(kind, window)
+    meta.static_shapes = PATHS[path]["static_shapes"]
     num_pages = 100_000
-    mask = step_mask(meta, num_pages, torch.device("cpu"))
+    mask = step_mask(meta, num_pages, torch.device("cpu"), PATHS[path]["compact"])
     counts, indices = mask.block_mask.kv_num_blocks[0, 0], mask.block_mask.kv_indices[0, 0]
     kv_index = ({p: p for p in range(num_pages)} if mask.pages is None
                 else {p: i for i, p in enumerate(mask.pages.tolist())})
     kv_len = len(kv_index)
-    assert indices.shape[-1] == min(Q_BLOCK * meta.block_table.shape[1], kv_len)
+    sequences_a_tile = Q_BLOCK if kind == "decodes" or path == "captured" else 3
+    assert indices.shape[-1] == min(sequences_a_tile * meta.block_table.shape[1], kv_len)
 
     seq, pos, table = meta.layout.seq_of_token.tolist(), meta.layout.positions.tolist(), meta.block_table.tolist()
     visible = mask.block_mask.mask_mod(0, 0, torch.arange(len(seq))[:, None], torch.arange(kv_len * BS)[None])
@@ -185,4 +196,5 @@ def test_block_sparsity_lists_each_tile_its_pages_once(window, static_shapes):
         seen = set((visible[list(tile_rows)].any(0).nonzero().flatten() // BS).tolist())
         assert seen <= want and (window is not None or seen == want)
     shared = kv_index[table[0][0]]
-    assert indices[0, :counts[0]].tolist().count(shared) == 1 and shared in indices[1, :counts[1]].tolist()
+    assert indices[0, :counts[0]].tolist().count(shared) == 1
+    assert kind == "chunks" or shared in indices[1, :counts[1]].tolist()
