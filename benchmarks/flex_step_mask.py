@@ -37,7 +37,7 @@ def step_metadata(batch: int, context: int, prefill: int, width: int, num_pages:
     computed = [context] * len(query_lens)
     needs = [-(-(c + q) // bs) for c, q in zip(computed, query_lens)]
     if max(needs) > width or sum(needs) >= num_pages:
-        raise SystemExit(f"--width {width} must hold {max(needs)} columns and --num-pages {num_pages} "
+        raise ValueError(f"--width {width} must hold {max(needs)} columns and --num-pages {num_pages} "
                          f"more than the {sum(needs)} pages in use")
     pages = (torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0))[:sum(needs)] + 1).tolist()
     table = torch.zeros(len(needs), width, dtype=torch.int64)

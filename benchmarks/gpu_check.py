@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the tiny configs
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: flex_step_mask's step
 
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig  # noqa: E402
 
@@ -299,6 +300,7 @@ def merge(report: dict, part: dict, backend: str, sections: list[str], outcome: 
         elif name == "attention":
             into.update(heads=got["heads"], block_size=got["block_size"])
             into.setdefault("kernels", {}).update(got["kernels"])
+            into.setdefault("flex_masks", {}).update(got["flex_masks"])
             into.setdefault("skipped", []).extend(got["skipped"])
         else:  # throughput: this backend's rates into the baseline's rows
             for b, row in got["batches"].items():
@@ -606,7 +608,43 @@ def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float
                 results[key] = failure(error)
         del k_cache, v_cache
         _empty_cache(device)
-    return {"heads": heads, "block_size": block_size, "kernels": results, "skipped": skipped}
+    masks = flex_masks(device, smoke, shapes, block_size, until, skipped) if "flex" in backends(device, smoke, names) else {}
+    return {"heads": heads, "block_size": block_size, "kernels": results, "flex_masks": masks, "skipped": skipped}
+
+
+MASK_PAGES = 250_000  # about the pages of 16 tokens the 1B model's KV cache has on an H200
+MASK_CHUNK = (2048, 32768)  # a prefill chunk's tokens and the context it ends at
+
+
+def flex_masks(device: str, smoke: bool, shapes, block_size: int, until: float, skipped: list) -> dict:
+    """flex's block mask of one step (flex_attention.step_mask, as CUDA's eager steps build it, over a
+    cache of MASK_PAGES pages), microseconds per (batch, context) decode shape and for MASK_CHUNK: what
+    flex adds to each step per attention group, before its layers."""
+    from blockserve.attention.flex_attention import step_mask
+    from flex_step_mask import step_metadata
+
+    chunk = [(0, MASK_CHUNK)] if not smoke else []
+    results = {}
+    for batch, (tokens, context) in [(b, (0, c)) for b, c in shapes] + chunk:
+        key = f"{batch}x{context}" if batch else f"chunk{tokens}x{context}"
+        if time.perf_counter() > until:
+            skipped.append(f"flex_mask/{key}")
+            continue
+        try:
+            width = -(-context // block_size)
+            host = step_metadata(batch, context - tokens - (batch > 0), tokens, width, MASK_PAGES, block_size, False)
+            meta = host.with_tensors(*to_device(host.tensors(), torch.device(device)))
+            times = []
+            for _ in range(3 if smoke else 13):
+                _sync()
+                began = time.perf_counter()
+                step_mask(meta, MASK_PAGES, torch.device(device), compact=False)
+                _sync()
+                times.append(time.perf_counter() - began)
+            results[key] = {"us": round(statistics.median(times[3:] or times) * 1e6, 1)}
+        except Exception as error:
+            results[key] = failure(error)
+    return results
 
 
 def throughput(device: str, dtype: torch.dtype, smoke: bool, until: float, names=None, baseline_dir=None) -> dict:
@@ -866,6 +904,10 @@ def summary(report: dict) -> str:
             for k, r in kernels.items()))
     elif "attention" in report:
         lines.append(f"attention: {report['attention']}")
+    masks = report.get("attention", {}).get("flex_masks")
+    if masks:
+        lines.append(f"flex block mask per step over {MASK_PAGES} pages (us): " + ", ".join(
+            f"{k} {r['us']}" if "us" in r else f"{k} {r['error'][:80]}" for k, r in masks.items()))
     tp = report.get("throughput", {})
     if "batches" in tp:
         lines.append(f"throughput (decode tok/s; HBM bound step {tp['hbm_bound_step_ms']} ms at "

@@ -71,12 +71,14 @@ def test_smoke_mode_runs_every_section(tmp_path, monkeypatch):
 
 def test_the_attention_timings_run_every_backend(monkeypatch):
     """The attention section's layer timings (smoke shapes) through every GPU backend on the CPU: flex
-    eager, triton interpreted; each gives a time, none an error."""
+    eager, triton interpreted; each gives a time, none an error; and flex's block mask build."""
     gpu_check = load_gpu_check()
     monkeypatch.setattr(gpu_check, "backends", lambda device, smoke, names=None: list(gpu_check.GPU_BACKENDS))
-    kernels = gpu_check.attention_kernels("cpu", torch.float32, smoke=True, until=time.perf_counter() + 300)["kernels"]
+    attention = gpu_check.attention_kernels("cpu", torch.float32, smoke=True, until=time.perf_counter() + 300)
+    kernels, masks = attention["kernels"], attention["flex_masks"]
     assert set(kernels) == {f"{b}/2x40" for b in gpu_check.GPU_BACKENDS}
     assert all(r.get("us", 0) > 0 for r in kernels.values()), kernels
+    assert set(masks) == {"2x40"} and masks["2x40"]["us"] > 0, masks  # flex's block mask over a full cache
 
 
 def run_parity_grid(gpu_check, backends: tuple[str, ...]) -> None:
