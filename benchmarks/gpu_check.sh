@@ -50,7 +50,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 if [[ "${1:-}" == pytest ]]; then
     mkdir -p "$RESULTS"
     BLOCKSERVE_TEST_CUDA=1 timeout "${GPU_PYTEST_TIMEOUT_S:-170}" python3 -m pytest -p no:cacheprovider -v -rA --log-level=WARNING -k on_cuda \
-        tests/worker/test_cuda_graphs.py tests/engine/test_device.py tests/worker/test_step_tables.py 2>&1 | tee "$RESULTS/cuda_pytest.txt"
+        tests/worker/test_cuda_graphs.py tests/engine/test_device.py tests/worker/test_step_tables.py \
+        tests/attention/test_flex_attention.py 2>&1 | tee "$RESULTS/cuda_pytest.txt"
     exit "${PIPESTATUS[0]}"
 fi
 # The check sizes itself to ~450 s (--budget-s); the hard stop keeps it inside 8 minutes, and the

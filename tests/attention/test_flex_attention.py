@@ -12,7 +12,7 @@ from transformers import Gemma3TextConfig, LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention.flex_attention import FLEX_UNAVAILABLE, Q_BLOCK, FlexAttention, step_mask
-from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_device
 from blockserve.attention.paged_attention import BACKENDS
 from tests.attention.test_paged_attention import BS, D, HKV, NUM_BLOCKS, make_step
 from tests.models.conftest import save_random_model
@@ -198,3 +198,20 @@ def test_block_sparsity_lists_each_tile_its_pages_once(kind, window, path):
     shared = kv_index[table[0][0]]
     assert indices[0, :counts[0]].tolist().count(shared) == 1
     assert kind == "chunks" or shared in indices[1, :counts[1]].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the device's ops")
+@pytest.mark.parametrize("path", ["cuda_eager", "captured"])
+@pytest.mark.parametrize("kind", ["decodes", "chunks"])
+def test_block_sparsity_on_cuda(kind, path):
+    """The per-tile page lists built on CUDA (its sort, scatter and index_put; tile_rows' rows moved
+    from the host) equal those built on the CPU, which the test above checks."""
+    lists = []
+    for device in ("cpu", "cuda"):
+        host = sparsity_step(kind, 5)
+        meta = host if device == "cpu" else host.with_tensors(*to_device(host.tensors(), torch.device(device)))
+        meta.static_shapes = PATHS[path]["static_shapes"]
+        mask = step_mask(meta, 100_000, torch.device(device), compact=False).block_mask
+        lists.append((mask.kv_num_blocks.cpu(), mask.kv_indices.cpu()))
+    assert torch.equal(lists[0][0], lists[1][0]) and torch.equal(lists[0][1], lists[1][1])
