@@ -768,14 +768,21 @@ def _engine_rates(rows, model_dir, device, dtype, label, options, batches, promp
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     # No integrity check after each step here: it walks every block (~9 ms a step at batch 256 on a CPU)
     budget = {} if device == "cpu" else {"gpu_memory_utilization": 0.5}  # the budget a GPU user gets, profiled
+    began = time.perf_counter()
     with engine(model_dir, device, dtype, **options, **budget, enable_prefix_caching=False, check_integrity=False,
                 max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 16) as llm:
+        # Loading, the KV budget's profile and the graphs' capture, under the first batch size's row
+        rows[batches[0]][f"blockserve_{label}_startup_s"] = round(time.perf_counter() - began, 2)
         for b in batches:
             ids = torch.randint(0, vocab, (b, prompt_len), generator=gen).tolist()
             if time.perf_counter() > until:
                 skipped.append(f"{label} batch {b}")
                 continue
-            greedy(llm, ids, 2)  # warm-up (compiles, allocates)
+            _sync()
+            began = time.perf_counter()
+            greedy(llm, ids, 2)  # warm-up (compiles, allocates): what a user's first requests of this size wait
+            _sync()
+            rows[b][f"blockserve_{label}_warmup_s"] = round(time.perf_counter() - began, 2)
             rate = _rate(lambda n: greedy(llm, ids, n), b, new_tokens)
             rows[b][f"blockserve_{label}_tok_s"] = rate
             with StepSplit(llm) as split:
