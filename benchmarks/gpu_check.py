@@ -614,25 +614,31 @@ def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float
 
 MASK_PAGES = 250_000  # about the pages of 16 tokens the 1B model's KV cache has on an H200
 MASK_CHUNK = (2048, 32768)  # a prefill chunk's tokens and the context it ends at
+MASK_GRAPH_WIDTH = 8192  # a captured graph's table columns at 128k tokens (Llama 3's) and block size 16
 
 
 def flex_masks(device: str, smoke: bool, shapes, block_size: int, until: float, skipped: list) -> dict:
-    """flex's block mask of one step (flex_attention.step_mask, as CUDA's eager steps build it, over a
-    cache of MASK_PAGES pages), microseconds per (batch, context) decode shape and for MASK_CHUNK: what
-    flex adds to each step per attention group, before its layers."""
+    """flex's block mask of one step (flex_attention.step_mask over a cache of MASK_PAGES pages),
+    microseconds: as eager steps build it per (batch, context) decode shape and for MASK_CHUNK, and as a
+    captured step does (its tables MASK_GRAPH_WIDTH columns wide, whatever the contexts; timed eagerly)
+    for the largest decode shape. What flex adds to each step per attention group, before its layers."""
     from blockserve.attention.flex_attention import step_mask
     from flex_step_mask import step_metadata
 
-    chunk = [(0, MASK_CHUNK)] if not smoke else []
+    cols = lambda context: -(-context // block_size)  # noqa: E731
+    cases = {f"{b}x{c}": (b, 0, c, cols(c), False) for b, c in shapes}
+    if not smoke:
+        tokens, context = MASK_CHUNK
+        cases[f"chunk{tokens}x{context}"] = (0, tokens, context, cols(context), False)
+        batch, context = max(shapes)
+        cases[f"captured{batch}x{context}@{MASK_GRAPH_WIDTH}"] = (batch, 0, context, MASK_GRAPH_WIDTH, True)
     results = {}
-    for batch, (tokens, context) in [(b, (0, c)) for b, c in shapes] + chunk:
-        key = f"{batch}x{context}" if batch else f"chunk{tokens}x{context}"
+    for key, (batch, tokens, context, width, captured) in cases.items():
         if time.perf_counter() > until:
             skipped.append(f"flex_mask/{key}")
             continue
         try:
-            width = -(-context // block_size)
-            host = step_metadata(batch, context - tokens - (batch > 0), tokens, width, MASK_PAGES, block_size, False)
+            host = step_metadata(batch, context - tokens - (batch > 0), tokens, width, MASK_PAGES, block_size, captured)
             meta = host.with_tensors(*to_device(host.tensors(), torch.device(device)))
             times = []
             for _ in range(3 if smoke else 13):
