@@ -79,7 +79,9 @@ def graph_probe(model: torch.nn.Module, groups: list, num_tokens: int, size: int
     """A throwaway runner holding `model`'s decode step captured at batch `size` (`capture`: as
     ModelRunner.capture_decode_graphs takes it); the graph lives as long as the runner. Its block
     tables are as wide as the engine's `max_model_len` makes them, as is what a captured step derives
-    from them (flex's block mask), so the probe holds what the engine's largest graph will."""
+    from them (flex's block mask). What grows with the cache's page count is not: its cache is small
+    (on flex, ~17 bytes a page per attention group for the page map, and page lists up to 64 x the
+    table width bytes per 16 rows: ~13 MB at 250k pages and 128k tokens)."""
     _, runner = _throwaway_runner(model, groups, num_tokens, device, max_model_len)
     runner.capture_decode_graphs([size], capture)
     return runner
