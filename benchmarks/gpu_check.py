@@ -595,20 +595,14 @@ def attention_kernels(device: str, dtype: torch.dtype, smoke: bool, until: float
             try:
                 layer = BACKENDS[backend](d ** -0.5)
                 meta = host.with_tensors(*to_device(host.tensors(), torch.device(device)))
-                times = []
-                for _ in range(3 if smoke else 23):  # the first three: compilation and warm-up
-                    _sync()
-                    began = time.perf_counter()
-                    layer.forward(q, k, v, k_cache, v_cache, meta)
-                    _sync()
-                    times.append(time.perf_counter() - began)
-                step_s = statistics.median(times[3:] or times)
+                step_s = _median_s(lambda: layer.forward(q, k, v, k_cache, v_cache, meta), 3 if smoke else 23)
                 results[key] = {"us": round(step_s * 1e6, 1), "kv_gb_s": round(kv_bytes / step_s / 1e9, 1)}
             except Exception as error:
                 results[key] = failure(error)
         del k_cache, v_cache
         _empty_cache(device)
-    masks = flex_masks(device, smoke, shapes, block_size, until, skipped) if "flex" in backends(device, smoke, names) else {}
+    flex = "flex" in backends(device, smoke, names)
+    masks = flex_masks(device, smoke, shapes, block_size, until, skipped) if flex else {}
     return {"heads": heads, "block_size": block_size, "kernels": results, "flex_masks": masks, "skipped": skipped}
 
 
@@ -640,14 +634,8 @@ def flex_masks(device: str, smoke: bool, shapes, block_size: int, until: float, 
         try:
             host = step_metadata(batch, context - tokens - (batch > 0), tokens, width, MASK_PAGES, block_size, captured)
             meta = host.with_tensors(*to_device(host.tensors(), torch.device(device)))
-            times = []
-            for _ in range(3 if smoke else 13):
-                _sync()
-                began = time.perf_counter()
-                step_mask(meta, MASK_PAGES, torch.device(device), compact=False)
-                _sync()
-                times.append(time.perf_counter() - began)
-            results[key] = {"us": round(statistics.median(times[3:] or times) * 1e6, 1)}
+            build = lambda: step_mask(meta, MASK_PAGES, torch.device(device), compact=False)  # noqa: E731
+            results[key] = {"us": round(_median_s(build, 3 if smoke else 13) * 1e6, 1)}
         except Exception as error:
             results[key] = failure(error)
     return results
@@ -784,11 +772,8 @@ def _engine_rates(rows, model_dir, device, dtype, label, options, batches, promp
             if time.perf_counter() > until:
                 skipped.append(f"{label} batch {b}")
                 continue
-            _sync()
-            began = time.perf_counter()
-            greedy(llm, ids, 2)  # warm-up (compiles, allocates): what a user's first requests of this size wait
-            _sync()
-            rows[b][f"blockserve_{label}_warmup_s"] = round(time.perf_counter() - began, 2)
+            # The warm-up (compiles, allocates): what a user's first requests of this size wait
+            rows[b][f"blockserve_{label}_warmup_s"] = round(_timed(lambda: greedy(llm, ids, 2)), 2)
             rate = _rate(lambda n: greedy(llm, ids, n), b, new_tokens)
             rows[b][f"blockserve_{label}_tok_s"] = rate
             with StepSplit(llm) as split:
@@ -841,16 +826,25 @@ class StepSplit:
             ("host_ms", [s - w for s, w in self.steps]))}
 
 
+def _timed(call) -> float:
+    """Seconds `call()` takes, the device's queued work included (synchronised before and after)."""
+    _sync()
+    began = time.perf_counter()
+    call()
+    _sync()
+    return time.perf_counter() - began
+
+
+def _median_s(call, repeats: int) -> float:
+    """The median of `repeats` timed calls, the first three (compilation, warm-up) left out where more ran."""
+    times = [_timed(call) for _ in range(repeats)]
+    return statistics.median(times[3:] or times)
+
+
 def _rate(generate, batch: int, new_tokens: int) -> float:
     """Decode tokens per second from two timed runs: N tokens and 1 token (prefill and the first token)."""
-    def timed(n):
-        _sync()
-        began = time.perf_counter()
-        generate(n)
-        _sync()
-        return time.perf_counter() - began
-    first = timed(1)
-    full = timed(new_tokens)
+    first = _timed(lambda: generate(1))
+    full = _timed(lambda: generate(new_tokens))
     return round(batch * (new_tokens - 1) / max(full - first, 1e-9), 1)
 
 
