@@ -132,10 +132,32 @@ def cache_root(cache_dir: str | None = None) -> Path:
 
 
 def gguf_cache_entry(path: Path, root: Path) -> Path:
-    """Where the conversion of the GGUF file `path` lives; a new size or mtime means a new entry."""
+    """Where the conversion of the GGUF file `path` lives. It is named by the file's content, so
+    every copy of one file (each virtual environment's, say) shares one entry, and new content
+    gets a new one."""
+    return root / f"gguf-{path.stem}-{_content_digest(path, root)}"
+
+
+def _content_digest(path: Path, root: Path) -> str:
+    """The first 16 hex digits of `path`'s SHA-256, read once per path, size and mtime: the digest
+    is remembered in root/sources/ (a few bytes a file)."""
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return root / f"gguf-{path.stem}-{key}"
+    source = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    memo = root / "sources" / hashlib.sha256(source.encode()).hexdigest()[:16]
+    if memo.is_file() and _is_digest(remembered := memo.read_text()):
+        return remembered
+    with path.open("rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()[:16]
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{memo.name}-", dir=memo.parent)
+    with os.fdopen(fd, "w") as out:
+        out.write(digest)
+    os.replace(tmp, memo)
+    return digest
+
+
+def _is_digest(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], description: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,8 @@ def test_corrupt_gguf(tmp_path, content):
     (tmp_path / "model.gguf").write_bytes(content)
     with pytest.raises(ValueError, match="could not read GGUF file .*truncated or corrupt"):
         load_model(str(tmp_path / "model.gguf"), EXACT, cache_dir=str(tmp_path / "cache"))
-    assert list((tmp_path / "cache").iterdir()) == []  # the failed conversion left nothing behind
+    # the failed conversion left nothing behind but the file's digest
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["sources"]
 
 
 def test_default_model_missing(monkeypatch):
@@ -82,12 +84,27 @@ def test_cache_root(monkeypatch, tmp_path):
     assert loader.cache_root(str(tmp_path / "arg")) == tmp_path / "arg"
 
 
-def test_cache_entry_changes_with_the_file(tmp_path):
+def test_cache_entry_follows_the_content_not_the_path(tmp_path):
+    gguf, copy = tmp_path / "m.gguf", tmp_path / "elsewhere" / "m.gguf"
+    gguf.write_bytes(b"a")
+    copy.parent.mkdir()
+    copy.write_bytes(b"a")
+    before = loader.gguf_cache_entry(gguf, tmp_path)
+    assert loader.gguf_cache_entry(copy, tmp_path) == before
+    os.utime(gguf, ns=(0, 0))  # touched: read again, same content
+    assert loader.gguf_cache_entry(gguf, tmp_path) == before
+    gguf.write_bytes(b"b")
+    assert loader.gguf_cache_entry(gguf, tmp_path) != before
+    assert loader.gguf_cache_entry(copy, tmp_path) == before
+
+
+def test_a_damaged_digest_memo_is_read_again(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"a")
-    before = loader.gguf_cache_entry(gguf, tmp_path)
-    gguf.write_bytes(b"ab")
-    assert loader.gguf_cache_entry(gguf, tmp_path) != before
+    entry = loader.gguf_cache_entry(gguf, tmp_path)
+    (memo,) = (tmp_path / "sources").iterdir()
+    memo.write_text("../../etc")
+    assert loader.gguf_cache_entry(gguf, tmp_path) == entry
 
 
 def test_every_registered_architecture_resolves_to_a_causal_lm():

@@ -6,6 +6,7 @@ temporary cache on the first load and must serve the second load from that cache
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -45,16 +46,19 @@ def reference(loaded, smollm2_transformers):
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    """One load per backend: the first converts into a fresh cache, the second must hit it. The
-    second keeps float32 weights only, so both matmul paths are compared with transformers."""
+    """One load per backend: the first converts into a fresh cache, the second, from a copy of the
+    file elsewhere, must hit it. The second keeps float32 weights only, so both matmul paths are
+    compared with transformers."""
     cache_dir = tmp_path_factory.mktemp("blockserve-cache")
+    copy = tmp_path_factory.mktemp("another-environment") / default_model_path().name
+    shutil.copyfile(default_model_path(), copy)
     start = time.perf_counter()
     first = load_model(None, BACKENDS["exact"], cache_dir=str(cache_dir))
     first_s = time.perf_counter() - start
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader, "_convert_gguf", lambda *args: pytest.fail("second load converted the GGUF again"))
         start = time.perf_counter()
-        second = load_model(None, BACKENDS["whole_block"], cache_dir=str(cache_dir), quantized_matmul=False)
+        second = load_model(str(copy), BACKENDS["whole_block"], cache_dir=str(cache_dir), quantized_matmul=False)
         second_s = time.perf_counter() - start
     print(f"\nSmolLM2 GGUF load: first (convert) {first_s:.1f} s, second (cached) {second_s:.1f} s")
     return cache_dir, {"exact": first, "whole_block": second}
@@ -63,7 +67,9 @@ def loaded(tmp_path_factory):
 def test_cache_holds_one_complete_entry(loaded):
     cache_dir, models = loaded
     entry = loader.gguf_cache_entry(default_model_path(), cache_dir)
-    assert [p.name for p in cache_dir.iterdir()] == [entry.name]  # no temporary directory left behind
+    # one entry for both copies, no temporary directory left behind, and one digest memo a copy
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([entry.name, "sources"])
+    assert len(list((cache_dir / "sources").iterdir())) == 2
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in entry.iterdir()}
     assert models["exact"].hf_config.architectures == ["LlamaForCausalLM"]
 
