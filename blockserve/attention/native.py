@@ -5,7 +5,8 @@ All of them are one extension module (csrc/module.cpp binds kernels.h's entry po
 kernel may call another's directly. The build needs a C++ compiler and ninja
 (torch.utils.cpp_extension); ninja compiles the sources side by side (~50 s on 2 cores, once)
 and the module is cached under torch's extension directory (TORCH_EXTENSIONS_DIR), keyed by the
-sources and the CPU's instruction sets, since it is compiled with -march=native. Without a
+sources and the CPU's instruction sets, since it is compiled with -march=native, and shared by
+every checkout and virtual environment with those sources. Without a
 compiler, or with BLOCKSERVE_NATIVE_KERNELS=0, the getters return None and callers use their
 PyTorch path (same results up to float rounding, slower). BLOCKSERVE_NATIVE_ISA=avx2 makes every
 getter return the -mno-avx512f build: the engine then runs the code a CPU without AVX-512 (a Zen 3)
@@ -20,6 +21,7 @@ import logging
 import os
 import platform
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -145,20 +147,40 @@ def _load(flags: tuple[str, ...]):
     is logged)."""
     logger.info("loading the native kernels (compiled on their first use on this machine, ~50 s)")
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
-        return load(name=f"blockserve_kernels_{_build_key(flags)}", sources=[str(_CSRC / s) for s in SOURCES],
+        name = f"blockserve_kernels_{_build_key(flags)}"
+        sources = _shared_sources(Path(get_default_build_root()) / f"{name}-src")
+        return load(name=name, sources=[str(sources / s) for s in SOURCES],
                     extra_cflags=[*_CFLAGS, *flags], extra_ldflags=["-fopenmp"],
-                    extra_include_paths=[str(_CSRC)], verbose=False)
+                    extra_include_paths=[str(sources)], verbose=False)
     except Exception as error:  # a failed build must not stop the engine: fall back, say why
         logger.warning("building the native kernels failed (%s): using the PyTorch paths", error)
         return None
 
 
+def _shared_sources(target: Path) -> Path:
+    """csrc/ copied (once) to `target`, a path named by the build key: every checkout and virtual
+    environment with these sources then gives ninja the same commands, so they share one build
+    rather than each compiling (~50 s) and keeping its own."""
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    for source in (*SOURCES, *(p.name for p in _CSRC.glob("*.h"))):
+        shutil.copy2(_CSRC / source, tmp / source)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process put it there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.is_dir():
+            raise
+    return target
+
+
 def _build_key(extra_flags: tuple[str, ...]) -> str:
-    """Sources, flags, CPU identity, and where the sources and torch live: a cached build is
-    reused only where it was compiled for, and two checkouts (or venvs) on one machine do not
-    rebuild over each other's build directory."""
+    """Sources, flags, CPU identity and torch's version: a cached build is reused only where it
+    was compiled for."""
     flags = ""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -166,5 +188,5 @@ def _build_key(extra_flags: tuple[str, ...]) -> str:
         pass
     identity = b"".join(p.read_bytes() for p in (*(_CSRC / s for s in SOURCES), *sorted(_CSRC.glob("*.h"))))
     identity += platform.machine().encode() + flags.encode() + " ".join((*_CFLAGS, *extra_flags)).encode()
-    identity += str(_CSRC.resolve()).encode() + torch.__file__.encode()
+    identity += f"{torch.__version__} {torch.version.git_version}".encode()
     return hashlib.sha256(identity).hexdigest()[:12]
