@@ -140,7 +140,7 @@ def gguf_cache_entry(path: Path, root: Path) -> Path:
 
 def _content_digest(path: Path, root: Path) -> str:
     """The first 16 hex digits of `path`'s SHA-256, read once per path, size and mtime: the digest
-    is remembered in root/sources/ (a few bytes a file)."""
+    is remembered in root/sources/ (a few bytes a file) where root is writable."""
     stat = path.stat()
     source = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
     memo = root / "sources" / hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -148,11 +148,14 @@ def _content_digest(path: Path, root: Path) -> str:
         return remembered
     with path.open("rb") as file:
         digest = hashlib.file_digest(file, "sha256").hexdigest()[:16]
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{memo.name}-", dir=memo.parent)
-    with os.fdopen(fd, "w") as out:
-        out.write(digest)
-    os.replace(tmp, memo)
+    try:  # a read-only cache (one shared, already filled) still serves its entries
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{memo.name}-", dir=memo.parent)
+        with os.fdopen(fd, "w") as out:
+            out.write(digest)
+        os.replace(tmp, memo)
+    except OSError as error:
+        logger.debug("could not remember the digest of %s in %s: %s", path, memo.parent, error)
     return digest
 
 

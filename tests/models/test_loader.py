@@ -98,6 +98,18 @@ def test_cache_entry_follows_the_content_not_the_path(tmp_path):
     assert loader.gguf_cache_entry(copy, tmp_path) == before
 
 
+def test_a_read_only_cache_still_names_its_entries(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"a")
+    entry = loader.gguf_cache_entry(gguf, tmp_path / "writable")
+
+    def read_only(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(loader.tempfile, "mkstemp", read_only)
+    assert loader.gguf_cache_entry(gguf, tmp_path / "read-only").name == entry.name
+
+
 def test_a_damaged_digest_memo_is_read_again(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"a")
