@@ -21,11 +21,12 @@ import logging
 import os
 import platform
 import shutil
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from blockserve.cached_directory import cached_directory
 
 logger = logging.getLogger(__name__)
 
@@ -163,19 +164,11 @@ def _shared_sources(target: Path) -> Path:
     """csrc/ copied (once) to `target`, a path named by the build key: every checkout and virtual
     environment with these sources then gives ninja the same commands, so they share one build
     rather than each compiling (~50 s) and keeping its own."""
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    for source in (*SOURCES, *(p.name for p in _CSRC.glob("*.h"))):
-        shutil.copy2(_CSRC / source, tmp / source)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process put it there first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not target.is_dir():
-            raise
-    return target
+    def copy(out: Path) -> None:
+        for source in (*SOURCES, *(p.name for p in _CSRC.glob("*.h"))):
+            shutil.copy2(_CSRC / source, out / source)
+
+    return cached_directory(target, copy)
 
 
 def _build_key(extra_flags: tuple[str, ...]) -> str:

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from transformers.integrations import GGUF_CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from blockserve.attention.paged_attention import PagedAttention
+from blockserve.cached_directory import cached_directory
 from blockserve.models.default_model import default_model_path
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
@@ -203,19 +203,7 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _converted_gguf(path: Path, root: Path) -> Path:
     """The cache entry for `path`, converting it first unless already cached."""
-    entry = gguf_cache_entry(path, root)
-    if entry.is_dir():
-        return entry
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=root))
-    try:
-        _convert_gguf(path, tmp)
-        tmp.rename(entry)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not entry.is_dir():  # not merely beaten to the rename by another process
-            raise
-    return entry
+    return cached_directory(gguf_cache_entry(path, root), lambda out: _convert_gguf(path, out))
 
 
 def _convert_gguf(path: Path, out: Path) -> None:
