@@ -165,10 +165,15 @@ def _shared_sources(target: Path) -> Path:
     environment with these sources then gives ninja the same commands, so they share one build
     rather than each compiling (~50 s) and keeping its own."""
     def copy(out: Path) -> None:
-        for source in (*SOURCES, *(p.name for p in _CSRC.glob("*.h"))):
-            shutil.copy2(_CSRC / source, out / source)
+        for name in _source_names():
+            shutil.copy2(_CSRC / name, out / name)
 
     return cached_directory(target, copy)
+
+
+def _source_names() -> tuple[str, ...]:
+    """The files of csrc/ a build reads: the compiled sources, then the headers."""
+    return (*SOURCES, *sorted(p.name for p in _CSRC.glob("*.h")))
 
 
 def _build_key(extra_flags: tuple[str, ...]) -> str:
@@ -179,7 +184,7 @@ def _build_key(extra_flags: tuple[str, ...]) -> str:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    identity = b"".join(p.read_bytes() for p in (*(_CSRC / s for s in SOURCES), *sorted(_CSRC.glob("*.h"))))
+    identity = b"".join((_CSRC / name).read_bytes() for name in _source_names())
     identity += platform.machine().encode() + flags.encode() + " ".join((*_CFLAGS, *extra_flags)).encode()
     identity += f"{torch.__version__} {torch.version.git_version}".encode()
     return hashlib.sha256(identity).hexdigest()[:12]
