@@ -28,7 +28,7 @@ run: install
 test: install
 	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest
 
-# Developer benchmarks (benchmarks/); `blockserve bench ...` (blockserve/benchmark/) measures the installed engine.
+# Developer benchmarks (benchmarks/); `blockserve bench ...` (blockserve/bench/) measures the installed engine.
 bench-kv: install
 	$(THREAD_POLICY) $(PY) benchmarks/kv_core.py
 
@@ -81,11 +81,11 @@ eval-smoke: install
 	$(PY) -m pip install -q -e '.[eval]'
 	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/lm_eval/smoke.py --json results/lm_eval_smoke.json
 
-# The server soak (blockserve/server/soak.py): MINUTES of mixed load against a real `blockserve serve`.
+# The server soak (blockserve/sim/server_soak.py): MINUTES of mixed load against a real `blockserve serve`.
 .PHONY: soak-server
 MINUTES ?= 30
 soak-server: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m blockserve.server.soak --minutes $(MINUTES)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m blockserve.sim.server_soak --minutes $(MINUTES)
 
 # The test suite under another torch than the pinned one: the GPU machines' image has its own (2.11 at
 # last reading) and the GPU check runs blockserve under it, so this proves the CPU paths there before a

@@ -24,7 +24,7 @@ import contextlib
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.benchmark.common import environment, print_environment, write_json
+from blockserve.bench.common import environment, print_environment, write_json
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import ACTIVATIONS, QuantizedLinear, round_per_block
 

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_share import CpuShare  # noqa: E402
 from decode_kernels import SEQS, decode_problem, time_decode_kernels  # noqa: E402
 
-from blockserve.attention import native  # noqa: E402
-from blockserve.benchmark.common import environment  # noqa: E402
+from blockserve.native import extension as native  # noqa: E402
+from blockserve.bench.common import environment  # noqa: E402
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_share import CpuShare  # noqa: E402
 
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
-from blockserve.benchmark.common import environment, write_json  # noqa: E402
+from blockserve.bench.common import environment, write_json  # noqa: E402
 from blockserve.engine.llm import LLM  # noqa: E402
 from blockserve.models import llama, llama_decode  # noqa: E402
 from blockserve.models.llama import LlamaAttention  # noqa: E402

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from blockserve.attention.native import paged_decode_kernel, why_not_native
+from blockserve.native.extension import paged_decode_kernel, why_not_native
 from blockserve.models.weight_layout import PanelLinear, column_major
 
 LAYERS, SEQS, Q_HEADS, KV_HEADS, HEAD, BLOCK = 30, 64, 9, 3, 64, 16

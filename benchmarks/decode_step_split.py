@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_share import CpuShare  # noqa: E402
 from decode_glue import decoding_engine  # noqa: E402
 
-from blockserve.attention import native  # noqa: E402
+from blockserve.native import extension as native  # noqa: E402
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
-from blockserve.benchmark.common import environment, write_json  # noqa: E402
+from blockserve.bench.common import environment, write_json  # noqa: E402
 from blockserve.models import llama_decode  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.models.quantized_linear import QuantizedLinear  # noqa: E402

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_kernels import BLOCK, HEAD, LAYERS, decode_problem, timed  # noqa: E402
 from quantized_matmul import SHAPES, layer  # noqa: E402
 
-from blockserve.attention import native  # noqa: E402
-from blockserve.attention.native import PagedDecodeKernel  # noqa: E402
-from blockserve.benchmark.common import environment, print_environment, write_json  # noqa: E402
+from blockserve.native import extension as native  # noqa: E402
+from blockserve.native.extension import PagedDecodeKernel  # noqa: E402
+from blockserve.bench.common import environment, print_environment, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = Path("blockserve/attention/csrc")

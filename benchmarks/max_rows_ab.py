@@ -32,7 +32,7 @@ from cpu_share import CpuShare  # noqa: E402
 
 from blockserve import LLM, SamplingParams  # noqa: E402
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
-from blockserve.benchmark.common import environment, print_environment, write_json  # noqa: E402
+from blockserve.bench.common import environment, print_environment, write_json  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.models.quantized_linear import QuantizedLinear  # noqa: E402
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3NextConfig
 
 from blockserve import LLM, SamplingParams
-from blockserve.benchmark.common import environment, percentile, print_environment, write_json
+from blockserve.bench.common import environment, percentile, print_environment, write_json
 
 VOCAB = 4096
 WIDTHS = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,

@@ -27,8 +27,8 @@ import gguf
 import numpy as np
 import torch
 
-from blockserve.attention.native import quantized_matmul_ops, why_not_native
-from blockserve.benchmark.common import environment, print_environment, write_json
+from blockserve.native.extension import quantized_matmul_ops, why_not_native
+from blockserve.bench.common import environment, print_environment, write_json
 from blockserve.models.quantized_linear import PACKED_BYTES, pack_blocks
 from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear, column_major
 

@@ -18,9 +18,9 @@ import time
 import torch
 
 from blockserve import LLM, SamplingParams
-from blockserve.attention.native import quantized_matmul_ops
+from blockserve.native.extension import quantized_matmul_ops
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.benchmark.common import environment, print_environment, write_json
+from blockserve.bench.common import environment, print_environment, write_json
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import ACTIVATIONS, KERNELS, MAX_ROWS, QuantizedLinear
 

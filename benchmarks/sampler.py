@@ -29,7 +29,7 @@ from cpu_share import CpuShare  # noqa: E402
 from decode_glue import decoding_engine  # noqa: E402
 
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
-from blockserve.benchmark.common import environment, write_json  # noqa: E402
+from blockserve.bench.common import environment, write_json  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.sampling_params import SamplingParams  # noqa: E402
 from blockserve.worker import sampler as sampler_module  # noqa: E402

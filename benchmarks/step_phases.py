@@ -37,7 +37,7 @@ from cpu_share import CpuShare  # noqa: E402
 from decode_glue import decoding_engine  # noqa: E402
 
 from blockserve.attention.paged_attention import BACKENDS  # noqa: E402
-from blockserve.benchmark.common import environment, write_json  # noqa: E402
+from blockserve.bench.common import environment, write_json  # noqa: E402
 from blockserve.models import llama, llama_decode  # noqa: E402
 from blockserve.models.loader import load_model  # noqa: E402
 from blockserve.worker.sampler import Sampler  # noqa: E402

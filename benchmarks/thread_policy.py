@@ -133,7 +133,7 @@ def report(args, runs: dict[str, list[dict]]) -> None:
         print(f"  {name:<26} " + "   ".join(cells))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        from blockserve.benchmark.common import environment
+        from blockserve.bench.common import environment
 
         Path(args.json).write_text(json.dumps({"environment": environment(), "args": vars(args), "settings": {k: SETTINGS[k] for k in args.settings},
                                                "runs": runs, "medians": table}, indent=1))

@@ -25,7 +25,7 @@ from blockserve.config_args import add_config_arguments, config_from_namespace, 
 from blockserve.engine.config import EngineConfig
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
-from blockserve.server.routing import DataParallelConfig
+from blockserve.data_parallel.routing import DataParallelConfig
 from blockserve.thread_policy import apply_defaults
 
 
@@ -163,7 +163,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     config = server_config(args)
     if config.data_parallel_size > 1:  # N replicas behind one routing front end
-        from blockserve.server.router import run_router
+        from blockserve.data_parallel.router import run_router
 
         return run_router(config_from_namespace(EngineConfig, args), config,
                           config_from_namespace(DataParallelConfig, args), quiet=args.quiet)
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(serve, EngineConfig, title="engine")
     serve.set_defaults(func=cmd_serve)
 
-    from blockserve.benchmark import add_bench_parser
+    from blockserve.bench import add_bench_parser
 
     add_bench_parser(sub)  # bench throughput | latency | serve
     return parser

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 
 from blockserve import LLM, SamplingParams
-from blockserve.benchmark.latency import run_iteration
+from blockserve.bench.latency import run_iteration
 
 from run_result import RunResult, check_counts, timed
 

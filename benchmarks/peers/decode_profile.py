@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 
 from blockserve import LLM, SamplingParams
-from blockserve.benchmark.roofline import ModelShape
+from blockserve.bench.roofline import ModelShape
 
 
 class _Regions:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import psutil
 
-from blockserve.benchmark.common import environment, print_environment
+from blockserve.bench.common import environment, print_environment
 from blockserve.models.default_model import default_model_path
 
 HERE = Path(__file__).resolve().parent

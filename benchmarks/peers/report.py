@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from blockserve.benchmark.roofline import ModelShape, loaded_bound_line
+from blockserve.bench.roofline import ModelShape, loaded_bound_line
 
 from decode_profile import print_profile
 

@@ -10,7 +10,7 @@
     llama.cpp needs llama-cpp-python:  pip install '.[peers]'  (or `make bench-peers`)
 
 Workload (issue 4 / issue 8): SmolLM2-135M-Instruct from the bundled GGUF; the 64 chat
-conversations of blockserve/benchmark/workloads.py rendered with the chat template (about 15-200
+conversations of blockserve/bench/workloads.py rendered with the chat template (about 15-200
 prompt tokens); 128 new tokens each, greedy, EOS ignored. `--num-prompts N` takes N of them spread
 evenly over the prompt-length distribution; `--max-tokens` shortens generations. Every system gets
 the same prompt token ids.
@@ -49,7 +49,7 @@ transformers generate as (time of max_tokens new tokens - time of 1) / (max_toke
 a transformers system runs), llama.cpp from its decode loop, one sequence (whenever a llama.cpp
 system runs). Medians over prompts and rounds.
 
-Every run also prints the roofline (blockserve/benchmark/roofline.py): the fp32 GEMM peak and copy
+Every run also prints the roofline (blockserve/bench/roofline.py): the fp32 GEMM peak and copy
 bandwidth measured on the spot, the workload's FLOPs, the compute-bound tok/s and blockserve's
 fraction of it, and the batch-1 fp32 weight-bandwidth bound. The last line gives blockserve's
 ratio to the best peer (goal 1.5x) and its fraction of the compute roofline (goal 60%).
@@ -76,9 +76,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules,
 import torch
 from tqdm import tqdm
 
-from blockserve.benchmark.common import environment
-from blockserve.benchmark.roofline import ModelShape, roofline, workload_flops
-from blockserve.benchmark.workloads import workload_prompts
+from blockserve.bench.common import environment
+from blockserve.bench.roofline import ModelShape, roofline, workload_flops
+from blockserve.bench.workloads import workload_prompts
 from blockserve.config_args import add_config_arguments, namespace_values
 from blockserve.engine.config import EngineConfig
 from blockserve.models.default_model import default_model_path

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from blockserve.attention.flex_attention import FlexAttention
 from blockserve.attention.metadata import AttentionMetadata
-from blockserve.attention.native import paged_decode_kernel
-from blockserve.attention.native_gate import native_reads
+from blockserve.native.extension import paged_decode_kernel
+from blockserve.native.gate import native_reads
 from blockserve.attention.triton_attention import TritonAttention
 
 DECODE_BUCKETS = 4  # length buckets the decodes of a step are split into
@@ -151,7 +151,7 @@ class PagedAttention:
 
 class ExactLengthAttention(PagedAttention):
     """Decodes go to the native in-place kernel when it is built and reads this cache's dtype
-    (native.py; reads exactly the same slots, no copy), else to the gathered PyTorch path. Set
+    (native/extension.py; reads exactly the same slots, no copy), else to the gathered PyTorch path. Set
     `decode_kernel = None` to force the latter."""
 
     name = "exact"

@@ -19,8 +19,8 @@ import torch
 from blockserve.attention.context import ForwardContext, LayerCache
 from blockserve.attention.layer import Attention
 from blockserve.attention.metadata import AttentionMetadata
-from blockserve.attention.native import PagedDecodeKernel
-from blockserve.attention.native_gate import native_reads
+from blockserve.native.extension import PagedDecodeKernel
+from blockserve.native.gate import native_reads
 
 
 class RotaryDecode:

@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch
 
-from blockserve.distributed.group import TensorParallelGroup
+from blockserve.tensor_parallel.group import TensorParallelGroup
 from blockserve.distributed.worker import spawned_worker
 from blockserve.errors import EngineDead
 

@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-from blockserve.distributed.group import TensorParallelGroup
+from blockserve.tensor_parallel.group import TensorParallelGroup
 
 logger = logging.getLogger("blockserve.worker")
 

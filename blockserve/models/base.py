@@ -9,7 +9,7 @@ declares its `checkpoint` layout (weights.py); the shell owns the rest. The batc
 Parameters are created on the meta device; `load_weights` materialises them.
 
 Tensor parallelism (`placement.tp` set): a family that declares `supports_tensor_parallel` builds
-its layers sharded (distributed/parallel_layers.py); the lm_head (or the tied, vocab-parallel
+its layers sharded (tensor_parallel/layers.py); the lm_head (or the tied, vocab-parallel
 embedding) computes each rank's vocabulary rows and gathers the logits to rank 0, so
 `compute_logits` returns None on the other ranks. A family that does not is refused here.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.context import ForwardContext
-from blockserve.distributed.parallel_layers import ParallelLMHead, gather_vocab_logits
+from blockserve.tensor_parallel.layers import ParallelLMHead, gather_vocab_logits
 from blockserve.kv.specs import KVCacheSpec
 from blockserve.models.placement import Placement
 from blockserve.models.weights import CheckpointLayout, load_checkpoint

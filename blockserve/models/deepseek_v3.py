@@ -27,7 +27,7 @@ from torch import nn
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.distributed.parallel_layers import vocab_embedding
+from blockserve.tensor_parallel.layers import vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, RMSNorm, require_activation
 from blockserve.models.mla_block import MLABlock

@@ -35,7 +35,7 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.distributed.parallel_layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
+from blockserve.tensor_parallel.layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, OffsetRMSNorm, require_activation
 from blockserve.models.placement import Placement

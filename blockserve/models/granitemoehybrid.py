@@ -41,8 +41,8 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
 from blockserve.attention.mamba2 import Mamba2
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.distributed.group import TensorParallelGroup
-from blockserve.distributed.parallel_layers import (
+from blockserve.tensor_parallel.group import TensorParallelGroup
+from blockserve.tensor_parallel.layers import (
     head_linear,
     head_slice,
     kv_linear,

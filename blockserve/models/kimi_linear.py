@@ -37,7 +37,7 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.kda import KimiDeltaAttention
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.distributed.parallel_layers import (
+from blockserve.tensor_parallel.layers import (
     head_linear,
     head_slice,
     local_heads,

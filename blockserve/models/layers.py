@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.attention.native import fused_ops
-from blockserve.attention.native_gate import native_reads
-from blockserve.distributed.group import TensorParallelGroup
-from blockserve.distributed.parallel_layers import merged_column_linear, row_linear
+from blockserve.native.extension import fused_ops
+from blockserve.native.gate import native_reads
+from blockserve.tensor_parallel.group import TensorParallelGroup
+from blockserve.tensor_parallel.layers import merged_column_linear, row_linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

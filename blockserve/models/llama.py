@@ -10,7 +10,7 @@ One decoder serves them all; the variants differ only in what the config switche
     x ─► embed ─► [ x += o(attn(rope(qkv(norm x))))  x += down(silu(gate) * up)(norm x) ] × L ─► norm
 
 Each residual add is fused into the norm that follows it; with the native fused ops
-(attention/native.py) the norm+add, the rotary embedding and silu*up are one pass each, and a
+(native/extension.py) the norm+add, the rotary embedding and silu*up are one pass each, and a
 decode-only step's rotary + KV write + attention is one call (attention/rotary_decode.py), and
 such a step runs the layers' native calls from one flat loop (llama_decode.py).
 Q/K/V and gate/up are fused, one matmul each.
@@ -26,11 +26,11 @@ from torch import nn
 
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.layer import Attention
-from blockserve.attention.native import fused_ops
-from blockserve.attention.native_gate import native_reads
+from blockserve.native.extension import fused_ops
+from blockserve.native.gate import native_reads
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.attention.rotary_decode import RotaryDecode
-from blockserve.distributed.parallel_layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
+from blockserve.tensor_parallel.layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, RMSNorm, require_activation
 from blockserve.models.llama_decode import decode_layers

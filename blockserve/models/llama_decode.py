@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.context import ForwardContext
-from blockserve.attention.native import fused_ops
-from blockserve.attention.native_gate import native_reads
+from blockserve.native.extension import fused_ops
+from blockserve.native.gate import native_reads
 from blockserve.attention.rotary_decode import RotaryDecode
-from blockserve.distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from blockserve.models.quantized_linear import QuantizedLinear
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.mla import MLA_BACKENDS, MLAttention
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.distributed.parallel_layers import head_linear, row_linear
+from blockserve.tensor_parallel.layers import head_linear, row_linear
 from blockserve.models.layers import RMSNorm
 from blockserve.models.placement import Placement
 from blockserve.models.rotary import apply_rotary, apply_rotary_interleaved

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.distributed.group import TensorParallelGroup
-from blockserve.distributed.parallel_layers import even_slice
+from blockserve.tensor_parallel.group import TensorParallelGroup
+from blockserve.tensor_parallel.layers import even_slice
 from blockserve.models.layers import GatedMLP
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from blockserve.distributed.group import TensorParallelGroup
+    from blockserve.tensor_parallel.group import TensorParallelGroup
 
 
 @dataclass(frozen=True)

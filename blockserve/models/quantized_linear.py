@@ -51,7 +51,7 @@ and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only
 cost memory on top of the float32 copy (SmolLM2-135M: 112 MB next to 538 MB).
 
 Tensor-parallel: each rank keeps the blocks of its own shard (`narrow_blocks` of the column- and
-row-parallel layers, distributed/parallel_layers.py); a row-parallel layer's partial product is
+row-parallel layers, tensor_parallel/layers.py); a row-parallel layer's partial product is
 all-reduced, as its float32 layer's is. The tied LM head stays the vocab-parallel float32 one.
 """
 
@@ -64,9 +64,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from blockserve.attention.native import quantized_matmul_ops
-from blockserve.attention.native_gate import native_reads
-from blockserve.distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from blockserve.native.extension import quantized_matmul_ops
+from blockserve.native.gate import native_reads
+from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from blockserve.models.row_crossover import crossover_rows, shape_of
 from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear
 from blockserve.models.weights import GATE_UP, QKV

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine: the app and its routes.
 
-    GET  /                        the chat page (chat_page.py, static/chat.html)
+    GET  /                        the chat page (http/chat_page.py, http/static/chat.html)
     GET  /v1/models               the served model
     POST /v1/completions          text completions (completions.py); stream: SSE chunks, then `data: [DONE]`
     POST /v1/chat/completions     chat completions, through the model's chat template (chat.py)
@@ -10,7 +10,7 @@
     POST /reset_prefix_cache      200, or 409 / 400 with the reason it cannot
     POST /tokenize, /detokenize   a prompt or messages to token ids, and token ids to text (tokenize.py)
 
-Errors are OpenAI's shape (http_errors.py): 400 for invalid parameters, an unknown model, a
+Errors are OpenAI's shape (http/errors.py): 400 for invalid parameters, an unknown model, a
 prompt over the model's length or a request past a limit (limits.py; 413 for the body's size);
 401 for a missing or wrong API key (auth.py); 404 / 405 for unknown routes; 503 once the engine
 stopped, and 503 with Retry-After while the waiting queue is full (`--max-waiting-requests` /
@@ -32,22 +32,22 @@ from fastapi.responses import Response
 
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.llm_engine import LLMEngine
-from blockserve.server.async_engine import AsyncEngine
-from blockserve.server.auth import AuthMiddleware
-from blockserve.server.chat import create_chat_completion
-from blockserve.server.chat_page import chat_page_router
-from blockserve.server.completions import create_completion
+from blockserve.server.engine_bridge.async_engine import AsyncEngine
+from blockserve.server.http.auth import AuthMiddleware
+from blockserve.server.openai_api.chat import create_chat_completion
+from blockserve.server.http.chat_page import chat_page_router
+from blockserve.server.openai_api.completions import create_completion
 from blockserve.server.config import ServerConfig
-from blockserve.server.draining import serve_with_drain
-from blockserve.server.http_errors import APIError, Draining, add_exception_handlers, error_response
-from blockserve.server.limits import RequestLimitsMiddleware, check_request_limits
-from blockserve.server.metrics import CONTENT_TYPE, Metrics
-from blockserve.server.openapi import answers, install_openapi
+from blockserve.server.http.draining import serve_with_drain
+from blockserve.server.http.errors import APIError, Draining, add_exception_handlers, error_response
+from blockserve.server.http.limits import RequestLimitsMiddleware, check_request_limits
+from blockserve.server.engine_bridge.metrics import CONTENT_TYPE, Metrics
+from blockserve.server.openai_api.openapi import answers, install_openapi
 from blockserve.server.protocol import (
     ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeResponse,
 )
-from blockserve.server.tokenize import detokenize, tokenize
+from blockserve.server.openai_api.tokenize import detokenize, tokenize
 
 logger = logging.getLogger("blockserve.server")
 

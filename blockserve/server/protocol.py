@@ -196,7 +196,7 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # refused unless neutral: the engine does not implement them
-    tools: list[Tool] | None = None  # tool calling (tools.py)
+    tools: list[Tool] | None = None  # tool calling (tools/)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     functions: Annotated[list[Any] | None, unsupported(_NO_FUNCTIONS + " (or send [])", [])] = None

@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 from blockserve.attention.metadata import int64_tensor, to_device
-from blockserve.attention.native import fused_ops
-from blockserve.attention.native_gate import native_reads
+from blockserve.native.extension import fused_ops
+from blockserve.native.gate import native_reads
 from blockserve.sampling_params import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # below this a row is sampled greedily (as vLLM does)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from blockserve.attention import native
+from blockserve.native import extension as native
 
 
 @pytest.fixture

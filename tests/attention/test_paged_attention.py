@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
-from blockserve.attention.native import paged_decode_kernel, why_not_native
+from blockserve.native.extension import paged_decode_kernel, why_not_native
 from blockserve.attention.paged_attention import BACKENDS, PagedAttention
 
 VARIANTS = ["exact", "exact-pytorch", "whole_block"]  # exact: native decode kernel when built

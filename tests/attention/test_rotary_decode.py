@@ -11,7 +11,7 @@ import torch
 from blockserve.attention.context import ForwardContext, LayerCache
 from blockserve.attention.layer import Attention
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
-from blockserve.attention.native import paged_decode_kernel, why_not_native
+from blockserve.native.extension import paged_decode_kernel, why_not_native
 from blockserve.attention.paged_attention import ExactLengthAttention
 from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.models.rotary import apply_rotary

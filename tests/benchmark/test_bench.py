@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from blockserve.benchmark.common import percentile, summarize
+from blockserve.bench.common import percentile, summarize
 from blockserve.cli import main
 from tests.benchmark.conftest import VOCAB
 from tests.server.serve_process import healthy_server
@@ -143,7 +143,7 @@ def server_model(server) -> str:
 
 def test_peers_script_imports_the_shared_pieces():
     from benchmarks.peers import run
-    from blockserve.benchmark import roofline, workloads
+    from blockserve.bench import roofline, workloads
 
     assert run.workload_prompts is workloads.workload_prompts
     assert run.roofline is roofline.roofline
@@ -152,7 +152,7 @@ def test_peers_script_imports_the_shared_pieces():
 
 def test_roofline_flops_of_the_tiny_model(tiny_model):
     from blockserve.attention.paged_attention import BACKENDS
-    from blockserve.benchmark.roofline import ModelShape, workload_flops
+    from blockserve.bench.roofline import ModelShape, workload_flops
     from blockserve.models.loader import load_model
 
     loaded = load_model(tiny_model, BACKENDS["exact"])

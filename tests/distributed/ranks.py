@@ -25,7 +25,7 @@ def free_port() -> int:
 def _rank_main(rank: int, fn, size: int, port: int, out_dir: str, args: tuple) -> None:
     import torch
 
-    from blockserve.distributed.group import TensorParallelGroup
+    from blockserve.tensor_parallel.group import TensorParallelGroup
 
     torch.set_num_threads(1)
     group = TensorParallelGroup(f"tcp://127.0.0.1:{port}", rank, size)

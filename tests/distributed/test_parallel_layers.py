@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.distributed.parallel_layers import (
+from blockserve.tensor_parallel.layers import (
     ParallelLMHead,
     VocabParallelEmbedding,
     gather_vocab_logits,

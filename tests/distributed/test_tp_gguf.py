@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from blockserve.distributed.parallel_layers import ColumnParallelLinear, RowParallelLinear, head_slice, kv_head_slice
+from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, head_slice, kv_head_slice
 from blockserve.engine.llm import LLM
 from blockserve.models.quantized_linear import FORMATS
 from blockserve.sampling_params import SamplingParams

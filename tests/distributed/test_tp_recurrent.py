@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.distributed.parallel_layers import shared_head_slice
+from blockserve.tensor_parallel.layers import shared_head_slice
 from blockserve.kv.specs import LinearStateSpec
 from blockserve.models.base import CausalLM
 from blockserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 import blockserve.models.llama as llama
 from blockserve import LLM, SamplingParams
-from blockserve.attention.native import fused_ops, quantized_matmul_ops, why_not_native
+from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models import llama_decode
 from blockserve.models.loader import load_model

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from blockserve.attention.native import DISABLE_ENV
+from blockserve.native.extension import DISABLE_ENV
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.loader import load_model

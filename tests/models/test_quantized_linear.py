@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.attention.native import ISA_ENV, fused_ops, quantized_matmul_ops
+from blockserve.native.extension import ISA_ENV, fused_ops, quantized_matmul_ops
 from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
 from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, LEVELS, MAX_ROWS,
                                                 QuantizedLinear, pack_blocks, round_per_block, sharing_linear,

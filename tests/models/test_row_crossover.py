@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from blockserve.attention.native import quantized_matmul_ops
+from blockserve.native.extension import quantized_matmul_ops
 from blockserve.config_args import add_config_arguments
 from blockserve.engine.config import EngineConfig
 from blockserve.models import row_crossover

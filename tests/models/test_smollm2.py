@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers.integrations.gguf import read_gguf_metadata
 
-from blockserve.attention.native import quantized_matmul_ops
+from blockserve.native.extension import quantized_matmul_ops
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models import loader
 from blockserve.models.default_model import default_model_path

@@ -17,7 +17,7 @@ from blockserve.engine.core import EngineCore
 from blockserve.engine.llm_engine import LLMEngine
 from blockserve.models.loader import load_model
 from blockserve.errors import EngineDead, PromptTooLong
-from blockserve.server.async_engine import AsyncEngine
+from blockserve.server.engine_bridge.async_engine import AsyncEngine
 from tests.models.conftest import save_random_model
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

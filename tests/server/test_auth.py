@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from blockserve.server.auth import AuthMiddleware
+from blockserve.server.http.auth import AuthMiddleware
 
 KEYS = ("key-a", "key-b")
 

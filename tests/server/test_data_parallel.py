@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig
 
-from blockserve.server.routing import DataParallelConfig, PrefixIndex, ReplicaLoad, RoutingPolicy, prefix_hashes
+from blockserve.data_parallel.routing import DataParallelConfig, PrefixIndex, ReplicaLoad, RoutingPolicy, prefix_hashes
 from tests.models.conftest import save_random_model
 from tests.server.serve_process import healthy_server
 
@@ -287,7 +287,7 @@ def test_replicas_get_the_front_ends_flags_back():
     from blockserve.cli import build_parser, server_config
     from blockserve.config_args import config_from_namespace
     from blockserve.engine.config import EngineConfig
-    from blockserve.server.replicas import config_flags
+    from blockserve.data_parallel.replicas import config_flags
 
     argv = ["serve", "--data-parallel-size", "2", "--max-model-len", "512", "--block-size", "4", "--no-prefix-caching",
             "--kv-cache-memory", "8MiB", "--request-timeout", "12.5", "--served-model-name", "m", "--api-key", "k"]
@@ -301,7 +301,7 @@ def test_each_replica_gets_a_gpu_of_its_own():
     """On CUDA, replica i sees only the i-th visible GPU (as its cuda:0); on the CPU nothing changes;
     fewer GPUs than replicas, or one GPU named for all, is refused before anything starts."""
     from blockserve.engine.config import EngineConfig
-    from blockserve.server.replicas import replica_environments as envs
+    from blockserve.data_parallel.replicas import replica_environments as envs
 
     auto, cuda, cpu = EngineConfig(), EngineConfig(device="cuda"), EngineConfig(device="cpu")
     assert envs(auto, 2, {}, cuda_devices=0) == [{}, {}]  # auto without CUDA: the CPU

@@ -17,7 +17,7 @@ from blockserve import SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
 from blockserve.server.config import ServerConfig
-from blockserve.server.http_errors import RequestTimeout
+from blockserve.server.http.errors import RequestTimeout
 from tests.models.conftest import save_random_model
 from tests.server.asgi import sse_events
 from tests.server.test_async_engine import SIZES

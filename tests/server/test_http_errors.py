@@ -18,7 +18,7 @@ from blockserve.engine.llm_engine import LLMEngine
 from blockserve.errors import EngineDead, InvalidRequest, PromptTooLong, RequestRejected
 from blockserve.models.loader import load_model
 from blockserve.server.app import create_app
-from blockserve.server.http_errors import from_exception
+from blockserve.server.http.errors import from_exception
 from tests.models.conftest import save_random_model
 from tests.server.asgi import asgi_request
 from tests.server.test_async_engine import ARGS, SIZES

@@ -15,7 +15,7 @@ from blockserve.engine.core import EngineCore
 from blockserve.engine.llm_engine import LLMEngine
 from blockserve.server.app import create_app
 from blockserve.server.config import MAX_JSON_DEPTH, ServerConfig
-from blockserve.server.limits import json_depth
+from blockserve.server.http.limits import json_depth
 from tests.server.asgi import asgi_request
 from tests.server.test_request_fields import ARGS, chat_model  # noqa: F401 (a fixture)
 

@@ -1,4 +1,4 @@
-"""Tool calling through a template's own (Hermes-style) tools section, native_tools.py: which
+"""Tool calling through a template's own (Hermes-style) tools section, server/tools/hermes.py: which
 templates count, the prompt it renders (tools, prior calls, tool results), the grammar of forced
 choices, the parse and the streamed deltas of `<tool_call>` blocks, and real generation through
 the app on a tiny random Llama carrying SmolLM2's tokenizer with a Hermes tools template (forced
@@ -19,13 +19,13 @@ from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
-from blockserve.server.chat import chat_messages
-from blockserve.server.http_errors import APIError
-from blockserve.server.native_tools import (
+from blockserve.server.openai_api.chat import chat_messages
+from blockserve.server.http.errors import APIError
+from blockserve.server.tools.hermes import (
     HermesStream, hermes_grammar, hermes_history, hermes_prompt, parse_hermes, renders_hermes_tools,
 )
 from blockserve.server.protocol import ChatCompletionRequest, ToolCall
-from blockserve.server.tools import tool_setup
+from blockserve.server.tools.envelope import tool_setup
 from blockserve.structured.grammar import grammar_text
 from tests.models.conftest import save_random_model
 from tests.server.asgi import post_each

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blockserve.engine.config import EngineConfig
 from blockserve.server.config import ServerConfig
-from blockserve.server.replicas import LOOPBACK, ReplicaProcess, free_port
-from blockserve.server.router import Replicas, create_router_app
-from blockserve.server.routing import DataParallelConfig
+from blockserve.data_parallel.replicas import LOOPBACK, ReplicaProcess, free_port
+from blockserve.data_parallel.router import Replicas, create_router_app
+from blockserve.data_parallel.routing import DataParallelConfig
 from tests.server.asgi import asgi_request
 
 METRICS = "# HELP blockserve_generation_tokens_total Tokens generated.\n" \

@@ -1,4 +1,4 @@
-"""The data-parallel front end's /metrics (server/replica_metrics.py), from real replica metrics
+"""The data-parallel front end's /metrics (data_parallel/metrics.py), from real replica metrics
 (server/metrics.py's registry): each replica labelled, the totals summed (histograms bucket by
 bucket, ratios averaged, start times the earliest), a dead replica's counters kept and its gauges
 dropped, and the whole parsed back by prometheus_client as valid exposition text."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockserve.scheduler.output import SchedulerStats
-from blockserve.server.async_engine import QueueDepth
-from blockserve.server.metrics import Metrics
-from blockserve.server.replica_metrics import ReplicaMetrics, merge, parse, render, router_families
+from blockserve.server.engine_bridge.async_engine import QueueDepth
+from blockserve.server.engine_bridge.metrics import Metrics
+from blockserve.data_parallel.metrics import ReplicaMetrics, merge, parse, render, router_families
 
 
 def replica_text(running: int, usage: float, hits: int, ttfts: list[float], finished: list[str]) -> str:

@@ -1,11 +1,11 @@
 """The soak's 40-second version (`make soak-server` runs it for 30): mixed load against a real
-`blockserve serve` with the bundled model (blockserve/server/soak.py). No unexpected answer, the
+`blockserve serve` with the bundled model (blockserve/sim/server_soak.py). No unexpected answer, the
 server's RSS grows by less than 5 MB after the warm-up, every KV block is free at the end, and
 SIGTERM then drains and exits 0."""
 
 from __future__ import annotations
 
-from blockserve.server.soak import MIX, SoakConfig, run_soak, serve
+from blockserve.sim.server_soak import MIX, SoakConfig, run_soak, serve
 
 
 def test_forty_seconds_of_mixed_load_leave_nothing_behind():

@@ -8,9 +8,9 @@ import json
 import jsonschema
 import pytest
 
-from blockserve.server.http_errors import APIError
+from blockserve.server.http.errors import APIError
 from blockserve.server.protocol import ChatCompletionRequest, ToolCall
-from blockserve.server.tools import EnvelopeStream, parse_envelope, render_history, tool_setup
+from blockserve.server.tools.envelope import EnvelopeStream, parse_envelope, render_history, tool_setup
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

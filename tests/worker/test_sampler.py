@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
-from blockserve.attention.native import fused_ops, quantized_matmul_ops, why_not_native
+from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.sampling_params import SamplingParams
 from blockserve.worker.sampler import (
     GREEDY_TEMPERATURE,

@@ -1,0 +1,49 @@
+// The one extension module of the native kernels (native/extension.py builds it): every entry
+// point of kernels.h, and the decode stack, bound to Python.
+
+#include <torch/python.h>
+
+#include "decode_stack.h"
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace blockserve;
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight, in place");
+  m.def("rotary_", &rotary_, "rotate the first `heads` heads of each row of qkv in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
+  m.def("argmax_rows", &argmax_rows, "x [N, V] float32 -> int64 [N]: each row's first maximum (its first NaN)");
+  m.def("sample_rows", &sample_rows,
+        "(logits [M, V] float32, temperature [M] float32, top_k [M] int64 | None, top_p [M] float32 | None, min_p "
+        "[M] float32 | None, uniforms [M] float64 in [0, 1)) -> int64 [M]: each row's token, drawn by inverse CDF "
+        "from softmax(logits / temperature) after the filters (worker/sampler.py)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+
+  m.def("reads_16bit", &reads_16bit, "whether float16 / bfloat16 caches are read at this head size");
+  m.def("pool_sequences", &pool_sequences,
+        "decode batches of up to this many sequences split their attention on the task pool, as the float32 "
+        "blocks matmuls do (MAX_ROWS)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over the paged KV cache, in place (out, q, k_cache, v_cache, block_table, key_start, "
+        "seq_lens, scale)");
+  m.def("rotary_decode_attention", &rotary_decode_attention,
+        "a decode-only step: rotate q, k of qkv in place, write k, v to the caches, attend (out, qkv, cos, sin, "
+        "k_cache, v_cache, slot_mapping, block_table, key_start, seq_lens, n_heads, scale)");
+
+  m.def("quantized_matmul", &quantized_matmul, "out [M, N] = x [M, K] @ W^T, W packed Q4_1 (q4_1=True) or Q8_0");
+  m.def("quantized_matmul_int8", &quantized_matmul_int8,
+        "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int8 per block of 32 (integer dots)");
+  m.def("quantized_matmul_int16", &quantized_matmul_int16,
+        "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int16 per block of 32 (integer dots)");
+  m.def("simd_lanes", &simd_lanes, "16: the AVX-512 path, 8: AVX2, 0: neither (quantized_matmul cannot run)");
+
+  // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<bool>,
+                          std::vector<std::optional<at::Tensor>>, std::vector<at::Tensor>, std::vector<double>,
+                          std::string, int64_t, double>(),
+           pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("q4_1"), pybind11::arg("biases"),
+           pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("activations"), pybind11::arg("num_heads"),
+           pybind11::arg("scale"))
+      // Without the GIL: a server's event loop streams tokens while the step's layers run.
+      .def("run", &DecodeStack::run, DecodeStack::kRunDoc, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,131 @@
+"""Prometheus metrics for GET /metrics, in a registry of their own (no global state).
+
+Engine state (requests running / waiting, KV usage per group, prefix-cache queries and hits,
+preemptions) and the server's waiting queue are read at scrape time from the latest
+SchedulerStats and QueueDepth the engine thread published; latencies, token counts and
+rejections are observed as they happen.
+
+    blockserve_num_requests_running / _waiting              gauge (the scheduler's; n > 1: one per sample)
+    blockserve_queue_requests / _queue_prompt_tokens        gauge: accepted, no output yet (what
+                                                            --max-waiting-requests / -tokens bound)
+    blockserve_requests_rejected_total{reason}              counter, answered 503 (waiting_requests,
+                                                            waiting_tokens, draining)
+    blockserve_kv_cache_usage_ratio{group}                  gauge, 0..1
+    blockserve_prefix_cache_queries_total / _hits_total     counter, prompt tokens
+    blockserve_prefix_cache_state_lost_tokens_total         counter, prompt tokens cached as attention KV
+                                                            that no recurrent-state checkpoint reached
+    blockserve_num_preemptions_total                        counter
+    blockserve_prompt_tokens_total / _generation_tokens_total  counter
+    blockserve_request_finished_total{finished_reason}      counter (stop, length; abort: the client left;
+                                                            timeout: past its deadline; stalled: the client
+                                                            read nothing; error: its engine step failed)
+    blockserve_time_to_first_token_seconds                  histogram
+    blockserve_inter_token_latency_seconds                  histogram
+    blockserve_e2e_request_latency_seconds                  histogram
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from blockserve.scheduler.output import SchedulerStats
+from blockserve.server.engine_bridge.async_engine import QueueDepth
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats], queue: Callable[[], QueueDepth], model_name: str):
+        self._stats = stats
+        self._queue = queue
+        self._model = model_name
+
+    def collect(self):
+        s, q = self._stats(), self._queue()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("blockserve_num_requests_running", "Requests in the running batch.", s.num_running),
+            ("blockserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("blockserve_queue_requests", "Requests accepted and still waiting for their first output.", q.requests),
+            ("blockserve_queue_prompt_tokens", "Prompt tokens of the requests still waiting for their first output.",
+             q.prompt_tokens),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric([self._model], value)
+            yield gauge
+        usage = GaugeMetricFamily("blockserve_kv_cache_usage_ratio",
+                                  "Fraction of a KV cache group's blocks held by requests (1 = full).",
+                                  labels=["model_name", "group"])
+        for group, value in enumerate(s.kv_usage):
+            usage.add_metric([self._model, str(group)], value)
+        yield usage
+        for name, doc, value in (
+            ("blockserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("blockserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("blockserve_prefix_cache_state_lost_tokens",
+             "Prompt tokens whose attention KV was cached but that no recurrent-state checkpoint reached, "
+             "so they were computed again.", s.prefix_cache_state_lost_tokens),
+            ("blockserve_num_preemptions", "Requests preempted to free KV cache.", s.num_preemptions),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self._model], value)
+            yield counter
+
+
+class Metrics:
+    """Implements the AsyncEngine's Observer; `render()` is the /metrics body."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats], queue: Callable[[], QueueDepth]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(stats, queue, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("blockserve_time_to_first_token_seconds",
+                              "From the request's arrival to its first output token.", _TTFT_BUCKETS)
+        self.itl = histogram("blockserve_inter_token_latency_seconds",
+                             "Between two successive outputs of a request.", _ITL_BUCKETS)
+        self.e2e = histogram("blockserve_e2e_request_latency_seconds",
+                             "From the request's arrival to its end (finished or aborted).", _E2E_BUCKETS)
+        self.prompt_tokens = counter("blockserve_prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("blockserve_generation_tokens", "Tokens generated.")
+        self._finished = Counter("blockserve_request_finished", "Requests ended, by finish reason.",
+                                 ["model_name", "finished_reason"], registry=self.registry)
+        self._rejected = Counter("blockserve_requests_rejected", "Requests answered 503 before they started.",
+                                 ["model_name", "reason"], registry=self.registry)
+        self._model = model_name
+
+    # -- Observer (the engine thread; on_rejected the event loop too; prometheus_client is thread-safe)
+
+    def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_tokens(self, inter_token: float | None, num_new_tokens: int) -> None:
+        if inter_token is not None:
+            self.itl.observe(inter_token)
+        self.generation_tokens.inc(num_new_tokens)
+
+    def on_finished(self, e2e: float, finish_reasons: list[str]) -> None:
+        self.e2e.observe(e2e)
+        for reason in finish_reasons:
+            self._finished.labels(self._model, reason).inc()
+
+    def on_rejected(self, reason: str) -> None:
+        self._rejected.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

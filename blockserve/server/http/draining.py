@@ -1,0 +1,50 @@
+"""uvicorn with a drain: the first SIGTERM / SIGINT runs the caller's drain before uvicorn's own
+shutdown (which closes the port), and no signal is re-raised at exit; a second one exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+from blockserve.server.config import ServerConfig
+
+CONNECTIONS_GRACE_S = 5  # after the drain: how long uvicorn waits for connections to close
+
+
+def serve_with_drain(app, config: ServerConfig, drain: Callable[[str], Awaitable[None]]) -> bool:
+    """Serve `app` on config.host:config.port until a signal, then `await drain(signal name)` and
+    exit. True if it ended that way; False if a second signal cut the drain short."""
+    import uvicorn
+
+    from blockserve.server.http.header_deadline import protocol_with_header_timeout
+
+    class DrainingServer(uvicorn.Server):
+        async def serve(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            self._drain: asyncio.Task | None = None
+            self._signalled = False
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame) -> None:  # a signal handler: only hand over to the loop
+            if self._signalled:
+                self.should_exit = self.force_exit = True
+                return
+            self._signalled = True
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+        def _start_drain(self, name: str) -> None:
+            self._drain = self._loop.create_task(self._drain_then_exit(name))
+
+        async def _drain_then_exit(self, name: str) -> None:
+            try:
+                await drain(name)
+            finally:
+                self.should_exit = True
+
+    # uvicorn's own logs (start-up, access lines) stay at warnings; ours follow the CLI's -q.
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_graceful_shutdown=CONNECTIONS_GRACE_S,
+                                           http=protocol_with_header_timeout(config.header_timeout)))
+    server.run()
+    return not server.force_exit
