@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: install run test bench-kv bench-scheduler bench-kernels bench-glue bench-threads bench-peers bench-peers-native soak clean
+.PHONY: install run test clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,37 +25,75 @@ run: install
 	$(VENV)/bin/blockserve generate --chat-template --max-tokens 128 "$(PROMPT)"
 
 # One torch thread: on a shared 2-core machine a second one stalls whenever another process runs.
+# The subsets (slow, gpu, tp_full, backend_full, browser): tests/README.md.
 test: install
 	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest
 
-# Developer benchmarks (benchmarks/); `blockserve bench ...` (blockserve/bench/) measures the installed engine.
+# Every test but the slow ones (a -m replaces pyproject's, so it leaves out the full matrices too).
+.PHONY: test-fast
+test-fast: install
+	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not tp_full and not backend_full"
+
+# Developer benchmarks (benchmarks/README.md: the question each answers); `blockserve bench ...`
+# (blockserve/bench/) measures the installed engine. Each writes its raw figures under results/.
+.PHONY: bench-kv bench-scheduler bench-kernels bench-matmul bench-step bench-threads bench-drift bench-multiturn \
+	bench-hybrid-prefix bench-tp bench-dp bench-structured bench-peers bench-peers-native gpu-check soak
 bench-kv: install
-	$(THREAD_POLICY) $(PY) benchmarks/kv_core.py
+	$(THREAD_POLICY) $(PY) -m benchmarks.kv_core --json results/kv_core.json
 
 bench-scheduler: install
-	$(THREAD_POLICY) $(PY) benchmarks/scheduler_overhead.py
+	$(THREAD_POLICY) $(PY) -m benchmarks.scheduler_overhead --json results/scheduler_overhead.json
 
 bench-kernels: install
-	$(THREAD_POLICY) $(PY) benchmarks/decode_kernels.py
+	$(THREAD_POLICY) $(PY) -m benchmarks.decode_kernels
 
-# The decode step with and without its fused decode attention (one process, alternating), and the
-# OpenMP wait policies at 1 and 2 threads (fresh processes, alternating).
-bench-glue: install
-	$(THREAD_POLICY) $(PY) benchmarks/decode_glue.py --running 1 16 --json results/decode_glue.json
+bench-matmul: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.quantized_matmul --json results/quantized_matmul.json
+
+# A decode step in phases on each decode path (one process, rounds alternating), and the OpenMP wait
+# policies at 1 and 2 threads (fresh processes, alternating).
+bench-step: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.step_profile --threads 1 --running 1 16 \
+		--paths native-stack flat-loop module reference --json results/step_profile.json
 
 bench-threads: install
-	$(PY) benchmarks/thread_policy.py --json results/thread_policy.json
+	$(PY) -m benchmarks.thread_policy --json results/thread_policy.json
+
+bench-drift: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.chunking_drift --json results/chunking_drift.json
+
+bench-multiturn: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.multiturn --json results/hybrid_prefix_multiturn.json
+
+bench-hybrid-prefix: install
+	$(PY) -m benchmarks.hybrid_prefix_sim --json results/hybrid_prefix_sim.json
+
+bench-tp: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.tp --json results/tp.json
+
+bench-dp: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.dp_routing --out results/dp_routing.json
+
+# The `grammar-peers` extra adds the grammar engines llguidance is measured against (not in `dev`).
+bench-structured: install
+	$(PY) -m pip install -q -e '.[grammar-peers]'
+	$(PY) -m benchmarks.structured_outputs engines --out results/structured_outputs_engines.json
+	$(THREAD_POLICY) $(PY) -m benchmarks.structured_outputs batch --threads 2 --out results/structured_outputs_batch.json
 
 # The `peers` extra adds llama-cpp-python (a compiled wheel, kept out of `dev` so CI never builds it).
 # One thread for every system: on this shared 2-core box a second one measures the neighbours.
 bench-peers: install
 	$(PY) -m pip install -q -e '.[peers]'
-	$(THREAD_POLICY) $(PY) benchmarks/peers/run.py --threads 1 --json results/peers.json
+	$(THREAD_POLICY) $(PY) -m benchmarks.peers.run --threads 1 --json results/peers_transformers_avx512.json
 
 # Native llama.cpp (built once from the llama-cpp-python sdist, cached in ~/.cache/blockserve-peers) against
 # blockserve: offline, batch-1 latency and streaming servers at 1/16/64 clients, at 1 thread and all cores.
 bench-peers-native: install
-	$(PY) benchmarks/peers/native.py --json results/peers_native.json
+	$(PY) -m benchmarks.peers.native --json results/peers_native.json
+
+# On a machine with an NVIDIA GPU: its torch, not the venv's (benchmarks/gpu_check.sh says how).
+gpu-check:
+	bash benchmarks/gpu_check.sh all
 
 soak: install
 	$(PY) -m blockserve.sim.soak --requests 100000
@@ -79,7 +117,7 @@ install-browser:
 .PHONY: eval-smoke
 eval-smoke: install
 	$(PY) -m pip install -q -e '.[eval]'
-	OMP_WAIT_POLICY=PASSIVE $(PY) benchmarks/lm_eval/smoke.py --json results/lm_eval_smoke.json
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.lm_eval.smoke --json results/lm_eval_smoke.json
 
 # The server soak (blockserve/sim/server_soak.py): MINUTES of mixed load against a real `blockserve serve`.
 .PHONY: soak-server

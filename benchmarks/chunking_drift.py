@@ -3,7 +3,7 @@ of the GGUF blocks (models/quantized_linear.py): the bundled SmolLM2, one prompt
 logprobs with the whole prompt in one step and with token budgets that cut it into chunks (what a
 prefix-cache hit or a busy batch does to a prefill).
 
-    .venv/bin/python benchmarks/chunking_drift.py [--budgets 7 32] [--emulate-levels 32767]
+    python -m benchmarks.chunking_drift [--budgets 7 32] [--emulate-levels 32767]
         [--json results/chunking_drift.json]
 
 float32 moves by float rounding (the chunks' attention sums in another order); int8 rounds x to

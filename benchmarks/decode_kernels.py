@@ -1,6 +1,6 @@
 """Micro-benchmarks behind docs/performance.md's decode-step figures, peers side by side.
 
-    attention  the native decode kernel (attention/csrc/paged_decode.cpp): this CPU's build
+    attention  the native decode kernel (native/csrc/paged_decode.cpp): this CPU's build
                against one with -mno-avx512f (the AVX2 path; the same build on a CPU without
                AVX-512), float32 / float16 / bfloat16
                caches; 64 sequences of 60-245 tokens (SmolLM2's 9 query and 3 KV heads of 64),
@@ -11,7 +11,7 @@
 
 Medians of alternating rounds; one thread unless --threads. Run:
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_kernels.py
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.decode_kernels
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the front end tokenizes through the chat template). The requests go in a shuffle
 hit rate (prompt tokens found cached / prompt tokens looked up, summed over the replicas'
 /metrics), requests and output tokens per second, the mean latency, and the router's reasons.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/dp_routing.py            # bundled SmolLM2
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/dp_routing.py --tenants 8 --requests-per-tenant 8
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.dp_routing            # bundled SmolLM2
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.dp_routing --tenants 8 --requests-per-tenant 8
 
 Raw figures go to results/dp_routing.json.
 """

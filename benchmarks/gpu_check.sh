@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The GPU check (benchmarks/gpu_check.py) on a machine with no network and its own torch.
+# The GPU check: proves blockserve's CUDA path on a machine with an NVIDIA GPU, where CI cannot.
+# It runs benchmarks/gpu_check.py on CUDA (greedy parity per model family against transformers in
+# bfloat16, the C1 poison proof per attention backend, the attention kernels' timings, and decode
+# throughput against transformers and the HBM bound), then, with `pytest`, the test suite's tests
+# marked `gpu` (CUDA graphs against eager, the engine on CUDA against the CPU).
 #
-#   bash benchmarks/gpu_check.sh pack    # here, with network: the few pure-Python (and abi3) wheels the
-#                                        # machine lacks, into build/gpu_wheels (~4 MB; no torch)
-#   bash benchmarks/gpu_check.sh [ARGS]  # there: install them and blockserve into a scratch site
-#                                        # directory, then run the check on CUDA (ARGS go to gpu_check.py)
-#   bash benchmarks/gpu_check.sh pytest  # there, in a second call (~2 minutes): the test suite's CUDA-only
-#                                        # tests (CUDA graphs vs eager per backend, the engine on CUDA vs CPU)
-#   bash benchmarks/gpu_check.sh all     # there, both in one call of under 9 minutes (the check's budget
-#                                        # shortened to 320 s): one machine start, and with a quick start
-#                                        # enough of a 15-minute lease left for a second, shorter call
+#   bash benchmarks/gpu_check.sh pack    # where there is network: the few pure-Python (and abi3) wheels
+#                                        # `import blockserve` needs beyond a CUDA image's torch, triton and
+#                                        # transformers, into build/gpu_wheels (~4 MB; no torch)
+#   bash benchmarks/gpu_check.sh [ARGS]  # on the GPU machine (no network needed): installs those wheels and
+#                                        # blockserve into a scratch site directory, then runs the check
+#                                        # (~8 minutes; ARGS go to gpu_check.py, e.g. --sections parity)
+#   bash benchmarks/gpu_check.sh pytest  # on the GPU machine: the `gpu` tests (~2 minutes)
+#   bash benchmarks/gpu_check.sh all     # both, the check's budget shortened to 320 s (under 9 minutes)
 #
-# Results: $RESULTS, else $OUT/gpu_check where $OUT is set (the device tool's folder), else
-# results/gpu_check. The machine's python3 keeps its own torch, triton and transformers.
+# It writes gpu_check.json (every section's figures and verdicts), gpu_check.txt (the short report),
+# parts.log (the end of each part's output) and, with `pytest`, cuda_pytest.txt into $RESULTS
+# (default results/gpu_check). The machine's python3 keeps its own torch, triton and transformers.
+# Exit status: 0 when parity and poison pass (and the gpu tests, with `pytest`).
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -44,16 +49,15 @@ trap 'rm -rf "$SITE"' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$SITE" .
 export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
-RESULTS=${RESULTS:-${OUT:+$OUT/gpu_check}}
 RESULTS=${RESULTS:-results/gpu_check}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 if [[ "${1:-}" == pytest ]]; then
     mkdir -p "$RESULTS"
-    BLOCKSERVE_TEST_CUDA=1 timeout "${GPU_PYTEST_TIMEOUT_S:-170}" python3 -m pytest -p no:cacheprovider -v -rA --log-level=WARNING -k on_cuda \
+    timeout "${GPU_PYTEST_TIMEOUT_S:-170}" python3 -m pytest --cuda -m gpu -p no:cacheprovider -v -rA --log-level=WARNING \
         tests/worker/test_cuda_graphs.py tests/engine/test_device.py tests/worker/test_step_tables.py \
         tests/attention/test_flex_attention.py 2>&1 | tee "$RESULTS/cuda_pytest.txt"
     exit "${PIPESTATUS[0]}"
 fi
 # The check sizes itself to ~450 s (--budget-s); the hard stop keeps it inside 8 minutes, and the
-# sections finished by then are already written. A shorter lease: --budget-s and GPU_CHECK_TIMEOUT_S.
-timeout "${GPU_CHECK_TIMEOUT_S:-475}" python3 benchmarks/gpu_check.py --device cuda --results "$RESULTS" "$@"
+# sections finished by then are already written. Less time: --budget-s and GPU_CHECK_TIMEOUT_S.
+timeout "${GPU_CHECK_TIMEOUT_S:-475}" python3 -m benchmarks.gpu_check --device cuda --results "$RESULTS" "$@"

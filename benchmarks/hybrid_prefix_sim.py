@@ -5,7 +5,7 @@ The real scheduler and KV manager run with the shadow runner (no model), so the 
 seconds. Each turn of a conversation arrives `think` steps after the previous one finished, so
 turns of different conversations interleave as a server sees them.
 
-    python benchmarks/hybrid_prefix_sim.py --json results/hybrid_prefix_sim.json
+    python -m benchmarks.hybrid_prefix_sim --json results/hybrid_prefix_sim.json
 """
 
 from __future__ import annotations

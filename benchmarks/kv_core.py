@@ -1,6 +1,6 @@
 """KV core micro-benchmarks: allocate+free cycles, prefix-hash throughput, cache-hit lookup.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/kv_core.py [--repeats 7] [--min-time 0.2] [--json [PATH]]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_core [--repeats 7] [--min-time 0.2] [--json [PATH]]
 
 Allocate+free: a request is admitted (`allocate_slots` for 1, 16 or 256 blocks' worth of tokens,
 block_size 16), freed, and the step's `take_pending()` drained; zeroing off, prefix caching on

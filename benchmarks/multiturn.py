@@ -7,7 +7,7 @@ the previous one finishes, so turns of different conversations interleave as a s
 Both models are tiny random ones built here (timing only): a Qwen3-Next shape (3 Gated DeltaNet
 layers : 1 attention layer, checkpoint stride 64) and a Qwen3 shape with the same widths.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/multiturn.py --json results/multiturn.json
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.multiturn --json results/hybrid_prefix_multiturn.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""x @ W^T over GGUF blocks (attention/csrc/quantized_matmul.cpp) against the float32 matmul it
+"""x @ W^T over GGUF blocks (native/csrc/quantized_matmul.cpp) against the float32 matmul it
 replaces, for SmolLM2-135M's shapes and formats (Q4_1 layers, the Q8_0 tied lm_head):
 
     int16    quantized_matmul_int16: x rounded to int16 per block of 32, integer dot products
@@ -13,7 +13,7 @@ in brackets compare those); weight GB/s counts the packed bytes the kernels read
 (the float32 bytes for dense). Prints a table per thread count and writes the raw figures, the
 CPU flags and the thread settings as JSON. Run:
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/quantized_matmul.py [--avx2] [--threads 1 2]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.quantized_matmul [--avx2] [--threads 1 2]
 """
 
 from __future__ import annotations

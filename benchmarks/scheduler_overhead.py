@@ -1,6 +1,6 @@
 """Scheduler step overhead: `schedule()` + `update_from_output()`, the model excluded.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/scheduler_overhead.py [--steps 200] [--repeats 3]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.scheduler_overhead [--steps 200] [--repeats 3]
         [--running 64 256 1024] [--stream-prompt 512 --stream-shared 256] [--json PATH]
         [--profile [RUNNING ...]]
 
@@ -18,7 +18,7 @@ that blocks are evicted and reused; `add_request` + `schedule` + `update_from_ou
 timed (building the Request and the model output are not), per request.
 
 No ratio against vLLM is printed: a peer figure counts only when measured in the same run,
-and vLLM is not installed here. (For context only, issue 3 quoted vLLM 0.33's V1 scheduler at
+and vLLM is not installed here. (For context only: vLLM 0.33's V1 scheduler has been quoted at
 1.1 / 4.0 / 25.7 ms per step for 64 / 256 / 1024 running, measured elsewhere.) The scheduler is pure
 single-threaded Python (it imports no torch and no numpy, which the script checks), so OMP and
 thread settings cannot affect it; they are recorded anyway.

@@ -8,7 +8,7 @@ choice) and each engine:
   output (the same token ids for every engine: the HF tokenization of a fixed valid answer), each
   step checking that the next token is allowed before consuming it.
 
-    .venv/bin/python benchmarks/structured_outputs.py engines [--repeats 5] [--out results/structured_outputs_engines.json]
+    python -m benchmarks.structured_outputs engines [--repeats 5] [--out results/structured_outputs_engines.json]
 
 An engine that is not installed, or rejects a workload, is reported as such, not skipped silently.
 
@@ -20,7 +20,7 @@ the run (so the constrained rows run to the end too), then all 16 constrained. E
 machine): the runner's time per step, the sampler's share (where the bitmask is filled and
 applied), and the extra sampler time per constrained token.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/structured_outputs.py batch [--max-tokens 64] \
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.structured_outputs batch [--max-tokens 64] \
         [--threads 2] [--out results/structured_outputs_batch.json]
 """
 

@@ -3,7 +3,7 @@ requests, under each (threads, OMP_WAIT_POLICY / GOMP_SPINCOUNT) setting, in fre
 OpenMP runtime reads its environment once, when torch loads), settings alternating round by round,
 medians. Each figure carries the other processes' CPU share while it was taken.
 
-    .venv/bin/python benchmarks/thread_policy.py [--rounds 2] [--busy-neighbours 1] [--neighbour-share 0.5]
+    python -m benchmarks.thread_policy [--rounds 2] [--busy-neighbours 1] [--neighbour-share 0.5]
         [--json results/thread_policy.json]
 
 `--busy-neighbours N` runs N processes on the CPU for the whole measurement: a loaded machine; each
@@ -47,6 +47,7 @@ while True:
         time.sleep(0.01 - busy)
 """
 OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+ROOT = Path(__file__).resolve().parents[1]  # where `python -m benchmarks.thread_policy` finds the package
 
 
 def child(threads: int, running: list[int], steps: int) -> None:
@@ -55,10 +56,8 @@ def child(threads: int, running: list[int], steps: int) -> None:
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from cpu_share import CpuShare
-    from decode_glue import decoding_engine
-
+    from benchmarks.cpu_share import CpuShare
+    from benchmarks.step_profile import decoding_engine
     from blockserve.attention.paged_attention import BACKENDS
     from blockserve.models.loader import load_model
 
@@ -111,9 +110,9 @@ def measure(args, runs: dict[str, list[dict]]) -> None:
             threads, env = SETTINGS[name]
             full_env = {k: v for k, v in os.environ.items() if k not in OMP_KEYS}
             full_env.update(env, OMP_NUM_THREADS=str(threads))
-            cmd = [sys.executable, __file__, "--child", str(threads), "--steps", str(args.steps),
+            cmd = [sys.executable, "-m", "benchmarks.thread_policy", "--child", str(threads), "--steps", str(args.steps),
                    "--running", *map(str, args.running)]
-            proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, check=True)
+            proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, check=True, cwd=ROOT)
             line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
             runs[name].append(json.loads(line.removeprefix("RESULT ")))
             print(f"  round {len(runs[name])}, {name}: {line.removeprefix('RESULT ')}", flush=True)

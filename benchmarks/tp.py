@@ -1,7 +1,7 @@
 """Tensor parallelism on this CPU: TP=2 (two processes, one thread each, gloo over loopback) vs TP=1
 (one process, one thread) on the same random Llama-shaped model, greedy.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/tp.py --json results/tp.json
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.tp --json results/tp.json
 
 Measured per engine, after a warm-up: decode at batch 1 (seconds per output token), decode at
 batch 8 (output tokens per second), and one prefill (prompt tokens per second). The bundled

@@ -9,6 +9,7 @@ Then lm-eval's loglikelihoods are checked against the offline API's prompt logpr
 token ids lm-eval sent (to 1e-3): the scores lm-eval reports are the engine's.
 
     make eval-smoke        (installs the `eval` extra: lm-eval and what it pulls)
+    python -m benchmarks.lm_eval.smoke [--json PATH]
 
 Run from the repository root: the task files name their data by relative path.
 """

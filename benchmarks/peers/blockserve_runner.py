@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import gc
 
+from benchmarks.peers.run_result import RunResult, check_counts, timed
 from blockserve import LLM, SamplingParams
 from blockserve.bench.latency import run_iteration
-
-from run_result import RunResult, check_counts, timed
 
 
 class BlockserveRunner:

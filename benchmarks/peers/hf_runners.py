@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from benchmarks.peers.run_result import RunResult, check_counts, timed
 from blockserve.models.default_model import default_model_path
-
-from run_result import RunResult, check_counts, timed
 
 PAGE_SIZE = 256  # generate_batch's KV page, in tokens (ContinuousBatchingConfig's default)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from run_result import RunResult, check_counts, timed
+from benchmarks.peers.run_result import RunResult, check_counts, timed
 
 _WARN, _ERROR = 3, 4  # ggml_log_level values
 

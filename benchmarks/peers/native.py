@@ -2,7 +2,7 @@
 inter-token latency and streaming servers at 1 / 16 / 64 clients, at each thread count.
 
     make bench-peers-native                  (1 thread and all cores; results/peers_native.json)
-    python benchmarks/peers/native.py --threads 1 2 [--rounds 2] [--clients 1 16 64] [--skip-server]
+    python -m benchmarks.peers.native --threads 1 2 [--rounds 2] [--clients 1 16 64] [--skip-server]
         [--input-len 112] [--max-tokens 128] [--batch 64] [--blockserve-flags '...'] [--isa avx2] [--json PATH]
 
 llama.cpp is built once by benchmarks/peers/build_llama_cpp.sh (from the llama-cpp-python sdist's

@@ -1,13 +1,11 @@
-"""The printout: throughput table, greedy-token agreement, batch-1 inter-token latency, roofline,
-decode profiles and the goals; the medians and ratios also go into `results` (the JSON)."""
+"""The printout: throughput table, greedy-token agreement, batch-1 inter-token latency, roofline
+and the goals; the medians and ratios also go into `results` (the JSON)."""
 
 from __future__ import annotations
 
 import statistics
 
-from blockserve.bench.roofline import ModelShape, loaded_bound_line
-
-from decode_profile import print_profile
+from blockserve.bench.roofline import loaded_bound_line
 
 FOUR_BIT = ("llama.cpp-batched", "llama.cpp-sequential")  # Q4_1 weights: their tokens are not expected to match
 
@@ -21,13 +19,11 @@ def compare_tokens(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     return {"identical": identical, "total": len(ours), "first_difference_at": first_diff}
 
 
-def report(results: dict, systems: list[str], tokens_by_system: dict, shape: ModelShape) -> None:
+def report(results: dict, systems: list[str], tokens_by_system: dict) -> None:
     roof = results["roofline"]
     medians = throughput(results, systems, tokens_by_system) if systems else {}
     itl = inter_token_latency(results, roof)
     print_roofline(results)
-    for p in results["profiles"]:
-        print_profile(p, shape, roof["gemm_peak_gflops"])
     if medians:
         goals(results, medians, itl)
 
@@ -117,7 +113,7 @@ def print_roofline(results: dict) -> None:
 
 
 def goals(results: dict, medians: dict, itl: dict) -> None:
-    """Issue 8's goals, last: 1.5x the best peer's throughput, 60% of the compute roofline, and a
+    """The goals, last: 1.5x the best peer's throughput, 60% of the compute roofline, and a
     batch-1 inter-token latency 1.5x lower than transformers generate."""
     print("\n== goals ==")
     hf = itl.get("transformers generate")

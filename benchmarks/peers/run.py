@@ -1,15 +1,14 @@
 """Peer comparison: blockserve `LLM.generate` against transformers and llama.cpp, same run, same machine.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/peers/run.py [--num-prompts 64] [--max-tokens 128]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.peers.run [--num-prompts 64] [--max-tokens 128]
         [--rounds 3] [--threads N] [--hf-batch-sizes 16 64] [--skip hf-sequential ...] [--json PATH]
         [--itl-prompts 4] [--attention-backend exact|whole_block] [--no-prefix-caching]
-        [--profile-decode 16 64] [--no-progress]
+        [--no-progress]
 
     quick look:  --num-prompts 16 --max-tokens 32 --rounds 1 --threads 1
-    step profile only:  --profile-decode 16 64 --rounds 0
     llama.cpp needs llama-cpp-python:  pip install '.[peers]'  (or `make bench-peers`)
 
-Workload (issue 4 / issue 8): SmolLM2-135M-Instruct from the bundled GGUF; the 64 chat
+Workload: SmolLM2-135M-Instruct from the bundled GGUF; the 64 chat
 conversations of blockserve/bench/workloads.py rendered with the chat template (about 15-200
 prompt tokens); 128 new tokens each, greedy, EOS ignored. `--num-prompts N` takes N of them spread
 evenly over the prompt-length distribution; `--max-tokens` shortens generations. Every system gets
@@ -41,7 +40,7 @@ and the reason printed and recorded in the JSON ("skipped"). llama.cpp gets n_th
 thread count; --max-num-batched-tokens is blockserve's token budget per step, generate_batch's
 max_batch_tokens and llama.cpp's n_batch.
 
-Batch-1 inter-token latency (issue 8: at least 1.5x lower than transformers generate), each round
+Batch-1 inter-token latency (goal: at least 1.5x lower than transformers generate), each round
 after the throughput runs, over `--itl-prompts` prompts of the workload, per prompt the decode time
 per token after the first: blockserve from its step loop (`blockserve bench latency`'s TPOT), as
 loaded (GGUF blocks) and as "blockserve fp32" (float32 weights only, quantized_matmul=False),
@@ -52,8 +51,8 @@ system runs). Medians over prompts and rounds.
 Every run also prints the roofline (blockserve/bench/roofline.py): the fp32 GEMM peak and copy
 bandwidth measured on the spot, the workload's FLOPs, the compute-bound tok/s and blockserve's
 fraction of it, and the batch-1 fp32 weight-bandwidth bound. The last line gives blockserve's
-ratio to the best peer (goal 1.5x) and its fraction of the compute roofline (goal 60%).
-`--profile-decode R ...` profiles blockserve decode steps with R running requests (decode_profile.py).
+ratio to the best peer (goal 1.5x) and its fraction of the compute roofline (goal 60%). Where a
+decode step's time goes: `python -m benchmarks.step_profile`.
 
 With two threads libgomp's spin-waiting collapses throughput when another process holds a core:
 run with OMP_WAIT_POLICY=PASSIVE. Even then every parallel region waits for a descheduled thread
@@ -71,22 +70,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when imported
-
 import torch
 from tqdm import tqdm
 
+from benchmarks.peers.blockserve_runner import BlockserveRunner
+from benchmarks.peers.hf_runners import HFContinuousBatchingRunner, HFGenerateRunner, load_hf_model
+from benchmarks.peers.report import report
 from blockserve.bench.common import environment
 from blockserve.bench.roofline import ModelShape, roofline, workload_flops
 from blockserve.bench.workloads import workload_prompts
 from blockserve.config_args import add_config_arguments, namespace_values
 from blockserve.engine.config import EngineConfig
 from blockserve.models.default_model import default_model_path
-
-from blockserve_runner import BlockserveRunner
-from decode_profile import profile_decode
-from hf_runners import HFContinuousBatchingRunner, HFGenerateRunner, load_hf_model
-from report import report
 
 LLAMA_CPP = ("llama.cpp-batched", "llama.cpp-sequential")
 OPTIONAL = ("hf-continuous", *LLAMA_CPP)  # skipped, with the reason, when they cannot run here
@@ -107,11 +102,6 @@ def main() -> None:
                          only=("enable_prefix_caching", "attention_backend", "max_num_batched_tokens", "kv_cache_memory"),
                          notes={"max_num_batched_tokens": "also generate_batch's max_batch_tokens and llama.cpp's n_batch",
                                 "kv_cache_memory": "default: what the workload needs x 1.5"})
-    ap.add_argument("--profile-decode", type=int, nargs="*", default=[], metavar="RUNNING",
-                    help="profile blockserve decode steps with this many running requests")
-    ap.add_argument("--profile-steps", type=int, default=5, help="decode steps per profile")
-    ap.add_argument("--profile-warm-steps", type=int, default=None,
-                    help="decode steps before profiling (default: max_tokens / 2, mid-generation contexts)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args()
@@ -151,8 +141,7 @@ def main() -> None:
 
     per_token_kv = 2 * shape.layers * loaded.hf_config.num_key_value_heads * shape.head_dim * 4
     max_model_len = max(512, -(-(lens[-1] + args.max_tokens) // 256) * 256)
-    scale = max([1.0] + [r / len(prompts) for r in args.profile_decode])  # profiles may run more requests
-    kv_memory = args.kv_cache_memory or (int(1.5 * scale * per_token_kv * sum(l + args.max_tokens + 16 for l in lens))
+    kv_memory = args.kv_cache_memory or (int(1.5 * per_token_kv * sum(l + args.max_tokens + 16 for l in lens))
                                          + per_token_kv * max_model_len + 64 * 2**20)
     engine_args = {**namespace_values(EngineConfig, args), "max_model_len": max_model_len,
                    "max_num_seqs": max(256, len(prompts)), "kv_cache_memory": kv_memory}
@@ -161,7 +150,7 @@ def main() -> None:
     roof = roofline(shape, lens, args.max_tokens)
     results: dict = {"environment": env, "workload": workload, "engine_args": engine_args,
                      "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                     "roofline": roof, "rounds": [], "itl_rounds": [], "profiles": []}
+                     "roofline": roof, "rounds": [], "itl_rounds": []}
 
     systems = select_systems(args, len(prompts))
     skipped = {s: "--skip" for s in systems if s in args.skip}
@@ -204,13 +193,8 @@ def main() -> None:
         cached = results["rounds"][0]["blockserve"]["prefix_cached_per_request"]
         roof["blockserve_computed"] = computed_bound(roof, workload_flops(shape, lens, args.max_tokens, cached))
 
-    for running in args.profile_decode:
-        print(f"profiling {running} running requests ...")
-        warm = args.max_tokens // 2 if args.profile_warm_steps is None else args.profile_warm_steps
-        results["profiles"].append(profile_decode(loaded, engine_args, prompts, running, args.profile_steps, warm))
-
     env["load_average_end"] = list(os.getloadavg())
-    report(results, systems if args.rounds > 0 else [], tokens_by_system, shape)
+    report(results, systems if args.rounds > 0 else [], tokens_by_system)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
@@ -277,7 +261,7 @@ def build_runners(systems: list[str], loaded, engine_args: dict, args: argparse.
     wanted = [s for s in LLAMA_CPP if s in systems]
     if wanted:
         try:
-            from llama_cpp_runner import LlamaCppModel, LlamaCppRunner
+            from benchmarks.peers.llama_cpp_runner import LlamaCppModel, LlamaCppRunner
 
             t = time.perf_counter()
             model = LlamaCppModel(default_model_path(), torch.get_num_threads(), args.max_num_batched_tokens)

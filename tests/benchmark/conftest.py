@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 
 VOCAB = 512
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

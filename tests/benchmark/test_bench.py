@@ -14,7 +14,7 @@ import torch
 from blockserve.bench.common import percentile, summarize
 from blockserve.cli import main
 from tests.benchmark.conftest import VOCAB
-from tests.server.serve_process import healthy_server
+from tests.server_process import ServerProcess
 
 THREAD_KEYS = {"torch_num_threads", "torch_num_interop_threads", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
                "GOMP_SPINCOUNT"}
@@ -92,8 +92,8 @@ def test_latency(tiny_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with healthy_server(["--model", tiny_model, "--max-model-len", "256", "--kv-cache-memory", "32MiB",
-                         "--num-threads", "1"]) as proc:
+    with ServerProcess(["--model", tiny_model, "--max-model-len", "256", "--kv-cache-memory", "32MiB",
+                        "--num-threads", "1"]) as proc:
         yield proc
 
 
@@ -141,12 +141,9 @@ def server_model(server) -> str:
     return body["data"][0]["id"]
 
 
-def test_peers_script_imports_the_shared_pieces():
-    from benchmarks.peers import run
-    from blockserve.bench import roofline, workloads
+def test_the_chat_workload_has_64_conversations():
+    from blockserve.bench import workloads
 
-    assert run.workload_prompts is workloads.workload_prompts
-    assert run.roofline is roofline.roofline
     assert len(workloads.CONVERSATIONS) == 64
 
 

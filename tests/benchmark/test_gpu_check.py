@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -92,6 +91,7 @@ def run_parity_grid(gpu_check, backends: tuple[str, ...]) -> None:
     assert all(r["preemptions"] > 0 for k, r in runs.items() if k.endswith("/preemption"))
 
 
+@pytest.mark.slow
 def test_parity_and_poison_run_their_full_grid_on_the_cpu():
     """Every family x scenario of the parity section for exact and flex (eager on the CPU), and every
     backend of the poison section (triton interpreted), as the GPU run has them, in float32: all pass,
@@ -106,9 +106,7 @@ def test_parity_and_poison_run_their_full_grid_on_the_cpu():
     assert set(poison["backends"]) == {"exact", "whole_block", "flex", "triton"}
 
 
-@pytest.mark.skipif(os.environ.get("BLOCKSERVE_TEST_TRITON_GRID") != "1",
-                    reason="a slower check (~70 s: Triton's interpreter): set BLOCKSERVE_TEST_TRITON_GRID=1 to run the "
-                           "parity grid for triton (its engines: tests/attention/test_triton_attention.py)")
+@pytest.mark.backend_full  # ~70 s: Triton's interpreter (its engines: tests/attention/test_triton_attention.py)
 def test_triton_parity_grid_on_the_cpu():
     run_parity_grid(load_gpu_check(), ("triton",))
 
@@ -147,6 +145,7 @@ def test_the_bfloat16_rule_passes_a_correct_engine_and_fails_a_broken_one(tmp_pa
     assert not broken["ok"] and broken["mean_regret"] > 1, broken
 
 
+@pytest.mark.slow
 def test_isolated_parts_give_the_in_process_report():
     """CUDA's default: the throughput baseline and each backend's sections in processes of their own
     (a CUDA fault is sticky), merged into one report with the same sections as an in-process run."""

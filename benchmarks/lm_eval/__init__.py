@@ -1,0 +1,1 @@
+"""lm-eval against a real `blockserve serve` on two local tasks (`python -m benchmarks.lm_eval.smoke`)."""
