@@ -17,41 +17,35 @@ one that hangs within `distributed_timeout_s`; the executor then stops every ran
 EngineDead naming the rank and its error, which the engine hands to every request (the server
 answers 503), and every later step raises it again. Start-up waits at most
 `distributed_startup_timeout_s`. `close()` (also run when the executor is garbage-collected or
-the interpreter exits) stops the ranks and leaves no process behind.
+the interpreter exits) stops the ranks and leaves no process behind. The ranks it starts are
+`python -m blockserve.distributed.worker` processes (rank_process.py), which never import the
+engine's `__main__`; one that exits before the group has formed fails the start at once with
+RankExited, naming the rank, its exit status and the end of its stderr.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import socket
+import time
 import weakref
 from datetime import timedelta
 
 import torch
 
-from blockserve.tensor_parallel.group import TensorParallelGroup
-from blockserve.distributed.worker import spawned_worker
+from blockserve.distributed.rank_process import LOOPBACK, RankExited, RankProcess, wait_until_joining
 from blockserve.errors import EngineDead
+from blockserve.tensor_parallel.group import TensorParallelGroup
 
 logger = logging.getLogger("blockserve")
 
 _JOIN_S = 10.0  # how long a stopped rank may take to exit before it is killed
-
-
-def _worker_context():
-    """Processes started from a fork server that has imported the worker's modules once: the first
-    engine pays for the imports (seconds), later ones start in milliseconds. Each rank is forked
-    from that single-threaded server, never from the engine (whose torch threads fork must not copy)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["blockserve.distributed.worker", "blockserve.models.loader",
-                                    "blockserve.worker.model_runner"])
-    return context
+_REPORT_WAIT_S = 3.0  # after a failure rank 0 saw as torch's error: how long a failing rank may take to exit
 
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
@@ -74,36 +68,18 @@ class TensorParallelExecutor:
         self.config = config
         self.size = config.tensor_parallel_size
         self._startup = timedelta(seconds=config.distributed_startup_timeout_s)
-        self._processes: list = []
-        self._pipes: list = []
+        self._ranks: list[RankProcess] = []
         self._dead: EngineDead | None = None
         self._serving = [False]  # the ranks are in their step loop (they leave it on a None step)
         self.runner = None
         if config.distributed_executor == "spawn":
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-            context = _worker_context()
-            for rank in range(1, self.size):
-                receiver, sender = context.Pipe(duplex=False)
-                process = context.Process(target=spawned_worker, name=f"blockserve-tp-rank{rank}", daemon=True,
-                                          args=(rank, self.size, init_method, config.distributed_startup_timeout_s,
-                                                sender))
-                process.start()
-                sender.close()
-                self._processes.append(process)
-                self._pipes.append(receiver)
-            try:
-                self.group = TensorParallelGroup(init_method, 0, self.size, timeout=self._startup)
-            except BaseException:  # the ranks did not all join in time: none of them stays
-                for process in self._processes:
-                    process.kill()
-                    process.join()
-                raise
+            self.group = self._start_ranks(config.distributed_startup_timeout_s)
         else:
             self.group = TensorParallelGroup("env://", timeout=self._startup)
             if self.group.rank != 0 or self.group.size != self.size:
                 raise ValueError(f"the engine must be rank 0 of {self.size} (tensor_parallel_size); the launcher "
                                  f"gave RANK={self.group.rank}, WORLD_SIZE={self.group.size}")
-        self._finalizer = weakref.finalize(self, _stop, self.group, self._processes, self._serving)
+        self._finalizer = weakref.finalize(self, _stop, self.group, self._ranks, self._serving)
         try:
             self.group.broadcast_object(config)
             self.group.timeout = timedelta(seconds=config.distributed_timeout_s)
@@ -114,11 +90,30 @@ class TensorParallelExecutor:
             reports = self.group.gather_objects(("ok", config.kv_cache_bytes()), timeout=self._startup)
             self._raise_failed(reports, "load its shard")
             self.kv_memory_bytes = min(memory for _, memory in reports)
-        except BaseException:
+        except BaseException as error:
+            exited = self._exited_rank(error)
             self.close()
+            if exited is not None:
+                raise exited.start_up_failure() from error
             raise
         logger.info("tensor parallel: %d ranks (%s), KV budget %.1f MiB per rank (the smallest of any rank)",
                     self.size, config.distributed_executor, self.kv_memory_bytes / 2**20)
+
+    def _start_ranks(self, startup_timeout_s: float) -> TensorParallelGroup:
+        """Start ranks 1..N-1 and join them as rank 0; on any failure none of them stays."""
+        port = _free_port()
+        try:
+            for rank in range(1, self.size):
+                self._ranks.append(RankProcess(rank, self.size, port))
+            wait_until_joining(self._ranks, startup_timeout_s)
+            return TensorParallelGroup(f"tcp://{LOOPBACK}:{port}", 0, self.size, timeout=self._startup)
+        except BaseException as error:
+            exited = next((rank for rank in self._ranks if rank.exited()), None)
+            for rank in self._ranks:
+                rank.stop(0)
+            if exited is not None and not isinstance(error, RankExited):  # rank 0's view of the rank's exit
+                raise exited.start_up_failure() from error
+            raise
 
     def start(self, kv_config, max_num_seqs: int, max_model_len: int, seed: int | None):
         """Every rank builds its ModelRunner over `kv_config` (checking its own KV specs equal rank 0's);
@@ -129,16 +124,19 @@ class TensorParallelExecutor:
             self.group.broadcast_object((kv_config, max_num_seqs, max_model_len), timeout=self._startup)
             self._raise_failed(self.group.gather_objects(("ok", None), timeout=self._startup), "set up its KV cache")
             self.runner = ModelRunner(self.loaded.model, kv_config, max_num_seqs, max_model_len, seed, device="cpu")
-        except BaseException:
+        except BaseException as error:
+            exited = self._exited_rank(error)
             self.close()
+            if exited is not None:
+                raise exited.start_up_failure() from error
             raise
         self._serving[0] = True
         return self
 
     @property
     def processes(self) -> tuple:
-        """The ranks this engine spawned (multiprocessing.Process, rank 1 first); none when external."""
-        return tuple(self._processes)
+        """The ranks this engine started (subprocess.Popen, rank 1 first); none when external."""
+        return tuple(rank.process for rank in self._ranks)
 
     @property
     def timings(self):
@@ -148,10 +146,10 @@ class TensorParallelExecutor:
         """The step on every rank; rank 0's ModelRunnerOutput. EngineDead once any rank failed."""
         if self._dead is not None:
             raise self._dead
-        lost = [p for p in self._processes if not p.is_alive()]
+        lost = [rank for rank in self._ranks if rank.exited()]
         try:
             if lost:
-                raise RuntimeError(f"{lost[0].name} exited with status {lost[0].exitcode}")
+                raise RuntimeError(f"rank {lost[0].rank} exited with status {lost[0].process.returncode}")
             self.group.broadcast_object(scheduler_output)
             return self.runner.execute(scheduler_output)
         except Exception as error:
@@ -162,14 +160,21 @@ class TensorParallelExecutor:
             raise self._dead from error
 
     def _cause(self, error: Exception) -> str:
-        """A rank's own report of what went wrong, if one sent it, else rank 0's view."""
-        for pipe in self._pipes:
-            try:
-                if pipe.poll(1.0):
-                    return pipe.recv()
-            except (EOFError, OSError):
-                continue
-        return f"{type(error).__name__}: {error}"
+        """A rank's own report of what went wrong (the error it exited with), if one has, else rank 0's view."""
+        exited = self._exited_rank(error)
+        report = exited.report() if exited is not None else None
+        return report or f"{type(error).__name__}: {error}"
+
+    def _exited_rank(self, error: BaseException) -> RankProcess | None:
+        """The first started rank that has exited with an error; after one of torch's errors (a
+        peer's connection closed: that rank is on its way out), waiting up to _REPORT_WAIT_S for it."""
+        deadline = time.monotonic() + (_REPORT_WAIT_S if isinstance(error, RuntimeError) else 0)
+        while self._ranks:
+            exited = next((rank for rank in self._ranks if rank.exited() and rank.process.returncode != 0), None)
+            if exited is not None or time.monotonic() >= deadline:
+                return exited
+            time.sleep(0.05)
+        return None
 
     def _raise_failed(self, reports: list, what: str) -> None:
         failed = [(rank, detail) for rank, (status, detail) in enumerate(reports) if status != "ok"]
@@ -182,17 +187,14 @@ class TensorParallelExecutor:
         self._finalizer()
 
 
-def _stop(group: TensorParallelGroup, processes: list, serving: list[bool]) -> None:
+def _stop(group: TensorParallelGroup, ranks: list[RankProcess], serving: list[bool]) -> None:
     """Tell the ranks to leave (a None step) if they are serving, close the group (which fails
-    whatever a rank waits for), and reap the spawned processes."""
-    if serving[0] and all(p.is_alive() for p in processes):
+    whatever a rank waits for), and reap the started processes."""
+    if serving[0] and not any(rank.exited() for rank in ranks):
         try:
             group.broadcast_object(None, timeout=timedelta(seconds=5))
         except Exception:  # a rank already gone: closing the group below ends the others
             pass
     group.close()
-    for process in processes:
-        process.join(_JOIN_S)
-        if process.is_alive():
-            process.kill()
-            process.join()
+    for rank in ranks:
+        rank.stop(_JOIN_S)

@@ -10,24 +10,27 @@
     per step: SchedulerOutput ─── broadcast ────► the same forward (collectives inside); no sampling
     None ──────────── broadcast ────────────────► leave
 
-Started by the engine (`spawn`) or by a launcher with the env:// variables set:
+Started by a launcher with the env:// variables set, or the same way by the engine (`spawn`,
+rank_process.py, which also passes BLOCKSERVE_TP_READY_FD):
 
     MASTER_ADDR=<rank 0's host> MASTER_PORT=<port> RANK=<r> WORLD_SIZE=<N> python -m blockserve.distributed.worker
 
 It needs no flags: the model and every engine setting come from rank 0. Any error ends the process
 with a non-zero status after telling rank 0 (a report at start-up; mid-run, its connections close,
-which fails rank 0's step at once).
+which fails rank 0's step at once), its traceback's last line on stderr naming the error.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 from datetime import timedelta
 
 import torch
 
+from blockserve.distributed.rank_process import READY_FD
 from blockserve.tensor_parallel.group import TensorParallelGroup
 
 logger = logging.getLogger("blockserve.worker")
@@ -38,9 +41,9 @@ def _report(error: BaseException) -> str:
 
 
 def run_worker(init_method: str = "env://", rank: int | None = None, size: int | None = None,
-               startup_timeout_s: float = 600.0, error_pipe=None) -> None:
+               startup_timeout_s: float = 600.0, joining=None) -> None:
     """Serve as one rank until rank 0 says stop; raises what went wrong (after reporting it to rank 0).
-    `error_pipe`: a multiprocessing connection the spawning engine reads a mid-run error from."""
+    `joining()`, if given, is called once the rank's modules are imported, just before it joins."""
     from blockserve.attention.paged_attention import BACKENDS
     from blockserve.kv.specs import with_kv_cache_dtype
     from blockserve.models.loader import load_model
@@ -48,6 +51,8 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
     from blockserve.worker.model_runner import ModelRunner
 
     startup = timedelta(seconds=startup_timeout_s)
+    if joining is not None:
+        joining()
     group = TensorParallelGroup(init_method, rank, size, timeout=startup)
     try:
         config = group.broadcast_object(timeout=startup)
@@ -80,26 +85,30 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
         runner = ModelRunner(loaded.model, kv_config, max_num_seqs, max_model_len, config.seed, device="cpu")
         while (step := group.broadcast_object(wait_forever=True)) is not None:
             runner.execute(step)
-    except BaseException as error:
-        if error_pipe is not None:
-            error_pipe.send(f"rank {group.rank}: {_report(error)}")
-        raise
     finally:
         group.close()
 
 
-def spawned_worker(rank: int, size: int, init_method: str, startup_timeout_s: float, error_pipe) -> None:
-    """The entry point of a rank the engine spawned: its error went to the pipe, so exit quietly."""
-    try:
-        run_worker(init_method, rank, size, startup_timeout_s, error_pipe)
-    except BaseException:
-        sys.exit(1)
+def _tell_the_engine_when_joining():
+    """The engine that started this rank waits for one byte on the pipe READY_FD names (none: a launcher's rank)."""
+    fd = os.environ.pop(READY_FD, None)
+    if fd is None:
+        return None
+
+    def joining() -> None:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+
+    return joining
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    joining = _tell_the_engine_when_joining()
+    # a rank the engine started logs only warnings and errors: the engine's log speaks for every rank
+    logging.basicConfig(level=logging.INFO if joining is None else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run_worker("env://")
+        run_worker("env://", joining=joining)
     except Exception:
         logger.exception("tensor-parallel worker failed")
         sys.exit(1)
