@@ -14,7 +14,8 @@ Errors are OpenAI's shape (http/errors.py): 400 for invalid parameters, an unkno
 prompt over the model's length or a request past a limit (limits.py; 413 for the body's size);
 401 for a missing or wrong API key (auth.py); 404 / 405 for unknown routes; 503 once the engine
 stopped, and 503 with Retry-After while the waiting queue is full (`--max-waiting-requests` /
-`--max-waiting-tokens`) or the server drains; 504 past a request's deadline (`--request-timeout`,
+`--max-waiting-tokens`), the server drains or holds `--max-connections` connections
+(http/connection_cap.py); 504 past a request's deadline (`--request-timeout`,
 the body's `request_timeout`); 500 when the engine step running it failed, or for anything
 unexpected. A request's error touches that request only. A client that disconnects has its requests aborted (streaming.py).
 SIGTERM / SIGINT drain (`run_server`).
@@ -43,11 +44,13 @@ from blockserve.server.http.errors import APIError, Draining, add_exception_hand
 from blockserve.server.http.limits import RequestLimitsMiddleware, check_request_limits
 from blockserve.server.engine_bridge.metrics import CONTENT_TYPE, Metrics
 from blockserve.server.openai_api.openapi import answers, install_openapi
+from blockserve.server.openai_api.request_rules import Limits
 from blockserve.server.protocol import (
     ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeResponse,
 )
 from blockserve.server.openai_api.tokenize import detokenize, tokenize
+from blockserve.server.tools.hermes import renders_hermes_tools
 
 logger = logging.getLogger("blockserve.server")
 
@@ -69,7 +72,9 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI
             await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="blockserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(app)  # the real answers (400s in OpenAI's shape, never 422), streams, the tokenize bodies
+    # the real answers (400s in OpenAI's shape, never 422), streams, the tokenize bodies, what requests must be
+    install_openapi(app, lambda: Limits(config, engine.vocab_size, async_engine.max_model_len,
+                                        renders_hermes_tools(engine.tokenizer)))
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=config.max_request_body_bytes,
@@ -155,8 +160,8 @@ def freeze_startup_heap() -> None:
     """Collect what start-up left behind, then move every object still alive (the imports of torch,
     transformers and the server, the model's modules: ~400k objects) into the garbage collector's
     permanent generation. A full collection scans every tracked object, so unfrozen, the ones serving
-    triggers took ~185 ms at a time on this heap, during which the engine thread held the GIL and no
-    stream advanced; frozen, a collection scans only what serving allocated. The cost: a reference
+    triggers stall every stream while the engine thread holds the GIL (measured in
+    docs/performance.md); frozen, a collection scans only what serving allocated. The cost: a reference
     cycle among the frozen objects is never collected (the process serves until it exits). vLLM freezes
     its engine process's heap after start-up the same way."""
     gc.collect()

@@ -1,8 +1,9 @@
 """The server's settings, validated once: the model name it answers to, who may call it, how
 tenants share the prefix cache (C6), where `blockserve serve` listens, how much it queues
-(past either bound a new request gets 503 with Retry-After), how long a request may take (504)
-and a client may stall a stream, how long a shutdown drains, and the limits a request must keep
-to at the edge (limits.py; past one it gets 400, or 413 for the body).
+(past either bound a new request gets 503 with Retry-After) and how many connections it holds,
+how long a request may take (504) and a client may stall a stream, how long a shutdown drains,
+and the limits a request must keep to at the edge (limits.py; past one it gets 400, or 413 for
+the body).
 
 Each field's metadata is its `blockserve serve` flag (blockserve/config_args.py). Imports
 nothing heavy, so the CLI's help stays fast.
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
 ISOLATION_MODES = ("none", "per-key")
 MAX_JSON_DEPTH = 500  # under Python's recursion limit (1000), which json.loads recurses against
-LIMITS = ("max_request_body_bytes", "max_json_depth", "max_n", "max_prompts", "max_stop", "max_stop_length")
+LIMITS = ("max_request_body_bytes", "max_json_depth", "max_n", "max_prompts", "max_stop", "max_stop_length",
+          "max_connections")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,12 @@ class ServerConfig:
     request_timeout: float = field(default=1800.0, metadata={
         "help": "seconds a request may take from its arrival (queueing included) before it is aborted: 504, or an "
                 "error event on a stream; a request's body may ask for less with request_timeout"})
+    # No engine step on any device finishes within a millisecond, so a deadline under it is one no
+    # request can meet: a 400, where a longer one that expires is a 504. A deployment whose steps
+    # take longer may raise it to its slowest step.
+    min_request_timeout: float = field(default=0.001, metadata={
+        "help": "shortest deadline in seconds a request's body may ask for with request_timeout; a shorter one "
+                "gets 400"})
     # Far above a live client's pauses (a reader's GC, a busy proxy), far below a stuck socket.
     stream_stall_timeout: float = field(default=30.0, metadata={
         "help": "seconds a streamed response may wait on a client that reads nothing (its socket buffers "
@@ -68,6 +76,12 @@ class ServerConfig:
         "help": "seconds a client has to send a request's line and headers, from connecting or from the end of "
                 "the previous response on the connection; past it 408 and the connection is closed (slow-loris "
                 "clients)"})
+    # Above what a busy server of the default size holds (256 running requests, their streams, the
+    # waiting ones and clients' idle kept-alive connections), below the common 1024 open-file
+    # limit, so past it the client gets an answer rather than the listener failing to accept.
+    max_connections: int = field(default=1000, metadata={
+        "help": "most open connections, idle ones included; a request on a connection past it gets 503 with "
+                "Retry-After and the connection is closed"})
     body_timeout: float = field(default=30.0, metadata={
         "help": "seconds the server waits for the next piece of a request body; past it 408 and the connection "
                 "is closed"})
@@ -103,5 +117,8 @@ class ServerConfig:
         for name in ("request_timeout", "stream_stall_timeout", "header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 < self.min_request_timeout <= self.request_timeout:
+            raise ValueError(f"min_request_timeout must be > 0 seconds and at most request_timeout "
+                             f"({self.request_timeout:g}), got {self.min_request_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, PlainSerializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError, core_schema
 
 from blockserve.engine.outputs import Logprob
 
@@ -30,17 +34,85 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def unsupported(hint: str, *neutral: Any) -> AfterValidator:
+class _Request(_Body):
+    """A whole request body. Text that cannot be encoded (a lone UTF-16 surrogate: JSON's
+    "\\ud800" parses to one, and the tokenizer, the chat template and llguidance refuse it) is
+    refused before any field is read, naming where it is (`unencodable_text`: a 400
+    `invalid_encoding`, http/errors.py)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_encodable(cls, data: Any) -> Any:
+        found = first_unencodable(data)
+        if found is not None:
+            where, character, index = found
+            raise PydanticCustomError(
+                "unencodable_text", "{where}: the text holds a lone UTF-16 surrogate ({character} at character "
+                "{index}), which is not a character and cannot be encoded; send valid Unicode (a high surrogate "
+                "escape such as \\ud83d must be followed by its low one, such as \\ude00)",
+                {"where": where, "character": character, "index": index})
+        return data
+
+
+def first_unencodable(value: Any) -> tuple[str, str, int] | None:
+    """(where, the code point as U+XXXX, its index) of the first string in parsed JSON `value`
+    that UTF-8 cannot encode, in document order; `where` is the dotted path of the string (for a
+    key, of the object holding it). None when every string can be encoded."""
+    pending: list[tuple[tuple[str, ...], Any]] = [((), value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return ".".join(path) or "body", f"U+{ord(item[e.start]):04X}", e.start
+        elif isinstance(item, dict):
+            for key in item:
+                found = first_unencodable(key) if isinstance(key, str) else None
+                if found is not None:
+                    return (".".join(path) or "body"), found[1], found[2]
+            pending.extend(((*path, str(k)), v) for k, v in reversed(item.items()) if isinstance(v, (str, dict, list)))
+        elif isinstance(item, list):
+            pending.extend(((*path, str(i)), v) for i, v in reversed(list(enumerate(item)))
+                           if isinstance(v, (str, dict, list)))
+    return None
+
+
+def _whole_number(value: Any) -> Any:
+    """A JSON number with no fractional part as the integer it is: JSON Schema's `integer` takes
+    2.0 (a generated client may send it); true and "2" stay refused (strict)."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def Int(**bounds: int) -> Any:
+    """The type of every integer a request body holds, within `bounds` (Field's ge, le, ...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
+@dataclass(frozen=True)
+class _Unsupported:
+    """`unsupported`'s annotation: validates as it says, and publishes the values it accepts."""
+
+    hint: str
+    neutral: tuple
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> dict:
+        return {"enum": [None, *self.neutral], "description": f"Not supported: {self.hint}"}
+
+    def _check(self, value: Any) -> Any:
+        if value is None or any(type(value) is type(n) and value == n for n in self.neutral):
+            return value
+        raise PydanticCustomError("unsupported_parameter", "{hint}", {"hint": self.hint})
+
+
+def unsupported(hint: str, *neutral: Any) -> _Unsupported:
     """A field the engine does not implement: null or one of `neutral` (values that change
     nothing) pass; anything else fails validation as `unsupported_parameter`, with `hint` (what
-    is missing and what to do) as the message."""
-
-    def check(value: Any) -> Any:
-        if value is None or any(type(value) is type(n) and value == n for n in neutral):
-            return value
-        raise PydanticCustomError("unsupported_parameter", "{hint}", {"hint": hint})
-
-    return AfterValidator(check)
+    is missing and what to do) as the message. The OpenAPI document lists the values it takes."""
+    return _Unsupported(hint, neutral)
 
 
 _NO_FUNCTIONS = "the legacy function-calling fields are not supported; remove it and use tools and tool_calls"
@@ -87,27 +159,27 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Request):
     model: str | None = None
-    n: int = Field(1, ge=1)  # at most --max-n (limits.py)
+    n: Int(ge=1) = 1  # at most --max-n (limits.py)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Int(ge=-1) | None = None
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: Int(ge=-2 ** 63, le=2 ** 63 - 1) | None = None  # a 64-bit generator's (seed + i for sample i)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int()] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     # bounded so that penalised logits stay finite in float32 (found by the fuzzer: 5e-324 divided them to inf)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: Int(ge=1) | None = None
+    min_tokens: Int(ge=0) = 0
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
-    # blockserve's own: this request's deadline in seconds, at most --request-timeout (limits.py)
+    # blockserve's own: this request's deadline in seconds, in [--min-request-timeout, --request-timeout] (limits.py)
     request_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     user: str | None = None  # an end-user id for abuse monitoring: never changes the output
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100] (generation.py)
@@ -115,16 +187,16 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo (echo.py)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: str | list[Int()] | list[str] | list[list[Int()]]
+    max_tokens: Int(ge=0) | None = 16  # OpenAI's default for completions; 0 only with echo (echo.py)
+    logprobs: Int(ge=0, le=20) | None = None
     echo: bool | None = None  # the prompt before the completion; with logprobs, the prompt tokens' too (echo.py)
     # Insertion needs a fill-in-the-middle model and its template (the bundled SmolLM2 has none):
     # a suffix would otherwise be silently ignored.
     suffix: Annotated[str | None, unsupported(
         "suffix (insertion) needs a fill-in-the-middle model and template, which this server does not have; "
         "remove it", "")] = None
-    best_of: int | None = Field(None, ge=1)  # the best n of best_of candidates, at most --max-n (best_of.py)
+    best_of: Int(ge=1) | None = None  # the best n of best_of candidates, at most --max-n (best_of.py)
 
 
 class TextPart(_Body):
@@ -187,9 +259,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
+    max_completion_tokens: Int(ge=1) | None = None  # wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
     # metadata that never changes the output (OpenAI's contract for each)
     metadata: dict[str, str] | None = None
@@ -219,7 +291,7 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_options: Annotated[Any, unsupported(_NO_PROMPT_CACHE_POLICY)] = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """POST /tokenize with a prompt (vLLM's shape)."""
 
     model: str | None = None
@@ -227,7 +299,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(_Request):
     """POST /tokenize with messages, through the chat template (vLLM's shape)."""
 
     model: str | None = None
@@ -241,9 +313,9 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int()]
 
 
 class DetokenizeResponse(BaseModel):

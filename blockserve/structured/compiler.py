@@ -25,11 +25,13 @@ import llguidance.hf
 from blockserve.errors import InvalidRequest
 from blockserve.sampling_params import StructuredOutputsParams
 from blockserve.structured.grammar import grammar_text
+from blockserve.structured.json_bounds import JsonBounds
 
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """Caps on one grammar (llguidance's ParserLimits, plus a wall-clock cap on its compile)."""
+    """Caps on one grammar (llguidance's ParserLimits, plus a wall-clock cap on its compile), and
+    the bounds written into JSON schemas' numbers and whitespace."""
 
     compile_timeout_s: float = 10.0
     max_grammar_size: int = 500_000  # symbols in the grammar's productions
@@ -38,6 +40,7 @@ class GrammarLimits:
     step_max_items: int = 50_000  # Earley items per token mask (~20k per ms)
     max_lexer_states: int = 250_000
     cache_size: int = 64  # distinct compiled grammars kept
+    json_bounds: JsonBounds = JsonBounds()  # digits and whitespace of JSON values (json_bounds.py)
 
     def parser_limits(self) -> llguidance.LLParserLimits:
         return llguidance.LLParserLimits(
@@ -81,7 +84,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
         try:
-            text = grammar_text(spec)
+            text = grammar_text(spec, self.limits.json_bounds)
         except ValueError as e:
             raise InvalidRequest(f"structured_outputs.{spec.kind} cannot be read: {e}", param=spec.kind) from None
         tokenizer = self._llg_tokenizer()

@@ -28,7 +28,8 @@ SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",
                 "--max-stop-length", "--request-timeout", "--stream-stall-timeout", "--header-timeout",
-                "--body-timeout", "--protect-health-and-metrics", "--data-parallel-size"}
+                "--body-timeout", "--protect-health-and-metrics", "--data-parallel-size",
+                "--min-request-timeout", "--max-connections"}
 OFF_CLI = {"enable_chunked_prefill", "max_prefill_chunk", "scheduling_policy", "check_integrity",
            "unsafe_disable_zeroing", "seed"}
 

@@ -1,5 +1,7 @@
 """uvicorn with a drain: the first SIGTERM / SIGINT runs the caller's drain before uvicorn's own
-shutdown (which closes the port), and no signal is re-raised at exit; a second one exits at once."""
+shutdown (which closes the port), and no signal is re-raised at exit; a second one exits at once.
+The connections are uvicorn's h11 protocol with the server's head deadline (header_deadline.py)
+and connection cap (connection_cap.py): `uvicorn_config`."""
 
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ def serve_with_drain(app, config: ServerConfig, drain: Callable[[str], Awaitable
     """Serve `app` on config.host:config.port until a signal, then `await drain(signal name)` and
     exit. True if it ended that way; False if a second signal cut the drain short."""
     import uvicorn
-
-    from blockserve.server.http.header_deadline import protocol_with_header_timeout
 
     class DrainingServer(uvicorn.Server):
         async def serve(self, sockets=None) -> None:
@@ -42,9 +42,21 @@ def serve_with_drain(app, config: ServerConfig, drain: Callable[[str], Awaitable
             finally:
                 self.should_exit = True
 
-    # uvicorn's own logs (start-up, access lines) stay at warnings; ours follow the CLI's -q.
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=CONNECTIONS_GRACE_S,
-                                           http=protocol_with_header_timeout(config.header_timeout)))
+    server = DrainingServer(uvicorn_config(app, config))
     server.run()
     return not server.force_exit
+
+
+def uvicorn_config(app, config: ServerConfig):
+    """uvicorn's settings for serving `app` as `config` says: its address, and each connection's
+    head deadline (--header-timeout) and the cap on open connections (--max-connections)."""
+    import uvicorn
+
+    from blockserve.server.http.connection_cap import protocol_with_connection_cap
+    from blockserve.server.http.header_deadline import protocol_with_header_timeout
+
+    protocol = protocol_with_connection_cap(protocol_with_header_timeout(config.header_timeout),
+                                            config.max_connections)
+    # uvicorn's own logs (start-up, access lines) stay at warnings; ours follow the CLI's -q.
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                          timeout_graceful_shutdown=CONNECTIONS_GRACE_S, http=protocol)

@@ -2,20 +2,22 @@
 
     InvalidRequest (RequestRejected, PromptTooLong)  400, with the error's code and param
     pydantic's validation errors, malformed JSON    400 (not FastAPI's 422)
+    text that cannot be encoded (a lone surrogate)  400 `invalid_encoding`, `param` the string's path
     an unknown or unsupported field                 400 `unsupported_parameter`, `param` its full path
     a missing or wrong API key                      401 (auth.py)
     a request past a limit                          400, or 413 for the body's size (limits.py)
     a client too slow to send its request           408 `header_timeout` / `body_timeout`, connection
                                                     closed (header_deadline.py, limits.py)
-    unknown route / method                          404 / 405
+    unknown route / method                          404 / 405 (with Allow)
     EngineDead                                      503
     RequestTimeout                                  504: past its deadline (--request-timeout or the
                                                     body's request_timeout); aborted
     RequestFailed                                   500: the engine step running it failed (logged)
     StreamStalled                                   408, in a stream's error event: the client read
                                                     nothing for --stream-stall-timeout; aborted
-    Unavailable (Overloaded, Draining, ShutdownTimeout)  503 with Retry-After: the queue is full, or
-                                                    the server drains; may succeed later
+    Unavailable (Overloaded, Draining, ShutdownTimeout, TooManyConnections)  503 with Retry-After: the
+                                                    queue is full, the server drains, or it holds
+                                                    --max-connections connections; may succeed later
     anything else                                   500 "internal server error"; the traceback is logged,
                                                     never sent
 """
@@ -82,6 +84,16 @@ class ShutdownTimeout(Unavailable):
     def __init__(self, timeout: float):
         super().__init__(f"the server shut down before this request finished (in-flight requests get {timeout:g} s: "
                          f"--shutdown-timeout); retry it", code="shutdown_timeout")
+
+
+class TooManyConnections(Unavailable):
+    """A connection opened while the server already held `limit` (connection_cap.py); it is closed
+    after this answer."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the server holds as many connections as it allows ({limit}, --max-connections); this "
+                         f"connection is closed: retry shortly, or reuse a connection you hold",
+                         code="too_many_connections")
 
 
 class RequestTimeout(APIError):
@@ -155,6 +167,8 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON{': ' + str(detail) if detail else ''}",
                         code="invalid_json")
+    if first.get("type") == "unencodable_text":  # protocol.py: named by its own path, found before any field
+        return APIError(400, first["msg"], param=first["ctx"]["where"], code="invalid_encoding")
     if first.get("type") in _REFUSED:  # named in full: `messages.0.tool_calls`, not just `messages`
         where = ".".join(part for part in loc if "[" not in part) or "body"  # without union members' tags
         message = (f"unknown or unsupported field {where!r}: this server does not implement it; remove it"
@@ -184,7 +198,9 @@ def add_exception_handlers(app: FastAPI) -> None:
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(APIError(exc.status_code, message, code=codes.get(exc.status_code)))
+        response = error_response(APIError(exc.status_code, message, code=codes.get(exc.status_code)))
+        response.headers.update(exc.headers or {})  # a 405's Allow: the methods the route takes (RFC 9110)
+        return response
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):

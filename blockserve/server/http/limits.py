@@ -14,6 +14,8 @@ names the limit and the `blockserve serve` flag that sets it (defaults: server/c
                                          --max-stop, --max-stop-length (`check_request_limits`)
     request_timeout over the server's    400 `invalid_value`: a body may shorten its deadline
                                          (--request-timeout), never lengthen it
+    request_timeout under the floor      400 `invalid_value`: a deadline no engine step can meet
+                                         (--min-request-timeout, default 0.001 s)
 
 `max_tokens` has no server cap: past the model's length (prompt + max_tokens) the scheduler's
 PromptTooLong is a 400 `context_length_exceeded` before the request is scheduled.
@@ -109,8 +111,9 @@ def json_depth(text: str) -> int:
 
 
 def check_request_limits(body: CompletionRequest | ChatCompletionRequest, config: ServerConfig) -> None:
-    """Raise a 400 APIError naming the first of --max-n, --max-prompts, --max-stop and
-    --max-stop-length that `body` goes past."""
+    """Raise a 400 APIError naming the first of --max-n, --max-prompts, --max-stop,
+    --max-stop-length and the deadline's bounds (--request-timeout, --min-request-timeout) that
+    `body` goes past."""
     if body.n > config.max_n:
         raise _over("n", f"n is {body.n}", config.max_n, "samples", "--max-n")
     prompt = getattr(body, "prompt", None)
@@ -128,6 +131,10 @@ def check_request_limits(body: CompletionRequest | ChatCompletionRequest, config
         raise APIError(400, f"request_timeout: {body.request_timeout:g} s is longer than this server allows "
                             f"({config.request_timeout:g} s, --request-timeout); ask for at most that",
                        param="request_timeout", code="invalid_value")
+    if body.request_timeout is not None and body.request_timeout < config.min_request_timeout:
+        raise APIError(400, f"request_timeout: {body.request_timeout:g} s is shorter than the shortest deadline this "
+                            f"server accepts ({config.min_request_timeout:g} s, --min-request-timeout): no engine step "
+                            f"finishes that soon; ask for at least that", param="request_timeout", code="invalid_value")
 
 
 def _over(param: str, what: str, limit: int, unit: str, flag: str) -> APIError:

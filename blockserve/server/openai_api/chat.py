@@ -44,9 +44,13 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
     tools = tool_setup(body)
     native = renders_hermes_tools(engine.engine.tokenizer)
+    if body.max_tokens is not None and body.max_tokens >= engine.max_model_len:  # even when max_completion_tokens wins
+        raise APIError(400, f"max_tokens ({body.max_tokens}) is not under this model's length "
+                            f"({engine.max_model_len} tokens)", param="max_tokens", code="context_length_exceeded")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    constraint = None if tools is None else hermes_grammar(tools) if native else tools.structured_outputs()
+    bounds = engine.engine.grammars.limits.json_bounds
+    constraint = None if tools is None else hermes_grammar(tools, bounds) if native else tools.structured_outputs()
     if constraint is not None:  # the tool calls' grammar
         params = dataclasses.replace(params, structured_outputs=constraint)
     params = await compiled(engine, params, body, "tools" if tools is not None else None)  # off the engine thread

@@ -9,17 +9,21 @@ their real constraints (ranges, unknown fields refused), and the answers the rou
 
 FastAPI's own 422 is removed everywhere: validation errors are 400s (http/errors.py). The
 tokenize routes read their bodies themselves (tokenize.py), so their request schema is added
-here. The document is built once, on first request.
+here. What the routes check beyond the models (this server's limits and engine, fields that need
+or exclude each other) is written in by request_rules.py. The document is built once, on first
+request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from blockserve.server.openai_api.request_rules import Limits, constrain
 from blockserve.server.protocol import DetokenizeRequest, ErrorResponse, TokenizeChatRequest, TokenizeRequest
 
 _ERROR_STATUSES = {
@@ -29,7 +33,8 @@ _ERROR_STATUSES = {
     409: "Not possible now (the reason is in the message)",
     413: "Request body over --max-request-body-bytes",
     500: "Internal error (the traceback is in the server's log)",
-    503: "Overloaded, draining, or the engine stopped (Retry-After says when to retry, where it can)",
+    503: "Overloaded, draining, too many connections, or the engine stopped (Retry-After says when to retry, "
+         "where it can)",
     504: "Past the request's deadline (request_timeout / --request-timeout); aborted",
 }
 _REF = "#/components/schemas/{model}"
@@ -58,18 +63,19 @@ def answers(*statuses: int, ok: type[BaseModel] | dict | None = None, stream: bo
     return documented
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Make `app.openapi()` (what /openapi.json serves) the document described above."""
+def install_openapi(app: FastAPI, limits: Callable[[], Limits]) -> None:
+    """Make `app.openapi()` (what /openapi.json serves) the document described above, for the
+    server and engine `limits()` describes."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = _build(app)
+            app.openapi_schema = _build(app, limits())
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def _build(app: FastAPI) -> dict[str, Any]:
+def _build(app: FastAPI, limits: Limits) -> dict[str, Any]:
     document = get_openapi(title=app.title, version=app.version, routes=app.routes,
                            description="blockserve: an OpenAI-compatible server (errors in OpenAI's shape)")
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
@@ -90,4 +96,5 @@ def _build(app: FastAPI) -> dict[str, Any]:
             refs.append({"$ref": _REF.format(model=model.__name__)})
         content = {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}
         document["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": content}}
+    constrain(schemas, limits)
     return document

@@ -10,12 +10,15 @@ loop and off the engine thread, so a slow compile delays only its own request.
 from __future__ import annotations
 
 import asyncio
+import re
 
 from blockserve.errors import InvalidRequest
 from blockserve.sampling_params import SamplingParams, StructuredOutputsParams
 from blockserve.server.engine_bridge.async_engine import AsyncEngine
 from blockserve.server.http.errors import APIError
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 
 
 def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
@@ -45,15 +48,13 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> Struc
 
 def logit_bias(body: CompletionRequest | ChatCompletionRequest) -> dict[int, float]:
     """The body's logit_bias with integer token ids ({} when absent); 400 for a key that is not one
-    (ranges are SamplingParams' to check, the vocabulary the engine's)."""
+    written in decimal (ranges are SamplingParams' to check, the vocabulary the engine's)."""
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
+        if not _TOKEN_ID.fullmatch(key):  # as written: no sign, spaces, underscores or leading zeros
             raise APIError(400, f"logit_bias keys must be token ids (integers as strings), got {key!r}",
-                           param="logit_bias", code="invalid_value") from None
-        bias[token] = value
+                           param="logit_bias", code="invalid_value")
+        bias[int(key)] = value
     return bias
 
 

@@ -35,6 +35,7 @@ from blockserve.errors import InvalidRequest
 from blockserve.sampling_params import StructuredOutputsParams
 from blockserve.server.http.errors import APIError
 from blockserve.server.protocol import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
+from blockserve.structured.json_bounds import JsonBounds, bounded_schema
 from blockserve.server.tools.envelope import JsonValueScanner, ToolSetup, history_call_arguments, merge_deltas, new_call_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -123,9 +124,10 @@ def hermes_prompt(engine: LLMEngine, messages: list[dict], setup: ToolSetup | No
     return render
 
 
-def hermes_grammar(setup: ToolSetup) -> StructuredOutputsParams | None:
+def hermes_grammar(setup: ToolSetup, bounds: JsonBounds = JsonBounds()) -> StructuredOutputsParams | None:
     """The Lark grammar of a forced choice (`required`, named): blocks whose JSON is a call of a
-    listed tool with arguments valid against its schema; None for `auto` (free generation)."""
+    listed tool with arguments valid against its schema, numbers within `bounds` (the engine's:
+    structured/json_bounds.py); None for `auto` (free generation)."""
     if not (setup.required or setup.named):
         return None
     tools = [t for t in setup.tools if setup.named is None or t.function.name == setup.named]
@@ -137,7 +139,7 @@ def hermes_grammar(setup: ToolSetup) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(grammar=(
         f"start: block{repeat}\n"
         f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
-        f"call: %json {json.dumps(schema)}\n"))
+        f"call: %json {json.dumps(bounded_schema(schema, bounds))}\n"))
 
 
 def read_blocks(text: str, names: set[str], parallel: bool) -> tuple[str, list[ToolCall]]:
