@@ -82,9 +82,9 @@ def compiled_flex(backend: str = "inductor") -> Callable:
     a tensor), for this call only."""
     compiled = torch.compile(flex_attention, fullgraph=True, backend=backend)
 
-    def attend(q, k, v, block_mask, scale):
+    def attend(q, k, v, block_mask, scale, score_mod=None):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True):
-            return compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+            return compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, score_mod=score_mod,
                             kernel_options=CUDA_KERNEL_OPTIONS)
 
     return attend
@@ -104,14 +104,24 @@ def _unfused_reference():
         module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float,
+            score_mod: Callable | None = None) -> torch.Tensor:
     """q [1, Hq, T, E], k [1, Hkv, L, E], v [1, Hkv, L, Ev] -> [1, Hq, T, Ev]."""
     if FLEX_UNAVAILABLE:
         raise RuntimeError(f"attention_backend 'flex' needs FlexAttention: {FLEX_UNAVAILABLE}")
     if q.device.type == "cuda":
-        return compiled_flex()(q, k, v, block_mask, scale)
+        return compiled_flex()(q, k, v, block_mask, scale, score_mod)
     with _unfused_reference():
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, score_mod=score_mod)
+
+
+def soft_cap(softcap: float) -> Callable:
+    """The score_mod of attention logit soft-capping: score -> softcap * tanh(score / softcap)."""
+
+    def score_mod(score, b, h, m, n):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
 
 
 def tile_rows(query_start: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -234,7 +244,8 @@ def _derived_mask(meta: AttentionMetadata, num_pages: int, device: torch.device)
 
 class FlexAttention:
     """The paged-attention backend `flex` (same forward contract as paged_attention.PagedAttention):
-    writes the step's K/V into the cache, then attends every row in one FlexAttention call."""
+    writes the step's K/V into the cache, then attends every row in one FlexAttention call
+    (soft-capping the scores, as a score_mod, when `softcap` is set)."""
 
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
@@ -245,8 +256,10 @@ class FlexAttention:
         """Why this backend cannot run on `device` (None: it can)."""
         return FLEX_UNAVAILABLE
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, softcap: float | None = None):
         self.scale = scale
+        self.softcap = softcap
+        self.score_mod = None if softcap is None else soft_cap(softcap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -258,7 +271,7 @@ class FlexAttention:
         mask = _derived_mask(meta, k_cache.shape[0], q.device)
         keys = _kv(k_cache, mask.pages).to(q.dtype)
         values = _kv(v_cache, mask.pages).to(q.dtype)
-        out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale)
+        out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale, self.score_mod)
         return out[0].transpose(0, 1).contiguous()
 
 

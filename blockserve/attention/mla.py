@@ -25,13 +25,9 @@ which cache rows they read (C1), as paged_attention.py's backends do:
                    instead of slicing them off: 0 * NaN = NaN, so an unzeroed tail holding NaN
                    poisons the output. reads_unwritten_slots = True.
 
-Speed (`python -m blockserve.attention.mla`: CPU, one thread, DeepSeek-V3 head shapes, gather
-indices reused as by every layer after a step's first, median of 7): a batched decode step of
-32 sequences x 1000 tokens takes 69.4 ms exact vs 69.1 ms whole block, 8 x 4000 tokens 70.3 vs
-69.8 ms, 8 x 100 tokens 1.39 vs 1.35 ms; end to end (a 4-layer MLA model, 32 requests of 200-600
-prompt tokens + 64 generated, through LLM.generate) 5.23 s vs 5.25 s, zeroing included. Equal
-within noise: both are bound by gathering the latent rows. So the default is the exact flavour
-(the engine's default attention_backend "exact"): as fast, and its blocks need no zeroing.
+Both flavours run equally fast, bound by gathering the latent rows (measured in
+docs/performance.md). So the default is the exact flavour (the engine's default
+attention_backend "exact"): its blocks need no zeroing.
 attention_backend="whole_block" selects the other, which mirrors FlashMLA's page reads.
 """
 

@@ -18,6 +18,10 @@ sequence may see. They differ only in which cache slots they read:
 Decodes are attended together in one batched call (exact length: by the native kernel of
 csrc/paged_decode.cpp when it is built, which reads the same slots in place instead of copying
 them); prefill chunks one sequence at a time (a fresh prompt needs no cache read at all).
+
+Attention logit soft-capping (`softcap`, Gemma 2): scores become softcap * tanh(scores / softcap)
+before the mask and softmax, computed explicitly (scaled_dot_product_attention has no such hook);
+the native decode kernel does not soft-cap, so a soft-capping backend never uses it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,18 @@ class _Gather(NamedTuple):
         return cache.view(-1, heads, dim).index_select(0, self.slots.flatten()).view(n, -1, heads, dim)
 
 
+def soft_capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float, softcap: float) -> torch.Tensor:
+    """softmax(mask(softcap * tanh(q kᵀ * scale / softcap))) v, the softmax in float32 (as transformers'
+    eager attention). q [N, Hq, n, D]; keys, values [N, Hkv, L, D]; mask (True: attend) broadcastable
+    to [N, Hq, n, L]."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(torch.matmul(q, keys.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
 class PagedAttention:
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
@@ -67,8 +83,9 @@ class PagedAttention:
         """Why this backend cannot run on `device` (None: it can). These run anywhere."""
         return None
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, softcap: float | None = None):
         self.scale = scale
+        self.softcap = softcap
 
     def forward(
         self,
@@ -93,7 +110,7 @@ class PagedAttention:
             seq_len = layout.seq_lens[i]
             n = end - start
             qi = q[start:end].transpose(0, 1)[None]
-            if seq_len == n and meta.sliding_window is None:  # a whole fresh prompt: no cache read
+            if seq_len == n and meta.sliding_window is None and self.softcap is None:  # a fresh prompt: no cache read
                 out[start:end] = F.scaled_dot_product_attention(
                     qi, k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
                     is_causal=True, scale=self.scale, enable_gqa=True,
@@ -118,7 +135,7 @@ class PagedAttention:
     def _decode_buckets(self, meta: AttentionMetadata) -> list[tuple[torch.Tensor, _Gather]]:
         """Decodes sorted by length in up to DECODE_BUCKETS groups, each padded only to its own
         longest context: less padding to copy and attend over than one batch padded to the
-        longest of all (a 12% faster layer at 32 decodes of 60-242 tokens)."""
+        longest of all (measured in docs/performance.md)."""
         nd = meta.layout.num_decodes
         if not nd:
             return []
@@ -140,6 +157,8 @@ class PagedAttention:
         """q [N, Hq, n, D], keys/values [N, L, Hkv, D] (any cache dtype: computed in q's), mask
         broadcastable to [N, Hq, n, L]."""
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if self.softcap is not None:
+            return soft_capped_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.scale, self.softcap)
         return F.scaled_dot_product_attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
         )
@@ -152,14 +171,14 @@ class PagedAttention:
 class ExactLengthAttention(PagedAttention):
     """Decodes go to the native in-place kernel when it is built and reads this cache's dtype
     (native/extension.py; reads exactly the same slots, no copy), else to the gathered PyTorch path. Set
-    `decode_kernel = None` to force the latter."""
+    `decode_kernel = None` to force the latter (a soft-capping backend always takes it)."""
 
     name = "exact"
     reads_unwritten_slots = False
 
-    def __init__(self, scale: float):
-        super().__init__(scale)
-        self.decode_kernel = paged_decode_kernel()
+    def __init__(self, scale: float, softcap: float | None = None):
+        super().__init__(scale, softcap)
+        self.decode_kernel = paged_decode_kernel() if softcap is None else None  # the kernel does not soft-cap
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor) -> None:

@@ -34,8 +34,12 @@ class TritonAttention:
         """Why this backend cannot run on `device` (None: it can)."""
         return triton_paged.unavailable(device)
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, softcap: float | None = None):
+        if softcap is not None:
+            raise ValueError(f"attention_backend 'triton' does not soft-cap attention scores (softcap={softcap}); "
+                             "serve this model with attention_backend 'flex', 'exact' or 'whole_block'")
         self.scale = scale
+        self.softcap = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -21,13 +21,15 @@ q - sliding_window < k <= q (masking_utils.sliding_window_overlay: `kv_idx > q_i
 i.e. the last `sliding_window` tokens, itself included. That is exactly SlidingWindowSpec's and
 the paged backends' convention, so the config's window is used unchanged.
 
-Attention logit soft-capping (Gemma 2's `attn_logit_softcapping`) is not implemented by the
-paged backends: a config that sets it is rejected rather than served wrongly.
+Gemma 3 checkpoints leave attention logit soft-capping unset; a config that sets it is rejected
+(Gemma 2, which uses it, is gemma2.py: these layers with the hooks below).
 
 Tensor-parallel (placement.tp): sharded as the Llama family is (heads, intermediate size, vocabulary).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -49,20 +51,22 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class GemmaRotary(nn.Module):
-    """Inverse frequencies of one layer type's RoPE, from `config.rope_parameters[layer_type]`.
+    """Inverse frequencies of one layer type's RoPE, from `config.rope_parameters[layer_type]`
+    (layer_type None: from `config.rope_parameters`, one set for every layer, as Gemma 2's).
 
     Computed the way transformers' Gemma3RotaryEmbedding computes them, so cos/sin match it
     bit for bit: (position * inv_freq).cos() * attention_scaling, in float32.
     """
 
-    def __init__(self, config, layer_type: str, head_dim: int, placement: Placement):
+    def __init__(self, config, layer_type: str | None, head_dim: int, placement: Placement):
         super().__init__()
-        params = config.rope_parameters[layer_type]
+        params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
         rope_type = params.get("rope_type", "default")
         if rope_type in _LENGTH_DEPENDENT_ROPE:
-            raise ValueError(f"Gemma 3 {layer_type} layers with rope_type {rope_type!r} are not supported "
+            raise ValueError(f"Gemma {layer_type or 'all'} layers with rope_type {rope_type!r} are not supported "
                              f"(their frequencies depend on the sequence length)")
-        inv_freq, scaling = inverse_frequencies(config, params, head_dim, placement.device, layer_type=layer_type)
+        by_type = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, scaling = inverse_frequencies(config, params, head_dim, placement.device, **by_type)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scaling = float(scaling)
         self.dtype = placement.dtype
@@ -75,6 +79,11 @@ class GemmaRotary(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
+    """Scores scaled by query_pre_attn_scalar ** -0.5 and, where the config sets
+    attn_logit_softcapping, soft-capped by the backend."""
+
+    qk_norm: ClassVar[bool] = True  # an RMSNorm (1 + w) over each q and k head before RoPE
+
     def __init__(self, config, layer_idx: int, head_dim: int, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         tp = placement.tp
@@ -88,29 +97,34 @@ class Gemma3Attention(nn.Module):
         self.kv_size = self.num_kv_heads * head_dim
         self.o_proj = row_linear(config.num_attention_heads * head_dim, config.hidden_size, tp, bias=bias,
                                  what="num_attention_heads * head_dim")
-        self.q_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
+        if self.qk_norm:
+            self.q_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = OffsetRMSNorm(head_dim, config.rms_norm_eps)
         window = config.sliding_window if config.layer_types[layer_idx] == SLIDING else None
+        scale, softcap = config.query_pre_attn_scalar**-0.5, config.attn_logit_softcapping
+        backend = backend_cls(scale) if softcap is None else backend_cls(scale, softcap=softcap)
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, head_dim,
-                              backend_cls(config.query_pre_attn_scalar**-0.5), dtype=placement.dtype,
-                              sliding_window=window)
+                              backend, dtype=placement.dtype, sliding_window=window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
 class Gemma3DecoderLayer(nn.Module):
+    attention: ClassVar[type[nn.Module]] = Gemma3Attention
+
     def __init__(self, config, layer_idx: int, head_dim: int, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         eps = config.rms_norm_eps
         self.layer_type = config.layer_types[layer_idx]
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, eps)
-        self.self_attn = Gemma3Attention(config, layer_idx, head_dim, backend_cls, placement)
+        self.self_attn = self.attention(config, layer_idx, head_dim, backend_cls, placement)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, activation="gelu_pytorch_tanh",
@@ -123,17 +137,20 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
+    decoder_layer: ClassVar[type[nn.Module]] = Gemma3DecoderLayer
+    rope_per_layer_type: ClassVar[bool] = True  # config.rope_parameters[layer type]; False: one set for all
+
     def __init__(self, config, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         head_dim = config.head_dim
-        self.rotary = nn.ModuleDict({t: GemmaRotary(config, t, head_dim, placement)
+        self.rotary = nn.ModuleDict({t: GemmaRotary(config, t if self.rope_per_layer_type else None, head_dim, placement)
                                      for t in sorted(set(config.layer_types))})
         # transformers multiplies by sqrt(hidden) rounded to the weights' dtype
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5, dtype=placement.dtype,
                                                          device=placement.device), persistent=False)
         with torch.device("meta"):  # weights: materialised by load_weights
             self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, placement.tp)
-            self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, head_dim, backend_cls, placement)
+            self.layers = nn.ModuleList(self.decoder_layer(config, i, head_dim, backend_cls, placement)
                                         for i in range(config.num_hidden_layers))
             self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -162,11 +179,17 @@ class Gemma3ForCausalLM(CausalLM):
 def _validate(config) -> None:
     """Reject, with an actionable message, what this implementation would otherwise serve wrongly."""
     if config.attn_logit_softcapping is not None:
-        raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported: the paged "
-                         "attention backends do not soft-cap attention scores (Gemma 3 checkpoints leave it unset)")
+        raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported for Gemma 3 "
+                         "(its checkpoints leave it unset; Gemma 2's soft-capped attention is gemma2.py)")
+    validate_gemma_layers(config, "Gemma 3")
+
+
+def validate_gemma_layers(config, family: str) -> None:
+    """What Gemma 2 and 3 share: causal attention, gelu_pytorch_tanh, a sliding or full type per
+    layer and a positive window where a layer slides. ValueError naming the setting otherwise."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True (an embedding model) is not supported for generation")
-    require_activation(config, "gelu_pytorch_tanh", "Gemma 3", key="hidden_activation")
+    require_activation(config, "gelu_pytorch_tanh", family, key="hidden_activation")
     unknown = sorted(set(config.layer_types) - {SLIDING, FULL})
     if unknown or len(config.layer_types) != config.num_hidden_layers:
         raise ValueError(f"layer_types must give one of {SLIDING!r} / {FULL!r} per layer "

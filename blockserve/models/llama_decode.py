@@ -9,9 +9,9 @@ LlamaModel runs `decode_layers` instead: per layer
 
 the same kernels on the same inputs in the same order as the module path (LlamaDecoderLayer with
 its fused norms, RotaryDecode and GatedMLP), so the hidden states are bitwise equal
-(tests/test_llama_decode.py). The linear layers run their own `forward` (blocks or float32 by row
-count, a row-parallel all-reduce under tensor parallelism). Anything the loop does not cover (a
-prefill row, q/k norms, a sliding window, a kernel that is not built) returns None before
+(tests/models/test_llama_decode.py). The linear layers run their own `forward` (blocks or float32
+by row count, a row-parallel all-reduce under tensor parallelism). Anything the loop does not cover
+(a prefill row, q/k norms, a sliding window, a kernel that is not built) returns None before
 anything ran, and the module path runs. What does not change between steps (each layer's kernel,
 caches and KV group) is settled on the first step and kept in ForwardContext.memo; a step derives
 its metadata once per KV group, not once per layer.
@@ -19,7 +19,8 @@ its metadata once per KV group, not once per layer.
 Where every linear layer runs on its GGUF blocks at this row count (no tensor parallelism), the
 whole loop is one native call instead: csrc/decode_stack.h's DecodeStack, built on the first such
 step over the layers' own tensors, calls the same kernels in the same order (the same bits again)
-without the ~240 calls from Python per step, whose glue was about a third of a batch-1 step.
+without the ~240 calls from Python per step, whose glue is a large share of a batch-1 step
+(measured in docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Load a model to serve: a Hugging Face directory, or a GGUF file converted once and cached.
+"""Load a model to serve from a path, end to end: config, weights and tokenizer, from a Hugging Face
+directory or from a GGUF file converted once and cached.
 
     source      what is loaded
     None        the default model's GGUF (default_model.py), as a .gguf below
@@ -6,8 +7,10 @@
     <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one;
                 its Q4_0 / Q4_1 / Q8_0 blocks are also kept for small batches (quantized_linear.py)
 
-    <cache>/gguf-<stem>-<key>/      key: hash of the GGUF's absolute path, size and mtime
+    <cache>/gguf-<stem>-<digest>/   a converted GGUF; digest: the first 16 hex digits of the file's
+                                    SHA-256, so every copy of one file shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
+    <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
 
 Tensor parallelism: with a `placement` whose `tp` group is set, this rank builds and loads only its
 shard (each checkpoint tensor is narrowed as it is read, models/weights.py); a GGUF's quantized
@@ -36,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
-from transformers.integrations import GGUF_CONFIG_MAPPING
+from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from blockserve.attention.paged_attention import PagedAttention
@@ -66,6 +69,26 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [H] in the GGUF, [1, H] ours
+}
+# llama.cpp's stacked experts [E, rows, columns] -> our stacked parameter (gate and up join along dim 1)
+_GGUF_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.gate_up_proj",
+    "ffn_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# transformers' model_type of GGUF architectures named otherwise (llama.cpp writes Mixtral as "llama"
+# with experts), and the MoE metadata transformers' GGUF_CONFIG_MAPPING leaves out
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_MOE_CONFIG = {
+    "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
 }
 
 
@@ -224,41 +247,67 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
 def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
     """The config from GGUF metadata, renamed by transformers' GGUF_CONFIG_MAPPING as its own GGUF
-    loader does for these architectures (without parsing the vocabulary, which is slow)."""
-    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(arch, f"GGUF architecture {arch!r}")
+    loader does for these architectures (without parsing the vocabulary, which is slow), with the
+    routing llama.cpp fixes per architecture (GGUF_CONFIG_DEFAULTS_MAPPING: Qwen3-MoE renormalises)."""
+    model_type = _gguf_model_type(reader, arch)
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, f"GGUF architecture {arch!r}")
     model_class([architecture])  # unsupported: fail before the slow part
-    if arch not in GGUF_CONFIG_MAPPING:
+    mapping = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING.get(arch)
+    if mapping is None:
         raise ValueError(f"transformers has no GGUF config mapping for architecture {arch!r}")
-    renames = {f"{arch}.{key}": name for key, name in GGUF_CONFIG_MAPPING[arch].items()}
+    mapping = {**mapping, **_GGUF_MOE_CONFIG.get(model_type, {})}
+    renames = {f"{arch}.{key}": name for key, name in mapping.items()}
     renames.update({f"tokenizer.{key}": name for key, name in GGUF_CONFIG_MAPPING["tokenizer"].items()})
     values = {name: reader.fields[key].contents() for key, name in renames.items()
               if isinstance(name, str) and key in reader.fields}
     values.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
     values["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
-    return AutoConfig.for_model(arch, architectures=[architecture], **values)
+    values = {**GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}), **values}
+    return AutoConfig.for_model(model_type, architectures=[architecture], **values)
+
+
+def _gguf_model_type(reader: gguf.GGUFReader, arch: str) -> str:
+    """transformers' model_type of a GGUF of architecture `arch`."""
+    experts = reader.fields.get(f"{arch}.expert_count")
+    if arch == "llama" and experts is not None and experts.contents() > 0:
+        return "mixtral"
+    return _GGUF_MODEL_TYPES.get(arch, arch)
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantised tensors under Hugging Face names."""
+    """Dequantised tensors under Hugging Face names; stacked experts' gate and up joined into one
+    gate_up_proj [E, 2I, H] once both have been read."""
     for tensor in reader.tensors:
         if tensor.name.rpartition(".")[0] == "rope_freqs":  # llama.cpp's rope divisors (Llama 3.1+ scaling)
             if not np.all(gguf.quants.dequantize(tensor.data, tensor.tensor_type) == 1):
                 raise ValueError(f"{arch} GGUF with rope scaling factors (rope_freqs) is not supported; "
                                  "load the model's Hugging Face directory instead")
+    gate_or_up: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if rope_heads:
             weights = _unpermute_rope_rows(weights, rope_heads)
+        kind = tensor.name.split(".")[-2]
+        if kind in ("ffn_gate_exps", "ffn_up_exps"):
+            halves = gate_or_up.setdefault(name, {})
+            halves[kind] = weights
+            if len(halves) < 2:
+                continue
+            del gate_or_up[name]
+            weights = np.concatenate([halves["ffn_gate_exps"], halves["ffn_up_exps"]], axis=1)
+        elif kind == "ffn_gate_inp_shexp":
+            weights = weights.reshape(1, -1)
         yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
 
 
 def _gguf_blocks(path: Path, config) -> Iterator[tuple[str, str, np.ndarray]]:
     """(Hugging Face name, GGUF type, raw blocks [rows, bytes]) of the tensors of the GGUF file
-    `path` stored in a block format QuantizedLinear reads, rows in Hugging Face order."""
+    `path` stored in a block format QuantizedLinear reads, rows in Hugging Face order. Stacked
+    experts are not linear layers: they run on the dequantised weights."""
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
-        if tensor.tensor_type.name in QUANTIZED_FORMATS:
+        if tensor.tensor_type.name in QUANTIZED_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS:
             raw = np.asarray(tensor.data)
             yield name, tensor.tensor_type.name, _unpermute_rope_rows(raw, rope_heads) if rope_heads else raw
 
@@ -276,6 +325,8 @@ def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[st
             name = f"{_GGUF_TOP[module]}.{leaf}"
         elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
             name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{leaf}"
+        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
+            name = f"model.layers.{parts[1]}.{_GGUF_EXPERTS[parts[2]]}"
         else:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in blockserve's {arch} model")
         rope_heads = None

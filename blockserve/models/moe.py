@@ -1,5 +1,10 @@
-"""Mixture-of-experts pieces the families share: the stacked routed experts, and DeepSeek-V3's MoE
-(also Kimi Linear's) with its sigmoid, group-limited top-k router.
+"""Mixture-of-experts pieces the families share: the stacked routed experts; the softmax-routed
+sparse MoE of Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3-Next; and DeepSeek-V3's MoE (also Kimi
+Linear's) with its sigmoid, group-limited top-k router.
+
+    SparseMoe(x) = Σ_top-k weight_e · expert_e(x)  [+ sigmoid(shared_expert_gate(x)) · shared_expert(x)]
+
+    weights, experts = top-k of softmax(gate(x)) in fp32, / their sum if normalised
 
     DeepseekMoE(x) = shared_experts(x) + Σ_top-k weight_e · expert_e(x)
 
@@ -9,8 +14,8 @@
     experts: the top num_experts_per_tok choices within the kept groups
     weights = their scores, / their sum if norm_topk_prob, × routed_scaling_factor
 
-(exactly as transformers' DeepseekV3TopkRouter). Softmax routers differ per family and stay in
-their files.
+(exactly as transformers' DeepseekV3TopkRouter). Granite's router (softmax over the top-k logits)
+stays in its file.
 
 Tensor-parallel (a group `tp`): every expert's intermediate size is sharded (gate | up by rows,
 down by columns), the router is whole on every rank (so every rank routes alike), and the routed
@@ -35,8 +40,8 @@ class Experts(nn.Module):
     weight · down(silu(gate x) * up x). Two routes compute it (equal up to rounding):
 
         loop      one matmul pair per expert some token picked; reads `ids` on the host (a free
-                  sync on the CPU; the CPU's route, as before; measured on a loaded machine the
-                  grouped route took 0.3-1.9x its time, so it stays until a quiet measurement)
+                  sync on the CPU, and the CPU's route: the grouped route is not clearly faster
+                  there)
         grouped   the (token, expert) pairs sorted by expert, two torch._grouped_mm calls over
                   the experts' row ranges: nothing read back to the host (the route off the CPU
                   in bfloat16, the dtype CUDA's grouped_mm takes; other dtypes there loop)
@@ -66,7 +71,7 @@ class Experts(nn.Module):
         return tensor.narrow(dim, self.shard.start, self.shard.size).clone()
 
     def _narrow_gate_up(self, tensor: torch.Tensor, *, part: int | None, expert: int | None) -> torch.Tensor:
-        """One expert's gate or up [I, H] (part 0 / 1), or the whole stack [E, 2I, H] (part None)."""
+        """One expert's gate or up [I, H] (part=0 or 1), or the whole stack [E, 2I, H] (part=None)."""
         if part is not None:
             return self._narrow(tensor, 0)
         return torch.cat([self._narrow(half, 1) for half in tensor.chunk(2, dim=1)], dim=1)
@@ -159,3 +164,46 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+def softmax_top_k(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k]): the top k of the softmax
+    over all experts, computed in float32, divided by their sum when `normalize` (transformers'
+    Mixtral, Qwen2-MoE and Qwen3-MoE routers)."""
+    weights, ids = F.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def sparse_layer(config, layer_idx: int) -> bool:
+    """Qwen's rule for which layers are MoE (Qwen2-MoE, Qwen3-MoE, Qwen3-Next): the model has experts,
+    the layer is not in `mlp_only_layers`, and it is every `decoder_sparse_step`-th; the others are dense."""
+    return (config.num_experts > 0 and layer_idx not in (config.mlp_only_layers or [])
+            and (layer_idx + 1) % config.decoder_sparse_step == 0)
+
+
+class SparseMoe(nn.Module):
+    """The softmax-routed MoE (module docstring): `gate` the router [E, H], `experts` stacked, and a
+    `shared_expert` with its `shared_expert_gate` [1, H] where `shared_intermediate_size` is set.
+    The routing weights scale the experts in x's dtype (Qwen) or in float32 (`float32_weights`:
+    Mixtral), as transformers rounds them. The router and the shared gate are whole on every rank."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *, normalize: bool,
+                 shared_intermediate_size: int | None = None, float32_weights: bool = False,
+                 tp: TensorParallelGroup | None = None):
+        super().__init__()
+        self.top_k, self.normalize, self.float32_weights = top_k, normalize, float32_weights
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, tp=tp)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_top_k(self.gate(x), self.top_k, self.normalize)
+        out = self.experts(x, weights if self.float32_weights else weights.to(x.dtype), ids)
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -18,7 +18,7 @@ class Placement:
     state specs. Model code reads them here and nowhere else; the default serves on the CPU in
     float32. (Parameters are declared on the meta device until `load_weights` places them.)
 
-    `tp`: the tensor-parallel group this rank's shard belongs to (distributed/group.py); None on
+    `tp`: the tensor-parallel group this rank's shard belongs to (tensor_parallel/group.py); None on
     one device, where every family builds its plain layers."""
 
     device: torch.device = torch.device("cpu")

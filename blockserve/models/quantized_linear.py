@@ -1,34 +1,26 @@
 """Linear layers that keep the GGUF blocks their float32 weights were dequantised from.
 
-A GGUF model is served from float32 weights (models/loader.py). At batch 1 a decode step is
-bound by reading those weights: 4 bytes per weight. The file's Q4_0 / Q4_1 and Q8_0 blocks
-encode the same values in 0.75 and 1.125 bytes per weight (as packed here), so the native kernels
-(attention/csrc/quantized_matmul.cpp) read the blocks instead. Three kernels read them:
+A GGUF model is served from float32 weights (models/loader.py): 4 bytes per weight. The file's
+Q4_0 / Q4_1 and Q8_0 blocks encode the same values in 0.75 and 1.125 bytes per weight (as packed
+here), and a small-batch decode step is bound by reading weights, so the native kernels
+(native/csrc/quantized_matmul.cpp) read the blocks instead. `activations` picks one of three:
 
-    activations="float32"  the weights dequantised in registers, float32 x: exact up to float
-                           rounding, so the model gives transformers' logits and greedy tokens
-                           (DESIGN's parity contract). The default (DEFAULT_ACTIVATIONS). Compute-bound
-                           past a few rows, so the float32 GEMM takes larger batches.
-    activations="int8"     x rounded to int8 per block of 32 and integer dot products, as llama.cpp
-                           computes a GGUF's matmuls on CPU (--quantized-activations int8): on AVX2
-                           ~2x faster than "float32" at decode (about even on AVX-512, with VNNI),
-                           and even with the float32 GEMM at prefill sizes, so it serves every row
-                           count. Each matmul is off x @ W^T by up to sum_k |w_k| * max|x_block| / 254
-                           (~1e-3 relative); over SmolLM2's 30 layers that moves logits by ~0.2 on
-                           average (up to ~2.8), and in the parity test's second prompt it flips the
-                           16th greedy token, a near-tie (transformers' top two 0.155 apart). The
-                           rounding is discontinuous: a float-rounding difference upstream (another
-                           chunking of a prefill: a prefix-cache hit, a batch) can move an element
-                           one level, and over the layers such moves add up to ~0.1 in logprobs
-                           where "float32" moves ~1e-5.
-    activations="int16"    x rounded to int16 per block of 32 (levels of max|x_b| / 32767) and integer
-                           dot products of 16-bit pairs (--quantized-activations int16): 256 times
-                           finer than int8 for about twice its multiplies. Each matmul is off x @ W^T
-                           by up to sum_k |w_k| * max|x_block| / 65534; over SmolLM2's 30 layers
-                           logits move ~1e-3 on average (up to ~0.01; "float32": ~1e-5, up to 1e-4)
-                           and the parity prompts keep transformers' greedy tokens. On AVX2 at
-                           1-64 rows 1.1-1.8x faster than "float32", which on AVX-512 (its
-                           16-entry lookup) is about as fast.
+    "float32"  the weights dequantised in registers, float32 x: exact up to float rounding, so the
+               model gives transformers' logits and greedy tokens. The default
+               (DEFAULT_ACTIVATIONS). Compute-bound past a few rows, so the float32 GEMM takes
+               larger batches.
+    "int8"     x rounded to int8 per block of 32 and integer dot products, as llama.cpp computes
+               a GGUF's matmuls on CPU (--quantized-activations int8); it serves every row count.
+               Each matmul is off x @ W^T by up to sum_k |w_k| * max|x_block| / 254. The rounding
+               is discontinuous: a float-rounding difference upstream (another chunking of a
+               prefill: a prefix-cache hit, a batch) can move an element one level, and over the
+               layers such moves add up: logprobs move with caching and batching orders of
+               magnitude more than under "float32".
+    "int16"    x rounded to int16 per block of 32 (levels of max|x_b| / 32767) and integer dot
+               products of 16-bit pairs (--quantized-activations int16): 256 times finer than int8
+               for about twice its multiplies; off x @ W^T by up to sum_k |w_k| * max|x_block| / 65534.
+
+Their speed and their drift from transformers' logits are measured in docs/performance.md.
 
     float32:  rows <= max_rows   x @ W^T over the blocks (max_rows: where the GEMM starts to beat
                                  them clearly on this CPU, measured as the model loads; at most MAX_ROWS)
@@ -48,7 +40,7 @@ different orders.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
-cost memory on top of the float32 copy (SmolLM2-135M: 112 MB next to 538 MB).
+cost memory on top of the float32 copy.
 
 Tensor-parallel: each rank keeps the blocks of its own shard (`narrow_blocks` of the column- and
 row-parallel layers, tensor_parallel/layers.py); a row-parallel layer's partial product is
@@ -73,25 +65,13 @@ from blockserve.models.weights import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
 
-# The most rows the blocks serve a layer, by activations and the kernel's SIMD lanes; as a model
-# loads, each layer's max_rows is measured below it (models/row_crossover.py). float32: where
-# reading them beats the float32 GEMM on the CPUs measured. AVX-512 (Zen 4): one kernel call is
-# 3.5x faster at 1 row and 1.07-1.3x at 64-128 rows on one core; end to end, offline batch 64
-# gains 1.36x on two threads, where a decode step then runs as one native call on the task pool,
-# and 1.09x on one (benchmarks/max_rows_ab.py, results/max_rows_ab_{2t,1t}.json). AVX2, the 8-row kernel with its
-# scales on the weights past 5 rows (1.14-1.37x the kernel before at 8-64 rows,
-# results/kernel_builds_ab_avx2_prescale.json): batch 64 end to end 1.22x max_rows 16 on two
-# threads, 0.97x on one (results/max_rows_ab_avx2_prescale_{2t,1t}.json); past 64 rows the GEMM
-# keeps pace on two threads (results/quantized_matmul_avx2_prescale_rows.json).
-# csrc/paged_decode.cpp's kPoolSeqs follows the float32 rows per build (the module's
-# pool_sequences(); tested). int8: every row count (EVERY_ROW).
-# On AVX2 it is 2.7-4.8x the float32 GEMM at 1-4 rows and 1.0-1.3x at 64
-# (results/quantized_matmul_avx2.json); past 64 it keeps pace with the GEMM
-# (results/quantized_matmul_int8_prefill*.json) and, unlike the GEMM on rounded x, gives the same
-# bits whatever the batch. The AVX-512 build runs the same loop with VNNI's dpbusd. int16: float32's
-# rows, so its decode steps are one native call too; larger batches (prefills) take the float32
-# GEMM on x rounded as the kernel rounds it, which is ~1.6x faster there than the int16 kernel
-# (AVX2 and AVX-512, 64-128 rows, results/quantized_matmul_int16_*.json).
+# The most rows the blocks serve a layer, by (activations, the kernel's SIMD lanes: 16 on AVX-512, 8
+# on AVX2); as a model loads, each layer's max_rows is measured at or below it (models/row_crossover.py).
+# float32 and int16: past these rows the float32 GEMM keeps pace (int16: on x rounded as the kernel
+# rounds it), so a decode step up to them is one native call and larger batches take the GEMM.
+# int8 serves every row count (EVERY_ROW), so its rows get the same bits whatever the batch.
+# native/csrc/paged_decode.cpp's kPoolSeqs follows the float32 rows per build (pool_sequences(); tested).
+# Measured in docs/performance.md.
 EVERY_ROW = 2 ** 62
 MAX_ROWS = {("int8", 16): EVERY_ROW, ("int8", 8): EVERY_ROW, ("float32", 16): 128, ("float32", 8): 64,
             ("int16", 16): 128, ("int16", 8): 64}

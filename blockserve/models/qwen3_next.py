@@ -44,7 +44,6 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import GatedDeltaNet
 from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.tensor_parallel.group import TensorParallelGroup
 from blockserve.tensor_parallel.layers import (
     head_linear,
     head_slice,
@@ -57,7 +56,7 @@ from blockserve.tensor_parallel.layers import (
 )
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, GatedRMSNorm, OffsetRMSNorm, require_activation
-from blockserve.models.moe import Experts
+from blockserve.models.moe import SparseMoe, sparse_layer
 from blockserve.models.placement import Placement
 from blockserve.models.rotary import RotaryEmbedding, apply_rotary
 from blockserve.models.weights import GATE_UP, SWIGLU_EXPERTS, CheckpointLayout
@@ -136,26 +135,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, -1))
 
 
-class SparseMoeBlock(nn.Module):
-    """Softmax router, top-k (renormalised if norm_topk_prob), plus a sigmoid-gated shared expert."""
-
-    def __init__(self, config, tp: TensorParallelGroup | None = None):
-        super().__init__()
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # whole: every rank routes alike
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
-        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, tp=tp)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, index = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, weights.to(x.dtype), index) + shared
-
-
 class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int,
                  placement: Placement):
@@ -168,10 +147,11 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r} "
                              "(expected 'linear_attention' or 'full_attention')")
-        sparse = (layer_idx not in config.mlp_only_layers and config.num_experts > 0
-                  and (layer_idx + 1) % config.decoder_sparse_step == 0)
         tp = placement.tp
-        self.mlp = (SparseMoeBlock(config, tp) if sparse else
+        self.mlp = (SparseMoe(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, normalize=config.norm_topk_prob,
+                              shared_intermediate_size=config.shared_expert_intermediate_size, tp=tp)
+                    if sparse_layer(config, layer_idx) else
                     GatedMLP(config.hidden_size, config.intermediate_size, tp=tp))
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)

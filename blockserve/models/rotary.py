@@ -2,7 +2,7 @@
 they are applied in.
 
     rotate_half   (x[:D/2], x[D/2:]) rotated together      Llama, Qwen, Gemma 3, Granite, DeepSeek-V3
-    interleaved   pairs (x0, x1), (x2, x3), ... rotated     DeepSeek-V3 with rope_interleave
+    interleaved   pairs (x0, x1), (x2, x3), ... rotated     DeepSeek-V3 with rope_interleave, GLM-4
 
 Frequencies and angles are computed in float32 whatever the model's dtype (as transformers does);
 the table is stored in the placement's dtype.

@@ -1,26 +1,20 @@
 """How many rows a model's GGUF blocks should serve on this CPU, measured at load time.
 
 A QuantizedLinear runs its blocks kernel up to `max_rows` rows and the float32 GEMM past them.
-Where the two cross depends on the CPU more than on the code: on Zen 4 and Zen 5 the float32
-blocks kernel keeps pace with the GEMM up to the build's ceiling (MAX_ROWS: 64 rows AVX2, 128
-AVX-512; results/quantized_matmul_zen5_*.json), on an Intel Xeon's AVX2 path it is 0.3-0.5x the
-GEMM at 64 rows and already behind at 8-16 (results/quantized_matmul_avx2_int16.json). So the
-loader times both paths on the model's own layers and keeps the blocks while they are not clearly slower:
+Where the two cross depends on the CPU more than on the code (measured in docs/performance.md),
+so the loader times both paths on the model's own layers and keeps the blocks while they are not
+clearly slower:
 
-    rows <= ALWAYS                 the blocks (bandwidth-bound: 2-15x the GEMM wherever measured)
+    rows <= ALWAYS                 the blocks (bandwidth-bound: ahead of the GEMM wherever measured)
     candidate rows (CANDIDATES)    per layer shape, largest first (up to the build's MAX_ROWS):
                                    both paths over the model's layers in order; the first candidate
                                    the blocks win is the shape's max_rows (the crossover is taken as
-                                   monotone), so where they win at the ceiling, as on Zen 4 and 5,
-                                   one candidate is measured
+                                   monotone), so where they win at the ceiling one candidate is measured
 
-The blocks win a candidate unless the GEMM is faster by more than GEMM_MARGIN. A decode step
-whose every layer takes the blocks runs its decoder stack as one native call; one shape past its
-max_rows puts the whole step on the per-layer path, with that shape's float32 weights (5x the
-bytes) on the GEMM. On Zen 5's AVX2 build, where the two paths are within ~10% per layer past 16
-rows, the down projection's GEMM won one load in four by a few percent at 64 rows; every shape at 64
-rows against the down projection at 32, offline batch 64 at 2 threads in one process alternating:
-1.01-1.12x over four pairs of rounds (median 1.08x).
+The blocks win a candidate unless the GEMM is faster by more than GEMM_MARGIN. The margin favours
+the blocks because a decode step whose every layer takes them runs its decoder stack as one native
+call, while one shape past its max_rows puts the whole step on the per-layer path, with that
+shape's float32 weights (5x the bytes) on the GEMM.
 
 Each candidate sweeps the layers in model order, so the weights stream from memory as in a real
 step (a single layer timed in a loop sits in cache and flatters the GEMM at 8-16 rows); past 16

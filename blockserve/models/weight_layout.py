@@ -2,17 +2,16 @@
 
 `F.linear(x, W)` with W [out, in] stored row-major runs the "x @ W^T" GEMM; with the same W
 stored column-major (strides (1, out)), `W^T` is a contiguous [in, out] matrix and the GEMM is a
-plain "x @ B". On x86 CPUs the latter runs 1.2-1.6x faster at the 8-64 rows of a decode batch
-(docs/performance.md); the values are the same matrix, so modules and `F.linear` calls
+plain "x @ B". On x86 CPUs the latter is faster at the 8-64 rows of a decode batch
+(measured in docs/performance.md); the values are the same matrix, so modules and `F.linear` calls
 are unchanged. Weights read as matrices elsewhere (e.g. reshaped per head) must stay row-major:
 such a module sets `keep_row_major = True`.
 
 `PanelLinear` goes one step further for wide layers: W^T as separate contiguous panels of
 PANEL_COLUMNS columns (~1.8 MB each at 576 inputs, within a 2 MB L2), one GEMM per panel into the
-output's columns. For SmolLM2's gate/up projection that is 7-24% faster than one GEMM over the
-whole W^T at 16-128 rows, but 2-5% slower at 512-2048 (prefill) and ~20% slower at 1 row
-(docs/performance.md), so it is used where something else serves the smallest batches: the
-layers that keep GGUF blocks (models/quantized_linear.py).
+output's columns. That is faster than one GEMM over the whole W^T at 16-128 rows but slower at
+1 row and at prefill sizes (measured in docs/performance.md), so it is used where something else
+serves the smallest batches: the layers that keep GGUF blocks (models/quantized_linear.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The one weight loader: checkpoint tensors into a model built on the meta device, as the family's
-`CheckpointLayout` (data, not code) says.
+"""Checkpoint tensors onto a model's parameters: (name, tensor) pairs into a model built on the meta
+device, as the family's `CheckpointLayout` (data, not code) says. It reads no files: models/loader.py
+passes the tensors in as it reads them.
 
     checkpoint name ─► ignored? ─► renames ─► (our parameter, piece) ─► weight_loader ─► assembled ─► placed
 

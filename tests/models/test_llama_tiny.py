@@ -2,7 +2,8 @@
 
 Each model is built from a transformers config at test time, initialised with a large std (so
 logits are far from uniform and greedy picks are not near-ties), saved with save_pretrained and
-loaded through the real loader.
+loaded through the real loader; run through the paged scenarios (tests/scenarios.py) over the
+suite's backends.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from blockserve.native.extension import DISABLE_ENV
 from blockserve.attention.paged_attention import BACKENDS
+from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.loader import load_model
-from tests.backends import SUITE_BACKENDS
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 from tests.paged_harness import run_paged
+from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
+from tests.scenarios import PAGED_SCENARIOS, SUITE_BACKENDS, paged_prompts
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256,
@@ -33,54 +36,40 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=32),
     "mistral": lambda: MistralConfig(**SIZES, sliding_window=None),
 }
-PROMPT_LENS = [5, 11, 17]
 NEW_TOKENS = 16
-SCENARIOS = {  # name -> (prompt indices, run_paged options)
-    "single": ([1], {}),
-    "batch-of-3": ([0, 1, 2], {"stagger": True, "chunk": 6}),  # decodes and prefill chunks share steps
-    "two-chunks": ([2], {"chunk": 9}),
-}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(request, tmp_path_factory):
-    """A saved random model, its transformers reference outputs, and the prompts."""
+    """A saved random model, the prompts, and transformers' prompt logits and reference outputs."""
     path = tmp_path_factory.mktemp(request.param)
     reference = save_random_model(CONFIGS[request.param](), path)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, SIZES["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    with torch.no_grad():
-        logits = [reference(torch.tensor([p])).logits[0] for p in prompts]
-        tokens = [reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-                  for p in prompts]
-    return path, prompts, logits, tokens
+    prompts = paged_prompts(SIZES["vocab_size"])
+    return path, prompts, reference_logits(reference, prompts), reference_outputs(reference, prompts, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", sorted(PAGED_SCENARIOS))
 @pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_matches_transformers(tiny, backend, scenario):
-    path, prompts, ref_logits, ref_tokens = tiny
+    path, prompts, ref_logits, reference = tiny
     model = load_model(str(path), BACKENDS[backend]).model
-    which, options = SCENARIOS[scenario]
+    which, options = PAGED_SCENARIOS[scenario]
     logits, tokens = run_paged(model, [prompts[i] for i in which], NEW_TOKENS, **options)
-    for got, i in zip(logits, which):
-        torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)
-    assert tokens == [ref_tokens[i] for i in which]
+    assert_logits_close(logits, [ref_logits[i] for i in which], atol=1e-4, rtol=0)
+    assert_greedy_parity(tokens, [reference[i] for i in which])
 
 
 def test_pytorch_paths_match_transformers(tiny, monkeypatch):
     """With native kernels off (no fused ops, gathered decode attention) the same outputs."""
     monkeypatch.setenv(DISABLE_ENV, "0")
-    path, prompts, ref_logits, ref_tokens = tiny
+    path, prompts, ref_logits, reference = tiny
     model = load_model(str(path), BACKENDS["exact"]).model
     assert all(getattr(m, "fused", None) is None and getattr(m, "decode_kernel", None) is None
                for m in [*model.modules(), *(layer.self_attn.attn.backend for layer in model.model.layers)])
-    which, options = SCENARIOS["batch-of-3"]
+    which, options = PAGED_SCENARIOS["batch-of-3"]
     logits, tokens = run_paged(model, [prompts[i] for i in which], NEW_TOKENS, **options)
-    for got, i in zip(logits, which):
-        torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)
-    assert tokens == [ref_tokens[i] for i in which]
+    assert_logits_close(logits, [ref_logits[i] for i in which], atol=1e-4, rtol=0)
+    assert_greedy_parity(tokens, [reference[i] for i in which])
 
 
 def _tiny_weights(config) -> dict[str, torch.Tensor]:
@@ -115,10 +104,17 @@ def test_load_weights_names_missing_unexpected_and_misshapen_weights():
         load_model_from_weights(config, bad)
 
 
-def test_active_sliding_window_is_rejected():
-    config = MistralConfig(**SIZES, sliding_window=32)
-    with pytest.raises(ValueError, match="sliding window \\(32 tokens\\)"):
-        LlamaForCausalLM(config, BACKENDS["exact"])
-    LlamaForCausalLM(MistralConfig(**SIZES, sliding_window=SIZES["max_position_embeddings"]), BACKENDS["exact"])
-    LlamaForCausalLM(Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=32, max_window_layers=2),
-                     BACKENDS["exact"])  # no layer reaches max_window_layers: nothing slides
+def test_sliding_window_layers_declare_their_window():
+    """An active window makes every layer (Mistral) or the layers `layer_types` marks (Qwen2) a
+    sliding-window layer; a window that never bites (>= max_position_embeddings), or no marked
+    layer, leaves full attention. (Parity with windows: tests/models/test_dense_families.py.)"""
+    def specs(config):
+        return set(LlamaForCausalLM(config, BACKENDS["exact"]).kv_cache_specs(4).values())
+
+    assert specs(MistralConfig(**SIZES, sliding_window=32)) == {SlidingWindowSpec(4, 2, 16, "float32", sliding_window=32)}
+    assert specs(MistralConfig(**SIZES, sliding_window=SIZES["max_position_embeddings"])) == {
+        FullAttentionSpec(4, 2, 16, "float32")}
+    qwen2 = Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    assert specs(qwen2) == {FullAttentionSpec(4, 2, 16, "float32")}  # no layer reaches max_window_layers
+    qwen2 = Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    assert specs(qwen2) == {FullAttentionSpec(4, 2, 16, "float32"), SlidingWindowSpec(4, 2, 16, "float32", sliding_window=32)}
