@@ -50,7 +50,7 @@ def environment() -> dict:
     }
 
 
-# The instruction sets the native kernels' paths depend on (attention/csrc/, compiled -march=native).
+# The instruction sets the native kernels' paths depend on (native/csrc/, compiled -march=native).
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
               "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 

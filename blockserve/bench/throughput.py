@@ -3,7 +3,7 @@
     blockserve bench throughput                                   (the fixed 64-prompt chat workload, 128 new tokens)
     blockserve bench throughput --num-prompts 16 --max-tokens 32   (16 of the chat prompts, spread over their lengths)
     blockserve bench throughput --random-input-len 256 --random-output-len 64 --num-prompts 100
-    OMP_WAIT_POLICY=PASSIVE blockserve bench throughput --num-threads 1 --output-json results/throughput.json
+    OMP_WAIT_POLICY=PASSIVE blockserve bench throughput --num-threads 1 --output-json throughput.json
 
 Every request is queued at once and generated greedily with EOS ignored, so each generates
 exactly --max-tokens tokens (checked). Rates count wall time over the whole batch, prefill

@@ -1,4 +1,4 @@
-"""The fixed chat workload (issue 4 / issue 8) and random token-id prompts, shared by
+"""The fixed chat workload and random token-id prompts, shared by
 `blockserve bench` and benchmarks/peers/run.py.
 
 64 chat conversations (some with a system prompt, the others get the template's default one),

@@ -77,7 +77,7 @@ class EngineConfig:
     state_checkpoint_interval: int = field(default=0, metadata={
         "help": "also checkpoint recurrent state every this many strides inside prompts (long shared "
                 "documents); 0: only at prompt ends, turn ends and shared-prefix junctions"})
-    # 0.75: chosen with benchmarks/hybrid_prefix_sim.py (results/hybrid_prefix_sim.json).
+    # 0.75: chosen with benchmarks/hybrid_prefix_sim.py (docs/benchmarks.md).
     state_checkpoint_savings_weight: float = field(default=0.75, metadata={
         "help": "checkpoint eviction: weight in [0, 1] on the tokens a checkpoint saves over the one "
                 "before it, against recency (0: least recently used)"})

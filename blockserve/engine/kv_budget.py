@@ -10,7 +10,7 @@ weights, the activations of the largest step and the decode steps' CUDA graphs (
 The profiling forward is one real engine step (a throwaway scheduler, KV manager and model runner
 over a KV cache just big enough for it) of one prompt of max_num_batched_tokens tokens (capped by
 max_model_len - 1), so it runs every layer's real path, sampler included. On the CPU the budget
-is `kv_cache_memory`, as before; `profile_step` itself runs anywhere (tests run it on the CPU).
+is `kv_cache_memory`; `profile_step` itself runs anywhere (tests run it on the CPU).
 On CUDA a `kv_cache_memory` given instead of gpu_memory_utilization fixes the cache's size
 (vLLM's kv_cache_memory_bytes): no profiling, but it must fit in the device's free memory.
 """

@@ -1,28 +1,19 @@
 """Torch's thread count, lowered while other processes keep the machine's cores busy.
 
-Beside a busy neighbour every parallel region waits for the thread that lost its core: measured
-on a 2-core Zen 3 beside one busy process (results/thread_policy_loaded.json), batch-1 / 16-row
-decode steps of 13.3 / 130 ms at one thread, 16.6 / 189 ms at two sleeping threads
-(OMP_WAIT_POLICY=PASSIVE, blockserve's default) and 110 / 1149 ms at two spinning ones; on the
-quiet machine two threads were the faster (results/thread_policy_quiet.json). So the engine
-watches the other processes' CPU use and runs on the cores they leave:
+Beside a busy neighbour every parallel region waits for the thread that lost its core, so the
+engine runs on the cores the other processes leave (measured in docs/performance.md):
 
     others = (busy CPU time of the usable CPUs - this process's) / elapsed   (in cores, /proc/stat)
     threads = clamp(round(cores - others), 1, max_threads)               every `interval` seconds
 
-A neighbour using more than half a core takes one thread away; when it stops, the next sample
-gives the thread back. Half a core is where two threads stop paying on a 2-core Zen 4
-(benchmarks/thread_policy.py --neighbour-share, results/thread_policy_neighbour_*.json; decode
-steps at 1 / 16 running, one thread against two): beside a neighbour spinning a quarter of the
-time 9.1 / 75 ms against 9.3 / 55, half 9.5 / 78 against 9.4 / 67, three quarters 9.8 / 76
-against 10.6 / 82, all the time 9.8 / 80 against 15.0 / 88. The neighbour is seen using less than
-its share while both threads run (0.4 of a core at half, 0.5 at three quarters), so a lower
-threshold would also take a thread from a benchmark client or a quiet neighbour, where two are
-faster. Samples are taken as the engine steps, so the first after an idle spell spans it; one
-that spans more than IDLE_GAP intervals with the engine busy less than half of it is skipped: a
-benchmark client starting up beside an idle server (a second or two of a core) would otherwise
-take a thread from the first requests it sends. Where /proc/stat cannot be read the count stays
-at max_threads.
+So a neighbour using more than half a core takes one thread away, and when it stops the next sample
+gives the thread back. Half a core is where, on a 2-core host, a second thread stops paying; a
+lower threshold would also take a thread from a benchmark client or a quiet neighbour (a neighbour
+shows as using less than its share while both threads run). Samples are taken as the engine steps,
+so the first after an idle spell spans it; one that spans more than IDLE_GAP intervals with the
+engine busy less than half of it is skipped: a client starting up beside an idle server would
+otherwise take a thread from the first requests it sends. Where /proc/stat cannot be read the count
+stays at max_threads.
 """
 
 from __future__ import annotations

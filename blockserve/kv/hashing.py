@@ -3,10 +3,9 @@
     hash(block i) = sha256(hash(block i-1) | extra keys | token ids of block i)
 
 The chain makes a block's hash name its whole prefix; the extra key (the cache salt) keeps
-tenants apart (C6). sha256 was picked by measurement (`benchmarks/kv_core.py`):
-about 1.2M 16-token blocks/s on this 2-core machine when idle, as fast as blake2b (1.05x);
-xxh3_128 is ~1.8x faster but is not collision resistant, and a hash an attacker can collide
-would make salt isolation meaningless. At these rates hashing costs ~1 us per 16 tokens.
+tenants apart (C6). sha256: as fast as blake2b here (`benchmarks/kv_core.py`, measured in
+docs/benchmarks.md); faster hashes such as xxh3 are not collision resistant, and a hash an
+attacker can collide would make salt isolation meaningless.
 Only full blocks are hashed; a partial block is never shared.
 """
 

@@ -114,8 +114,8 @@ def _isa_flags() -> tuple[str, ...]:
 
 def _native(flags: tuple[str, ...] = ()):
     # The switches are read on every call, so kernels can be turned off at any time; the compiler and
-    # ninja only matter until the module is built (looking them up on PATH costs ~0.1 ms a call,
-    # and decode steps ask for their kernels every step).
+    # ninja only matter until the module is built (not looked up on PATH per call: decode steps
+    # ask for their kernels every step).
     flags = flags or _isa_flags()
     reason = _disabled() if flags in _built else why_not_native()
     if reason is not None:

@@ -2,8 +2,8 @@
 
 Each request owns a row of a per-group block-table tensor for as long as the worker holds it;
 a step's table is one index of those rows, only as wide as its longest context needs (rounded up
-to a power of two): a table's full width is max_model_len's, and gathering it whole cost ~0.1 ms
-a step at batch 256 and 8k tokens, ~3 ms at 128k, whatever the contexts served. Decodes go first
+to a power of two): a table's full width is max_model_len's, and gathering it whole would cost
+every step in proportion to max_model_len, whatever the contexts served. Decodes go first
 in the step's batch order so the attention backends can attend them in one call.
 
     SchedulerOutput ──update()──► rows, tables, tokens ──prepare()──► StepInputs
@@ -26,7 +26,7 @@ from blockserve.kv.specs import SlidingWindowSpec, cdiv
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerOutput
 from blockserve.structured.matcher import GrammarMatcher
-from blockserve.worker.sampler import SamplingRow, has_penalty
+from blockserve.worker.sampling_batch import SamplingRow, has_penalty
 
 
 @dataclass

@@ -27,7 +27,8 @@ from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
 from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs, read_entries
-from blockserve.worker.sampler import SampledTokens, Sampler, SamplingBatch, SamplingRow, make_generator
+from blockserve.worker.sampler import SampledTokens, Sampler
+from blockserve.worker.sampling_batch import SamplingBatch, SamplingRow, make_generator
 
 
 @dataclass

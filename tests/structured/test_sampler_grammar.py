@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from blockserve.sampling_params import SamplingParams
-from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
+from blockserve.worker.sampler import Sampler
+from blockserve.worker.sampling_batch import SamplingBatch, SamplingRow, make_generator
 
 CPU = torch.device("cpu")
 

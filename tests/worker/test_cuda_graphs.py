@@ -10,7 +10,7 @@ real graph, while everything computed from the static tensors is recomputed. Wit
 whose decode steps replay padded buckets must give the eager engine's tokens and logprobs for
 every family, and a backend that reads host lists must be caught. Like a real graph, the stand-in
 holds the captured forward only weakly: the engine must keep alive what the captured kernels read
-(the first GPU run replayed freed metadata: wrong tokens, then out-of-range indices). The GPU itself
+(replayed freed metadata gives wrong tokens, then out-of-range indices). The GPU itself
 is checked by benchmarks/gpu_check.py.
 """
 
@@ -29,7 +29,8 @@ from blockserve.engine.config import EngineConfig
 from blockserve.kv.specs import cdiv
 from blockserve.models.moe import Experts
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
-from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
+from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
+from blockserve.models.random_checkpoint import save_random_model
 from tests.worker.test_sync_free import HostRead, host_reads_raise, llama_path  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -147,6 +148,7 @@ def test_replayed_decode_steps_equal_eager_ones(family, request, tiny_model):
     assert set(capture.replays) == set(SIZES)  # every bucket replayed
 
 
+@pytest.mark.slow  # ~12 s
 @pytest.mark.parametrize("family", MOE)
 def test_moe_families_capture_in_bfloat16(family, request, tiny_model):
     """The MoE families in bfloat16 (their GPU dtype), fake-tensor pass included: captured, and
@@ -158,6 +160,7 @@ def test_moe_families_capture_in_bfloat16(family, request, tiny_model):
     assert [tokens for tokens, _ in generate(llm)] == [tokens for tokens, _ in eager]
 
 
+@pytest.mark.slow  # the Triton kernel in its interpreter, ~40 s
 @pytest.mark.parametrize("family", DENSE + ("deepseek_v3", "kimi_linear"))
 def test_triton_decode_steps_replay_equal_eager(family, request, tiny_model):
     """The triton backend's kernel (run by Triton's interpreter) reads only the step's tensors: full,
@@ -171,6 +174,7 @@ def test_triton_decode_steps_replay_equal_eager(family, request, tiny_model):
     assert set(capture.replays) == set(SIZES)
 
 
+@pytest.mark.slow  # the Triton kernel in its interpreter, ~30 s
 @pytest.mark.parametrize("family", ("llama", "deepseek_v3"))
 def test_triton_key_splits_in_replayed_steps_equal_unsplit_eager(family, request, tiny_model, monkeypatch):
     """Decode steps whose keys are split over programs (as on a GPU with idle multiprocessors; forced
@@ -190,6 +194,7 @@ def test_triton_key_splits_in_replayed_steps_equal_unsplit_eager(family, request
     assert max(splits) > 1
 
 
+@pytest.mark.slow  # traces the compiled flex call, ~20 s
 def test_the_cuda_flex_call_traces_as_one_graph(request, tiny_model, monkeypatch):
     """On CUDA flex_attention is compiled (fullgraph, dynamic shapes): its block mask and mask_mod,
     built from the step's tensors (a captured step's too), must trace without a graph break, and
@@ -270,6 +275,7 @@ def test_graph_blockers_name_what_cannot_be_captured(llama_path, tiny_model):
         "MoE experts in float32 take the expert loop, which reads the routing back to the host (use --dtype bfloat16)"]
 
 
+@pytest.mark.slow  # ~8 s
 def test_the_engine_captures_only_what_it_may(llama_path, caplog):
     """EngineCore's choice on CUDA (asked here of a CPU engine): graphs at the default sizes with flex
     or triton; none with enforce_eager; a warning naming the reason for a backend that cannot be
@@ -329,8 +335,7 @@ def test_config_errors(llama_path):
         LLM(model=str(llama_path), device="cpu", cuda_graph_sizes=(1, 2))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): real CUDA graphs")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flex", "triton"])
 def test_cuda_graphs_equal_eager_on_cuda(llama_path, backend):
     outs = []

@@ -11,17 +11,8 @@ from torch.utils import _pytree as pytree
 
 from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.sampling_params import SamplingParams
-from blockserve.worker.sampler import (
-    GREEDY_TEMPERATURE,
-    Sampler,
-    SamplingBatch,
-    SamplingRow,
-    _inverse_cdf,
-    _min_p,
-    _top_k,
-    _top_p,
-    make_generator,
-)
+from blockserve.worker.sampler import Sampler, _inverse_cdf, _min_p, _top_k, _top_p
+from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE, SamplingBatch, SamplingRow, make_generator
 
 CPU = torch.device("cpu")
 # The sampled rows' two implementations: csrc/sample.cpp (the CPU's, where it builds) and PyTorch's.
@@ -469,10 +460,10 @@ def test_a_batch_for_another_device_is_built_on_the_host_and_moved_once(monkeypa
     """Off the CPU every tensor of the batch (penalties' included) goes to the device in one to_device
     call (pinned, non-blocking, int64 packed; metadata.to_device), not one blocking copy each. Here
     the move is a clone to a pretend device: the moved batch holds the host batch's values."""
-    import blockserve.worker.sampler as sampler_module
+    import blockserve.worker.sampling_batch as sampling_batch_module
 
     moves = []
-    monkeypatch.setattr(sampler_module, "to_device", lambda tree, device: moves.append(device) or
+    monkeypatch.setattr(sampling_batch_module, "to_device", lambda tree, device: moves.append(device) or
                         pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree))
     rows = [row(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, logprobs=2, logit_bias={3: 1.5}),
             row(prompt=[1, 2], output=[4], repetition_penalty=1.2, presence_penalty=0.5),

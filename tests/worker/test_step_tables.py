@@ -103,8 +103,7 @@ def long_llama_path(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("llama_long"), max_position_embeddings=1024)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the GPU kernels")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flex", "triton"])
 def test_narrow_step_tables_on_cuda(long_llama_path, backend, monkeypatch, widths):
     """On the GPU's kernels, eager and replayed (block size 16, tables of 64 columns; steps of 32, then

@@ -1,4 +1,4 @@
-"""The model forward never reads a device tensor back to the host (issue 17): on CUDA every
+"""The model forward never reads a device tensor back to the host: on CUDA every
 `.item()`, `.tolist()`, `int(t)`, `bool(t)` or `t.__index__()` in the forward stalls the step
 until the GPU drains. Proven on the CPU: whole engine steps (batched prefill, prefix hits, chunked
 prefill, decodes) with those methods patched to raise inside the model's forward only, for a
@@ -17,8 +17,10 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.models.moe import Experts
-from blockserve.worker.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
-from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
+from blockserve.worker.sampler import Sampler
+from blockserve.worker.sampling_batch import SamplingBatch, SamplingRow, make_generator
+from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
+from blockserve.models.random_checkpoint import save_random_model
 from tests.structured.test_sampler_grammar import AllowOnly
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -62,8 +62,7 @@ static inline BlockRows<T> block_rows(const T* kp, const T* vp, const int64_t* t
 // (the item's own heads), ahead of their use: each path calls it as it starts on the same slots of
 // this block, so a few lines at a time are in flight, one block ahead. Requesting the whole next
 // block at once (every head's rows: 24 KB of float32 K and V at SmolLM2's shape) read a 64-sequence
-// batch's cache from DRAM at 0.76-0.95x the speed on the AVX2 build, about even on AVX-512
-// (benchmarks/kernel_builds_ab.py --kernel attention).
+// batch's cache from DRAM at 0.76-0.95x the speed on the AVX2 build, about even on AVX-512.
 template <typename T>
 static inline void prefetch_next(const BlockRows<T>& rows, int64_t lo, int64_t hi, int64_t slot_stride,
                                  int64_t row_bytes) {
