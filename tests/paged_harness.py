@@ -1,5 +1,5 @@
-"""Run a model through paged caches as the engine would, without the engine, and hold its greedy
-tokens to transformers' under one bounded near-tie rule.
+"""Run a model through paged caches as the engine would, without the engine (its outputs are held
+to transformers' with tests/parity.py).
 
 `run_paged` groups the model's KV layers as the engine does (one group per distinct spec and
 backend declaration) in the worker's own `KVCacheTensors`, in poison mode: every block and state
@@ -137,43 +137,3 @@ def _release_out_of_window(kv: KVCacheTensors, groups: list[KVCacheGroup], seq: 
             if table[i]:
                 kv.poison_blocks(g, [table[i]])
                 table[i] = 0
-
-
-@torch.no_grad()
-def reference_outputs(reference, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list]]:
-    """Per prompt: transformers' greedy `new_tokens` tokens, and the log-softmax of its logits at each
-    of those steps (the parity rule's reference)."""
-    out = []
-    for p in prompts:
-        result = reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                    max_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                                    return_dict_in_generate=True)
-        out.append((result.sequences[0, len(p):].tolist(), [step[0].log_softmax(-1) for step in result.logits]))
-    return out
-
-
-def assert_greedy_parity(got: list[list[int]], reference, *, max_near_ties: int = 0, close: float = 0.0) -> int:
-    """Greedy tokens equal the reference's (`reference_outputs`), except near-ties, and at most
-    `max_near_ties` of them (0, the default: equality). A near-tie: at the first position where a
-    sequence differs, both tokens are in the reference's top 5 and their reference log-probabilities
-    are under `close` nats apart; what follows it is not compared. A failure names the position and
-    that gap (a flipped near-tie, or a bug). Prints how many sequences needed the rule, with their
-    gaps, and returns the count."""
-    assert len(got) == len(reference)
-    gaps = []
-    for i, (tokens, (want, want_logprobs)) in enumerate(zip(got, reference)):
-        assert len(tokens) == len(want), f"sequence {i}: {len(tokens)} tokens, transformers {len(want)}"
-        if tokens == want:
-            continue
-        j = next(k for k, (a, b) in enumerate(zip(tokens, want)) if a != b)
-        logprobs = want_logprobs[j]
-        gap = float(logprobs[want[j]] - logprobs[tokens[j]])
-        assert max_near_ties and tokens[j] in logprobs.topk(5).indices.tolist() and gap < close, (
-            f"sequence {i}, token {j}: {tokens[j]}, transformers {want[j]} (reference log-probability gap "
-            f"{gap:.2e}; {f'a near-tie is under {close}' if max_near_ties else 'no near-tie allowed'})\n"
-            f" ours   {tokens}\n theirs {want}")
-        gaps.append(gap)
-    print(f"\ngreedy parity: {len(got) - len(gaps)}/{len(got)} identical, {len(gaps)} near-ties "
-          f"(at most {max_near_ties}){', gaps ' + ', '.join(f'{g:.1e}' for g in gaps) if gaps else ''}")
-    assert len(gaps) <= max_near_ties, f"{len(gaps)} near-ties (gaps {gaps}), more than the {max_near_ties} allowed"
-    return len(gaps)

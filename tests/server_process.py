@@ -1,4 +1,12 @@
-"""The real `blockserve serve` in a subprocess on a free loopback port, killed however a test ends."""
+"""The real `blockserve serve` in a subprocess on a free loopback port, stopped however a test ends.
+
+    with ServerProcess(["--max-model-len", "512"]) as server:   # returns once /health answers 200
+        status, body = server.request("GET", "/v1/models")
+    # stopped (SIGTERM, then SIGKILL), its log removed
+
+`ServerProcess(args, healthy=False)` returns while the server still loads (call `wait_healthy()`).
+`free_port()` is the one way tests pick a loopback port (servers, gloo ranks).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 180
@@ -33,11 +40,30 @@ def blockserve_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "blockserve.cli"]
 
 
-@dataclass
 class ServerProcess:
-    port: int
-    process: subprocess.Popen
-    log_path: str
+    """`blockserve serve ARGS --port <a free port>`, started on construction, its output in a log file.
+    As a context manager: entered once healthy (unless `healthy=False`), left stopped with its log
+    removed."""
+
+    def __init__(self, args: list[str], *, healthy: bool = True):
+        self.port = free_port()
+        self.healthy = healthy
+        fd, self.log_path = tempfile.mkstemp(prefix="blockserve-serve-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            self.process = subprocess.Popen([*blockserve_command(), "serve", "--port", str(self.port), *args],
+                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def __enter__(self) -> ServerProcess:
+        if self.healthy:
+            try:
+                self.wait_healthy()
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def base_url(self) -> str:
@@ -80,6 +106,7 @@ class ServerProcess:
         raise RuntimeError(f"blockserve serve not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
     def stop(self) -> None:
+        """SIGTERM (the server drains), SIGKILL after 15 s; nothing if it has exited."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -88,28 +115,10 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait(timeout=15)
 
-    def log_cleanup(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.log_path)
-
-
-def start_server(args: list[str]) -> ServerProcess:
-    """Start `blockserve serve ARGS` (not yet healthy: call wait_healthy); the caller must stop() it."""
-    port = free_port()
-    fd, log_path = tempfile.mkstemp(prefix="blockserve-serve-", suffix=".log")
-    with os.fdopen(fd, "w") as log:
-        process = subprocess.Popen([*blockserve_command(), "serve", "--port", str(port), *args],
-                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return ServerProcess(port, process, log_path)
-
-
-@contextlib.contextmanager
-def healthy_server(args: list[str]):
-    """A started and healthy `blockserve serve ARGS`, stopped (its log removed) however the block ends."""
-    proc = start_server(args)
-    try:
-        proc.wait_healthy()
-        yield proc
-    finally:
-        proc.stop()
-        proc.log_cleanup()
+    def close(self) -> None:
+        """Stopped, its log removed."""
+        try:
+            self.stop()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.log_path)

@@ -41,9 +41,10 @@ LAYERS = {
     "server.base": BASE | {"engine"},
     "server.http": BASE | {"server.base"},
     "server.engine_bridge": BASE | {"engine", "scheduler", "server.base", "server.http"},
-    "server.tools": BASE | {"engine", "server.base", "server.http"},
+    "server.tools": BASE | {"engine", "structured", "server.base", "server.http"},  # structured: JSON bounds
     "server.openai_api": BASE | {"engine", "server.base", "server.http", "server.engine_bridge", "server.tools"},
-    "server.app": BASE | {"engine", "server.base", "server.http", "server.engine_bridge", "server.openai_api"},
+    "server.app": BASE | {"engine", "server.base", "server.http", "server.engine_bridge", "server.openai_api",
+                   "server.tools"},
     # the data-parallel front end hashes prompts as the replicas' prefix caches do (kv.hashing)
     "data_parallel": BASE | {"kv", "engine", "server.base", "server.http", "server.engine_bridge"},
     "cli": BASE | {"engine", "bench", "server.app", "server.base", "data_parallel"},

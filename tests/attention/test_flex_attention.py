@@ -15,7 +15,7 @@ from blockserve.attention.flex_attention import FLEX_UNAVAILABLE, Q_BLOCK, FlexA
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_device
 from blockserve.attention.paged_attention import BACKENDS
 from tests.attention.test_paged_attention import BS, D, HKV, NUM_BLOCKS, make_step
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 
 pytestmark = [pytest.mark.skipif(FLEX_UNAVAILABLE is not None, reason=f"FlexAttention unavailable: {FLEX_UNAVAILABLE}"),
               pytest.mark.usefixtures("one_torch_thread")]
@@ -200,8 +200,7 @@ def test_block_sparsity_lists_each_tile_its_pages_once(kind, window, path):
     assert kind == "chunks" or shared in indices[1, :counts[1]].tolist()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the device's ops")
+@pytest.mark.gpu
 @pytest.mark.parametrize("path", ["cuda_eager", "captured"])
 @pytest.mark.parametrize("kind", ["decodes", "chunks"])
 def test_block_sparsity_on_cuda(kind, path):

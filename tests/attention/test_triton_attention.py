@@ -28,7 +28,8 @@ from blockserve.attention.triton_paged import (MAX_TILE_ELEMENTS, PREFILL_TILE, 
                                              key_splits, paged_attention, tile_rows)
 from tests.attention.test_flex_attention import MODELS, STEPS, engine_greedy_tokens, forward
 from tests.attention.test_paged_attention import BS, D, NUM_BLOCKS, make_step
-from tests.models.conftest import save_random_model, tiny_model  # noqa: F401 (a fixture)
+from tests.models.conftest import tiny_model  # noqa: F401 a fixture
+from blockserve.models.random_checkpoint import save_random_model
 
 pytestmark = [pytest.mark.skipif(TRITON_UNAVAILABLE is not None, reason=f"Triton unavailable: {TRITON_UNAVAILABLE}"),
               pytest.mark.usefixtures("one_torch_thread")]

@@ -9,17 +9,12 @@ A rank that raises fails the call with that rank's traceback.
 from __future__ import annotations
 
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.server_process import free_port
 
 
 def _rank_main(rank: int, fn, size: int, port: int, out_dir: str, args: tuple) -> None:

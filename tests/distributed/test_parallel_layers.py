@@ -7,6 +7,7 @@ than one GEMM does. Embedding lookups and the gathered logits are exact.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +21,8 @@ from blockserve.tensor_parallel.layers import (
 )
 from blockserve.models.layers import GatedMLP
 from tests.distributed.ranks import run_ranks
+
+pytestmark = pytest.mark.slow  # two spawned gloo ranks
 
 HIDDEN, HEAD_DIM, HEADS = 32, 8, 4
 

@@ -7,12 +7,11 @@ its own process (another "node" on loopback) serves the same tokens. The recurre
 test_tp_recurrent.py.
 
 Each TP=2 engine spawns a process that imports torch and loads its shard: ~5-10 s each here, so
-the default suite runs one engine per property and BLOCKSERVE_TP_FULL=1 the rest (conftest.py).
+the default suite runs one engine per property and `-m tp_full` the rest.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -27,8 +26,10 @@ from blockserve.errors import EngineDead
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.placement import Placement
 from blockserve.sampling_params import SamplingParams
-from tests.distributed.ranks import free_port
-from tests.models.conftest import MLA_CONFIGS, save_random_hybrid, save_random_model
+from tests.distributed.processes import child_pids
+from tests.models.conftest import MLA_CONFIGS
+from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
+from tests.server_process import free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,7 +52,7 @@ FAMILIES = {
     "deepseek_v3": MLA_CONFIGS["deepseek_v3"],
 }
 SAVE = {"deepseek_v3": save_random_hybrid}  # the others: save_random_model
-SLOWER = {"qwen2-tied", "qwen3"}  # tp_full (conftest.py): the default suite runs llama-kv1, gemma3, deepseek_v3
+SLOWER = {"qwen2-tied", "qwen3"}  # tp_full: the default suite runs llama-kv1, gemma3, deepseek_v3
 PROMPTS = [[5, 17, 301, 42, 9], list(range(100, 137)), [7] * 3]  # 37 tokens: prefill in chunks of 16
 PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=3, prompt_logprobs=2)
 ENGINE = dict(num_threads=1, kv_cache_memory="8MiB", max_model_len=128, max_num_batched_tokens=16)
@@ -92,13 +93,15 @@ def _assert_same(tp1: list, tp2: list) -> None:
                 assert abs(step_one[token].logprob - step_two[token].logprob) < 1e-4
 
 
+@pytest.mark.slow  # rank processes
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.tp_full] if f in SLOWER else [])
                                     for f in sorted(FAMILIES)])
 def test_tp2_equals_tp1(saved, family):
     path = saved(family)
+    before = child_pids()
     tp1, groups1 = _generate(path)
     tp2, groups2 = _generate(path, tensor_parallel_size=2)
-    assert not multiprocessing.active_children()  # closed: rank 1 has exited
+    assert not child_pids() - before  # closed: rank 1 has exited
     _assert_same(tp1, tp2)
     kv_heads = FAMILIES[family]().num_key_value_heads
     if family == "deepseek_v3":  # one latent row per token, on every rank: the same cache as one device
@@ -136,7 +139,7 @@ def _fail_mid_step(llm: LLM, how: str) -> None:
 
         def killed_then_run(step):
             executor.processes[0].kill()
-            executor.processes[0].join()
+            executor.processes[0].wait()
             return run(step)
 
         executor.runner.execute = killed_then_run
@@ -145,16 +148,18 @@ def _fail_mid_step(llm: LLM, how: str) -> None:
         executor.group.broadcast_object = lambda obj, **kw: broadcast("not a SchedulerOutput", **kw)
 
 
+@pytest.mark.slow  # rank processes
 @pytest.mark.parametrize("how, cause", [("dies", "Connection (closed|reset)"),
                                         pytest.param("raises", "rank 1: AttributeError", marks=pytest.mark.tp_full)])
 def test_a_failed_rank_fails_every_request_and_leaves_no_process(saved, how, cause):
+    before = child_pids()
     llm = LLM(saved("llama-kv1"), tensor_parallel_size=2, **ENGINE, distributed_timeout_s=20)
     try:
         assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
         _fail_mid_step(llm, how)
         with pytest.raises(EngineDead, match=cause):
             llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        assert not multiprocessing.active_children()  # stopped at once, not at close
+        assert not child_pids() - before  # stopped at once, not at close
         with pytest.raises(EngineDead):  # and so does every later request
             llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
         stats = llm.engine.stats()  # the failed requests were aborted: nothing holds a block
@@ -163,6 +168,7 @@ def test_a_failed_rank_fails_every_request_and_leaves_no_process(saved, how, cau
         llm.close()
 
 
+@pytest.mark.slow  # rank processes
 def test_two_nodes_over_loopback_with_env(saved, monkeypatch):
     """Rank 1 as its own program (what torchrun or any launcher would start on another host)."""
     path = saved("llama-kv1")

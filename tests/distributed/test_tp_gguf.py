@@ -2,12 +2,11 @@
 whole rows of a column-parallel weight and whole 32-wide blocks of a row-parallel one, so they
 dequantise to exactly the rank's slice of the weight; a split that would cut a block is refused with
 the way out. The bundled SmolLM2 (9 heads, 3 KV heads) shards at N=3, not 2: over three ranks of one
-thread it gives one rank's greedy tokens with the blocks on (BLOCKSERVE_TP_FULL=1, conftest.py: three
-processes loading the model take tens of seconds on this machine)."""
+thread it gives one rank's greedy tokens with the blocks on (`-m tp_full`: three processes loading
+the model take tens of seconds on this machine)."""
 
 from __future__ import annotations
 
-import multiprocessing
 from types import SimpleNamespace
 
 import gguf
@@ -19,6 +18,7 @@ from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelL
 from blockserve.engine.llm import LLM
 from blockserve.models.quantized_linear import FORMATS
 from blockserve.sampling_params import SamplingParams
+from tests.distributed.processes import child_pids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -67,15 +67,17 @@ def test_a_split_through_a_block_is_refused_with_the_way_out():
 
 
 @pytest.mark.tp_full
+@pytest.mark.slow  # three rank processes loading the real model
 def test_smollm2_gguf_over_three_ranks_gives_one_ranks_tokens():
     prompts = [[1, 504, 3458, 314, 260, 3287, 28], list(range(200, 230))]
     params = SamplingParams(temperature=0, max_tokens=12)
     engine = dict(num_threads=1, kv_cache_memory="16MiB", max_model_len=128, max_num_batched_tokens=32)
     outputs = []
+    before = child_pids()
     for size in (1, 3):
         with LLM(None, tensor_parallel_size=size, distributed_timeout_s=120, **engine) as llm:
             quantized = sum(type(m).__name__ == "QuantizedLinear" for m in llm.engine.core.loaded.model.modules())
             assert quantized > 0  # the blocks serve the decodes on every rank count
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert not multiprocessing.active_children()
+    assert not child_pids() - before
     assert outputs[1] == outputs[0]

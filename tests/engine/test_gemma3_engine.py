@@ -1,8 +1,9 @@
 """A tiny random Gemma 3 through the whole engine against transformers: two KV groups (a sliding
 window of 10 tokens over 3 local layers, full attention over 1 global layer) with different specs.
 
-Batched, prefix caching on and off, chunked prefill forced, preemption forced, the C1 poison
-epochs for both backends, and the sliding group's memory bound on a long request.
+The engine scenarios (tests/scenarios.py: batched, prefix caching on and off, chunked prefill
+forced, preemption forced) over the suite's backends, the C1 poison epochs for each backend, and
+the sliding group's memory bound on a long request.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.kv.specs import cdiv
 from blockserve.models.loader import load_model
-from tests.backends import SUITE_BACKENDS
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
+from tests.parity import assert_greedy_parity, greedy_tokens, reference_outputs
+from tests.scenarios import ENGINE_SCENARIOS, SUITE_BACKENDS, engine_options, engine_prompts
 
 S, F = "sliding_attention", "full_attention"
 WINDOW = 10  # not a multiple of the block size
@@ -32,35 +34,13 @@ NEW_TOKENS = 12
 # 16-token step budget a request of 64 tokens holds at most 8 sliding blocks (x 3 layers) and 16
 # full ones: 40 KiB, + 4 KiB of null blocks. 60 KiB holds one such request but not the batch.
 SMALL_CACHE = dict(max_model_len=64, max_num_batched_tokens=16, kv_cache_memory=60 * 1024)
-SCENARIOS = {
-    "prefix-caching": dict(enable_prefix_caching=True),
-    "no-prefix-caching": dict(enable_prefix_caching=False),
-    "chunked-prefill": dict(max_num_batched_tokens=7),
-    "preemption": SMALL_CACHE,
-}
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    shared = torch.randint(0, 512, (13,), generator=gen).tolist()
-    out = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 9, 21, 30)]
-    out += [shared + torch.randint(0, 512, (n,), generator=gen).tolist() for n in (2, 5, 8)]
-    return out
-
-
-def hf_greedy(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3")
     reference = save_random_model(Gemma3TextConfig(**CONFIG), path)
-    return path, reference, [hf_greedy(reference, p, NEW_TOKENS) for p in prompts()]
+    return path, reference, reference_outputs(reference, engine_prompts(), NEW_TOKENS)
 
 
 def generate(llm: LLM, runs: int = 1) -> list[list[list[int]]]:
@@ -68,23 +48,23 @@ def generate(llm: LLM, runs: int = 1) -> list[list[list[int]]]:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     passes = []
     for _ in range(runs):
-        outputs = llm.generate(prompts(), params, use_tqdm=False)
+        outputs = llm.generate(engine_prompts(), params, use_tqdm=False)
         passes.append([o.outputs[0].token_ids for o in outputs])
     return passes
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", ENGINE_SCENARIOS)
 @pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_engine_matches_transformers(tiny, backend, scenario):
-    path, _, expected = tiny
+    path, _, reference = tiny
     llm = LLM(str(path), block_size=4, attention_backend=backend, check_integrity=True,
-              **{"kv_cache_memory": "4MiB", **SCENARIOS[scenario]})
+              **engine_options(scenario, base={"kv_cache_memory": "4MiB"}, preemption=SMALL_CACHE))
     groups = llm.engine.core.kv_config.groups
     assert [type(g.spec) for g in groups] == [SlidingWindowSpec, FullAttentionSpec]
     assert [len(g.layer_names) for g in groups] == [3, 1]
     runs = 2 if scenario == "prefix-caching" else 1  # the second pass is served from the cache
     for tokens in generate(llm, runs):
-        assert tokens == expected
+        assert_greedy_parity(tokens, reference)
     scheduler = llm.engine.core.scheduler
     if scenario == "preemption":
         assert scheduler.num_preemptions > 0
@@ -100,7 +80,8 @@ def test_poisoned_epochs(tiny, backend):
     to recycle blocks constantly. With the derived zero flags every epoch equals epoch 1 and
     transformers. With zeroing forced off, the whole-block backend (which reads unwritten slots)
     breaks and the exact-length one does not."""
-    path, _, expected = tiny
+    path, _, reference = tiny
+    expected = greedy_tokens(reference)
     loaded = load_model(str(path), BACKENDS[backend])
     options = dict(block_size=4, poison=True, check_integrity=True, **SMALL_CACHE)
     llm = LLM(loaded, **options)
@@ -159,5 +140,5 @@ def test_long_request_holds_a_window_of_blocks(tiny, caplog):
         if computed >= prompt_len:
             most = max(most, sliding_held)
     assert most == decode_bound  # reached, so the bound is tight
-    assert tokens == hf_greedy(reference, prompt, new_tokens)
+    assert_greedy_parity([tokens], reference_outputs(reference, [prompt], new_tokens))
     engine.core.scheduler.assert_idle()

@@ -1,10 +1,12 @@
 """Tiny random hybrid models (Qwen3-Next: Gated DeltaNet; Granite 4.0-H: Mamba2) through the whole
 engine (LLM.generate) against transformers, and the C1 multi-epoch poison scenario.
 
-Batched, with prefix caching on (the second pass restores state checkpoints) and off, chunked
-prefill forced by a small token budget, and preemption forced by a small KV cache. The poison scenario runs the same 16 prompts three times through one engine
-whose free blocks and state slots are NaN and recycled: with the derived zero flags every epoch
-equals transformers; with zeroing disabled, a recycled slot's stale state corrupts later epochs.
+The engine scenarios (tests/scenarios.py): batched, with prefix caching on (the second pass
+restores state checkpoints) and off, chunked prefill forced by a small token budget, and preemption
+forced by a small KV cache. The poison scenario runs the same 16 prompts three times through one
+engine whose free blocks and state slots are NaN and recycled: with the derived zero flags every
+epoch equals transformers; with zeroing disabled, a recycled slot's stale state corrupts later
+epochs.
 
 Greedy tokens equal transformers' (`assert_greedy_parity` allowing no near-tie). None occurs: the
 reference's smallest top-2 gap over these 128 steps is 8.7e-3 nats (Granite; 1.7e-2 Qwen3-Next),
@@ -20,7 +22,8 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec
 from blockserve.models.loader import load_model
 from tests.models.conftest import STATE_CONFIGS, state_model_prompts, tiny_model  # noqa: F401 (a fixture)
-from tests.paged_harness import assert_greedy_parity, reference_outputs
+from tests.parity import assert_greedy_parity, greedy_tokens, reference_outputs
+from tests.scenarios import ENGINE_SCENARIOS, engine_options
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,12 +43,6 @@ def cache_bytes(model, max_num_seqs: int, attention_blocks: int) -> int:
 
 # 18 blocks of 4 tokens hold one request of MAX_MODEL_LEN (16 blocks), far fewer than 16 prompts need.
 SMALL_CACHE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
-SCENARIOS = {
-    "prefix-caching": dict(enable_prefix_caching=True),
-    "no-prefix-caching": dict(enable_prefix_caching=False),
-    "chunked-prefill": dict(max_num_batched_tokens=7),
-    "preemption": SMALL_CACHE,
-}
 
 
 @pytest.fixture(scope="module", params=sorted(STATE_CONFIGS))
@@ -62,12 +59,12 @@ def generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", ENGINE_SCENARIOS)
 def test_engine_matches_transformers(hybrid, scenario):
     path, loaded, expected = hybrid
-    options = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "16MiB", **SCENARIOS[scenario]}
-    if scenario == "preemption":
-        options["kv_cache_memory"] = cache_bytes(loaded.model, SMALL_CACHE["max_num_seqs"], attention_blocks=18)
+    small = dict(SMALL_CACHE, kv_cache_memory=cache_bytes(loaded.model, SMALL_CACHE["max_num_seqs"], attention_blocks=18))
+    options = engine_options(scenario, base={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "16MiB"},
+                             preemption=small)
     llm = LLM(str(path), block_size=BLOCK_SIZE, check_integrity=True, **options)
     assert_greedy_parity(generate(llm), expected)
     scheduler = llm.engine.core.scheduler
@@ -109,5 +106,5 @@ def test_poisoned_epochs(hybrid):
 
     unzeroed = LLM(loaded, unsafe_disable_zeroing=True, **options)
     stale = [generate(unzeroed) for _ in range(3)]
-    greedy = [tokens for tokens, _ in expected]
+    greedy = greedy_tokens(expected)
     assert stale[1] != greedy and stale[2] != greedy

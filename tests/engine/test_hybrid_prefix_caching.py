@@ -21,7 +21,7 @@ import torch
 from blockserve import LLM, SamplingParams
 from blockserve.kv import LinearStateSpec
 from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
-from tests.paged_harness import assert_greedy_parity, reference_outputs
+from tests.parity import assert_greedy_parity, reference_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -70,7 +70,9 @@ def run_turns(llm: LLM, turns) -> list[list[int]]:
     return hits
 
 
-SCENARIOS = {
+# Chunk caps against the checkpoint stride (the engine scenarios of tests/scenarios.py, for
+# checkpoints): a small odd number, the stride, the step budget; and poison.
+CHECKPOINT_SCENARIOS = {
     "odd-chunk": dict(max_prefill_chunk=7),
     "stride-chunk": dict(max_prefill_chunk=64),
     "budget-chunk": dict(),
@@ -78,11 +80,11 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", sorted(CHECKPOINT_SCENARIOS))
 def test_multi_turn_hits_and_equals_transformers(conversations, scenario):
     family, path, turns = conversations
     llm = LLM(str(path), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, kv_cache_memory="16MiB",
-              check_integrity=True, **SCENARIOS[scenario])
+              check_integrity=True, **CHECKPOINT_SCENARIOS[scenario])
     hits = run_turns(llm, turns)
     stats = llm.engine.core.scheduler.kv.prefix_cache_stats()
     stride = llm.engine.core.kv_config.checkpoint_stride

@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.engine.config import EngineConfig
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 
 CONFIG = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, bos_token_id=None,

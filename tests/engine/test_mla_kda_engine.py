@@ -1,11 +1,12 @@
 """Tiny random DeepSeek-V3 and Kimi Linear through the whole engine (LLM.generate) against
 transformers, and the stale-block scenario blockserve exists for.
 
-Parity: batched, prefix caching on and off, chunked prefill forced by a small token budget,
-preemption forced by a small KV cache, both MLA flavours. Greedy tokens equal transformers'
-(`assert_greedy_parity` allowing no near-tie). None occurs, although 13-19% of the reference's
-steps have a top-2 gap under 0.1 nats: the smallest, 4.4e-4 nats (8.5e-3 outside the epochs), is
-~50x the largest difference between the engine's and transformers' log-probabilities measured.
+Parity: the engine scenarios (tests/scenarios.py: batched, prefix caching on and off, chunked
+prefill forced by a small token budget, preemption forced by a small KV cache), both MLA flavours.
+Greedy tokens equal transformers' (`assert_greedy_parity` allowing no near-tie). None occurs,
+although 13-19% of the reference's steps have a top-2 gap under 0.1 nats: the smallest, 4.4e-4
+nats (8.5e-3 outside the epochs), is ~50x the largest difference between the engine's and
+transformers' log-probabilities measured.
 
 The stale-block scenario (DESIGN.md, "Why the contracts exist"): Kimi Linear with the
 whole-block MLA decode (which weights the unwritten tail of a block by zero, so 0 * NaN = NaN),
@@ -16,7 +17,7 @@ mode (every freed block and state slot is filled with NaN). The engine starts as
     zeroing                        epoch 1 ... 3
     derived flags (C1)             identical to epoch 1, equal to transformers
     unsafe_disable_zeroing         later epochs diverge (the test can fail)
-    MLA declaration dropped        later epochs diverge (the historical bug: MLA left off a list)
+    MLA declaration dropped        later epochs diverge (MLA left off the list of unwritten readers)
     state spec not zeroed          later epochs diverge (recycled linear-state slots)
 """
 
@@ -33,9 +34,9 @@ from blockserve.attention.mla import MLAttention
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec
 from blockserve.models.loader import load_model
-from tests.backends import SUITE_BACKENDS
 from tests.models.conftest import MLA_CONFIGS, VOCAB, tiny_model  # noqa: F401 (a fixture)
-from tests.paged_harness import assert_greedy_parity, reference_outputs
+from tests.parity import assert_greedy_parity, reference_outputs
+from tests.scenarios import ENGINE_SCENARIOS, SUITE_BACKENDS, engine_options, engine_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,20 +53,8 @@ def small_cache(model: str) -> dict:
     return dict(max_model_len=64, kv_cache_memory=state + 18 * MLA_BLOCK_BYTES[model])
 
 
-SCENARIOS = {
-    "prefix-caching": dict(enable_prefix_caching=True),
-    "no-prefix-caching": dict(enable_prefix_caching=False),
-    "chunked-prefill": dict(max_num_batched_tokens=7),
-    "preemption": "small-cache",
-}
-
-
 def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    shared = torch.randint(0, VOCAB, (13,), generator=gen).tolist()
-    out = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 21, 30)]
-    out += [shared + torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (2, 5, 8)]
-    return out
+    return engine_prompts(VOCAB)
 
 
 @pytest.fixture(scope="module", params=sorted(MLA_CONFIGS))
@@ -79,12 +68,11 @@ def generate(llm: LLM, prompt_set: list[list[int]], new_tokens: int = NEW_TOKENS
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", ENGINE_SCENARIOS)
 @pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_engine_matches_transformers(tiny, backend, scenario, caplog):
     name, path, reference = tiny
-    options = SCENARIOS[scenario]
-    options = small_cache(name) if options == "small-cache" else {"kv_cache_memory": "4MiB", **options}
+    options = engine_options(scenario, base={"kv_cache_memory": "4MiB"}, preemption=small_cache(name))
     with caplog.at_level(logging.WARNING, logger="blockserve"):
         llm = LLM(str(path), block_size=4, attention_backend=backend, max_num_seqs=MAX_NUM_SEQS,
                   check_integrity=True, **options)
@@ -144,7 +132,7 @@ def kimi_epoch_reference(tiny_model):
 
 
 def drop_mla_declaration(model) -> None:
-    """The historical bug: the whole-block MLA kernel reads unwritten slots but nothing says so."""
+    """A missing declaration: the whole-block MLA kernel reads unwritten slots but nothing says so."""
     for module in model.modules():
         if isinstance(module, MLAttention):
             module.backend.reads_unwritten_slots = False  # shadows the class's true declaration

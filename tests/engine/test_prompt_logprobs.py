@@ -9,7 +9,8 @@ import torch
 
 from blockserve import LLM, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.slow]  # the real model against transformers, ~50 s
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Then the dog wakes up and chases the fox across the "
            "field, past the old barn and into the woods",

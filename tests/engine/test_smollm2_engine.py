@@ -1,5 +1,5 @@
 """The real default model through LLM.generate against transformers: 18 chat prompts of mixed
-length as one batch, greedy, fp32.
+length as one batch, greedy, fp32, in the engine scenarios (tests/scenarios.py).
 
 Tokens must be equal (`assert_greedy_parity` allowing no near-tie). None occurs in any scenario:
 the reference's smallest top-2 gap over these 288 steps is 3.6e-3 nats, ~250x the largest
@@ -14,7 +14,10 @@ import torch
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
-from tests.paged_harness import assert_greedy_parity
+from tests.parity import assert_greedy_parity
+from tests.scenarios import ENGINE_SCENARIOS, engine_options
+
+pytestmark = pytest.mark.slow  # the real model through the engine against transformers, ~2 minutes
 
 NEW_TOKENS = 16
 SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in at most three sentences."}
@@ -76,25 +79,20 @@ def reference(smollm2_transformers, prompts):
             for i in range(len(prompts))]
 
 
-SCENARIOS = {
-    "batch": dict(),
-    "no-prefix-caching": dict(enable_prefix_caching=False),
-    "chunked-prefill": dict(max_num_batched_tokens=64),
-    "preemption": dict(max_model_len=512, kv_cache_memory="24MiB"),  # 34 blocks; the batch needs ~100
-}
+SMALL_CACHE = dict(max_model_len=512, kv_cache_memory="24MiB")  # 34 blocks; the batch needs ~100
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", ENGINE_SCENARIOS)
 def test_generate_matches_transformers(loaded, prompts, reference, scenario):
-    llm = LLM(loaded, check_integrity=True, **SCENARIOS[scenario])
+    llm = LLM(loaded, check_integrity=True, **engine_options(scenario, chunk_budget=64, preemption=SMALL_CACHE))
     # logprobs: greedy steps that also rank the top 5, in every scenario
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-    runs = 2 if scenario == "batch" else 1  # the second pass is served from the prefix cache
+    runs = 2 if scenario == "prefix-caching" else 1  # the second pass is served from the prefix cache
     for _ in range(runs):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert_greedy_parity([o.outputs[0].token_ids for o in outputs], reference)
     scheduler = llm.engine.core.scheduler
-    if scenario == "batch":
+    if scenario == "prefix-caching":
         assert sum(o.num_cached_tokens for o in outputs) > 0
     if scenario == "preemption":
         assert scheduler.num_preemptions > 0

@@ -8,7 +8,7 @@ from transformers import LlamaConfig
 
 from blockserve import LLM
 from blockserve.engine.thread_governor import ThreadGovernor, machine_busy_seconds, usable_cpus
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 
 
 class Machine:

@@ -5,6 +5,8 @@ import pytest
 from blockserve.kv.coordinator import KVCacheCoordinator
 from tests.kv.conftest import full, make_manager, new_req, prefill, sliding
 
+pytestmark = pytest.mark.slow  # a soak
+
 CYCLES = 100_000
 CHECK_EVERY = 1_000  # a per-cycle leak has outgrown any pool by the next full check
 NUM_BLOCKS = 33

@@ -1,20 +1,19 @@
-"""Tiny random models built from transformers configs at test time, with weights far from uniform
-logits, saved with save_pretrained so the real loader reads them; the hybrid families the model
+"""Tiny random models built from transformers configs at test time (random weights saved by
+blockserve.models.random_checkpoint, so the real loader reads them); the hybrid families the model
 and engine tests share (`tiny_model`)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     DeepseekV3Config,
     GraniteMoeHybridConfig,
     KimiLinearConfig,
     Qwen3NextConfig,
 )
+
+from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
 
 VOCAB = 512
 _NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # generation runs its length
@@ -54,45 +53,6 @@ STATE_CONFIGS = {  # saved with save_random_model
         position_embedding_type="rope", embedding_multiplier=2.0, residual_multiplier=0.5,
         attention_multiplier=0.2, logits_scaling=1.5, max_position_embeddings=256, **_NO_SPECIAL_TOKENS),
 }
-
-
-def save_random_model(hf_config, path, seed: int = 0):
-    """Build a transformers model from `hf_config` with weights far from uniform logits (norms
-    near 1, other weights N(0, 0.2)), save it to `path`, and return it as the reference."""
-    return _save_random(hf_config, path, seed)
-
-
-def save_random_hybrid(hf_config, path, seed: int = 0):
-    """Like save_random_model, plus: KDA decays in a range that keeps a memory of tens of tokens, and
-    a non-zero e_score_correction_bias (a buffer, so save_random_model would leave it zero). Returns
-    the transformers model, the reference."""
-    return _save_random(hf_config, path, seed, params={
-        "A_log": lambda p: p.copy_(torch.empty_like(p).uniform_(math.log(0.02), math.log(0.2))),  # decay in [0.02, 0.2]
-        "dt_bias": lambda p: p.normal_(-1.0, 0.5),
-    }, buffers={"e_score_correction_bias": lambda b: b.normal_(0, 0.1)})
-
-
-def _save_random(hf_config, path, seed: int, params=None, buffers=None):
-    """Norms near 1, parameters ending in a key of `params` initialised by its function, the rest
-    N(0, 0.2); buffers ending in a key of `buffers` likewise (the others keep their values)."""
-    params, buffers = params or {}, buffers or {}
-    torch.manual_seed(seed)
-    reference = AutoModelForCausalLM.from_config(hf_config).eval()
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            init = next((f for suffix, f in params.items() if name.endswith(suffix)), None)
-            if "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            elif init is not None:
-                init(param)
-            else:
-                param.normal_(0, 0.2)
-        for name, buffer in reference.named_buffers():
-            init = next((f for suffix, f in buffers.items() if name.endswith(suffix)), None)
-            if init is not None:
-                init(buffer)
-    reference.save_pretrained(path)
-    return reference
 
 
 def state_model_prompts(count: int = 16) -> list[list[int]]:

@@ -21,9 +21,10 @@ from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.models.gemma3 import Gemma3ForCausalLM
 from blockserve.models.loader import load_model
-from tests.backends import SUITE_BACKENDS
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 from tests.paged_harness import run_paged
+from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
+from tests.scenarios import SUITE_BACKENDS
 
 S, F = "sliding_attention", "full_attention"
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
@@ -51,33 +52,22 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(request, tmp_path_factory):
-    """(model path, transformers reference, per prompt (prompt logits, greedy tokens))."""
+    """(model path, transformers reference, (its prompt logits, its reference_outputs))."""
     path = tmp_path_factory.mktemp(request.param)
     reference = save_random_model(CONFIGS[request.param](), path)
-    expected = []
-    with torch.no_grad():
-        for p in prompts():
-            ids = torch.tensor([p])
-            logits = reference(ids).logits[0]
-            tokens = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                        do_sample=False)[0, len(p):].tolist()
-            expected.append((logits, tokens))
-    return path, reference, expected
+    return path, reference, (reference_logits(reference, prompts()), reference_outputs(reference, prompts(), NEW_TOKENS))
 
 
 @pytest.mark.parametrize("backend", SUITE_BACKENDS)
 @pytest.mark.parametrize("mode", ["whole-prompt", "chunked-staggered"])
 def test_logits_and_greedy_match_transformers(tiny, backend, mode):
-    path, _, expected = tiny
+    path, _, (ref_logits, ref_outputs) = tiny
     loaded = load_model(str(path), BACKENDS[backend])
     assert isinstance(loaded.model, Gemma3ForCausalLM)
     options = dict(chunk=5, stagger=True) if mode == "chunked-staggered" else {}
     logits, generated = run_paged(loaded.model, prompts(), NEW_TOKENS, **options)
-    worst = 0.0
-    for got_logits, got, (ref_logits, ref_tokens) in zip(logits, generated, expected):
-        worst = max(worst, float((got_logits - ref_logits).abs().max()))
-        torch.testing.assert_close(got_logits, ref_logits, rtol=1e-4, atol=1e-4)
-        assert got == ref_tokens  # no near-tie occurs here: equality
+    worst = assert_logits_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert_greedy_parity(generated, ref_outputs)  # no near-tie occurs here: equality
     print(f"max |logit - transformers| = {worst:.2e}")
 
 

@@ -14,42 +14,40 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import FullAttentionSpec, LinearStateSpec
 from blockserve.models.loader import load_model
 from blockserve.models.registry import model_class
-from tests.models.conftest import STATE_CONFIGS, save_random_model, state_model_prompts
-from tests.paged_harness import reference_outputs, run_paged
+from tests.models.conftest import STATE_CONFIGS, state_model_prompts
+from blockserve.models.random_checkpoint import save_random_model
+from tests.paged_harness import run_paged
+from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 8
 WHICH = [0, 2, 4, 14]  # 1, 28, 4 and 37 tokens
-SCENARIOS = {
+# The paged scenarios of tests/scenarios.py, cut for the recurrent state: four prompts, and chunks
+# shorter than the conv kernel.
+STATE_SCENARIOS = {
     "single": ([3], {}),
     "batch-staggered-chunks": ([0, 1, 2, 3], {"stagger": True, "chunk": 5}),  # decodes and prefill chunks share steps
     "chunks-shorter-than-conv": ([1, 3], {"chunk": 3}),  # the conv state spans several chunks
 }
 
 
-def greedy(reference, prompt_sets: list[list[int]]) -> list[list[int]]:
-    return [tokens for tokens, _ in reference_outputs(reference, prompt_sets, NEW_TOKENS)]
-
-
 @pytest.fixture(scope="module", params=sorted(STATE_CONFIGS))
 def tiny(request, tiny_model):
     path, reference = tiny_model(request.param)
     prompt_sets = [state_model_prompts()[i] for i in WHICH]
-    with torch.no_grad():
-        logits = [reference(torch.tensor([p])).logits[0] for p in prompt_sets]
-    return path, reference, prompt_sets, logits, greedy(reference, prompt_sets)
+    return (path, reference, prompt_sets, reference_logits(reference, prompt_sets),
+            reference_outputs(reference, prompt_sets, NEW_TOKENS))
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", sorted(STATE_SCENARIOS))
 def test_matches_transformers(tiny, scenario):
-    path, reference, prompt_sets, ref_logits, ref_tokens = tiny
+    path, _, prompt_sets, ref_logits, ref_outputs = tiny
     model = load_model(str(path), BACKENDS["exact"]).model
-    which, options = SCENARIOS[scenario]
+    which, options = STATE_SCENARIOS[scenario]
     logits, tokens = run_paged(model, [prompt_sets[i] for i in which], NEW_TOKENS, **options)
-    for got, i in zip(logits, which):
-        torch.testing.assert_close(got, ref_logits[i], atol=3e-4, rtol=1e-4)  # chunks sum in another order
-    assert tokens == [ref_tokens[i] for i in which]  # no near-tie occurs here: equality
+    assert_logits_close(logits, [ref_logits[i] for i in which], atol=3e-4, rtol=1e-4)  # chunks sum in another order
+    assert_greedy_parity(tokens, [ref_outputs[i] for i in which])  # no near-tie occurs here: equality
 
 
 def test_logits_are_far_from_uniform(tiny):
@@ -113,13 +111,11 @@ def test_granite_without_rope_dense_and_tied(tmp_path):
     config.position_embedding_type, config.num_local_experts, config.tie_word_embeddings = None, 0, True
     reference = save_random_model(config, tmp_path)
     prompt = state_model_prompts()[14]
-    with torch.no_grad():
-        expected_logits = reference(torch.tensor([prompt])).logits[0]
     model = load_model(str(tmp_path), BACKENDS["exact"]).model
     assert model.model.rotary is None and model.model.layers[0].block_sparse_moe is None
     logits, tokens = run_paged(model, [prompt], NEW_TOKENS, chunk=6)
-    torch.testing.assert_close(logits[0], expected_logits, atol=1e-4, rtol=1e-4)
-    assert tokens == greedy(reference, [prompt])
+    assert_logits_close(logits, reference_logits(reference, [prompt]), atol=1e-4, rtol=1e-4)
+    assert_greedy_parity(tokens, reference_outputs(reference, [prompt], NEW_TOKENS))
 
 
 def test_registered():

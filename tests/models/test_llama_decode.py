@@ -17,7 +17,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models import llama_decode
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import use_quantized_linears
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
 
@@ -80,6 +80,7 @@ def test_a_step_with_a_prefill_row_is_left_to_the_module_path(tmp_path, monkeypa
     assert all(flat == all_decodes for all_decodes, flat in seen)
 
 
+@pytest.mark.slow  # four engines, ~13 s
 @pytest.mark.parametrize("activations,num_prompts", [("float32", 3), ("int8", 3), ("int16", 3), ("float32", 24)])
 def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, activations, num_prompts):
     """With GGUF blocks on every linear layer, a decode-only step is one native call (DecodeStack):

@@ -3,8 +3,9 @@ transformers, through paged caches of every kind they declare, without the engin
 
 Each model is built from a transformers config at test time (conftest.MLA_CONFIGS), given
 weights far from uniform logits, saved with save_pretrained and loaded through the real loader.
-Prompt logits must be close and greedy tokens equal, for both MLA flavours, with prefill in one
-piece, in chunks, and interleaved with other sequences' decodes.
+Prompt logits must be close and greedy tokens equal, for both MLA flavours, through the paged
+scenarios (tests/scenarios.py: prefill in one piece, in chunks, and interleaved with other
+sequences' decodes).
 """
 
 from __future__ import annotations
@@ -18,44 +19,34 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec, MLASpec
 from blockserve.models.loader import load_model
 from blockserve.models.registry import model_class
-from tests.backends import SUITE_BACKENDS
-from tests.models.conftest import MLA_CONFIGS, VOCAB, save_random_hybrid
+from tests.models.conftest import MLA_CONFIGS, VOCAB
+from blockserve.models.random_checkpoint import save_random_hybrid
 from tests.paged_harness import run_paged
+from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
+from tests.scenarios import PAGED_SCENARIOS, SUITE_BACKENDS, paged_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPT_LENS = [5, 11, 17]
 NEW_TOKENS = 12
-SCENARIOS = {  # name -> (prompt indices, run_paged options)
-    "single": ([1], {}),
-    "batch-of-3": ([0, 1, 2], {"stagger": True, "chunk": 6}),  # decodes and prefill chunks share steps
-    "two-chunks": ([2], {"chunk": 9}),
-}
 
 
 @pytest.fixture(scope="module", params=sorted(MLA_CONFIGS))
 def tiny(request, tiny_model):
     path, reference = tiny_model(request.param)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    with torch.no_grad():
-        logits = [reference(torch.tensor([p])).logits[0] for p in prompts]
-        tokens = [reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-                  for p in prompts]
-    return request.param, path, prompts, logits, tokens
+    prompts = paged_prompts(VOCAB)
+    return (request.param, path, prompts, reference_logits(reference, prompts),
+            reference_outputs(reference, prompts, NEW_TOKENS))
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", sorted(PAGED_SCENARIOS))
 @pytest.mark.parametrize("backend", SUITE_BACKENDS)
 def test_matches_transformers(tiny, backend, scenario):
-    _, path, prompts, ref_logits, ref_tokens = tiny
+    _, path, prompts, ref_logits, reference = tiny
     model = load_model(str(path), BACKENDS[backend]).model
-    which, options = SCENARIOS[scenario]
+    which, options = PAGED_SCENARIOS[scenario]
     logits, tokens = run_paged(model, [prompts[i] for i in which], NEW_TOKENS, **options)
-    for got, i in zip(logits, which):
-        torch.testing.assert_close(got, ref_logits[i], atol=1e-4, rtol=0)
-    assert tokens == [ref_tokens[i] for i in which]
+    assert_logits_close(logits, [ref_logits[i] for i in which], atol=1e-4, rtol=0)
+    assert_greedy_parity(tokens, [reference[i] for i in which])
 
 
 def test_registry_and_specs(tiny):
@@ -140,8 +131,7 @@ def test_deepseek_yarn_and_plain_rope_layout(tmp_path):
     config.first_k_dense_replace = config.num_hidden_layers
     reference = save_random_hybrid(config, tmp_path)
     prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()  # past 32
-    with torch.no_grad():
-        want = reference(torch.tensor([prompt])).logits[0]
+    want = reference_logits(reference, [prompt])
     model = load_model(str(tmp_path), BACKENDS["exact"]).model
     logits, _ = run_paged(model, [prompt], 1, chunk=16)
-    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=0)
+    assert_logits_close(logits, want, atol=1e-4, rtol=0)

@@ -20,6 +20,9 @@ from blockserve.models.default_model import default_model_path
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import QuantizedLinear
 from tests.paged_harness import run_paged
+from tests.parity import assert_greedy_parity, assert_logits_close, greedy_tokens, reference_logits, reference_outputs
+
+pytestmark = pytest.mark.slow  # the real model: converting its GGUF and transformers' load, ~90 s
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -31,17 +34,12 @@ NEW_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def reference(loaded, smollm2_transformers):
-    """transformers' logits and greedy tokens for the chat prompts (tokenised by the cached tokenizer)."""
+    """transformers' logits and reference outputs for the chat prompts (tokenised by the cached tokenizer)."""
     model = smollm2_transformers
     tokenizer = loaded[1]["exact"].tokenizer
     prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
                for chat in CHATS]
-    with torch.no_grad():
-        logits = [model(torch.tensor([p])).logits[0] for p in prompts]
-        tokens = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
-                  for p in prompts]
-    return prompts, logits, tokens
+    return prompts, reference_logits(model, prompts), reference_outputs(model, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +83,10 @@ def test_tokenizer_keeps_gguf_chat_template_and_special_tokens(loaded):
 
 @pytest.mark.parametrize("backend", ["exact", "whole_block"])  # the two `loaded` builds (flex: 30 layers eager is slow)
 def test_matches_transformers(reference, loaded, backend):
-    prompts, ref_logits, ref_tokens = reference
+    prompts, ref_logits, ref_outputs = reference
     logits, tokens = run_paged(loaded[1][backend].model, prompts, NEW_TOKENS, block_size=16, stagger=True)
-    for got, want in zip(logits, ref_logits):
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
-    assert tokens == ref_tokens
+    assert_logits_close(logits, ref_logits, atol=1e-3, rtol=0)
+    assert_greedy_parity(tokens, ref_outputs)
 
 
 def test_every_linear_keeps_its_gguf_blocks_in_the_right_order(loaded):
@@ -128,7 +125,8 @@ def test_integer_activations_stay_within_their_stated_bound(reference, loaded, s
     model = load_model(None, BACKENDS["exact"], cache_dir=str(loaded[0]), quantized_activations=activations).model
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(layer.activations == activations for layer in layers)
-    prompts, ref_logits, ref_tokens = reference
+    prompts, ref_logits, ref_outputs = reference
+    ref_tokens = greedy_tokens(ref_outputs)
     logits, tokens = run_paged(model, prompts, NEW_TOKENS, block_size=16, stagger=True)
     for got, want in zip(logits, ref_logits):
         error = (got - want).abs()

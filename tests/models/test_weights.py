@@ -1,4 +1,4 @@
-"""The one weight loader (models/weights.py): pieces assemble in order whatever their arrival order,
+"""Checkpoint tensors onto parameters (models/weights.py): pieces assemble in order whatever their arrival order,
 the narrowing hook sees full tensors, errors name the weights, and the placement decides dtype."""
 
 from __future__ import annotations

@@ -1,9 +1,17 @@
-"""One HTTP request straight into an ASGI app, no server or socket (the in-process server tests)."""
+"""The app in this process, the in-process server tests' one way to serve it: `serve_app` runs a
+fresh app over a loaded model, its lifespan (the engine thread) around the test's coroutine, which
+calls it with `asgi_request` (no server, no socket); `LoopbackServer` puts the app behind uvicorn
+on a loopback port, for a client that needs a socket. A real `blockserve serve` process:
+tests/server_process.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+
+from tests.server_process import free_port
 
 
 async def asgi_request(app, method: str, path: str, body=None) -> tuple[int, dict[str, str], bytes]:
@@ -36,27 +44,70 @@ def sse_events(raw: bytes) -> list:
     return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
-def post_each(loaded, engine_args: dict, path: str, bodies) -> list[tuple[int, object]]:
-    """POST each body to `path`, in turn, on a fresh app over the loaded model (its engine thread
-    running): [(status, answer)], a stream's answer being its events before the closing [DONE]."""
+def serve_app(loaded, engine_args: dict, body, config=None):
+    """`await body(app, engine)` on a fresh app (`config`: its ServerConfig, None the defaults) over
+    an LLMEngine of the loaded model and `engine_args`, with the app's lifespan (the engine thread)
+    around it: its result."""
     from blockserve.engine.config import EngineConfig
     from blockserve.engine.core import EngineCore
     from blockserve.engine.llm_engine import LLMEngine
     from blockserve.server.app import create_app
 
     async def main():
-        config = EngineConfig(model=loaded.source, **engine_args)
-        app = create_app(LLMEngine(config, EngineCore(config, loaded)))
-        answers = []
+        engine_config = EngineConfig(model=loaded.source, **engine_args)
+        engine = LLMEngine(engine_config, EngineCore(engine_config, loaded))
+        app = create_app(engine, config)
         async with app.router.lifespan_context(app):
-            for body in bodies:
-                status, headers, raw = await asgi_request(app, "POST", path, body)
-                if headers["content-type"].startswith("text/event-stream"):
-                    events = sse_events(raw)
-                    assert events[-1] == "[DONE]"
-                    answers.append((status, events[:-1]))
-                else:
-                    answers.append((status, json.loads(raw)))
-        return answers
+            return await body(app, engine)
 
     return asyncio.run(main())
+
+
+def post_each(loaded, engine_args: dict, path: str, bodies) -> list[tuple[int, object]]:
+    """POST each body to `path`, in turn, on a fresh app over the loaded model (its engine thread
+    running): [(status, answer)], a stream's answer being its events before the closing [DONE]."""
+
+    async def post_all(app, engine):
+        answers = []
+        for body in bodies:
+            status, headers, raw = await asgi_request(app, "POST", path, body)
+            if headers["content-type"].startswith("text/event-stream"):
+                events = sse_events(raw)
+                assert events[-1] == "[DONE]"
+                answers.append((status, events[:-1]))
+            else:
+                answers.append((status, json.loads(raw)))
+        return answers
+
+    return serve_app(loaded, engine_args, post_all)
+
+
+class LoopbackServer:
+    """uvicorn serving `app` on a free loopback port from a thread of this process, for as long as
+    the `with` block lasts; or, given `config` (a uvicorn.Config: its app, host and port), that."""
+
+    def __init__(self, app=None, config=None):
+        import uvicorn
+
+        config = config or uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+        self.port = config.port
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="loopback-uvicorn", daemon=True)
+        self.app = config.app
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LoopbackServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.serve_process import healthy_server
+from tests.server_process import ServerProcess
 
 BUNDLED_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--max-num-seqs", "16",
                 "--num-threads", "1"]
@@ -14,7 +14,7 @@ BUNDLED_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--max-
 
 @pytest.fixture(scope="package")
 def bundled_server():
-    with healthy_server(BUNDLED_ARGS) as proc:
+    with ServerProcess(BUNDLED_ARGS) as proc:
         yield proc
 
 

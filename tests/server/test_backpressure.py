@@ -16,14 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
-from blockserve.engine.llm_engine import LLMEngine
 from blockserve.models.loader import load_model
-from blockserve.server.app import create_app
 from blockserve.server.config import ServerConfig
-from tests.models.conftest import save_random_model
-from tests.server.asgi import asgi_request
+from blockserve.models.random_checkpoint import save_random_model
+from tests.server.asgi import asgi_request, serve_app
 from tests.server.test_async_engine import ARGS, SIZES
 
 MAX_TOKENS = 3
@@ -43,15 +39,7 @@ async def call(app, method: str, path: str, body: dict | None = None) -> tuple[i
 
 def serve(model, config: ServerConfig, body):
     """Run `body(app, engine)` with the app's lifespan (the engine thread) around it."""
-
-    async def main():
-        engine_config = EngineConfig(model=model.source, **ARGS)
-        engine = LLMEngine(engine_config, EngineCore(engine_config, model))
-        app = create_app(engine, config)
-        async with app.router.lifespan_context(app):
-            return await body(app, engine)
-
-    return asyncio.run(main())
+    return serve_app(model, ARGS, body, config)
 
 
 async def burst(app, prompts: list[list[int]]) -> list[tuple[int, dict, bytes]]:

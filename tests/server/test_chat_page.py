@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.serve_process import healthy_server
 from tests.server.test_openai_server import metrics, wait_idle
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # a `blockserve serve` process
 
 KEY = "page-key"
 CLI_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--num-threads", "1",
@@ -29,7 +31,7 @@ needs_browser = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def server():
-    with healthy_server(CLI_ARGS) as proc:
+    with ServerProcess(CLI_ARGS) as proc:
         yield proc
 
 

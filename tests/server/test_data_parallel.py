@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig
 
 from blockserve.data_parallel.routing import DataParallelConfig, PrefixIndex, ReplicaLoad, RoutingPolicy, prefix_hashes
-from tests.models.conftest import save_random_model
-from tests.server.serve_process import healthy_server
+from blockserve.models.random_checkpoint import save_random_model
+from tests.server_process import ServerProcess
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
@@ -76,7 +76,7 @@ def round_robin_run(model_dir) -> dict:
     """The workload's prefix hits under round robin; then the front end is SIGKILLed (no drain, no
     stopping of its replicas): how many replicas began a drain of their own within 30 s (their log
     lines, in the front end's log); every replica is killed after."""
-    with healthy_server(serve_args(model_dir, "round_robin")) as server:
+    with ServerProcess(serve_args(model_dir, "round_robin")) as server:
         hits = run_workload(server)
         pids = [r["pid"] for r in server.request("GET", "/health")[1]["replicas"]]
         drains_before = server.log().count("SIGTERM: draining")
@@ -94,7 +94,7 @@ def round_robin_run(model_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def affinity_server(model_dir):
-    with healthy_server(serve_args(model_dir, "affinity")) as server:
+    with ServerProcess(serve_args(model_dir, "affinity")) as server:
         pids = [r["pid"] for r in server.request("GET", "/health")[1]["replicas"]]
         yield server
         assert server.process.poll() is None  # still up after every test: stopped (SIGTERM) below
@@ -110,6 +110,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # two `blockserve serve --data-parallel-size 2` processes
 def test_affinity_routing_gets_more_prefix_hits_than_round_robin(affinity_server, round_robin_run, model_dir):
     hits, round_robin_hits = run_workload(affinity_server), round_robin_run["hits"]
     # Affinity: each tenant misses once, then hits its prefix on every later request. Round robin:
@@ -132,10 +133,12 @@ def test_affinity_routing_gets_more_prefix_hits_than_round_robin(affinity_server
     assert status == 200 and models["data"][0]["id"] == model_dir
 
 
+@pytest.mark.slow  # a `blockserve serve --data-parallel-size 2` process
 def test_replicas_drain_when_their_front_end_is_killed(round_robin_run):
     assert round_robin_run["drains"] == round_robin_run["replicas"] == 2  # the parent-death signal (SIGTERM)
 
 
+@pytest.mark.slow  # a `blockserve serve --data-parallel-size 2` process
 def test_streams_pass_through(affinity_server):
     import http.client
 
@@ -172,6 +175,7 @@ def in_flight_replica(server) -> dict:
     raise AssertionError("the request never showed up in flight")
 
 
+@pytest.mark.slow  # a `blockserve serve --data-parallel-size 2` process
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_has_its_request_aborted_on_the_replica(affinity_server, stream):
     before = scrape(affinity_server)
@@ -212,6 +216,7 @@ def test_a_client_that_leaves_has_its_request_aborted_on_the_replica(affinity_se
     assert total(after, "blockserve_router_in_flight") == 0
 
 
+@pytest.mark.slow  # a `blockserve serve --data-parallel-size 2` process
 def test_a_dead_replica_leaves_rotation_and_its_in_flight_request_gets_503(affinity_server):
     result = {}
 

@@ -10,7 +10,11 @@ import signal
 import threading
 import time
 
-from tests.server.serve_process import start_server
+import pytest
+
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # a `blockserve serve` process
 
 SHUTDOWN_TIMEOUT_S = 8
 CLI_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--num-threads", "1",
@@ -43,9 +47,7 @@ class Stream(threading.Thread):
 
 
 def test_sigterm_drains_in_flight_streams_refuses_new_requests_and_exits_0():
-    server = start_server(CLI_ARGS)
-    try:
-        server.wait_healthy()
+    with ServerProcess(CLI_ARGS) as server:
         short, long = Stream(server.port, max_tokens=40), Stream(server.port, max_tokens=2000)
         for stream in (short, long):
             stream.start()
@@ -84,6 +86,3 @@ def test_sigterm_drains_in_flight_streams_refuses_new_requests_and_exits_0():
         assert server.process.wait(timeout=30) == 0, server.log()
         log = server.log()
         assert "draining" in log and "aborting 1 request(s)" in log and "engine stopped" in log, log
-    finally:
-        server.stop()
-        server.log_cleanup()

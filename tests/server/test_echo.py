@@ -14,7 +14,7 @@ from blockserve.engine.config import EngineConfig
 from blockserve.models.loader import load_model
 from tests.server.asgi import post_each
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # the real model
 
 ARGS = dict(max_model_len=256, max_num_batched_tokens=32, kv_cache_memory="16MiB", num_threads=1)
 PROMPT = "The capital of France is Paris, and the capital of Spain is Madrid. The capital of Italy is"

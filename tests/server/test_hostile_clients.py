@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from tests.server.serve_process import start_server
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # a `blockserve serve` process
 
 BODY_LIMIT = 65536
 DEADLINE = 2.0  # the test server's --header-timeout and --body-timeout
@@ -31,13 +33,8 @@ SLOW_SECONDS = 3.0  # past DEADLINE: the slow clients are cut off meanwhile
 
 @pytest.fixture(scope="module")
 def server():
-    process = start_server(CLI_ARGS)
-    try:
-        process.wait_healthy()
+    with ServerProcess(CLI_ARGS) as process:
         yield process
-    finally:
-        process.stop()
-        process.log_cleanup()
 
 
 def connect(server) -> socket.socket:

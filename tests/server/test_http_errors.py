@@ -4,7 +4,6 @@ through the app in-process (plain ASGI calls) on a tiny random Llama with token-
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
@@ -12,15 +11,11 @@ import pytest
 from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
-from blockserve.engine.llm_engine import LLMEngine
 from blockserve.errors import EngineDead, InvalidRequest, PromptTooLong, RequestRejected
 from blockserve.models.loader import load_model
-from blockserve.server.app import create_app
 from blockserve.server.http.errors import from_exception
-from tests.models.conftest import save_random_model
-from tests.server.asgi import asgi_request
+from blockserve.models.random_checkpoint import save_random_model
+from tests.server.asgi import asgi_request, serve_app
 from tests.server.test_async_engine import ARGS, SIZES
 
 
@@ -67,15 +62,7 @@ async def call(app, method: str, path: str, body: dict | None = None) -> tuple[i
 
 def serve(model, body):
     """Run `body(app, engine)` with the app's lifespan (the engine thread) around it."""
-
-    async def main():
-        config = EngineConfig(model=model.source, **ARGS)
-        engine = LLMEngine(config, EngineCore(config, model))
-        app = create_app(engine)
-        async with app.router.lifespan_context(app):
-            return await body(app, engine)
-
-    return asyncio.run(main())
+    return serve_app(model, ARGS, body)
 
 
 def completion(prompt: list[int], max_tokens: int = 2) -> dict:

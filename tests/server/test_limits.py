@@ -10,13 +10,9 @@ import json
 
 import pytest
 
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
-from blockserve.engine.llm_engine import LLMEngine
-from blockserve.server.app import create_app
 from blockserve.server.config import MAX_JSON_DEPTH, ServerConfig
 from blockserve.server.http.limits import json_depth
-from tests.server.asgi import asgi_request
+from tests.server.asgi import asgi_request, serve_app
 from tests.server.test_request_fields import ARGS, chat_model  # noqa: F401 (a fixture)
 
 LIMITS = ServerConfig(max_request_body_bytes=400, max_json_depth=5, max_n=3, max_prompts=2, max_stop=2,
@@ -26,14 +22,7 @@ OK = {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
 
 def serve(model, body, config: ServerConfig = LIMITS):
     """Run `body(app)` with the app's lifespan (the engine thread) around it."""
-
-    async def main():
-        engine_config = EngineConfig(model=model.source, **ARGS)
-        app = create_app(LLMEngine(engine_config, EngineCore(engine_config, model)), config)
-        async with app.router.lifespan_context(app):
-            return await body(app)
-
-    return asyncio.run(main())
+    return serve_app(model, ARGS, lambda app, engine: body(app), config)
 
 
 async def post(app, body, path: str = "/v1/completions") -> tuple[int, dict]:

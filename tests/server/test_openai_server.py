@@ -19,7 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockserve import LLM, SamplingParams
-from tests.server.serve_process import start_server
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # a `blockserve serve` process on the real model, ~1 minute
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 # One torch thread each: on a loaded 2-core box, two threads per process can be ten times slower.
@@ -41,17 +43,12 @@ CHATS = [[{"role": "user", "content": "What is 2+2?"}],
 
 @pytest.fixture(scope="module")
 def server():
-    proc = start_server(CLI_ARGS)
-    try:
+    with ServerProcess(CLI_ARGS, healthy=False) as proc:
         yield proc  # `offline` computes while the server loads; tests wait for health through `client`
-    finally:
-        proc.stop()
-    try:  # SIGTERM drains and exits 0; the port is free again
+        proc.stop()  # SIGTERM drains and exits 0; the port is free again
         assert proc.process.returncode == 0 and "engine stopped" in proc.log(), proc.log()
         with socket.socket() as s:
             s.bind(("127.0.0.1", proc.port))
-    finally:
-        proc.log_cleanup()
 
 
 @pytest.fixture(scope="module")

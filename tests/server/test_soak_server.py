@@ -5,7 +5,11 @@ SIGTERM then drains and exits 0."""
 
 from __future__ import annotations
 
+import pytest
+
 from blockserve.sim.server_soak import MIX, SoakConfig, run_soak, serve
+
+pytestmark = pytest.mark.slow  # a soak: 40 s against a `blockserve serve` process
 
 
 def test_forty_seconds_of_mixed_load_leave_nothing_behind():

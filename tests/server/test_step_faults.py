@@ -21,18 +21,14 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import EngineCore
 from blockserve.engine.llm_engine import LLMEngine, StepFailed
 from blockserve.errors import EngineDead
 from blockserve.models.loader import load_model
-from blockserve.server.app import create_app
-from blockserve.server.config import ServerConfig
-from tests.models.conftest import save_random_model
+from blockserve.models.random_checkpoint import save_random_model
 from tests.server.test_async_engine import ARGS, SIZES
 from tests.server.test_async_engine import assert_idle as assert_engine_idle
 from tests.server.test_backpressure import assert_idle, call, metrics
-from tests.server.asgi import sse_events
+from tests.server.asgi import serve_app, sse_events
 from tests.server.test_deadlines import error_of
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 12, "ignore_eos": True, "temperature": 0}
@@ -83,14 +79,8 @@ def unbalance_books(engine: LLMEngine):
 
 
 def serve(model, body, **engine_args):
-    async def main():
-        engine_config = EngineConfig(model=model.source, **{**ARGS, **engine_args})
-        engine = LLMEngine(engine_config, EngineCore(engine_config, model))
-        app = create_app(engine, ServerConfig())
-        async with app.router.lifespan_context(app):
-            return await asyncio.wait_for(body(app, engine), 60)  # never a hang
-
-    return asyncio.run(main())
+    return serve_app(model, {**ARGS, **engine_args},
+                     lambda app, engine: asyncio.wait_for(body(app, engine), 60))  # never a hang
 
 
 async def started(app, body: dict) -> asyncio.Future:

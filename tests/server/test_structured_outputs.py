@@ -17,6 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+pytestmark = pytest.mark.slow  # the bundled `blockserve serve` process (tests/server/conftest.py)
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # the bundled `blockserve serve` process (tests/server/conftest.py)
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},

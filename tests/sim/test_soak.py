@@ -7,6 +7,8 @@ import pytest
 from blockserve.kv.group_managers import FullAttentionManager
 from blockserve.sim.soak import soak
 
+pytestmark = pytest.mark.slow  # a soak
+
 
 def test_ten_thousand_short_requests_leave_nothing_behind():
     report = soak(10_000)

@@ -18,6 +18,8 @@ from blockserve.errors import InvalidRequest
 from blockserve.models.loader import load_model
 from blockserve.sampling_params import StructuredOutputsParams as Spec
 
+pytestmark = pytest.mark.slow  # the real model through the engine
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
