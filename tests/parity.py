@@ -72,3 +72,19 @@ def assert_greedy_parity(got: list[list[int]], reference, *, max_near_ties: int 
           f"(at most {max_near_ties}){', gaps ' + ', '.join(f'{g:.1e}' for g in gaps) if gaps else ''}")
     assert len(gaps) <= max_near_ties, f"{len(gaps)} near-ties (gaps {gaps}), more than the {max_near_ties} allowed"
     return len(gaps)
+
+
+def assert_logprobs_close(outputs, reference, *, tolerance: float = 1e-4) -> float:
+    """Each step's log-probabilities (of the sampled token and its top alternatives) in the engine's
+    RequestOutputs within `tolerance` of the reference's (`reference_outputs`); the largest difference."""
+    worst = 0.0
+    for output, (_, want_steps) in zip(outputs, reference, strict=True):
+        steps = output.outputs[0].logprobs
+        assert len(steps) == len(want_steps)
+        for step, want in zip(steps, want_steps):
+            assert len(step) >= 5
+            for token, logprob in step.items():
+                difference = abs(logprob.logprob - float(want[token]))
+                assert difference < tolerance, (token, logprob, float(want[token]))
+                worst = max(worst, difference)
+    return worst

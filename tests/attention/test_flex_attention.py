@@ -14,8 +14,8 @@ from blockserve import LLM, SamplingParams
 from blockserve.attention.flex_attention import FLEX_UNAVAILABLE, Q_BLOCK, FlexAttention, step_mask
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout, to_device
 from blockserve.attention.paged_attention import BACKENDS
-from tests.attention.test_paged_attention import BS, D, HKV, NUM_BLOCKS, make_step
 from blockserve.models.random_checkpoint import save_random_model
+from tests.attention.test_paged_attention import BS, HKV, NUM_BLOCKS, D, make_step
 
 pytestmark = [pytest.mark.skipif(FLEX_UNAVAILABLE is not None, reason=f"FlexAttention unavailable: {FLEX_UNAVAILABLE}"),
               pytest.mark.usefixtures("one_torch_thread")]

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.models.rotary import apply_rotary
+from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
-from blockserve.native.extension import paged_decode_kernel, why_not_native
 from blockserve.attention.paged_attention import BACKENDS, PagedAttention
+from blockserve.native.extension import paged_decode_kernel, why_not_native
 
 VARIANTS = ["exact", "exact-pytorch", "whole_block"]  # exact: native decode kernel when built
 

@@ -11,10 +11,10 @@ import torch
 from blockserve.attention.context import ForwardContext, LayerCache
 from blockserve.attention.layer import Attention
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
-from blockserve.native.extension import paged_decode_kernel, why_not_native
 from blockserve.attention.paged_attention import ExactLengthAttention
 from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.models.rotary import apply_rotary
+from blockserve.native.extension import paged_decode_kernel, why_not_native
 from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")

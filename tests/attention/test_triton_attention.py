@@ -20,16 +20,23 @@ import pytest
 import torch
 
 from blockserve import LLM
+from blockserve.attention import triton_paged
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.attention.triton_attention import TritonAttention
-from blockserve.attention import triton_paged
-from blockserve.attention.triton_paged import (MAX_TILE_ELEMENTS, PREFILL_TILE, TRITON_UNAVAILABLE, interpreting,
-                                             key_splits, paged_attention, tile_rows)
-from tests.attention.test_flex_attention import MODELS, STEPS, engine_greedy_tokens, forward
-from tests.attention.test_paged_attention import BS, D, NUM_BLOCKS, make_step
-from tests.models.conftest import tiny_model  # noqa: F401 a fixture
+from blockserve.attention.triton_paged import (
+    MAX_TILE_ELEMENTS,
+    PREFILL_TILE,
+    TRITON_UNAVAILABLE,
+    interpreting,
+    key_splits,
+    paged_attention,
+    tile_rows,
+)
 from blockserve.models.random_checkpoint import save_random_model
+from tests.attention.test_flex_attention import MODELS, STEPS, engine_greedy_tokens, forward
+from tests.attention.test_paged_attention import BS, NUM_BLOCKS, D, make_step
+from tests.models.conftest import tiny_model  # noqa: F401 a fixture
 
 pytestmark = [pytest.mark.skipif(TRITON_UNAVAILABLE is not None, reason=f"Triton unavailable: {TRITON_UNAVAILABLE}"),
               pytest.mark.usefixtures("one_torch_thread")]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.models.layers import GatedMLP
 from blockserve.tensor_parallel.layers import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -19,7 +20,6 @@ from blockserve.tensor_parallel.layers import (
     qkv_linear,
     row_linear,
 )
-from blockserve.models.layers import GatedMLP
 from tests.distributed.ranks import run_ranks
 
 pytestmark = pytest.mark.slow  # two spawned gloo ranks

@@ -25,10 +25,10 @@ from blockserve.engine.llm import LLM
 from blockserve.errors import EngineDead
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.placement import Placement
+from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
 from blockserve.sampling_params import SamplingParams
 from tests.distributed.processes import child_pids
 from tests.models.conftest import MLA_CONFIGS
-from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
 from tests.server_process import free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

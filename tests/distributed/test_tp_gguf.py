@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, head_slice, kv_head_slice
 from blockserve.engine.llm import LLM
 from blockserve.models.quantized_linear import FORMATS
 from blockserve.sampling_params import SamplingParams
+from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, head_slice, kv_head_slice
 from tests.distributed.processes import child_pids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

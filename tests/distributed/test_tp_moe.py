@@ -7,27 +7,29 @@ that imports torch: seconds)."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 
 from blockserve.engine.llm import LLM
-from tests.engine.test_moe_engine import PARAMS, assert_logprobs_close
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.sampling_params import SamplingParams
+from tests.distributed.processes import child_pids
 from tests.models.test_moe_families import MOE_CONFIGS
-from tests.parity import assert_greedy_parity, reference_outputs
+from tests.parity import assert_greedy_parity, assert_logprobs_close, reference_outputs
 from tests.scenarios import engine_prompts
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # rank processes
 
+PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+
 
 def test_qwen2_moe_tp2_matches_transformers(tmp_path):
+    before = child_pids()
     reference = save_random_model(MOE_CONFIGS["qwen2_moe"](), tmp_path)
     expected = reference_outputs(reference, engine_prompts(), PARAMS.max_tokens)
     with LLM(str(tmp_path), tensor_parallel_size=2, num_threads=1, kv_cache_memory="8MiB", max_model_len=64,
              max_num_batched_tokens=16) as llm:
         outputs = llm.generate(engine_prompts(), PARAMS, use_tqdm=False)
         assert llm.engine.core.kv_config.groups[0].spec.num_kv_heads == 1  # 2 KV heads over 2 ranks
-    assert not multiprocessing.active_children()  # closed: rank 1 has exited
+    assert not child_pids() - before  # closed: rank 1 has exited and been reaped
     assert_greedy_parity([o.outputs[0].token_ids for o in outputs], expected)
     assert_logprobs_close(outputs, expected)

@@ -16,17 +16,17 @@ from types import SimpleNamespace
 import pytest
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.tensor_parallel.layers import shared_head_slice
 from blockserve.kv.specs import LinearStateSpec
 from blockserve.models.base import CausalLM
 from blockserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from blockserve.models.kimi_linear import KimiLinearForCausalLM
 from blockserve.models.placement import Placement
 from blockserve.models.qwen3_next import Qwen3NextForCausalLM
+from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
+from blockserve.tensor_parallel.layers import shared_head_slice
 from tests.distributed.processes import child_pids
 from tests.distributed.test_tp_engine import _assert_same, _generate
 from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS
-from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,8 +15,8 @@ from transformers import LlamaConfig
 
 from blockserve.distributed.executor import TensorParallelExecutor
 from blockserve.engine.llm import LLM
-from tests.distributed.processes import child_pids
 from blockserve.models.random_checkpoint import save_random_model
+from tests.distributed.processes import child_pids
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # rank processes
 

@@ -19,11 +19,11 @@ from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.llm_engine import StepFailed
 from blockserve.models.loader import load_model
+from blockserve.models.random_checkpoint import save_random_model
 from tests.engine.test_gemma3_engine import CONFIG as GEMMA3
 from tests.engine.test_hybrid_prefix_caching import slot_and_block_bytes
 from tests.engine.test_tiny_engine import SIZES as LLAMA
 from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
-from blockserve.models.random_checkpoint import save_random_model
 from tests.server.test_step_faults import FaultyModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

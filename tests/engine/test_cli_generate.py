@@ -11,8 +11,8 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.cli import CHAT_MODE, RAW_MODE, RAW_NO_TEMPLATE, main
-from tests.benchmark.conftest import SIZES, VOCAB, save_word_tokenizer
 from blockserve.models.random_checkpoint import save_random_model
+from tests.benchmark.conftest import SIZES, VOCAB, save_word_tokenizer
 
 PROMPTS = ["w3 w5 w9", "w7"]
 ENGINE = ["--block-size", "4", "--kv-cache-memory", "4MiB", "--max-model-len", "64"]

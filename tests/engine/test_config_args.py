@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from blockserve.cli import build_parser, server_config
-from blockserve.config_args import (add_config_arguments, cli_fields, config_from_namespace, flag_name,
-                                    namespace_values)
+from blockserve.config_args import add_config_arguments, cli_fields, config_from_namespace, flag_name, namespace_values
 from blockserve.engine.config import ATTENTION_BACKENDS, EngineConfig
 from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
@@ -29,7 +28,7 @@ SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",
                 "--max-stop-length", "--request-timeout", "--stream-stall-timeout", "--header-timeout",
                 "--body-timeout", "--protect-health-and-metrics", "--data-parallel-size",
-                "--min-request-timeout", "--max-connections"}
+                "--min-request-timeout", "--max-connections", "--reasoning-parser"}
 OFF_CLI = {"enable_chunked_prefill", "max_prefill_chunk", "scheduling_policy", "check_integrity",
            "unsafe_disable_zeroing", "seed"}
 

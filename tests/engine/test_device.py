@@ -25,8 +25,8 @@ from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import resolve_device, resolve_device_plan, resolve_dtype
 from blockserve.engine.kv_budget import fixed_cuda_kv_bytes, profile_step
 from blockserve.models.loader import load_model
-from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
 from blockserve.models.random_checkpoint import save_random_model
+from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
 from tests.parity import assert_greedy_parity, reference_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

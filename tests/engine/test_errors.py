@@ -7,8 +7,8 @@ import pytest
 from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
-from tests.engine.test_tiny_engine import SIZES
 from blockserve.models.random_checkpoint import save_random_model
+from tests.engine.test_tiny_engine import SIZES
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockserve.kv.block_pool import Block
 from blockserve.kv import (
     BlockHashChain,
     ComputedBlocks,
@@ -16,6 +15,7 @@ from blockserve.kv import (
     MLASpec,
     SlidingWindowSpec,
 )
+from blockserve.kv.block_pool import Block
 
 
 def full(block_size: int = 4) -> FullAttentionSpec:

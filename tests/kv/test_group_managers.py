@@ -5,8 +5,8 @@ import pytest
 from blockserve.kv import BlockHashChain, PendingWork
 from blockserve.kv.block_pool import BlockPool
 from blockserve.kv.group_managers import make_attention_manager
-from blockserve.kv.state_manager import LinearStateManager
 from blockserve.kv.specs import cdiv
+from blockserve.kv.state_manager import LinearStateManager
 from tests.kv.conftest import decode, full, make_manager, mla, new_req, plant, prefill, sliding, state
 
 HASHES = BlockHashChain([4]).get(4, list(range(40)))  # 10 blocks of 4 tokens

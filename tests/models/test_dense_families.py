@@ -9,7 +9,7 @@ the 4-token block) and prompts of up to 31 tokens: their blocks leave the window
 released) mid-prompt. Prompt logits within 1e-4 of transformers' (float32; the largest difference
 measured is 2.3e-5, Gemma 2), greedy tokens equal.
 The engine scenarios (prefix caching, chunked prefill, preemption, log-probabilities):
-tests/engine/test_dense_engine.py.
+tests/engine/test_families_engine.py.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.models.llama import rotary_dim_of
 from blockserve.models.loader import load_model
 from blockserve.models.placement import Placement
+from blockserve.models.random_checkpoint import save_random_model
 from blockserve.models.registry import model_class
 from blockserve.models.rotary import RotaryEmbedding
-from blockserve.models.random_checkpoint import save_random_model
 from tests.paged_harness import run_paged
 from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
 from tests.scenarios import SUITE_BACKENDS

@@ -13,9 +13,10 @@ import torch
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import FullAttentionSpec, LinearStateSpec
 from blockserve.models.loader import load_model
+from blockserve.models.random_checkpoint import save_random_model
 from blockserve.models.registry import model_class
 from tests.models.conftest import STATE_CONFIGS, state_model_prompts
-from blockserve.models.random_checkpoint import save_random_model
+from tests.models.weight_checks import assert_checkpoint_loads_like_state_dict, assert_wrong_weights_are_named
 from tests.paged_harness import run_paged
 from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
 
@@ -83,25 +84,11 @@ def test_loads_transformers_names_and_checkpoint_names_alike(tiny):
     """The saved checkpoint uses the original expert names (Qwen: one tensor per expert; Granite:
     input_linear / output_linear / router.layer); transformers' state_dict the stacked ones."""
     path, reference, *_ = tiny
-    from_checkpoint = load_model(str(path), BACKENDS["exact"]).model
-    cls = model_class(reference.config.architectures)
-    from_state_dict = cls(reference.config, BACKENDS["exact"])
-    from_state_dict.load_weights(reference.state_dict().items())
-    a, b = dict(from_checkpoint.named_parameters()), dict(from_state_dict.named_parameters())
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_checkpoint_loads_like_state_dict(path, reference)
 
 
 def test_load_weights_names_what_is_wrong(tiny):
-    reference = tiny[1]
-    cls = model_class(reference.config.architectures)
-    weights = dict(reference.state_dict())
-    dropped = next(name for name in weights if "layers.1." in name)
-    del weights[dropped]
-    weights["model.layers.0.bogus.weight"] = torch.zeros(1)
-    with pytest.raises(ValueError, match="unexpected weights.*bogus.*missing weights.*layers.1"):
-        cls(reference.config, BACKENDS["exact"]).load_weights(weights.items())
+    assert_wrong_weights_are_named(tiny[1])
 
 
 def test_granite_without_rope_dense_and_tied(tmp_path):

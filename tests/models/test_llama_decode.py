@@ -12,12 +12,12 @@ from transformers import LlamaConfig
 
 import blockserve.models.llama as llama
 from blockserve import LLM, SamplingParams
-from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models import llama_decode
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import use_quantized_linears
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from blockserve.native.extension import DISABLE_ENV
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import FullAttentionSpec, SlidingWindowSpec
 from blockserve.models.llama import LlamaForCausalLM
 from blockserve.models.loader import load_model
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.native.extension import DISABLE_ENV
 from tests.paged_harness import run_paged
 from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
 from tests.scenarios import PAGED_SCENARIOS, SUITE_BACKENDS, paged_prompts

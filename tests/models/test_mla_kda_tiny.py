@@ -18,9 +18,9 @@ from blockserve.attention.mla import ExactLengthMLA, MLAttention, WholeBlockMLA
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.kv import LinearStateSpec, MLASpec
 from blockserve.models.loader import load_model
+from blockserve.models.random_checkpoint import save_random_hybrid
 from blockserve.models.registry import model_class
 from tests.models.conftest import MLA_CONFIGS, VOCAB
-from blockserve.models.random_checkpoint import save_random_hybrid
 from tests.paged_harness import run_paged
 from tests.parity import assert_greedy_parity, assert_logits_close, reference_logits, reference_outputs
 from tests.scenarios import PAGED_SCENARIOS, SUITE_BACKENDS, paged_prompts

@@ -18,8 +18,9 @@ from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
 from blockserve.models.moe import Experts, SparseMoe
-from blockserve.models.registry import model_class
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.models.registry import model_class
+from tests.models.weight_checks import assert_checkpoint_loads_like_state_dict, assert_wrong_weights_are_named
 from tests.paged_harness import run_paged
 from tests.parity import assert_logits_close, greedy_tokens, reference_logits, reference_outputs
 from tests.scenarios import PAGED_SCENARIOS, engine_prompts, paged_prompts
@@ -139,25 +140,11 @@ def test_loads_transformers_names_and_checkpoint_names_alike(family):
     """The saved checkpoint holds one tensor per expert (Mixtral: block_sparse_moe.experts.N.w1/w2/w3);
     transformers' state_dict the stacked ones."""
     _, path, reference, *_ = family
-    from_checkpoint = load_model(str(path), BACKENDS["exact"]).model
-    cls = model_class(reference.config.architectures)
-    from_state_dict = cls(reference.config, BACKENDS["exact"])
-    from_state_dict.load_weights(reference.state_dict().items())
-    a, b = dict(from_checkpoint.named_parameters()), dict(from_state_dict.named_parameters())
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_checkpoint_loads_like_state_dict(path, reference)
 
 
 def test_load_weights_names_what_is_wrong(family):
-    reference = family[2]
-    cls = model_class(reference.config.architectures)
-    weights = dict(reference.state_dict())
-    dropped = next(name for name in weights if "layers.1." in name)
-    del weights[dropped]
-    weights["model.layers.0.bogus.weight"] = torch.zeros(1)
-    with pytest.raises(ValueError, match="unexpected weights.*bogus.*missing weights.*layers.1"):
-        cls(reference.config, BACKENDS["exact"]).load_weights(weights.items())
+    assert_wrong_weights_are_named(family[2])
 
 
 SLIDING = {  # an 8-token window: on every layer (Mixtral, Qwen3-MoE), on layer 0 only (Qwen2-MoE's layer_types)

@@ -25,12 +25,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.native.extension import ISA_ENV, fused_ops, quantized_matmul_ops
 from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
-from blockserve.models.quantized_linear import (ACTIVATIONS, DEFAULT_ACTIVATIONS, EVERY_ROW, LEVELS, MAX_ROWS,
-                                                QuantizedLinear, pack_blocks, round_per_block, sharing_linear,
-                                                use_quantized_linears)
+from blockserve.models.quantized_linear import (
+    ACTIVATIONS,
+    DEFAULT_ACTIVATIONS,
+    EVERY_ROW,
+    LEVELS,
+    MAX_ROWS,
+    QuantizedLinear,
+    pack_blocks,
+    round_per_block,
+    sharing_linear,
+    use_quantized_linears,
+)
 from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
+from blockserve.native.extension import ISA_ENV, fused_ops, quantized_matmul_ops
 from tests.threads import torch_threads
 
 ops = quantized_matmul_ops()

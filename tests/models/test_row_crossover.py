@@ -9,13 +9,19 @@ import pytest
 import torch
 from torch import nn
 
-from blockserve.native.extension import quantized_matmul_ops
 from blockserve.config_args import add_config_arguments
 from blockserve.engine.config import EngineConfig
 from blockserve.models import row_crossover
-from blockserve.models.quantized_linear import (EVERY_ROW, MAX_ROWS, QuantizedLinear, pack_blocks, sharing_linear,
-                                                use_quantized_linears)
+from blockserve.models.quantized_linear import (
+    EVERY_ROW,
+    MAX_ROWS,
+    QuantizedLinear,
+    pack_blocks,
+    sharing_linear,
+    use_quantized_linears,
+)
 from blockserve.models.row_crossover import ALWAYS, crossover_rows, shape_of
+from blockserve.native.extension import quantized_matmul_ops
 from tests.models.test_quantized_linear import assert_float32_matmul, quantized
 
 ops = quantized_matmul_ops()

@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers.integrations.gguf import read_gguf_metadata
 
-from blockserve.native.extension import quantized_matmul_ops
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models import loader
 from blockserve.models.default_model import default_model_path
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import QuantizedLinear
+from blockserve.native.extension import quantized_matmul_ops
 from tests.paged_harness import run_paged
 from tests.parity import assert_greedy_parity, assert_logits_close, greedy_tokens, reference_logits, reference_outputs
 

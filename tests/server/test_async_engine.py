@@ -15,10 +15,10 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import EngineCore
 from blockserve.engine.llm_engine import LLMEngine
-from blockserve.models.loader import load_model
 from blockserve.errors import EngineDead, PromptTooLong
-from blockserve.server.engine_bridge.async_engine import AsyncEngine
+from blockserve.models.loader import load_model
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.server.engine_bridge.async_engine import AsyncEngine
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,

@@ -291,8 +291,8 @@ def test_salts_keep_tenants_apart_and_the_index_is_bounded():
 def test_replicas_get_the_front_ends_flags_back():
     from blockserve.cli import build_parser, server_config
     from blockserve.config_args import config_from_namespace
-    from blockserve.engine.config import EngineConfig
     from blockserve.data_parallel.replicas import config_flags
+    from blockserve.engine.config import EngineConfig
 
     argv = ["serve", "--data-parallel-size", "2", "--max-model-len", "512", "--block-size", "4", "--no-prefix-caching",
             "--kv-cache-memory", "8MiB", "--request-timeout", "12.5", "--served-model-name", "m", "--api-key", "k"]
@@ -305,8 +305,8 @@ def test_replicas_get_the_front_ends_flags_back():
 def test_each_replica_gets_a_gpu_of_its_own():
     """On CUDA, replica i sees only the i-th visible GPU (as its cuda:0); on the CPU nothing changes;
     fewer GPUs than replicas, or one GPU named for all, is refused before anything starts."""
-    from blockserve.engine.config import EngineConfig
     from blockserve.data_parallel.replicas import replica_environments as envs
+    from blockserve.engine.config import EngineConfig
 
     auto, cuda, cpu = EngineConfig(), EngineConfig(device="cuda"), EngineConfig(device="cpu")
     assert envs(auto, 2, {}, cuda_devices=0) == [{}, {}]  # auto without CUDA: the CPU

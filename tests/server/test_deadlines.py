@@ -16,9 +16,9 @@ from transformers import LlamaConfig
 from blockserve import SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
+from blockserve.models.random_checkpoint import save_random_model
 from blockserve.server.config import ServerConfig
 from blockserve.server.http.errors import RequestTimeout
-from blockserve.models.random_checkpoint import save_random_model
 from tests.server.asgi import sse_events
 from tests.server.test_async_engine import SIZES
 from tests.server.test_backpressure import assert_idle, call, serve

@@ -5,7 +5,6 @@ weights."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from blockserve import LLM, SamplingParams

@@ -26,7 +26,10 @@ from fastapi.encoders import jsonable_encoder
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import (
-    content_type_conformance, negative_data_rejection, response_schema_conformance, status_code_conformance,
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
 )
 
 from blockserve.engine.config import EngineConfig

@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.errors import EngineDead, InvalidRequest, PromptTooLong, RequestRejected
 from blockserve.models.loader import load_model
-from blockserve.server.http.errors import from_exception
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.server.http.errors import from_exception
 from tests.server.asgi import asgi_request, serve_app
 from tests.server.test_async_engine import ARGS, SIZES
 

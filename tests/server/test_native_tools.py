@@ -18,15 +18,20 @@ from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
-from blockserve.server.openai_api.chat import chat_messages
+from blockserve.models.random_checkpoint import save_random_model
 from blockserve.server.http.errors import APIError
-from blockserve.server.tools.hermes import (
-    HermesStream, hermes_grammar, hermes_history, hermes_prompt, parse_hermes, renders_hermes_tools,
-)
+from blockserve.server.openai_api.chat import chat_messages
 from blockserve.server.protocol import ChatCompletionRequest, ToolCall
 from blockserve.server.tools.envelope import tool_setup
+from blockserve.server.tools.hermes import (
+    HermesStream,
+    hermes_grammar,
+    hermes_history,
+    hermes_prompt,
+    parse_hermes,
+    renders_hermes_tools,
+)
 from blockserve.structured.grammar import grammar_text
-from blockserve.models.random_checkpoint import save_random_model
 from tests.server.asgi import post_each
 from tests.server.test_async_engine import SIZES
 

@@ -23,8 +23,8 @@ from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
-from blockserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 from tests.server.asgi import asgi_request, serve_app
 from tests.server.test_async_engine import SIZES
 

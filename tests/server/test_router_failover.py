@@ -13,11 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from blockserve.engine.config import EngineConfig
-from blockserve.server.config import ServerConfig
 from blockserve.data_parallel.replicas import LOOPBACK, ReplicaProcess, free_port
 from blockserve.data_parallel.router import Replicas, create_router_app
 from blockserve.data_parallel.routing import DataParallelConfig
+from blockserve.engine.config import EngineConfig
+from blockserve.server.config import ServerConfig
 from tests.server.asgi import asgi_request
 
 METRICS = "# HELP blockserve_generation_tokens_total Tokens generated.\n" \

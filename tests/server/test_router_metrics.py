@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from blockserve.data_parallel.metrics import ReplicaMetrics, merge, parse, render, router_families
 from blockserve.scheduler.output import SchedulerStats
 from blockserve.server.engine_bridge.async_engine import QueueDepth
 from blockserve.server.engine_bridge.metrics import Metrics
-from blockserve.data_parallel.metrics import ReplicaMetrics, merge, parse, render, router_families
 
 
 def replica_text(running: int, usage: float, hits: int, ttfts: list[float], finished: list[str]) -> str:

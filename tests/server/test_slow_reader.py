@@ -18,8 +18,8 @@ from transformers import LlamaConfig
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
-from blockserve.server.config import ServerConfig
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.server.config import ServerConfig
 from tests.server.test_async_engine import SIZES
 from tests.server.test_backpressure import assert_idle, call, metrics, serve
 from tests.server.test_deadlines import slow_steps

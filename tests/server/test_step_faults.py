@@ -25,10 +25,10 @@ from blockserve.engine.llm_engine import LLMEngine, StepFailed
 from blockserve.errors import EngineDead
 from blockserve.models.loader import load_model
 from blockserve.models.random_checkpoint import save_random_model
+from tests.server.asgi import serve_app, sse_events
 from tests.server.test_async_engine import ARGS, SIZES
 from tests.server.test_async_engine import assert_idle as assert_engine_idle
 from tests.server.test_backpressure import assert_idle, call, metrics
-from tests.server.asgi import serve_app, sse_events
 from tests.server.test_deadlines import error_of
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 12, "ignore_eos": True, "temperature": 0}

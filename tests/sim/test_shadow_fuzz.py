@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from blockserve.kv import LinearStateSpec
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler import Request, SchedulerConfig
-from blockserve.kv import LinearStateSpec
 from blockserve.sim import ShadowViolation, shadow_continuation
 from blockserve.sim.drive import Arrival, build, run_stream
 from tests.sim.conftest import LAYOUTS, kv_config

@@ -28,9 +28,9 @@ from blockserve import LLM, SamplingParams
 from blockserve.engine.config import EngineConfig
 from blockserve.kv.specs import cdiv
 from blockserve.models.moe import Experts
+from blockserve.models.random_checkpoint import save_random_model
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
-from blockserve.models.random_checkpoint import save_random_model
 from tests.worker.test_sync_free import HostRead, host_reads_raise, llama_path  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -202,8 +202,9 @@ def test_the_cuda_flex_call_traces_as_one_graph(request, tiny_model, monkeypatch
     Checked on the CPU with the same call through Dynamo and AOT autograd (backend aot_eager: no
     code generation) for full, sliding (Gemma 3), MLA (absorbed: value width != key width) and
     hybrid models: the same tokens and logprobs as the eager reference."""
-    import blockserve.attention.flex_attention as flex
     from torch._dynamo.utils import counters
+
+    import blockserve.attention.flex_attention as flex
 
     families = ["llama", "gemma3", "deepseek_v3", "kimi_linear", "qwen3_next"]
     expected = {}

@@ -17,10 +17,10 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.models.moe import Experts
+from blockserve.models.random_checkpoint import save_random_model
 from blockserve.worker.sampler import Sampler
 from blockserve.worker.sampling_batch import SamplingBatch, SamplingRow, make_generator
 from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 a fixture
-from blockserve.models.random_checkpoint import save_random_model
 from tests.structured.test_sampler_grammar import AllowOnly
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
