@@ -16,6 +16,7 @@ from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import EngineCore
 from blockserve.engine.llm_engine import LLMEngine
 from blockserve.engine.outputs import RequestOutput
+from blockserve.engine.template_kwargs import template_kwargs
 from blockserve.models.loader import LoadedModel
 from blockserve.sampling_params import SamplingParams
 
@@ -77,17 +78,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate;
+        `chat_template_kwargs` are the template's variables (e.g. {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        variables = template_kwargs(chat_template_kwargs)
         tokenizer = self.engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **variables)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

@@ -16,6 +16,7 @@ from blockserve.engine.core import EngineCore, RunnerFailed
 from blockserve.engine.detokenizer import IncrementalDetokenizer
 from blockserve.engine.kv_budget import CudaBudget
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from blockserve.engine.template_kwargs import template_kwargs
 from blockserve.errors import EngineDead, InvalidRequest, RequestRejected
 from blockserve.kv.block_pool import ResetResult
 from blockserve.kv.config import KVCacheConfig
@@ -97,14 +98,17 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The messages through the tokenizer's chat template, as token ids; InvalidRequest when
-        the model has none or the template rejects the messages."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """The messages through the tokenizer's chat template, as token ids, `chat_template_kwargs`
+        its variables (template_kwargs.py); InvalidRequest when the model has none, a variable is
+        reserved or the template rejects the messages."""
+        variables = template_kwargs(chat_template_kwargs)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template; use /v1/completions")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True)
+                                                     tokenize=True, **variables)
         except Exception as e:  # the template's own checks (roles must alternate, ...) are the caller's to fix
             raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -38,7 +38,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast)
 from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -81,14 +82,43 @@ _GGUF_EXPERTS = {
     "ffn_up_exps": "mlp.experts.gate_up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# per architecture, the layer tensors named otherwise: Phi-3's fused q|k|v and gate|up, Gemma 2's four
+# norms, OLMo 2's two post-norms, GLM-4's sandwich norms and fused gate|up
+_GGUF_LAYER_BY_ARCH = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "glm4": {"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
+             "ffn_up": "mlp.gate_up_proj"},
+}
+# the GGUF architectures read here (general.architecture); others are refused, naming these
+_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "granite",
+                       "olmo2", "glm4", "smollm3")
+# architectures whose Q and K rows llama.cpp's converter permutes for its rope kernel (its LlamaModel lineage)
+_GGUF_ROPE_PERMUTED = ("llama", "granite", "smollm3")
+# architectures transformers' GGUF_CONFIG_MAPPING leaves out whose metadata keys are another's
+_GGUF_CONFIG_AS = {"granite": "llama", "olmo2": "llama", "glm4": "llama", "smollm3": "llama"}
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight); ours hold w
+_GGUF_NORMS_PLUS_ONE = ("gemma2",)
 # transformers' model_type of GGUF architectures named otherwise (llama.cpp writes Mixtral as "llama"
-# with experts), and the MoE metadata transformers' GGUF_CONFIG_MAPPING leaves out
+# with experts), and the metadata transformers' GGUF_CONFIG_MAPPING leaves out
 _GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
-_GGUF_MOE_CONFIG = {
+_GGUF_EXTRA_CONFIG = {
     "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "phi3": {"attention.sliding_window": "sliding_window"},
+    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "granite": {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                "logit_scale": "logits_scaling", "attention.scale": "attention_multiplier",
+                "rope.dimension_count": None},  # Granite has no head_dim: hidden / heads
+    "olmo2": {"rope.dimension_count": None},
+    # SmolLM3: no metadata for its NoPE layers; llama.cpp fixes every fourth, transformers' default
+    "smollm3": {"rope.dimension_count": None},
+    "glm4": {"rope.dimension_count": None, "attention.key_length": "head_dim"},
 }
 
 
@@ -239,7 +269,9 @@ def _convert_gguf(path: Path, out: Path) -> None:
                          "download it again") from error
     config = _gguf_config(reader, arch)
     tensors = dict(_gguf_tensors(reader, arch, config))
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    # AutoTokenizer reads the file's config first and refuses architectures transformers' GGUF loader lacks
+    tokenizer_class = PreTrainedTokenizerFast if arch in _GGUF_CONFIG_AS else AutoTokenizer
+    tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     config.save_pretrained(out)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
@@ -252,10 +284,15 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
     model_type = _gguf_model_type(reader, arch)
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, f"GGUF architecture {arch!r}")
     model_class([architecture])  # unsupported: fail before the slow part
-    mapping = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING.get(arch)
-    if mapping is None:
-        raise ValueError(f"transformers has no GGUF config mapping for architecture {arch!r}")
-    mapping = {**mapping, **_GGUF_MOE_CONFIG.get(model_type, {})}
+    mapping = GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING.get(_GGUF_CONFIG_AS.get(arch, arch))
+    if arch not in _GGUF_ARCHITECTURES or mapping is None:
+        raise ValueError(f"blockserve serves {architecture} but not from a GGUF file of architecture {arch!r} "
+                         f"(GGUF architectures read: {', '.join(_GGUF_ARCHITECTURES)}); load the model's "
+                         "Hugging Face directory instead")
+    if any(tensor.name.startswith("rope_factors_") for tensor in reader.tensors):
+        raise ValueError(f"{arch} GGUF with LongRoPE factors (rope_factors_long/short) is not supported; "
+                         "load the model's Hugging Face directory instead")
+    mapping = {**mapping, **_GGUF_EXTRA_CONFIG.get(model_type, {})}
     renames = {f"{arch}.{key}": name for key, name in mapping.items()}
     renames.update({f"tokenizer.{key}": name for key, name in GGUF_CONFIG_MAPPING["tokenizer"].items()})
     values = {name: reader.fields[key].contents() for key, name in renames.items()
@@ -263,6 +300,18 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
     values.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
     values["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
     values = {**GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}), **values}
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    rotary_dims = reader.fields.get(f"{arch}.rope.dimension_count")
+    if arch in ("phi3", "glm4") and rotary_dims is not None and rotary_dims.contents() != head_dim:
+        values["partial_rotary_factor"] = rotary_dims.contents() / head_dim  # Phi-4-mini, GLM-4
+    names = {tensor.name.split(".", 2)[-1] for tensor in reader.tensors}
+    if arch in ("granite", "glm4"):  # biases are tensors, not metadata
+        values["attention_bias"] = "attn_q.bias" in names
+    if arch == "granite":
+        values["mlp_bias"] = "ffn_up.bias" in names
+    if arch == "gemma2":  # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B
+        big = values["num_hidden_layers"] == 46
+        values["query_pre_attn_scalar"] = values["hidden_size"] // values["num_attention_heads"] if big else head_dim
     return AutoConfig.for_model(model_type, architectures=[architecture], **values)
 
 
@@ -288,6 +337,8 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[
         if rope_heads:
             weights = _unpermute_rope_rows(weights, rope_heads)
         kind = tensor.name.split(".")[-2]
+        if arch in _GGUF_NORMS_PLUS_ONE and kind.endswith("norm"):
+            weights = weights - np.float32(1)
         if kind in ("ffn_gate_exps", "ffn_up_exps"):
             halves = gate_or_up.setdefault(name, {})
             halves[kind] = weights
@@ -314,8 +365,9 @@ def _gguf_blocks(path: Path, config) -> Iterator[tuple[str, str, np.ndarray]]:
 
 def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, gguf.ReaderTensor, int | None]]:
     """(Hugging Face name, GGUF tensor, heads whose rows to unpermute or None) for every tensor
-    but rope_freqs. llama.cpp permutes the rows of Q and K of "llama" GGUFs for its rope kernel;
-    undo it as transformers' GGUF loader does."""
+    but rope_freqs. llama.cpp permutes the rows of Q and K of the _GGUF_ROPE_PERMUTED architectures for
+    its rope kernel; undo it as transformers' GGUF loader does."""
+    layer_names = {**_GGUF_LAYER, **_GGUF_LAYER_BY_ARCH.get(arch, {})}
     for tensor in reader.tensors:
         module, _, leaf = tensor.name.rpartition(".")
         parts = module.split(".")
@@ -323,14 +375,16 @@ def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[st
             continue
         if module in _GGUF_TOP:
             name = f"{_GGUF_TOP[module]}.{leaf}"
-        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{leaf}"
+        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{leaf}"
         elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
             name = f"model.layers.{parts[1]}.{_GGUF_EXPERTS[parts[2]]}"
         else:
-            raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in blockserve's {arch} model")
+            raise ValueError(f"GGUF tensor {tensor.name!r} of architecture {arch!r} is not one blockserve reads "
+                             f"(GGUF architectures read: {', '.join(_GGUF_ARCHITECTURES)}); load the model's "
+                             "Hugging Face directory instead")
         rope_heads = None
-        if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
+        if arch in _GGUF_ROPE_PERMUTED and parts[-1] in ("attn_q", "attn_k"):
             rope_heads = config.num_attention_heads if parts[-1] == "attn_q" else config.num_key_value_heads
         yield name, tensor, rope_heads
 

@@ -1,9 +1,9 @@
 """The server's settings, validated once: the model name it answers to, who may call it, how
-tenants share the prefix cache (C6), where `blockserve serve` listens, how much it queues
-(past either bound a new request gets 503 with Retry-After) and how many connections it holds,
-how long a request may take (504) and a client may stall a stream, how long a shutdown drains,
-and the limits a request must keep to at the edge (limits.py; past one it gets 400, or 413 for
-the body).
+tenants share the prefix cache (C6), which reasoning parser splits a thinking model's output,
+where `blockserve serve` listens, how much it queues (past either bound a new request gets 503
+with Retry-After) and how many connections it holds, how long a request may take (504) and a
+client may stall a stream, how long a shutdown drains, and the limits a request must keep to at
+the edge (limits.py; past one it gets 400, or 413 for the body).
 
 Each field's metadata is its `blockserve serve` flag (blockserve/config_args.py). Imports
 nothing heavy, so the CLI's help stays fast.
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
 ISOLATION_MODES = ("none", "per-key")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # openai_api/reasoning.py's formats
 MAX_JSON_DEPTH = 500  # under Python's recursion limit (1000), which json.loads recurses against
 LIMITS = ("max_request_body_bytes", "max_json_depth", "max_n", "max_prompts", "max_stop", "max_stop_length",
           "max_connections")
@@ -33,6 +34,9 @@ class ServerConfig:
     open_health_and_metrics: bool = field(default=True, metadata={
         "help": "with --api-key, require the key on /health and /metrics too (default: they stay open for load "
                 "balancers and scrapers, as in vLLM)", "flag": "--protect-health-and-metrics"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "split the model's thinking block from its answer into reasoning_content (chat completions); "
+                "only for a model whose template thinks (default: no parsing)", "choices": REASONING_PARSERS})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
     # Far above any burst a normal user sends (the bundled benchmarks send 64 prompts), far below
@@ -102,6 +106,9 @@ class ServerConfig:
         if self.prefix_cache_isolation not in ISOLATION_MODES:
             raise ValueError(f"prefix_cache_isolation must be one of {ISOLATION_MODES}, "
                              f"got {self.prefix_cache_isolation!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, "
+                             f"got {self.reasoning_parser!r}")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty strings")
         if self.data_parallel_size < 1:

@@ -7,7 +7,7 @@ changes nothing (null, or the neutral value listed there) it is accepted; any ot
 400 `unsupported_parameter` naming it. A field OpenAI does not publish is refused too
 (`extra="forbid"`), except vLLM's extensions the engine honours: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `cache_salt`, `structured_outputs` and chat's
-`add_generation_prompt`, and blockserve's `request_timeout` (a deadline in seconds).
+`add_generation_prompt` and `chat_template_kwargs`, and blockserve's `request_timeout` (a deadline in seconds).
 `tests/server/test_request_fields.py` walks OpenAI's fields against
 this. Logprobs are built here from the engine's per-token entries (`{token id: Logprob}`: the
 top n and the sampled token).
@@ -263,6 +263,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     # metadata that never changes the output (OpenAI's contract for each)
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
@@ -305,6 +306,7 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -421,6 +423,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking block, with --reasoning-parser (reasoning.py)
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -460,6 +463,7 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

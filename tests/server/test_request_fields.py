@@ -206,6 +206,8 @@ def test_honoured_fields_are_answered(chat_model):
                 assert_ok(f"{path} {field}", *await post(app, path, {**base, field: value}))
         chat = {**CHAT, "add_generation_prompt": False}
         assert_ok("add_generation_prompt", *await post(app, "/v1/chat/completions", chat))
+        chat = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+        assert_ok("chat_template_kwargs", *await post(app, "/v1/chat/completions", chat))
 
     serve(chat_model, body)
 
@@ -256,5 +258,7 @@ def test_unknown_fields_are_refused_by_name(chat_model):
         assert_refused("content part", status, answer, "messages.0.content.0.colour")
         status, answer = await post(app, "/v1/completions", {**COMPLETION, "add_generation_prompt": False})
         assert_refused("chat-only field", status, answer, "add_generation_prompt")
+        status, answer = await post(app, "/v1/completions", {**COMPLETION, "chat_template_kwargs": {}})
+        assert_refused("chat-only field", status, answer, "chat_template_kwargs")
 
     serve(chat_model, body)

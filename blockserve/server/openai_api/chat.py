@@ -5,6 +5,10 @@ opens with a chunk `{"role": "assistant", "content": ""}`, then carries its new 
 tools, a template with a Hermes-style tools section renders them and the model's `<tool_call>`
 blocks are read back (tools/hermes.py); any other gets a grammar-enforced envelope (tools/envelope.py).
 Either is answered as `tool_calls` (streamed as OpenAI's tool-call deltas) or as plain content.
+`chat_template_kwargs` are the template's variables. With `--reasoning-parser`, the thinking
+block is split off into `reasoning_content` (reasoning.py) before the text is read for tool calls;
+a grammar-constrained output (structured outputs, forced tool calls, the JSON envelope) has no
+room for a block, so it is not parsed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.template_kwargs import template_kwargs
 from blockserve.server.engine_bridge.async_engine import AsyncEngine, RequestStream
 from blockserve.server.http.auth import cache_salt
 from blockserve.server.config import ServerConfig
@@ -31,6 +36,7 @@ from blockserve.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
     ChatLogprobs, ChatMessage, Delta, Usage,
 )
+from blockserve.server.openai_api.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from blockserve.server.openai_api.streaming import DONE, Sent, collect, error_event, event, sse_response
 from blockserve.server.openai_api.structured import compiled
 from blockserve.server.tools.envelope import EnvelopeStream, merge_deltas, parse_envelope, render_history, tool_setup
@@ -43,6 +49,7 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
     tools = tool_setup(body)
+    variables = template_kwargs(body.chat_template_kwargs)
     native = renders_hermes_tools(engine.engine.tokenizer)
     if body.max_tokens is not None and body.max_tokens >= engine.max_model_len:  # even when max_completion_tokens wins
         raise APIError(400, f"max_tokens ({body.max_tokens}) is not under this model's length "
@@ -53,14 +60,16 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
     constraint = None if tools is None else hermes_grammar(tools, bounds) if native else tools.structured_outputs()
     if constraint is not None:  # the tool calls' grammar
         params = dataclasses.replace(params, structured_outputs=constraint)
+    thinking = REASONING_FORMATS[config.reasoning_parser] \
+        if config.reasoning_parser is not None and params.structured_outputs is None else None
     params = await compiled(engine, params, body, "tools" if tools is not None else None)  # off the engine thread
     salt = cache_salt(config, request, body.cache_salt)
     if native:
         prompt = hermes_prompt(engine.engine, hermes_history(chat_messages(body.messages)), tools,
-                               body.add_generation_prompt)
+                               body.add_generation_prompt, variables)
     else:
         prompt = _chat_prompt(engine.engine, render_history(chat_messages(body.messages), tools),
-                              body.add_generation_prompt)
+                              body.add_generation_prompt, variables)
     parse, reader = _tool_output(tools, native)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -69,14 +78,14 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
     top = body.top_logprobs or 0
     if body.stream:
         return sse_response(_events(header, streams[0], params.n, include_usage(body), body.logprobs, top,
-                                    reader), streams)
+                                    reader, thinking), streams)
     finals = await collect(streams, request)
     if finals is None:
         return Response(status_code=499)
     choices = [
         ChatChoice(index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                    logprobs=ChatLogprobs.build(c.logprobs, c.token_ids, top) if body.logprobs else None)
-        for c in finals[0].outputs for message, finish_reason in [_assistant_message(c, parse)]
+        for c in finals[0].outputs for message, finish_reason in [_assistant_message(c, parse, thinking)]
     ]
     return ChatCompletion(**header, choices=choices, usage=usage(finals))
 
@@ -116,27 +125,33 @@ def _tool_output(tools, native: bool) -> tuple[Callable | None, Callable | None]
     return parse_envelope, EnvelopeStream
 
 
-def _assistant_message(c, parse: Callable | None) -> tuple[AssistantMessage, str | None]:
-    """A choice's message and finish reason; with tools, its text read as calls and content."""
+def _assistant_message(c, parse: Callable | None,
+                       thinking: ReasoningFormat | None = None) -> tuple[AssistantMessage, str | None]:
+    """A choice's message and finish reason: with a reasoning format, its thinking block split
+    off; with tools, the rest read as calls and content."""
+    reasoning, text = thinking.split(c.text) if thinking is not None else (None, c.text)
     if parse is None:
-        return AssistantMessage(content=c.text), c.finish_reason
-    content, calls = parse(c.text) if c.finish_reason == "stop" else (c.text, None)
-    return AssistantMessage(content=content, tool_calls=calls), "tool_calls" if calls else c.finish_reason
+        return AssistantMessage(content=text, reasoning_content=reasoning), c.finish_reason
+    content, calls = parse(text or "") if c.finish_reason == "stop" else (text, None)
+    return (AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
+            "tool_calls" if calls else c.finish_reason)
 
 
-def _chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool):
+def _chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool, variables: dict):
     """The prompt as a callable the engine thread runs: the tokenizer is the engine thread's."""
 
-    return lambda: engine.apply_chat_template(messages, add_generation_prompt)
+    return lambda: engine.apply_chat_template(messages, add_generation_prompt, variables)
 
 
 async def _events(header: dict, stream: RequestStream, n: int, with_usage: bool, logprobs: bool,
-                  top: int, new_reader: Callable | None = None) -> AsyncIterator[str]:
+                  top: int, new_reader: Callable | None = None,
+                  thinking: ReasoningFormat | None = None) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice], usage_block: Usage | None = None) -> str:
         return event(ChatCompletionChunk(**header, choices=choices, usage=usage_block))
 
     sent: dict[int, Sent] = {}
     readers: dict = {}  # with tools: each choice's output, read as it grows
+    thinkers: dict[int, ReasoningStream] = {}  # with a reasoning format: each choice's, likewise
     final = None
     try:
         for index in range(n):
@@ -147,7 +162,13 @@ async def _events(header: dict, stream: RequestStream, n: int, with_usage: bool,
                 if delta is None:
                     continue
                 text, ids, lps, _ = delta
-                calls, finish_reason = None, c.finish_reason
+                calls, finish_reason, reasoning = None, c.finish_reason, ""
+                if thinking is not None:
+                    thinker = thinkers.setdefault(c.index, ReasoningStream(thinking))
+                    reasoning, text = thinker.feed(text)
+                    if c.finished:
+                        more_reasoning, more_text = thinker.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
                 if new_reader is not None:
                     reader = readers.get(c.index)
                     if reader is None:
@@ -158,10 +179,14 @@ async def _events(header: dict, stream: RequestStream, n: int, with_usage: bool,
                         text, calls = text + rest, merge_deltas(calls + more)
                     if reader.called and finish_reason == "stop":
                         finish_reason = "tool_calls"
-                if not text and not calls and not c.finished and not (logprobs and lps):
+                if reasoning and (text or calls or c.finished):  # the thought goes out before the answer
+                    yield chunk([ChatChunkChoice(index=c.index, delta=Delta(reasoning_content=reasoning))])
+                    reasoning = ""
+                if not reasoning and not text and not calls and not c.finished and not (logprobs and lps):
                     continue
                 yield chunk([ChatChunkChoice(
-                    index=c.index, delta=Delta(content=(text or None) if calls else text, tool_calls=calls or None)
+                    index=c.index, delta=Delta(reasoning_content=reasoning) if reasoning
+                    else Delta(content=(text or None) if calls else text, tool_calls=calls or None)
                     if text or calls or not c.finished else Delta(),
                     finish_reason=finish_reason, stop_reason=c.stop_reason,
                     logprobs=ChatLogprobs.build(lps, ids, top) if logprobs and lps is not None else None)])

@@ -15,13 +15,16 @@ generated client's well-formed request is answered, and a fuzzer's broken one re
                           tools; ignore_eos and any grammar (those two, or the tools' own);
                           structured_outputs' kinds (exactly one)
     content parts         text ones, with their text
+    chat_template_kwargs  an object without the keys the template rendering reserves (/tokenize's;
+                          chat's is said in its description, see below)
     tool call arguments   JSON text
 
 Left out, as JSON Schema cannot say them (a request breaking one is a 400 that names it;
 `UNSTATED` lists them): min_tokens at most max_tokens, best_of at least n (and a best_of over n
 not streamed), prompt and max_tokens within the model's length together, distinct tool names, a
 named tool_choice among the tools, schemas, regular expressions and grammars llguidance can
-compile, what a chat template refuses, and a prompt of characters the tokenizer drops (it has
+compile, what a chat template refuses, chat's chat_template_kwargs (an object without reserved
+keys, said in its description: the chat request's schema is at the generator's budget), and a prompt of characters the tokenizer drops (it has
 no tokens). A tool call's arguments are JSON text, said as `contentMediaType: application/json`,
 which validators take as a note and generators do not always follow.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from blockserve.engine.template_kwargs import RESERVED_TEMPLATE_KWARGS
 from blockserve.sampling_params import LOGIT_BIAS_LIMIT
 from blockserve.server.config import ServerConfig
 
@@ -54,6 +58,7 @@ UNSTATED = (
     ("invalid_value", "response_format", ""),
     ("invalid_value", "tools", "cannot be compiled"),
     ("invalid_value", None, "the chat template rejected the messages"),
+    ("invalid_value", "chat_template_kwargs", ""),  # chat's: not an object, or a reserved key
 )
 
 
@@ -141,6 +146,16 @@ def constrain(schemas: dict[str, Any], limits: Limits) -> None:
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token
     for name in ("TokenizeRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         _set(schemas[name]["properties"], "model", {"type": "string", "const": config.served_model_name})
+    template_kwargs = {"type": "object", "properties": {key: False for key in RESERVED_TEMPLATE_KWARGS}}
+    props = schemas["TokenizeChatRequest"]["properties"]
+    _set(props, "chat_template_kwargs", template_kwargs)
+    # The chat request's schema is at schemathesis' budget: one more constrained property and its
+    # generator gives up, so there the field is described in words (and its 400 is UNSTATED).
+    props = schemas["ChatCompletionRequest"]["properties"]
+    props["chat_template_kwargs"] = {
+        **_meta(props["chat_template_kwargs"]),
+        "description": "An object (or null) of variables for the chat template, without the keys "
+                       + ", ".join(RESERVED_TEMPLATE_KWARGS)}
 
     # a call's arguments: JSON text (history_call_arguments); the same in answers
     schemas["ToolCallFunction"]["properties"]["arguments"]["contentMediaType"] = "application/json"

@@ -1,7 +1,8 @@
 """POST /tokenize and POST /detokenize (vLLM's shapes), on the engine thread (the tokenizer is its).
 
     /tokenize    {"model"?, "prompt": str, "add_special_tokens": true}
-                 or {"model"?, "messages": [...], "add_generation_prompt": true} (the chat template)
+                 or {"model"?, "messages": [...], "add_generation_prompt": true, "chat_template_kwargs"?: {...}}
+                 (the chat template, its variables)
                  -> {"tokens": [...], "count": n, "max_model_len": m}
     /detokenize  {"model"?, "tokens": [...]} -> {"prompt": str}
 
@@ -35,7 +36,8 @@ async def tokenize(engine: AsyncEngine, config: ServerConfig, request: Request) 
     llm = engine.engine
     if chat:
         messages = chat_messages(body.messages)
-        ids = await engine.call(lambda: llm.apply_chat_template(messages, body.add_generation_prompt))
+        ids = await engine.call(lambda: llm.apply_chat_template(messages, body.add_generation_prompt,
+                                                                body.chat_template_kwargs))
     else:
         ids = await engine.call(lambda: llm.tokenize(body.prompt, add_special_tokens=body.add_special_tokens))
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)

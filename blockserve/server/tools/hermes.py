@@ -108,15 +108,17 @@ def hermes_history(messages: list[dict]) -> list[dict]:
 
 
 def hermes_prompt(engine: LLMEngine, messages: list[dict], setup: ToolSetup | None,
-                  add_generation_prompt: bool) -> Callable[[], list[int]]:
+                  add_generation_prompt: bool, variables: dict | None = None) -> Callable[[], list[int]]:
     """The prompt as a callable for the engine thread (the tokenizer is that thread's): the
-    messages and, unless `setup` is None, the tools, through the template."""
+    messages and, unless `setup` is None, the tools, through the template; `variables` are
+    checked chat_template_kwargs (engine/template_kwargs.py)."""
     tools = None if setup is None else [t.model_dump(exclude_none=True) for t in setup.tools]
 
     def render() -> list[int]:
         try:
             ids = engine.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
-                                                       add_generation_prompt=add_generation_prompt)
+                                                       add_generation_prompt=add_generation_prompt,
+                                                       **(variables or {}))
         except Exception as e:  # the template's own checks are the caller's to fix
             raise InvalidRequest(f"the chat template rejected the messages: {e}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
