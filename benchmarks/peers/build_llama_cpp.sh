@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build native llama.cpp (llama-server, llama-batched-bench) from the llama-cpp-python sdist on PyPI,
+# Build native llama.cpp (llama-server, llama-batched-bench, llama-bench, llama-quantize) from the llama-cpp-python sdist on PyPI,
 # which carries the whole llama.cpp tree in vendor/llama.cpp. -DGGML_NATIVE=ON: compiled for this CPU,
 # as a user building llama.cpp would. The build is cached outside the repository, keyed by the
 # version and the CPU's flags; a second run prints the directory at once.
@@ -19,7 +19,7 @@ esac
 CPU_KEY=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
 ROOT=${BLOCKSERVE_PEERS_CACHE:-$HOME/.cache/blockserve-peers}/llama.cpp-$VERSION-$CPU_KEY
 BIN=$ROOT/$BUILD/bin
-if [[ -x $BIN/llama-server && -x $BIN/llama-batched-bench ]]; then echo "$BIN"; exit 0; fi
+if [[ -x $BIN/llama-server && -x $BIN/llama-batched-bench && -x $BIN/llama-quantize ]]; then echo "$BIN"; exit 0; fi
 mkdir -p "$ROOT"
 if [[ ! -d $ROOT/src ]]; then
   # The sdist's address from PyPI's simple index (pip download would build its metadata first).
@@ -31,5 +31,5 @@ if [[ ! -d $ROOT/src ]]; then
 fi
 cmake -S "$ROOT/src" -B "$ROOT/$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF >&2
-cmake --build "$ROOT/$BUILD" --target llama-server llama-batched-bench llama-bench -j "$(nproc)" >&2
+cmake --build "$ROOT/$BUILD" --target llama-server llama-batched-bench llama-bench llama-quantize -j "$(nproc)" >&2
 echo "$BIN"
