@@ -49,9 +49,9 @@ from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata, int64_tensor
 
 try:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 except ImportError as error:  # an old torch: the backend is unavailable, the rest of blockserve is not
-    BlockMask = flex_attention = None
+    AuxRequest = BlockMask = flex_attention = None
     FLEX_UNAVAILABLE: str | None = f"torch {torch.__version__} has no FlexAttention ({error})"
 else:
     FLEX_UNAVAILABLE = None
@@ -82,10 +82,10 @@ def compiled_flex(backend: str = "inductor") -> Callable:
     a tensor), for this call only."""
     compiled = torch.compile(flex_attention, fullgraph=True, backend=backend)
 
-    def attend(q, k, v, block_mask, scale, score_mod=None):
+    def attend(q, k, v, block_mask, scale, score_mod=None, return_aux=None):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True):
             return compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, score_mod=score_mod,
-                            kernel_options=CUDA_KERNEL_OPTIONS)
+                            kernel_options=CUDA_KERNEL_OPTIONS, return_aux=return_aux)
 
     return attend
 
@@ -105,14 +105,23 @@ def _unfused_reference():
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float,
-            score_mod: Callable | None = None) -> torch.Tensor:
-    """q [1, Hq, T, E], k [1, Hkv, L, E], v [1, Hkv, L, Ev] -> [1, Hq, T, Ev]."""
+            score_mod: Callable | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [1, Hq, T, E], k [1, Hkv, L, E], v [1, Hkv, L, Ev] -> [1, Hq, T, Ev]. With `sinks` [Hq], each
+    head's sink logit joins the softmax's denominator: the output is scaled by
+    exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), lse the row's log-sum-exp of scores."""
     if FLEX_UNAVAILABLE:
         raise RuntimeError(f"attention_backend 'flex' needs FlexAttention: {FLEX_UNAVAILABLE}")
+    aux = None if sinks is None else AuxRequest(lse=True)
     if q.device.type == "cuda":
-        return compiled_flex()(q, k, v, block_mask, scale, score_mod)
-    with _unfused_reference():
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, score_mod=score_mod)
+        out = compiled_flex()(q, k, v, block_mask, scale, score_mod, aux)
+    else:
+        with _unfused_reference():
+            out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, score_mod=score_mod,
+                                 return_aux=aux)
+    if sinks is None:
+        return out
+    out, aux = out
+    return out * torch.sigmoid(aux.lse.float() - sinks.float()[None, :, None]).to(out.dtype)[..., None]
 
 
 def soft_cap(softcap: float) -> Callable:
@@ -245,7 +254,8 @@ def _derived_mask(meta: AttentionMetadata, num_pages: int, device: torch.device)
 class FlexAttention:
     """The paged-attention backend `flex` (same forward contract as paged_attention.PagedAttention):
     writes the step's K/V into the cache, then attends every row in one FlexAttention call
-    (soft-capping the scores, as a score_mod, when `softcap` is set)."""
+    (soft-capping the scores, as a score_mod, when `softcap` is set; with the sink logits forward
+    receives when `sinks` is set)."""
 
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
@@ -256,14 +266,19 @@ class FlexAttention:
         """Why this backend cannot run on `device` (None: it can)."""
         return FLEX_UNAVAILABLE
 
-    def __init__(self, scale: float, softcap: float | None = None):
+    def __init__(self, scale: float, softcap: float | None = None, sinks: bool = False):
         self.scale = scale
         self.softcap = softcap
+        self.sinks = sinks
         self.score_mod = None if softcap is None else soft_cap(softcap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], caches [num_pages, bs, Hkv, D] -> [T, Hq, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], caches [num_pages, bs, Hkv, D], sinks [Hq] (exactly when built
+        with sinks=True) -> [T, Hq, D]."""
+        if (sinks is not None) != self.sinks:
+            raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
+                             f"{'out' if sinks is None else ''} sink logits")
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
@@ -271,7 +286,7 @@ class FlexAttention:
         mask = _derived_mask(meta, k_cache.shape[0], q.device)
         keys = _kv(k_cache, mask.pages).to(q.dtype)
         values = _kv(v_cache, mask.pages).to(q.dtype)
-        out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale, self.score_mod)
+        out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale, self.score_mod, sinks)
         return out[0].transpose(0, 1).contiguous()
 
 

@@ -65,7 +65,9 @@ class Attention(nn.Module):
         return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_dim, dtype_name(self.dtype),
                                  sliding_window=self.sliding_window)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks` [Hq]: each head's attention-sink logit, for a backend built with sinks=True."""
         cache, meta = ctx.for_layer(self.layer_name)
         if meta.sliding_window != self.sliding_window:  # a caller that forgot (or invented) the group's window
             raise ValueError(f"{self.layer_name} attends over window {self.sliding_window} "
@@ -78,5 +80,6 @@ class Attention(nn.Module):
             cache.k_cache,
             cache.v_cache,
             meta,
+            **({} if sinks is None else {"sinks": sinks}),
         )
         return out.view(t, self.num_heads * self.head_dim)

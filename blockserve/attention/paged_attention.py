@@ -22,6 +22,15 @@ them); prefill chunks one sequence at a time (a fresh prompt needs no cache read
 Attention logit soft-capping (`softcap`, Gemma 2): scores become softcap * tanh(scores / softcap)
 before the mask and softmax, computed explicitly (scaled_dot_product_attention has no such hook);
 the native decode kernel does not soft-cap, so a soft-capping backend never uses it.
+
+Attention sinks (`sinks=True`, GPT-OSS): each query head h has a learned logit sinks[h] that joins
+the softmax's denominator and weights no value,
+
+    out = Σ_k exp(s_k) v_k / (exp(sinks[h]) + Σ_k exp(s_k)),
+
+computed explicitly too; the native decode kernel does not take sinks, so such a backend's decodes
+take the gathered PyTorch path. The sink logits arrive with each forward (they are the model's
+weights).
 """
 
 from __future__ import annotations
@@ -59,16 +68,23 @@ class _Gather(NamedTuple):
         return cache.view(-1, heads, dim).index_select(0, self.slots.flatten()).view(n, -1, heads, dim)
 
 
-def soft_capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                          scale: float, softcap: float) -> torch.Tensor:
+def explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(mask(softcap * tanh(q kᵀ * scale / softcap))) v, the softmax in float32 (as transformers'
-    eager attention). q [N, Hq, n, D]; keys, values [N, Hkv, L, D]; mask (True: attend) broadcastable
-    to [N, Hq, n, L]."""
+    eager attention); without `softcap` the scores are q kᵀ * scale; with `sinks` [Hq] each head's sink
+    logit joins the softmax as a key with no value. q [N, Hq, n, D]; keys, values [N, Hkv, L, D];
+    mask (True: attend) broadcastable to [N, Hq, n, L]."""
     groups = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    scores = torch.tanh(torch.matmul(q, keys.transpose(-1, -2)) * scale / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), values)
 
 
 class PagedAttention:
@@ -83,9 +99,10 @@ class PagedAttention:
         """Why this backend cannot run on `device` (None: it can). These run anywhere."""
         return None
 
-    def __init__(self, scale: float, softcap: float | None = None):
+    def __init__(self, scale: float, softcap: float | None = None, sinks: bool = False):
         self.scale = scale
         self.softcap = softcap
+        self.sinks = sinks  # whether forward receives each head's sink logit
 
     def forward(
         self,
@@ -95,7 +112,11 @@ class PagedAttention:
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [Hq]: given exactly when the backend was built with sinks=True
     ) -> torch.Tensor:
+        if (sinks is not None) != self.sinks:
+            raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
+                             f"{'out' if sinks is None else ''} sink logits")
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # slots are distinct within a step
@@ -104,28 +125,28 @@ class PagedAttention:
         layout = meta.layout
         nd = layout.num_decodes
         if nd:
-            self._attend_decodes(q, k_cache, v_cache, meta, out)
+            self._attend_decodes(q, k_cache, v_cache, meta, out, sinks)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             seq_len = layout.seq_lens[i]
             n = end - start
             qi = q[start:end].transpose(0, 1)[None]
-            if seq_len == n and meta.sliding_window is None and self.softcap is None:  # a fresh prompt: no cache read
+            if seq_len == n and meta.sliding_window is None and self.softcap is None and sinks is None:  # no cache read
                 out[start:end] = F.scaled_dot_product_attention(
                     qi, k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
                     is_causal=True, scale=self.scale, enable_gqa=True,
                 )[0].transpose(0, 1)
                 continue
             g, mask = self._derived(meta, i, lambda host: self._prefill_gather(host, i, seq_len, n))
-            out[start:end] = self._attend(qi, g.read(k_cache), g.read(v_cache), mask)[0].transpose(0, 1)
+            out[start:end] = self._attend(qi, g.read(k_cache), g.read(v_cache), mask, sinks)[0].transpose(0, 1)
         return out
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, out: torch.Tensor) -> None:
+                        meta: AttentionMetadata, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
         """out[:num_decodes] = attention of the decodes' single queries, in length buckets."""
         for seqs, g in self._derived(meta, "decode", self._decode_buckets):
             mask = g.valid[:, None, None, :]
-            out[seqs] = self._attend(q[seqs, :, None], g.read(k_cache), g.read(v_cache), mask)[:, :, 0]
+            out[seqs] = self._attend(q[seqs, :, None], g.read(k_cache), g.read(v_cache), mask, sinks)[:, :, 0]
 
     def _derived(self, meta: AttentionMetadata, key, compute):
         """Per step and group, gather indices are the same for every layer: computed once, from the
@@ -153,12 +174,14 @@ class PagedAttention:
             mask &= g.key_pos > query_pos - meta.sliding_window
         return g, mask[None, None]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, Hq, n, D], keys/values [N, L, Hkv, D] (any cache dtype: computed in q's), mask
-        broadcastable to [N, Hq, n, L]."""
+        broadcastable to [N, Hq, n, L], sinks [Hq] or None."""
         keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if self.softcap is not None:
-            return soft_capped_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.scale, self.softcap)
+        if self.softcap is not None or sinks is not None:
+            return explicit_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.scale,
+                                      self.softcap, sinks)
         return F.scaled_dot_product_attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
         )
@@ -176,15 +199,16 @@ class ExactLengthAttention(PagedAttention):
     name = "exact"
     reads_unwritten_slots = False
 
-    def __init__(self, scale: float, softcap: float | None = None):
-        super().__init__(scale, softcap)
-        self.decode_kernel = paged_decode_kernel() if softcap is None else None  # the kernel does not soft-cap
+    def __init__(self, scale: float, softcap: float | None = None, sinks: bool = False):
+        super().__init__(scale, softcap, sinks)
+        # the kernel neither soft-caps nor takes sinks
+        self.decode_kernel = paged_decode_kernel() if softcap is None and not sinks else None
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, out: torch.Tensor) -> None:
+                        meta: AttentionMetadata, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
         if (self.decode_kernel is None or not native_reads(q, q.dtype)
                 or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1])):
-            return super()._attend_decodes(q, k_cache, v_cache, meta, out)
+            return super()._attend_decodes(q, k_cache, v_cache, meta, out, sinks)
         nd = meta.layout.num_decodes
         table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda host: (
             host.block_table[:nd].contiguous(), host.key_start[:nd].contiguous(), host.seq_len[:nd].contiguous()))

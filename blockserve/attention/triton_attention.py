@@ -34,9 +34,12 @@ class TritonAttention:
         """Why this backend cannot run on `device` (None: it can)."""
         return triton_paged.unavailable(device)
 
-    def __init__(self, scale: float, softcap: float | None = None):
+    def __init__(self, scale: float, softcap: float | None = None, sinks: bool = False):
         if softcap is not None:
             raise ValueError(f"attention_backend 'triton' does not soft-cap attention scores (softcap={softcap}); "
+                             "serve this model with attention_backend 'flex', 'exact' or 'whole_block'")
+        if sinks:
+            raise ValueError("attention_backend 'triton' does not take attention sinks (GPT-OSS); "
                              "serve this model with attention_backend 'flex', 'exact' or 'whole_block'")
         self.scale = scale
         self.softcap = None

@@ -77,6 +77,7 @@ class AttentionOptions:
     scale: float | None = None  # the attention scale; None: head_dim ** -0.5
     qkv_bias: bool = False
     o_bias: bool = False
+    sinks: bool = False  # a learned logit per head in the softmax's denominator (GPT-OSS: `self_attn.sinks`)
 
 
 def sliding_window_of(config, layer_idx: int) -> int | None:
@@ -146,8 +147,12 @@ class LlamaAttention(nn.Module):
         self.rotary_dim = options.rotary_dim or head_dim
         self.interleaved = options.interleaved
         scale = head_dim**-0.5 if options.scale is None else options.scale
+        backend = backend_cls(scale, sinks=True) if options.sinks else backend_cls(scale)
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, head_dim,
-                              backend_cls(scale), dtype=placement.dtype, sliding_window=options.window)
+                              backend, dtype=placement.dtype, sliding_window=options.window)
+        if options.sinks and tp is not None:
+            raise ValueError("attention sinks cannot be sharded over tensor-parallel ranks yet; use one rank")
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if options.sinks else None
         self.fused = fused_ops()
         # Every dim of every q and k head rotated in rotate_half's layout, straight from the projection:
         # what the native rotary and the one-call decode do.
@@ -172,7 +177,7 @@ class LlamaAttention(nn.Module):
         else:  # q and k heads rotated together: half the elementwise calls
             qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.o_proj(self.attn(q, k, v, ctx, self.sinks))
 
     def positioned(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] from the projection's q | k columns [T, (Hq + Hkv) D]: normed,

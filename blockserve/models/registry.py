@@ -13,6 +13,7 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2.Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3.Gemma3ForCausalLM",
     "Glm4ForCausalLM": "glm4.Glm4ForCausalLM",
+    "GptOssForCausalLM": "gpt_oss.GptOssForCausalLM",
     "GraniteForCausalLM": "granite.GraniteForCausalLM",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid.GraniteMoeHybridForCausalLM",
     "KimiLinearForCausalLM": "kimi_linear.KimiLinearForCausalLM",

@@ -1,6 +1,7 @@
 """Tiny random dense and mixture-of-experts families (tests/models/test_dense_families.py: Mistral and
 Qwen2 with sliding windows, Gemma 2, Phi-3 / Phi-4-mini, OLMo 2, Granite, SmolLM3, GLM-4, EXAONE 4;
-tests/models/test_moe_families.py: Mixtral, Qwen2-MoE, Qwen3-MoE) through the whole engine
+tests/models/test_moe_families.py: Mixtral, Qwen2-MoE, Qwen3-MoE; tests/models/test_gpt_oss.py: GPT-OSS, with
+attention sinks and a window of 8) through the whole engine
 (LLM.generate) against transformers.
 
 Batched (prompts of 3 to 30 tokens, longer than every sliding window), with prefix caching on (a
@@ -24,6 +25,7 @@ from blockserve.kv import SlidingWindowSpec
 from blockserve.models.loader import load_model
 from blockserve.models.random_checkpoint import save_random_model
 from tests.models.test_dense_families import DENSE_CONFIGS
+from tests.models.test_gpt_oss import GPT_OSS_CONFIGS
 from tests.models.test_moe_families import MOE_CONFIGS
 from tests.parity import assert_greedy_parity, assert_logprobs_close, reference_outputs
 from tests.scenarios import ENGINE_SCENARIOS, engine_options, engine_prompts
@@ -37,7 +39,7 @@ STEP_TOKENS = 16  # the preemption scenario's step budget
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5)
 
 
-FAMILIES = {**DENSE_CONFIGS, **MOE_CONFIGS}
+FAMILIES = {**DENSE_CONFIGS, **MOE_CONFIGS, **GPT_OSS_CONFIGS}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

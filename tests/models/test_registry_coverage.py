@@ -22,6 +22,7 @@ PARITY_SUITES = {
     "tests.models.conftest": ("MLA_CONFIGS", "STATE_CONFIGS"),
     "tests.models.test_moe_families": ("MOE_CONFIGS",),
     "tests.models.test_dense_families": ("DENSE_CONFIGS",),
+    "tests.models.test_gpt_oss": ("GPT_OSS_CONFIGS",),
 }
 
 
