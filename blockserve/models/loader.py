@@ -315,6 +315,12 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, architectures=[architecture], **values)
 
 
+def gguf_architectures() -> frozenset[str]:
+    """The `architectures` names a GGUF file can be loaded as (llama.cpp's "llama" with experts: Mixtral)."""
+    model_types = {_GGUF_MODEL_TYPES.get(arch, arch) for arch in _GGUF_ARCHITECTURES} | {"mixtral"}
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t] for t in model_types if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def _gguf_model_type(reader: gguf.GGUFReader, arch: str) -> str:
     """transformers' model_type of a GGUF of architecture `arch`."""
     experts = reader.fields.get(f"{arch}.expert_count")
