@@ -6,7 +6,8 @@ every row of a step (decodes and prefill chunks) in one launch per layer.
                 [c | k_rope] of cache [N, bs, R + Dr], one KV head shared by all query heads,
                 values c
 
-The kernel reads only slots its rows may see (masked page loads), so reads_unwritten_slots =
+Attention sinks (GPT-OSS): with `sinks=True` forward takes each head's sink logit and the kernel adds
+it to the softmax's denominator. The kernel reads only slots its rows may see (masked page loads), so reads_unwritten_slots =
 False: recycled blocks need no zeroing (C1). It reads no host list, so decode steps are captured
 as CUDA graphs. On the CPU it runs in Triton's interpreter, for tests (TRITON_INTERPRET=1).
 """
@@ -38,18 +39,20 @@ class TritonAttention:
         if softcap is not None:
             raise ValueError(f"attention_backend 'triton' does not soft-cap attention scores (softcap={softcap}); "
                              "serve this model with attention_backend 'flex', 'exact' or 'whole_block'")
-        if sinks:
-            raise ValueError("attention_backend 'triton' does not take attention sinks (GPT-OSS); "
-                             "serve this model with attention_backend 'flex', 'exact' or 'whole_block'")
         self.scale = scale
         self.softcap = None
+        self.sinks = sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], caches [num_pages, bs, Hkv, D] -> [T, Hq, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], caches [num_pages, bs, Hkv, D], sinks [Hq] (exactly when built
+        with sinks=True) -> [T, Hq, D]."""
+        if (sinks is not None) != self.sinks:
+            raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
+                             f"{'out' if sinks is None else ''} sink logits")
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        return triton_paged.paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale)
+        return triton_paged.paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale, sinks=sinks)
 
 
 class TritonMLA(AbsorbedMLA):

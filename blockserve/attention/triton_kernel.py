@@ -16,6 +16,10 @@ Keys may come in two parts (`q2`/`k2`, dot products added): MLA's absorbed form 
 as [q_lat | q_rope] . [c | k_rope] over the latent cache row, and its values are the row's
 first part (VALUE_IS_K1: the loaded tile is reused, not read twice).
 
+Sinks (HAS_SINKS, GPT-OSS): head h's learned logit sinks[h] joins each row's softmax denominator
+(as exp2(sink · log2 e - m) in the running maximum's frame) and weighs no value; with key splits,
+COMBINE adds it once, in the frame of the splits' largest log2-sum-exp.
+
 Split keys (flash-decoding, decode-only steps): with SPLITS > 1 the grid's third axis also splits
 each row's key steps into SPLITS shares; each program stores its share's normalised output and
 log2-sum-exp (fp32, [tokens, query heads, SPLITS]) and `COMBINE` weighs them into the output. So a
@@ -30,8 +34,11 @@ import triton
 import triton.language as tl
 
 
+LOG2E = 1.4426950408889634
+
+
 def _kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, sinks_ptr,
     table_ptr, seq_len_ptr, key_start_ptr, query_start_ptr, tile_seq_ptr, tile_row_ptr,
     scale_log2e, window,
     stride_ot, stride_oh, stride_q1t, stride_q1h, stride_q2t, stride_q2h,
@@ -42,6 +49,7 @@ def _kernel(
     D1: tl.constexpr, D1_PAD: tl.constexpr, D2: tl.constexpr, D2_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """Program (tile, KV head, head block x split): see the module docstring."""
     tile = tl.program_id(0)
@@ -115,6 +123,9 @@ def _kernel(
                                  + dv[None, :], mask=readable[:, None] & (dv[None, :] < DV), other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), values.to(q1.dtype), input_precision=PRECISION)
             m_i = m_new
+        if HAS_SINKS and SPLITS == 1:  # with splits, COMBINE adds the sink
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            l_i += tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if SPLITS == 1:
             tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
@@ -126,18 +137,22 @@ def _kernel(
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-def _combine(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
-             SPLITS: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
+def _combine(out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, stride_ot, stride_oh,
+             SPLITS: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     """out[token, head] = the splits' outputs weighted by their share of the softmax's sum; one
     program per (token, query head)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part = (token * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
     lse = tl.load(part_lse_ptr + part)
-    weight = tl.exp2(lse - tl.max(lse, 0))  # every row sees a key (itself): some split's lse is finite
+    top = tl.max(lse, 0)  # every row sees a key (itself): some split's lse is finite
+    weight = tl.exp2(lse - top)
     dv = tl.arange(0, DV_PAD)
     parts = tl.load(part_out_ptr + part[:, None] * DV_PAD + dv[None, :])
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * LOG2E - top)
+    out = tl.sum(parts * weight[:, None], 0) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 KERNEL = triton.jit(_kernel)

@@ -140,7 +140,7 @@ def key_splits(meta: AttentionMetadata, rows: int, programs: int, device: torch.
 
 
 def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, value_is_k1: bool,
-                 splits: int | None, tiles=tile_map):
+                 splits: int | None, tiles=tile_map, sinks: torch.Tensor | None = None):
     """(grid, positional args, constexpr kwargs, num_warps) of one launch; with key splits the args
     name the partial results' buffers, which `paged_attention` combines. Caches are [pages, bs,
     heads, dim]. `splits`: None for key_splits' choice."""
@@ -166,7 +166,7 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
     q2 = q1 if q2 is None else q2
     k2 = k1 if k2 is None else k2
     window = meta.sliding_window
-    args = (out, *parts, q1, q2, k1, k2, v, meta.block_table, meta.seq_len, meta.key_start, tiles.query_start,
+    args = (out, *parts, q1, q2, k1, k2, v, q1 if sinks is None else sinks, meta.block_table, meta.seq_len, meta.key_start, tiles.query_start,
             tiles.seq, tiles.first_row, scale * math.log2(math.e), window or 0,
             out.stride(0), out.stride(1), q1.stride(0), q1.stride(1), q2.stride(0), q2.stride(1),
             *k1.stride()[:3], *k2.stride()[:3], *v.stride()[:3], meta.block_table.stride(0))
@@ -176,22 +176,26 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
         D1=q1.shape[-1], D1_PAD=_pad(q1.shape[-1]), D2=d2, D2_PAD=_pad(d2),
         DV=out.shape[-1], DV_PAD=_pad(out.shape[-1]),
         HAS_WINDOW=window is not None, VALUE_IS_K1=value_is_k1,
-        PRECISION="ieee" if q1.dtype == torch.float32 else None, SPLITS=splits)
+        PRECISION="ieee" if q1.dtype == torch.float32 else None, SPLITS=splits, HAS_SINKS=sinks is not None)
     return grid, args, constexprs, 4 if width <= WIDE_HEAD else 8  # wide heads: registers for 8 warps
 
 
 def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                     scale: float, *, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
-                    value_is_k1: bool = False, splits: int | None = None) -> torch.Tensor:
+                    value_is_k1: bool = False, splits: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, Hq, Dv] = attention of q1 [T, Hq, D1] (and q2 [T, Hq, D2]) over the pages of k1 [N, bs,
     Hkv, D1] (and k2 [N, bs, Hkv, D2]) with values v [N, bs, Hkv, Dv] (or k1's first Dv columns when
-    `value_is_k1`). The step's K/V must already be written. `splits`: key splits per decode row
-    (None: key_splits' choice)."""
+    `value_is_k1`), each head's logit `sinks` [Hq] in the softmax's denominator when given. The step's
+    K/V must already be written. `splits`: key splits per decode row (None: key_splits' choice)."""
     q1, q2, k1, k2, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q1, q2, k1, k2, v))
     if (why := unavailable(q1.device)) is not None:
         raise RuntimeError(f"attention_backend 'triton' cannot run on {q1.device}: {why}")
     kernels = _kernels()
-    grid, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, splits)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    grid, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, splits,
+                                                     sinks=sinks)
     kernels.KERNEL[grid](*args, **constexprs, num_warps=num_warps)
     if constexprs["SPLITS"] > 1:
         kernels.COMBINE[out.shape[:2]](*_combine_args(args, constexprs))
@@ -201,8 +205,9 @@ def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: to
 def _combine_args(args, constexprs) -> tuple:
     """The combine kernel's arguments, from the attention launch's."""
     out, part_out, part_lse = args[:3]
-    return (out, part_out, part_lse, out.stride(0), out.stride(1), constexprs["SPLITS"], constexprs["DV"],
-            constexprs["DV_PAD"])
+    sinks = args[8]
+    return (out, part_out, part_lse, sinks, out.stride(0), out.stride(1), constexprs["SPLITS"], constexprs["DV"],
+            constexprs["DV_PAD"], constexprs["HAS_SINKS"])
 
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
