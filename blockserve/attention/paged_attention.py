@@ -28,9 +28,8 @@ the softmax's denominator and weights no value,
 
     out = Σ_k exp(s_k) v_k / (exp(sinks[h]) + Σ_k exp(s_k)),
 
-computed explicitly too; the native decode kernel does not take sinks, so such a backend's decodes
-take the gathered PyTorch path. The sink logits arrive with each forward (they are the model's
-weights).
+computed explicitly too, and by the native decode kernel (its `sinks` argument). The sink logits
+arrive with each forward (they are the model's weights).
 """
 
 from __future__ import annotations
@@ -201,8 +200,7 @@ class ExactLengthAttention(PagedAttention):
 
     def __init__(self, scale: float, softcap: float | None = None, sinks: bool = False):
         super().__init__(scale, softcap, sinks)
-        # the kernel neither soft-caps nor takes sinks
-        self.decode_kernel = paged_decode_kernel() if softcap is None and not sinks else None
+        self.decode_kernel = paged_decode_kernel() if softcap is None else None  # the kernel does not soft-cap
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
@@ -213,7 +211,8 @@ class ExactLengthAttention(PagedAttention):
         table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda host: (
             host.block_table[:nd].contiguous(), host.key_start[:nd].contiguous(), host.seq_len[:nd].contiguous()))
         decodes = out[:nd]
-        self.decode_kernel(decodes, q[:nd].contiguous(), k_cache, v_cache, table, key_start, seq_lens, self.scale)
+        self.decode_kernel(decodes, q[:nd].contiguous(), k_cache, v_cache, table, key_start, seq_lens, self.scale,
+                           sinks=None if sinks is None else sinks.float().contiguous())
 
     def _gather(self, meta: AttentionMetadata, seqs: list[int]) -> _Gather:
         lens = meta.layout.seq_lens

@@ -8,7 +8,7 @@ is a decode, csrc/paged_decode.cpp's rotary_decode_attention does all of it in o
 
 It is exactly what the reference path computes (fused rotary_, the backend's index_copy_ and
 its native decode kernel), so results do not change. Anything else (prefill rows, a sliding
-window, a backend without the native kernel, a dtype or device the kernel does not take)
+window, attention sinks, a backend without the native kernel, a dtype or device the kernel does not take)
 returns None and the caller runs the reference path.
 """
 
@@ -35,7 +35,10 @@ class RotaryDecode:
         self.attn = attn
 
     def _kernel(self) -> PagedDecodeKernel | None:
-        """The backend's own native decode kernel: None where it has none (or it was switched off)."""
+        """The backend's own native decode kernel: None where it has none (or it was switched off),
+        or where the layer has attention sinks (the one-call decode takes none)."""
+        if getattr(self.attn.backend, "sinks", False):
+            return None
         return getattr(self.attn.backend, "decode_kernel", None)
 
     def fixed(self, cache: LayerCache, dtype: torch.dtype) -> tuple | None:

@@ -57,8 +57,12 @@ class PagedDecodeKernel:
     def __init__(self, module):
         self._module = module
 
-    def __call__(self, *args) -> None:
-        self._module.paged_decode_attention(*args)
+    def __call__(self, *args, sinks: torch.Tensor | None = None) -> None:
+        """`sinks` [Hq] float32: each query head's logit in the softmax's denominator (GPT-OSS)."""
+        if sinks is None:
+            self._module.paged_decode_attention(*args)
+        else:
+            self._module.paged_decode_attention_sinks(*args, sinks)
 
     def rotary_decode(self, *args) -> None:
         """`(out, qkv, cos, sin, k_cache, v_cache, slot_mapping, block_table, key_start, seq_lens,

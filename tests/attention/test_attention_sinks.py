@@ -2,7 +2,8 @@
 value) in every paged-attention backend, against a dense reference built from the full K/V of each
 sequence: `exact` and `whole_block` (decodes, prefill chunks, mixed steps, a sliding window), `flex`
 (one scaled FlexAttention call), `triton` (its kernel in Triton's interpreter, with and without key
-splits), on caches whose unused slots hold NaN where the backend reads only written slots. Sinks of
+splits), the native decode kernel (both builds: AVX-512 and AVX2; the portable and the intrinsics
+paths; float32, float16 and bfloat16 caches), on caches whose unused slots hold NaN where the backend reads only written slots. Sinks of
 N(0, 4) make the denominator's extra term matter (asserted: the outputs move). The triton and flex
 cases are `slow` (the interpreter, FlexAttention's eager trace); tests/models/test_gpt_oss.py runs flex
 by default through the model."""
@@ -17,6 +18,7 @@ import torch
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.attention.triton_paged import TRITON_UNAVAILABLE, paged_attention
+from blockserve.native.extension import paged_decode_kernel, why_not_native
 from tests.attention.test_paged_attention import HQ, HKV, D, BS, make_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,3 +96,44 @@ def test_sinks_given_exactly_when_declared(backend):  # refused before any kerne
         BACKENDS[backend](SCALE, sinks=True).forward(q, k, v, k_cache, v_cache, meta)
     with pytest.raises(ValueError, match="with sink logits"):
         BACKENDS[backend](SCALE).forward(q, k, v, k_cache, v_cache, meta, sinks=SINKS)
+
+
+@pytest.mark.parametrize("without_avx512", [False, True], ids=["native-default", "native-without-avx512"])
+@pytest.mark.parametrize("dtype,head_size", [(torch.float32, 8), (torch.float32, 64), (torch.float16, 64),
+                                             (torch.bfloat16, 128)])
+def test_native_decode_kernel_adds_the_sinks(without_avx512, dtype, head_size):
+    """Decodes of contexts of 1 to 70 keys, some starting past key 0 (a window), over NaN-filled caches."""
+    if why_not_native() is not None:
+        pytest.skip(f"native kernels cannot be built here ({why_not_native()})")
+    kernel = paged_decode_kernel(without_avx512=without_avx512)
+    if not kernel.reads(torch.float32, dtype, head_size):
+        pytest.skip(f"this CPU's build does not read {dtype} caches")
+    hq, hkv, block_size = 6, 2, 16
+    lens, starts = [1, 17, 40, 70], [0, 0, 20, 9]
+    gen = torch.Generator().manual_seed(5)
+    sinks = torch.randn(hq, generator=gen) * 2
+    need = [-(-n // block_size) for n in lens]
+    k_cache = torch.full((sum(need) + 1, block_size, hkv, head_size), float("nan")).to(dtype)
+    v_cache = k_cache.clone()
+    table = torch.zeros(len(lens), max(need), dtype=torch.int64)
+    q = torch.randn(len(lens), hq, head_size, generator=gen)
+    want, next_block = [], 1
+    for i, (n, start) in enumerate(zip(lens, starts)):
+        blocks = list(range(next_block, next_block + need[i]))
+        next_block += need[i]
+        table[i, :need[i]] = torch.tensor(blocks)
+        keys = torch.randn(n, hkv, head_size, generator=gen).to(dtype)
+        values = torch.randn(n, hkv, head_size, generator=gen).to(dtype)
+        for p in range(n):
+            k_cache[blocks[p // block_size], p % block_size] = keys[p]
+            v_cache[blocks[p // block_size], p % block_size] = values[p]
+        k = keys[start:].float().repeat_interleave(hq // hkv, 1)
+        v = values[start:].float().repeat_interleave(hq // hkv, 1)
+        scores = torch.cat([torch.einsum("hd,khd->hk", q[i], k) * head_size**-0.5, sinks[:, None]], dim=1)
+        want.append(torch.einsum("hk,khd->hd", scores.softmax(-1)[:, :-1], v))
+    out = torch.empty_like(q)
+    kernel(out, q, k_cache, v_cache, table, torch.tensor(starts), torch.tensor(lens), head_size**-0.5, sinks=sinks)
+    torch.testing.assert_close(out, torch.stack(want), rtol=1e-4, atol=1e-5)
+    plain = torch.empty_like(q)
+    kernel(plain, q, k_cache, v_cache, table, torch.tensor(starts), torch.tensor(lens), head_size**-0.5)
+    assert float((plain - out).abs().max()) > 0.05  # the sinks matter here

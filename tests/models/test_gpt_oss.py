@@ -7,8 +7,8 @@ real loader; run through paged attention blocks with NaN in every unused block (
 Prompt logits within 1e-4 of transformers' eager attention (which adds the sinks), greedy tokens equal.
 The sinks are live (zeroing them breaks parity), routing spreads (every MoE layer picks at least half
 of its experts, the same as transformers for every token). The triton backend's kernel (in Triton's
-interpreter, `slow`) matches too; the native decode kernel takes no sinks, so the exact backend's
-decodes take its PyTorch path.
+interpreter, `slow`) matches too; the exact backend's decodes run the native decode kernel with the
+sinks (tests/attention/test_attention_sinks.py checks that kernel alone).
 """
 
 from __future__ import annotations
@@ -90,14 +90,14 @@ def test_parity_needs_the_sinks(gpt_oss):
 
 
 def test_layers_alternate_sliding_and_full(gpt_oss):
-    """Two KV specs, hence two groups; the native decode kernel, which takes no sinks, is left unused."""
+    """Two KV specs, hence two groups; the native decode kernel (with sinks) serves the decodes."""
     path, *_ = gpt_oss
     model = load_model(str(path), BACKENDS["exact"]).model
     specs = model.kv_cache_specs(4)
     assert [type(specs[f"model.layers.{i}.self_attn"]) for i in range(3)] == [
         SlidingWindowSpec, FullAttentionSpec, SlidingWindowSpec]
     assert specs["model.layers.0.self_attn"].sliding_window == WINDOW
-    assert all(layer.self_attn.attn.backend.decode_kernel is None for layer in model.model.layers)
+    assert all(layer.self_attn.attn.backend.sinks for layer in model.model.layers)
     assert all(len(p) > WINDOW for p in paged_prompts()[1:])
 
 

@@ -30,6 +30,9 @@ bool reads_16bit(int64_t head_size);
 int64_t pool_sequences();
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale);
+void paged_decode_attention_sinks(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale,
+                                  at::Tensor sinks);
 void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                              at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_table,
                              at::Tensor key_start, at::Tensor seq_lens, int64_t n_heads, double scale);

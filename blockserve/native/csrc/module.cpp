@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache, in place (out, q, k_cache, v_cache, block_table, key_start, "
         "seq_lens, scale)");
+  m.def("paged_decode_attention_sinks", &paged_decode_attention_sinks,
+        "paged_decode_attention with each query head's sink logit in the softmax's denominator (..., scale, sinks)");
   m.def("rotary_decode_attention", &rotary_decode_attention,
         "a decode-only step: rotate q, k of qkv in place, write k, v to the caches, attend (out, qkv, cos, sin, "
         "k_cache, v_cache, slot_mapping, block_table, key_start, seq_lens, n_heads, scale)");

@@ -340,11 +340,12 @@ constexpr int64_t kPoolSeqs = BLOCKSERVE_AVX512 ? 128 : 64;
 int64_t pool_sequences() { return kPoolSeqs; }
 
 // Every sequence's decode, for a cache of element type T (float, at::Half or at::BFloat16).
-// Sequence n's query heads are the n_heads * dim floats at qp + n * q_stride.
+// Sequence n's query heads are the n_heads * dim floats at qp + n * q_stride. sinks (nullptr: none):
+// query head h's logit in the softmax's denominator, exp(sinks[h] - run_max) in the state's frame.
 template <typename T>
 static void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seqs, int64_t n_heads,
                        at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                       at::Tensor key_start, at::Tensor seq_lens, float scale) {
+                       at::Tensor key_start, at::Tensor seq_lens, float scale, const float* sinks = nullptr) {
   const int64_t dim = k_cache.size(3), block_size = k_cache.size(1), n_kv_heads = k_cache.size(2);
   const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);  // query heads per KV head
   const int64_t slot_stride = n_kv_heads * dim;
@@ -400,7 +401,8 @@ static void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_
                  acc.data(), score.data(), run_max.data(), run_sum.data());
       float* on = op + n * n_heads * dim + kv * group * dim;
       for (int64_t hq = 0; hq < group; ++hq) {
-        const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
+        const float sum = run_sum[hq] + (sinks != nullptr ? std::exp(sinks[kv * group + hq] - run_max[hq]) : 0.f);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
         for (int64_t d = 0; d < dim; ++d) on[hq * dim + d] = acc[hq * dim + d] * inv;
       }
     }
@@ -455,6 +457,23 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at
   TORCH_CHECK(k_cache.size(3) == q.size(2), "paged_decode_attention: shape mismatch");
   dispatch_cache(k_cache, out, q.data_ptr<float>(), q.size(1) * q.size(2), q.size(0), q.size(1), k_cache, v_cache,
                  block_table, key_start, seq_lens, static_cast<float>(scale));
+}
+
+// paged_decode_attention with attention sinks: sinks [Hq] float32, each query head's logit added to
+// its softmax's denominator (weighing no value).
+void paged_decode_attention_sinks(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale,
+                                  at::Tensor sinks) {
+  const char* name = "paged_decode_attention_sinks";
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, name, ": float32 q and out expected");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              name, ": contiguous q and out [N, Hq, D] expected");
+  check_cache(k_cache, v_cache, block_table, key_start, seq_lens, q.size(0), q.size(1), name);
+  TORCH_CHECK(k_cache.size(3) == q.size(2), name, ": shape mismatch");
+  TORCH_CHECK(sinks.dtype() == at::kFloat && sinks.is_contiguous() && sinks.dim() == 1 && sinks.size(0) == q.size(1),
+              name, ": contiguous float32 sinks [Hq] expected");
+  dispatch_cache(k_cache, out, q.data_ptr<float>(), q.size(1) * q.size(2), q.size(0), q.size(1), k_cache, v_cache,
+                 block_table, key_start, seq_lens, static_cast<float>(scale), sinks.data_ptr<float>());
 }
 
 // A decode-only step of a rotate_half RoPE attention layer in one call. qkv [N, (Hq + 2 Hkv) D]
