@@ -19,6 +19,10 @@ Decodes are attended together in one batched call (exact length: by the native k
 csrc/paged_decode.cpp when it is built, which reads the same slots in place instead of copying
 them); prefill chunks one sequence at a time (a fresh prompt needs no cache read at all).
 
+A quantized cache (int8, attention/kv_quant.py) is written as codes and scales, and every read
+dequantises; a fresh prompt then attends the dequantised K/V too, so that a prefix-cache hit
+and a cold run see the same values (C4).
+
 Attention logit soft-capping (`softcap`, Gemma 2): scores become softcap * tanh(scores / softcap)
 before the mask and softmax, computed explicitly (scaled_dot_product_attention has no such hook);
 the native decode kernel does not soft-cap, so a soft-capping backend never uses it.
@@ -31,6 +35,7 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from blockserve.attention import kv_quant
 from blockserve.attention.flex_attention import FlexAttention
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.native.extension import paged_decode_kernel
@@ -74,6 +79,8 @@ def soft_capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 class PagedAttention:
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
+    # The quantized KV dtypes (kv/specs.py QUANTIZED_KV_DTYPES) this backend reads and writes.
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8",)
     # Whether a decode step's forward may be captured as a CUDA graph (worker/cuda_graphs.py): it
     # reads only tensors, no host list. These backends build their gathers from the host lists.
     captures_decode: ClassVar[bool] = False
@@ -98,8 +105,11 @@ class PagedAttention:
     ) -> torch.Tensor:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # slots are distinct within a step
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_rows, v_rows = kv_quant.encode(k, k_cache.dtype), kv_quant.encode(v, v_cache.dtype)
+        k_flat.index_copy_(0, meta.slot_mapping, k_rows)  # slots are distinct within a step
+        v_flat.index_copy_(0, meta.slot_mapping, v_rows)
+        if kv_quant.is_quantized(k_cache):  # attend what the cache holds, cold or warm
+            k, v = kv_quant.decode(k_rows, q.dtype), kv_quant.decode(v_rows, q.dtype)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         layout = meta.layout
         nd = layout.num_decodes
@@ -156,7 +166,7 @@ class PagedAttention:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, n, D], keys/values [N, L, Hkv, D] (any cache dtype: computed in q's), mask
         broadcastable to [N, Hq, n, L]."""
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        keys, values = kv_quant.decode(keys, q.dtype), kv_quant.decode(values, q.dtype)
         if self.softcap is not None:
             return soft_capped_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.scale, self.softcap)
         return F.scaled_dot_product_attention(

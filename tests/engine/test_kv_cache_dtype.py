@@ -1,4 +1,4 @@
-"""kv_cache_dtype: attention K/V stored as float16 or bfloat16 through the whole engine.
+"""kv_cache_dtype: attention K/V stored as float16, bfloat16 or int8 through the whole engine.
 
 The tiny model has head size 64, so decodes go to the native kernel's 16-bit path where it is
 built (AVX-512 or AVX2), else to the gathered PyTorch path. With float16 (11-bit mantissa) the greedy
@@ -6,6 +6,12 @@ outputs must stay those of the float32 cache. bfloat16 (8 bits) rounds 8x coarse
 this random model's greedy picks within a few tokens, so for it only the storage is checked here
 (tests/attention checks its reads exactly). Either way the cache must really hold 16-bit values,
 and the same memory must hold twice the blocks.
+
+int8 (codes and a float16 scale per head vector, attention/kv_quant.py) must hold 3.8x the
+float32 blocks, read the same through every CPU backend, survive recycled poisoned blocks (C1:
+identical epoch to epoch with the derived zeroing; broken on a whole-block reader without it), and
+give the same tokens with prefix caching on and off (C4). A dtype a backend or layer kind cannot
+read is refused at start-up.
 """
 
 from __future__ import annotations
@@ -15,8 +21,15 @@ import torch
 from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
+from blockserve.cli import build_parser
+from blockserve.config_args import config_from_namespace
+from blockserve.attention.layer import Attention
+from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
+from blockserve.engine.core import refuse_unreadable_kv_dtype
+from blockserve.kv.specs import MLASpec, with_kv_cache_dtype
 from blockserve.models.random_checkpoint import save_random_model
+from tests.scenarios import engine_prompts
 
 CONFIG = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, bos_token_id=None,
@@ -31,10 +44,10 @@ def model_path(tmp_path_factory):
     return str(path)
 
 
-def run(path: str, kv_cache_dtype: str) -> tuple[list[list[int]], LLM]:
+def run(path: str, kv_cache_dtype: str, **options) -> tuple[list[list[int]], LLM]:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    llm = LLM(path, block_size=16, kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(path, **{"block_size": 16, "kv_cache_memory": "4MiB", "kv_cache_dtype": kv_cache_dtype, **options})
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
 
@@ -54,4 +67,73 @@ def test_16bit_cache_keeps_the_float32_outputs(model_path, dtype):
 
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_int8_cache_holds_codes_scales_and_3_8x_the_float32_tokens(model_path):
+    _, full = run(model_path, "auto")
+    got, quantized = run(model_path, "int8", check_integrity=True)
+    assert all(len(tokens) == 40 for tokens in got)
+    caches = quantized.engine.core.runner.layer_caches.values()
+    assert {(c.k_cache.dtype, c.k_cache.shape[-1]) for c in caches} == {(torch.int8, 64 + 2)}
+    blocks = lambda llm: sum(g.num_blocks for g in llm.engine.core.kv_config.groups)  # noqa: E731
+    assert blocks(quantized) >= 3.8 * blocks(full)
+    assert "1.94x float16" in quantized.engine.core.kv_config.capacity_report()
+    # every backend reads the same codes: the native kernel, the gathered path, whole blocks
+    assert run(model_path, "int8", attention_backend="whole_block")[0] == got
+
+
+# 2 layers x (K, V) x 4 slots x 2 heads x (64 codes + 2 scale bytes): 17 blocks hold one request of
+# 64 tokens, far fewer than engine_prompts() need at once, so blocks recycle within an epoch.
+SMALL_INT8_CACHE = dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 2 * 4 * 2 * 66,
+                        kv_cache_dtype="int8")
+
+
+def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=10)
+    return [[o.outputs[0].token_ids for o in llm.generate(engine_prompts(), params, use_tqdm=False)]
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("backend", ["exact", "whole_block"])
+def test_int8_recycled_poisoned_blocks(model_path, backend):
+    """C1 on quantized bytes: every garbage block holds codes -128 and NaN scales. With the derived
+    zeroing, every epoch gives the unpoisoned outputs; with zeroing forced off, the exact backend
+    still does and the whole-block one, which reads unwritten slots, breaks."""
+    want = epochs(LLM(model_path, **SMALL_INT8_CACHE), 1)[0]
+    assert epochs(LLM(model_path, attention_backend=backend, poison=True, **SMALL_INT8_CACHE), 3) == [want] * 3
+    unzeroed = epochs(LLM(model_path, attention_backend=backend, poison=True, unsafe_disable_zeroing=True,
+                          **SMALL_INT8_CACHE), 2)
+    if BACKENDS[backend].reads_unwritten_slots:
+        assert unzeroed != [want] * 2
+    else:
+        assert unzeroed == [want] * 2
+
+
+@pytest.mark.parametrize("backend", ["exact", "whole_block"])
+def test_int8_prefix_caching_on_equals_off(model_path, backend):
+    """C4: a prefix hit reads the stored codes (never re-quantised); a cold prompt attends the same
+    dequantised K/V, so the tokens do not change."""
+    options = dict(SMALL_INT8_CACHE, kv_cache_memory="1MiB", attention_backend=backend)
+    off = epochs(LLM(model_path, enable_prefix_caching=False, **options), 1)[0]
+    cached = LLM(model_path, enable_prefix_caching=True, **options)
+    assert epochs(cached, 2) == [off, off]
+    assert cached.engine.core.scheduler.kv.prefix_cache_stats().hits > 0
+
+
+def test_int8_is_refused_where_it_cannot_be_read():
+    """Start-up names the backend (or layer kind) and the dtype, never a silent fallback."""
+    attn = Attention("layers.0", 4, 2, 64, BACKENDS["triton"](0.125), dtype=torch.float32)
+    spec = with_kv_cache_dtype(attn.kv_cache_spec(16), "int8")
+    with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
+        refuse_unreadable_kv_dtype("layers.0", attn, spec)
+    refuse_unreadable_kv_dtype("layers.0", Attention("layers.0", 4, 2, 64, BACKENDS["exact"](0.125),
+                                                     dtype=torch.float32), spec)
+    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
+        with_kv_cache_dtype(MLASpec(16, 32, 8), "int8")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench", "latency"]], ids=" ".join)
+def test_every_command_takes_kv_cache_dtype_int8(command):
+    args = build_parser().parse_args([*command, "--kv-cache-dtype", "int8"])
+    assert config_from_namespace(EngineConfig, args).kv_cache_dtype == "int8"
