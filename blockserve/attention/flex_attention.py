@@ -251,7 +251,7 @@ class FlexAttention:
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
-    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8",)  # dequantised as the pages are read
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # dequantised as pages are read
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
@@ -268,8 +268,8 @@ class FlexAttention:
         """q [T, Hq, D], k/v [T, Hkv, D], caches [num_pages, bs, Hkv, D] -> [T, Hq, D]."""
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_flat.index_copy_(0, meta.slot_mapping, kv_quant.encode(k, k_cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, kv_quant.encode(v, v_cache.dtype))
+        kv_quant.write(k_flat, meta.slot_mapping, k)
+        kv_quant.write(v_flat, meta.slot_mapping, v)
         mask = _derived_mask(meta, k_cache.shape[0], q.device)
         keys = kv_quant.decode(_kv(k_cache, mask.pages), q.dtype)
         values = kv_quant.decode(_kv(v_cache, mask.pages), q.dtype)
@@ -285,7 +285,7 @@ class FlexMLA(AbsorbedMLA):
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
-    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8",)  # dequantised as the pages are read
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # dequantised as pages are read
 
     def _attend_latent(self, q_lat, q_rope, cache, meta: AttentionMetadata) -> torch.Tensor:
         mask = _derived_mask(meta, cache.shape[0], q_lat.device)

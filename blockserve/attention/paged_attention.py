@@ -19,7 +19,7 @@ Decodes are attended together in one batched call (exact length: by the native k
 csrc/paged_decode.cpp when it is built, which reads the same slots in place instead of copying
 them); prefill chunks one sequence at a time (a fresh prompt needs no cache read at all).
 
-A quantized cache (int8, attention/kv_quant.py) is written as codes and scales, and every read
+A quantized cache (int8 or fp8, attention/kv_quant.py) is written as codes and scales, and every read
 dequantises; a fresh prompt then attends the dequantised K/V too, so that a prefix-cache hit
 and a cold run see the same values (C4).
 
@@ -80,7 +80,7 @@ class PagedAttention:
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
     # The quantized KV dtypes (kv/specs.py QUANTIZED_KV_DTYPES) this backend reads and writes.
-    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8",)
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")
     # Whether a decode step's forward may be captured as a CUDA graph (worker/cuda_graphs.py): it
     # reads only tensors, no host list. These backends build their gathers from the host lists.
     captures_decode: ClassVar[bool] = False
@@ -105,9 +105,8 @@ class PagedAttention:
     ) -> torch.Tensor:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_rows, v_rows = kv_quant.encode(k, k_cache.dtype), kv_quant.encode(v, v_cache.dtype)
-        k_flat.index_copy_(0, meta.slot_mapping, k_rows)  # slots are distinct within a step
-        v_flat.index_copy_(0, meta.slot_mapping, v_rows)
+        k_rows = kv_quant.write(k_flat, meta.slot_mapping, k)  # slots are distinct within a step
+        v_rows = kv_quant.write(v_flat, meta.slot_mapping, v)
         if kv_quant.is_quantized(k_cache):  # attend what the cache holds, cold or warm
             k, v = kv_quant.decode(k_rows, q.dtype), kv_quant.decode(v_rows, q.dtype)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides

@@ -31,11 +31,13 @@ DTYPE_BYTES = {
 
 # Quantized K/V: each head vector of each token is stored in its block as `head_size` one-byte
 # codes followed by its float16 scale (KV_SCALE_BYTES), x ~= code * scale (attention/kv_quant.py).
-QUANTIZED_KV_DTYPES = ("int8",)
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
 KV_SCALE_BYTES = 2
 
-# The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's).
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", *QUANTIZED_KV_DTYPES)
+# The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's); "fp8" is
+# e4m3 (the stored dtype float8_e4m3fn).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
+_STORED_AS = {"fp8": "float8_e4m3fn"}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -197,9 +199,10 @@ def with_kv_cache_dtype(spec, kv_cache_dtype: str):
     A quantized dtype is refused for MLA latents, which have no quantized form."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
-    if kv_cache_dtype in QUANTIZED_KV_DTYPES and isinstance(spec, MLASpec):
+    stored = _STORED_AS.get(kv_cache_dtype, kv_cache_dtype)
+    if stored in QUANTIZED_KV_DTYPES and isinstance(spec, MLASpec):
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not built for MLA layers' latent cache; "
                          f"use auto, float16 or bfloat16 for this model")
     if kv_cache_dtype == "auto" or not isinstance(spec, FullAttentionSpec):
         return spec
-    return dataclasses.replace(spec, dtype=kv_cache_dtype)
+    return dataclasses.replace(spec, dtype=stored)

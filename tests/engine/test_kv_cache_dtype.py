@@ -7,7 +7,7 @@ this random model's greedy picks within a few tokens, so for it only the storage
 (tests/attention checks its reads exactly). Either way the cache must really hold 16-bit values,
 and the same memory must hold twice the blocks.
 
-int8 (codes and a float16 scale per head vector, attention/kv_quant.py) must hold 3.8x the
+int8 and fp8 (codes and a float16 scale per head vector, attention/kv_quant.py) must hold 3.8x the
 float32 blocks, read the same through every CPU backend, survive recycled poisoned blocks (C1:
 identical epoch to epoch with the derived zeroing; broken on a whole-block reader without it), and
 give the same tokens with prefix caching on and off (C4). A dtype a backend or layer kind cannot
@@ -70,23 +70,27 @@ def test_unknown_kv_cache_dtype_is_rejected():
         EngineConfig(kv_cache_dtype="int4")
 
 
-def test_int8_cache_holds_codes_scales_and_3_8x_the_float32_tokens(model_path):
+QUANTIZED = pytest.mark.parametrize("dtype", ["int8", "fp8"])
+STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+@QUANTIZED
+def test_quantized_cache_holds_codes_scales_and_3_8x_the_float32_tokens(model_path, dtype):
     _, full = run(model_path, "auto")
-    got, quantized = run(model_path, "int8", check_integrity=True)
+    got, quantized = run(model_path, dtype, check_integrity=True)
     assert all(len(tokens) == 40 for tokens in got)
     caches = quantized.engine.core.runner.layer_caches.values()
-    assert {(c.k_cache.dtype, c.k_cache.shape[-1]) for c in caches} == {(torch.int8, 64 + 2)}
+    assert {(c.k_cache.dtype, c.k_cache.shape[-1]) for c in caches} == {(STORED[dtype], 64 + 2)}
     blocks = lambda llm: sum(g.num_blocks for g in llm.engine.core.kv_config.groups)  # noqa: E731
     assert blocks(quantized) >= 3.8 * blocks(full)
     assert "1.94x float16" in quantized.engine.core.kv_config.capacity_report()
     # every backend reads the same codes: the native kernel, the gathered path, whole blocks
-    assert run(model_path, "int8", attention_backend="whole_block")[0] == got
+    assert run(model_path, dtype, attention_backend="whole_block")[0] == got
 
 
 # 2 layers x (K, V) x 4 slots x 2 heads x (64 codes + 2 scale bytes): 17 blocks hold one request of
 # 64 tokens, far fewer than engine_prompts() need at once, so blocks recycle within an epoch.
-SMALL_INT8_CACHE = dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 2 * 4 * 2 * 66,
-                        kv_cache_dtype="int8")
+SMALL_QUANTIZED_CACHE = dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 2 * 4 * 2 * 66)
 
 
 def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
@@ -95,33 +99,36 @@ def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
             for _ in range(count)]
 
 
+@QUANTIZED
 @pytest.mark.parametrize("backend", ["exact", "whole_block"])
-def test_int8_recycled_poisoned_blocks(model_path, backend):
-    """C1 on quantized bytes: every garbage block holds codes -128 and NaN scales. With the derived
+def test_recycled_poisoned_quantized_blocks(model_path, backend, dtype):
+    """C1 on quantized bytes: every garbage block holds poison codes and NaN scales. With the derived
     zeroing, every epoch gives the unpoisoned outputs; with zeroing forced off, the exact backend
     still does and the whole-block one, which reads unwritten slots, breaks."""
-    want = epochs(LLM(model_path, **SMALL_INT8_CACHE), 1)[0]
-    assert epochs(LLM(model_path, attention_backend=backend, poison=True, **SMALL_INT8_CACHE), 3) == [want] * 3
+    options = dict(SMALL_QUANTIZED_CACHE, kv_cache_dtype=dtype)
+    want = epochs(LLM(model_path, **options), 1)[0]
+    assert epochs(LLM(model_path, attention_backend=backend, poison=True, **options), 3) == [want] * 3
     unzeroed = epochs(LLM(model_path, attention_backend=backend, poison=True, unsafe_disable_zeroing=True,
-                          **SMALL_INT8_CACHE), 2)
+                          **options), 2)
     if BACKENDS[backend].reads_unwritten_slots:
         assert unzeroed != [want] * 2
     else:
         assert unzeroed == [want] * 2
 
 
+@QUANTIZED
 @pytest.mark.parametrize("backend", ["exact", "whole_block"])
-def test_int8_prefix_caching_on_equals_off(model_path, backend):
+def test_quantized_prefix_caching_on_equals_off(model_path, backend, dtype):
     """C4: a prefix hit reads the stored codes (never re-quantised); a cold prompt attends the same
     dequantised K/V, so the tokens do not change."""
-    options = dict(SMALL_INT8_CACHE, kv_cache_memory="1MiB", attention_backend=backend)
+    options = dict(SMALL_QUANTIZED_CACHE, kv_cache_memory="1MiB", attention_backend=backend, kv_cache_dtype=dtype)
     off = epochs(LLM(model_path, enable_prefix_caching=False, **options), 1)[0]
     cached = LLM(model_path, enable_prefix_caching=True, **options)
     assert epochs(cached, 2) == [off, off]
     assert cached.engine.core.scheduler.kv.prefix_cache_stats().hits > 0
 
 
-def test_int8_is_refused_where_it_cannot_be_read():
+def test_quantized_dtypes_are_refused_where_they_cannot_be_read():
     """Start-up names the backend (or layer kind) and the dtype, never a silent fallback."""
     attn = Attention("layers.0", 4, 2, 64, BACKENDS["triton"](0.125), dtype=torch.float32)
     spec = with_kv_cache_dtype(attn.kv_cache_spec(16), "int8")
@@ -129,11 +136,13 @@ def test_int8_is_refused_where_it_cannot_be_read():
         refuse_unreadable_kv_dtype("layers.0", attn, spec)
     refuse_unreadable_kv_dtype("layers.0", Attention("layers.0", 4, 2, 64, BACKENDS["exact"](0.125),
                                                      dtype=torch.float32), spec)
-    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
-        with_kv_cache_dtype(MLASpec(16, 32, 8), "int8")
+    for dtype in ("int8", "fp8"):
+        with pytest.raises(ValueError, match=f"'{dtype}' is not built for MLA"):
+            with_kv_cache_dtype(MLASpec(16, 32, 8), dtype)
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench", "latency"]], ids=" ".join)
-def test_every_command_takes_kv_cache_dtype_int8(command):
-    args = build_parser().parse_args([*command, "--kv-cache-dtype", "int8"])
-    assert config_from_namespace(EngineConfig, args).kv_cache_dtype == "int8"
+def test_every_command_takes_the_quantized_kv_cache_dtypes(command):
+    for dtype in ("int8", "fp8"):
+        args = build_parser().parse_args([*command, "--kv-cache-dtype", dtype])
+        assert config_from_namespace(EngineConfig, args).kv_cache_dtype == dtype

@@ -1,8 +1,11 @@
-// Decode attention read in place from an int8 KV cache (attention/kv_quant.py's layout), and the
-// fused decode step that writes it. Same contract as paged_decode.cpp's entry points, which call
-// these for an int8 cache.
+// Decode attention read in place from a quantized KV cache (attention/kv_quant.py's layout), and
+// the fused decode step that writes it. Same contract as paged_decode.cpp's entry points, which
+// call these for an int8 or float8_e4m3fn cache.
 //
-// A cache row is one head vector of one token: D int8 codes, then its float16 scale (x = c * s).
+// A cache row is one head vector of one token: D one-byte codes (int8, or float8 e4m3), then its
+// float16 scale (x = c * s). The SIMD paths widen e4m3 codes through float16: the code's sign,
+// exponent and mantissa shifted into a float16's place stand for its value / 256 (subnormals too),
+// and the 256 is folded into the scale.
 // Scales are folded, never multiplied into the codes:
 //     score_p = scale * s_k[p] * (q . c_k[p])          weight_p = softmax_p * s_v[p]
 // so a key costs one multiply beyond its codes' dot product, and all arithmetic is float32. Only
@@ -12,6 +15,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -25,14 +29,14 @@
 #include "task_pool.h"
 
 #if defined(__AVX512F__)
-#define INT8_KV_AVX512 1
+#define QUANTIZED_KV_AVX512 1
 #else
-#define INT8_KV_AVX512 0
+#define QUANTIZED_KV_AVX512 0
 #endif
-#if !INT8_KV_AVX512 && defined(__AVX2__) && defined(__FMA__)
-#define INT8_KV_AVX2 1
+#if !QUANTIZED_KV_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANTIZED_KV_AVX2 1
 #else
-#define INT8_KV_AVX2 0
+#define QUANTIZED_KV_AVX2 0
 #endif
 
 namespace blockserve {
@@ -46,15 +50,41 @@ inline float row_scale(const int8_t* row, int64_t dim) {
   return static_cast<float>(scale);
 }
 
+// The largest code magnitude: a row's largest |x| is stored as it.
+template <bool FP8>
+constexpr float kCodeMax = FP8 ? 448.f : 127.f;
+// What the SIMD paths' widened codes are multiplied by to give the codes' values.
+template <bool FP8>
+constexpr float kSimdUnit = FP8 ? 256.f : 1.f;
+
+template <bool FP8>
+inline float code_value(int8_t code) {
+  if constexpr (FP8) {
+    c10::Float8_e4m3fn value;
+    std::memcpy(&value, &code, 1);
+    return static_cast<float>(value);
+  } else {
+    return static_cast<float>(code);
+  }
+}
+
 // One head vector x [dim] into row [dim + 2]: kv_quant.encode's rounding (scale rounded to
-// float16 first, codes round-half-even of x / scale, clamped to [-127, 127]).
+// float16 first; codes: x / scale rounded half-even to int8 in [-127, 127], or to e4m3 in [-448, 448]).
+template <bool FP8>
 inline void quantize_row(const float* x, int8_t* row, int64_t dim) {
   float amax = 0.f;
   for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const at::Half scale_half(std::min(amax / 127.f, 65504.f));
+  const at::Half scale_half(std::min(amax / kCodeMax<FP8>, 65504.f));
   const float scale = static_cast<float>(scale_half);
-  for (int64_t d = 0; d < dim; ++d)
-    row[d] = scale > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -127.f, 127.f)) : 0;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float ratio = scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<FP8>, kCodeMax<FP8>) : 0.f;
+    if constexpr (FP8) {
+      const c10::Float8_e4m3fn code(ratio);
+      std::memcpy(row + d, &code, 1);
+    } else {
+      row[d] = static_cast<int8_t>(std::nearbyint(ratio));
+    }
+  }
   std::memcpy(row + dim, &scale_half, kScaleBytes);
 }
 
@@ -101,6 +131,7 @@ inline void block_of(const Item& it, int64_t base, const int8_t** k, const int8_
   }
 }
 
+template <bool FP8>
 void attend_portable(const Item& it) {
   const int64_t dim = it.dim;
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
@@ -114,7 +145,7 @@ void attend_portable(const Item& it) {
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const float* qh = it.q + hq * dim;
         float dot = 0.f;
-        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * static_cast<float>(kr[d]);
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * code_value<FP8>(kr[d]);
         const float score = dot * ks;
         const float new_max = std::max(it.run_max[hq], score);
         const float fix = fast_exp(it.run_max[hq] - new_max), w = fast_exp(score - new_max);
@@ -122,20 +153,30 @@ void attend_portable(const Item& it) {
         it.run_sum[hq] = it.run_sum[hq] * fix + w;
         float* ah = it.acc + hq * dim;
         const float wv = w * vs;
-        for (int64_t d = 0; d < dim; ++d) ah[d] = ah[d] * fix + wv * static_cast<float>(vr[d]);
+        for (int64_t d = 0; d < dim; ++d) ah[d] = ah[d] * fix + wv * code_value<FP8>(vr[d]);
       }
     }
   }
 }
 
-#if INT8_KV_AVX512
+#if QUANTIZED_KV_AVX512
+// 16 codes widened to float32 (e4m3: / 256).
+template <bool FP8>
 inline __m512 codes16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FP8) {
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
 }
 
 // Head size 16 * C, keys 16 at a time: per query head the chunk's 16 scores in one vector, the
 // online softmax on it, then its V-scaled weights into the head's accumulator.
-template <int C>
+template <bool FP8, int C>
 void attend_avx512(const Item& it) {
   constexpr int64_t dim = 16 * C;
   const int64_t stride = it.slot_stride;
@@ -149,8 +190,8 @@ void attend_avx512(const Item& it) {
       prefetch_rows(nk, nv, lo, std::min(lo + 16, it.block_size), stride, dim + kScaleBytes);
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
       for (int j = 0; j < 16; ++j) {
-        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * it.scale : 0.f;
-        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) : 0.f;
+        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<FP8>) : 0.f;
+        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) * kSimdUnit<FP8> : 0.f;
       }
       const __m512 ks = _mm512_load_ps(kscale), vs = _mm512_load_ps(vscale);
       for (int64_t hq = 0; hq < it.group; ++hq) {
@@ -161,7 +202,7 @@ void attend_avx512(const Item& it) {
         for (int j = 0; j < 16; ++j) {
           part[j] = _mm512_setzero_ps();
           if (j < n)
-            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16(kh + j * stride + 16 * c), part[j]);
+            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16<FP8>(kh + j * stride + 16 * c), part[j]);
         }
         _mm512_store_ps(it.weights + 16 * hq, _mm512_mul_ps(lanes_transpose_sum16(part), ks));
       }
@@ -187,13 +228,13 @@ void attend_avx512(const Item& it) {
         for (; j + 1 < n; j += 2) {
           const __m512 we = _mm512_set1_ps(wh[j]), wo = _mm512_set1_ps(wh[j + 1]);
           for (int c = 0; c < C; ++c) {
-            even[c] = _mm512_fmadd_ps(we, codes16(vh + j * stride + 16 * c), even[c]);
-            odd[c] = _mm512_fmadd_ps(wo, codes16(vh + (j + 1) * stride + 16 * c), odd[c]);
+            even[c] = _mm512_fmadd_ps(we, codes16<FP8>(vh + j * stride + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(wo, codes16<FP8>(vh + (j + 1) * stride + 16 * c), odd[c]);
           }
         }
         if (j < n) {
           const __m512 we = _mm512_set1_ps(wh[j]);
-          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16(vh + j * stride + 16 * c), even[c]);
+          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16<FP8>(vh + j * stride + 16 * c), even[c]);
         }
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, _mm512_add_ps(even[c], odd[c]));
       }
@@ -202,14 +243,24 @@ void attend_avx512(const Item& it) {
 }
 #endif
 
-#if INT8_KV_AVX2
+#if QUANTIZED_KV_AVX2
+// 8 codes widened to float32 (e4m3: / 256).
+template <bool FP8>
 inline __m256 codes8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FP8) {
+    const __m128i wide = _mm_cvtepu8_epi16(bytes);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
 }
 
 // attend_avx512's contract on 8 lanes, head size 8 * C; the V rows go into the accumulator
 // SLICE registers at a time.
-template <int C>
+template <bool FP8, int C>
 void attend_avx2(const Item& it) {
   constexpr int64_t dim = 8 * C;
   constexpr int SLICE = C < 8 ? C : 8;
@@ -225,8 +276,8 @@ void attend_avx2(const Item& it) {
       prefetch_rows(nk, nv, lo, std::min(lo + 8, it.block_size), stride, dim + kScaleBytes);
       const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
       for (int j = 0; j < 8; ++j) {
-        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * it.scale : 0.f;
-        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) : 0.f;
+        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<FP8>) : 0.f;
+        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) * kSimdUnit<FP8> : 0.f;
       }
       const __m256 ks = _mm256_load_ps(kscale), vs = _mm256_load_ps(vscale);
       for (int64_t hq = 0; hq < it.group; ++hq) {
@@ -238,7 +289,7 @@ void attend_avx2(const Item& it) {
           const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
-            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8(kh + j * stride + 8 * c), part[j]);
+            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8<FP8>(kh + j * stride + 8 * c), part[j]);
         }
         _mm256_store_ps(it.weights + 8 * hq, _mm256_mul_ps(lanes_transpose_sum8(part), ks));
       }
@@ -262,7 +313,7 @@ void attend_avx2(const Item& it) {
           for (int64_t j = 0; j < n; ++j) {
             const __m256 wj = _mm256_set1_ps(wh[j]);
             const int8_t* vr = vh + j * stride + 8 * s;
-            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8(vr + 8 * c), sum[c]);
+            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8<FP8>(vr + 8 * c), sum[c]);
           }
           for (int c = 0; c < SLICE; ++c) _mm256_storeu_ps(ah + 8 * c, sum[c]);
         }
@@ -274,17 +325,18 @@ void attend_avx2(const Item& it) {
 
 using Path = void (*)(const Item&);
 
+template <bool FP8>
 Path path_for(int64_t dim) {
-#if INT8_KV_AVX512
-  if (dim == 64) return attend_avx512<4>;
-  if (dim == 128) return attend_avx512<8>;
-  if (dim == 256) return attend_avx512<16>;
-#elif INT8_KV_AVX2
-  if (dim == 64) return attend_avx2<8>;
-  if (dim == 128) return attend_avx2<16>;
-  if (dim == 256) return attend_avx2<32>;
+#if QUANTIZED_KV_AVX512
+  if (dim == 64) return attend_avx512<FP8, 4>;
+  if (dim == 128) return attend_avx512<FP8, 8>;
+  if (dim == 256) return attend_avx512<FP8, 16>;
+#elif QUANTIZED_KV_AVX2
+  if (dim == 64) return attend_avx2<FP8, 8>;
+  if (dim == 128) return attend_avx2<FP8, 16>;
+  if (dim == 256) return attend_avx2<FP8, 32>;
 #endif
-  return attend_portable;
+  return attend_portable<FP8>;
 }
 
 // Every sequence's decode; sequence n's query heads are the n_heads * dim floats at qp + n * q_stride.
@@ -296,13 +348,13 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
   const int64_t n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes, block_size = k_cache.size(1);
   const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);
   const int64_t slot_stride = n_kv_heads * (dim + kScaleBytes);
-  const int8_t* kp = k_cache.data_ptr<int8_t>();
-  const int8_t* vp = v_cache.data_ptr<int8_t>();
+  const int8_t* kp = static_cast<const int8_t*>(k_cache.data_ptr());
+  const int8_t* vp = static_cast<const int8_t*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* starts = key_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const Path attend = path_for(dim);
+  const Path attend = k_cache.scalar_type() == at::kFloat8_e4m3fn ? path_for<true>(dim) : path_for<false>(dim);
   int64_t keys = 0;
   for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
   const int64_t items = n_seqs * n_kv_heads;
@@ -334,11 +386,12 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
   }
 }
 
-void check_int8_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+void check_quantized_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                       const at::Tensor& key_start, const at::Tensor& seq_lens, int64_t n_seqs, int64_t n_heads,
                       int64_t dim, const char* name) {
-  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar, name,
-              ": int8 K and V caches expected");
+  TORCH_CHECK((k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              name, ": int8 or float8_e4m3fn K and V caches of one dtype expected");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == dim + kScaleBytes, name,
               ": K and V caches [blocks, block_size, Hkv, D + 2] (codes, float16 scale) expected");
   TORCH_CHECK(block_table.dtype() == at::kLong && key_start.dtype() == at::kLong && seq_lens.dtype() == at::kLong,
@@ -353,28 +406,28 @@ void check_int8_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, cons
 
 }  // namespace
 
-void paged_decode_attention_int8(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+void paged_decode_attention_quantized(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                  at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale) {
-  const char* name = "paged_decode_attention (int8 cache)";
+  const char* name = "paged_decode_attention (quantized cache)";
   TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, name, ": float32 q and out expected");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(), name,
               ": contiguous q and out [N, Hq, D] expected");
-  check_int8_cache(k_cache, v_cache, block_table, key_start, seq_lens, q.size(0), q.size(1), q.size(2), name);
+  check_quantized_cache(k_cache, v_cache, block_table, key_start, seq_lens, q.size(0), q.size(1), q.size(2), name);
   decode_all(out, q.data_ptr<float>(), q.size(1) * q.size(2), q.size(0), q.size(1), k_cache, v_cache, block_table,
              key_start, seq_lens, static_cast<float>(scale));
 }
 
-void rotary_decode_attention_int8(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin,
                                   at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                                   at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens,
                                   int64_t n_heads, double scale) {
-  const char* name = "rotary_decode_attention (int8 cache)";
+  const char* name = "rotary_decode_attention (quantized cache)";
   TORCH_CHECK(qkv.dtype() == at::kFloat && out.dtype() == at::kFloat && cos.dtype() == at::kFloat &&
                   sin.dtype() == at::kFloat,
               name, ": float32 qkv, cos, sin and out expected");
   TORCH_CHECK(k_cache.dim() == 4, name, ": K and V caches [blocks, block_size, Hkv, D + 2] expected");
   const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes;
-  check_int8_cache(k_cache, v_cache, block_table, key_start, seq_lens, n_seqs, n_heads, dim, name);
+  check_quantized_cache(k_cache, v_cache, block_table, key_start, seq_lens, n_seqs, n_heads, dim, name);
   const int64_t q_size = n_heads * dim, kv_size = n_kv_heads * dim;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size && qkv.stride(1) == 1,
               name, ": qkv [N, (Hq + 2 Hkv) D] with contiguous rows expected");
@@ -390,15 +443,16 @@ void rotary_decode_attention_int8(at::Tensor out, at::Tensor qkv, at::Tensor cos
   for (int64_t n = 0; n < n_seqs; ++n)
     TORCH_CHECK(slots[n] >= 0 && slots[n] < num_slots, name, ": slot ", slots[n], " outside the cache (", num_slots,
                 " slots)");
-  int8_t* kc = k_cache.data_ptr<int8_t>();
-  int8_t* vc = v_cache.data_ptr<int8_t>();
+  int8_t* kc = static_cast<int8_t*>(k_cache.data_ptr());
+  int8_t* vc = static_cast<int8_t*>(v_cache.data_ptr());
+  const auto quantize = k_cache.scalar_type() == at::kFloat8_e4m3fn ? quantize_row<true> : quantize_row<false>;
   for (int64_t n = 0; n < n_seqs; ++n) {  // a few KB per sequence: not worth a parallel region
     float* x = qkvp + n * qkv.stride(0);
     rotate_half_heads(x, n_heads + n_kv_heads, dim, cos.data_ptr<float>() + n * cos.stride(0),
                       sin.data_ptr<float>() + n * sin.stride(0));
     for (int64_t h = 0; h < n_kv_heads; ++h) {
-      quantize_row(x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * row, dim);
-      quantize_row(x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * row, dim);
+      quantize(x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * row, dim);
+      quantize(x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * row, dim);
     }
   }
   decode_all(out, qkvp, qkv.stride(0), n_seqs, n_heads, k_cache, v_cache, block_table, key_start, seq_lens,
