@@ -29,6 +29,7 @@ from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import refuse_unreadable_kv_dtype
 from blockserve.kv.specs import MLASpec, with_kv_cache_dtype
 from blockserve.models.random_checkpoint import save_random_model
+from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
 from tests.scenarios import engine_prompts
 
 CONFIG = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
@@ -146,3 +147,34 @@ def test_every_command_takes_the_quantized_kv_cache_dtypes(command):
     for dtype in ("int8", "fp8"):
         args = build_parser().parse_args([*command, "--kv-cache-dtype", dtype])
         assert config_from_namespace(EngineConfig, args).kv_cache_dtype == dtype
+
+
+@pytest.mark.parametrize("family", [pytest.param("granitemoehybrid", marks=pytest.mark.slow), "qwen3_next"])
+def test_hybrid_int8_caching_on_equals_off(tiny_model, family):
+    """Hybrids: attention layers on int8, recurrent states on float32 (and their checkpoints). Two
+    turns of three conversations sharing a system prompt, poisoned: caching on (blocks hit, states
+    restored) gives caching off's tokens."""
+    path, _ = tiny_model(family)
+    gen = torch.Generator().manual_seed(3)
+    system = torch.randint(0, VOCAB, (70,), generator=gen).tolist()
+    first = [system + torch.randint(0, VOCAB, (5 + 6 * c,), generator=gen).tolist() for c in range(3)]
+    follow_ups = [torch.randint(0, VOCAB, (9,), generator=gen).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    def turns(caching: bool):
+        llm = LLM(str(path), block_size=4, max_model_len=192, kv_cache_memory="16MiB", kv_cache_dtype="int8",
+                  poison=True, check_integrity=True, enable_prefix_caching=caching)
+        replies = [o.outputs[0].token_ids for o in llm.generate(first, params, use_tqdm=False)]
+        second = [p + r + f for p, r, f in zip(first, replies, follow_ups)]
+        outputs = llm.generate(second, params, use_tqdm=False)
+        return replies + [o.outputs[0].token_ids for o in outputs], sum(o.num_cached_tokens for o in outputs)
+
+    on, hits = turns(True)
+    assert turns(False) == (on, 0)
+    assert hits > 0
+
+
+def test_int8_is_refused_for_a_model_with_mla_layers(tiny_model):
+    path, _ = tiny_model("kimi_linear")
+    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
+        LLM(str(path), kv_cache_dtype="int8", kv_cache_memory="16MiB", max_model_len=192)
