@@ -183,7 +183,7 @@ def decode_latency_ms(loaded, dtype: str, context: int, batch: int, rounds: int)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
     times = []
     with CpuShare() as share:
-        position = context
+        position = context - rounds * steps - 1  # the last step attends `context` tokens (within the model's positions)
         run.step(tables, [position] * batch, [[1]] * batch)  # warm-up (builds the decode plan)
         position += 1
         for _ in range(rounds * steps):
