@@ -37,7 +37,7 @@ test-fast: install
 # Developer benchmarks (benchmarks/README.md: the question each answers); `blockserve bench ...`
 # (blockserve/bench/) measures the installed engine. Each writes its raw figures under results/.
 .PHONY: bench-kv bench-scheduler bench-kernels bench-matmul bench-step bench-threads bench-drift bench-multiturn \
-	bench-hybrid-prefix bench-tp bench-dp bench-structured bench-peers bench-peers-native gpu-check soak
+	bench-hybrid-prefix bench-tp bench-dp bench-structured bench-peers bench-peers-native gpu-check soak bench-kv-dtype
 bench-kv: install
 	$(THREAD_POLICY) $(PY) -m benchmarks.kv_core --json results/kv_core.json
 
@@ -46,6 +46,9 @@ bench-scheduler: install
 
 bench-kernels: install
 	$(THREAD_POLICY) $(PY) -m benchmarks.decode_kernels
+
+bench-kv-dtype: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.kv_cache_dtype --json results/kv_cache_dtype.json
 
 bench-matmul: install
 	$(THREAD_POLICY) $(PY) -m benchmarks.quantized_matmul --json results/quantized_matmul.json

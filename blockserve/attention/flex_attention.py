@@ -45,6 +45,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from blockserve.attention import kv_quant
 from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata, int64_tensor
 
@@ -260,6 +261,7 @@ class FlexAttention:
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # dequantised as pages are read
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
@@ -281,11 +283,11 @@ class FlexAttention:
                              f"{'out' if sinks is None else ''} sink logits")
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        kv_quant.write(k_flat, meta.slot_mapping, k)
+        kv_quant.write(v_flat, meta.slot_mapping, v)
         mask = _derived_mask(meta, k_cache.shape[0], q.device)
-        keys = _kv(k_cache, mask.pages).to(q.dtype)
-        values = _kv(v_cache, mask.pages).to(q.dtype)
+        keys = kv_quant.decode(_kv(k_cache, mask.pages), q.dtype)
+        values = kv_quant.decode(_kv(v_cache, mask.pages), q.dtype)
         out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale, self.score_mod, sinks)
         return out[0].transpose(0, 1).contiguous()
 
@@ -298,6 +300,7 @@ class FlexMLA(AbsorbedMLA):
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # dequantised as pages are read
 
     def _attend_latent(self, q_lat, q_rope, cache, meta: AttentionMetadata) -> torch.Tensor:
         mask = _derived_mask(meta, cache.shape[0], q_lat.device)

@@ -19,6 +19,10 @@ Decodes are attended together in one batched call (exact length: by the native k
 csrc/paged_decode.cpp when it is built, which reads the same slots in place instead of copying
 them); prefill chunks one sequence at a time (a fresh prompt needs no cache read at all).
 
+A quantized cache (int8 or fp8, attention/kv_quant.py) is written as codes and scales, and every read
+dequantises; a fresh prompt then attends the dequantised K/V too, so that a prefix-cache hit
+and a cold run see the same values (C4).
+
 Attention logit soft-capping (`softcap`, Gemma 2): scores become softcap * tanh(scores / softcap)
 before the mask and softmax, computed explicitly (scaled_dot_product_attention has no such hook);
 the native decode kernel does not soft-cap, so a soft-capping backend never uses it.
@@ -39,6 +43,7 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from blockserve.attention import kv_quant
 from blockserve.attention.flex_attention import FlexAttention
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.native.extension import paged_decode_kernel
@@ -89,6 +94,8 @@ def explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 class PagedAttention:
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
+    # The quantized KV dtypes (kv/specs.py QUANTIZED_KV_DTYPES) this backend reads and writes.
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")
     # Whether a decode step's forward may be captured as a CUDA graph (worker/cuda_graphs.py): it
     # reads only tensors, no host list. These backends build their gathers from the host lists.
     captures_decode: ClassVar[bool] = False
@@ -118,8 +125,10 @@ class PagedAttention:
                              f"{'out' if sinks is None else ''} sink logits")
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # slots are distinct within a step
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_rows = kv_quant.write(k_flat, meta.slot_mapping, k)  # slots are distinct within a step
+        v_rows = kv_quant.write(v_flat, meta.slot_mapping, v)
+        if kv_quant.is_quantized(k_cache):  # attend what the cache holds, cold or warm
+            k, v = kv_quant.decode(k_rows, q.dtype), kv_quant.decode(v_rows, q.dtype)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         layout = meta.layout
         nd = layout.num_decodes
@@ -176,8 +185,8 @@ class PagedAttention:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, Hq, n, D], keys/values [N, L, Hkv, D] (any cache dtype: computed in q's), mask
-        broadcastable to [N, Hq, n, L], sinks [Hq] or None."""
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        broadcastable to [N, Hq, n, L], sinks [Hq] or None.
+        keys, values = kv_quant.decode(keys, q.dtype), kv_quant.decode(values, q.dtype)
         if self.softcap is not None or sinks is not None:
             return explicit_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.scale,
                                       self.softcap, sinks)
@@ -205,7 +214,8 @@ class ExactLengthAttention(PagedAttention):
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
         if (self.decode_kernel is None or not native_reads(q, q.dtype)
-                or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1])):
+                or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1])
+                or (sinks is not None and kv_quant.is_quantized(k_cache))):  # the sinks kernel reads float caches
             return super()._attend_decodes(q, k_cache, v_cache, meta, out, sinks)
         nd = meta.layout.num_decodes
         table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda host: (

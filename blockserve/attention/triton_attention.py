@@ -29,6 +29,7 @@ class TritonAttention:
     name: ClassVar[str] = "triton"
     reads_unwritten_slots: ClassVar[bool] = False  # page loads are masked to written slots
     captures_decode: ClassVar[bool] = True  # reads no host list
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ()  # the kernel reads plain K/V only
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:

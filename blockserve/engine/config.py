@@ -115,7 +115,9 @@ class EngineConfig:
     # MLA latents and recurrent states keep the model's dtype.
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
-                "and reads, attention still computes in float32)", "choices": KV_CACHE_DTYPES})
+                "and reads; int8 and fp8 (e4m3): one-byte codes and a float16 scale per head vector, about half "
+                "of float16; "
+                "attention still computes in float32)", "choices": KV_CACHE_DTYPES})
     poison: bool = field(default=False, metadata={
         "help": "fill garbage KV blocks with NaN (debugging; also BLOCKSERVE_POISON=1)"})
     check_integrity: bool = field(default=False, metadata={

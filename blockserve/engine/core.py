@@ -105,6 +105,18 @@ def _run(work: Callable[[], T], *steps: SchedulerOutput) -> T:
         raise RunnerFailed(list(dict.fromkeys(rid for step in steps for rid in step.num_scheduled_tokens))) from e
 
 
+def refuse_unreadable_kv_dtype(layer_name: str, module, spec) -> None:
+    """A quantized K/V dtype must be one the layer's attention backend declares it reads and writes
+    (`quantized_kv_dtypes`); otherwise start-up fails naming both, never a silent fallback."""
+    if not getattr(spec, "is_quantized", False):
+        return
+    backend = getattr(module, "backend", None)
+    if spec.dtype not in getattr(backend, "quantized_kv_dtypes", ()):
+        reader = f"attention backend {backend.name!r}" if backend is not None else type(module).__name__
+        raise ValueError(f"kv_cache_dtype {spec.dtype!r} cannot be read by {reader} (layer {layer_name}); "
+                         f"use attention_backend 'exact', 'whole_block' or 'flex', or a float kv_cache_dtype")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """The engine over `config`; if building it fails once tensor-parallel ranks are up, they
@@ -147,6 +159,7 @@ class EngineCore:
             spec = with_kv_cache_dtype(spec, config.kv_cache_dtype)
             if layer_name not in kv_layers:
                 raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
+            refuse_unreadable_kv_dtype(layer_name, kv_layers[layer_name], spec)
             groups.setdefault((spec, kv_layers[layer_name].reads_unwritten_slots), []).append(layer_name)
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -122,6 +123,10 @@ class KVCacheConfig:
                         what += f" (≈ {ckpt_bytes / attention_bytes_per_token:,.0f} tokens of attention KV)"
             else:
                 what = f"{usable} blocks x {spec.block_size} = {usable * spec.block_size} tokens"
+                if getattr(spec, "is_quantized", False):  # what the same memory holds, against float16 K/V
+                    float16_page = dataclasses.replace(spec, dtype="float16").page_size_bytes
+                    what += (f" of {spec.dtype} ({2**30 / group.bytes_per_block * spec.block_size:,.0f} tokens per "
+                             f"GiB, {float16_page / spec.page_size_bytes:.2f}x float16)")
             lines.append(
                 f"group {i} {type(spec).__name__} ({len(group.layer_names)} layers): {what}, "
                 f"{nbytes / 2**20:.1f} MiB, zero new blocks: {'yes' if group.zero_new_blocks else 'no'}"

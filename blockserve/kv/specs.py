@@ -29,8 +29,15 @@ DTYPE_BYTES = {
 }
 
 
-# The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's).
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Quantized K/V: each head vector of each token is stored in its block as `head_size` one-byte
+# codes followed by its float16 scale (KV_SCALE_BYTES), x ~= code * scale (attention/kv_quant.py).
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
+KV_SCALE_BYTES = 2
+
+# The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's); "fp8" is
+# e4m3 (the stored dtype float8_e4m3fn).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
+_STORED_AS = {"fp8": "float8_e4m3fn"}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,6 +51,11 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown KV dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
 
 
+def kv_row_bytes(dtype: str, head_size: int) -> int:
+    """Bytes of one head vector of one token as stored: its elements, plus its scale when quantized."""
+    return head_size * dtype_bytes(dtype) + (KV_SCALE_BYTES if dtype in QUANTIZED_KV_DTYPES else 0)
+
+
 def _require_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -52,7 +64,8 @@ def _require_positive(**values: int) -> None:
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
-    """Keys and values of every token, `block_size` tokens per block."""
+    """Keys and values of every token, `block_size` tokens per block. A quantized dtype
+    (QUANTIZED_KV_DTYPES) keeps each head vector's scale beside its codes, inside the block."""
 
     block_size: int
     num_kv_heads: int
@@ -68,8 +81,12 @@ class FullAttentionSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_bytes(self.dtype)
+        """Bytes of one block of one layer (K and V; codes and scales when quantized)."""
+        return 2 * self.block_size * self.num_kv_heads * kv_row_bytes(self.dtype, self.head_size)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype in QUANTIZED_KV_DTYPES
 
     def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int | None = None) -> int:
         """The most blocks a request of `num_tokens` tokens ever holds at once."""
@@ -178,9 +195,14 @@ def zero_new_blocks(spec: KVCacheSpec, backend_reads_unwritten_slots: bool) -> b
 
 def with_kv_cache_dtype(spec, kv_cache_dtype: str):
     """The spec with its K/V stored as `kv_cache_dtype` (full and sliding-window attention; MLA
-    latents and recurrent states keep the model's dtype). "auto" returns the spec unchanged."""
+    latents and recurrent states keep the model's dtype). "auto" returns the spec unchanged.
+    A quantized dtype is refused for MLA latents, which have no quantized form."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
+    stored = _STORED_AS.get(kv_cache_dtype, kv_cache_dtype)
+    if stored in QUANTIZED_KV_DTYPES and isinstance(spec, MLASpec):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not built for MLA layers' latent cache; "
+                         f"use auto, float16 or bfloat16 for this model")
     if kv_cache_dtype == "auto" or not isinstance(spec, FullAttentionSpec):
         return spec
-    return dataclasses.replace(spec, dtype=kv_cache_dtype)
+    return dataclasses.replace(spec, dtype=stored)

@@ -35,7 +35,7 @@ DISABLE_ENV = "BLOCKSERVE_NATIVE_KERNELS"
 ISA_ENV = "BLOCKSERVE_NATIVE_ISA"  # native (default) | avx2
 # The module's translation units: the bindings, then one file per kernel (kernels.h, decode_stack.h).
 SOURCES = ("module.cpp", "fused_ops.cpp", "paged_decode.cpp", "quantized_matmul.cpp", "decode_stack.cpp", "argmax.cpp",
-           "sample.cpp")
+           "sample.cpp", "paged_decode_quantized.cpp")
 AVX2_ONLY = ("-mno-avx512f",)  # the build a CPU without AVX-512 gets (how tests cover it on one with it)
 
 
@@ -71,12 +71,12 @@ class PagedDecodeKernel:
         self._module.rotary_decode_attention(*args)
 
     def reads(self, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> bool:
-        """float32 queries over a float32 cache always; over float16 / bfloat16 caches where an
-        intrinsics path (AVX-512, or AVX2 + FMA + F16C) is compiled in and the head size is 64,
-        128 or 256."""
+        """float32 queries over a float32 or a quantized (int8, float8_e4m3fn: csrc/paged_decode_quantized.cpp)
+        cache always; over float16 / bfloat16 caches where an intrinsics path (AVX-512, or AVX2 + FMA +
+        F16C) is compiled in and the head size is 64, 128 or 256."""
         if q_dtype != torch.float32:
             return False
-        if cache_dtype == torch.float32:
+        if cache_dtype in (torch.float32, torch.int8, torch.float8_e4m3fn):
             return True
         return cache_dtype in (torch.float16, torch.bfloat16) and self._module.reads_16bit(head_size)
 

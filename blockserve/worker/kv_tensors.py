@@ -2,6 +2,7 @@
 holding all the group's layers, so a zero order is one indexed fill per tensor.
 
     attention group  [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_size]
+                     (quantized: int8 rows of head_size codes + a float16 scale, attention/kv_quant.py)
     MLA group        [layers, num_blocks, block_size, kv_lora_rank + rope_dim]
     state group      one tensor per state component: [layers, num_slots, *shape], the running
                      slots followed by the checkpoint slots
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from blockserve.attention import kv_quant
 from blockserve.attention.context import LayerCache, MLACache, StateCache
 from blockserve.attention.metadata import to_device
 from blockserve.kv.config import KVCacheConfig
-from blockserve.kv.specs import LinearStateSpec, MLASpec
+from blockserve.kv.specs import LinearStateSpec, MLASpec, kv_row_bytes
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -47,7 +49,8 @@ class KVCacheTensors:
                 tensors = [torch.zeros(layers, n, spec.block_size, width, dtype=TORCH_DTYPES[spec.dtype], device=device)]
                 block_dim = 1
             else:
-                shape = (layers, 2, n, spec.block_size, spec.num_kv_heads, spec.head_size)
+                row = kv_row_bytes(spec.dtype, spec.head_size) // TORCH_DTYPES[spec.dtype].itemsize
+                shape = (layers, 2, n, spec.block_size, spec.num_kv_heads, row)
                 tensors = [torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)]
                 block_dim = 2
             self.tensors.append(tensors)
@@ -61,12 +64,14 @@ class KVCacheTensors:
         return self.config.groups[group_id].num_slots
 
     def zero_blocks(self, group_id: int, block_ids) -> None:
-        """C1: zero the given blocks of every layer of the group, one indexed fill per tensor."""
-        self._fill(group_id, block_ids, 0.0)
+        """C1: zero the given blocks of every layer of the group, one indexed fill per tensor
+        (codes and scales of a quantized one)."""
+        self._fill(group_id, block_ids, poison=False)
 
     def poison_blocks(self, group_id: int, block_ids) -> None:
-        """Poison mode: fill the given blocks with NaN so that any read of them shows."""
-        self._fill(group_id, block_ids, float("nan"))
+        """Poison mode: fill the given blocks with NaN (a quantized cache: codes -128 and NaN
+        scales) so that any read of them shows."""
+        self._fill(group_id, block_ids, poison=True)
 
     def copy_slots(self, group_id: int, pairs) -> None:
         """State groups: copy slot `src` into slot `dst` in every layer, for each (src, dst)."""
@@ -80,7 +85,7 @@ class KVCacheTensors:
         for tensor in self.tensors[group_id]:
             tensor[:, dst] = tensor[:, src]
 
-    def _fill(self, group_id: int, block_ids, value: float) -> None:
+    def _fill(self, group_id: int, block_ids, poison: bool) -> None:
         block_ids = list(block_ids)
         if not block_ids:
             return
@@ -89,7 +94,7 @@ class KVCacheTensors:
         tensors = self.tensors[group_id]
         index = to_device(torch.tensor(block_ids, dtype=torch.int64), tensors[0].device)
         for tensor in tensors:
-            tensor.index_fill_(self.block_dims[group_id], index, value)
+            kv_quant.fill_rows(tensor, self.block_dims[group_id], index, poison)
 
     def layer_caches(self) -> dict[str, LayerCache | MLACache | StateCache]:
         """Each layer's views of its group's tensors, by layer name."""

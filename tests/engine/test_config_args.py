@@ -107,7 +107,7 @@ def test_every_command_parses_the_engine_flags_alike(command, argv, expected):
     assert config_from_namespace(EngineConfig, args) == expected
 
 
-@pytest.mark.parametrize("argv", [["--attention-backend", "nope"], ["--kv-cache-dtype", "int8"],
+@pytest.mark.parametrize("argv", [["--attention-backend", "nope"], ["--kv-cache-dtype", "int3"],
                                   ["--block-size", "x"], ["--num-threads", "1.5"]])
 def test_bad_values_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):

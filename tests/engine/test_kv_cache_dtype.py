@@ -1,4 +1,4 @@
-"""kv_cache_dtype: attention K/V stored as float16 or bfloat16 through the whole engine.
+"""kv_cache_dtype: attention K/V stored as float16, bfloat16 or int8 through the whole engine.
 
 The tiny model has head size 64, so decodes go to the native kernel's 16-bit path where it is
 built (AVX-512 or AVX2), else to the gathered PyTorch path. With float16 (11-bit mantissa) the greedy
@@ -6,6 +6,12 @@ outputs must stay those of the float32 cache. bfloat16 (8 bits) rounds 8x coarse
 this random model's greedy picks within a few tokens, so for it only the storage is checked here
 (tests/attention checks its reads exactly). Either way the cache must really hold 16-bit values,
 and the same memory must hold twice the blocks.
+
+int8 and fp8 (codes and a float16 scale per head vector, attention/kv_quant.py) must hold 3.8x the
+float32 blocks, read the same through every CPU backend, survive recycled poisoned blocks (C1:
+identical epoch to epoch with the derived zeroing; broken on a whole-block reader without it), and
+give the same tokens with prefix caching on and off (C4). A dtype a backend or layer kind cannot
+read is refused at start-up.
 """
 
 from __future__ import annotations
@@ -15,8 +21,16 @@ import torch
 from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
+from blockserve.cli import build_parser
+from blockserve.config_args import config_from_namespace
+from blockserve.attention.layer import Attention
+from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
+from blockserve.engine.core import refuse_unreadable_kv_dtype
+from blockserve.kv.specs import MLASpec, with_kv_cache_dtype
 from blockserve.models.random_checkpoint import save_random_model
+from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
+from tests.scenarios import engine_prompts
 
 CONFIG = dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, bos_token_id=None,
@@ -31,10 +45,10 @@ def model_path(tmp_path_factory):
     return str(path)
 
 
-def run(path: str, kv_cache_dtype: str) -> tuple[list[list[int]], LLM]:
+def run(path: str, kv_cache_dtype: str, **options) -> tuple[list[list[int]], LLM]:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    llm = LLM(path, block_size=16, kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(path, **{"block_size": 16, "kv_cache_memory": "4MiB", "kv_cache_dtype": kv_cache_dtype, **options})
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
 
@@ -54,4 +68,113 @@ def test_16bit_cache_keeps_the_float32_outputs(model_path, dtype):
 
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="int4")
+
+
+QUANTIZED = pytest.mark.parametrize("dtype", ["int8", "fp8"])
+STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+@QUANTIZED
+def test_quantized_cache_holds_codes_scales_and_3_8x_the_float32_tokens(model_path, dtype):
+    _, full = run(model_path, "auto")
+    got, quantized = run(model_path, dtype, check_integrity=True)
+    assert all(len(tokens) == 40 for tokens in got)
+    caches = quantized.engine.core.runner.layer_caches.values()
+    assert {(c.k_cache.dtype, c.k_cache.shape[-1]) for c in caches} == {(STORED[dtype], 64 + 2)}
+    blocks = lambda llm: sum(g.num_blocks for g in llm.engine.core.kv_config.groups)  # noqa: E731
+    assert blocks(quantized) >= 3.8 * blocks(full)
+    assert "1.94x float16" in quantized.engine.core.kv_config.capacity_report()
+    # every backend reads the same codes: the native kernel, the gathered path, whole blocks
+    assert run(model_path, dtype, attention_backend="whole_block")[0] == got
+
+
+# 2 layers x (K, V) x 4 slots x 2 heads x (64 codes + 2 scale bytes): 17 blocks hold one request of
+# 64 tokens, far fewer than engine_prompts() need at once, so blocks recycle within an epoch.
+SMALL_QUANTIZED_CACHE = dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 2 * 4 * 2 * 66)
+
+
+def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=10)
+    return [[o.outputs[0].token_ids for o in llm.generate(engine_prompts(), params, use_tqdm=False)]
+            for _ in range(count)]
+
+
+@QUANTIZED
+@pytest.mark.parametrize("backend", ["exact", "whole_block"])
+def test_recycled_poisoned_quantized_blocks(model_path, backend, dtype):
+    """C1 on quantized bytes: every garbage block holds poison codes and NaN scales. With the derived
+    zeroing, every epoch gives the unpoisoned outputs; with zeroing forced off, the exact backend
+    still does and the whole-block one, which reads unwritten slots, breaks."""
+    options = dict(SMALL_QUANTIZED_CACHE, kv_cache_dtype=dtype)
+    want = epochs(LLM(model_path, **options), 1)[0]
+    assert epochs(LLM(model_path, attention_backend=backend, poison=True, **options), 3) == [want] * 3
+    unzeroed = epochs(LLM(model_path, attention_backend=backend, poison=True, unsafe_disable_zeroing=True,
+                          **options), 2)
+    if BACKENDS[backend].reads_unwritten_slots:
+        assert unzeroed != [want] * 2
+    else:
+        assert unzeroed == [want] * 2
+
+
+@QUANTIZED
+@pytest.mark.parametrize("backend", ["exact", "whole_block"])
+def test_quantized_prefix_caching_on_equals_off(model_path, backend, dtype):
+    """C4: a prefix hit reads the stored codes (never re-quantised); a cold prompt attends the same
+    dequantised K/V, so the tokens do not change."""
+    options = dict(SMALL_QUANTIZED_CACHE, kv_cache_memory="1MiB", attention_backend=backend, kv_cache_dtype=dtype)
+    off = epochs(LLM(model_path, enable_prefix_caching=False, **options), 1)[0]
+    cached = LLM(model_path, enable_prefix_caching=True, **options)
+    assert epochs(cached, 2) == [off, off]
+    assert cached.engine.core.scheduler.kv.prefix_cache_stats().hits > 0
+
+
+def test_quantized_dtypes_are_refused_where_they_cannot_be_read():
+    """Start-up names the backend (or layer kind) and the dtype, never a silent fallback."""
+    attn = Attention("layers.0", 4, 2, 64, BACKENDS["triton"](0.125), dtype=torch.float32)
+    spec = with_kv_cache_dtype(attn.kv_cache_spec(16), "int8")
+    with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
+        refuse_unreadable_kv_dtype("layers.0", attn, spec)
+    refuse_unreadable_kv_dtype("layers.0", Attention("layers.0", 4, 2, 64, BACKENDS["exact"](0.125),
+                                                     dtype=torch.float32), spec)
+    for dtype in ("int8", "fp8"):
+        with pytest.raises(ValueError, match=f"'{dtype}' is not built for MLA"):
+            with_kv_cache_dtype(MLASpec(16, 32, 8), dtype)
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench", "latency"]], ids=" ".join)
+def test_every_command_takes_the_quantized_kv_cache_dtypes(command):
+    for dtype in ("int8", "fp8"):
+        args = build_parser().parse_args([*command, "--kv-cache-dtype", dtype])
+        assert config_from_namespace(EngineConfig, args).kv_cache_dtype == dtype
+
+
+@pytest.mark.parametrize("family", [pytest.param("granitemoehybrid", marks=pytest.mark.slow), "qwen3_next"])
+def test_hybrid_int8_caching_on_equals_off(tiny_model, family):
+    """Hybrids: attention layers on int8, recurrent states on float32 (and their checkpoints). Two
+    turns of three conversations sharing a system prompt, poisoned: caching on (blocks hit, states
+    restored) gives caching off's tokens."""
+    path, _ = tiny_model(family)
+    gen = torch.Generator().manual_seed(3)
+    system = torch.randint(0, VOCAB, (70,), generator=gen).tolist()
+    first = [system + torch.randint(0, VOCAB, (5 + 6 * c,), generator=gen).tolist() for c in range(3)]
+    follow_ups = [torch.randint(0, VOCAB, (9,), generator=gen).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    def turns(caching: bool):
+        llm = LLM(str(path), block_size=4, max_model_len=192, kv_cache_memory="16MiB", kv_cache_dtype="int8",
+                  poison=True, check_integrity=True, enable_prefix_caching=caching)
+        replies = [o.outputs[0].token_ids for o in llm.generate(first, params, use_tqdm=False)]
+        second = [p + r + f for p, r, f in zip(first, replies, follow_ups)]
+        outputs = llm.generate(second, params, use_tqdm=False)
+        return replies + [o.outputs[0].token_ids for o in outputs], sum(o.num_cached_tokens for o in outputs)
+
+    on, hits = turns(True)
+    assert turns(False) == (on, 0)
+    assert hits > 0
+
+
+def test_int8_is_refused_for_a_model_with_mla_layers(tiny_model):
+    path, _ = tiny_model("kimi_linear")
+    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
+        LLM(str(path), kv_cache_dtype="int8", kv_cache_memory="16MiB", max_model_len=192)

@@ -43,3 +43,13 @@ def test_capacity_report_states_each_group_in_its_own_units():
         "KV cache total: 164.1 MiB",
     ]
     assert make_manager((attention, 1025)).capacity_report().startswith("group 0 FullAttentionSpec")
+
+
+def test_capacity_report_compares_a_quantized_cache_with_float16():
+    """int8: 64 codes + a 2-byte scale per head vector, against 128 bytes of float16."""
+    spec = FullAttentionSpec(16, 2, 64, "int8")
+    assert spec.page_size_bytes == 2 * 16 * 2 * 66
+    config = KVCacheConfig((KVCacheGroup(spec, 101, False, layer_names=("a0", "a1")),))
+    assert config.capacity_report().splitlines()[0] == (
+        "group 0 FullAttentionSpec (2 layers): 100 blocks x 16 = 1600 tokens of int8 (2,033,602 tokens per GiB, "
+        "1.94x float16), 0.8 MiB, zero new blocks: no")

@@ -42,7 +42,8 @@ at::Tensor DecodeStack::run(at::Tensor x, const at::Tensor& cos, const at::Tenso
     const Linear* w = &linears_[4 * l];
     if (l > 0) add_rms_norm_(x, residual, norms_[2 * l], eps_[2 * l]);
     at::Tensor qkv = linear(w[0], x);
-    at::Tensor attended = at::empty({qkv.size(0), num_heads_ * k_caches[l].size(3)}, qkv.options());
+    const int64_t head_dim = qkv.size(1) / (num_heads_ + 2 * k_caches[l].size(2));  // the cache's rows may hold scales too
+    at::Tensor attended = at::empty({qkv.size(0), num_heads_ * head_dim}, qkv.options());
     rotary_decode_attention(attended, qkv, cos, sin, k_caches[l], v_caches[l], slot_mappings[l], block_tables[l],
                             key_starts[l], seq_lens[l], num_heads_, scale_);
     x = linear(w[1], attended);

@@ -37,6 +37,15 @@ void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at:
                              at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_table,
                              at::Tensor key_start, at::Tensor seq_lens, int64_t n_heads, double scale);
 
+// paged_decode_quantized.cpp: the same two over an int8 or float8_e4m3fn cache (one-byte codes and a
+// float16 scale per head vector); paged_decode.cpp's entry points call these for such a cache.
+void paged_decode_attention_quantized(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                      at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale);
+void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                                       at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                                       at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens,
+                                       int64_t n_heads, double scale);
+
 // quantized_matmul.cpp: out = x @ W^T over GGUF blocks (float32, int8- or int16-rounded activations).
 at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);

@@ -1,0 +1,45 @@
+// Horizontal sums and maxima of SIMD lanes for the attention kernels: transpose_sumN(v) puts the
+// sum of v[j]'s lanes in lane j (N vectors reduced at once), reduce_*8 reduce one AVX2 vector.
+#pragma once
+
+#include <immintrin.h>
+
+#if defined(__AVX512F__)
+// Halves, then quarters, then pairs of lanes are added across vectors (8 + 4 + 2 + 1 shuffle
+// pairs instead of 16 separate reductions); the last add leaves key 4m + k in lane 4k + m, which
+// the final permute undoes.
+static inline __m512 lanes_transpose_sum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
+  const __m512 mixed = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), mixed);
+}
+#endif
+
+#if defined(__AVX2__)
+// Two rounds of pairwise adds within 128-bit halves (hadd), then the halves added across.
+static inline __m256 lanes_transpose_sum8(const __m256* v) {
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
+}
+
+static inline float lanes_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float lanes_add8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+#endif

@@ -1,0 +1,462 @@
+// Decode attention read in place from a quantized KV cache (attention/kv_quant.py's layout), and
+// the fused decode step that writes it. Same contract as paged_decode.cpp's entry points, which
+// call these for an int8 or float8_e4m3fn cache.
+//
+// A cache row is one head vector of one token: D one-byte codes (int8, or float8 e4m3), then its
+// float16 scale (x = c * s). The SIMD paths widen e4m3 codes through float16: the code's sign,
+// exponent and mantissa shifted into a float16's place stand for its value / 256 (subnormals too),
+// and the 256 is folded into the scale.
+// Scales are folded, never multiplied into the codes:
+//     score_p = scale * s_k[p] * (q . c_k[p])          weight_p = softmax_p * s_v[p]
+// so a key costs one multiply beyond its codes' dot product, and all arithmetic is float32. Only
+// slots of positions below seq_len are read. Three implementations of one (sequence, KV head):
+// AVX-512 (16 keys at a time) and AVX2 (8) for head sizes 64, 128 and 256, a portable one else.
+// Writes quantise each head vector as kv_quant.encode does, to the same bytes.
+
+#include "kernels.h"
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "fast_exp.h"
+#include "lane_reduce.h"
+#include "rotary.h"
+#include "task_pool.h"
+
+#if defined(__AVX512F__)
+#define QUANTIZED_KV_AVX512 1
+#else
+#define QUANTIZED_KV_AVX512 0
+#endif
+#if !QUANTIZED_KV_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANTIZED_KV_AVX2 1
+#else
+#define QUANTIZED_KV_AVX2 0
+#endif
+
+namespace blockserve {
+namespace {
+
+constexpr int64_t kScaleBytes = 2;
+
+inline float row_scale(const int8_t* row, int64_t dim) {
+  at::Half scale;
+  std::memcpy(&scale, row + dim, kScaleBytes);
+  return static_cast<float>(scale);
+}
+
+// The largest code magnitude: a row's largest |x| is stored as it.
+template <bool FP8>
+constexpr float kCodeMax = FP8 ? 448.f : 127.f;
+// What the SIMD paths' widened codes are multiplied by to give the codes' values.
+template <bool FP8>
+constexpr float kSimdUnit = FP8 ? 256.f : 1.f;
+
+template <bool FP8>
+inline float code_value(int8_t code) {
+  if constexpr (FP8) {
+    c10::Float8_e4m3fn value;
+    std::memcpy(&value, &code, 1);
+    return static_cast<float>(value);
+  } else {
+    return static_cast<float>(code);
+  }
+}
+
+// One head vector x [dim] into row [dim + 2]: kv_quant.encode's rounding (scale rounded to
+// float16 first; codes: x / scale rounded half-even to int8 in [-127, 127], or to e4m3 in [-448, 448]).
+template <bool FP8>
+inline void quantize_row(const float* x, int8_t* row, int64_t dim) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const at::Half scale_half(std::min(amax / kCodeMax<FP8>, 65504.f));
+  const float scale = static_cast<float>(scale_half);
+  for (int64_t d = 0; d < dim; ++d) {
+    const float ratio = scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<FP8>, kCodeMax<FP8>) : 0.f;
+    if constexpr (FP8) {
+      const c10::Float8_e4m3fn code(ratio);
+      std::memcpy(row + d, &code, 1);
+    } else {
+      row[d] = static_cast<int8_t>(std::nearbyint(ratio));
+    }
+  }
+  std::memcpy(row + dim, &scale_half, kScaleBytes);
+}
+
+// Requests the rows [lo, hi) of the next block (K and V, the item's head) ahead of their use.
+inline void prefetch_rows(const int8_t* next_k, const int8_t* next_v, int64_t lo, int64_t hi, int64_t slot_stride,
+                          int64_t row_bytes) {
+  if (next_k == nullptr) return;
+  for (int64_t j = lo; j < hi; ++j)
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(next_k + j * slot_stride + byte);
+      __builtin_prefetch(next_v + j * slot_stride + byte);
+    }
+}
+
+// The arguments of one (sequence, KV head) item: its `group` query heads against the K/V rows of
+// its positions [start, stop), into the online-softmax state (acc, run_max, run_sum), which the
+// caller starts at 0, -FLT_MAX and 0 and normalises afterwards.
+struct Item {
+  const float* q;           // [group, dim]
+  const int8_t* k;          // the cache's first row of this KV head (slot 0)
+  const int8_t* v;
+  const int64_t* table;     // the sequence's block table row
+  int64_t start, stop, group, dim, block_size, slot_stride;  // slot_stride: bytes between slots
+  float scale;
+  float* acc;               // [group, dim]
+  float* weights;           // [group, lanes], 64-byte aligned
+  float* correction;        // [group]
+  float* run_max;
+  float* run_sum;
+};
+
+// Where the block holding `base` starts, and the next block (null where the sequence ends first).
+inline void block_of(const Item& it, int64_t base, const int8_t** k, const int8_t** v, const int8_t** next_k,
+                     const int8_t** next_v) {
+  const int64_t block_stride = it.block_size * it.slot_stride;
+  const int64_t offset = it.table[base / it.block_size] * block_stride;
+  *k = it.k + offset;
+  *v = it.v + offset;
+  *next_k = *next_v = nullptr;
+  if (base + it.block_size < it.stop) {
+    const int64_t next = it.table[base / it.block_size + 1] * block_stride;
+    *next_k = it.k + next;
+    *next_v = it.v + next;
+  }
+}
+
+template <bool FP8>
+void attend_portable(const Item& it) {
+  const int64_t dim = it.dim;
+  for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
+    const int8_t *kb, *vb, *nk, *nv;
+    block_of(it, base, &kb, &vb, &nk, &nv);
+    const int64_t lo = std::max(it.start, base) - base, hi = std::min(it.stop, base + it.block_size) - base;
+    for (int64_t j = lo; j < hi; ++j) {
+      const int8_t* kr = kb + j * it.slot_stride;
+      const int8_t* vr = vb + j * it.slot_stride;
+      const float ks = row_scale(kr, dim) * it.scale, vs = row_scale(vr, dim);
+      for (int64_t hq = 0; hq < it.group; ++hq) {
+        const float* qh = it.q + hq * dim;
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * code_value<FP8>(kr[d]);
+        const float score = dot * ks;
+        const float new_max = std::max(it.run_max[hq], score);
+        const float fix = fast_exp(it.run_max[hq] - new_max), w = fast_exp(score - new_max);
+        it.run_max[hq] = new_max;
+        it.run_sum[hq] = it.run_sum[hq] * fix + w;
+        float* ah = it.acc + hq * dim;
+        const float wv = w * vs;
+        for (int64_t d = 0; d < dim; ++d) ah[d] = ah[d] * fix + wv * code_value<FP8>(vr[d]);
+      }
+    }
+  }
+}
+
+#if QUANTIZED_KV_AVX512
+// 16 codes widened to float32 (e4m3: / 256).
+template <bool FP8>
+inline __m512 codes16(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FP8) {
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
+}
+
+// Head size 16 * C, keys 16 at a time: per query head the chunk's 16 scores in one vector, the
+// online softmax on it, then its V-scaled weights into the head's accumulator.
+template <bool FP8, int C>
+void attend_avx512(const Item& it) {
+  constexpr int64_t dim = 16 * C;
+  const int64_t stride = it.slot_stride;
+  alignas(64) float kscale[16], vscale[16];
+  for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
+    const int8_t *kb, *vb, *nk, *nv;
+    block_of(it, base, &kb, &vb, &nk, &nv);
+    const int64_t hi = std::min(it.stop, base + it.block_size) - base;
+    for (int64_t lo = std::max(it.start, base) - base; lo < hi; lo += 16) {
+      const int64_t n = std::min<int64_t>(16, hi - lo);
+      prefetch_rows(nk, nv, lo, std::min(lo + 16, it.block_size), stride, dim + kScaleBytes);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      for (int j = 0; j < 16; ++j) {
+        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<FP8>) : 0.f;
+        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) * kSimdUnit<FP8> : 0.f;
+      }
+      const __m512 ks = _mm512_load_ps(kscale), vs = _mm512_load_ps(vscale);
+      for (int64_t hq = 0; hq < it.group; ++hq) {
+        const int8_t* kh = kb + lo * stride;
+        __m512 q[C], part[16];
+        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(it.q + hq * dim + 16 * c);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          part[j] = _mm512_setzero_ps();
+          if (j < n)
+            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16<FP8>(kh + j * stride + 16 * c), part[j]);
+        }
+        _mm512_store_ps(it.weights + 16 * hq, _mm512_mul_ps(lanes_transpose_sum16(part), ks));
+      }
+      for (int64_t hq = 0; hq < it.group; ++hq) {
+        const __m512 score = _mm512_load_ps(it.weights + 16 * hq);
+        const float chunk_max = std::max(it.run_max[hq], _mm512_mask_reduce_max_ps(valid, score));
+        const __m512 w = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(score, _mm512_set1_ps(chunk_max))));
+        it.correction[hq] = fast_exp(it.run_max[hq] - chunk_max);
+        it.run_max[hq] = chunk_max;
+        it.run_sum[hq] = it.run_sum[hq] * it.correction[hq] + _mm512_reduce_add_ps(w);
+        _mm512_store_ps(it.weights + 16 * hq, _mm512_mul_ps(w, vs));
+      }
+      for (int64_t hq = 0; hq < it.group; ++hq) {  // even and odd keys in two chains
+        const int8_t* vh = vb + lo * stride;
+        const float* wh = it.weights + 16 * hq;
+        float* ah = it.acc + hq * dim;
+        __m512 even[C], odd[C];
+        for (int c = 0; c < C; ++c) {
+          even[c] = _mm512_mul_ps(_mm512_loadu_ps(ah + 16 * c), _mm512_set1_ps(it.correction[hq]));
+          odd[c] = _mm512_setzero_ps();
+        }
+        int64_t j = 0;
+        for (; j + 1 < n; j += 2) {
+          const __m512 we = _mm512_set1_ps(wh[j]), wo = _mm512_set1_ps(wh[j + 1]);
+          for (int c = 0; c < C; ++c) {
+            even[c] = _mm512_fmadd_ps(we, codes16<FP8>(vh + j * stride + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(wo, codes16<FP8>(vh + (j + 1) * stride + 16 * c), odd[c]);
+          }
+        }
+        if (j < n) {
+          const __m512 we = _mm512_set1_ps(wh[j]);
+          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16<FP8>(vh + j * stride + 16 * c), even[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, _mm512_add_ps(even[c], odd[c]));
+      }
+    }
+  }
+}
+#endif
+
+#if QUANTIZED_KV_AVX2
+// 8 codes widened to float32 (e4m3: / 256).
+template <bool FP8>
+inline __m256 codes8(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FP8) {
+    const __m128i wide = _mm_cvtepu8_epi16(bytes);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
+}
+
+// attend_avx512's contract on 8 lanes, head size 8 * C; the V rows go into the accumulator
+// SLICE registers at a time.
+template <bool FP8, int C>
+void attend_avx2(const Item& it) {
+  constexpr int64_t dim = 8 * C;
+  constexpr int SLICE = C < 8 ? C : 8;
+  const int64_t stride = it.slot_stride;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  alignas(32) float kscale[8], vscale[8];
+  for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
+    const int8_t *kb, *vb, *nk, *nv;
+    block_of(it, base, &kb, &vb, &nk, &nv);
+    const int64_t hi = std::min(it.stop, base + it.block_size) - base;
+    for (int64_t lo = std::max(it.start, base) - base; lo < hi; lo += 8) {
+      const int64_t n = std::min<int64_t>(8, hi - lo);
+      prefetch_rows(nk, nv, lo, std::min(lo + 8, it.block_size), stride, dim + kScaleBytes);
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+      for (int j = 0; j < 8; ++j) {
+        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<FP8>) : 0.f;
+        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) * kSimdUnit<FP8> : 0.f;
+      }
+      const __m256 ks = _mm256_load_ps(kscale), vs = _mm256_load_ps(vscale);
+      for (int64_t hq = 0; hq < it.group; ++hq) {
+        const int8_t* kh = kb + lo * stride;
+        const float* qh = it.q + hq * dim;
+        __m256 part[8];
+        for (int j = 0; j < 8; ++j) part[j] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j)
+            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8<FP8>(kh + j * stride + 8 * c), part[j]);
+        }
+        _mm256_store_ps(it.weights + 8 * hq, _mm256_mul_ps(lanes_transpose_sum8(part), ks));
+      }
+      for (int64_t hq = 0; hq < it.group; ++hq) {
+        const __m256 score = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_load_ps(it.weights + 8 * hq), valid);
+        const float chunk_max = std::max(it.run_max[hq], lanes_max8(score));
+        const __m256 w = _mm256_and_ps(valid, fast_exp8(_mm256_sub_ps(score, _mm256_set1_ps(chunk_max))));
+        it.correction[hq] = fast_exp(it.run_max[hq] - chunk_max);
+        it.run_max[hq] = chunk_max;
+        it.run_sum[hq] = it.run_sum[hq] * it.correction[hq] + lanes_add8(w);
+        _mm256_store_ps(it.weights + 8 * hq, _mm256_mul_ps(w, vs));
+      }
+      for (int64_t hq = 0; hq < it.group; ++hq) {
+        const int8_t* vh = vb + lo * stride;
+        const float* wh = it.weights + 8 * hq;
+        const __m256 fix = _mm256_set1_ps(it.correction[hq]);
+        for (int s = 0; s < C; s += SLICE) {
+          float* ah = it.acc + hq * dim + 8 * s;
+          __m256 sum[SLICE];
+          for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_mul_ps(_mm256_loadu_ps(ah + 8 * c), fix);
+          for (int64_t j = 0; j < n; ++j) {
+            const __m256 wj = _mm256_set1_ps(wh[j]);
+            const int8_t* vr = vh + j * stride + 8 * s;
+            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8<FP8>(vr + 8 * c), sum[c]);
+          }
+          for (int c = 0; c < SLICE; ++c) _mm256_storeu_ps(ah + 8 * c, sum[c]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+using Path = void (*)(const Item&);
+
+template <bool FP8>
+Path path_for(int64_t dim) {
+#if QUANTIZED_KV_AVX512
+  if (dim == 64) return attend_avx512<FP8, 4>;
+  if (dim == 128) return attend_avx512<FP8, 8>;
+  if (dim == 256) return attend_avx512<FP8, 16>;
+#elif QUANTIZED_KV_AVX2
+  if (dim == 64) return attend_avx2<FP8, 8>;
+  if (dim == 128) return attend_avx2<FP8, 16>;
+  if (dim == 256) return attend_avx2<FP8, 32>;
+#endif
+  return attend_portable<FP8>;
+}
+
+// Every sequence's decode; sequence n's query heads are the n_heads * dim floats at qp + n * q_stride.
+// Work items and their split as paged_decode.cpp's decode_all: one per (sequence, KV head), on the
+// task pool up to pool_sequences() sequences, on OpenMP beyond.
+void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seqs, int64_t n_heads,
+                const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                const at::Tensor& key_start, const at::Tensor& seq_lens, float scale) {
+  const int64_t n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes, block_size = k_cache.size(1);
+  const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);
+  const int64_t slot_stride = n_kv_heads * (dim + kScaleBytes);
+  const int8_t* kp = static_cast<const int8_t*>(k_cache.data_ptr());
+  const int8_t* vp = static_cast<const int8_t*>(v_cache.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* starts = key_start.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const Path attend = k_cache.scalar_type() == at::kFloat8_e4m3fn ? path_for<true>(dim) : path_for<false>(dim);
+  int64_t keys = 0;
+  for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
+  const int64_t items = n_seqs * n_kv_heads;
+  const int64_t per_item = std::max<int64_t>(1, keys * group * dim / std::max<int64_t>(1, n_seqs));
+  const auto body = [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(group * dim), run_max(group), run_sum(group), correction(group);
+    std::vector<float> weights_buffer(group * 16 + 16);
+    float* weights = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(weights_buffer.data()) + 63) & ~uintptr_t{63});
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / n_kv_heads, kv = item % n_kv_heads;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
+      std::fill(run_sum.begin(), run_sum.end(), 0.f);
+      const Item it{qp + n * q_stride + kv * group * dim, kp + kv * (dim + kScaleBytes), vp + kv * (dim + kScaleBytes),
+                    table + n * width, starts[n], lens[n], group, dim, block_size, slot_stride, scale, acc.data(),
+                    weights, correction.data(), run_max.data(), run_sum.data()};
+      attend(it);
+      float* on = op + n * n_heads * dim + kv * group * dim;
+      for (int64_t hq = 0; hq < group; ++hq) {
+        const float inv = run_sum[hq] > 0.f ? 1.f / run_sum[hq] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) on[hq * dim + d] = acc[hq * dim + d] * inv;
+      }
+    }
+  };
+  if (n_seqs <= pool_sequences()) {
+    blockserve::for_each_range(items, std::max<int64_t>(1, (int64_t{1} << 17) / per_item), body);
+  } else {
+    at::parallel_for(0, items, std::max<int64_t>(1, (int64_t{1} << 20) / per_item), body);
+  }
+}
+
+void check_quantized_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                      const at::Tensor& key_start, const at::Tensor& seq_lens, int64_t n_seqs, int64_t n_heads,
+                      int64_t dim, const char* name) {
+  TORCH_CHECK((k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              name, ": int8 or float8_e4m3fn K and V caches of one dtype expected");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == dim + kScaleBytes, name,
+              ": K and V caches [blocks, block_size, Hkv, D + 2] (codes, float16 scale) expected");
+  TORCH_CHECK(block_table.dtype() == at::kLong && key_start.dtype() == at::kLong && seq_lens.dtype() == at::kLong,
+              name, ": int64 block_table, key_start and seq_lens expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous() &&
+                  key_start.is_contiguous() && seq_lens.is_contiguous(),
+              name, ": contiguous tensors expected");
+  TORCH_CHECK(block_table.size(0) >= n_seqs && key_start.numel() >= n_seqs && seq_lens.numel() >= n_seqs,
+              name, ": a block table row, key_start and seq_len per sequence expected");
+  TORCH_CHECK(n_heads % k_cache.size(2) == 0, name, ": query heads must be a multiple of KV heads");
+}
+
+}  // namespace
+
+void paged_decode_attention_quantized(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                 at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale) {
+  const char* name = "paged_decode_attention (quantized cache)";
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, name, ": float32 q and out expected");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(), name,
+              ": contiguous q and out [N, Hq, D] expected");
+  check_quantized_cache(k_cache, v_cache, block_table, key_start, seq_lens, q.size(0), q.size(1), q.size(2), name);
+  decode_all(out, q.data_ptr<float>(), q.size(1) * q.size(2), q.size(0), q.size(1), k_cache, v_cache, block_table,
+             key_start, seq_lens, static_cast<float>(scale));
+}
+
+void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin,
+                                  at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                                  at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens,
+                                  int64_t n_heads, double scale) {
+  const char* name = "rotary_decode_attention (quantized cache)";
+  TORCH_CHECK(qkv.dtype() == at::kFloat && out.dtype() == at::kFloat && cos.dtype() == at::kFloat &&
+                  sin.dtype() == at::kFloat,
+              name, ": float32 qkv, cos, sin and out expected");
+  TORCH_CHECK(k_cache.dim() == 4, name, ": K and V caches [blocks, block_size, Hkv, D + 2] expected");
+  const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes;
+  check_quantized_cache(k_cache, v_cache, block_table, key_start, seq_lens, n_seqs, n_heads, dim, name);
+  const int64_t q_size = n_heads * dim, kv_size = n_kv_heads * dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size && qkv.stride(1) == 1,
+              name, ": qkv [N, (Hq + 2 Hkv) D] with contiguous rows expected");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == n_seqs * q_size, name, ": contiguous out [N, Hq, D] expected");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n_seqs && cos.size(1) == dim / 2 && sin.sizes() == cos.sizes() &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1 && dim % 2 == 0,
+              name, ": cos, sin [N, D / 2] expected");
+  TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n_seqs,
+              name, ": an int64 slot per sequence expected");
+  float* qkvp = qkv.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = dim + kScaleBytes;
+  for (int64_t n = 0; n < n_seqs; ++n)
+    TORCH_CHECK(slots[n] >= 0 && slots[n] < num_slots, name, ": slot ", slots[n], " outside the cache (", num_slots,
+                " slots)");
+  int8_t* kc = static_cast<int8_t*>(k_cache.data_ptr());
+  int8_t* vc = static_cast<int8_t*>(v_cache.data_ptr());
+  const auto quantize = k_cache.scalar_type() == at::kFloat8_e4m3fn ? quantize_row<true> : quantize_row<false>;
+  for (int64_t n = 0; n < n_seqs; ++n) {  // a few KB per sequence: not worth a parallel region
+    float* x = qkvp + n * qkv.stride(0);
+    rotate_half_heads(x, n_heads + n_kv_heads, dim, cos.data_ptr<float>() + n * cos.stride(0),
+                      sin.data_ptr<float>() + n * sin.stride(0));
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      quantize(x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * row, dim);
+      quantize(x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * row, dim);
+    }
+  }
+  decode_all(out, qkvp, qkv.stride(0), n_seqs, n_heads, k_cache, v_cache, block_table, key_start, seq_lens,
+             static_cast<float>(scale));
+}
+
+}  // namespace blockserve

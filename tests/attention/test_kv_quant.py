@@ -1,0 +1,218 @@
+"""The quantized KV caches (attention/kv_quant.py: int8, float8_e4m3fn): quantisation error, zero
+and poison rows, the native decode kernel (both builds) and the fused decode step on their rows,
+and every CPU backend over such a cache against dense attention over its dequantised values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blockserve.attention import kv_quant
+from blockserve.attention.context import ForwardContext, LayerCache
+from blockserve.attention.layer import Attention
+from blockserve.attention.metadata import AttentionMetadata, BatchLayout
+from blockserve.attention.paged_attention import BACKENDS, ExactLengthAttention
+from blockserve.attention.rotary_decode import RotaryDecode
+from blockserve.models.rotary import apply_rotary
+from blockserve.native.extension import paged_decode_kernel, why_not_native
+
+needs_native = pytest.mark.skipif(why_not_native() is not None, reason=f"no native kernels: {why_not_native()}")
+BUILDS = pytest.mark.parametrize("without_avx512", [False, True], ids=["native-default", "native-avx2"])
+CODES = pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+
+
+def head_vectors(kind: str, n: int = 512, dim: int = 64) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, dim, generator=gen)
+    if kind == "outliers":  # a few channels 30x larger, as in real keys
+        x[:, :3] *= 30
+    return x
+
+
+@pytest.mark.parametrize("kind", ["random", "outliers"])
+def test_int8_error_is_half_a_step(kind):
+    """Every value comes back within half a quantisation step (the row's scale) of itself; codes
+    stay in [-127, 127] and the largest reaches 127."""
+    x = head_vectors(kind)
+    rows = kv_quant.encode(x, torch.int8)
+    assert rows.dtype == torch.int8 and rows.shape == (512, 66)
+    scale = rows[:, -2:].view(torch.float16).float()
+    back = kv_quant.decode(rows, torch.float32)
+    assert ((back - x).abs() <= 0.5 * scale * (1 + 1e-3)).all()
+    assert rows[:, :-2].abs().max() == 127 and rows[:, :-2].min() >= -127
+    relative = (back - x).norm(dim=-1) / x.norm(dim=-1)
+    assert relative.mean() < (0.012 if kind == "random" else 0.06)
+
+
+@pytest.mark.parametrize("kind", ["random", "outliers"])
+def test_fp8_error_is_relative(kind):
+    """e4m3 keeps 3 mantissa bits: each value within 1/16 of itself (half an ulp) above the
+    subnormal range, within half the smallest step below it."""
+    x = head_vectors(kind)
+    rows = kv_quant.encode(x, torch.float8_e4m3fn)
+    assert rows.dtype == torch.float8_e4m3fn and rows.shape == (512, 66)
+    scale = rows[:, -2:].view(torch.float16).float()
+    back = kv_quant.decode(rows, torch.float32)
+    assert ((back - x).abs() <= torch.maximum(x.abs() / 16, 2.0**-10 * scale) * (1 + 1e-3)).all()
+    assert back.abs().amax(-1).sub(x.abs().amax(-1)).abs().le(x.abs().amax(-1) / 16).all()
+
+
+@CODES
+def test_zero_and_poison_rows(codes):
+    """Zeroed rows decode to 0 (and a zero vector encodes to them); poisoned rows to NaN: a NaN
+    scale, and codes the quantiser never writes (int8 -128; e4m3's NaN)."""
+    cache = kv_quant.encode(torch.randn(4, 3, 2, 8), codes)
+    kv_quant.fill_rows(cache, 0, torch.tensor([1]), poison=False)
+    kv_quant.fill_rows(cache, 0, torch.tensor([2]), poison=True)
+    out = kv_quant.decode(cache, torch.float32)
+    assert out[1].eq(0).all() and out[2].isnan().all() and out[[0, 3]].isfinite().all()
+    assert (cache[2, ..., :-2].view(torch.uint8) == kv_quant.POISON_BYTE[codes]).all()
+    assert cache[2, ..., -2:].view(torch.float16).isnan().all()
+    assert kv_quant.encode(torch.zeros(2, 8), codes).view(torch.uint8).eq(0).all()
+
+
+def paged_step(head_size: int, block_size: int, codes: torch.dtype, hq: int = 6, hkv: int = 2):
+    """A poisoned quantized cache with sequences written at random blocks; the dense reference over
+    each sequence's dequantised keys and values."""
+    lens, starts = [1, 5, 16, 17, 40, 70, 33], [0, 0, 3, 0, 20, 9, 0]
+    gen = torch.Generator().manual_seed(0)
+    need = [-(-n // block_size) for n in lens]
+    order = (torch.randperm(sum(need), generator=gen) + 1).tolist()
+    k_cache = torch.zeros(sum(need) + 1, block_size, hkv, head_size + 2, dtype=torch.int8).view(codes)
+    kv_quant.fill_rows(k_cache, 0, torch.arange(1, sum(need) + 1), poison=True)
+    v_cache = k_cache.clone()
+    table = torch.zeros(len(lens), max(need), dtype=torch.int64)
+    q = torch.randn(len(lens), hq, head_size, generator=gen)
+    refs = []
+    for i, (n, start) in enumerate(zip(lens, starts)):
+        blocks, order = order[: need[i]], order[need[i]:]
+        table[i, : need[i]] = torch.tensor(blocks)
+        keys = kv_quant.encode(torch.randn(n, hkv, head_size, generator=gen) * 3, codes)
+        values = kv_quant.encode(torch.randn(n, hkv, head_size, generator=gen), codes)
+        for p in range(n):
+            k_cache.view(torch.uint8)[blocks[p // block_size], p % block_size] = keys[p].view(torch.uint8)
+            v_cache.view(torch.uint8)[blocks[p // block_size], p % block_size] = values[p].view(torch.uint8)
+        k = kv_quant.decode(keys[start:], torch.float32).repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        v = kv_quant.decode(values[start:], torch.float32).repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        weights = (q[i][:, None] @ k.transpose(1, 2) / math.sqrt(head_size)).softmax(-1)
+        refs.append((weights @ v)[:, 0])
+    return q, k_cache, v_cache, table, torch.tensor(starts), torch.tensor(lens), torch.stack(refs)
+
+
+@needs_native
+@BUILDS
+@CODES
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 4), (256, 32), (64, 32), (8, 4)])
+def test_native_decode_reads_the_codes_in_place(without_avx512, codes, head_size, block_size):
+    """AVX-512, AVX2 (64, 128, 256) and the portable path (8) against dense attention over the
+    dequantised cache: 3 query heads per KV head, windows, partial blocks, every unwritten row poisoned."""
+    kernel = paged_decode_kernel(without_avx512=without_avx512)
+    assert kernel.reads(torch.float32, codes, head_size)
+    q, k_cache, v_cache, table, starts, lens, want = paged_step(head_size, block_size, codes)
+    out = torch.empty_like(q)
+    kernel(out, q, k_cache, v_cache, table, starts, lens, 1 / math.sqrt(head_size))
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_native_decode_refuses_a_cache_without_scales():
+    q, k_cache, v_cache, table, starts, lens, _ = paged_step(64, 16, torch.int8)
+    with pytest.raises(RuntimeError, match="D \\+ 2"):
+        paged_decode_kernel()(torch.empty_like(q), q, k_cache[..., :64].contiguous(), v_cache[..., :64].contiguous(),
+                              table, starts, lens, 0.125)
+
+
+def fused_step(head_dim: int, codes: torch.dtype, hq: int = 6, hkv: int = 2, bs: int = 4, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    attn = Attention("layer", hq, hkv, head_dim, ExactLengthAttention(head_dim**-0.5), dtype=torch.float32)
+    computed = [0, 3, 4, 9, 30]
+    need = [-(-(c + 1) // bs) for c in computed]
+    order = (torch.randperm(sum(need), generator=gen) + 1).tolist()
+    k_cache = torch.zeros(sum(need) + 1, bs, hkv, head_dim + 2, dtype=torch.int8).view(codes)
+    kv_quant.fill_rows(k_cache, 0, torch.arange(1, sum(need) + 1), poison=True)
+    v_cache = k_cache.clone()
+    table = torch.zeros(len(computed), max(need), dtype=torch.int64)
+    for i, (c, blocks) in enumerate(zip(computed, need)):
+        table[i, :blocks], order = torch.tensor(order[:blocks]), order[blocks:]
+        for p in range(c):
+            slot = (table[i, p // bs], p % bs)
+            k_cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), codes).view(torch.uint8)
+            v_cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), codes).view(torch.uint8)
+    layout = BatchLayout.build([1] * len(computed), computed)
+    ctx = ForwardContext({"layer": LayerCache(0, k_cache, v_cache)}, [AttentionMetadata.build(layout, table, bs)])
+    qkv = torch.randn(len(computed), (hq + 2 * hkv) * head_dim, generator=gen)
+    angles = layout.positions[:, None] * torch.rand(head_dim // 2, generator=gen)
+    return attn, ctx, qkv, angles.cos(), angles.sin()
+
+
+@needs_native
+@CODES
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_fused_decode_writes_the_bytes_the_backend_writes(codes, head_dim):
+    """The fused rotary + quantised write + attention equals the backend's PyTorch path: the same
+    int8 bytes in every row (poison where unwritten), the same output to float32 rounding."""
+    attn, ctx, qkv, cos, sin = fused_step(head_dim, codes)
+    ref_attn, ref_ctx, *_ = fused_step(head_dim, codes)
+    ref_attn.backend.decode_kernel = None
+    t, d, hq, hkv = qkv.shape[0], head_dim, 6, 2
+    qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos[:, None], sin[:, None])
+    want = ref_attn(qk[:, :hq].reshape(t, -1), qk[:, hq:].reshape(t, -1), qkv[:, (hq + hkv) * d:], ref_ctx)
+    got = RotaryDecode(attn)(qkv, cos, sin, ctx)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    mine, theirs = ctx.layers["layer"], ref_ctx.layers["layer"]
+    assert torch.equal(mine.v_cache.view(torch.uint8), theirs.v_cache.view(torch.uint8))
+    # a rotated key may differ by an ulp (FMA or not), so at most one code step in a few rows
+    mine_k, theirs_k = (c.view(torch.int8)[..., :-2].int() for c in (mine.k_cache, theirs.k_cache))
+    assert (mine_k - theirs_k).abs().max() <= 1
+
+
+VARIANTS = ["exact", "exact-pytorch", "whole_block", "flex"]
+
+
+@CODES
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_backends_attend_the_dequantised_cache(variant, codes):
+    """Decodes and prefill chunks (fresh and continued) over an int8 cache equal dense attention over
+    the dequantised K/V; on a poisoned cache the whole-page readers turn NaN and the exact one does not."""
+    hq, hkv, d, bs = 4, 2, 8, 4
+    seqs = [(5, 1), (12, 1), (3, 1), (0, 9), (6, 5)]
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+    for poison in (False, True):
+        k_cache = torch.zeros(40, bs, hkv, d + 2, dtype=torch.int8).view(codes)
+        kv_quant.fill_rows(k_cache, 0, torch.arange(1, 40), poison=poison)
+        v_cache = k_cache.clone()
+        full_k, full_v, tables, free = [], [], [], list(range(1, 40))
+        gen.manual_seed(0)
+        for c, n in seqs:
+            blocks = [free.pop(5 % len(free)) for _ in range(-(-(c + n) // bs))]
+            tables.append(blocks + [0] * (4 - len(blocks)))
+            full_k.append(torch.randn(c + n, hkv, d, generator=gen))
+            full_v.append(torch.randn(c + n, hkv, d, generator=gen))
+            for p in range(c):
+                k_cache.view(torch.uint8)[blocks[p // bs], p % bs] = kv_quant.encode(full_k[-1][p], codes).view(torch.uint8)
+                v_cache.view(torch.uint8)[blocks[p // bs], p % bs] = kv_quant.encode(full_v[-1][p], codes).view(torch.uint8)
+        q = torch.randn(sum(n for _, n in seqs), hq, d, generator=gen)
+        k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, seqs)])
+        v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, seqs)])
+        layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+        meta = AttentionMetadata.build(layout, torch.tensor(tables), bs)
+        backend = BACKENDS[variant.removesuffix("-pytorch")](1 / math.sqrt(d))
+        if variant.endswith("-pytorch"):
+            backend.decode_kernel = None
+        results[poison] = backend.forward(q, k, v, k_cache, v_cache, meta)
+    out = results[False]
+    for i, (c, n) in enumerate(seqs):
+        s = layout.query_start[i]
+        keys = kv_quant.decode(kv_quant.encode(full_k[i], codes), torch.float32)
+        values = kv_quant.decode(kv_quant.encode(full_v[i], codes), torch.float32)
+        scores = q[s:s + n].transpose(0, 1) @ keys.repeat_interleave(2, 1).permute(1, 2, 0) / math.sqrt(d)
+        mask = torch.arange(c + n)[None] <= torch.arange(c, c + n)[:, None]
+        want = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values.repeat_interleave(2, 1).transpose(0, 1))
+        torch.testing.assert_close(out[s:s + n], want.transpose(0, 1), rtol=2e-5, atol=2e-5)
+    if backend.reads_unwritten_slots:
+        assert results[True].isnan().any()
+    else:
+        assert torch.equal(results[True], out)
