@@ -65,14 +65,20 @@ def engine_device_plan(config: EngineConfig, loaded: LoadedModel | None) -> Devi
     if loaded is None:
         return plan
     weight = next(loaded.model.parameters())
+    placement = getattr(loaded.model, "placement", None)  # a CausalLM's: its dtype, whatever 16-bit weights it kept
+    dtype = weight.dtype if placement is None else placement.dtype
     if config.device != "auto" and weight.device.type != plan.device.type:
         raise ValueError(f"device={config.device!r} but the model passed in is on {weight.device}")
-    if config.dtype != "auto" and weight.dtype != plan.dtype:
-        raise ValueError(f"dtype={config.dtype!r} but the model passed in is in {weight.dtype}")
+    if config.dtype != "auto" and dtype != plan.dtype:
+        raise ValueError(f"dtype={config.dtype!r} but the model passed in is in {dtype}")
+    if config.dtype != "auto" and placement is not None and placement.keep_16bit_weights:
+        raise ValueError(f"dtype={config.dtype!r} but the model passed in keeps its 16-bit weights (loaded with "
+                         "dtype auto on the CPU); load it with that dtype, or pass dtype='auto'")
     utilization = plan.gpu_memory_utilization if weight.device.type == "cuda" else None
     if utilization is None and weight.device.type == "cuda":
         utilization = DEFAULT_GPU_MEMORY_UTILIZATION
-    return DevicePlan(weight.device, weight.dtype, utilization)
+    return DevicePlan(weight.device, dtype, utilization,
+                      keep_16bit_weights=placement is not None and placement.keep_16bit_weights)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
