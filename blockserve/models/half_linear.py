@@ -20,7 +20,8 @@ weights up to float rounding; sums in float32):
 KERNEL_ROWS holds the crossover per build (AVX-512: 16 lanes, AVX2: 8), measured with
 `python -m benchmarks.half_weights --kernels` (docs/cpu.md). A module of another kind (MoE experts,
 vocab-parallel embeddings and heads, a weight read as a matrix elsewhere) keeps float32: the
-loader widens its weight, and `resident_weight_bytes` reports what each dtype holds.
+loader widens its weight, and the engine's start-up report says what each dtype holds
+(models/weight_memory.py).
 """
 
 from __future__ import annotations
@@ -126,17 +127,3 @@ def use_half_weights(model: nn.Module) -> int:
         model.tied_lm_head = HalfLinear(embedding.weight)
     return replaced
 
-
-def resident_weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of the model's parameters and buffers per dtype (a GGUF's packed blocks, uint8,
-    included), each storage counted once (a tied head's shared weight, views)."""
-    seen: set[int] = set()
-    held: dict[str, int] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or tensor.device.type == "meta":
-            continue
-        seen.add(storage.data_ptr())
-        name = str(tensor.dtype).removeprefix("torch.")
-        held[name] = held.get(name, 0) + storage.nbytes()
-    return held
