@@ -5,6 +5,8 @@ loaded from the same 16-bit values is the reference; the weights hold about the 
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -83,3 +85,40 @@ def test_resident_weights_are_the_checkpoint_bytes_and_float32_doubles_them(save
     assert set(widened) == {"float32"} and widened["float32"] > 1.8 * on_disk
     report = weight_memory_report(load_model(str(path), BACKENDS["exact"], placement=KEEP).model)
     assert str(dtype).removeprefix("torch.") in report and "peak RSS by the end of loading" in report
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_gguf_tensors_stay_16bit(tmp_path, monkeypatch, dtype):
+    """A GGUF whose matrices are F16 / BF16 (as llama.cpp's converter writes with --outtype f16 / bf16)
+    loads with those matrices in their 16 bits: the same parameters and logits as the 16-bit
+    safetensors directory of the same weights."""
+    from tests.models import test_dense_gguf
+
+    class SixteenBitWriter(gguf.GGUFWriter):  # the matrices in `dtype`, the norms float32
+        def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None):
+            if tensor.ndim == 2 and dtype == torch.float16:
+                tensor = tensor.astype(np.float16)
+            elif tensor.ndim == 2:
+                tensor = (tensor.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+                raw_dtype = gguf.GGMLQuantizationType.BF16
+            super().add_tensor(name, tensor, raw_shape=raw_shape, raw_dtype=raw_dtype)
+
+    reference = save_random_model(test_dense_gguf.DENSE_GGUF_CONFIGS["smollm3"](), tmp_path / "hf")
+    reference.to(dtype).save_pretrained(tmp_path / "hf")
+    reference.to(dtype).float()  # the 16-bit values, as the GGUF holds them
+    monkeypatch.setattr(gguf, "GGUFWriter", SixteenBitWriter)
+    test_dense_gguf.write_gguf(reference, tmp_path / "model.gguf", "smollm3")
+    from_gguf = load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"),
+                           placement=KEEP).model
+    from_dir = load_model(str(tmp_path / "hf"), BACKENDS["exact"], placement=KEEP).model
+    ours, theirs = dict(from_gguf.named_parameters()), dict(from_dir.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+    assert sum(isinstance(m, HalfLinear) for m in from_gguf.modules()) == 4 * 4 + 1
+    prompts = paged_prompts()
+    gguf_logits, gguf_tokens = run_paged(from_gguf, prompts, 4)
+    dir_logits, dir_tokens = run_paged(from_dir, prompts, 4)
+    assert gguf_tokens == dir_tokens
+    for got, want in zip(gguf_logits, dir_logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
