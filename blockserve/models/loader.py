@@ -36,7 +36,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import (AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase,
@@ -51,6 +50,7 @@ from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
 from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, use_quantized_linears
 from blockserve.models.registry import model_class
+from blockserve.models.safetensors_reader import read_tensors
 from blockserve.models.weight_layout import use_input_major_linears
 
 logger = logging.getLogger(__name__)
@@ -250,10 +250,8 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                 "save the model with save_pretrained to get safetensors weights")
     for name in files:  # one tensor read at a time: a tensor-parallel rank keeps only its shard of each
         try:
-            with safe_open(path / name, framework="pt") as weights:
-                for key in weights.keys():
-                    yield key, weights.get_tensor(key)
-        except (SafetensorError, OSError) as error:
+            yield from read_tensors(path / name)  # not mapped: only what the model keeps stays resident
+        except (ValueError, OSError) as error:
             raise ValueError(f"corrupt weights file {path / name}: {error}; download or save it again") from error
 
 
