@@ -36,6 +36,7 @@ import torch
 RANDOM_SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+PROMPT_IDS = 32000  # prompts draw token ids below this: within both checkpoints' vocabularies
 MODES = {"bf16-kept": "auto", "float32": "float32"}  # label -> --dtype
 KERNEL_ROWS_MEASURED = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -78,7 +79,7 @@ def measure_engine(path: Path, dtype: str, decode_tokens: int, kv_cache_memory: 
     """One engine in this process: its memory, then batch-1 and batch-16 decode ITL."""
     from benchmarks.cpu_share import CpuShare
     from blockserve.engine.llm import LLM
-    from blockserve.models.weight_memory import peak_rss_bytes, resident_weight_bytes
+    from blockserve.models.weight_memory import peak_rss_bytes
     from blockserve.sampling_params import SamplingParams
 
     before = peak_rss_bytes()  # the interpreter, torch and the native kernels
@@ -88,10 +89,9 @@ def measure_engine(path: Path, dtype: str, decode_tokens: int, kv_cache_memory: 
     load_s = time.perf_counter() - started
     result = {"dtype": dtype, "load_s": round(load_s, 2), "peak_rss_before_load_bytes": before,
               "peak_rss_after_load_bytes": peak_rss_bytes(),
-              "weights_resident_bytes": resident_weight_bytes(llm.engine.core.loaded.model)}
-    vocab = llm.engine.core.loaded.hf_config.vocab_size
+              "weights_resident_bytes": llm.engine.weights_resident_bytes}
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (16,), generator=gen).tolist() for _ in range(16)]
+    prompts = [torch.randint(0, PROMPT_IDS, (16,), generator=gen).tolist() for _ in range(16)]
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     def seconds(batch: list, tokens: int) -> float:
