@@ -13,6 +13,7 @@ from transformers import Qwen2Config
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
+from blockserve.engine.device import resolve_device_plan
 from blockserve.models.half_linear import HalfLinear
 from blockserve.models.loader import load_model
 from blockserve.models.placement import Placement
@@ -64,3 +65,12 @@ def test_a_model_keeping_16bit_weights_refuses_dtype_float32(bf16_tied):
     loaded = load_model(str(path), BACKENDS["exact"], placement=Placement(keep_16bit_weights=True))
     with pytest.raises(ValueError, match="keeps its 16-bit weights"):
         LLM(loaded, dtype="float32")
+
+
+@pytest.mark.parametrize("device, dtype, cuda, keep", [("cpu", "auto", False, True), ("auto", "auto", False, True),
+                                                       ("cpu", "float32", False, False),
+                                                       ("cpu", "bfloat16", False, False),
+                                                       ("auto", "auto", True, False)])
+def test_only_dtype_auto_on_the_cpu_keeps_16bit_weights(device, dtype, cuda, keep):
+    plan = resolve_device_plan(device, dtype, None, cuda_available=cuda, cuda_count=1 if cuda else 0)
+    assert plan.keep_16bit_weights is keep and plan.placement.keep_16bit_weights is keep
