@@ -79,9 +79,12 @@ class CausalLM(nn.Module):
         None on the others, after taking part in the gather)."""
         tp = self.placement.tp
         if tp is not None:
-            logits = (self.lm_head(hidden) if not self.tie_word_embeddings else
-                      gather_vocab_logits(F.linear(hidden, self.model.embed_tokens.weight).float(),
-                                          self.config.vocab_size, tp))
+            if not self.tie_word_embeddings:
+                logits = self.lm_head(hidden)
+            else:  # this rank's vocabulary rows of the embedding (kept 16-bit: the tied_lm_head over them)
+                local = (self.tied_lm_head(hidden) if self.tied_lm_head is not None
+                         else F.linear(hidden, self.model.embed_tokens.weight).float())
+                logits = gather_vocab_logits(local, self.config.vocab_size, tp)
             if logits is None:
                 return None
         elif self.quantized_lm_head is not None:

@@ -8,7 +8,10 @@ loading, `use_half_weights` puts them in place of the modules holding such weigh
     nn.Linear, column-parallel   ─► HalfLinear            y = x W^T + b
     row-parallel                 ─► HalfLinear(tp=...)    y = all_reduce(x_r W_r^T) + b
     nn.Embedding                 ─► HalfEmbedding         rows gathered in 16 bits, widened to float32
+    vocab-parallel embedding        kept (it widens its rows itself)
+    vocab-parallel LM head       ─► HalfParallelLMHead    this rank's logits, gathered to rank 0
     tied lm_head                 ─► model.tied_lm_head    a HalfLinear over the embedding's weight
+                                                          (vocab-parallel: this rank's rows)
 
 HalfLinear's matmul, per call, by the rows of x (each result the float32 matmul over the widened
 weights up to float rounding; sums in float32):
@@ -19,7 +22,7 @@ weights up to float rounding; sums in float32):
 
 KERNEL_ROWS holds the crossover per build (AVX-512: 16 lanes, AVX2: 8), measured with
 `python -m benchmarks.half_weights --kernels` (docs/cpu.md). A module of another kind (MoE experts,
-vocab-parallel embeddings and heads, a weight read as a matrix elsewhere) keeps float32: the
+a weight read as a matrix elsewhere) keeps float32: the
 loader widens its weight, and the engine's start-up report says what each dtype holds
 (models/weight_memory.py).
 """
@@ -33,18 +36,21 @@ from torch import nn
 from blockserve.native.extension import half_matmul_ops
 from blockserve.native.gate import native_reads
 from blockserve.tensor_parallel.group import TensorParallelGroup
-from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from blockserve.tensor_parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                               VocabParallelEmbedding, gather_vocab_logits)
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_ROWS = {16: 64, 8: 32}  # the kernel's lanes -> the most rows it serves before the tiled GEMM
 TILE_BYTES = 2 << 20  # float32 bytes of one widened tile of the weight (in L2 on the CPUs measured)
-_TAKEN_OVER = (nn.Linear, ColumnParallelLinear, RowParallelLinear, nn.Embedding)
+_TAKEN_OVER = (nn.Linear, ColumnParallelLinear, RowParallelLinear, nn.Embedding, VocabParallelEmbedding,
+               ParallelLMHead)
 
 
 def keeps_16bit(module: nn.Module, leaf: str) -> bool:
     """Whether `module`'s parameter `leaf` may stay in a 16-bit checkpoint dtype: the weight of a
-    plain, column- or row-parallel linear layer or a plain embedding, unless the module reads its
-    weight as a matrix elsewhere (`keep_row_major`, models/weight_layout.py)."""
+    plain, column- or row-parallel linear layer, an embedding (vocab-parallel too) or a
+    vocab-parallel LM head, unless the module reads its weight as a matrix elsewhere
+    (`keep_row_major`, models/weight_layout.py)."""
     return leaf == "weight" and type(module) in _TAKEN_OVER and not getattr(module, "keep_row_major", False)
 
 
@@ -91,6 +97,23 @@ class HalfLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class HalfParallelLMHead(nn.Module):
+    """A vocab-parallel LM head over this rank's 16-bit rows: float32 logits gathered to rank 0
+    (None on the others), as ParallelLMHead."""
+
+    def __init__(self, head: ParallelLMHead):
+        super().__init__()
+        self.linear = HalfLinear(head.weight)
+        self.vocab_size, self.tp = head.vocab_size, head.tp
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return gather_vocab_logits(self.linear(hidden), self.vocab_size, self.tp)
+
+
 class HalfEmbedding(nn.Module):
     """An embedding table kept in 16 bits: looked-up rows are widened to float32."""
 
@@ -115,15 +138,21 @@ def use_half_weights(model: nn.Module) -> int:
         weight = getattr(module, "weight", None)
         if not (isinstance(weight, torch.Tensor) and weight.dtype in HALF_DTYPES and keeps_16bit(module, "weight")):
             continue
-        if isinstance(module, nn.Embedding):
-            half: nn.Module = HalfEmbedding(weight)
+        if isinstance(module, VocabParallelEmbedding):
+            replaced += 1  # widens its rows itself
+            continue
+        if isinstance(module, ParallelLMHead):
+            half: nn.Module = HalfParallelLMHead(module)
+        elif isinstance(module, nn.Embedding):
+            half = HalfEmbedding(weight)
         else:
             half = HalfLinear(weight, module.bias, module.tp if isinstance(module, RowParallelLinear) else None)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, half)
         replaced += 1
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if getattr(model, "tie_word_embeddings", False) and isinstance(embedding, HalfEmbedding):
-        model.tied_lm_head = HalfLinear(embedding.weight)
+    if (getattr(model, "tie_word_embeddings", False) and isinstance(embedding, (HalfEmbedding, VocabParallelEmbedding))
+            and embedding.weight.dtype in HALF_DTYPES):
+        model.tied_lm_head = HalfLinear(embedding.weight)  # vocab-parallel: this rank's rows, gathered by the model
     return replaced
 
