@@ -122,3 +122,23 @@ def test_16bit_gguf_tensors_stay_16bit(tmp_path, monkeypatch, dtype):
     assert gguf_tokens == dir_tokens
     for got, want in zip(gguf_logits, dir_logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_moe_and_mla_families_keep_what_they_can(tmp_path, family):
+    """Stacked experts and MLA's kv_b_proj (read as a matrix) are widened, the rest kept 16-bit; the
+    outputs are still transformers' float32 model's over the same bfloat16 values."""
+    from tests.models.conftest import MLA_CONFIGS
+    from tests.models.test_moe_families import MOE_CONFIGS
+
+    save_16bit({**MOE_CONFIGS, **MLA_CONFIGS}[family](), torch.bfloat16, tmp_path)
+    reference = float32_reference(tmp_path)
+    model = load_model(str(tmp_path), BACKENDS["exact"], placement=KEEP).model
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    widened = [dtype for name, dtype in dtypes.items() if ".experts." in name or "kv_b_proj" in name]
+    assert widened and all(dtype == torch.float32 for dtype in widened)
+    assert dtypes["model.layers.0.self_attn.o_proj.weight"] == torch.bfloat16
+    prompts = paged_prompts(SIZES["vocab_size"])[:2]
+    logits, tokens = run_paged(model, prompts, 6)
+    assert_logits_close(logits, reference_logits(reference, prompts), atol=1e-4, rtol=0)
+    assert_greedy_parity(tokens, reference_outputs(reference, prompts, 6))
