@@ -86,7 +86,8 @@ class TensorParallelExecutor:
             self.loaded = load_model(config.model, BACKENDS[config.attention_backend],
                                      quantized_matmul=config.quantized_matmul,
                                      quantized_activations=config.quantized_activations,
-                                     quantized_max_rows=config.quantized_max_rows, placement=Placement(tp=self.group))
+                                     quantized_max_rows=config.quantized_max_rows,
+                                     placement=Placement(tp=self.group, keep_16bit_weights=config.dtype == "auto"))
             reports = self.group.gather_objects(("ok", config.kv_cache_bytes()), timeout=self._startup)
             self._raise_failed(reports, "load its shard")
             self.kv_memory_bytes = min(memory for _, memory in reports)

@@ -63,7 +63,8 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
             loaded = load_model(config.model, BACKENDS[config.attention_backend],
                                 quantized_matmul=config.quantized_matmul,
                                 quantized_activations=config.quantized_activations,
-                                quantized_max_rows=config.quantized_max_rows, placement=Placement(tp=group))
+                                quantized_max_rows=config.quantized_max_rows,
+                                placement=Placement(tp=group, keep_16bit_weights=config.dtype == "auto"))
             report = ("ok", config.kv_cache_bytes())
         except Exception as error:
             report = ("error", _report(error))

@@ -91,8 +91,9 @@ class EngineConfig:
     device: str = field(default="auto", metadata={
         "help": "where the model runs: auto (cuda when available, else cpu), cpu, cuda or cuda:N"})
     dtype: str = field(default="auto", metadata={
-        "help": "the model's weights and activations (auto: float32 on CPU, bfloat16 on CUDA); recurrent "
-                "states stay float32", "choices": MODEL_DTYPES})
+        "help": "the model's weights and activations (auto: float32 on CPU, bfloat16 on CUDA; on the CPU a "
+                "checkpoint's bfloat16/float16 linear and embedding weights stay 16-bit, float32 widens them); "
+                "recurrent states stay float32", "choices": MODEL_DTYPES})
     kv_cache_memory: str | int | float | None = field(default=None, metadata={
         "help": "the KV cache's size: bytes with a unit (4GiB), or on the CPU a fraction of free memory "
                 f"(default {DEFAULT_KV_CACHE_MEMORY} on the CPU; on CUDA the cache gets what "

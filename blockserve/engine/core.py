@@ -26,6 +26,7 @@ from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.specs import with_kv_cache_dtype
 from blockserve.models.loader import LoadedModel, load_model
+from blockserve.models.weight_memory import weight_memory_report
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
@@ -65,14 +66,20 @@ def engine_device_plan(config: EngineConfig, loaded: LoadedModel | None) -> Devi
     if loaded is None:
         return plan
     weight = next(loaded.model.parameters())
+    placement = getattr(loaded.model, "placement", None)  # a CausalLM's: its dtype, whatever 16-bit weights it kept
+    dtype = weight.dtype if placement is None else placement.dtype
     if config.device != "auto" and weight.device.type != plan.device.type:
         raise ValueError(f"device={config.device!r} but the model passed in is on {weight.device}")
-    if config.dtype != "auto" and weight.dtype != plan.dtype:
-        raise ValueError(f"dtype={config.dtype!r} but the model passed in is in {weight.dtype}")
+    if config.dtype != "auto" and dtype != plan.dtype:
+        raise ValueError(f"dtype={config.dtype!r} but the model passed in is in {dtype}")
+    if config.dtype != "auto" and placement is not None and placement.keep_16bit_weights:
+        raise ValueError(f"dtype={config.dtype!r} but the model passed in keeps its 16-bit weights (loaded with "
+                         "dtype auto on the CPU); load it with that dtype, or pass dtype='auto'")
     utilization = plan.gpu_memory_utilization if weight.device.type == "cuda" else None
     if utilization is None and weight.device.type == "cuda":
         utilization = DEFAULT_GPU_MEMORY_UTILIZATION
-    return DevicePlan(weight.device, weight.dtype, utilization)
+    return DevicePlan(weight.device, dtype, utilization,
+                      keep_16bit_weights=placement is not None and placement.keep_16bit_weights)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -149,6 +156,7 @@ class EngineCore:
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded
+        weights_line = weight_memory_report(loaded.model)  # before the KV cache is allocated: the load's peak
         self.max_model_len = max_model_len = resolve_max_model_len(config, loaded.hf_config)
 
         model = self.loaded.model
@@ -215,8 +223,9 @@ class EngineCore:
         if self.executor is None and plan.device.type == "cpu" and config.adaptive_threads:
             self.thread_governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         budget_line = "" if self.kv_budget is None else f"\n{self.kv_budget.report()}"
-        logger.info("KV cache capacity (max_model_len %d, %s, %s):\n%s%s", max_model_len, plan.device,
-                    str(plan.dtype).removeprefix("torch."), self.kv_config.capacity_report(), budget_line)
+        logger.info("KV cache capacity (max_model_len %d, %s, %s):\n%s%s\n%s", max_model_len, plan.device,
+                    str(plan.dtype).removeprefix("torch."), self.kv_config.capacity_report(), budget_line,
+                    weights_line)
         if graph_sizes:
             began, reserved = time.perf_counter(), torch.cuda.memory_reserved(plan.device)
             self.runner.capture_decode_graphs(graph_sizes)

@@ -2,6 +2,8 @@
 
     device  auto -> cuda when torch.cuda.is_available(), else cpu;  cpu;  cuda;  cuda:N
     dtype   auto -> float32 on CPU, bfloat16 on CUDA;  float32;  bfloat16;  float16
+            on the CPU, auto also keeps a checkpoint's 16-bit linear and embedding weights in 16 bits
+            (float32 activations, models/half_linear.py); float32 widens every weight as it loads
 
 `resolve_device_plan` turns EngineConfig's names into a frozen `DevicePlan` (errors a user can
 act on: CUDA asked for where there is none, an index past the device count, a GPU memory share
@@ -31,11 +33,13 @@ def check_device_name(name: str) -> None:
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """The resolved device and model dtype; `gpu_memory_utilization` only on CUDA (None on CPU)."""
+    """The resolved device and model dtype; `gpu_memory_utilization` only on CUDA (None on CPU);
+    `keep_16bit_weights`: Placement's (dtype auto on the CPU)."""
 
     device: torch.device
     dtype: torch.dtype
     gpu_memory_utilization: float | None = None
+    keep_16bit_weights: bool = False
 
     @property
     def is_cuda(self) -> bool:
@@ -43,7 +47,7 @@ class DevicePlan:
 
     @property
     def placement(self) -> Placement:
-        return Placement(device=self.device, dtype=self.dtype)
+        return Placement(device=self.device, dtype=self.dtype, keep_16bit_weights=self.keep_16bit_weights)
 
 
 def resolve_device(name: str, cuda_available: bool | None = None, cuda_count: int | None = None) -> torch.device:
@@ -86,4 +90,5 @@ def resolve_device_plan(device: str, dtype: str, gpu_memory_utilization: float |
                          "(--kv-cache-memory)")
     if resolved.type == "cuda" and gpu_memory_utilization is None:
         gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
-    return DevicePlan(resolved, resolve_dtype(dtype, resolved), gpu_memory_utilization)
+    return DevicePlan(resolved, resolve_dtype(dtype, resolved), gpu_memory_utilization,
+                      keep_16bit_weights=dtype == "auto" and resolved.type == "cpu")

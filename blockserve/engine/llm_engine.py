@@ -20,6 +20,7 @@ from blockserve.engine.template_kwargs import template_kwargs
 from blockserve.errors import EngineDead, InvalidRequest, RequestRejected
 from blockserve.kv.block_pool import ResetResult
 from blockserve.kv.config import KVCacheConfig
+from blockserve.models.weight_memory import resident_weight_bytes
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import RequestOutput as CoreOutput
 from blockserve.scheduler.output import SchedulerStats
@@ -289,6 +290,11 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         """Queue depths, KV usage per group, cumulative prefix-cache and preemption counters."""
         return self.core.scheduler.stats()
+
+    @property
+    def weights_resident_bytes(self) -> dict[str, int]:
+        """The loaded model's parameter and buffer bytes per dtype name (models/weight_memory.py)."""
+        return resident_weight_bytes(self.core.loaded.model)
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:

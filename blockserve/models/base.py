@@ -26,6 +26,7 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.tensor_parallel.layers import ParallelLMHead, gather_vocab_logits
 from blockserve.kv.specs import KVCacheSpec
+from blockserve.models.half_linear import use_half_weights
 from blockserve.models.placement import Placement
 from blockserve.models.weights import CheckpointLayout, load_checkpoint
 
@@ -65,6 +66,8 @@ class CausalLM(nn.Module):
                                 ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, placement.tp))
         # The tied lm_head over the GGUF's blocks of the embedding (models/quantized_linear.py), if any.
         self.quantized_lm_head: nn.Module | None = None
+        # The tied lm_head over an embedding kept in 16 bits (models/half_linear.py), if any.
+        self.tied_lm_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] int64 of the flattened batch -> final hidden states [T, hidden_size].
@@ -76,13 +79,18 @@ class CausalLM(nn.Module):
         None on the others, after taking part in the gather)."""
         tp = self.placement.tp
         if tp is not None:
-            logits = (self.lm_head(hidden) if not self.tie_word_embeddings else
-                      gather_vocab_logits(F.linear(hidden, self.model.embed_tokens.weight).float(),
-                                          self.config.vocab_size, tp))
+            if not self.tie_word_embeddings:
+                logits = self.lm_head(hidden)
+            else:  # this rank's vocabulary rows of the embedding (kept 16-bit: the tied_lm_head over them)
+                local = (self.tied_lm_head(hidden) if self.tied_lm_head is not None
+                         else F.linear(hidden, self.model.embed_tokens.weight).float())
+                logits = gather_vocab_logits(local, self.config.vocab_size, tp)
             if logits is None:
                 return None
         elif self.quantized_lm_head is not None:
             logits = self.quantized_lm_head(hidden)  # float32 by construction
+        elif self.tied_lm_head is not None:
+            logits = self.tied_lm_head(hidden)  # float32 by construction
         elif self.tie_word_embeddings:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         else:
@@ -110,8 +118,11 @@ class CausalLM(nn.Module):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Materialise every parameter from (checkpoint name, tensor) pairs on the placement's device
         and dtype, as the family's `checkpoint` layout says (weights.py); a tied lm_head's weight is
-        ignored. Parameters may share memory with the given tensors. ValueError naming unexpected,
-        missing or mis-shaped weights."""
+        ignored. Parameters may share memory with the given tensors. With the placement's
+        `keep_16bit_weights`, the modules holding 16-bit weights become half_linear.py's. ValueError
+        naming unexpected, missing or mis-shaped weights."""
         load_checkpoint(self, named_tensors, self.checkpoint, self.placement,
                         num_layers=self.config.num_hidden_layers,
                         ignore_names=frozenset({"lm_head.weight"} if self.tie_word_embeddings else ()))
+        if self.placement.keep_16bit_weights:
+            use_half_weights(self)

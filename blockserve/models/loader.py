@@ -4,8 +4,9 @@ directory or from a GGUF file converted once and cached.
     source      what is loaded
     None        the default model's GGUF (default_model.py), as a .gguf below
     <dir>       config.json + model.safetensors (or a sharded index) + tokenizer files, if any
-    <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one;
-                its Q4_0 / Q4_1 / Q8_0 blocks are also kept for small batches (quantized_linear.py)
+    <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one
+                (F16 / BF16 matrices stay 16-bit there); its Q4_0 / Q4_1 / Q8_0 blocks are also kept
+                for small batches (quantized_linear.py)
 
     <cache>/gguf-<stem>-<digest>/   a converted GGUF; digest: the first 16 hex digits of the file's
                                     SHA-256, so every copy of one file shares one entry
@@ -35,7 +36,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import (AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase,
@@ -50,6 +50,7 @@ from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
 from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, use_quantized_linears
 from blockserve.models.registry import model_class
+from blockserve.models.safetensors_reader import read_tensors
 from blockserve.models.weight_layout import use_input_major_linears
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ _GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3m
 _GGUF_ROPE_PERMUTED = ("llama", "granite", "smollm3")
 # architectures transformers' GGUF_CONFIG_MAPPING leaves out whose metadata keys are another's
 _GGUF_CONFIG_AS = {"granite": "llama", "olmo2": "llama", "glm4": "llama", "smollm3": "llama"}
+# GGUF's 16-bit tensor types, kept in their dtype in the converted directory
+_GGUF_16BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight); ours hold w
 _GGUF_NORMS_PLUS_ONE = ("gemma2",)
 # transformers' model_type of GGUF architectures named otherwise (llama.cpp writes Mixtral as "llama"
@@ -247,10 +250,8 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                 "save the model with save_pretrained to get safetensors weights")
     for name in files:  # one tensor read at a time: a tensor-parallel rank keeps only its shard of each
         try:
-            with safe_open(path / name, framework="pt") as weights:
-                for key in weights.keys():
-                    yield key, weights.get_tensor(key)
-        except (SafetensorError, OSError) as error:
+            yield from read_tensors(path / name)  # not mapped: only what the model keeps stays resident
+        except (ValueError, OSError) as error:
             raise ValueError(f"corrupt weights file {path / name}: {error}; download or save it again") from error
 
 
@@ -354,7 +355,11 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[
             weights = np.concatenate([halves["ffn_gate_exps"], halves["ffn_up_exps"]], axis=1)
         elif kind == "ffn_gate_inp_shexp":
             weights = weights.reshape(1, -1)
-        yield name, torch.from_numpy(np.array(weights, dtype=np.float32))
+        weights = torch.from_numpy(np.array(weights, dtype=np.float32))
+        # F16 / BF16 matrices back in their 16 bits (exact: the values came from them), so the load keeps
+        # them 16-bit where its placement says (models/half_linear.py)
+        yield name, weights.to(_GGUF_16BIT[tensor.tensor_type.name]) if (
+            tensor.tensor_type.name in _GGUF_16BIT and weights.dim() == 2) else weights
 
 
 def _gguf_blocks(path: Path, config) -> Iterator[tuple[str, str, np.ndarray]]:

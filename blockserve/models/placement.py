@@ -19,8 +19,13 @@ class Placement:
     float32. (Parameters are declared on the meta device until `load_weights` places them.)
 
     `tp`: the tensor-parallel group this rank's shard belongs to (tensor_parallel/group.py); None on
-    one device, where every family builds its plain layers."""
+    one device, where every family builds its plain layers.
+
+    `keep_16bit_weights`: the weights of linear layers and embeddings stored in bfloat16 or float16
+    stay so, multiplied with float32 activations (models/half_linear.py), instead of being cast
+    to `dtype`; the rest of the model is in `dtype`."""
 
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     tp: TensorParallelGroup | None = None
+    keep_16bit_weights: bool = False

@@ -20,7 +20,9 @@ this rank's rows of it. The model declares that parameter at its own (narrowed) 
 what the assembled result is checked against. Without the attribute a tensor is used as it is.
 
 Each checkpoint tensor is moved to the Placement's device and dtype as it is read (sharing memory
-with the checkpoint tensor when it is there already), so pieces are assembled there.
+with the checkpoint tensor when it is there already), so pieces are assembled there; with
+`placement.keep_16bit_weights`, a bfloat16 or float16 tensor bound for a parameter that
+models/half_linear.py's `keeps_16bit` names keeps its dtype.
 Errors are ValueErrors: a mis-shaped weight at once;
 otherwise one "checkpoint does not match" error naming the unexpected and the missing weights.
 """
@@ -35,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from blockserve.models.half_linear import HALF_DTYPES, keeps_16bit
 from blockserve.models.placement import Placement
 
 
@@ -142,9 +145,9 @@ def load_checkpoint(model: nn.Module, named_tensors: Iterable[tuple[str, torch.T
         narrow = getattr(param, "weight_loader", None)
         if narrow is not None:
             tensor = narrow(tensor, part=slot.part, expert=slot.expert)
-        # Onto the device in the model's dtype now, one tensor at a time: a fused or stacked
-        # parameter is assembled there, never as a float32 copy on the host.
-        tensor = tensor.to(device=placement.device, dtype=placement.dtype)
+        # Onto the device in the model's dtype (or its kept 16 bits) now, one tensor at a time: a fused
+        # or stacked parameter is assembled there, never as a float32 copy on the host.
+        tensor = tensor.to(device=placement.device, dtype=_stored_dtype(model, slot.target, tensor.dtype, placement))
         if slot.group is None:
             _place(model, slot.target, tensor, param.shape, f"weight {name}", placement)
             loaded.add(slot.target)
@@ -195,11 +198,21 @@ def _names_of(target: str, layout: CheckpointLayout) -> list[str]:
     return [target] if group is None else [f"{parent}.{part}.{leaf}" for part in group.parts]
 
 
+def _stored_dtype(model: nn.Module, target: str, dtype: torch.dtype, placement: Placement) -> torch.dtype:
+    """The dtype parameter `target` holds a checkpoint tensor of `dtype` in (see the module docstring)."""
+    if placement.keep_16bit_weights and dtype in HALF_DTYPES:
+        module_path, _, leaf = target.rpartition(".")
+        if keeps_16bit(model.get_submodule(module_path), leaf):
+            return dtype
+    return placement.dtype
+
+
 def _place(model: nn.Module, target: str, tensor: torch.Tensor, shape: torch.Size, what: str,
            placement: Placement) -> None:
     if tensor.shape != shape:
         raise ValueError(f"{what} has shape {tuple(tensor.shape)} but the model built from the config expects "
                          f"{tuple(shape)} for {target}; does config.json match the checkpoint?")
     module_path, _, leaf = target.rpartition(".")
-    weight = tensor.detach().to(device=placement.device, dtype=placement.dtype).contiguous()
+    dtype = _stored_dtype(model, target, tensor.dtype, placement)
+    weight = tensor.detach().to(device=placement.device, dtype=dtype).contiguous()
     setattr(model.get_submodule(module_path), leaf, nn.Parameter(weight, requires_grad=False))

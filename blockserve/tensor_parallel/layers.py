@@ -177,7 +177,8 @@ def _narrow_vocab(tensor: torch.Tensor, rows: Slice, name: str) -> torch.Tensor:
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """This rank's rows of the vocabulary; an id outside them looks up zeros; one all-reduce."""
+    """This rank's rows of the vocabulary; an id outside them looks up zeros; one all-reduce. The
+    rows come out float32 (tensor parallelism runs in float32), whatever the table's dtype."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup):
         self.rows = _vocab_slice(vocab_size, tp)
@@ -191,7 +192,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.rows.start
         outside = (local < 0) | (local >= self.rows.size)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).float()  # a 16-bit table's rows widened
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
 

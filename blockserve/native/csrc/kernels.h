@@ -52,4 +52,8 @@ at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_fe
 at::Tensor quantized_matmul_int16(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 int64_t simd_lanes();
 
+// half_matmul.cpp: out = x @ W^T, x float32, W [N, K] bfloat16 or float16 widened in registers (float32 sums).
+at::Tensor half_matmul(at::Tensor x, at::Tensor weight);
+int64_t half_matmul_lanes();
+
 }  // namespace blockserve

@@ -37,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_matmul_int16", &quantized_matmul_int16,
         "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int16 per block of 32 (integer dots)");
   m.def("simd_lanes", &simd_lanes, "16: the AVX-512 path, 8: AVX2, 0: neither (quantized_matmul cannot run)");
+  m.def("half_matmul", &half_matmul,
+        "out [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] bfloat16 or float16 widened in registers");
+  m.def("half_matmul_lanes", &half_matmul_lanes, "16: the AVX-512 path, 8: AVX2 + F16C, 0: neither (half_matmul cannot run)");
 
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)
