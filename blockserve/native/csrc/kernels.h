@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace blockserve {
 
@@ -39,5 +41,10 @@ at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_feature
 at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 at::Tensor quantized_matmul_int16(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 int64_t simd_lanes();
+
+// gguf_blocks.cpp: the other GGUF block formats (5-bit, K-quants, IQ4) read in the file's layout.
+std::vector<std::string> gguf_block_formats();
+at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns);
+at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
 
 }  // namespace blockserve
