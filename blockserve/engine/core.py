@@ -26,6 +26,7 @@ from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.specs import with_kv_cache_dtype
 from blockserve.models.loader import LoadedModel, load_model
+from blockserve.models.resident_weights import resident_weight_report
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
@@ -204,6 +205,8 @@ class EngineCore:
         budget_line = "" if self.kv_budget is None else f"\n{self.kv_budget.report()}"
         logger.info("KV cache capacity (max_model_len %d, %s, %s):\n%s%s", max_model_len, plan.device,
                     str(plan.dtype).removeprefix("torch."), self.kv_config.capacity_report(), budget_line)
+        if self.executor is None:
+            logger.info("weights resident: %s", resident_weight_report(self.loaded.model))
         if graph_sizes:
             began, reserved = time.perf_counter(), torch.cuda.memory_reserved(plan.device)
             self.runner.capture_decode_graphs(graph_sizes)

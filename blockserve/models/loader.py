@@ -178,6 +178,11 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         streamed = _gguf_tensors(reader, arch, config, lambda name, tensor: _block_only(tensor) and name not in taken)
         return itertools.chain(((name, t) for name, t in cached if name not in taken), streamed)
 
+    widened = Counter(f"{t.tensor_type.name}{' experts' if t.name.split('.')[-2] in _GGUF_EXPERTS else ''}"
+                      for t in reader.tensors if t.tensor_type.name != "F32" and not _block_only(t))
+    if widened:  # Q4_0 / Q4_1 / Q8_0 linear layers keep a float32 copy beside their packed blocks
+        logger.info("%s: tensors widened to float32 (cached in %s): %s", path.name, hf_dir,
+                    ", ".join(f"{count} {kind}" for kind, count in sorted(widened.items())))
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
     if quantized_matmul:
         used = use_quantized_linears(loaded.model, _gguf_blocks(reader, arch, loaded.hf_config, QUANTIZED_FORMATS),
@@ -291,11 +296,6 @@ def _convert_gguf(path: Path, out: Path) -> None:
     arch = reader.fields["general.architecture"].contents()
     config = _gguf_config(reader, arch)
     tensors = dict(_gguf_tensors(reader, arch, config, lambda name, tensor: not _block_only(tensor)))
-    widened = Counter(t.tensor_type.name for t in reader.tensors
-                      if t.tensor_type.name not in BLOCK_FORMATS and t.tensor_type.name not in ("F32", "F16", "BF16"))
-    if widened:
-        logger.warning("%s: tensors in formats with no block kernel are kept as float32 (%s)", path.name,
-                       ", ".join(f"{n} {f}" for f, n in sorted(widened.items())))
     # AutoTokenizer reads the file's config first and refuses architectures transformers' GGUF loader lacks
     tokenizer_class = PreTrainedTokenizerFast if arch in _GGUF_CONFIG_AS else AutoTokenizer
     tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from blockserve.models.gguf_block_linear import (KERNEL_FORMATS, MAX_ROWS, SCALE_OFFSETS, TILE_VALUES, GGUFBlockEmbedding,
-                                                 GGUFBlockLinear, block_shape, check_blocks)
+from blockserve.models.gguf_block_linear import (KERNEL_FORMATS, MAX_ROWS, SCALE_OFFSETS, TILE_VALUES,
+                                                 GGUFBlockEmbedding, GGUFBlockLinear, block_shape, check_blocks)
 from blockserve.models.quantized_linear import round_per_block
 from blockserve.native.extension import quantized_matmul_ops
 
