@@ -147,7 +147,8 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
     quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
-    and run on them (models/quantized_linear.py); False: float32 only.
+    and run on them (models/quantized_linear.py), those in the other block formats run from the mapped
+    file's blocks alone (models/gguf_block_linear.py); False: float32 only.
     quantized_activations: those blocks' kernel, "float32" (exact: transformers' logits), "int8"
     (llama.cpp's rounding; every batch size) or "int16" (16-bit rounding).
     quantized_max_rows: float32 and int16: the most rows the blocks serve, the float32 GEMM past
