@@ -4,10 +4,11 @@ inter-token latency and streaming servers at 1 / 16 / 64 clients, at each thread
     make bench-peers-native                  (1 thread and all cores; results/peers_native.json)
     python -m benchmarks.peers.native --threads 1 2 [--rounds 2] [--clients 1 16 64] [--skip-server]
         [--input-len 112] [--max-tokens 128] [--batch 64] [--blockserve-flags '...'] [--isa avx2] [--json PATH]
+        [--model FILE.gguf]
 
 llama.cpp is built once by benchmarks/peers/build_llama_cpp.sh (from the llama-cpp-python sdist's
 vendor/llama.cpp, -DGGML_NATIVE=ON, cached outside the repository). Both systems load the same
-bundled SmolLM2-135M Q4_1 GGUF, each with its own defaults otherwise (llama.cpp: float16 KV;
+bundled SmolLM2-135M Q4_1 GGUF (or --model), each with its own defaults otherwise (llama.cpp: float16 KV;
 blockserve: float32 KV, GGUF blocks for small batches), and every command is a separate process,
 run as a user would:
 
@@ -20,6 +21,7 @@ run as a user would:
               prompts (P tokens, G new, greedy, EOS ignored) at each --clients concurrency;
               output tok/s, TTFT p50, ITL p50 (gaps between content chunks: a server that holds
               back incomplete UTF-8 sends some chunks of 2+ tokens) and TPOT p50 (per token)
+    memory    each server's peak RSS (VmHWM) once it answers /health: the model loaded, nothing served
 
 Cells run interleaved (llama.cpp, then blockserve, per round) and report medians over --rounds.
 blockserve's offline run also measures the fp32 roofline (GEMM peak, bandwidth) after its workload
@@ -74,6 +76,7 @@ def main() -> int:
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="native: each engine built for this CPU; avx2: both held to AVX2 (see above)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--model", type=Path, default=None, help="the GGUF both engines load (default: bundled)")
     args = ap.parse_args()
     if args.isa == "avx2":
         os.environ.update(AVX2_ENVIRONMENT)
@@ -85,7 +88,7 @@ def main() -> int:
     env["isa"] = args.isa
     bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh"), args.isa], check=True, capture_output=True,
                                   text=True).stdout.strip().splitlines()[-1])
-    model = str(default_model_path())
+    model = str(args.model or default_model_path())
     print(f"llama.cpp binaries: {bin_dir}; model {model}")
     results = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}, "llama_cpp": str(bin_dir),
                "tables": []}
@@ -104,6 +107,11 @@ def main() -> int:
             if not args.skip_server:
                 for system, start in (("llama.cpp", start_llama_server), ("blockserve", start_blockserve)):
                     with Server(start(bin_dir, model, threads, args)) as server:
+                        cells.setdefault("peak RSS after load, MiB", {"llama.cpp": [], "blockserve": []})
+                        cells["peak RSS after load, MiB"][system].append({"value": server.peak_rss_mib,
+                                                                          "others_cpu_share": float("nan")})
+                        print(f"[{threads} thr, round {r + 1}] {system} server: peak RSS after load "
+                              f"{server.peak_rss_mib:.0f} MiB", flush=True)
                         for clients in args.clients:
                             cells.setdefault(f"server {clients} clients", {"llama.cpp": [], "blockserve": []})
                             try:
@@ -215,7 +223,7 @@ def blockserve_bench(kind: str, args, threads: int, extra: list[str]) -> dict:
         out_json = Path(d) / "out.json"
         cmd = [*BLOCKSERVE, "bench", kind, "--random-input-len", str(args.input_len), "--max-tokens",
                str(args.max_tokens), "--num-threads", str(threads), "--no-progress", "--output-json", str(out_json),
-               *extra, *args.blockserve_flags.split()]
+               *(["--model", str(args.model)] if args.model else []), *extra, *args.blockserve_flags.split()]
         _, share = run_process(cmd)
         record = json.loads(out_json.read_text())
     return {"record": record, "others_cpu_share": share.others_share, "command": " ".join(cmd)}
@@ -246,6 +254,14 @@ def offline_cells(bin_dir: Path, model: str, args, threads: int) -> dict:
             "batch-1 inter-token latency, ms": (llama_itl, ours_itl)}
 
 
+def _peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -261,8 +277,8 @@ def start_llama_server(bin_dir: Path, model: str, threads: int, args) -> tuple[l
 
 def start_blockserve(bin_dir: Path, model: str, threads: int, args) -> tuple[list[str], int]:
     port = free_port()
-    return [*BLOCKSERVE, "serve", "--num-threads", str(threads), "--host", "127.0.0.1", "--port", str(port),
-            *args.blockserve_flags.split()], port
+    return [*BLOCKSERVE, "serve", "--model", model, "--num-threads", str(threads), "--host", "127.0.0.1",
+            "--port", str(port), *args.blockserve_flags.split()], port
 
 
 class Server:
@@ -283,6 +299,7 @@ class Server:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        self.peak_rss_mib = _peak_rss_mib(self.proc.pid)
                         return self
             except OSError:
                 time.sleep(0.5)
@@ -352,7 +369,7 @@ def report(results: dict) -> None:
                 failed = ", ".join(s for s, v in runs.items() if not v)
                 print(f"{name:<42} failed in every round: {failed} (the errors are in the JSON)")
                 continue
-            lower_is_better = name.startswith("batch-1")
+            lower_is_better = name.startswith(("batch-1", "peak RSS"))
             med = {s: statistics.median(r["value"] for r in v) for s, v in runs.items()}
             share = {s: statistics.median(r["others_cpu_share"] for r in v) for s, v in runs.items()}
             ratio = med["llama.cpp"] / med["blockserve"] if lower_is_better else med["blockserve"] / med["llama.cpp"]

@@ -4,12 +4,15 @@ directory or from a GGUF file converted once and cached.
     source      what is loaded
     None        the default model's GGUF (default_model.py), as a .gguf below
     <dir>       config.json + model.safetensors (or a sharded index) + tokenizer files, if any
-    <x>.gguf    dequantised into a Hugging Face directory under the cache once, then loaded as one
-                (F16 / BF16 matrices stay 16-bit there); its Q4_0 / Q4_1 / Q8_0 blocks are also kept
-                for small batches (quantized_linear.py)
+    <x>.gguf    mapped read-only; its linear layers (and embedding) in the 5-bit, K-quant and IQ4
+                formats run from the mapped blocks (gguf_block_linear.py, no float32 copy), those
+                in Q4_0 / Q4_1 / Q8_0 from packed blocks for small batches (quantized_linear.py,
+                beside a float32 copy); the config, tokenizer and float32 copies of every other
+                tensor (float formats, stacked experts, and the block formats too where the kernels
+                cannot run) are written to a Hugging Face directory under the cache once
 
-    <cache>/gguf-<stem>-<digest>/   a converted GGUF; digest: the first 16 hex digits of the file's
-                                    SHA-256, so every copy of one file shares one entry
+    <cache>/gguf-<stem>-<digest>-f32rest/   a converted GGUF; digest: the first 16 hex digits of the
+                                    file's SHA-256, so every copy of one file shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
     <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
 
@@ -25,11 +28,13 @@ is complete. The cache root is the `cache_dir` argument, else $BLOCKSERVE_CACHE_
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +51,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.cached_directory import cached_directory
 from blockserve.models.default_model import default_model_path
+from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
+from blockserve.models.gguf_block_linear import NEW_FORMATS as BLOCK_ONLY_FORMATS
+from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
 from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, use_quantized_linears
@@ -55,6 +63,7 @@ from blockserve.models.weight_layout import use_input_major_linears
 
 logger = logging.getLogger(__name__)
 
+_CACHE_LAYOUT = "f32rest"  # a cache entry holds float32 copies of the tensors no block kernel reads only
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # llama.cpp tensor names -> Hugging Face module names (per layer under "blk.N.")
@@ -140,7 +149,8 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
     quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
-    and run on them (models/quantized_linear.py); False: float32 only.
+    and run on them (models/quantized_linear.py), those in the other block formats run from the mapped
+    file's blocks alone (models/gguf_block_linear.py); False: float32 only.
     quantized_activations: those blocks' kernel, "float32" (exact: transformers' logits), "int8"
     (llama.cpp's rounding; every batch size) or "int16" (16-bit rounding).
     quantized_max_rows: float32 and int16: the most rows the blocks serve, the float32 GEMM past
@@ -160,9 +170,25 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     hf_dir = _converted_gguf(path, cache_root(cache_dir))
-    loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (converted, cached in {hf_dir})", placement)
+    reader = _gguf_reader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def gguf_weights(model: nn.Module, config: PretrainedConfig,
+                     cached: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        taken: set[str] = set()
+        if quantized_matmul and block_ops() is not None:
+            taken = use_block_modules(model, _gguf_blocks(reader, arch, config, BLOCK_FORMATS), quantized_activations)
+        streamed = _gguf_tensors(reader, arch, config, lambda name, tensor: _block_only(tensor) and name not in taken)
+        return itertools.chain(((name, t) for name, t in cached if name not in taken), streamed)
+
+    widened = Counter(f"{t.tensor_type.name}{' experts' if t.name.split('.')[-2] in _GGUF_EXPERTS else ''}"
+                      for t in reader.tensors if t.tensor_type.name != "F32" and not _block_only(t))
+    if widened:  # Q4_0 / Q4_1 / Q8_0 linear layers keep a float32 copy beside their packed blocks
+        logger.info("%s: tensors widened to float32 (cached in %s): %s", path.name, hf_dir,
+                    ", ".join(f"{count} {kind}" for kind, count in sorted(widened.items())))
+    loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
     if quantized_matmul:
-        used = use_quantized_linears(loaded.model, _gguf_blocks(path, loaded.hf_config),
+        used = use_quantized_linears(loaded.model, _gguf_blocks(reader, arch, loaded.hf_config, QUANTIZED_FORMATS),
                                      quantized_max_rows, quantized_activations)
         logger.info("%d linear layers keep the GGUF's blocks for small batches", used)
     return loaded
@@ -191,7 +217,7 @@ def gguf_cache_entry(path: Path, root: Path) -> Path:
     """Where the conversion of the GGUF file `path` lives. It is named by the file's content, so
     every copy of one file (each virtual environment's, say) shares one entry, and new content
     gets a new one."""
-    return root / f"gguf-{path.stem}-{_content_digest(path, root)}"
+    return root / f"gguf-{path.stem}-{_content_digest(path, root)}-{_CACHE_LAYOUT}"
 
 
 def _content_digest(path: Path, root: Path) -> str:
@@ -220,7 +246,9 @@ def _is_digest(text: str) -> bool:
 
 
 def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], description: str,
-                 placement: Placement) -> LoadedModel:
+                 placement: Placement, weights: Callable | None = None) -> LoadedModel:
+    """`weights(model, config, tensors)`: the (name, tensor) pairs to load into the model built,
+    given the directory's; None: the directory's."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; a model directory needs config.json, "
                                 "*.safetensors weights and tokenizer files (as written by save_pretrained)")
@@ -231,7 +259,7 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
     cls = model_class(config.architectures)
     cls.check_tensor_parallel(1 if placement.tp is None else placement.tp.size)
     model = cls(config, attention_backend_cls, placement)
-    model.load_weights(_safetensors(path))
+    model.load_weights(_safetensors(path) if weights is None else weights(model, config, _safetensors(path)))
     use_input_major_linears(model)
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -261,15 +289,14 @@ def _converted_gguf(path: Path, root: Path) -> Path:
 
 
 def _convert_gguf(path: Path, out: Path) -> None:
-    """Write the GGUF file `path` as a Hugging Face directory (float32 weights) into `out`."""
-    try:
-        reader = gguf.GGUFReader(path)
-        arch = reader.fields["general.architecture"].contents()
-    except Exception as error:  # the reader raises many kinds on a damaged file
-        raise ValueError(f"could not read GGUF file {path} ({error}); it may be truncated or corrupt: "
-                         "download it again") from error
+    """Write the GGUF file `path` as a Hugging Face directory into `out`: config, tokenizer and, as
+    float32, the weights a block kernel does not read (csrc/gguf_blocks.cpp: every format but the
+    float ones; stacked experts are not linear layers). Those in BLOCK_ONLY_FORMATS are read from
+    the file at every load instead."""
+    reader = _gguf_reader(path)
+    arch = reader.fields["general.architecture"].contents()
     config = _gguf_config(reader, arch)
-    tensors = dict(_gguf_tensors(reader, arch, config))
+    tensors = dict(_gguf_tensors(reader, arch, config, lambda name, tensor: not _block_only(tensor)))
     # AutoTokenizer reads the file's config first and refuses architectures transformers' GGUF loader lacks
     tokenizer_class = PreTrainedTokenizerFast if arch in _GGUF_CONFIG_AS else AutoTokenizer
     tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
@@ -330,9 +357,26 @@ def _gguf_model_type(reader: gguf.GGUFReader, arch: str) -> str:
     return _GGUF_MODEL_TYPES.get(arch, arch)
 
 
-def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantised tensors under Hugging Face names; stacked experts' gate and up joined into one
-    gate_up_proj [E, 2I, H] once both have been read."""
+def _gguf_reader(path: Path) -> gguf.GGUFReader:
+    """The file mapped read-only (its blocks are used in place)."""
+    try:
+        reader = gguf.GGUFReader(path)
+        reader.fields["general.architecture"].contents()
+    except Exception as error:  # the reader raises many kinds on a damaged file
+        raise ValueError(f"could not read GGUF file {path} ({error}); it may be truncated or corrupt: "
+                         "download it again") from error
+    return reader
+
+
+def _block_only(tensor: gguf.ReaderTensor) -> bool:
+    """Whether `tensor` is read from the file's blocks at load rather than cached as float32."""
+    return tensor.tensor_type.name in BLOCK_ONLY_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS
+
+
+def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
+                  keep: Callable[[str, gguf.ReaderTensor], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantised tensors under Hugging Face names, those `keep(name, tensor)` takes; stacked
+    experts' gate and up joined into one gate_up_proj [E, 2I, H] once both have been read."""
     for tensor in reader.tensors:
         if tensor.name.rpartition(".")[0] == "rope_freqs":  # llama.cpp's rope divisors (Llama 3.1+ scaling)
             if not np.all(gguf.quants.dequantize(tensor.data, tensor.tensor_type) == 1):
@@ -340,6 +384,8 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[
                                  "load the model's Hugging Face directory instead")
     gate_or_up: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
+        if not keep(name, tensor):
+            continue
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if rope_heads:
             weights = _unpermute_rope_rows(weights, rope_heads)
@@ -362,15 +408,19 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[
             tensor.tensor_type.name in _GGUF_16BIT and weights.dim() == 2) else weights
 
 
-def _gguf_blocks(path: Path, config) -> Iterator[tuple[str, str, np.ndarray]]:
-    """(Hugging Face name, GGUF type, raw blocks [rows, bytes]) of the tensors of the GGUF file
-    `path` stored in a block format QuantizedLinear reads, rows in Hugging Face order. Stacked
-    experts are not linear layers: they run on the dequantised weights."""
-    reader = gguf.GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
+def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config,
+                 formats) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(Hugging Face name, GGUF type, raw blocks [rows, bytes]) of the file's tensors stored in one
+    of `formats`, rows in Hugging Face order, checked (check_blocks); views of the mapped file
+    but where rows are unpermuted. Stacked experts are not linear layers: they run on the
+    dequantised weights."""
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
-        if tensor.tensor_type.name in QUANTIZED_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS:
+        if tensor.tensor_type.name in formats and tensor.name.split(".")[-2] not in _GGUF_EXPERTS:
+            shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
+            rows, columns = int(np.prod(shape[:-1])), shape[-1]
             raw = np.asarray(tensor.data)
+            check_blocks(tensor.name, tensor.tensor_type.name, raw, rows, columns)
+            raw = raw.reshape(rows, -1)
             yield name, tensor.tensor_type.name, _unpermute_rope_rows(raw, rope_heads) if rope_heads else raw
 
 

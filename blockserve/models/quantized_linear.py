@@ -39,8 +39,8 @@ call (each output is the same integer block dots summed in the same order); unde
 different orders.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
-and Q8_0 (w = d * q), d and m float16; layers stored otherwise stay float32 only. The blocks
-cost memory on top of the float32 copy.
+and Q8_0 (w = d * q), d and m float16; the other block formats run from the file's own blocks
+(gguf_block_linear.py). The blocks cost memory on top of the float32 copy.
 
 Tensor-parallel: each rank keeps the blocks of its own shard (`narrow_blocks` of the column- and
 row-parallel layers, tensor_parallel/layers.py); a row-parallel layer's partial product is

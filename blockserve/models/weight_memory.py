@@ -3,7 +3,7 @@
     weights resident: 0.94 GiB bfloat16, 0.01 GiB float32 (1.0 GiB in all); peak RSS by the end of loading 1.2 GiB
 
 Bytes are counted from the tensors' storages (each once: a tied head shares the embedding's), per
-dtype; uint8 storages are a GGUF's packed quantized blocks. The peak RSS is the process's high-water
+dtype or, for GGUF blocks, per format. The peak RSS is the process's high-water
 mark (VmHWM) when the report is made, which in a fresh process is the load's peak.
 """
 
@@ -13,23 +13,37 @@ from pathlib import Path
 
 from torch import nn
 
+from blockserve.models.gguf_block_linear import GGUFBlockEmbedding, GGUFBlockLinear
+from blockserve.models.quantized_linear import QuantizedLinear
+
 GIB = 2 ** 30
 
 
 def resident_weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held by the model's parameters and buffers per dtype name ("bfloat16", "uint8", ...),
-    each storage counted once; tensors on the meta device hold none."""
-    seen: set[int] = set()
+    """Bytes held by the model's weights, each storage counted once: GGUF blocks by their GGUF format
+    (those read in place from the mapped file included), quantized_linear's packed copies as
+    "Q4_0/Q4_1 packed" / "Q8_0 packed", every other parameter and buffer by its dtype name
+    ("bfloat16", "float32", ...); tensors on the meta device hold none."""
     held: dict[str, int] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.device.type == "meta":
-            continue
+    seen: set[int] = set()
+
+    def add(tensor, label: str) -> None:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
+        if tensor.device.type == "meta" or storage.data_ptr() in seen:
+            return
         seen.add(storage.data_ptr())
-        name = str(tensor.dtype).removeprefix("torch.")
-        held[name] = held.get(name, 0) + storage.nbytes()
+        held[label] = held.get(label, 0) + storage.nbytes()
+
+    for module in model.modules():
+        if isinstance(module, GGUFBlockLinear):
+            for segment in module.segments:
+                add(segment.raw, segment.format)
+        elif isinstance(module, GGUFBlockEmbedding):
+            add(module.segment.raw, module.segment.format)
+        elif isinstance(module, QuantizedLinear):
+            add(module.packed, "Q4_0/Q4_1 packed" if module.q4_1 else "Q8_0 packed")
+    for tensor in (*model.parameters(), *model.buffers()):
+        add(tensor, str(tensor.dtype).removeprefix("torch."))
     return held
 
 
@@ -46,7 +60,7 @@ def peak_rss_bytes() -> int | None:
 def weight_memory_report(model: nn.Module) -> str:
     """One line: the weights' resident GiB per dtype (largest first), their total, and the peak RSS."""
     held = sorted(resident_weight_bytes(model).items(), key=lambda item: -item[1])
-    parts = ", ".join(f"{size / GIB:.3f} GiB {'uint8 (GGUF blocks)' if name == 'uint8' else name}"
+    parts = ", ".join(f"{size / GIB:.3f} GiB {name}"
                       for name, size in held)
     peak = peak_rss_bytes()
     return (f"weights resident: {parts} ({sum(size for _, size in held) / GIB:.3f} GiB in all); peak RSS by the end "

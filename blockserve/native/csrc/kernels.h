@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace blockserve {
 
@@ -55,5 +57,10 @@ int64_t simd_lanes();
 // half_matmul.cpp: out = x @ W^T, x float32, W [N, K] bfloat16 or float16 widened in registers (float32 sums).
 at::Tensor half_matmul(at::Tensor x, at::Tensor weight);
 int64_t half_matmul_lanes();
+
+// gguf_blocks.cpp: the other GGUF block formats (5-bit, K-quants, IQ4) read in the file's layout.
+std::vector<std::string> gguf_block_formats();
+at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns);
+at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
 
 }  // namespace blockserve

@@ -41,6 +41,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] bfloat16 or float16 widened in registers");
   m.def("half_matmul_lanes", &half_matmul_lanes, "16: the AVX-512 path, 8: AVX2 + F16C, 0: neither (half_matmul cannot run)");
 
+  m.def("gguf_block_formats", &gguf_block_formats, "the GGUF formats gguf_dequantize and gguf_matmul read");
+  m.def("gguf_dequantize", &gguf_dequantize,
+        "(raw uint8 [N, row bytes], format, columns) -> float32 [N, columns], as gguf-py's dequantize",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_matmul", &gguf_matmul, "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<bool>,

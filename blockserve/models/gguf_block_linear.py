@@ -1,0 +1,257 @@
+"""Linear layers and embeddings that keep a GGUF weight in the file's own blocks, with no float32
+copy: the 5-bit formats, the K-quants and IQ4 (csrc/gguf_blocks.cpp reads them in place), and a
+Q4_0 / Q4_1 / Q8_0 part where quantized_linear.py's packed layout does not take it (a fused
+projection whose parts differ in format).
+
+GGUFBlockLinear, out = x @ W^T (+ bias), W given as row segments (a fused projection's parts, each
+in its own format):
+
+    rows <= MAX_ROWS   gguf_matmul: each output row dequantised once into a small buffer and
+                       dotted with the rows (the weights are read at their file size)
+    more rows          tiles of about TILE_VALUES dequantised weights at a time, each multiplied
+                       by torch's GEMM and dropped (prefill: compute-bound, so the GEMM pays)
+
+With int8 / int16 activations (--quantized-activations), x is first rounded per block of 32 as
+quantized_linear's integer kernels round it, so every layer of a model computes the same function.
+GGUFBlockEmbedding looks rows up by dequantising just those rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, FUSED, LEVELS, round_per_block
+from blockserve.native.extension import quantized_matmul_ops
+from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+# The formats csrc/gguf_blocks.cpp reads; those first in this tuple (NEW_FORMATS) have no other kernel.
+KERNEL_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                  "IQ4_XS")
+NEW_FORMATS = KERNEL_FORMATS[3:]
+# byte offsets of each block's float16 scales (d, and dmin / m where the format has them)
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+MAX_ROWS = 8
+TILE_VALUES = 1 << 18  # dequantised weights per prefill tile: 1 MiB of float32
+
+
+def block_shape(format: str) -> tuple[int, int]:
+    """(values, bytes) per block of the GGUF `format`."""
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[format]]
+
+
+def block_ops():
+    """The native module when it can run gguf_blocks.cpp's kernels here, else None."""
+    ops = quantized_matmul_ops()
+    return ops if ops is not None and hasattr(ops, "gguf_matmul") else None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`raw` [rows, row bytes] uint8: rows of a weight in GGUF `format`."""
+    format: str
+    raw: torch.Tensor
+
+
+def _checked(format: str, raw: torch.Tensor, columns: int, what: str) -> Segment:
+    if format not in KERNEL_FORMATS:
+        raise ValueError(f"{what}: no block kernel for GGUF format {format} (read: {', '.join(KERNEL_FORMATS)})")
+    values, nbytes = block_shape(format)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or columns % values or raw.shape[1] != columns // values * nbytes:
+        raise ValueError(f"{what}: {format} blocks of shape {tuple(raw.shape)} do not hold rows of {columns} "
+                         "values; the GGUF file does not match the model")
+    return Segment(format, raw.contiguous())
+
+
+class GGUFBlockLinear(nn.Module):
+    """out = x @ W^T (+ bias) with W [out_features, in_features] the concatenation of `segments`'
+    rows (see the module docstring). `tp`: a row-parallel layer's group, whose ranks' outputs are
+    summed (all-reduce) before the bias."""
+
+    def __init__(self, segments: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None = None,
+                 activations: str = DEFAULT_ACTIVATIONS, tp=None, what: str = "weight"):
+        super().__init__()
+        self.ops = block_ops()
+        if self.ops is None:
+            raise RuntimeError("GGUF block kernels need the native extension (AVX2 or AVX-512)")
+        self.segments = [_checked(format, raw, in_features, what) for format, raw in segments]
+        self.in_features = in_features
+        self.out_features = sum(s.raw.shape[0] for s in self.segments)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+        self.levels = LEVELS.get(activations)
+        self.activations = activations
+        self.tp = tp
+        for i, segment in enumerate(self.segments):  # buffers: moved and counted with the module
+            self.register_buffer(f"blocks_{i}", segment.raw, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).float().contiguous()
+        if self.levels is not None:
+            x = round_per_block(x, self.levels)
+        outs = [self._segment(x, s) for s in self.segments]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _segment(self, x: torch.Tensor, segment: Segment) -> torch.Tensor:
+        if x.shape[0] <= MAX_ROWS:
+            return self.ops.gguf_matmul(x, segment.raw, segment.format)
+        rows = segment.raw.shape[0]
+        tile = max(16, TILE_VALUES // self.in_features)
+        if rows <= tile:
+            return x @ self.ops.gguf_dequantize(segment.raw, segment.format, self.in_features).t()
+        out = torch.empty(x.shape[0], rows)
+        for r0 in range(0, rows, tile):
+            out[:, r0:r0 + tile] = x @ self.ops.gguf_dequantize(segment.raw[r0:r0 + tile], segment.format,
+                                                                self.in_features).t()
+        return out
+
+    def resident_bytes(self) -> int:
+        return sum(s.raw.numel() for s in self.segments)
+
+
+class GGUFBlockEmbedding(nn.Module):
+    """An embedding table [num_embeddings, embedding_dim] kept in GGUF `format`; looking ids up
+    dequantises their rows only."""
+
+    def __init__(self, format: str, raw: torch.Tensor, embedding_dim: int, what: str = "embedding"):
+        super().__init__()
+        self.ops = block_ops()
+        if self.ops is None:
+            raise RuntimeError("GGUF block kernels need the native extension (AVX2 or AVX-512)")
+        self.segment = _checked(format, raw, embedding_dim, what)
+        self.num_embeddings, self.embedding_dim = raw.shape[0], embedding_dim
+        self.register_buffer("blocks", self.segment.raw, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.segment.raw.index_select(0, ids.reshape(-1))
+        return self.ops.gguf_dequantize(rows, self.segment.format, self.embedding_dim).reshape(*ids.shape, -1)
+
+    def resident_bytes(self) -> int:
+        return self.segment.raw.numel()
+
+
+def check_blocks(name: str, format: str, raw: np.ndarray, rows: int, columns: int) -> None:
+    """ValueError naming the tensor unless `raw` holds `rows` x `columns` values of `format` with
+    finite scales (a truncated or corrupt file)."""
+    values, nbytes = block_shape(format)
+    if columns % values or raw.size != rows * columns // values * nbytes:
+        raise ValueError(f"GGUF tensor {name}: {raw.size} bytes of {format} blocks for a {rows} x {columns} "
+                         "weight; the file is corrupt or truncated: download it again")
+    blocks = np.asarray(raw).reshape(-1, nbytes)
+    for offset in SCALE_OFFSETS[format]:
+        scales = np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16)
+        if not np.isfinite(scales).all():
+            raise ValueError(f"GGUF tensor {name}: {format} blocks with non-finite scales; the file is corrupt: "
+                             "download it again")
+
+
+def as_tensor(raw: np.ndarray) -> torch.Tensor:
+    """GGUF blocks [rows, bytes] (a numpy view, possibly of the read-only mapped file: used in
+    place, never written) as a uint8 tensor."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
+
+
+def use_block_modules(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
+                      activations: str = DEFAULT_ACTIVATIONS) -> set[str]:
+    """Replace `model`'s linear layers (and its embedding, with a tied head) whose GGUF weights
+    csrc/gguf_blocks.cpp reads by GGUFBlockLinear / GGUFBlockEmbedding, before its weights load:
+    `blocks` is (Hugging Face weight name, GGUF format, raw blocks [rows, bytes], rows in Hugging
+    Face order) for every weight in a KERNEL_FORMATS format. A layer whose parts all share one of
+    quantized_linear.py's formats is left to it. Tensor parallel: a column-parallel layer keeps its
+    rows, a row-parallel one its columns where they are whole blocks; the vocab-parallel embedding
+    and head stay float32. Returns the weight names now held as blocks (not to be loaded)."""
+    modules = dict(model.named_modules())
+    pending: dict[str, dict[int, tuple[str, str, np.ndarray]]] = {}
+    taken: set[str] = set()
+    for name, format, raw in blocks:
+        if not name.endswith(".weight"):
+            continue
+        path = name.removesuffix(".weight")
+        parent, _, proj = path.rpartition(".")
+        parts = [(name, format, raw)]
+        if proj in FUSED:
+            fused, index, count = FUSED[proj]
+            path = f"{parent}.{fused}"
+            received = pending.setdefault(path, {})
+            received[index] = (name, format, raw)
+            if len(received) < count:
+                continue
+            parts = [received[i] for i in range(count)]
+        formats = {f for _, f, _ in parts}
+        if len(formats) == 1 and formats.pop() not in NEW_FORMATS:
+            continue  # quantized_linear.py's packed kernels take it
+        module = modules.get(path)
+        if path == "model.embed_tokens" and type(module) is nn.Embedding:
+            embedding = GGUFBlockEmbedding(format, as_tensor(raw), module.embedding_dim, name)
+            _replace(model, path, embedding)
+            if getattr(model, "tie_word_embeddings", False):
+                model.quantized_lm_head = GGUFBlockLinear([(format, embedding.segment.raw)], module.embedding_dim,
+                                                          activations=activations, what=name)
+            taken.add(name)
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        segments = _this_ranks_segments(module, parts)
+        if segments is None:
+            continue
+        linear = GGUFBlockLinear(segments, module.in_features, module.bias, activations, what=name,  # the bias
+                                 tp=module.tp if isinstance(module, RowParallelLinear) else None)  # loads later
+        _replace(model, path, linear)
+        taken.update(n for n, _, _ in parts)
+    return taken
+
+
+def _this_ranks_segments(module: nn.Linear, parts: list[tuple[str, str, np.ndarray]]):
+    """(format, blocks) per part of `module`'s weight as this rank holds it, or None where a
+    row-parallel rank's columns do not fall on whole blocks."""
+    if isinstance(module, ColumnParallelLinear):
+        return [(f, as_tensor(raw[s.start:s.start + s.size])) for (_, f, raw), s in zip(parts, module.slices)]
+    if isinstance(module, RowParallelLinear):
+        segments = []
+        for _, format, raw in parts:
+            values, nbytes = block_shape(format)
+            start, size = module.in_slice.start, module.in_slice.size
+            if start % values or size % values:
+                logger.info("%s: %d columns per rank are not whole %s blocks: kept as float32", parts[0][0],
+                            size, format)
+                return None
+            blocks = raw.reshape(raw.shape[0], -1, nbytes)[:, start // values:(start + size) // values]
+            segments.append((format, as_tensor(blocks.reshape(raw.shape[0], -1))))
+        return segments
+    return [(f, as_tensor(raw)) for _, f, raw in parts]
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def block_resident_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of GGUF blocks `model`'s block modules hold, per format (shared blocks counted once)."""
+    seen: dict[int, tuple[str, int]] = {}
+    for module in model.modules():
+        segments = (module.segments if isinstance(module, GGUFBlockLinear) else
+                    [module.segment] if isinstance(module, GGUFBlockEmbedding) else [])
+        for segment in segments:
+            seen[segment.raw.data_ptr()] = (segment.format, segment.raw.numel())
+    totals: dict[str, int] = {}
+    for format, nbytes in seen.values():
+        totals[format] = totals.get(format, 0) + nbytes
+    return totals

@@ -1,0 +1,119 @@
+"""csrc/gguf_blocks.cpp and GGUFBlockLinear / GGUFBlockEmbedding: GGUF blocks read in place give
+exactly gguf-py's dequantised values, and their matmul the float32 matmul of those values.
+
+The blocks are random bytes with the float16 scale fields set (gguf-py cannot write every format):
+ordinary scales, and the extremes (the largest finite float16, zero, negative scales and mins).
+Tolerance of a matmul: float32 accumulation against float64,
+|error| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (the terms' magnitudes, not the result's).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from blockserve.models.gguf_block_linear import (KERNEL_FORMATS, MAX_ROWS, SCALE_OFFSETS, TILE_VALUES,
+                                                 GGUFBlockEmbedding, GGUFBlockLinear, block_shape, check_blocks)
+from blockserve.models.quantized_linear import round_per_block
+from blockserve.native.extension import quantized_matmul_ops
+
+BUILDS = {"native": quantized_matmul_ops(), "avx2": quantized_matmul_ops(without_avx512=True)}
+pytestmark = pytest.mark.skipif(any(ops is None or not ops.simd_lanes() for ops in BUILDS.values()),
+                                reason="the block kernels need native kernels built with AVX-512 or AVX2")
+ROWS = (1, 2, 7, 16, 64, 300)
+
+
+def random_blocks(format: str, rows: int, columns: int, rng: np.random.Generator,
+                  scales: np.ndarray | None = None) -> np.ndarray:
+    """[rows, row bytes] random blocks of `format` whose float16 scale fields hold `scales`
+    (cycled), or random ones of either sign up to 1e-2."""
+    values, nbytes = block_shape(format)
+    raw = rng.integers(0, 256, (rows * columns // values, nbytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[format]:
+        if scales is None:
+            field = rng.uniform(-1e-2, 1e-2, raw.shape[0])
+        else:
+            field = np.resize(scales, raw.shape[0])
+        raw[:, offset:offset + 2] = field.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def dequantized(format: str, raw: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format])
+
+
+def assert_matmul(out: torch.Tensor, x: torch.Tensor, weight: np.ndarray) -> None:
+    w = torch.from_numpy(weight).double()
+    want = x.double() @ w.T
+    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    excess = ((out.double() - want).abs() - bound).max()
+    assert excess <= 0, f"off by {excess:.3g} beyond float32 rounding"
+
+
+def test_the_kernels_read_every_format_they_name():
+    for ops in BUILDS.values():
+        assert tuple(ops.gguf_block_formats()) == KERNEL_FORMATS
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("format", KERNEL_FORMATS)
+def test_dequantize_and_matmul_equal_gguf_py(build, format):
+    ops, rng = BUILDS[build], np.random.default_rng(KERNEL_FORMATS.index(format))
+    values = block_shape(format)[0]
+    columns, rows = 2 * values + (0 if values == 256 else 96), 37  # not multiples of any tile
+    extremes = np.array([65504.0, 0.0, -65504.0, -1.5e-3, 6e-8])  # largest finite, zero, negative, subnormal
+    for scales in (None, extremes):
+        raw = random_blocks(format, rows, columns, rng, scales)
+        weight = dequantized(format, raw)
+        ours = ops.gguf_dequantize(torch.from_numpy(raw), format, columns).numpy()
+        assert np.array_equal(ours.view(np.uint32), weight.view(np.uint32)), "not gguf-py's bits"
+        for m in ROWS:
+            x = torch.randn(m, columns)
+            assert_matmul(ops.gguf_matmul(x, torch.from_numpy(raw), format), x, weight)
+
+
+@pytest.mark.parametrize("format", ("Q4_K", "Q6_K", "Q5_0"))
+def test_the_linear_layer_across_row_counts_segments_and_tiles(format):
+    rng = np.random.default_rng(1)
+    values = block_shape(format)[0]
+    columns = 2 * values
+    rows = TILE_VALUES // columns + 5  # two tiles for many rows, the second partial
+    parts = [random_blocks(format, rows, columns, rng), random_blocks("Q8_0", 3, columns, rng)]
+    weight = np.concatenate([dequantized(format, parts[0]), dequantized("Q8_0", parts[1])])
+    bias = torch.randn(rows + 3)
+    linear = GGUFBlockLinear([(format, torch.from_numpy(parts[0])), ("Q8_0", torch.from_numpy(parts[1]))], columns,
+                             bias)
+    for m in (1, MAX_ROWS, MAX_ROWS + 1, 300):
+        x = torch.randn(m, columns)
+        assert_matmul(linear(x) - bias, x, weight)
+    x = torch.randn(2, 3, columns)  # leading dimensions kept
+    assert linear(x).shape == (2, 3, rows + 3)
+    int8 = GGUFBlockLinear([(format, torch.from_numpy(parts[0]))], columns, activations="int8")
+    x = torch.randn(5, columns)
+    assert_matmul(int8(x), round_per_block(x, 127), weight[:rows])
+
+
+def test_the_embedding_dequantises_the_rows_looked_up():
+    rng = np.random.default_rng(2)
+    raw = random_blocks("Q4_K", 50, 512, rng)
+    embedding = GGUFBlockEmbedding("Q4_K", torch.from_numpy(raw), 512)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    assert np.array_equal(embedding(ids).numpy(), dequantized("Q4_K", raw)[ids.numpy()])
+    assert embedding.resident_bytes() == raw.nbytes
+
+
+def test_corrupt_blocks_are_refused_naming_the_tensor():
+    rng = np.random.default_rng(3)
+    raw = random_blocks("Q6_K", 4, 256, rng)
+    check_blocks("blk.0.ffn_down.weight", "Q6_K", raw, 4, 256)
+    with pytest.raises(ValueError, match="blk.0.ffn_down.weight.*bytes of Q6_K blocks for a 5 x 256"):
+        check_blocks("blk.0.ffn_down.weight", "Q6_K", raw, 5, 256)
+    raw[2, 208:210] = np.array([np.inf], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="blk.0.ffn_down.weight: Q6_K blocks with non-finite scales"):
+        check_blocks("blk.0.ffn_down.weight", "Q6_K", raw, 4, 256)
+    with pytest.raises(ValueError, match="do not hold rows of 512 values"):
+        GGUFBlockLinear([("Q6_K", torch.from_numpy(raw))], 512)
+    with pytest.raises(ValueError, match="no block kernel for GGUF format TQ1_0"):
+        GGUFBlockLinear([("TQ1_0", torch.from_numpy(raw))], 256)
