@@ -48,8 +48,8 @@ def build_kv_offload(config: EngineConfig, kv_config: KVCacheConfig, model: torc
     if not config.kv_offload_enabled:
         return None
     if bad := unsupported_groups(kv_config):
-        raise ValueError("--kv-offload-dir / --kv-offload-memory serve full-attention and MLA KV only; this model "
-                         f"also has {', '.join(bad)}: run it without them")
+        raise ValueError("--kv-offload-dir / --kv-offload-memory serve full-attention, MLA and recurrent-state "
+                         f"groups only; this model also has {', '.join(bad)}: run it without them")
     tiers = []
     if config.kv_offload_memory is not None:
         tiers.append(HostMemoryTier(parse_bytes(config.kv_offload_memory, "kv_offload_memory")))

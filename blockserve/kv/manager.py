@@ -188,10 +188,17 @@ class KVCacheManager:
                              f"{num_new_tokens} and {num_external_tokens}")
         loaded = self.external.allocate(request, computed, num_external_tokens,
                                         computed.num_tokens + num_external_tokens + num_new_tokens)
-        if loaded is not None:
+        if loaded is not None and request.num_computed_tokens == 0:
+            hit = computed.num_tokens + loaded
             self._requests += 1
             self._queries += len(request.token_ids)
-            self._hits += computed.num_tokens + loaded
+            self._hits += hit
+            self._state_lost += max(0, computed.attention_tokens - hit)
+            if self.checkpointing:
+                stride = self.stride
+                junction = computed.attention_tokens // stride * stride
+                self._plans[request.request_id] = CapturePlan(
+                    stride, len(request.token_ids), junction if junction > hit else 0, self.config.checkpoint_interval)
         return loaded
 
     def plan_captures(self, request: KVRequest, start: int, num_tokens: int) -> None:
@@ -215,13 +222,15 @@ class KVCacheManager:
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """C4: enter the full blocks among the first `num_computed_tokens` (KV written) in the cache."""
         if self.enable_caching and num_computed_tokens >= self.coordinator.next_cache_at.get(request.request_id, 0):
-            before = None if self.external is None else [m.num_cached.get(request.request_id, 0)
-                                                         for m in self.coordinator.managers]
+            external = self.external
+            if external is not None:
+                before = [m.num_cached.get(request.request_id, 0) for m in self.coordinator.managers]
+                capturing = external.capturing(request.request_id)
             self.coordinator.cache_blocks(
                 request.request_id, lambda bs: request.block_hashes.get(bs, request.token_ids), num_computed_tokens
             )
-            if before is not None:
-                self.external.order_saves(request, before)
+            if external is not None:
+                external.order_saves(request, before, capturing)
 
     def free(self, request_id: str) -> None:
         """Release every block and state slot the request holds. Idempotent."""

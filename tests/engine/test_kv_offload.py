@@ -1,6 +1,8 @@
 """The second prefix-cache tier through the engine, on a tiny random Llama: a long shared history
 larger than the device pool is served from disk (and host memory) with the greedy output of an
-engine without tiers; a restart finds it; another model or salt does not; bad settings are refused."""
+engine without tiers; a restart finds it; another model or salt does not; bad settings are refused.
+And on a tiny hybrid (Qwen3-Next: Gated DeltaNet + attention), whose state checkpoints go through
+the disk tier with its attention blocks."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from transformers import Gemma2Config, LlamaConfig
 from blockserve import LLM, SamplingParams
 from blockserve.engine.config import EngineConfig
 from blockserve.models.random_checkpoint import save_random_model
+from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
@@ -97,5 +100,23 @@ def test_bad_tier_settings_are_refused(llama, tmp_path):
             EngineConfig(**bad)
     gemma = tmp_path / "gemma2"
     save_random_model(Gemma2Config(**SIZES, head_dim=16, sliding_window=8), gemma)
-    with pytest.raises(ValueError, match="full-attention and MLA KV only.*SlidingWindowSpec"):
+    with pytest.raises(ValueError, match="full-attention, MLA and recurrent-state groups only.*SlidingWindowSpec"):
         LLM(str(gemma), kv_offload_dir=str(tmp_path / "kv"), **ENGINE)
+
+
+@pytest.mark.slow  # three engines on a hybrid: ~10 s
+def test_a_hybrid_resumes_from_a_state_checkpoint_on_disk(tiny_model, tmp_path):
+    path, _ = tiny_model("qwen3_next")  # checkpoint stride 64
+    history = [(13 * i) % 500 + 1 for i in range(150)]
+    turns = [history + [5, 6, 7], history + [8, 9]]
+    engine = dict(block_size=4, max_model_len=192, check_integrity=True, poison=True)
+    with LLM(str(path), **engine) as plain:
+        expected = [tokens for tokens, _ in ask(plain, turns[:1])] + [tokens for tokens, _ in ask(plain, turns[1:])]
+    directory = str(tmp_path / "kv")
+    with LLM(str(path), kv_offload_dir=directory, **engine) as llm:
+        assert ask(llm, turns[:1])[0] == (expected[0], 0)
+    with LLM(str(path), kv_offload_dir=directory, **engine) as restarted:
+        assert ask(restarted, turns[1:]) == [(expected[1], 128)]  # two strides: blocks and the state after them
+        stats = restarted.engine.stats()
+    assert stats.prefix_cache_tier_hits == 128
+    assert stats.kv_offload.tiers[0].hits == 128 // 4 + 1  # the attention blocks, and the state group's checkpoint

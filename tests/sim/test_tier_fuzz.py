@@ -3,7 +3,8 @@ and KV manager with a tier behind a small device pool, run twice on the same tie
 restart: cold device pool, warm tier).
 
 Every loaded block is checked like a computed one: it must hold exactly its prefix's content, cache
-salt included (the shadow tags start from the salt). Entries go missing or fail their check at
+salt included (the shadow tags start from the salt), and a running state slot loaded from a tier's
+checkpoint must hold the state of exactly the prefix the request resumes after. Entries go missing or fail their check at
 random (a tier that lies about what it holds), and on disk files are truncated, altered and
 removed between the runs; every stream must still answer as with prefix caching off, with
 `check_integrity()` after every step and every save claim answered.
@@ -20,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MLASpec
+from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec, MLASpec
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.kv.specs import zero_new_blocks
 from blockserve.kv.tiers import CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore
@@ -30,17 +31,22 @@ from blockserve.sim import ShadowViolation
 from blockserve.sim.drive import Arrival, build, run_stream
 from tests.sim.test_shadow_fuzz import MAX_MODEL_LEN, arrivals, streams
 
-# name -> (specs, what each group's backend reads): one group, and two whose block sizes differ.
+# name -> (specs, what each group's backend reads): one group, two whose block sizes differ, and a hybrid
+# whose state checkpoints go through the tier too.
 LAYOUTS = {
     "full": ((FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8),), (True,)),
     "full+mla": ((FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8),
                   MLASpec(block_size=8, kv_lora_rank=16, qk_rope_head_dim=4)), (True, False)),
+    "mla+state": ((MLASpec(block_size=4, kv_lora_rank=16, qk_rope_head_dim=4),
+                   LinearStateSpec(shapes=((4, 3), (2, 8, 8)), dtypes=("float32", "float32"))), (True, False)),
 }
 
 
 def kv_config(layout: str, num_blocks: int, prefix_caching: bool = True) -> KVCacheConfig:
     specs, reads = LAYOUTS[layout]
-    groups = tuple(KVCacheGroup(spec, num_blocks, zero_new_blocks(spec, r), ("layer",)) for spec, r in zip(specs, reads))
+    groups = tuple(KVCacheGroup(spec, 9 if isinstance(spec, LinearStateSpec) else num_blocks, zero_new_blocks(spec, r),
+                                ("layer",), 6 if isinstance(spec, LinearStateSpec) and prefix_caching else 0)
+                   for spec, r in zip(specs, reads))
     return KVCacheConfig(groups, enable_prefix_caching=prefix_caching)
 
 
@@ -122,7 +128,7 @@ def test_tiers_never_change_the_answer(occurred, layout, specs, num_blocks, poli
                                        capacity_entries, fault_percent, seed):
     off = run(layout, specs, num_blocks, policy, budget, chunk)
     with tempfile.TemporaryDirectory() as directory:
-        # A shadow payload is 4 or 8 tags, up to ~170 bytes; an entry on disk adds its 80-byte header.
+        # A shadow payload is 1, 4 or 8 tags, up to ~170 bytes; an entry on disk adds its 80-byte header.
         tier = HostMemoryTier(capacity_entries * 170) if medium == "memory" else DiskTier(directory, capacity_entries * 250)
         store = TieredKVStore([LyingTier(tier, seed, fault_percent)], b"fingerprint")
         try:
