@@ -20,6 +20,7 @@ all runs must be equal (checked).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import tempfile
 import time
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
         for name, run in (("unbounded device", unbounded), ("disk tier", disk)):
             assert run["answers"] == off["answers"], f"{name} answered differently from tier off"
         assert restarted["answers"] == cold["answers"] == warm["answers"], "the restart changed an answer"
-        results["disk_tier_stats"] = tier_stats
+        results["disk_tier_stats"] = dataclasses.asdict(tier_stats)
 
         rng = random.Random(1)
         itl_prompts = [[rng.randrange(100, 40000) for _ in range(args.document)] for _ in range(args.itl_batch)]

@@ -148,12 +148,18 @@ class ModelRunner:
         store = self.offload
         if store is None:
             raise RuntimeError("save orders reached a model runner without a second tier")
-        for group_id, orders in saves.items():
-            for block_id, key in orders:
-                if store.has_room():
-                    store.submit(key, self.kv.block_bytes(group_id, block_id))
-                else:
-                    store.release(key)
+        orders = [(group_id, block_id, key) for group_id, group in saves.items() for block_id, key in group]
+        for i, (group_id, block_id, key) in enumerate(orders):
+            try:
+                payload = self.kv.block_bytes(group_id, block_id) if store.has_room() else None
+            except BaseException:
+                for _, _, unanswered in orders[i:]:  # every claim is answered, even by a failed step
+                    store.release(unanswered)
+                raise
+            if payload is None:
+                store.release(key)
+            else:
+                store.submit(key, payload)
 
     def _in_flight_inputs(self, inputs: StepInputs) -> Callable[[torch.Tensor], None] | None:
         """What writes the step's in-flight input ids (-1 on the host) into its input ids on the device,
