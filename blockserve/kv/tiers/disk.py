@@ -13,6 +13,7 @@ modification time, so a restart orders the index as the last run used it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -21,7 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 
-from blockserve.kv.tiers.entry import CorruptEntry, decode, encode
+from blockserve.kv.tiers.entry import HEADER_BYTES, CorruptEntry, check, encode
 
 logger = logging.getLogger("blockserve")
 
@@ -109,22 +110,24 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                data = bytearray(size)
-                got = f.readinto(data)
-            os.utime(path)
+                header = f.read(HEADER_BYTES)
+                payload = bytearray(max(0, size - len(header)))
+                got = f.readinto(payload)
         except FileNotFoundError:
             self._forget(key)
             return None
         except OSError as e:
             raise CorruptEntry(f"cannot read {path}: {e}") from e
         try:
-            if got != size:
-                raise CorruptEntry(f"read {got} of {size} bytes")
-            payload = decode(key, data)
+            if len(header) + got != size:
+                raise CorruptEntry(f"read {len(header) + got} of {size} bytes")
+            check(key, header, payload)
         except CorruptEntry:
             _unlink(path)
             self._forget(key)
             raise
+        with contextlib.suppress(OSError):
+            os.utime(path)  # most recently used, for a restart's scan too
         with self._lock:
             if key not in self._index:
                 self._bytes += size

@@ -28,18 +28,24 @@ def encode(key: bytes, payload: bytes) -> bytes:
     return b"".join((MAGIC, key, len(payload).to_bytes(8, "little"), hashlib.sha256(payload).digest(), payload))
 
 
-def decode(key: bytes, data: bytes | bytearray) -> bytearray:
-    """The payload of `data`, or CorruptEntry if it is truncated, altered or another key's entry."""
-    view = memoryview(data)
-    if len(view) < HEADER_BYTES or view[: len(MAGIC)] != MAGIC:
-        raise CorruptEntry(f"{len(view)} bytes without an entry header")
+def check(key: bytes, header: bytes | bytearray, payload: bytes | bytearray) -> None:
+    """CorruptEntry unless `header` + `payload` are a whole, intact entry for `key`."""
+    head = memoryview(header)
+    if len(head) != HEADER_BYTES or head[: len(MAGIC)] != MAGIC:
+        raise CorruptEntry(f"{len(head)} bytes without an entry header")
     at = len(MAGIC)
-    if view[at : at + 32] != key:
+    if head[at : at + 32] != key:
         raise CorruptEntry("the entry belongs to another key")
-    size = int.from_bytes(view[at + 32 : at + 40], "little")
-    payload = view[HEADER_BYTES:]
+    size = int.from_bytes(head[at + 32 : at + 40], "little")
     if len(payload) != size:
         raise CorruptEntry(f"payload of {len(payload)} bytes, header says {size}")
-    if hashlib.sha256(payload).digest() != view[at + 40 : HEADER_BYTES]:
+    if hashlib.sha256(payload).digest() != head[at + 40 : HEADER_BYTES]:
         raise CorruptEntry("checksum mismatch")
-    return bytearray(payload)
+
+
+def decode(key: bytes, data: bytes | bytearray) -> bytearray:
+    """The payload of the entry `data`, or CorruptEntry if it is truncated, altered or another key's."""
+    view = memoryview(data)
+    payload = bytearray(view[HEADER_BYTES:])
+    check(key, view[:HEADER_BYTES], payload)
+    return payload
