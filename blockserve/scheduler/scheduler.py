@@ -149,6 +149,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget, cap)
+            loaded = 0
             if external:
                 # Loads failing their check leave their tokens to compute (the blocks cover them).
                 loaded = self.kv.allocate_external_computed_blocks(request, n, hit, external)
@@ -157,14 +158,12 @@ class Scheduler:
                 n = min(len(request.token_ids) - hit.num_tokens - loaded, budget, cap)
             elif self.kv.allocate_slots(request, n, hit) is None:
                 break
-            else:
-                loaded = 0
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = hit.num_tokens + loaded
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens + loaded
-                request.state_lost_tokens = hit.state_lost_tokens
+                request.state_lost_tokens = max(0, hit.state_lost_tokens - loaded)
             bisect.insort(self.running, request, key=lambda r: r.order_key)
             new.append(
                 NewRequestData(

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec, MLASpec
+from blockserve.kv.block_pool import BlockPool
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.kv.specs import zero_new_blocks
 from blockserve.kv.tiers import CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore
@@ -198,5 +199,19 @@ def test_another_tenants_block_is_caught():
             tier.write(store.key(0, mine), tier.read(store.key(0, theirs)))
         with pytest.raises(ShadowViolation, match="not this sequence's KV"):
             _run_conversation(store, salts=("b",))
+    finally:
+        store.close()
+
+
+def test_a_loaded_block_that_is_also_zeroed_is_caught(monkeypatch):
+    """The check can fail: if a loaded block still got a zero order, the zero (applied after the
+    load) would wipe it, and the request would read zeros instead of its prefix."""
+    store = TieredKVStore([HostMemoryTier(10**6)], b"fingerprint")
+    try:
+        _run_conversation(store, salts=("a",))
+        original = BlockPool.get_new_blocks
+        monkeypatch.setattr(BlockPool, "get_new_blocks", lambda self, n, zero=True: original(self, n, True))
+        with pytest.raises(ShadowViolation, match="holds 'zero', not this sequence's KV"):
+            _run_conversation(store, salts=("a",))
     finally:
         store.close()
