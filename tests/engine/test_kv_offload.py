@@ -120,3 +120,20 @@ def test_a_hybrid_resumes_from_a_state_checkpoint_on_disk(tiny_model, tmp_path):
         stats = restarted.engine.stats()
     assert stats.prefix_cache_tier_hits == 128
     assert stats.kv_offload.tiers[0].hits == 128 // 4 + 1  # the attention blocks, and the state group's checkpoint
+
+
+def test_two_engines_share_a_directory_and_a_tiny_cap_only_limits_hits(llama, tmp_path):
+    directory = str(tmp_path / "kv")
+    turns = [h + [7, 8, 9] for h in HISTORIES[:2]]
+    with LLM(llama, **ENGINE) as plain:
+        expected = [tokens for tokens, _ in ask(plain, turns)]
+    with LLM(llama, kv_offload_dir=directory, **ENGINE) as a, LLM(llama, kv_offload_dir=directory, **ENGINE) as b:
+        assert ask(a, turns[:1]) == [(expected[0], 0)]
+        assert ask(b, turns[:1]) == [(expected[0], 140)]  # a's entries, read by b
+        assert ask(b, turns[1:]) == [(expected[1], 0)]
+        assert ask(a, turns[1:]) == [(expected[1], 140)]  # and b's by a
+    with LLM(llama, kv_offload_dir=str(tmp_path / "small"), kv_offload_size="5KiB", **ENGINE) as small:
+        answers = ask(small, turns + turns)
+        tier = small.engine.stats().kv_offload.tiers[0]
+    assert [tokens for tokens, _ in answers] == expected + expected
+    assert tier.bytes_held <= 5 * 1024 and tier.entries == 2
