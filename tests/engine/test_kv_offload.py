@@ -51,13 +51,15 @@ def writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "blockserve-kv-writer"]
 
 
-def test_histories_beyond_the_device_pool_come_back_from_disk_and_after_a_restart(llama, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_histories_beyond_the_device_pool_come_back_from_disk_and_after_a_restart(llama, tmp_path, async_scheduling):
     turns = [h + [7, 8, 9] for h in HISTORIES] + [h + [10, 11] for h in HISTORIES]
     with LLM(llama, **ENGINE) as plain:
         expected = [tokens for tokens, _ in ask(plain, turns)]
         assert plain.engine.stats().prefix_cache_hits == 0  # each history was evicted before it came back
     directory = str(tmp_path / "kv")
-    with LLM(llama, kv_offload_dir=directory, kv_offload_memory="64KiB", **ENGINE) as llm:
+    with LLM(llama, kv_offload_dir=directory, kv_offload_memory="64KiB", async_scheduling=async_scheduling,
+             **ENGINE) as llm:
         answers = ask(llm, turns)
         stats = llm.engine.stats()
     assert [tokens for tokens, _ in answers] == expected
