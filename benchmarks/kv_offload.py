@@ -3,7 +3,8 @@
 C conversations, each a distinct document then turns of (message, reply), served one request at a
 time in round-robin, as an agent switching between tasks: by the time a conversation comes back,
 the others have pushed its history out of a device KV budget that holds about 1/8 of all histories.
-On the bundled model, per run: prompt tokens computed, token hit rate, TTFT p50/p90 over turns 2+:
+On the bundled model (or a tiny random hybrid with `--model hybrid`), per run: prompt tokens computed,
+token hit rate, TTFT p50/p90 over turns 2+:
 
   tier off                device pool only
   unbounded device        a device pool holding every history (the hit-rate ceiling)
@@ -15,6 +16,7 @@ of a batch whose prompts the writer is saving, tier off vs on. Every run is gree
 all runs must be equal (checked).
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --json results/kv_offload.json
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --model hybrid --json results/kv_offload_hybrid.json
 """
 
 from __future__ import annotations
@@ -29,19 +31,35 @@ from benchmarks.cpu_share import CpuShare
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.bench.common import environment, percentile, print_environment, write_json
+from benchmarks.multiturn import build_models
 from blockserve.models.loader import load_model
 
 BLOCK = 16
 
 
-def make_trace(conversations: int, document: int, message: int, seed: int = 0):
+def make_trace(conversations: int, document: int, message: int, vocab: int, seed: int = 0):
     rng = random.Random(seed)
-    histories = [[rng.randrange(100, 40000) for _ in range(document)] for _ in range(conversations)]
+    histories = [[rng.randrange(100, vocab) for _ in range(document)] for _ in range(conversations)]
 
     def messages():
-        return [[rng.randrange(100, 40000) for _ in range(message)] for _ in range(conversations)]
+        return [[rng.randrange(100, vocab) for _ in range(message)] for _ in range(conversations)]
 
     return histories, messages
+
+
+def attention_tokens(loaded, kv_bytes: int, **engine) -> int:
+    """The tokens an engine with `kv_bytes` of KV cache holds in its attention groups."""
+    with LLM(loaded, kv_cache_memory=kv_bytes, **engine) as llm:
+        groups = llm.engine.kv_cache_config.groups
+    return min((g.num_blocks - 1) * g.spec.block_size for g in groups if not g.is_state)
+
+
+def kv_bytes_for(loaded, tokens: int, **engine) -> int:
+    """The KV cache size whose attention groups hold about `tokens` tokens (state slots and checkpoints,
+    for a hybrid, on top): two probes, then the line through them."""
+    low, high = 64 * 2**20, 128 * 2**20
+    at_low, at_high = attention_tokens(loaded, low, **engine), attention_tokens(loaded, high, **engine)
+    return int(low + (tokens - at_low) * (high - low) / (at_high - at_low))
 
 
 def serve_one(llm: LLM, prompt: list[int], params: SamplingParams, rid: str):
@@ -115,31 +133,41 @@ def main(argv=None) -> int:
     parser.add_argument("--device-ratio", type=float, default=8.0,
                         help="all final histories / the device KV budget")
     parser.add_argument("--itl-batch", type=int, default=4)
+    parser.add_argument("--model", choices=("bundled", "hybrid"), default="bundled",
+                        help="bundled: SmolLM2-135M; hybrid: a tiny random Qwen3-Next (benchmarks.multiturn's), whose "
+                             "state checkpoints go through the tier too")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     env = environment()
     print_environment(env)
 
-    loaded = load_model(None, BACKENDS["exact"])
-    hf = loaded.hf_config
-    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    bytes_per_token = hf.num_hidden_layers * 2 * hf.num_key_value_heads * head * 4
+    with tempfile.TemporaryDirectory() as root:
+        if args.model == "hybrid":
+            loaded = load_model(build_models(root)["hybrid (Qwen3-Next shape)"], BACKENDS["exact"])
+        else:
+            loaded = load_model(None, BACKENDS["exact"])
+        return measure(args, env, loaded)
+
+
+def measure(args, env: dict, loaded) -> int:
+    vocab = loaded.hf_config.vocab_size
     final_tokens = args.conversations * (args.document + (args.turns + 1) * (args.message + args.reply))
     device_tokens = -(-int(final_tokens / args.device_ratio) // BLOCK) * BLOCK
     longest = args.document + (args.turns + 1) * (args.message + args.reply)
     max_model_len = -(-longest // BLOCK) * BLOCK
     device_tokens = max(device_tokens, max_model_len + BLOCK)
-    small = dict(kv_cache_memory=(device_tokens // BLOCK + 1) * BLOCK * bytes_per_token, max_model_len=max_model_len,
-                 num_threads=args.num_threads)
-    print(f"trace: {args.conversations} conversations x {args.turns} turns, final histories {final_tokens} tokens; "
-          f"device KV budget {device_tokens} tokens ({final_tokens / device_tokens:.1f}x smaller); "
-          f"{bytes_per_token * BLOCK / 2**20:.2f} MiB per {BLOCK}-token block")
+    engine = dict(max_model_len=max_model_len, max_num_seqs=4, num_threads=args.num_threads)
+    small = dict(kv_cache_memory=kv_bytes_for(loaded, device_tokens, **engine), **engine)
+    device_tokens = attention_tokens(loaded, small["kv_cache_memory"], **engine)
+    print(f"{args.model} model; trace: {args.conversations} conversations x {args.turns} turns, final histories "
+          f"{final_tokens} tokens; device KV budget {device_tokens} attention tokens "
+          f"({final_tokens / device_tokens:.1f}x smaller, {small['kv_cache_memory'] / 2**20:.1f} MiB)")
     results = {"environment": env, "args": vars(args), "device_tokens": device_tokens, "final_history_tokens":
                final_tokens, "runs": {}}
 
     def trace(name: str, llm: LLM, share: CpuShare) -> dict:
-        histories, messages = make_trace(args.conversations, args.document, args.message)
+        histories, messages = make_trace(args.conversations, args.document, args.message, vocab)
         with share:
             run = run_turns(llm, histories, messages, args.turns, args.reply, name)
         run["summary"] = summary(run["per_turn"])
@@ -156,11 +184,11 @@ def main(argv=None) -> int:
         results["runs"][name] = {k: v for k, v in run.items() if k != "answers"}
         return run
 
-    after = make_trace(args.conversations, 0, args.message, seed=2)[1]()  # the next turn's messages, for every engine
+    after = make_trace(args.conversations, 0, args.message, vocab, seed=2)[1]()  # the next turn's messages, for every engine
     with tempfile.TemporaryDirectory() as directory:
         with LLM(loaded, **small) as llm:
             off, *_ = trace("tier off", llm, CpuShare())
-        with LLM(loaded, max_model_len=max_model_len, num_threads=args.num_threads) as llm:
+        with LLM(loaded, **engine) as llm:
             unbounded, histories, _ = trace("unbounded device", llm, CpuShare())
             warm = next_turn("next turn: warm engine (unbounded device)", llm, histories, lambda: after)
         with LLM(loaded, kv_offload_dir=directory, **small) as llm:
@@ -176,7 +204,7 @@ def main(argv=None) -> int:
         results["disk_tier_stats"] = dataclasses.asdict(tier_stats)
 
         rng = random.Random(1)
-        itl_prompts = [[rng.randrange(100, 40000) for _ in range(args.document)] for _ in range(args.itl_batch)]
+        itl_prompts = [[rng.randrange(100, vocab) for _ in range(args.document)] for _ in range(args.itl_batch)]
         itl = {}
         for name, extra in (("tier off", {}), ("disk tier, writer saving the prompts", {"kv_offload_dir": directory})):
             with LLM(loaded, **small, **extra) as llm:
