@@ -184,7 +184,7 @@ def measure(args, env: dict, loaded) -> int:
         results["runs"][name] = {k: v for k, v in run.items() if k != "answers"}
         return run
 
-    after = make_trace(args.conversations, 0, args.message, vocab, seed=2)[1]()  # the next turn's messages, for every engine
+    after = make_trace(args.conversations, 0, args.message, vocab, seed=2)[1]()  # the next turn's, for every engine
     with tempfile.TemporaryDirectory() as directory:
         with LLM(loaded, **small) as llm:
             off, *_ = trace("tier off", llm, CpuShare())

@@ -4,9 +4,9 @@ restart: cold device pool, warm tier).
 
 Every loaded block is checked like a computed one: it must hold exactly its prefix's content, cache
 salt included (the shadow tags start from the salt), and a running state slot loaded from a tier's
-checkpoint must hold the state of exactly the prefix the request resumes after. Entries go missing or fail their check at
-random (a tier that lies about what it holds), and on disk files are truncated, altered and
-removed between the runs; every stream must still answer as with prefix caching off, with
+checkpoint must hold the state of exactly the prefix the request resumes after. Entries go missing
+or fail their check at random (a tier that lies about what it holds), and on disk files are
+truncated, altered and removed between the runs; every stream must still answer as with prefix caching off, with
 `check_integrity()` after every step and every save claim answered.
 """
 
@@ -130,7 +130,8 @@ def test_tiers_never_change_the_answer(occurred, layout, specs, num_blocks, poli
     off = run(layout, specs, num_blocks, policy, budget, chunk)
     with tempfile.TemporaryDirectory() as directory:
         # A shadow payload is 1, 4 or 8 tags, up to ~170 bytes; an entry on disk adds its 80-byte header.
-        tier = HostMemoryTier(capacity_entries * 170) if medium == "memory" else DiskTier(directory, capacity_entries * 250)
+        tier = (HostMemoryTier(capacity_entries * 170) if medium == "memory"
+                else DiskTier(directory, capacity_entries * 250))
         store = TieredKVStore([LyingTier(tier, seed, fault_percent)], b"fingerprint")
         try:
             first = run(layout, specs, num_blocks, policy, budget, chunk, store)
