@@ -51,12 +51,16 @@ def kv_config(layout: str, num_blocks: int, prefix_caching: bool = True) -> KVCa
     return KVCacheConfig(groups, enable_prefix_caching=prefix_caching)
 
 
+FAULT_PERCENT = 15  # of the entries, chosen by key and seed; streams without faults: the tests below
+
+
 class LyingTier:
     """A tier whose chosen entries are reported held but then read as missing or corrupt."""
 
     def __init__(self, tier, seed: int, fault_percent: int):
         self.tier, self.seed, self.fault_percent = tier, seed, fault_percent
         self.name = tier.name
+        self.num_faults = 0  # reads answered with a planted fault
 
     def _fault(self, key: bytes) -> int:
         return hashlib.sha256(key + self.seed.to_bytes(4, "little")).digest()[0] * 100 // 256
@@ -66,9 +70,10 @@ class LyingTier:
 
     def read(self, key):
         fault = self._fault(key)
-        if fault < self.fault_percent // 2:
-            return None  # gone between the lookup and the load
         if fault < self.fault_percent:
+            self.num_faults += 1
+            if fault < self.fault_percent // 2:
+                return None  # gone between the lookup and the load
             raise CorruptEntry("planted")
         return self.tier.read(key)
 
@@ -103,12 +108,13 @@ def assert_same_answers(run_a, run_b):
 @pytest.fixture
 def occurred():
     """Over a whole fuzz run: the restarts served tier hits often enough for "on == off" to mean
-    something, and planted faults were met."""
+    something, and planted faults were met. Measured over 40 examples, 5 seeds x 3 layouts: tier
+    hits in 37-90% of the examples, planted faults met in 40-70%."""
     tally = Counter()
     yield tally
     if tally["examples"] >= 30:
-        assert tally["tier_hits"] / tally["examples"] > 0.3, tally
-        assert tally["faults"] > 0, tally
+        assert tally["tier_hits"] / tally["examples"] > 0.25, tally
+        assert tally["faults"] / tally["examples"] > 0.2, tally
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -121,18 +127,18 @@ def occurred():
     budget=st.integers(4, 32),
     chunk=st.none() | st.integers(1, 8),
     medium=st.sampled_from(["memory", "disk"]),
-    capacity_entries=st.integers(1, 40),
-    fault_percent=st.sampled_from([0, 20]),
+    capacity_entries=st.sampled_from([64, 12, 2]),  # the first most often: room for most streams
     seed=st.integers(0, 2**16),
 )
 def test_tiers_never_change_the_answer(occurred, layout, specs, num_blocks, policy, budget, chunk, medium,
-                                       capacity_entries, fault_percent, seed):
+                                       capacity_entries, seed):
     off = run(layout, specs, num_blocks, policy, budget, chunk)
     with tempfile.TemporaryDirectory() as directory:
         # A shadow payload is 1, 4 or 8 tags, up to ~170 bytes; an entry on disk adds its 80-byte header.
         tier = (HostMemoryTier(capacity_entries * 170) if medium == "memory"
                 else DiskTier(directory, capacity_entries * 250))
-        store = TieredKVStore([LyingTier(tier, seed, fault_percent)], b"fingerprint")
+        lying = LyingTier(tier, seed, FAULT_PERCENT)
+        store = TieredKVStore([lying], b"fingerprint")
         try:
             first = run(layout, specs, num_blocks, policy, budget, chunk, store)
             restarted = run(layout, specs, num_blocks, policy, budget, chunk, store)
@@ -142,7 +148,7 @@ def test_tiers_never_change_the_answer(occurred, layout, specs, num_blocks, poli
     assert_same_answers(restarted, off)
     occurred["examples"] += 1
     occurred["tier_hits"] += restarted.tier_hits > 0
-    occurred["faults"] += sum(t.load_failures for t in store.stats().tiers)
+    occurred["faults"] += lying.num_faults > 0
 
 
 PROMPT = [(7 * i) % 50 for i in range(40)]
