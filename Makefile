@@ -37,7 +37,7 @@ test-fast: install
 # Developer benchmarks (benchmarks/README.md: the question each answers); `blockserve bench ...`
 # (blockserve/bench/) measures the installed engine. Each writes its raw figures under results/.
 .PHONY: bench-kv bench-scheduler bench-kernels bench-matmul bench-step bench-threads bench-drift bench-multiturn \
-	bench-hybrid-prefix bench-tp bench-dp bench-structured bench-peers bench-peers-native gpu-check soak bench-kv-dtype
+	bench-kv-offload bench-hybrid-prefix bench-tp bench-dp bench-structured bench-peers bench-peers-native gpu-check soak bench-kv-dtype
 bench-kv: install
 	$(THREAD_POLICY) $(PY) -m benchmarks.kv_core --json results/kv_core.json
 
@@ -67,6 +67,9 @@ bench-drift: install
 
 bench-multiturn: install
 	$(THREAD_POLICY) $(PY) -m benchmarks.multiturn --json results/hybrid_prefix_multiturn.json
+
+bench-kv-offload: install
+	$(THREAD_POLICY) $(PY) -m benchmarks.kv_offload --json results/kv_offload.json
 
 bench-hybrid-prefix: install
 	$(PY) -m benchmarks.hybrid_prefix_sim --json results/hybrid_prefix_sim.json

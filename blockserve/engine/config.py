@@ -42,6 +42,16 @@ def parse_memory(value: str | int | float) -> int:
     )
 
 
+def parse_bytes(value: str | int, name: str) -> int:
+    """'16GiB', '512MB', 1073741824 -> a positive number of bytes; ValueError naming `name` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if match and match.group(2).lower() in _UNITS and float(match.group(1)) * _UNITS[match.group(2).lower()] >= 1:
+        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ValueError(f"cannot read {name}={value!r}: give a positive size in bytes with a unit ('16GiB', '512MB')")
+
+
 DEFAULT_KV_CACHE_MEMORY = "1GiB"  # on the CPU, when kv_cache_memory is not given
 # The attention backends' names (attention/paged_attention.py's BACKENDS, which imports torch);
 # `blockserve -h` stays torch-free, and a test checks the two agree.
@@ -119,6 +129,16 @@ class EngineConfig:
                 "and reads; int8 and fp8 (e4m3): one-byte codes and a float16 scale per head vector, about half "
                 "of float16; "
                 "attention still computes in float32)", "choices": KV_CACHE_DTYPES})
+    kv_offload_dir: str | None = field(default=None, metadata={
+        "help": "a directory for a disk tier behind the prefix cache: the KV of computed prompt blocks is written "
+                "there off the step and read back, checksummed, by later requests and after a restart (keyed "
+                "by the model's weights and KV format and the cache salt; engines may share it); full-attention "
+                "and MLA models"})
+    kv_offload_size: str = field(default="16GiB", metadata={
+        "help": "the disk tier's size cap, bytes with a unit; least recently used entries go first"})
+    kv_offload_memory: str | None = field(default=None, metadata={
+        "help": "a host-memory tier of this size (bytes with a unit) in front of the disk tier, or alone (pays "
+                "under a CUDA device pool); least recently used entries go first"})
     poison: bool = field(default=False, metadata={
         "help": "fill garbage KV blocks with NaN (debugging; also BLOCKSERVE_POISON=1)"})
     check_integrity: bool = field(default=False, metadata={
@@ -210,6 +230,15 @@ class EngineConfig:
             raise ValueError("cuda_graph_sizes asks for CUDA graphs and enforce_eager forbids them: give one")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling runs on one device: it cannot be combined with tensor_parallel_size > 1")
+        parse_bytes(self.kv_offload_size, "kv_offload_size")
+        if self.kv_offload_memory is not None:
+            parse_bytes(self.kv_offload_memory, "kv_offload_memory")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir / kv_offload_memory are tiers of the prefix cache: they need prefix "
+                             "caching on")
+        if self.kv_offload_enabled and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_dir / kv_offload_memory run on one rank: they cannot be combined with "
+                             "tensor_parallel_size > 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
 
@@ -218,6 +247,11 @@ class EngineConfig:
         CUDA, engine/kv_budget.py's fixed_cuda_kv_bytes reads a given kv_cache_memory)."""
         value = DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
         return parse_memory(value)
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        """A second tier (disk, host memory or both) is configured."""
+        return self.kv_offload_dir is not None or self.kv_offload_memory is not None
 
     @property
     def poison_enabled(self) -> bool:

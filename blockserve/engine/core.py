@@ -20,6 +20,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
 from blockserve.engine.kv_budget import cuda_kv_budget, fixed_cuda_kv_bytes, graph_probe, profile_step
+from blockserve.engine.kv_offload import build_kv_offload
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
@@ -129,6 +130,7 @@ class EngineCore:
         """The engine over `config`; if building it fails once tensor-parallel ranks are up, they
         are stopped before the original error propagates (never left for the garbage collector)."""
         self.executor = None  # tensor parallel: ranks 1..N-1 and rank 0's shard (distributed/executor.py)
+        self.kv_offload = None  # the second prefix-cache tier (engine/kv_offload.py)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling's step ahead
         try:
             self._build(config, loaded)
@@ -209,7 +211,9 @@ class EngineCore:
             groups_off = tuple(dataclasses.replace(g, zero_new_blocks=False) for g in self.kv_config.groups)
             self.kv_config = dataclasses.replace(self.kv_config, groups=groups_off)
             logger.warning("zeroing of new KV blocks is disabled: outputs may be corrupted (C1 tests only)")
-        self.kv = KVCacheManager(self.kv_config)
+        # A second prefix-cache tier (disk, host memory), if asked for: closed with the engine.
+        self.kv_offload = build_kv_offload(config, self.kv_config, model, plan.dtype)
+        self.kv = KVCacheManager(self.kv_config, self.kv_offload)
         if config.enable_prefix_caching and not self.kv.caching_possible:
             logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
                            "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
@@ -219,6 +223,8 @@ class EngineCore:
         runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
         self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
                        else self.executor.start(*runner_args))
+        if self.kv_offload is not None:
+            self.runner.offload = self.kv_offload
         self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
         if self.executor is None and plan.device.type == "cpu" and config.adaptive_threads:
             self.thread_governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
@@ -305,6 +311,8 @@ class EngineCore:
         or a notebook; on CUDA it goes back to the device). Idempotent; the engine serves nothing after."""
         if self.executor is not None:
             self.executor.close()
+        if self.kv_offload is not None:
+            self.kv_offload.close()  # writes what is queued, joins the writer
         plan = getattr(self, "device_plan", None)
         self.runner = self.loaded = self._in_flight = None
         if plan is not None and plan.is_cuda:

@@ -38,8 +38,9 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel ranks, if any (idempotent); also on `with LLM(...)` exit."""
-        self.engine.core.close()
+        """Stop the engine's tensor-parallel ranks, if any, and its second prefix-cache tier's writer once
+        the saves queued are written (idempotent); also on `with LLM(...)` exit."""
+        self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -323,6 +323,11 @@ class LLMEngine:
             raise ValueError("this model's decode cannot be captured: " + "; ".join(blockers))
         runner.capture_decode_graphs(sizes, capture)
 
+    def close(self) -> None:
+        """Stop the engine: its tensor-parallel ranks, and its second prefix-cache tier's writer once the
+        saves queued are written. Idempotent; the engine serves nothing after."""
+        self.core.close()
+
     def reset_prefix_cache(self) -> ResetResult:
         """Drop every cached (unreferenced) block; refused (`ok` False, with the reason) while
         requests hold blocks."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from blockserve.kv.block_pool import BlockPool
+from blockserve.kv.block_pool import Block, BlockPool
 from blockserve.kv.checkpoint_pool import CheckpointPool
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.group_managers import make_attention_manager
@@ -105,6 +105,20 @@ class KVCacheCoordinator:
         self.steady[request_id] = limits[0] if len(limits) == 1 else (min(c for c, _ in limits),
                                                                       min(r for _, r in limits))
         return new_ids
+
+    def allocate_loaded(self, request_id: str, computed: Sequence[Sequence], num_tokens: int) -> list[list[Block]]:
+        """Take the hit `computed`, then blocks up to `num_tokens` tokens (whole blocks) that loads from
+        the second tier fill: no zero order, since the load writes every slot before a kernel reads
+        any (C1); cached only by `cache_blocks` after the step (C4). The caller checked they fit."""
+        loaded = []
+        for manager, hit in zip(self.managers, computed):
+            if hit:
+                manager.add_computed_blocks(request_id, hit)
+            blocks = manager.req_blocks.setdefault(request_id, [])
+            new = manager.pool.get_new_blocks(max(0, manager.table_len(num_tokens) - len(blocks)), zero=False)
+            blocks.extend(new)
+            loaded.append(new)
+        return loaded
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for manager in self.managers:

@@ -10,7 +10,11 @@ Per step, for each request the scheduler
      whose KV is now written, and the checkpoints it captured, become prefix-cache entries (C4);
   5. calls `free(request)` when it finishes, is preempted or aborted;
 and once per `schedule()` it calls `take_pending()` for the zero, poison, copy and capture
-orders (C2).
+orders, and the second tier's save and load orders (C2).
+
+With a second tier (`offload`, kv/tiers/), admission asks `num_external_tokens(request, hit)` after
+the device hit and, when the tiers hold more, allocates through `allocate_external_computed_blocks`
+instead of `allocate_slots` (kv/external_blocks.py).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from blockserve.kv.block_pool import ResetResult
 from blockserve.kv.checkpoint_policy import CapturePlan
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.coordinator import KVCacheCoordinator
+from blockserve.kv.external_blocks import ExternalBlocks
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.kv.pending import PendingWork
+from blockserve.kv.tiers.store import OffloadStats, TieredKVStore
 
 
 class KVRequest(Protocol):
@@ -68,6 +74,7 @@ class PrefixCacheStats:
     state_lost_tokens: int = 0
     checkpoint_captures: int = 0
     checkpoint_restores: int = 0
+    tier_hits: int = 0  # of `hits`, the tokens a second tier supplied
 
     @property
     def hit_rate(self) -> float:
@@ -75,7 +82,9 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig):
+    def __init__(self, config: KVCacheConfig, offload: TieredKVStore | None = None):
+        """`offload`: a second tier behind the prefix cache (ValueError if this model's groups cannot
+        use one; ignored, like the device cache, with prefix caching off)."""
         self.config = config
         self.enable_caching = config.enable_prefix_caching and any(
             g.spec.supports_prefix_caching for g in config.groups
@@ -92,6 +101,9 @@ class KVCacheManager:
         self._steady = self.coordinator.steady
         self._plans: dict[str, CapturePlan] = {}
         self._requests = self._queries = self._hits = self._state_lost = 0
+        self.external = None  # the second tier, seen as external blocks
+        if offload is not None and self.caching_possible:
+            self.external = ExternalBlocks(config, self.coordinator, self._pending, offload)
 
     def new_block_hashes(self, cache_salt: str | None = None) -> BlockHashChain:
         """The hash chain a new request carries (one list per attention block size, and one
@@ -156,6 +168,39 @@ class KVCacheManager:
                     self.config.checkpoint_interval)
         return new_ids
 
+    def num_external_tokens(self, request: KVRequest, computed: ComputedBlocks) -> int:
+        """Prompt tokens past the device hit `computed` that a second tier holds (0 without one);
+        a whole number of blocks in every group, leaving one token to compute. Not yet verified:
+        `allocate_external_computed_blocks` reports what loaded."""
+        if self.external is None:
+            return 0
+        return self.external.num_external_tokens(request, computed.num_tokens)
+
+    def allocate_external_computed_blocks(self, request: KVRequest, num_new_tokens: int, computed: ComputedBlocks,
+                                          num_external_tokens: int) -> int | None:
+        """Admit `request` with the hit `computed`, `num_external_tokens` tokens from the second tier and
+        room for `num_new_tokens` more, in every group, or None (nothing changed) when they do not fit.
+
+        Returns the tokens loaded: the external ones up to the first block whose entry was missing or
+        failed its check; the request computes from there (the blocks cover that too)."""
+        if num_new_tokens <= 0 or num_external_tokens <= 0:
+            raise ValueError(f"allocate_external_computed_blocks needs new and external tokens, got "
+                             f"{num_new_tokens} and {num_external_tokens}")
+        loaded = self.external.allocate(request, computed, num_external_tokens,
+                                        computed.num_tokens + num_external_tokens + num_new_tokens)
+        if loaded is not None and request.num_computed_tokens == 0:
+            hit = computed.num_tokens + loaded
+            self._requests += 1
+            self._queries += len(request.token_ids)
+            self._hits += hit
+            self._state_lost += max(0, computed.attention_tokens - hit)
+            if self.checkpointing:
+                stride = self.stride
+                junction = computed.attention_tokens // stride * stride
+                self._plans[request.request_id] = CapturePlan(
+                    stride, len(request.token_ids), junction if junction > hit else 0, self.config.checkpoint_interval)
+        return loaded
+
     def plan_captures(self, request: KVRequest, start: int, num_tokens: int) -> None:
         """Checkpoint the request's recurrent state where the capture plan says, inside the step
         that computes tokens [start, start + num_tokens) (no-op for models without state)."""
@@ -177,9 +222,15 @@ class KVCacheManager:
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """C4: enter the full blocks among the first `num_computed_tokens` (KV written) in the cache."""
         if self.enable_caching and num_computed_tokens >= self.coordinator.next_cache_at.get(request.request_id, 0):
+            external = self.external
+            if external is not None:
+                before = [m.num_cached.get(request.request_id, 0) for m in self.coordinator.managers]
+                capturing = external.capturing(request.request_id)
             self.coordinator.cache_blocks(
                 request.request_id, lambda bs: request.block_hashes.get(bs, request.token_ids), num_computed_tokens
             )
+            if external is not None:
+                external.order_saves(request, before, capturing)
 
     def free(self, request_id: str) -> None:
         """Release every block and state slot the request holds. Idempotent."""
@@ -224,7 +275,12 @@ class KVCacheManager:
         checkpoints = [m.checkpoints for m in self.coordinator.state_managers if m.checkpoints is not None]
         return PrefixCacheStats(
             self._requests, self._queries, self._hits, evictions + sum(c.num_evictions for c in checkpoints),
-            self._state_lost, sum(c.num_captures for c in checkpoints), sum(c.num_restores for c in checkpoints))
+            self._state_lost, sum(c.num_captures for c in checkpoints), sum(c.num_restores for c in checkpoints),
+            0 if self.external is None else self.external.num_loaded_tokens)
+
+    def offload_stats(self) -> OffloadStats | None:
+        """The second tier's counters (None without one)."""
+        return None if self.external is None else self.external.store.stats()
 
     def capacity_report(self) -> str:
         return self.config.capacity_report()
@@ -273,3 +329,6 @@ class KVCacheManager:
         for manager in self.coordinator.state_managers:
             assert manager.is_idle(), f"group {manager.pool.group_id}: checkpoints still owned, pinned or capturing"
         assert not self._plans, f"capture plans remain: {list(self._plans)}"
+        if self.external is not None:
+            self.external.store.flush()
+            assert self.external.store.is_idle(), "a save order was claimed but never submitted or released"

@@ -156,6 +156,10 @@ class LinearStateManager(FullAttentionManager):
         if spare is not None and spare.owner == request_id:
             spare.owner = None
 
+    def captures_of(self, request_id: str) -> list[Checkpoint]:
+        """The request's checkpoints being captured, not yet committed."""
+        return [ckpt for ckpt, _ in self._capturing.get(request_id, ())]
+
     def capturing_slots(self) -> set[int]:
         """Checkpoint slots this step's forward writes (captures not yet committed)."""
         return {c.slot for captures in self._capturing.values() for c, _ in captures}

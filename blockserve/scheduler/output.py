@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blockserve.kv.tiers.store import OffloadStats
 from blockserve.sampling_params import SamplingParams
 
 
@@ -57,6 +58,9 @@ class SchedulerOutput:
     # captures during the forward.
     state_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # (checkpoint, running slot)
     state_captures: dict[int, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # (position, slot)
+    # The second tier (kv/pending.py): saves first (copy the block out), loads after the copies, before zeros.
+    blocks_to_save: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)  # (block, tier key)
+    blocks_to_load: dict[int, list[tuple[int, bytearray]]] = field(default_factory=dict)  # (block, payload)
 
     @property
     def is_empty(self) -> bool:
@@ -100,3 +104,5 @@ class SchedulerStats:
     prefix_cache_state_lost_tokens: int  # cumulative: cached as attention KV, but no state checkpoint reached them
     num_preemptions: int  # cumulative
     num_scheduled_tokens: int  # this step
+    prefix_cache_tier_hits: int = 0  # cumulative, of prefix_cache_hits: prompt tokens a second tier supplied
+    kv_offload: OffloadStats | None = None  # the second tier's counters, per tier (None without one)

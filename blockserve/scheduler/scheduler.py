@@ -142,19 +142,28 @@ class Scheduler:
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: re-admitted once it is back
-            hit = self._no_hit if _wants_prompt_logprobs(request) else self.kv.get_computed_blocks(request)
-            n = len(request.token_ids) - hit.num_tokens
+            no_hit = _wants_prompt_logprobs(request)
+            hit = self._no_hit if no_hit else self.kv.get_computed_blocks(request)
+            external = 0 if no_hit else self.kv.num_external_tokens(request, hit)  # a second tier's (kv/tiers/)
+            n = len(request.token_ids) - hit.num_tokens - external
             if not self.config.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget, cap)
-            if self.kv.allocate_slots(request, n, hit) is None:
+            loaded = 0
+            if external:
+                # Loads failing their check leave their tokens to compute (the blocks cover them).
+                loaded = self.kv.allocate_external_computed_blocks(request, n, hit, external)
+                if loaded is None:
+                    break
+                n = min(len(request.token_ids) - hit.num_tokens - loaded, budget, cap)
+            elif self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = hit.num_tokens
+            request.num_computed_tokens = hit.num_tokens + loaded
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hit.num_tokens
-                request.state_lost_tokens = hit.state_lost_tokens
+                request.num_cached_tokens = hit.num_tokens + loaded
+                request.state_lost_tokens = max(0, hit.state_lost_tokens - loaded)
             bisect.insort(self.running, request, key=lambda r: r.order_key)
             new.append(
                 NewRequestData(
@@ -201,6 +210,8 @@ class Scheduler:
             preempted_request_ids=preempted,
             state_copies=pending.state_copies,
             state_captures=pending.state_captures,
+            blocks_to_save=pending.blocks_to_save,
+            blocks_to_load=pending.blocks_to_load,
         )
         return self._last_output
 
@@ -338,6 +349,8 @@ class Scheduler:
             prefix_cache_state_lost_tokens=prefix.state_lost_tokens,
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=num_scheduled_tokens,
+            prefix_cache_tier_hits=prefix.tier_hits,
+            kv_offload=self.kv.offload_stats(),
         )
 
     def assert_idle(self) -> None:

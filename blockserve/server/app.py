@@ -150,10 +150,13 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
 
     logger.info("serving %r on http://%s:%d (API keys: %s, prefix-cache isolation: %s)", config.served_model_name,
                 config.host, config.port, len(config.api_keys) or "none", config.prefix_cache_isolation)
-    if not serve_with_drain(app, config, drain):
-        logger.warning("a second signal: exited without finishing the drain")
-        return 1
-    return 0
+    try:
+        if not serve_with_drain(app, config, drain):
+            logger.warning("a second signal: exited without finishing the drain")
+            return 1
+        return 0
+    finally:
+        engine.close()  # the engine thread has stopped: join the KV writer, stop the ranks
 
 
 def freeze_startup_heap() -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.manager import KVCacheManager
+from blockserve.kv.tiers.store import TieredKVStore
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.request import Request, RequestRejected
 from blockserve.scheduler.scheduler import Scheduler
@@ -30,13 +31,17 @@ class StreamResult:
     prefix_hits: int = 0
     state_restores: int = 0  # checkpoint copies into running slots
     state_captures: int = 0
+    tier_hits: int = 0  # prompt tokens a second tier supplied
 
 
 def build(
-    kv_config: KVCacheConfig, scheduler_config: SchedulerConfig, reads_unwritten_slots, vocab_size: int = 1000
+    kv_config: KVCacheConfig, scheduler_config: SchedulerConfig, reads_unwritten_slots, vocab_size: int = 1000,
+    offload: TieredKVStore | None = None,
 ) -> tuple[Scheduler, ShadowRunner]:
-    kv = KVCacheManager(kv_config)
-    return Scheduler(scheduler_config, kv), ShadowRunner(kv_config, reads_unwritten_slots, vocab_size)
+    """The real scheduler and KV manager (with `offload` as their second tier) and a shadow runner."""
+    scheduler = Scheduler(scheduler_config, KVCacheManager(kv_config, offload))
+    salt_of = lambda request_id: scheduler.requests[request_id].cache_salt  # noqa: E731
+    return scheduler, ShadowRunner(kv_config, reads_unwritten_slots, vocab_size, salt_of, offload)
 
 
 def run_stream(
@@ -95,4 +100,5 @@ def run_stream(
     result.prefix_hits = scheduler.kv.prefix_cache_stats().hits
     result.state_restores = runner.num_restores
     result.state_captures = runner.num_captures
+    result.tier_hits = scheduler.kv.prefix_cache_stats().tier_hits
     return result

@@ -19,7 +19,12 @@ State checkpoints are shadow content too: a capture records the state tag of the
 claims, a copy order moves the tag, and poison orders (poison mode) leave POISON behind.
 
 Sampled tokens are derived from the content tag, so runs are reproducible and a run with
-prefix caching must produce exactly the tokens of the same run without it.
+prefix caching must produce exactly the tokens of the same run without it. A request's tags start
+from its cache salt, so KV served across tenants (C6) reads as foreign.
+
+With a second tier (`offload`, kv/tiers/), a save order stores a block's slot tags as its payload
+and a load order writes them back, so a loaded block is checked like any other: it must hold
+exactly the content of the prefix it claims.
 
     slot shadow of one block (block_size 4):  [t17][t18][ZERO][ZERO]
                                                written     zeroed, unwritten
@@ -27,12 +32,15 @@ prefix caching must produce exactly the tokens of the same run without it.
 
 from __future__ import annotations
 
+import ast
+import hashlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from blockserve.kv.block_pool import NULL_BLOCK_ID
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import LinearStateSpec, SlidingWindowSpec
+from blockserve.kv.tiers.store import TieredKVStore
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 ZERO = "zero"
@@ -48,17 +56,25 @@ def _next_tag(prev: int, token: int) -> int:
     return (prev * 1_000_003 + token + 1) & _MASK
 
 
+def _salt_tag(cache_salt: str | None) -> int:
+    """The tag before a request's first token: 0 unsalted, one per salt otherwise."""
+    if cache_salt is None:
+        return 0
+    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little") & _MASK
+
+
 class _SeqState:
     """The runner's view of one request: its tokens, their prefix tags, its block tables."""
 
-    def __init__(self, token_ids: list[int], tables: list[list[int]]):
+    def __init__(self, token_ids: list[int], tables: list[list[int]], cache_salt: str | None = None):
         self.token_ids = list(token_ids)
-        self.tags: list[int] = []  # tags[p]: content of tokens[0..p]
+        self.tags: list[int] = []  # tags[p]: content of tokens[0..p] (after the salt)
         self.tables = tables
+        self.origin = _salt_tag(cache_salt)
         self._extend_tags()
 
     def _extend_tags(self) -> None:
-        prev = self.tags[-1] if self.tags else 0
+        prev = self.tags[-1] if self.tags else self.origin
         for token in self.token_ids[len(self.tags) :]:
             prev = _next_tag(prev, token)
             self.tags.append(prev)
@@ -72,10 +88,11 @@ class _SeqState:
         self._extend_tags()
 
 
-def shadow_continuation(token_ids: Sequence[int], num_tokens: int, vocab_size: int = 1000) -> list[int]:
+def shadow_continuation(token_ids: Sequence[int], num_tokens: int, vocab_size: int = 1000,
+                        cache_salt: str | None = None) -> list[int]:
     """The `num_tokens` tokens a ShadowRunner samples after `token_ids` (for multi-turn streams
     whose next prompt repeats the reply)."""
-    seq = _SeqState(list(token_ids), [])
+    seq = _SeqState(list(token_ids), [], cache_salt)
     out = []
     for _ in range(num_tokens):
         out.append(seq.tags[-1] % vocab_size)
@@ -84,9 +101,14 @@ def shadow_continuation(token_ids: Sequence[int], num_tokens: int, vocab_size: i
 
 
 class ShadowRunner:
-    def __init__(self, config: KVCacheConfig, reads_unwritten_slots: Sequence[bool], vocab_size: int = 1000):
-        """`reads_unwritten_slots[g]` is what group g's backend declares (C1)."""
+    def __init__(self, config: KVCacheConfig, reads_unwritten_slots: Sequence[bool], vocab_size: int = 1000,
+                 salt_of: Callable[[str], str | None] | None = None, offload: TieredKVStore | None = None):
+        """`reads_unwritten_slots[g]` is what group g's backend declares (C1); `salt_of(request id)`: its
+        cache salt (default: none); `offload`: the second tier the save orders go to."""
         self.config = config
+        self.salt_of = salt_of or (lambda request_id: None)
+        self.offload = offload
+        self.num_loads = 0
         self.reads_unwritten = list(reads_unwritten_slots)
         self.vocab_size = vocab_size
         self.slots: list[list[list]] = []
@@ -105,12 +127,19 @@ class ShadowRunner:
         for new in out.new_requests:
             if new.request_id in self.seqs:
                 raise ShadowViolation(f"request {new.request_id} scheduled as new while the runner holds it")
-            self.seqs[new.request_id] = _SeqState(new.prompt_token_ids + new.output_token_ids, new.block_ids)
+            self.seqs[new.request_id] = _SeqState(new.prompt_token_ids + new.output_token_ids, new.block_ids,
+                                                  self.salt_of(new.request_id))
         for cached in out.cached_requests:
             seq = self._seq(cached.request_id)
             for table, ids in zip(seq.tables, cached.new_block_ids):
                 table.extend(ids)
-        # Poison, then restores, then zero orders, all before the forward pass that may read them.
+        # Saves, poison, restores, loads, then zero orders, all before the forward pass that may read them.
+        for group_id, orders in out.blocks_to_save.items():
+            for block_id, key in orders:
+                if self.offload.has_room():
+                    self.offload.submit(key, repr(self.slots[group_id][block_id]).encode())
+                else:
+                    self.offload.release(key)
         for group_id, block_ids in out.blocks_to_poison.items():
             for block_id in block_ids:
                 self.slots[group_id][block_id] = [POISON] * len(self.slots[group_id][block_id])
@@ -121,6 +150,12 @@ class ShadowRunner:
                     raise ShadowViolation(f"group {group_id}: a restore must copy a checkpoint into a running slot, "
                                           f"got {src} -> {dst}")
                 self.slots[group_id][dst] = list(self.slots[group_id][src])
+        for group_id, loads in out.blocks_to_load.items():
+            self.num_loads += len(loads)
+            for block_id, payload in loads:
+                if block_id == NULL_BLOCK_ID:
+                    raise ShadowViolation(f"group {group_id}: a load into the null block")
+                self.slots[group_id][block_id] = ast.literal_eval(payload.decode())
         for group_id, block_ids in out.blocks_to_zero.items():
             for block_id in block_ids:
                 self.slots[group_id][block_id] = [ZERO] * len(self.slots[group_id][block_id])

@@ -85,6 +85,32 @@ class KVCacheTensors:
         for tensor in self.tensors[group_id]:
             tensor[:, dst] = tensor[:, src]
 
+    def block_bytes(self, group_id: int, block_id: int) -> bytes:
+        """The block's content in every layer of the group, as bytes (a second tier's payload)."""
+        dim = self.block_dims[group_id]
+        return b"".join(t.select(dim, block_id).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                        for t in self.tensors[group_id])
+
+    def load_blocks(self, group_id: int, loads) -> None:
+        """Write each (block, payload) of `loads`: the inverse of `block_bytes`. A payload of the wrong
+        size is a ValueError (the tier's key names the KV format, so it means a bug)."""
+        dim = self.block_dims[group_id]
+        for block_id, payload in loads:
+            if block_id == 0:
+                raise ValueError(f"group {group_id}: the null block must never be written")
+            data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+            offset = 0
+            for tensor in self.tensors[group_id]:
+                dst = tensor.select(dim, block_id)
+                size = dst.numel() * dst.element_size()
+                if offset + size > len(data):
+                    raise ValueError(f"group {group_id}: a loaded block has {len(payload)} bytes, fewer than its "
+                                     f"layout needs")
+                dst.copy_(data[offset : offset + size].view(dst.dtype).view(dst.shape))
+                offset += size
+            if offset != len(data):
+                raise ValueError(f"group {group_id}: a loaded block has {len(payload)} bytes, its layout {offset}")
+
     def _fill(self, group_id: int, block_ids, poison: bool) -> None:
         block_ids = list(block_ids)
         if not block_ids:

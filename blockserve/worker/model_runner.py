@@ -22,6 +22,7 @@ import torch
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.metadata import int64_tensor, to_device
 from blockserve.kv.config import KVCacheConfig
+from blockserve.kv.tiers.store import TieredKVStore
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
@@ -65,6 +66,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_decode_graphs)
         self.last: LaunchedStep | None = None  # the latest step launched: its samples feed in-flight inputs
+        self.offload: TieredKVStore | None = None  # the second tier the save orders go to (kv/tiers/)
 
     def capture_decode_graphs(self, sizes, capture: Capture | None = None) -> None:
         """Capture the model's decode step at each batch size in `sizes` (the caller has checked
@@ -87,10 +89,14 @@ class ModelRunner:
             self.generators.pop(rid, None)
         self.batch.update(out)
         self.prompt_logprobs.update(out)
+        if out.blocks_to_save:  # before any order below can change a block
+            self._save_blocks(out.blocks_to_save)
         for group_id, block_ids in out.blocks_to_poison.items():
             self.kv.poison_blocks(group_id, block_ids)
         for group_id, pairs in out.state_copies.items():
             self.kv.copy_slots(group_id, pairs)
+        for group_id, loads in out.blocks_to_load.items():
+            self.kv.load_blocks(group_id, loads)
         for group_id, block_ids in out.blocks_to_zero.items():
             self.kv.zero_blocks(group_id, block_ids)
         t1 = time.perf_counter()
@@ -135,6 +141,25 @@ class ModelRunner:
         self.last = LaunchedStep(inputs.request_ids, inputs.sample_ids, requests, samples, sampled_ids,
                                  prompt_logprobs)
         return self.last
+
+    def _save_blocks(self, saves: dict[int, list[tuple[int, bytes]]]) -> None:
+        """Copy each block out to the writer's queue; one the full queue cannot take is dropped
+        (the step never waits for the writer)."""
+        store = self.offload
+        if store is None:
+            raise RuntimeError("save orders reached a model runner without a second tier")
+        orders = [(group_id, block_id, key) for group_id, group in saves.items() for block_id, key in group]
+        for i, (group_id, block_id, key) in enumerate(orders):
+            try:
+                payload = self.kv.block_bytes(group_id, block_id) if store.has_room() else None
+            except BaseException:
+                for _, _, unanswered in orders[i:]:  # every claim is answered, even by a failed step
+                    store.release(unanswered)
+                raise
+            if payload is None:
+                store.release(key)
+            else:
+                store.submit(key, payload)
 
     def _in_flight_inputs(self, inputs: StepInputs) -> Callable[[torch.Tensor], None] | None:
         """What writes the step's in-flight input ids (-1 on the host) into its input ids on the device,

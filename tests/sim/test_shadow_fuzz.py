@@ -46,7 +46,7 @@ def streams(draw):
         step, gap, salt = draw(st.integers(0, 10)), draw(st.integers(0, 25)), draw(st.sampled_from([None, "tenant-a"]))
         for _turn in range(draw(st.integers(1, 4))):
             add(prompt, step, salt)
-            reply = shadow_continuation(specs[-1]["prompt"], specs[-1]["max_tokens"])
+            reply = shadow_continuation(specs[-1]["prompt"], specs[-1]["max_tokens"], cache_salt=salt)
             prompt = prompt + reply + draw(st.lists(TOKENS, min_size=1, max_size=6))
             step += gap
     return specs

@@ -14,6 +14,11 @@ rejections are observed as they happen.
     blockserve_prefix_cache_queries_total / _hits_total     counter, prompt tokens
     blockserve_prefix_cache_state_lost_tokens_total         counter, prompt tokens cached as attention KV
                                                             that no recurrent-state checkpoint reached
+    blockserve_prefix_cache_tier_hits_total                 counter, prompt tokens (of the hits) a second tier supplied
+    blockserve_kv_tier_hits_total{tier} / _load_failures_total{tier}   counter, blocks read intact / failing their check
+    blockserve_kv_tier_loaded_bytes_total{tier} / _load_seconds_total{tier} / _written_bytes_total{tier}  counter
+    blockserve_kv_tier_bytes{tier} / _entries{tier}         gauge, what the tier holds
+    blockserve_kv_tier_writes_dropped_total                 counter, saves a full writer queue dropped
     blockserve_num_preemptions_total                        counter
     blockserve_prompt_tokens_total / _generation_tokens_total  counter
     blockserve_request_finished_total{finished_reason}      counter (stop, length; abort: the client left;
@@ -73,11 +78,42 @@ class _EngineStatsCollector(Collector):
             ("blockserve_prefix_cache_state_lost_tokens",
              "Prompt tokens whose attention KV was cached but that no recurrent-state checkpoint reached, "
              "so they were computed again.", s.prefix_cache_state_lost_tokens),
+            ("blockserve_prefix_cache_tier_hits", "Prompt tokens of the prefix-cache hits that a second tier "
+             "(host memory, disk) supplied.", s.prefix_cache_tier_hits),
             ("blockserve_num_preemptions", "Requests preempted to free KV cache.", s.num_preemptions),
         ):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric([self._model], value)
             yield counter
+        if s.kv_offload is not None:
+            yield from self._tier_metrics(s)
+
+    def _tier_metrics(self, s: SchedulerStats):
+        tier_labels = ["model_name", "tier"]
+        for name, doc, family, read in (
+            ("blockserve_kv_tier_hits", "Blocks a second tier served intact.", CounterMetricFamily,
+             lambda t: t.hits),
+            ("blockserve_kv_tier_load_failures", "Blocks a second tier listed but could not serve intact (missing, "
+             "truncated or failing their checksum); they were computed again.", CounterMetricFamily,
+             lambda t: t.load_failures),
+            ("blockserve_kv_tier_loaded_bytes", "Bytes read from a second tier.", CounterMetricFamily,
+             lambda t: t.bytes_loaded),
+            ("blockserve_kv_tier_load_seconds", "Seconds spent reading and verifying a second tier's blocks.",
+             CounterMetricFamily, lambda t: t.load_seconds),
+            ("blockserve_kv_tier_written_bytes", "Bytes written to a second tier.", CounterMetricFamily,
+             lambda t: t.bytes_written),
+            ("blockserve_kv_tier_bytes", "Bytes a second tier holds.", GaugeMetricFamily, lambda t: t.bytes_held),
+            ("blockserve_kv_tier_entries", "Blocks a second tier holds.", GaugeMetricFamily, lambda t: t.entries),
+        ):
+            metric = family(name, doc, labels=tier_labels)
+            for tier in s.kv_offload.tiers:
+                metric.add_metric([self._model, tier.name], read(tier))
+            yield metric
+        dropped = CounterMetricFamily("blockserve_kv_tier_writes_dropped",
+                                      "Blocks not saved to the second tier because its writer's queue was full.",
+                                      labels=["model_name"])
+        dropped.add_metric([self._model], s.kv_offload.writes_dropped)
+        yield dropped
 
 
 class Metrics:

@@ -1,0 +1,58 @@
+"""The engine's second prefix-cache tier: built from EngineConfig, keyed by a model fingerprint.
+
+The fingerprint names everything that decides a block's bytes: the weights' content, the model's
+dtype, the KV groups (specs with their block size and KV dtype, and the layers in each), the
+quantized matmul's activations and the tensor-parallel rank. Entries written under another
+fingerprint are never read (kv/tiers/entry.py), so a different model, format or setting starts cold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from blockserve.engine.config import EngineConfig, parse_bytes
+from blockserve.kv.config import KVCacheConfig
+from blockserve.kv.external_blocks import unsupported_groups
+from blockserve.kv.tiers import DiskTier, HostMemoryTier, TieredKVStore
+
+FINGERPRINT_VERSION = b"blockserve-kv-offload-1"
+
+
+def weights_digest(model: torch.nn.Module) -> bytes:
+    """sha256 over every tensor of the model's state dict: name, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+            data = tensor.detach().contiguous().cpu()
+            if data.numel():
+                digest.update(data.view(-1).view(torch.uint8).numpy())
+    return digest.digest()
+
+
+def model_fingerprint(model: torch.nn.Module, config: EngineConfig, kv_config: KVCacheConfig, dtype: torch.dtype,
+                      rank: int = 0, world_size: int = 1) -> bytes:
+    layout = repr([(g.spec, g.layer_names) for g in kv_config.groups])
+    quantized = f"{config.quantized_matmul}|{config.quantized_activations}"
+    parts = (FINGERPRINT_VERSION, weights_digest(model), str(dtype).encode(), layout.encode(), quantized.encode(),
+             f"rank {rank} of {world_size}".encode())
+    return hashlib.sha256(b"\0".join(parts)).digest()
+
+
+def build_kv_offload(config: EngineConfig, kv_config: KVCacheConfig, model: torch.nn.Module,
+                     dtype: torch.dtype) -> TieredKVStore | None:
+    """The tiers `config` asks for (None: none); ValueError, saying what to change, if this model's KV
+    cannot use them or the directory cannot be written."""
+    if not config.kv_offload_enabled:
+        return None
+    if bad := unsupported_groups(kv_config):
+        raise ValueError("--kv-offload-dir / --kv-offload-memory serve full-attention, MLA and recurrent-state "
+                         f"groups only; this model also has {', '.join(bad)}: run it without them")
+    tiers = []
+    if config.kv_offload_memory is not None:
+        tiers.append(HostMemoryTier(parse_bytes(config.kv_offload_memory, "kv_offload_memory")))
+    if config.kv_offload_dir is not None:
+        tiers.append(DiskTier(config.kv_offload_dir, parse_bytes(config.kv_offload_size, "kv_offload_size")))
+    return TieredKVStore(tiers, model_fingerprint(model, config, kv_config, dtype))

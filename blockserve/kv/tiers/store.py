@@ -1,0 +1,229 @@
+"""The second tier of the prefix cache: host memory and/or disk behind the device pool.
+
+    scheduler's thread                          worker                     writer thread
+    num_held(keys)      how far a prefix goes    
+    load(keys)          verified payloads  ──►  load orders (C2)
+    claim(key)          a save order wanted? ─► save orders: copy the ─► submit ─► queue ─► tiers
+                                                block, never blocking        (bounded; full: skip)
+
+Entries are keyed by `entry_key(fingerprint, group, salted block hash)` (kv/tiers/entry.py). A load
+returns only payloads that passed their tier's check, in prefix order, stopping at the first block
+no tier holds intact: the KV manager grants exactly those, and the tokens past them are computed
+again. Writes run on one thread behind a bounded queue, so the step never waits for a disk; a
+full queue drops the write, and a full disk or a failing file system turns writes off (with one
+warning) while loads go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from blockserve.kv.tiers.disk import TierFull
+from blockserve.kv.tiers.entry import CorruptEntry, entry_key
+
+logger = logging.getLogger("blockserve")
+
+DEFAULT_QUEUE_BLOCKS = 256
+
+
+class Tier(Protocol):
+    name: str
+
+    def contains(self, key: bytes) -> bool: ...
+    def read(self, key: bytes) -> bytearray | None: ...  # verified, or CorruptEntry
+    def write(self, key: bytes, payload: bytes) -> bool: ...
+
+    @property
+    def num_bytes(self) -> int: ...
+
+    @property
+    def num_entries(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier, cumulative since start-up: blocks served intact (`hits`), blocks whose read
+    failed its check or found the entry gone (`load_failures`), the bytes and seconds of the reads,
+    blocks and bytes written, and what it holds now."""
+
+    name: str
+    hits: int
+    load_failures: int
+    bytes_loaded: int
+    load_seconds: float
+    writes: int
+    bytes_written: int
+    entries: int
+    bytes_held: int
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """The tiers in lookup order; saves the writer's full queue dropped; whether writes are on."""
+
+    tiers: tuple[TierStats, ...]
+    writes_dropped: int
+    writing: bool
+
+
+class _Counters:
+    __slots__ = ("hits", "load_failures", "bytes_loaded", "load_seconds", "writes", "bytes_written")
+
+    def __init__(self):
+        self.hits = self.load_failures = self.bytes_loaded = self.writes = self.bytes_written = 0
+        self.load_seconds = 0.0
+
+
+class TieredKVStore:
+    """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format."""
+
+    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_blocks: int = DEFAULT_QUEUE_BLOCKS):
+        if not tiers:
+            raise ValueError("a tiered KV store needs at least one tier")
+        self.tiers = tuple(tiers)
+        self.fingerprint = fingerprint
+        self._counters = [_Counters() for _ in self.tiers]
+        self._lock = threading.Lock()
+        self._in_flight: set[bytes] = set()  # claimed, not yet written or dropped
+        self._writes_dropped = 0
+        self._writing = True
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self._writer = threading.Thread(target=self._write_loop, name="blockserve-kv-writer", daemon=True)
+        self._writer.start()
+
+    def key(self, group_id: int, block_hash: bytes) -> bytes:
+        return entry_key(self.fingerprint, group_id, block_hash)
+
+    # -- lookups and loads (the scheduler's thread) --------------------------------------------
+
+    def num_held(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, some tier holds (not yet verified: see `load`)."""
+        for i, key in enumerate(keys):
+            if not any(tier.contains(key) for tier in self.tiers):
+                return i
+        return len(keys)
+
+    def load(self, keys: Sequence[bytes]) -> list[bytearray]:
+        """The verified payloads of `keys`, from the first, up to the first that no tier holds intact;
+        an entry read from a later tier is copied into the earlier ones."""
+        payloads = []
+        for key in keys:
+            payload = None
+            for i, tier in enumerate(self.tiers):
+                began = time.perf_counter()
+                try:
+                    payload = tier.read(key)
+                except CorruptEntry as e:
+                    logger.warning("KV %s tier: entry %s failed its check (%s); recomputing it", tier.name,
+                                   key.hex()[:16], e)
+                    payload = None
+                    self._counters[i].load_failures += 1
+                    continue
+                if payload is None:
+                    continue
+                counters = self._counters[i]
+                counters.hits += 1
+                counters.bytes_loaded += len(payload)
+                counters.load_seconds += time.perf_counter() - began
+                for earlier in self.tiers[:i]:
+                    earlier.write(key, payload)
+                break
+            if payload is None:
+                break
+            payloads.append(payload)
+        return payloads
+
+    # -- saves ---------------------------------------------------------------------------------
+
+    def claim(self, key: bytes) -> bool:
+        """Whether a block of this key should be saved (writes on, not held by every tier, not
+        already on its way); a True is answered by exactly one `submit` or `release`."""
+        with self._lock:
+            if not self._writing or key in self._in_flight:
+                return False
+        if all(tier.contains(key) for tier in self.tiers):
+            return False
+        with self._lock:
+            self._in_flight.add(key)
+        return True
+
+    def has_room(self) -> bool:
+        """Whether a save submitted now would be queued (checked before copying a block out)."""
+        return self._writing and not self._queue.full()
+
+    def submit(self, key: bytes, payload: bytes) -> None:
+        """Queue a claimed save; dropped, never waited for, when the queue is full."""
+        try:
+            self._queue.put_nowait((key, payload))
+        except queue.Full:
+            self.release(key)
+
+    def release(self, key: bytes) -> None:
+        """Give up a claimed save without writing it."""
+        with self._lock:
+            self._in_flight.discard(key)
+            self._writes_dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, payload = item
+                try:
+                    if self._writing:
+                        self._write(key, payload)
+                finally:
+                    with self._lock:
+                        self._in_flight.discard(key)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: bytes, payload: bytes) -> None:
+        for tier, counters in zip(self.tiers, self._counters):
+            if tier.contains(key):
+                continue
+            try:
+                if tier.write(key, payload):
+                    counters.writes += 1
+                    counters.bytes_written += len(payload)
+            except TierFull as e:
+                self._stop_writing(f"the {tier.name} tier is full ({e.strerror})")
+                return
+            except OSError as e:
+                self._stop_writing(f"the {tier.name} tier failed a write ({e})")
+                return
+
+    def _stop_writing(self, why: str) -> None:
+        self._writing = False
+        logger.warning("KV offload: %s; no more blocks are written, cached entries are still read", why)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def stats(self) -> OffloadStats:
+        tiers = tuple(TierStats(t.name, c.hits, c.load_failures, c.bytes_loaded, c.load_seconds, c.writes,
+                                c.bytes_written, t.num_entries, t.num_bytes)
+                      for t, c in zip(self.tiers, self._counters))
+        return OffloadStats(tiers, self._writes_dropped, self._writing)
+
+    def flush(self) -> None:
+        """Wait until every save queued so far is written (tests, benchmarks)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop and join the writer. Idempotent."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    def is_idle(self) -> bool:
+        """No save claimed and still unwritten (C2: every claim is answered)."""
+        with self._lock:
+            return not self._in_flight

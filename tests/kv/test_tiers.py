@@ -1,0 +1,210 @@
+"""The second tier's parts: the checksummed entry, the disk and host-memory tiers, the store and
+its writer thread."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from blockserve.kv.tiers import CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore, TierUnusable, entry_key
+from blockserve.kv.tiers.disk import STALE_WRITE_SECONDS
+from blockserve.kv.tiers.entry import HEADER_BYTES, decode, encode
+
+KEYS = [entry_key(b"model", 0, bytes([i]) * 32) for i in range(8)]
+PAYLOAD = bytes(range(256)) * 4
+
+
+def test_entry_round_trip_and_every_damage_is_caught():
+    data = encode(KEYS[0], PAYLOAD)
+    assert decode(KEYS[0], data) == PAYLOAD
+    flipped = bytearray(data)
+    flipped[HEADER_BYTES + 10] ^= 1
+    for bad, why in ((data[:-1], "payload of"), (data[:20], "without an entry header"), (bytes(flipped), "checksum"),
+                     (b"x" + data[1:], "without an entry header")):
+        with pytest.raises(CorruptEntry, match=why):
+            decode(KEYS[0], bad)
+    with pytest.raises(CorruptEntry, match="another key"):
+        decode(KEYS[1], data)
+    # The key names the model, the group and the salted prefix.
+    assert len({entry_key(b"model", 0, b"h"), entry_key(b"other", 0, b"h"), entry_key(b"model", 1, b"h"),
+                entry_key(b"model", 0, b"g")}) == 4
+
+
+def test_disk_tier_reads_back_verifies_and_removes_damaged_files(tmp_path):
+    tier = DiskTier(str(tmp_path), 10**6)
+    for key in KEYS[:3]:
+        assert tier.write(key, PAYLOAD)
+    assert tier.read(KEYS[0]) == PAYLOAD and tier.contains(KEYS[1])
+    os.truncate(tier.path(KEYS[1]), 100)
+    with open(tier.path(KEYS[2]), "r+b") as f:
+        f.seek(HEADER_BYTES + 3)
+        f.write(b"\xff")
+    for key in KEYS[1:3]:
+        with pytest.raises(CorruptEntry):
+            tier.read(key)
+        assert not os.path.exists(tier.path(key)) and not tier.contains(key)
+    assert tier.read(KEYS[3]) is None  # never written
+    os.unlink(tier.path(KEYS[0]))
+    assert tier.read(KEYS[0]) is None and tier.num_entries == 0
+
+
+def test_disk_tier_keeps_under_its_cap_least_recently_used_first(tmp_path):
+    size = len(encode(KEYS[0], PAYLOAD))
+    tier = DiskTier(str(tmp_path), 3 * size)
+    for key in KEYS[:3]:
+        tier.write(key, PAYLOAD)
+    tier.read(KEYS[0])  # now the most recently used
+    tier.write(KEYS[3], PAYLOAD)
+    assert [tier.contains(k) for k in KEYS[:4]] == [True, False, True, True]
+    assert tier.num_bytes == 3 * size
+    assert not tier.write(KEYS[4], PAYLOAD * 4)  # larger than the cap: refused, nothing evicted
+    assert tier.num_entries == 3
+
+
+def test_disk_tier_restart_finds_entries_in_use_order_and_clears_dead_writes(tmp_path):
+    size = len(encode(KEYS[0], PAYLOAD))
+    tier = DiskTier(str(tmp_path), 10**6)
+    for i, key in enumerate(KEYS[:3]):
+        tier.write(key, PAYLOAD)
+        os.utime(tier.path(key), (1000 + i, 1000 + i))
+    tier.read(KEYS[0])  # refreshed: the newest on disk
+    # A crash mid-write leaves a temporary file: invisible to readers, removed once old.
+    dead = os.path.join(os.path.dirname(tier.path(KEYS[4])), ".dead.tmp")
+    live = os.path.join(os.path.dirname(tier.path(KEYS[4])), ".live.tmp")
+    os.makedirs(os.path.dirname(dead), exist_ok=True)
+    for path in (dead, live):
+        with open(path, "wb") as f:
+            f.write(encode(KEYS[4], PAYLOAD)[:50])
+    old = time.time() - STALE_WRITE_SECONDS - 1
+    os.utime(dead, (old, old))
+    restarted = DiskTier(str(tmp_path), 2 * size)  # a smaller cap: the least recently used goes
+    assert not os.path.exists(dead) and os.path.exists(live)
+    assert not restarted.contains(KEYS[4]) and restarted.read(KEYS[4]) is None
+    assert [restarted.contains(k) for k in KEYS[:3]] == [True, False, True]
+
+
+def test_two_disk_tiers_share_a_directory(tmp_path):
+    size = len(encode(KEYS[0], PAYLOAD))
+    a, b = DiskTier(str(tmp_path), 2 * size), DiskTier(str(tmp_path), 2 * size)
+    a.write(KEYS[0], PAYLOAD)
+    assert b.contains(KEYS[0]) and b.read(KEYS[0]) == PAYLOAD  # b finds a's entry
+    b.write(KEYS[0], PAYLOAD)  # the same entry, written again: replaced atomically
+    a.write(KEYS[1], PAYLOAD)
+    a.write(KEYS[2], PAYLOAD)  # a evicts KEYS[0], which b still indexes
+    assert b.read(KEYS[0]) is None and not b.contains(KEYS[0])
+    assert b.read(KEYS[2]) == PAYLOAD
+
+
+def test_unusable_directories_are_refused_at_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TierUnusable, match="cannot be used.*give a directory"):
+        DiskTier(str(blocker / "kv"), 10**6)
+    if os.geteuid() != 0:  # root writes anywhere
+        readonly = tmp_path / "readonly"
+        readonly.mkdir()
+        readonly.chmod(0o500)
+        with pytest.raises(TierUnusable, match="Permission denied"):
+            DiskTier(str(readonly), 10**6)
+    with pytest.raises(ValueError, match="positive size cap"):
+        DiskTier(str(tmp_path), 0)
+
+
+def test_memory_tier_is_lru_under_its_size():
+    tier = HostMemoryTier(3 * len(PAYLOAD))
+    for key in KEYS[:3]:
+        tier.write(key, PAYLOAD)
+    tier.read(KEYS[0])
+    tier.write(KEYS[3], PAYLOAD)
+    assert [tier.contains(k) for k in KEYS[:4]] == [True, False, True, True]
+    assert tier.num_bytes == 3 * len(PAYLOAD) and not tier.write(KEYS[4], PAYLOAD * 4)
+
+
+def test_store_writes_through_its_thread_and_loads_a_verified_prefix(tmp_path):
+    memory, disk = HostMemoryTier(10**6), DiskTier(str(tmp_path), 10**6)
+    store = TieredKVStore([memory, disk], b"model")
+    try:
+        for key in KEYS[:4]:
+            assert store.claim(key)
+            assert not store.claim(key)  # on its way already
+            store.submit(key, PAYLOAD)
+        store.flush()
+        assert store.is_idle() and not store.claim(KEYS[0])  # held by every tier
+        assert store.num_held(KEYS[:6]) == 4
+        with open(disk.path(KEYS[2]), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x00")
+        memory2 = HostMemoryTier(10**6)  # a restart: only the disk holds them
+        store2 = TieredKVStore([memory2, DiskTier(str(tmp_path), 10**6)], b"model")
+        try:
+            assert store2.load(KEYS[:4]) == [PAYLOAD, PAYLOAD]  # stops at the damaged third
+            assert memory2.contains(KEYS[0])  # copied forward into host memory
+            stats = {t.name: t for t in store2.stats().tiers}
+            assert stats["disk"].hits == 2 and stats["disk"].load_failures == 1
+            assert stats["disk"].bytes_loaded == 2 * len(PAYLOAD)
+        finally:
+            store2.close()
+    finally:
+        store.close()
+    assert not store._writer.is_alive()
+
+
+class SlowTier(HostMemoryTier):
+    def __init__(self):
+        super().__init__(10**6)
+        self.gate = threading.Event()
+
+    def write(self, key, payload):
+        self.gate.wait(10)
+        return super().write(key, payload)
+
+
+def test_a_full_queue_drops_saves_and_never_blocks():
+    tier = SlowTier()
+    store = TieredKVStore([tier], b"model", queue_blocks=1)
+    try:
+        began = time.perf_counter()
+        for key in KEYS[:4]:
+            assert store.claim(key)
+            if store.has_room():
+                store.submit(key, PAYLOAD)
+            else:
+                store.release(key)
+        assert time.perf_counter() - began < 1
+        assert store.stats().writes_dropped >= 2
+        tier.gate.set()
+        store.flush()
+        assert store.is_idle() and 1 <= tier.num_entries <= 2
+    finally:
+        tier.gate.set()
+        store.close()
+
+
+def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, caplog):
+    disk = DiskTier(str(tmp_path), 10**6)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = TieredKVStore([disk], b"model")
+    try:
+        store.claim(KEYS[0])
+        store.submit(KEYS[0], PAYLOAD)
+        store.flush()
+        monkeypatch.setattr("blockserve.kv.tiers.disk.open", no_space, raising=False)
+        with caplog.at_level(logging.WARNING, logger="blockserve"):
+            store.claim(KEYS[1])
+            store.submit(KEYS[1], PAYLOAD)
+            store.flush()
+        assert "disk tier is full" in caplog.text
+        assert not store.stats().writing and not store.claim(KEYS[2]) and store.is_idle()
+        monkeypatch.undo()
+        assert store.load(KEYS[:1]) == [PAYLOAD]  # what is there is still read
+        assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]
+    finally:
+        store.close()
