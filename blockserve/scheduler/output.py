@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blockserve.sampling_params import SamplingParams
+from blockserve.spec_decode.stats import SpeculationStats
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class SchedulerOutput:
     # captures during the forward.
     state_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # (checkpoint, running slot)
     state_captures: dict[int, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)  # (position, slot)
+    # Speculative decoding: a request's draft tokens, the last len(drafts) of its scheduled token ids. The
+    # worker scores every one and returns the accepted drafts plus the target's next token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -65,7 +69,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Per scheduled request, the tokens sampled this step (empty while its prompt is unfinished)."""
+    """Per scheduled request, the tokens sampled this step (empty while its prompt is unfinished; with
+    drafts, the accepted ones and then the target's own token)."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list] = field(default_factory=dict)  # per request, one entry per sampled token
@@ -100,3 +105,4 @@ class SchedulerStats:
     prefix_cache_state_lost_tokens: int  # cumulative: cached as attention KV, but no state checkpoint reached them
     num_preemptions: int  # cumulative
     num_scheduled_tokens: int  # this step
+    speculation: SpeculationStats | None = None  # cumulative; None without speculative decoding

@@ -10,7 +10,10 @@ from blockserve.kv.manager import KVCacheManager
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.request import Request, RequestRejected
 from blockserve.scheduler.scheduler import Scheduler
+from blockserve.sim.shadow_proposer import ShadowProposer
 from blockserve.sim.shadow_runner import ShadowRunner
+from blockserve.spec_decode.config import SpeculativeConfig
+from blockserve.spec_decode.speculator import Speculator
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,19 @@ class StreamResult:
     prefix_hits: int = 0
     state_restores: int = 0  # checkpoint copies into running slots
     state_captures: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts proposed, and rejected
+    rejected_drafts: int = 0
 
 
 def build(
-    kv_config: KVCacheConfig, scheduler_config: SchedulerConfig, reads_unwritten_slots, vocab_size: int = 1000
+    kv_config: KVCacheConfig, scheduler_config: SchedulerConfig, reads_unwritten_slots, vocab_size: int = 1000,
+    speculative: SpeculativeConfig | None = None,
 ) -> tuple[Scheduler, ShadowRunner]:
+    """The scheduler over `kv_config` and a shadow runner; with `speculative`, drafts from a
+    ShadowProposer (partly right, partly wrong) up to its num_speculative_tokens."""
     kv = KVCacheManager(kv_config)
-    return Scheduler(scheduler_config, kv), ShadowRunner(kv_config, reads_unwritten_slots, vocab_size)
+    speculator = None if speculative is None else Speculator(speculative, ShadowProposer(vocab_size))
+    return Scheduler(scheduler_config, kv, speculator), ShadowRunner(kv_config, reads_unwritten_slots, vocab_size)
 
 
 def run_stream(
@@ -95,4 +104,7 @@ def run_stream(
     result.prefix_hits = scheduler.kv.prefix_cache_stats().hits
     result.state_restores = runner.num_restores
     result.state_captures = runner.num_captures
+    if scheduler.speculator is not None:
+        result.draft_tokens = scheduler.speculator.stats().num_draft_tokens
+        result.rejected_drafts = runner.num_rejected
     return result
