@@ -185,7 +185,7 @@ class PagedAttention:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, Hq, n, D], keys/values [N, L, Hkv, D] (any cache dtype: computed in q's), mask
-        broadcastable to [N, Hq, n, L], sinks [Hq] or None.
+        broadcastable to [N, Hq, n, L], sinks [Hq] or None."""
         keys, values = kv_quant.decode(keys, q.dtype), kv_quant.decode(values, q.dtype)
         if self.softcap is not None or sinks is not None:
             return explicit_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.scale,

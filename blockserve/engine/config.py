@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from blockserve.kv.specs import KV_CACHE_DTYPES
+from blockserve.spec_decode.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -168,6 +169,12 @@ class EngineConfig:
                 "the float32 GEMM past that (default: measured on this CPU as the model loads, at most 128 "
                 "on AVX-512, 64 on AVX2; a fixed value makes runs repeatable to the bit)"})
 
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "help": "speculative decoding, as a JSON object in vLLM's shape, e.g. '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
+                "(docs/speculative.md); greedy outputs stay identical and sampling keeps the model's distribution",
+        "type": str})
+
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks (processes; gloo on CPU) that each hold a 1/N shard of the model's heads (recurrent "
                 "state too), MLP and vocabulary"})
@@ -183,6 +190,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from blockserve.attention.paged_attention import BACKENDS
+
+        # Given as a JSON string (the command line) or a mapping (LLM(...)): kept parsed and validated.
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config cannot be combined with async_scheduling: a step's accepted "
+                             "drafts must be back before the next step is scheduled; drop one of them")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config cannot be combined with tensor_parallel_size > 1 yet: run "
+                             "speculation on one rank, or tensor parallelism without it")
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")

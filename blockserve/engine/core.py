@@ -32,6 +32,7 @@ from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
+from blockserve.spec_decode.speculator import Speculator
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from blockserve.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -218,7 +219,7 @@ class EngineCore:
             logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
                            "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
                            config.state_checkpoint_share)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.scheduler = Scheduler(scheduler_config, self.kv, self._speculator(config))
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
         runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
         self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
@@ -241,6 +242,18 @@ class EngineCore:
             logger.info("CUDA graphs: decode captured at batch sizes %s in %.1f s, holding %.2f GiB (%.2f GiB "
                         "budgeted)", sorted(set(graph_sizes)), time.perf_counter() - began, held / 2**30,
                         budgeted / 2**30)
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        """The speculator `config.speculative_config` asks for, or a ValueError when this model cannot
+        roll back a rejected draft (its recurrent-state layers keep no state per position)."""
+        if config.speculative_config is None:
+            return None
+        state = [type(g.spec).__name__ for g in self.kv_config.groups if g.is_state]
+        if state:
+            raise ValueError(f"speculative_config: this model has recurrent-state layers ({', '.join(state)}), whose "
+                             "state cannot yet be rolled back to the last accepted draft; serve it without "
+                             "speculative decoding")
+        return Speculator(config.speculative_config)
 
     def _decode_graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
         """CUDA: the batch sizes to capture decode steps at; none with enforce_eager, or when some layer

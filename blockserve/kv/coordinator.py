@@ -120,6 +120,13 @@ class KVCacheCoordinator:
             loaded.append(new)
         return loaded
 
+    def trim(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> None:
+        """Attention groups give back the blocks past `num_tokens` tokens (state groups hold one slot)."""
+        for manager in self.attention_managers:
+            manager.trim(request_id, num_tokens)
+        limits = [m.steady_limits(request_id, num_computed_tokens) for m in self.managers]
+        self.steady[request_id] = (min(c for c, _ in limits), min(r for _, r in limits))
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)

@@ -88,6 +88,18 @@ class FullAttentionManager:
         self.pool.cache(blocks[start:end], hashes[start:end])
         self.num_cached[request_id] = end
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (speculative decoding: slots of
+        rejected drafts only; such blocks were never cached, as only written tokens are, C4)."""
+        blocks = self.req_blocks.get(request_id)
+        keep = self.table_len(num_tokens)
+        if blocks and len(blocks) > keep:
+            if keep < self.num_cached.get(request_id, 0):
+                raise ValueError(f"request {request_id}: cannot trim cached blocks (keep {keep})")
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(tail))
+
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, None)
         self.num_cached.pop(request_id, None)

@@ -8,7 +8,8 @@ Per step, for each request the scheduler
      recurrent state checkpoint it where later requests can hit;
   4. after the forward pass, calls `cache_blocks(request, num_computed_tokens)` so full blocks
      whose KV is now written, and the checkpoints it captured, become prefix-cache entries (C4);
-  5. calls `free(request)` when it finishes, is preempted or aborted;
+  5. calls `free(request)` when it finishes, is preempted or aborted (`trim_slots` when a
+     speculative step's drafts were rejected);
 and once per `schedule()` it calls `take_pending()` for the zero, poison, copy and capture
 orders, and the second tier's save and load orders (C2).
 
@@ -231,6 +232,14 @@ class KVCacheManager:
             )
             if external is not None:
                 external.order_saves(request, before, capturing)
+
+    def trim_slots(self, request: KVRequest, num_tokens: int) -> None:
+        """Speculative decoding: free the blocks past the first `num_tokens` tokens, which hold only
+        rejected drafts' slots (never reported computed, never cached: C4)."""
+        if num_tokens < request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id}: cannot trim to {num_tokens} tokens, below its "
+                             f"{request.num_computed_tokens} computed ones")
+        self.coordinator.trim(request.request_id, num_tokens, request.num_computed_tokens)
 
     def free(self, request_id: str) -> None:
         """Release every block and state slot the request holds. Idempotent."""

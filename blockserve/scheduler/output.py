@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from blockserve.kv.tiers.store import OffloadStats
 from blockserve.sampling_params import SamplingParams
+from blockserve.spec_decode.stats import SpeculationStats
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class SchedulerOutput:
     # The second tier (kv/pending.py): saves first (copy the block out), loads after the copies, before zeros.
     blocks_to_save: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)  # (block, tier key)
     blocks_to_load: dict[int, list[tuple[int, bytearray]]] = field(default_factory=dict)  # (block, payload)
+    # Speculative decoding: a request's draft tokens, the last len(drafts) of its scheduled token ids. The
+    # worker scores every one and returns the accepted drafts plus the target's next token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -69,7 +73,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Per scheduled request, the tokens sampled this step (empty while its prompt is unfinished)."""
+    """Per scheduled request, the tokens sampled this step (empty while its prompt is unfinished; with
+    drafts, the accepted ones and then the target's own token)."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list] = field(default_factory=dict)  # per request, one entry per sampled token
@@ -106,3 +111,4 @@ class SchedulerStats:
     num_scheduled_tokens: int  # this step
     prefix_cache_tier_hits: int = 0  # cumulative, of prefix_cache_hits: prompt tokens a second tier supplied
     kv_offload: OffloadStats | None = None  # the second tier's counters, per tier (None without one)
+    speculation: SpeculationStats | None = None  # cumulative; None without speculative decoding

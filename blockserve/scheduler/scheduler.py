@@ -13,6 +13,13 @@ request N samples for holds a placeholder (`num_output_placeholders`), its next 
 `scheduled_token_ids` (the worker takes it from N's samples on the device), and a request N ends by
 length is not scheduled again. Whatever else ends it at N (a stop token) leaves one wasted row in
 N + 1, whose token is dropped.
+
+With speculative decoding (a `Speculator`, spec_decode/) a decoding request may carry draft tokens:
+their slots are allocated with its input token's (`allocate_slots`, counted in the token budget) and
+its computed count covers them while the step runs; `update_from_output` then takes back the
+rejected drafts' count (their KV is never reported computed nor cached, C4) and frees the blocks
+that held only them. If the drafts' slots do not fit, the request runs without drafts: speculation
+never preempts anyone.
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ from blockserve.scheduler.output import (
 )
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.request_queue import FCFSQueue, PriorityQueue
+from blockserve.spec_decode.speculator import Speculator
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculator: Speculator | None = None):
         self.config = config
         self.kv = kv
+        self.speculator = speculator
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = PriorityQueue() if config.policy == "priority" else FCFSQueue()
         self.running: list[Request] = []  # in policy order: the last one is the next victim
@@ -106,6 +115,8 @@ class Scheduler:
         cached: list[CachedRequestData] = []
         new: list[NewRequestData] = []
         preempted: set[str] = set()
+        drafts_of: dict[str, list[int]] = {}
+        speculator = self.speculator
 
         # This loop and the one that fills the token ids run for every running request every step.
         running, allocate_slots = self.running, self.kv.allocate_slots
@@ -120,7 +131,15 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while (block_ids := allocate_slots(request, n)) is None:
+            block_ids = None
+            if (speculator is not None and not pending and len(request.token_ids) - request.num_computed_tokens == 1
+                    and request.sampling_params.structured_outputs is None):  # (a grammar is not rolled back)
+                room = min(budget - 1, cap - 1, request.max_output_tokens - len(request.output_token_ids) - 1)
+                drafts = speculator.propose(request.request_id, request.token_ids, room, len(running)) if room > 0 else ()
+                if drafts and (block_ids := allocate_slots(request, 1 + len(drafts))) is not None:
+                    drafts_of[request.request_id] = drafts
+                    n = 1 + len(drafts)
+            while block_ids is None and (block_ids := allocate_slots(request, n)) is None:
                 victim = running[-1]  # never one scheduled this step: those sit before index i
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -186,7 +205,11 @@ class Scheduler:
             end = start + n
             num_scheduled[rid] = n
             known = len(request.token_ids)
-            if end <= known:
+            drafts = drafts_of.get(rid)
+            if drafts is not None:
+                token_ids[rid] = request.token_ids[start:] + drafts
+                end -= len(drafts)  # (request.num_computed_tokens covers them too while the step runs)
+            elif end <= known:
                 token_ids[rid] = request.token_ids[start:end]
             else:  # the input is a token in flight
                 token_ids[rid] = request.token_ids[start:known] + [-1] * (end - known)
@@ -194,7 +217,7 @@ class Scheduler:
                 plan_captures(request, start, n)
             if end == known + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
-            request.num_computed_tokens = end  # KV written by the forward pass of this step
+            request.num_computed_tokens = start + n  # KV written by the forward pass of this step
 
         pending = self.kv.take_pending()
         finished, self._finished_ids = self._finished_ids, set()
@@ -212,6 +235,7 @@ class Scheduler:
             state_captures=pending.state_captures,
             blocks_to_save=pending.blocks_to_save,
             blocks_to_load=pending.blocks_to_load,
+            spec_token_ids=drafts_of,
         )
         return self._last_output
 
@@ -245,10 +269,16 @@ class Scheduler:
         starts = _starts(scheduler_output) if ahead else None
         sampled_token_ids = runner_output.sampled_token_ids
         all_logprobs, all_prompt_logprobs = runner_output.logprobs or None, runner_output.prompt_logprobs or None
+        drafts_of = scheduler_output.spec_token_ids
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None:
                 continue  # finished or aborted since it was scheduled
+            drafts = drafts_of.get(rid) if drafts_of else None
+            if drafts is not None:
+                if self._verified(request, drafts, sampled_token_ids.get(rid), all_logprobs, outputs):
+                    any_finished = True
+                continue
             if request.status is running:
                 if cache_blocks is not None:
                     cache_blocks(request, request.num_computed_tokens if starts is None else starts[rid] + num_scheduled)
@@ -287,6 +317,38 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs, self.stats(scheduler_output.total_num_scheduled_tokens)
 
+    def _verified(self, request: Request, drafts: list[int], sampled: list[int] | None, all_logprobs,
+                  outputs: list[RequestOutput]) -> bool:
+        """Apply a speculative step's result to `request`: the target accepted the first len(sampled) - 1
+        drafts. Rejected drafts' slots leave the computed count and the blocks holding only them are
+        freed, before the accepted tokens are appended and cached (C4). Returns whether it finished."""
+        if not sampled or len(sampled) > len(drafts) + 1:
+            raise RuntimeError(f"request {request.request_id}: {len(drafts)} drafts, but the worker returned "
+                               f"{len(sampled or ())} tokens (expected 1 to {len(drafts) + 1})")
+        accepted = len(sampled) - 1
+        self.speculator.record(request.request_id, len(drafts), accepted)
+        request.num_computed_tokens -= len(drafts) - accepted
+        request.num_output_placeholders -= 1
+        status = None
+        emitted = 0
+        for token in sampled:
+            request.output_token_ids.append(token)
+            request.token_ids.append(token)
+            emitted += 1
+            if status := self._stop_status(request, token):
+                break
+        logprobs = all_logprobs and all_logprobs.get(request.request_id)
+        outputs.append(RequestOutput(request.request_id, sampled[:emitted], status and status.value,
+                                     request.stop_reason, request.num_cached_tokens,
+                                     logprobs[:emitted] if logprobs is not None else None))
+        if status:
+            self._finish(request, status)
+            return True
+        self.kv.trim_slots(request, len(request.token_ids))
+        if self.kv.enable_caching:
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        return False
+
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         """Runs for every sampled token, so it reads plain attributes only."""
         params = request.sampling_params
@@ -304,6 +366,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
 
@@ -351,6 +415,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             prefix_cache_tier_hits=prefix.tier_hits,
             kv_offload=self.kv.offload_stats(),
+            speculation=self.speculator.stats() if self.speculator is not None else None,
         )
 
     def assert_idle(self) -> None:
@@ -358,6 +423,7 @@ class Scheduler:
         assert not self.requests and not self.running and not self.waiting, "requests remain"
         assert not self._finished_ids, "finished ids were never handed to the worker"
         assert self.kv.pending_is_empty(), "KV zero or poison orders were never drained"
+        assert self.speculator is None or not self.speculator.num_requests, "speculation state outlives its requests"
         self.kv.assert_idle()
 
 

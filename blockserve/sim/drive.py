@@ -11,7 +11,10 @@ from blockserve.kv.tiers.store import TieredKVStore
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.request import Request, RequestRejected
 from blockserve.scheduler.scheduler import Scheduler
+from blockserve.sim.shadow_proposer import ShadowProposer
 from blockserve.sim.shadow_runner import ShadowRunner
+from blockserve.spec_decode.config import SpeculativeConfig
+from blockserve.spec_decode.speculator import Speculator
 
 
 @dataclass(frozen=True)
@@ -32,14 +35,20 @@ class StreamResult:
     state_restores: int = 0  # checkpoint copies into running slots
     state_captures: int = 0
     tier_hits: int = 0  # prompt tokens a second tier supplied
+    draft_tokens: int = 0  # speculative decoding: drafts proposed, and rejected
+    rejected_drafts: int = 0
 
 
 def build(
     kv_config: KVCacheConfig, scheduler_config: SchedulerConfig, reads_unwritten_slots, vocab_size: int = 1000,
     offload: TieredKVStore | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> tuple[Scheduler, ShadowRunner]:
-    """The real scheduler and KV manager (with `offload` as their second tier) and a shadow runner."""
-    scheduler = Scheduler(scheduler_config, KVCacheManager(kv_config, offload))
+    """The real scheduler and KV manager (with `offload` as their second tier) and a shadow runner;
+    with `speculative`, drafts from a ShadowProposer (partly right, partly wrong) up to its
+    num_speculative_tokens."""
+    speculator = None if speculative is None else Speculator(speculative, ShadowProposer(vocab_size))
+    scheduler = Scheduler(scheduler_config, KVCacheManager(kv_config, offload), speculator)
     salt_of = lambda request_id: scheduler.requests[request_id].cache_salt  # noqa: E731
     return scheduler, ShadowRunner(kv_config, reads_unwritten_slots, vocab_size, salt_of, offload)
 
@@ -101,4 +110,7 @@ def run_stream(
     result.state_restores = runner.num_restores
     result.state_captures = runner.num_captures
     result.tier_hits = scheduler.kv.prefix_cache_stats().tier_hits
+    if scheduler.speculator is not None:
+        result.draft_tokens = scheduler.speculator.stats().num_draft_tokens
+        result.rejected_drafts = runner.num_rejected
     return result

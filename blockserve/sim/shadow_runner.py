@@ -26,6 +26,11 @@ With a second tier (`offload`, kv/tiers/), a save order stores a block's slot ta
 and a load order writes them back, so a loaded block is checked like any other: it must hold
 exactly the content of the prefix it claims.
 
+Speculative decoding: a request's draft tokens are written as the content they claim; the runner
+samples at each draft position and keeps the drafts it agrees with. A rejected draft's slots are
+then marked REJECTED (this request's own finite KV, which a whole-block kernel may read in a block's
+unwritten tail, weighted by zero), so any later read of them as KV, or a prefix hit on them, fails.
+
     slot shadow of one block (block_size 4):  [t17][t18][ZERO][ZERO]
                                                written     zeroed, unwritten
 """
@@ -42,9 +47,11 @@ from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.specs import LinearStateSpec, SlidingWindowSpec
 from blockserve.kv.tiers.store import TieredKVStore
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from blockserve.spec_decode.acceptance import num_accepted
 
 ZERO = "zero"
 POISON = "poison"
+REJECTED = "rejected"  # with the request id: ("rejected", rid)
 _MASK = (1 << 61) - 1
 
 
@@ -119,6 +126,7 @@ class ShadowRunner:
         self.num_steps = 0
         self.num_captures = 0
         self.num_restores = 0
+        self.num_rejected = 0  # draft tokens rejected
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -169,6 +177,10 @@ class ShadowRunner:
         for rid, n in out.num_scheduled_tokens.items():
             seq = self._seq(rid)
             start = start_of[rid]
+            drafts = out.spec_token_ids.get(rid)
+            if drafts is not None:
+                sampled[rid] = self._verify(rid, seq, start, n, drafts, holders)
+                continue
             if out.scheduled_token_ids[rid] != seq.token_ids[start : start + n]:
                 raise ShadowViolation(f"request {rid}: scheduled tokens differ from the sequence's tokens")
             for group_id, group in enumerate(self.config.groups):
@@ -182,6 +194,32 @@ class ShadowRunner:
                 seq.append(token)
                 sampled[rid] = [token]
         return ModelRunnerOutput(sampled)
+
+    def _verify(self, rid: str, seq: _SeqState, start: int, n: int, drafts: list[int], holders) -> list[int]:
+        """A step that scores `drafts` after the sequence's last token: the drafts' slots are written as
+        the content they claim, the target's token is sampled at each position, the agreeing drafts are
+        kept, and the rest of the slots are marked REJECTED."""
+        if start + n != len(seq.token_ids) + len(drafts) or start + 1 != len(seq.token_ids):
+            raise ShadowViolation(f"request {rid}: {len(drafts)} drafts scheduled with {n} tokens from {start}, "
+                                  f"but the sequence has {len(seq.token_ids)} tokens")
+        claimed = _SeqState(seq.token_ids + drafts, seq.tables)
+        targets = [claimed.tags[p] % self.vocab_size for p in range(start, start + n)]
+        for group_id, group in enumerate(self.config.groups):
+            if group.is_state:
+                raise ShadowViolation(f"request {rid}: drafts scheduled for a model with a state group {group_id}")
+            self._run_attention(group_id, rid, claimed, start, n, holders)
+        accepted = num_accepted(drafts, targets)
+        self.num_rejected += len(drafts) - accepted
+        for group_id, group in enumerate(self.config.groups):
+            table, bs = seq.tables[group_id], group.spec.block_size
+            for p in range(start + 1 + accepted, start + n):
+                self.slots[group_id][table[p // bs]][p % bs] = (REJECTED, rid)
+        emitted = targets[:accepted + 1]
+        for token in emitted:
+            seq.append(token)
+        for group, table in zip(self.config.groups, seq.tables):  # as the scheduler's trim_slots frees them
+            del table[-(-len(seq.token_ids) // group.spec.block_size):]
+        return emitted
 
     # -- one request, one group ------------------------------------------------------------------
 
@@ -213,7 +251,7 @@ class ShadowRunner:
         if self.reads_unwritten[group_id] and end % bs:
             block_id = table[(end - 1) // bs]
             for offset in range(end % bs, bs):
-                if slots[block_id][offset] != ZERO:
+                if slots[block_id][offset] not in (ZERO, (REJECTED, rid)):
                     raise ShadowViolation(
                         f"request {rid}: group {group_id} reads unwritten slot {offset} of block {block_id}, "
                         f"which holds {slots[block_id][offset]!r} and was not zeroed"

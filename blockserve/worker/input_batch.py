@@ -56,7 +56,9 @@ class StepInputs:
     metadata: list[AttentionMetadata | StateMetadata]  # per group
     layout: BatchLayout
     sample_ids: list[str]  # requests that sample a token this step
-    logits_indices: torch.Tensor  # [len(sample_ids)]: each one's last token in the batch
+    # Each one's last token in the batch; for a request with k draft tokens (speculative decoding), its
+    # last k + 1 tokens, in order: [len(sample_ids) + drafts in all].
+    logits_indices: torch.Tensor
     # Per state group, (running slot, checkpoint slot): captures at the end of a segment, done
     # after the forward as copies (those inside a segment are in the metadata's `captures`).
     end_captures: dict[int, list[tuple[int, int]]]
@@ -108,6 +110,15 @@ class InputBatch:
             if ids:
                 table[int64_tensor(rows), int64_tensor(columns)] = int64_tensor(ids)
 
+    def trim_tables(self, request: CachedRequest) -> None:
+        """After a verification rejected drafts: forget the attention blocks past the request's tokens,
+        which the scheduler freed (KVCacheManager.trim_slots, to the same length)."""
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        for group_id, group in enumerate(self.kv_config.groups):
+            if not group.is_state:
+                keep = cdiv(num_tokens, group.spec.block_size)
+                request.table_lens[group_id] = min(request.table_lens[group_id], keep)
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flattened inputs, on the host (`StepInputs.to` moves them); advances each
         request's computed count. Runs once per step over every request, so it builds its tensors
@@ -148,11 +159,16 @@ class InputBatch:
             metadata.append(AttentionMetadata.build(layout, table[rows, :width], bs, window, capacity))
         sample_ids, logits_indices = [], []
         query_ends = layout.query_start[1:]
+        drafts_of = out.spec_token_ids
         for rid, request, n, end in zip(order, requests, query_lens, query_ends):
             request.num_computed += n
-            if request.num_computed == len(request.prompt_token_ids) + len(request.output_token_ids):
+            k = len(drafts_of[rid]) if drafts_of and rid in drafts_of else 0
+            if request.num_computed - k == len(request.prompt_token_ids) + len(request.output_token_ids):
                 sample_ids.append(rid)
-                logits_indices.append(end - 1)
+                if k:
+                    logits_indices += range(end - 1 - k, end)
+                else:
+                    logits_indices.append(end - 1)
         return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
                           int64_tensor(logits_indices), end_captures)
 

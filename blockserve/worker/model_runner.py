@@ -8,10 +8,17 @@ checkpoints), then sampling.
 
 On CUDA a decode step of at most the largest captured batch replays a CUDA graph instead of
 running the model's forward eagerly (`capture_decode_graphs`, worker/cuda_graphs.py).
+
+Speculative decoding: a request with k draft tokens (`SchedulerOutput.spec_token_ids`) is sampled at
+each of its last k + 1 positions, position i as if drafts[:i] were already its output (penalties,
+min_tokens, its seeded generator's next draw); `result()` keeps the drafts the target's own tokens
+confirm and the target's token after them (spec_decode/acceptance.py), and takes the rejected
+drafts back out of the request's computed count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -24,6 +31,7 @@ from blockserve.attention.metadata import int64_tensor, to_device
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.tiers.store import TieredKVStore
 from blockserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from blockserve.spec_decode.acceptance import num_accepted
 from blockserve.worker.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
 from blockserve.worker.kv_tensors import KVCacheTensors
@@ -122,16 +130,21 @@ class ModelRunner:
         self.prompt_logprobs.compute(self.model, hidden, inputs, self.batch.requests)
         t3 = time.perf_counter()
         requests = [self.batch.requests[rid] for rid in inputs.sample_ids]
+        drafts_of = out.spec_token_ids
+        drafts = [drafts_of.get(rid) for rid in inputs.sample_ids] if drafts_of else [None] * len(requests)
         samples = sampled_ids = None
         if logits is not None:
             if self.last is not None and not self.last.read and any(r.reads_output_ids for r in requests):
                 self.last.result()  # penalties and grammars read the output tokens so far
             rows = [request.sampling_row or self._sampling_row(rid, request)
                     for rid, request in zip(inputs.sample_ids, requests)]
+            if drafts_of:
+                rows = [r for row, d in zip(rows, drafts) for r in (_verification_rows(row, d) if d else (row,))]
             samples = self.sampler.sample(logits, SamplingBatch.build(rows, self.device))
             sampled_ids, samples = samples.token_ids, samples.to_host_async()
-        for request in requests:  # counted now, the id written by result() (a rank > 0: rank 0 samples)
-            request.output_token_ids.append(-1)
+        for request, d in zip(requests, drafts):  # counted now, the id written by result() (a rank > 0: rank 0
+            if d is None:  # samples); a verified request's tokens are appended by result(), one or more
+                request.output_token_ids.append(-1)
         t4 = time.perf_counter()
         self.timings.prepare += t2 - t1
         self.timings.forward += t3 - t2
@@ -139,7 +152,7 @@ class ModelRunner:
         self.timings.steps += 1
         prompt_logprobs = self.prompt_logprobs.take_all(inputs.sample_ids)
         self.last = LaunchedStep(inputs.request_ids, inputs.sample_ids, requests, samples, sampled_ids,
-                                 prompt_logprobs)
+                                 prompt_logprobs, drafts, self.batch.trim_tables)
         return self.last
 
     def _save_blocks(self, saves: dict[int, list[tuple[int, bytes]]]) -> None:
@@ -205,14 +218,24 @@ class ModelRunner:
         return request.sampling_row
 
 
+def _verification_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
+    """The rows that score a request's k drafts: row i samples as if drafts[:i] were already output."""
+    output = list(row.output_token_ids)
+    return [row] + [dataclasses.replace(row, output_token_ids=output + drafts[:i]) for i in range(1, len(drafts) + 1)]
+
+
 class LaunchedStep:
     """A step launched on the device. `result()` waits for its samples, writes them into the worker's
     requests (where `launch` counted them as -1), advances their grammars and returns the step's
     ModelRunnerOutput; later calls return the same output."""
 
     def __init__(self, request_ids: list[str], sample_ids: list[str], requests: list[CachedRequest],
-                 samples: SampledTokens | None, sampled_ids: torch.Tensor | None, prompt_logprobs: dict):
+                 samples: SampledTokens | None, sampled_ids: torch.Tensor | None, prompt_logprobs: dict,
+                 drafts: list[list[int] | None] | None = None,
+                 trim_tables: Callable[[CachedRequest], None] | None = None):
         self.request_ids, self.sample_ids, self.requests = request_ids, sample_ids, requests
+        self.drafts = drafts or [None] * len(requests)  # per sampled request: its draft tokens, if any
+        self.trim_tables = trim_tables  # after rejected drafts: InputBatch.trim_tables
         self.samples = samples  # on their way to the host; None on a tensor-parallel rank > 0
         self.sampled_ids = sampled_ids  # [len(sample_ids)] on the device: the next step's in-flight inputs
         self.prompt_logprobs = prompt_logprobs  # of requests whose prompt completed, read by result()
@@ -243,14 +266,43 @@ class LaunchedStep:
         logprobs: dict[str, list] = {}
         if self.samples is not None:
             host = self.samples.host()
-            for rid, request, slot, token, token_logprobs in zip(self.sample_ids, self.requests, self.slots,
-                                                                 host.token_ids, host.logprobs):
-                request.output_token_ids[slot] = token
-                if request.grammar is not None:
-                    request.grammar.accept(token)
-                sampled[rid] = [token]
-                if token_logprobs is not None:
-                    logprobs[rid] = [token_logprobs]
+            if any(self.drafts):
+                self._verify(host, sampled, logprobs)
+            else:
+                self._read(host, sampled, logprobs)
         prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
         self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
         return self._output
+
+    def _read(self, host, sampled: dict, logprobs: dict) -> None:
+        """One token per sampled request."""
+        for rid, request, slot, token, token_logprobs in zip(self.sample_ids, self.requests, self.slots,
+                                                             host.token_ids, host.logprobs):
+            request.output_token_ids[slot] = token
+            if request.grammar is not None:
+                request.grammar.accept(token)
+            sampled[rid] = [token]
+            if token_logprobs is not None:
+                logprobs[rid] = [token_logprobs]
+
+    def _verify(self, host, sampled: dict, logprobs: dict) -> None:
+        """A request with drafts owns len(drafts) + 1 rows: it emits the accepted drafts and the target's
+        token after them, and its computed count loses the rejected drafts."""
+        row = 0
+        for rid, request, slot, drafts in zip(self.sample_ids, self.requests, self.slots, self.drafts):
+            width = len(drafts) + 1 if drafts else 1
+            targets = host.token_ids[row:row + width]
+            emitted = targets[:num_accepted(drafts, targets) + 1] if drafts else targets
+            if drafts:
+                request.output_token_ids.extend(emitted)
+                request.num_computed -= width - len(emitted)
+                self.trim_tables(request)
+            else:
+                request.output_token_ids[slot] = emitted[0]
+            if request.grammar is not None:
+                for token in emitted:
+                    request.grammar.accept(token)
+            sampled[rid] = emitted
+            if host.logprobs[row] is not None:
+                logprobs[rid] = host.logprobs[row:row + len(emitted)]
+            row += width

@@ -22,7 +22,7 @@ ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory
                 "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",
                 "--distributed-startup-timeout-s", "--device", "--dtype", "--gpu-memory-utilization",
                 "--quantized-activations", "--quantized-max-rows", "--enforce-eager", "--cuda-graph-sizes",
-                "--async-scheduling", "--kv-offload-dir", "--kv-offload-size", "--kv-offload-memory"}
+                "--async-scheduling", "--kv-offload-dir", "--kv-offload-size", "--kv-offload-memory", "--speculative-config"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",

@@ -87,6 +87,28 @@ class _EngineStatsCollector(Collector):
             yield counter
         if s.kv_offload is not None:
             yield from self._tier_metrics(s)
+        spec = s.speculation
+        if spec is None:
+            return
+        for name, doc, value in (
+            ("blockserve_spec_decode_num_verifications", "Request-steps that scored draft tokens.",
+             spec.num_verifications),
+            ("blockserve_spec_decode_num_draft_tokens", "Draft tokens proposed and scored.", spec.num_draft_tokens),
+            ("blockserve_spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+             spec.num_accepted_tokens),
+            ("blockserve_spec_decode_proposer_seconds", "Seconds spent proposing drafts.", spec.proposer_seconds),
+            ("blockserve_spec_decode_num_skipped", "Request-steps not speculated (large batch or low acceptance).",
+             spec.num_skipped),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self._model], value)
+            yield counter
+        per_position = CounterMetricFamily("blockserve_spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted at each draft position.",
+                                           labels=["model_name", "position"])
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self._model, str(position)], value)
+        yield per_position
 
     def _tier_metrics(self, s: SchedulerStats):
         tier_labels = ["model_name", "tier"]

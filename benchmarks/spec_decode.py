@@ -1,0 +1,102 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding on the bundled model: output
+tok/s per task at batch 1 and 16, greedy, with the outputs checked byte-identical.
+
+    python -m benchmarks.spec_decode [--max-tokens 96] [--k 4] [--rounds 3]
+
+Tasks: three grounded in their input (edit a given code file, answer from a given document,
+continue a repetitive list), where the output repeats the prompt, and open-ended chat, where it
+does not. Prints one JSON line per (task, batch) with the medians of `rounds` runs, their ratio,
+the acceptance figures, the CPU flags and the other processes' CPU share while it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from benchmarks.cpu_share import CpuShare
+from blockserve import LLM, SamplingParams
+from blockserve.bench.common import cpu_simd_flags
+
+CODE = '''def load_rows(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            name, value = line.split(",")
+            rows.append((name, float(value)))
+    return rows
+
+
+def total(rows):
+    result = 0.0
+    for name, value in rows:
+        result += value
+    return result
+'''
+DOCUMENT = ("The Harbor Street library opens at 9 am on weekdays and at 10 am on Saturdays. It is closed on "
+            "Sundays. Members may borrow up to eight books for three weeks; films are lent for one week. Late "
+            "returns cost 20 cents a day per item. The reading room on the second floor is reserved for quiet "
+            "study, and the children's corner on the ground floor hosts a story hour every Wednesday at 4 pm.")
+TASKS = {
+    "edit-code": f"Rename the function load_rows to read_rows everywhere in this file and return the whole "
+                 f"file.\n\n{CODE}\nThe edited file:\n",
+    "answer-from-document": f"{DOCUMENT}\n\nQuote the sentences of the text above that say when the library "
+                            f"opens and how long books may be borrowed.\n\nQuote:",
+    "continue-list": "Monday: check the logs, update the tickets, review the pull requests.\nTuesday: check the "
+                     "logs, update the tickets, review the pull requests.\nWednesday: check the logs, update the "
+                     "tickets, review the pull requests.\nThursday:",
+    "open-chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def run(llm: LLM, prompt: str, batch: int, params: SamplingParams) -> tuple[float, list[str]]:
+    began = time.perf_counter()
+    outputs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - began
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, [o.outputs[0].text for o in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args()
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    plain, speculative = LLM(enable_prefix_caching=False), LLM(enable_prefix_caching=False, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    flags = cpu_simd_flags()
+    for batch in args.batches:
+        for task, prompt in TASKS.items():
+            rates = {"plain": [], "ngram": []}
+            texts = {}
+            before = speculative.engine.stats().speculation
+            with CpuShare() as share:
+                for _ in range(args.rounds):
+                    for name, llm in (("plain", plain), ("ngram", speculative)):
+                        rate, texts[name] = run(llm, prompt, batch, params)
+                        rates[name].append(rate)
+            after = speculative.engine.stats().speculation
+            drafted = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            verifications = after.num_verifications - before.num_verifications
+            plain_rate, spec_rate = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+            print(json.dumps({
+                "task": task, "batch": batch, "max_tokens": args.max_tokens, "k": args.k,
+                "plain_tok_s": round(plain_rate, 1), "ngram_tok_s": round(spec_rate, 1),
+                "ratio": round(spec_rate / plain_rate, 2), "identical": texts["plain"] == texts["ngram"],
+                "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
+                "mean_accepted_length": round(1 + accepted / verifications, 2) if verifications else None,
+                "others_cpu_share": None if share.others is None else round(share.others, 2),
+                "cpu_flags": flags,
+            }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

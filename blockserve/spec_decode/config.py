@@ -1,0 +1,87 @@
+"""SpeculativeConfig: what `--speculative-config` (vLLM's JSON shape) asks for, validated at start-up.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+Every error names the field and what to give instead. Methods other than n-gram prompt lookup
+(suffix, draft_model, eagle, mtp, ...) are refused by name: they are not built.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+NOT_BUILT = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both ends of the window
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram prompt lookup: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+    are looked up in the request's prompt and output so far; the up to `num_speculative_tokens`
+    tokens that followed their latest earlier occurrence are proposed.
+
+    `disable_by_batch_size`: no proposals in a step with at least this many running requests
+    (None: no limit). `min_acceptance_rate`: a request whose drafts are accepted at a lower rate
+    (over its recent proposals) stops proposing for a while, then tries again (0: never)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    min_acceptance_rate: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_BUILT:
+            raise ValueError(f"speculative_config.method {self.method!r} is not supported by this engine; "
+                             f"use one of {list(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is unknown; use one of {list(METHODS)}")
+        if self.model is not None:
+            raise ValueError(f"speculative_config.model is for draft-model methods, which are not supported; "
+                             f"the {self.method!r} method takes no model: leave it out")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, None)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, None)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}); give min <= max")
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+            raise ValueError(f"speculative_config.min_acceptance_rate must be a number in [0, 1), got {rate!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
+        """A config from itself, a mapping, or a JSON object string (the command line's form); None
+        stays None. Unknown fields are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}); give an object such as "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; known fields are {sorted(known)}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config.method is required; use one of {list(METHODS)}")
+        return cls(**value)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"speculative_config.{name} must be an integer {bound}, got {value!r}")

@@ -1,0 +1,84 @@
+"""Speculative decoding through the whole engine: the same greedy tokens as without it (batched, with
+prefix caching on and off, chunked prefill, preemption and poison), seeded sampling reproducible,
+acceptance statistics that add up, and the combinations it cannot serve refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, Qwen2Config
+
+from blockserve import LLM, SamplingParams
+from blockserve.models.random_checkpoint import save_random_model
+from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
+from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NEW_TOKENS = 24
+SCENARIOS = {
+    "batched": {},
+    "no-prefix-caching": {"enable_prefix_caching": False},
+    "chunked": {"max_num_batched_tokens": 8},
+    "preemption": SMALL_CACHE,
+}
+
+
+def prompts() -> list[list[int]]:
+    """Repetitive prompts (where lookup finds drafts) and plain ones; two share a prefix."""
+    loop = [7, 8, 9, 10, 11] * 4
+    return [loop, [3, 4] * 6 + [5], list(range(20, 50)), loop + [1, 2], [100, 101, 102]]
+
+
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    config = LlamaConfig(**SIZES) if request.param == "llama" else Qwen2Config(**SIZES, tie_word_embeddings=True)
+    save_random_model(config, path)
+    return str(path)
+
+
+def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_greedy_tokens_are_identical_with_speculation(tiny, scenario):
+    options = dict(block_size=4, kv_cache_memory="4MiB", check_integrity=True, poison=True) | SCENARIOS[scenario]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = tokens(LLM(tiny, **options), params)
+    llm = LLM(tiny, speculative_config=SPEC, **options)
+    assert tokens(llm, params) == plain
+    if scenario == "batched":
+        assert tokens(llm, params) == plain  # served from the prefix cache
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens <= stats.num_draft_tokens
+    if scenario == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    llm.engine.core.scheduler.assert_idle()
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_follow_the_tokens(tiny):
+    llm = LLM(tiny, block_size=4, kv_cache_memory="4MiB", speculative_config=SPEC)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW_TOKENS, seed=3, logprobs=2,
+                            frequency_penalty=0.2, ignore_eos=True)
+    first = llm.generate(prompts(), params, use_tqdm=False)
+    again = llm.generate(prompts(), params, use_tqdm=False)
+    for a, b in zip(first, again):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.outputs[0].logprobs) == len(a.outputs[0].token_ids) == NEW_TOKENS
+        assert all(t in entry for t, entry in zip(a.outputs[0].token_ids, a.outputs[0].logprobs))
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"async_scheduling": True}, "async_scheduling"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+])
+def test_unsupported_combinations_are_refused(options, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(speculative_config=SPEC, **options)
+
+
+def test_a_model_with_recurrent_state_is_refused(tiny_model):
+    path, _ = tiny_model("qwen3_next")
+    with pytest.raises(ValueError, match="speculative_config: this model has recurrent-state layers"):
+        LLM(str(path), speculative_config=SPEC, kv_cache_memory="4MiB")
