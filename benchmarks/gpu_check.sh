@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: proves blockserve's CUDA path on a machine with an NVIDIA GPU, where CI cannot.
-# It runs benchmarks/gpu_check.py on CUDA (greedy parity per model family against transformers in
+# It runs blockserve/bench/gpu_check.py on CUDA (greedy parity per model family against transformers in
 # bfloat16, the C1 poison proof per attention backend, the attention kernels' timings, and decode
 # throughput against transformers and the HBM bound), then, with `pytest`, the test suite's tests
 # marked `gpu` (CUDA graphs against eager, the engine on CUDA against the CPU).
@@ -10,7 +10,7 @@
 #                                        # transformers, into build/gpu_wheels (~4 MB; no torch)
 #   bash benchmarks/gpu_check.sh [ARGS]  # on the GPU machine (no network needed): installs those wheels and
 #                                        # blockserve into a scratch site directory, then runs the check
-#                                        # (~8 minutes; ARGS go to gpu_check.py, e.g. --sections parity)
+#                                        # (~8 minutes; ARGS go to the check, e.g. --sections parity)
 #   bash benchmarks/gpu_check.sh pytest  # on the GPU machine: the `gpu` tests (~2 minutes)
 #   bash benchmarks/gpu_check.sh all     # both, the check's budget shortened to 320 s (under 9 minutes)
 #
@@ -60,4 +60,4 @@ if [[ "${1:-}" == pytest ]]; then
 fi
 # The check sizes itself to ~450 s (--budget-s); the hard stop keeps it inside 8 minutes, and the
 # sections finished by then are already written. Less time: --budget-s and GPU_CHECK_TIMEOUT_S.
-timeout "${GPU_CHECK_TIMEOUT_S:-475}" python3 -m benchmarks.gpu_check --device cuda --results "$RESULTS" "$@"
+timeout "${GPU_CHECK_TIMEOUT_S:-475}" python3 -m blockserve.bench.gpu_check --device cuda --results "$RESULTS" "$@"

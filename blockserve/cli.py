@@ -6,7 +6,7 @@
     blockserve chat                                                  (interactive, streamed)
     blockserve serve --port 8000                                     (OpenAI-compatible HTTP server)
     blockserve serve --data-parallel-size 2                          (2 engine replicas, prefix-affinity routing)
-    blockserve bench throughput|latency|serve                        (benchmarks; see blockserve bench -h)
+    blockserve bench throughput|latency|serve|gpu-check              (benchmarks; see blockserve bench -h)
 
 `--model` takes a Hugging Face directory or a .gguf file; it defaults to the bundled SmolLM2.
 Every command runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets a wait policy
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from blockserve.bench import add_bench_parser
 
-    add_bench_parser(sub)  # bench throughput | latency | serve
+    add_bench_parser(sub)  # bench throughput | latency | serve | gpu-check
     return parser
 
 

@@ -5,7 +5,7 @@ The device: the suite is the CPU suite (CI has no GPU). CUDA is hidden, so devic
 every engine, and the float32 parity tests with it, on the CPU, and Triton kernels (the `triton`
 attention backend) run in Triton's interpreter. `pytest --cuda` leaves CUDA visible and Triton
 compiling; the tests marked `gpu` run only then, on a machine with a CUDA device (skipped, saying
-so, elsewhere). benchmarks/gpu_check.py is the GPU check.
+so, elsewhere). blockserve/bench/gpu_check.py is the GPU check.
 
 Hypothesis: CI explores a fixed set of examples, so a landing never hinges on luck; local runs
 explore new ones each time (`HYPOTHESIS_PROFILE=dev`).

@@ -37,7 +37,7 @@ LAYERS = {
     "engine": BASE | {"kv", "scheduler", "spec_decode", "structured", "attention", "models", "worker",
                "distributed"},
     "sim": BASE | {"kv", "scheduler", "spec_decode"},
-    "bench": BASE | {"kv", "models", "engine"},
+    "bench": BASE | {"kv", "attention", "models", "worker", "engine"},  # attention, worker: the GPU check
     # the server reaches the engine only through its public methods; kv.hashing and
     # scheduler.output are torch-free value types it shares with the engine
     "server.base": BASE | {"engine"},

@@ -31,7 +31,7 @@ No host sync in forward on CUDA, and no value read from a host list: shapes come
 metadata's tensors, everything else is tensor arithmetic on the cache's device (no boolean
 indexing, .item() or .tolist()), computed once per step and group (meta.derived). So a decode
 step can be captured as a CUDA graph and replayed with new metadata in the same tensors
-(worker/cuda_graphs.py). The CUDA path is checked by benchmarks/gpu_check.py (parity,
+(worker/cuda_graphs.py). The CUDA path is checked by blockserve/bench/gpu_check.py (parity,
 C1 poison); CI has no GPU, so its tests run the CPU path.
 """
 
@@ -61,7 +61,7 @@ Q_BLOCK = 16  # query rows per block-mask tile
 MIN_CUDA_BLOCK_SIZE = 16  # the Triton kernel's smallest KV tile; one page is one tile
 CUDA_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": MIN_CUDA_BLOCK_SIZE}
 # Graphs one process may compile: one per model shape, window, block size and dtype it serves
-# (torch's default of 8 is too few for several models in one process, as benchmarks/gpu_check.py runs).
+# (torch's default of 8 is too few for several models in one process, as blockserve/bench/gpu_check.py runs).
 RECOMPILE_LIMIT = 64
 
 

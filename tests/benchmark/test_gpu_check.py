@@ -1,34 +1,25 @@
-"""benchmarks/gpu_check.py's CPU smoke mode (`--device cpu --smoke`): every section runs and reports
-what it must, so the script that only a GPU machine runs in full cannot rot unseen; and its parity
+"""The GPU check (blockserve/bench/gpu_check.py) in its CPU smoke mode (`--device cpu --smoke`): every
+section runs and reports what it must, so the check that only a GPU machine runs in full cannot rot unseen; and its parity
 and poison sections at their full grid, in float32 on the CPU. Never asserts on wall-clock figures,
 only that they are there and positive."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+from blockserve.bench import gpu_check as gpu_check_module
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def load_gpu_check():
-    """The script as a module (registered under its name while it runs: its dataclasses look it up)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    """The check's module with its globals fresh (some tests set them)."""
+    return importlib.reload(gpu_check_module)
 
 
 def test_smoke_mode_runs_every_section(tmp_path, monkeypatch):
@@ -211,3 +202,11 @@ def test_the_goals_are_read_off_the_best_variant():
     assert goals["vs_transformers>=3_at_every_batch>1"] == {"met": False, "lowest": 2.5}
     assert gpu_check.goals({}) == {"largest_batch_vs_hbm_bound>=0.5": None, "batch_1_graphs_vs_hbm_bound>=0.667": None,
                                    "vs_transformers>=3_at_every_batch>1": None}
+
+
+def test_the_cli_runs_the_check():
+    from blockserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "gpu-check", "--device", "cpu", "--smoke", "--sections", "poison"])
+    assert args.func is gpu_check_module.command
+    assert (args.device, args.smoke, args.sections) == ("cpu", True, ("poison",))

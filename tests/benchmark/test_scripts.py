@@ -28,7 +28,7 @@ for name in sys.argv[1:]:
 
 
 def test_every_script_runs_as_a_module():
-    assert {"benchmarks.step_profile", "benchmarks.gpu_check", "benchmarks.peers.run", "benchmarks.peers.native",
+    assert {"benchmarks.step_profile", "benchmarks.peers.run", "benchmarks.peers.native",
             "benchmarks.lm_eval.smoke"} <= set(SCRIPTS)
     done = subprocess.run([sys.executable, "-c", HELP_OF_EACH, *SCRIPTS], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)

@@ -11,7 +11,7 @@ whose decode steps replay padded buckets must give the eager engine's tokens and
 every family, and a backend that reads host lists must be caught. Like a real graph, the stand-in
 holds the captured forward only weakly: the engine must keep alive what the captured kernels read
 (replayed freed metadata gives wrong tokens, then out-of-range indices). The GPU itself
-is checked by benchmarks/gpu_check.py.
+is checked by blockserve/bench/gpu_check.py.
 """
 
 from __future__ import annotations

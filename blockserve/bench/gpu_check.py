@@ -37,7 +37,7 @@ results/gpu_check_parity_cpu_bf16.json), while a broken path costs over a nat pe
 with zeroing off: 3.1 against transformers' 0.008, results/gpu_check_poison_cpu_bf16.json).
 
     bash benchmarks/gpu_check.sh                      # on a machine with an NVIDIA GPU (~8 minutes on an H200)
-    python -m benchmarks.gpu_check --device cpu --smoke  # tiny shapes, seconds (tests/benchmark/test_gpu_check.py)
+    blockserve bench gpu-check --device cpu --smoke   # tiny shapes, seconds (tests/benchmark/test_gpu_check.py)
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
-from benchmarks.tiny_models import (
+from blockserve.bench.tiny_families import (
     deepseek_v3,
     greedy_difference,
     kimi_linear,
@@ -106,8 +106,22 @@ PARITY_SHARE = 0.5  # of the time budget, for poison and parity together
 ATTENTION_SHARE = 0.1  # then for the attention kernels' timings
 
 
+def add_parser(sub) -> None:
+    """`blockserve bench gpu-check`."""
+    parser = sub.add_parser("gpu-check", help="the GPU check: parity, C1 per backend, kernels, throughput",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=command)
+
+
 def main() -> None:
+    """`python -m blockserve.bench.gpu_check` (how the check starts its parts)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    sys.exit(command(parser.parse_args()))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="cuda or cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts: seconds, for tests")
     parser.add_argument("--results", default="results/gpu_check", help="where gpu_check.json and .txt go")
@@ -120,14 +134,17 @@ def main() -> None:
     parser.add_argument("--baseline", help=argparse.SUPPRESS)  # a part's: the baseline another process measured
     parser.add_argument("--baseline-only", help=argparse.SUPPRESS)  # a part's: measure the baseline into this folder
     parser.add_argument("--references", type=Path, help=argparse.SUPPRESS)  # a part's: the parts' shared references
-    args = parser.parse_args()
+
+
+def command(args: argparse.Namespace) -> int:
+    """Run the check as `args` say; 0 when it passes, 1 when it does not."""
     dtype = _dtype(args.device)
     if args.baseline_only:
         folder = Path(args.baseline_only)
         folder.mkdir(parents=True, exist_ok=True)
         baseline = throughput_baseline(args.device, dtype, args.smoke, time.perf_counter() + args.budget_s, folder)
         (folder / "baseline.json").write_text(json.dumps(baseline))
-        return
+        return 0
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -144,7 +161,7 @@ def main() -> None:
         report = run(args.device, args.smoke, args.budget_s, write, args.sections, args.backends, args.families,
                      args.baseline, args.references)
     print(summary(report))
-    sys.exit(0 if report["ok"] else 1)
+    return 0 if report["ok"] else 1
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -197,7 +214,7 @@ def run(device: str, smoke: bool, budget_s: float, write=lambda report: None, on
 
 
 ISOLATED_ORDER = ("triton", "flex", "exact", "whole_block")  # the likeliest to work, and quickest to compile, first
-ROOT = Path(__file__).resolve().parents[1]  # where a part's `python -m benchmarks.gpu_check` finds the package
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # a part imports this copy of blockserve
 UNIT_GRACE_S = 60.0  # a part may overrun its share by this much (a compile, a capture) before it is stopped
 
 
@@ -261,11 +278,12 @@ def _part(device: str, smoke: bool, args: list[str], timeout_s: float, log: Path
     """Run this script in a process (and session) of its own with `args`, its output to `log` (and its
     end appended to `logs`); how it ended: seconds, exit code ("timeout": stopped, with whatever it
     started), the log's tail unless it exited normally (0, or 1 for a failed check)."""
-    command = [sys.executable, "-m", "benchmarks.gpu_check", "--device", device, *(["--smoke"] if smoke else []),
+    command = [sys.executable, "-m", "blockserve.bench.gpu_check", "--device", device, *(["--smoke"] if smoke else []),
                *args]
     began = time.perf_counter()
     with open(log, "w") as out:
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (PACKAGE_PARENT, os.environ.get("PYTHONPATH"))))}
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             rc = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
