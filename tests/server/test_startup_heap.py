@@ -29,7 +29,8 @@ def test_run_server_collects_then_freezes_the_heap_before_serving(monkeypatch):
         return True
 
     # The engine and the app stand in: what is under test is what run_server does before it serves.
-    monkeypatch.setattr(app_module, "LLMEngine", lambda config: object())
+    engine = types.SimpleNamespace(close=lambda: seen.setdefault("closed", True))
+    monkeypatch.setattr(app_module, "LLMEngine", lambda config: engine)
     monkeypatch.setattr(app_module, "create_app", lambda engine, config: types.SimpleNamespace(
         state=types.SimpleNamespace(async_engine=None)))
     monkeypatch.setattr(app_module, "serve_with_drain", serve)
@@ -38,5 +39,5 @@ def test_run_server_collects_then_freezes_the_heap_before_serving(monkeypatch):
         assert app_module.run_server(None, ServerConfig()) == 0
     finally:
         gc.unfreeze()  # the rest of the test process collects as before
-    assert seen["leftover_collected"]
+    assert seen["leftover_collected"] and seen["closed"]  # the engine is closed once serving ends
     assert seen["frozen"] > 10_000, seen  # this process's imports: torch, fastapi, blockserve
