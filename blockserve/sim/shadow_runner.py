@@ -77,6 +77,7 @@ class _SeqState:
         self.token_ids = list(token_ids)
         self.tags: list[int] = []  # tags[p]: content of tokens[0..p] (after the salt)
         self.tables = tables
+        self.cache_salt = cache_salt
         self.origin = _salt_tag(cache_salt)
         self._extend_tags()
 
@@ -202,7 +203,7 @@ class ShadowRunner:
         if start + n != len(seq.token_ids) + len(drafts) or start + 1 != len(seq.token_ids):
             raise ShadowViolation(f"request {rid}: {len(drafts)} drafts scheduled with {n} tokens from {start}, "
                                   f"but the sequence has {len(seq.token_ids)} tokens")
-        claimed = _SeqState(seq.token_ids + drafts, seq.tables)
+        claimed = _SeqState(seq.token_ids + drafts, seq.tables, seq.cache_salt)
         targets = [claimed.tags[p] % self.vocab_size for p in range(start, start + n)]
         for group_id, group in enumerate(self.config.groups):
             if group.is_state:

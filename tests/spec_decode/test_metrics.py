@@ -10,7 +10,7 @@ from blockserve.spec_decode.stats import SpeculationStats
 
 def test_speculation_counters_are_exported():
     spec = SpeculationStats(2, 8, 5, (2, 2, 2, 2), (2, 2, 1, 0), 0.01, 1)
-    stats = SchedulerStats(1, 0, [0.1], 0, 0, 0, 0, 0, spec)
+    stats = SchedulerStats(1, 0, [0.1], 0, 0, 0, 0, 0, speculation=spec)
     body = Metrics("m", lambda: stats, lambda: QueueDepth(0, 0)).render().decode()
     assert 'blockserve_spec_decode_num_draft_tokens_total{model_name="m"} 8.0' in body
     assert 'blockserve_spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in body
