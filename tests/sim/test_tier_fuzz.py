@@ -109,7 +109,8 @@ def assert_same_answers(run_a, run_b):
 def occurred():
     """Over a whole fuzz run: the restarts served tier hits often enough for "on == off" to mean
     something, and planted faults were met. Measured over 40 examples, 5 seeds x 3 layouts: tier
-    hits in 37-90% of the examples, planted faults met in 40-70%."""
+    hits in 37-90% of the examples, planted faults met in 40-70%; the draw is derandomized, so
+    a run that meets them always does."""
     tally = Counter()
     yield tally
     if tally["examples"] >= 30:
@@ -118,7 +119,7 @@ def occurred():
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     specs=streams(),
