@@ -1,5 +1,6 @@
-// Horizontal sums and maxima of SIMD lanes for the attention kernels: transpose_sumN(v) puts the
-// sum of v[j]'s lanes in lane j (N vectors reduced at once), reduce_*8 reduce one AVX2 vector.
+// Horizontal sums and maxima of SIMD lanes for the decode attention kernels (paged_decode*.cpp):
+// lanes_transpose_sumN(v) puts the sum of v[j]'s lanes in lane j (N vectors reduced at once);
+// lanes_max8 and lanes_add8 reduce one AVX2 vector.
 #pragma once
 
 #include <immintrin.h>

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "lane_reduce.h"
 #include "rotary.h"
 #include "task_pool.h"
 
@@ -141,23 +142,6 @@ static inline __m512 load16(const at::BFloat16* p) {  // bfloat16 is the top hal
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// lane j of the result = the sum of v[j]'s 16 lanes. Halves, then quarters, then pairs of lanes
-// are added across vectors (8 + 4 + 2 + 1 shuffle pairs instead of 16 separate reductions); the
-// last add leaves key 4m + k in lane 4k + m, which the final permute undoes.
-static inline __m512 transpose_sum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
-  const __m512 mixed = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), mixed);
-}
-
 // The same contract as attend_sequence, head size 16 * C, keys taken 16 at a time: for each query
 // head, the chunk's 16 scores land in one vector, the online softmax runs on it, and its weights
 // scale the V rows into the head's accumulator (kept in registers for the chunk).
@@ -189,7 +173,7 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
           if (j < n)
             for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], load16(kh + j * slot_stride + 16 * c), part[j]);
         }
-        _mm512_store_ps(weights + 16 * hq, _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(scale)));
+        _mm512_store_ps(weights + 16 * hq, _mm512_mul_ps(lanes_transpose_sum16(part), _mm512_set1_ps(scale)));
       }
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // online softmax; heads are independent chains
         const __m512 score = _mm512_load_ps(weights + 16 * hq);
@@ -238,26 +222,6 @@ static inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-// lane j of the result = the sum of v[j]'s 8 lanes: two rounds of pairwise adds within 128-bit
-// halves (hadd), then the low and high halves of each vector added across.
-static inline __m256 transpose_sum8(const __m256* v) {
-  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
-}
-
-static inline float reduce_max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float reduce_add8(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
-
 // attend_sequence_avx512's contract on 8 lanes, head size 8 * C: per query head, a chunk's 8
 // scores in one vector, the online softmax on it, then its weights scale the V rows into the
 // accumulator, 64 floats (8 registers, 8 independent FMA chains) at a time.
@@ -292,15 +256,15 @@ static void attend_sequence_avx2(const float* __restrict qn, const T* kp, const 
           for (int j = 0; j < 8; ++j)  // only written slots are read: keys past n stay zero
             if (j < n) part[j] = _mm256_fmadd_ps(qc, load8(kh + j * slot_stride + 8 * c), part[j]);
         }
-        _mm256_store_ps(weights + 8 * hq, _mm256_mul_ps(transpose_sum8(part), _mm256_set1_ps(scale)));
+        _mm256_store_ps(weights + 8 * hq, _mm256_mul_ps(lanes_transpose_sum8(part), _mm256_set1_ps(scale)));
       }
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // online softmax; heads are independent chains
         const __m256 score = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_load_ps(weights + 8 * hq), valid);
-        const float chunk_max = std::max(run_max[hq], reduce_max8(score));
+        const float chunk_max = std::max(run_max[hq], lanes_max8(score));
         const __m256 w = _mm256_and_ps(valid, fast_exp8(_mm256_sub_ps(score, _mm256_set1_ps(chunk_max))));
         correction[hq] = fast_exp(run_max[hq] - chunk_max);
         run_max[hq] = chunk_max;
-        run_sum[hq] = run_sum[hq] * correction[hq] + reduce_add8(w);
+        run_sum[hq] = run_sum[hq] * correction[hq] + lanes_add8(w);
         _mm256_store_ps(weights + 8 * hq, w);
       }
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // weighted V rows, SLICE registers of the accumulator at a time
