@@ -168,16 +168,25 @@ def test_through_the_app_the_template_renders_the_tools_and_the_text_keeps_its_c
             "max_tokens": 4, "ignore_eos": True,
             "logit_bias": {str(message_id): 100}}  # every token opens a body: the first one in the header's channel
 
+    call_id = harmony_tokenizer.convert_tokens_to_ids("<|call|>")
+    ends_at_call = {**body, "ignore_eos": False, "logit_bias": {str(call_id): 100}}
+
     async def run(app, engine):
         prompt = engine.tokenizer.apply_chat_template(body["messages"], tools=[WEATHER], tokenize=False,
-                                                             add_generation_prompt=True)
-        status, _, raw = await asgi_request(app, "POST", "/v1/chat/completions", body)
-        return prompt, status, json.loads(raw)
+                                                      add_generation_prompt=True)
+        answers = []
+        for request in (body, ends_at_call):
+            status, _, raw = await asgi_request(app, "POST", "/v1/chat/completions", request)
+            answers.append((status, json.loads(raw)))
+        return prompt, answers
 
-    prompt, status, answer = serve_app(model, dict(max_model_len=256, block_size=16, num_threads=1,
-                                                   kv_cache_memory="16MiB"), run)
+    prompt, [(status, answer), (status_call, at_call)] = serve_app(
+        model, dict(max_model_len=256, block_size=16, num_threads=1, kv_cache_memory="16MiB"), run)
     assert "type get_weather" in prompt and prompt.endswith("<|start|>assistant")
     assert status == 200, answer
     message = answer["choices"][0]["message"]
     # four <|message|> tokens: the first ends the (empty) header, the other three are its body's text
     assert message["content"] == "<|message|>" * 3 and message["reasoning_content"] is None
+    # <|call|> ends the turn (it is not the tokenizer's end-of-sequence token)
+    assert status_call == 200, at_call
+    assert (at_call["usage"]["completion_tokens"], at_call["choices"][0]["finish_reason"]) == (1, "stop")

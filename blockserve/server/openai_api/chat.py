@@ -39,7 +39,7 @@ from blockserve.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
     ChatLogprobs, ChatMessage, Delta, Usage,
 )
-from blockserve.server.openai_api.harmony import HarmonyStream, parse_harmony, speaks_harmony
+from blockserve.server.openai_api.harmony import HarmonyStream, parse_harmony, speaks_harmony, turn_end_ids
 from blockserve.server.openai_api.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from blockserve.server.openai_api.streaming import DONE, Sent, collect, error_event, event, sse_response
 from blockserve.server.openai_api.structured import compiled
@@ -68,8 +68,9 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
     if constraint is not None:  # the tool calls' grammar
         params = dataclasses.replace(params, structured_outputs=constraint)
     harmony = harmony and params.structured_outputs is None  # a grammar's output has no channels
-    if harmony:
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    if harmony:  # the reader needs the special tokens; a call ends the turn as a return does
+        params = dataclasses.replace(params, skip_special_tokens=False,
+                                     stop_token_ids=params.stop_token_ids + turn_end_ids(tokenizer))
     thinking = REASONING_FORMATS.get(config.reasoning_parser) \
         if config.reasoning_parser is not None and params.structured_outputs is None and not harmony else None
     params = await compiled(engine, params, body, "tools" if tools is not None else None)  # off the engine thread

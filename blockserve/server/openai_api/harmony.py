@@ -13,8 +13,9 @@ The prompt ends with `<|start|>assistant`, so the output opens inside a message'
     any other message                 content (final, a commentary preamble, a call of an unlisted tool)
 
 A message cut off (max_tokens) keeps what it said; a header cut off says nothing. The text must
-keep the special tokens (SamplingParams.skip_special_tokens False), which is what chat.py asks
-for when the chat template speaks harmony.
+keep the special tokens (SamplingParams.skip_special_tokens False), and `<|return|>` and
+`<|call|>` must end the output (`turn_end_ids`), which is what chat.py asks for when the chat
+template speaks harmony.
 
 Why not the `openai-harmony` package: its parser reads o200k_harmony token ids, an encoding it
 downloads at first use; this reader works on the text of any tokenizer, offline.
@@ -42,6 +43,13 @@ def speaks_harmony(tokenizer) -> bool:
         return False
     vocab = tokenizer.get_vocab()
     return all(token in vocab for token in _SPECIAL)
+
+
+def turn_end_ids(tokenizer) -> tuple[int, ...]:
+    """The ids of `<|return|>` and `<|call|>`, the tokens that end an assistant turn (gpt-oss's
+    generation_config lists them beside the tokenizer's one end-of-sequence token)."""
+    vocab = tokenizer.get_vocab()
+    return tuple(vocab[token] for token in ("<|return|>", "<|call|>") if token in vocab)
 
 
 def _partial(text: str, markers: tuple[str, ...]) -> int:
