@@ -1,7 +1,9 @@
 """GPT-OSS's harmony format (openai_api/harmony.py): channels split into reasoning_content and
 content, calls to functions.NAME into tool_calls, whole and streamed however the text is cut;
 chat.py's message and deltas from a forced output; the detokenizer keeping the special tokens
-the reader needs; and a harmony template detected, rendering the tools, through the app."""
+the reader needs; and, through the app on a tiny random model, a harmony template detected and
+rendering the tools, the text keeping its channels, <|call|> ending the turn, a forced tool
+choice answered through the envelope."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
 # harmony, cut down: tools listed in a developer message, prior calls and results in their channels
 TEMPLATE = (
     "{%- if tools %}<|start|>developer<|message|># Tools\nnamespace functions {\n"
@@ -170,17 +174,19 @@ def test_through_the_app_the_template_renders_the_tools_and_the_text_keeps_its_c
 
     call_id = harmony_tokenizer.convert_tokens_to_ids("<|call|>")
     ends_at_call = {**body, "ignore_eos": False, "logit_bias": {str(call_id): 100}}
+    forced = {**body, "tools": [WEATHER, CLOCK], "tool_choice": {"type": "function", "function": {"name": "now"}},
+              "max_tokens": 40, "ignore_eos": False, "logit_bias": {}}
 
     async def run(app, engine):
         prompt = engine.tokenizer.apply_chat_template(body["messages"], tools=[WEATHER], tokenize=False,
                                                       add_generation_prompt=True)
         answers = []
-        for request in (body, ends_at_call):
+        for request in (body, ends_at_call, forced):
             status, _, raw = await asgi_request(app, "POST", "/v1/chat/completions", request)
             answers.append((status, json.loads(raw)))
         return prompt, answers
 
-    prompt, [(status, answer), (status_call, at_call)] = serve_app(
+    prompt, [(status, answer), (status_call, at_call), (status_forced, forced_answer)] = serve_app(
         model, dict(max_model_len=256, block_size=16, num_threads=1, kv_cache_memory="16MiB"), run)
     assert "type get_weather" in prompt and prompt.endswith("<|start|>assistant")
     assert status == 200, answer
@@ -190,3 +196,9 @@ def test_through_the_app_the_template_renders_the_tools_and_the_text_keeps_its_c
     # <|call|> ends the turn (it is not the tokenizer's end-of-sequence token)
     assert status_call == 200, at_call
     assert (at_call["usage"]["completion_tokens"], at_call["choices"][0]["finish_reason"]) == (1, "stop")
+    # a forced choice takes the envelope's grammar: a call, whatever the random model prefers
+    assert status_forced == 200, forced_answer
+    choice = forced_answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        ("now", "{}")]
