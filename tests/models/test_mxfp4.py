@@ -1,6 +1,7 @@
 """MXFP4 weights read in place (models/mxfp4.py, csrc/mxfp4.cpp): the dequantised values are
 transformers' (its own dequantiser, an independent reference) and the test encoder's; the kernel,
-in the native and the AVX2 build, and the PyTorch path are the float32 matmul over those values.
+in the native and the AVX2 build (1 to 64 rows: the row-at-a-time and the tiled paths), and the
+PyTorch path (native kernels off) are the float32 matmul over those values.
 
 Tolerance of a matmul: float32 accumulation against float64,
 |error| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (the terms' magnitudes, not the result's).
@@ -72,7 +73,10 @@ def test_the_kernel_is_the_float32_matmul_of_the_dequantised_weights(build):
         ops.mxfp4_matmul(torch.zeros(2, 64), blocks, scales)
 
 
-def test_the_dispatch_matches_the_pytorch_path():
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_the_dispatch_and_the_pytorch_path_are_the_matmul(native, monkeypatch):
+    monkeypatch.setenv("BLOCKSERVE_NATIVE_KERNELS", native)  # "0": the PyTorch path
+    assert (mxfp4_ops() is None) == (native == "0") or BUILDS["native"] is None
     rng = np.random.default_rng(3)
     blocks, scales = random_mxfp4(16, 64, rng)
     x = torch.from_numpy(rng.normal(0, 1, (7, 64)).astype(np.float32))
