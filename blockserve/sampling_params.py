@@ -93,6 +93,7 @@ class SamplingParams:
     # token id -> bias added to its logit before sampling, in [-100, 100]; kept as sorted (id, bias) pairs
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True  # False: the text keeps them (a chat format that speaks in them: harmony)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

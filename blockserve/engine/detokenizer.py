@@ -4,11 +4,12 @@
                  (whole characters only)                           longest-stop - 1 characters)
 
 Contract: the deltas returned by `push` and `finish` add up to the output text, which is
-`tokenizer.decode(output_ids, skip_special_tokens=True)` cut before the first stop string to
+`tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)` cut before the first stop string to
 complete (ties: the longest), decoded in the context of the prompt's last few tokens. For
 byte-level BPE (SmolLM2, GPT-2, Llama 3) the context changes nothing unless the prompt ends
 inside a character; for SentencePiece-style decoders it keeps the leading space of the first
-output word, as vLLM does. Special tokens are skipped, as vLLM's default does.
+output word, as vLLM does. Special tokens are skipped, as vLLM's default does, unless
+`params.skip_special_tokens` is False (then the contract's decode keeps them).
 
 Why `tokenizers.decoders.DecodeStream`: it decodes a short window of ids in Rust and gives text
 only once it forms whole characters, so a character split over several tokens (emoji, CJK) is
@@ -50,7 +51,8 @@ class IncrementalDetokenizer:
             )
         self._backend = backend
         context = _context(backend, list(prompt_token_ids[-_CONTEXT_TOKENS[-1] :]))
-        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self._skip_special = params.skip_special_tokens
+        self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special)
         self._ids = list(context)  # context, then output ids
         self._piece = (0, len(context))  # the ids that produced the last piece of text
         self._stops = params.stop
@@ -97,11 +99,11 @@ class IncrementalDetokenizer:
         except Exception as error:  # tokenizers raises a bare Exception
             if not str(error).startswith(_INVALID_PREFIX):
                 raise
-            self._stream = DecodeStream(skip_special_tokens=True)  # restart from the ids not yet decoded
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special)  # restart from the ids not yet decoded
             return self._stream.step(self._backend, self._ids[self._piece[1] :])
 
     def _decode(self, ids: list[int]) -> str:
-        return self._backend.decode(ids, skip_special_tokens=True)
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special)
 
     def _release(self, final: bool) -> str:
         """Check for a stop string, then return what may be emitted and keep the rest."""

@@ -18,8 +18,12 @@ The decoder is the Llama family's (llama.py) with these differences:
 
 Expert weights are held as the checkpoint stores them (transformers' layout, bfloat16 variants):
 gate_up_proj [E, H, 2I] (gate and up interleaved by column), gate_up_proj_bias [E, 2I],
-down_proj [E, I, H], down_proj_bias [E, H]. The MXFP4 checkpoints (`*_blocks` / `*_scales`) are
-not read: the loader names those tensors as unexpected.
+down_proj [E, I, H], down_proj_bias [E, H]. A checkpoint whose config says
+`quantization_config.quant_method: "mxfp4"` (the released gpt-oss-20b/120b) holds the two
+projections as MXFP4 instead, kept as read (mxfp4.py, 4.25 bits a weight) and multiplied by
+csrc/mxfp4.cpp: gate_up_proj_blocks [E, 2I, H/32, 16] with gate_up_proj_scales [E, 2I, H/32],
+down_proj_blocks [E, H, I/32, 16] with down_proj_scales [E, H, I/32] (each expert's weight as
+[out, in]); the biases stay floating point.
 
 Tensor parallelism is not supported (the sinks and the interleaved expert columns are not sharded).
 """
@@ -32,6 +36,7 @@ from torch import nn
 
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.models.layers import RMSNorm
+from blockserve.models.mxfp4 import BLOCK, mxfp4_matmul
 from blockserve.models.llama import (AttentionOptions, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
                                      sliding_window_of)
 from blockserve.models.placement import Placement
@@ -54,18 +59,53 @@ class GptOssRouter(nn.Module):
         return torch.softmax(logits, dim=-1), ids
 
 
+def is_mxfp4(config) -> bool:
+    """Whether the config's `quantization_config` says the experts are MXFP4."""
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) \
+        else getattr(quantization, "quant_method", None)
+    if method not in (None, "mxfp4"):
+        raise ValueError(f"GPT-OSS quantization_config.quant_method {method!r} is not read (mxfp4 is, or none)")
+    return method == "mxfp4"
+
+
+def _mxfp4_parameters(experts: int, rows: int, columns: int) -> tuple[nn.Parameter, nn.Parameter]:
+    if columns % BLOCK:
+        raise ValueError(f"MXFP4 experts need sizes divisible by {BLOCK}; got a projection of {columns} inputs")
+    blocks = torch.empty(experts, rows, columns // BLOCK, BLOCK // 2, dtype=torch.uint8)
+    scales = torch.empty(experts, rows, columns // BLOCK, dtype=torch.uint8)
+    return nn.Parameter(blocks, requires_grad=False), nn.Parameter(scales, requires_grad=False)
+
+
 class GptOssExperts(nn.Module):
     """The routed experts with biases and the clamped SwiGLU (module docstring), in the checkpoint's
-    layout. forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]: one matmul pair per expert some
-    token picked (ids read on the host)."""
+    layout, floating point or (`mxfp4`) MXFP4. forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]:
+    one matmul pair per expert some token picked (ids read on the host)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
+                 mxfp4: bool = False):
         super().__init__()
-        self.alpha, self.limit = alpha, limit
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.alpha, self.limit, self.mxfp4 = alpha, limit, mxfp4
+        if mxfp4:
+            self.gate_up_proj_blocks, self.gate_up_proj_scales = _mxfp4_parameters(
+                num_experts, 2 * intermediate_size, hidden_size)
+            self.down_proj_blocks, self.down_proj_scales = _mxfp4_parameters(
+                num_experts, hidden_size, intermediate_size)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def gate_up(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.mxfp4:
+            return mxfp4_matmul(x, self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e]) + self.gate_up_proj_bias[e]
+        return torch.addmm(self.gate_up_proj_bias[e], x, self.gate_up_proj[e])
+
+    def down(self, hidden: torch.Tensor, e: int) -> torch.Tensor:
+        if self.mxfp4:
+            return mxfp4_matmul(hidden, self.down_proj_blocks[e], self.down_proj_scales[e]) + self.down_proj_bias[e]
+        return torch.addmm(self.down_proj_bias[e], hidden, self.down_proj[e])
 
     def clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[..., 0::2].clamp(max=self.limit)
@@ -76,8 +116,8 @@ class GptOssExperts(nn.Module):
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():  # only the experts some token picked, in id order
             tokens, slot = torch.where(ids == e)  # a token meets each expert at most once
-            hidden = self.clamped_swiglu(torch.addmm(self.gate_up_proj_bias[e], x[tokens], self.gate_up_proj[e]))
-            y = torch.addmm(self.down_proj_bias[e], hidden, self.down_proj[e]) * weights[tokens, slot, None]
+            hidden = self.clamped_swiglu(self.gate_up(x[tokens], e))
+            y = self.down(hidden, e) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
 
@@ -89,7 +129,7 @@ class GptOssMoe(nn.Module):
         super().__init__()
         self.router = GptOssRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
         self.experts = GptOssExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
-                                     config.swiglu_alpha, config.swiglu_limit)
+                                     config.swiglu_alpha, config.swiglu_limit, mxfp4=is_mxfp4(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)

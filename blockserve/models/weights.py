@@ -22,7 +22,8 @@ what the assembled result is checked against. Without the attribute a tensor is 
 Each checkpoint tensor is moved to the Placement's device and dtype as it is read (sharing memory
 with the checkpoint tensor when it is there already), so pieces are assembled there; with
 `placement.keep_16bit_weights`, a bfloat16 or float16 tensor bound for a parameter that
-models/half_linear.py's `keeps_16bit` names keeps its dtype.
+models/half_linear.py's `keeps_16bit` names keeps its dtype. A parameter of an integer dtype (packed
+quantized data, such as MXFP4 blocks and scales) takes a tensor of that dtype as it is.
 Errors are ValueErrors: a mis-shaped weight at once;
 otherwise one "checkpoint does not match" error naming the unexpected and the missing weights.
 """
@@ -200,6 +201,11 @@ def _names_of(target: str, layout: CheckpointLayout) -> list[str]:
 
 def _stored_dtype(model: nn.Module, target: str, dtype: torch.dtype, placement: Placement) -> torch.dtype:
     """The dtype parameter `target` holds a checkpoint tensor of `dtype` in (see the module docstring)."""
+    declared = model.get_parameter(target).dtype
+    if not declared.is_floating_point:  # packed quantized data (MXFP4 blocks and scales): kept as stored
+        if dtype != declared:
+            raise ValueError(f"weight {target} is packed {declared} data; the checkpoint gives {dtype}")
+        return declared
     if placement.keep_16bit_weights and dtype in HALF_DTYPES:
         module_path, _, leaf = target.rpartition(".")
         if keeps_16bit(model.get_submodule(module_path), leaf):

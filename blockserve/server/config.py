@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=None` loads
 ISOLATION_MODES = ("none", "per-key")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")  # openai_api/reasoning.py's formats
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")  # reasoning.py's formats; harmony (harmony.py)
 MAX_JSON_DEPTH = 500  # under Python's recursion limit (1000), which json.loads recurses against
 LIMITS = ("max_request_body_bytes", "max_json_depth", "max_n", "max_prompts", "max_stop", "max_stop_length",
           "max_connections")
@@ -36,7 +36,8 @@ class ServerConfig:
                 "balancers and scrapers, as in vLLM)", "flag": "--protect-health-and-metrics"})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "split the model's thinking block from its answer into reasoning_content (chat completions); "
-                "only for a model whose template thinks (default: no parsing)", "choices": REASONING_PARSERS})
+                "only for a model whose template thinks (default: no parsing); a harmony template's channels "
+                "(GPT-OSS) are always read, openai_gptoss names that", "choices": REASONING_PARSERS})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
     # Far above any burst a normal user sends (the bundled benchmarks send 64 prompts), far below

@@ -18,6 +18,7 @@
 
 #include "kernels.h"
 
+#include "row_dot.h"
 #include "task_pool.h"
 
 #include <algorithm>
@@ -257,33 +258,6 @@ struct IQ4_XS {  // d | scales_h (uint16) | scales_l[4] | qs[128]
 template <typename F>
 void dequantize_row(const uint8_t* row, int64_t columns, float* out) {
   for (int64_t b = 0; b < columns / F::Elems; ++b) F::dequantize(row + b * F::Bytes, out + b * F::Elems);
-}
-
-// Four rows of x against one dequantised output row at a time: the weights are loaded once per four dots.
-inline void dot_rows(const float* w, const float* x, int64_t M, int64_t K, float* out, int64_t out_stride) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) {
-    const float* x0 = x + m * K;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int64_t k = 0; k < K; ++k) {
-      s0 += w[k] * x0[k];
-      s1 += w[k] * x0[K + k];
-      s2 += w[k] * x0[2 * K + k];
-      s3 += w[k] * x0[3 * K + k];
-    }
-    out[m * out_stride] = s0;
-    out[(m + 1) * out_stride] = s1;
-    out[(m + 2) * out_stride] = s2;
-    out[(m + 3) * out_stride] = s3;
-  }
-  for (; m < M; ++m) {
-    const float* xm = x + m * K;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t k = 0; k < K; ++k) s += w[k] * xm[k];
-    out[m * out_stride] = s;
-  }
 }
 
 struct Format {

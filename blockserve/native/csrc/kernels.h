@@ -63,4 +63,7 @@ std::vector<std::string> gguf_block_formats();
 at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns);
 at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
 
+// mxfp4.cpp: out = x @ W^T, W [N, K] in MXFP4 (Hugging Face's blocks [N, K/32, 16] and e8m0 scales [N, K/32]).
+at::Tensor mxfp4_matmul(at::Tensor x, at::Tensor blocks, at::Tensor scales);
+
 }  // namespace blockserve

@@ -47,6 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_matmul", &gguf_matmul, "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("mxfp4_matmul", &mxfp4_matmul,
+        "(x [M, K] float32, blocks uint8 [N, K/32, 16], scales uint8 [N, K/32]) -> x @ W^T [M, N], W in MXFP4",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)

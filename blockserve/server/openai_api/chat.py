@@ -8,7 +8,10 @@ Either is answered as `tool_calls` (streamed as OpenAI's tool-call deltas) or as
 `chat_template_kwargs` are the template's variables. With `--reasoning-parser`, the thinking
 block is split off into `reasoning_content` (reasoning.py) before the text is read for tool calls;
 a grammar-constrained output (structured outputs, forced tool calls, the JSON envelope) has no
-room for a block, so it is not parsed.
+room for a block, so it is not parsed. A template that speaks harmony (GPT-OSS) renders the tools
+itself and its output keeps its special tokens, read by channel (harmony.py) into
+`reasoning_content`, `content` and `tool_calls`, whatever `--reasoning-parser` says; a forced tool
+choice there takes the envelope.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from blockserve.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
     ChatLogprobs, ChatMessage, Delta, Usage,
 )
+from blockserve.server.openai_api.harmony import HarmonyStream, parse_harmony, speaks_harmony, turn_end_ids
 from blockserve.server.openai_api.reasoning import REASONING_FORMATS, ReasoningFormat, ReasoningStream
 from blockserve.server.openai_api.streaming import DONE, Sent, collect, error_event, event, sse_response
 from blockserve.server.openai_api.structured import compiled
@@ -50,27 +54,36 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code="invalid_value")
     tools = tool_setup(body)
     variables = template_kwargs(body.chat_template_kwargs)
-    native = renders_hermes_tools(engine.engine.tokenizer)
+    tokenizer = engine.engine.tokenizer
+    harmony = speaks_harmony(tokenizer) and (tools is None or not (tools.required or tools.named))
+    native = not harmony and renders_hermes_tools(tokenizer)
     if body.max_tokens is not None and body.max_tokens >= engine.max_model_len:  # even when max_completion_tokens wins
         raise APIError(400, f"max_tokens ({body.max_tokens}) is not under this model's length "
                             f"({engine.max_model_len} tokens)", param="max_tokens", code="context_length_exceeded")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     bounds = engine.engine.grammars.limits.json_bounds
-    constraint = None if tools is None else hermes_grammar(tools, bounds) if native else tools.structured_outputs()
+    constraint = None if tools is None or harmony else hermes_grammar(tools, bounds) if native \
+        else tools.structured_outputs()
     if constraint is not None:  # the tool calls' grammar
         params = dataclasses.replace(params, structured_outputs=constraint)
-    thinking = REASONING_FORMATS[config.reasoning_parser] \
-        if config.reasoning_parser is not None and params.structured_outputs is None else None
+    harmony = harmony and params.structured_outputs is None  # a grammar's output has no channels
+    if harmony:  # the reader needs the special tokens; a call ends the turn as a return does
+        params = dataclasses.replace(params, skip_special_tokens=False,
+                                     stop_token_ids=params.stop_token_ids + turn_end_ids(tokenizer))
+    thinking = REASONING_FORMATS.get(config.reasoning_parser) \
+        if config.reasoning_parser is not None and params.structured_outputs is None and not harmony else None
     params = await compiled(engine, params, body, "tools" if tools is not None else None)  # off the engine thread
     salt = cache_salt(config, request, body.cache_salt)
-    if native:
+    if native or harmony:
         prompt = hermes_prompt(engine.engine, hermes_history(chat_messages(body.messages)), tools,
                                body.add_generation_prompt, variables)
     else:
         prompt = _chat_prompt(engine.engine, render_history(chat_messages(body.messages), tools),
                               body.add_generation_prompt, variables)
     parse, reader = _tool_output(tools, native)
+    if harmony:
+        parse, reader = functools.partial(parse_harmony, setup=tools), functools.partial(HarmonyStream, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     streams = await add_all(engine, request_id, [prompt], params, salt, body.request_timeout)
@@ -78,14 +91,15 @@ async def create_chat_completion(engine: AsyncEngine, config: ServerConfig, body
     top = body.top_logprobs or 0
     if body.stream:
         return sse_response(_events(header, streams[0], params.n, include_usage(body), body.logprobs, top,
-                                    reader, thinking), streams)
+                                    reader, thinking, harmony), streams)
     finals = await collect(streams, request)
     if finals is None:
         return Response(status_code=499)
     choices = [
         ChatChoice(index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                    logprobs=ChatLogprobs.build(c.logprobs, c.token_ids, top) if body.logprobs else None)
-        for c in finals[0].outputs for message, finish_reason in [_assistant_message(c, parse, thinking)]
+        for c in finals[0].outputs
+        for message, finish_reason in [_harmony_message(c, parse) if harmony else _assistant_message(c, parse, thinking)]
     ]
     return ChatCompletion(**header, choices=choices, usage=usage(finals))
 
@@ -137,6 +151,13 @@ def _assistant_message(c, parse: Callable | None,
             "tool_calls" if calls else c.finish_reason)
 
 
+def _harmony_message(c, parse: Callable) -> tuple[AssistantMessage, str | None]:
+    """A choice's message read by channel (harmony.py); its calls, even those cut off, as calls."""
+    reasoning, content, calls = parse(c.text)
+    return (AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
+            "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason)
+
+
 def _chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt: bool, variables: dict):
     """The prompt as a callable the engine thread runs: the tokenizer is the engine thread's."""
 
@@ -145,7 +166,8 @@ def _chat_prompt(engine: LLMEngine, messages: list[dict], add_generation_prompt:
 
 async def _events(header: dict, stream: RequestStream, n: int, with_usage: bool, logprobs: bool,
                   top: int, new_reader: Callable | None = None,
-                  thinking: ReasoningFormat | None = None) -> AsyncIterator[str]:
+                  thinking: ReasoningFormat | None = None, harmony: bool = False) -> AsyncIterator[str]:
+    """The chunks; with `harmony`, `new_reader` makes HarmonyStreams, which give the reasoning too."""
     def chunk(choices: list[ChatChunkChoice], usage_block: Usage | None = None) -> str:
         return event(ChatCompletionChunk(**header, choices=choices, usage=usage_block))
 
@@ -163,13 +185,23 @@ async def _events(header: dict, stream: RequestStream, n: int, with_usage: bool,
                     continue
                 text, ids, lps, _ = delta
                 calls, finish_reason, reasoning = None, c.finish_reason, ""
+                if harmony:
+                    reader = readers.get(c.index)
+                    if reader is None:
+                        reader = readers[c.index] = new_reader()
+                    reasoning, text, calls = reader.feed(text)
+                    if c.finished:
+                        more_reasoning, more_text, more = reader.finish()
+                        reasoning, text, calls = reasoning + more_reasoning, text + more_text, merge_deltas(calls + more)
+                    if reader.called and finish_reason == "stop":
+                        finish_reason = "tool_calls"
                 if thinking is not None:
                     thinker = thinkers.setdefault(c.index, ReasoningStream(thinking))
                     reasoning, text = thinker.feed(text)
                     if c.finished:
                         more_reasoning, more_text = thinker.finish()
                         reasoning, text = reasoning + more_reasoning, text + more_text
-                if new_reader is not None:
+                if new_reader is not None and not harmony:
                     reader = readers.get(c.index)
                     if reader is None:
                         reader = readers[c.index] = new_reader()
