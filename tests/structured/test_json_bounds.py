@@ -74,7 +74,8 @@ def test_the_rewrite_adds_the_missing_bounds_and_keeps_the_schemas_own():
     (Spec(json={"type": "object", "properties": {"p": {"type": "number"}}, "required": ["p"],
                 "additionalProperties": False}), ['{"p": 1.5}'], ['{"p": ' + "2" * 30 + "}"]),
     (Spec(json_object=True), ['{"a": [1, 2.5, {"b": -3}], "c": "x"}'],
-     ['{"a": ' + "1" * 17 + "}", '{"a": [1, ' + "1" * 17 + "]}", '{"a": {"b": 0.' + "3" * 11 + "}}"]),
+     ['{"a": ' + "1" * 17 + "}", '{"a": [1, ' + "1" * 17 + "]}", '{"a": {"b": 0.' + "3" * 11 + "}}",
+      '{"a": 1,\n\n\n"b": 2}', '{"a":' + " " * 30 + "1}"]),  # no free whitespace either
     (Spec(json={}), ["[1, 2]", '"x"', "null"], ["1" * 17]),
     (Spec(json={"type": "integer", "maximum": 10 ** 18}), ["1" * 18], ["1" * 19]),  # the schema's own bound
     (Spec(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
