@@ -295,11 +295,13 @@ def test_replicas_get_the_front_ends_flags_back():
     from blockserve.engine.config import EngineConfig
 
     argv = ["serve", "--data-parallel-size", "2", "--max-model-len", "512", "--block-size", "4", "--no-prefix-caching",
-            "--kv-cache-memory", "8MiB", "--request-timeout", "12.5", "--served-model-name", "m", "--api-key", "k"]
+            "--kv-cache-memory", "8MiB", "--request-timeout", "12.5", "--served-model-name", "m", "--api-key", "k",
+            "--json-max-integer-digits", "8"]
     args = build_parser().parse_args(argv)
     engine, server = config_from_namespace(EngineConfig, args), server_config(args)
     again = build_parser().parse_args(["serve", *config_flags(server), *config_flags(engine)])
     assert config_from_namespace(EngineConfig, again) == engine and server_config(again) == server
+    assert engine.json_max_integer_digits == 8
 
 
 def test_each_replica_gets_a_gpu_of_its_own():
