@@ -184,7 +184,7 @@ class EngineConfig:
                 "workers run `python -m blockserve.distributed.worker`)", "choices": DISTRIBUTED_EXECUTORS})
     distributed_timeout_s: float = field(default=60.0, metadata={
         "help": "seconds a tensor-parallel rank may take for one step's communication before the engine "
-                "fails every request and stops"})
+                "fails every request and stops (and to join the group once every rank has started)"})
     distributed_startup_timeout_s: float = field(default=600.0, metadata={
         "help": "seconds the tensor-parallel ranks may take to join and to load their shards"})
 
