@@ -208,7 +208,7 @@ class EngineConfig:
         from blockserve.attention.paged_attention import BACKENDS
 
         try:
-            self.json_bounds
+            _ = self.json_bounds  # built (and so checked) once here, not first when a grammar compiles
         except ValueError as e:  # JsonBounds names its own field, which this config prefixes with json_
             raise ValueError(f"json_{e}") from None
 
