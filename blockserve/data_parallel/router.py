@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from blockserve.engine.config import EngineConfig
+from blockserve.engine.template_kwargs import template_kwargs
 from blockserve.engine.tokenizer import load_tokenizer
 from blockserve.server.http.auth import AuthMiddleware, cache_salt
 from blockserve.server.config import ServerConfig
@@ -57,7 +58,8 @@ _CLIENT_CLOSED = 499  # the status logged for a request whose client left before
 
 
 def prompt_token_ids(tokenizer, path: str, body) -> list[int] | None:
-    """The token ids of a completion's (first) prompt or a chat's templated messages; None when
+    """The token ids of a completion's (first) prompt or a chat's messages through the chat template
+    with the request's chat_template_kwargs and add_generation_prompt (tools left out); None when
     they cannot be told here (the replica validates the request)."""
     if not isinstance(body, dict):
         return None
@@ -65,7 +67,9 @@ def prompt_token_ids(tokenizer, path: str, body) -> list[int] | None:
         if path == "/v1/chat/completions":
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 return None
-            ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            variables = template_kwargs(body.get("chat_template_kwargs"))
+            ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=body.get(
+                "add_generation_prompt", True) is not False, tokenize=True, **variables)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):

@@ -19,8 +19,9 @@ answers 503), and every later step raises it again. Start-up waits at most
 `distributed_startup_timeout_s`. `close()` (also run when the executor is garbage-collected or
 the interpreter exits) stops the ranks and leaves no process behind. The ranks it starts are
 `python -m blockserve.distributed.worker` processes (rank_process.py), which never import the
-engine's `__main__`; one that exits before the group has formed fails the start at once with
-RankExited, naming the rank, its exit status and the end of its stderr.
+engine's `__main__`; one that exits before it joins fails the start at once with RankExited,
+naming the rank, its exit status and the end of its stderr; one that exits while joining, within
+`distributed_timeout_s`, with the same error.
 """
 
 from __future__ import annotations
@@ -107,12 +108,16 @@ class TensorParallelExecutor:
             for rank in range(1, self.size):
                 self._ranks.append(RankProcess(rank, self.size, port))
             wait_until_joining(self._ranks, startup_timeout_s)
-            return TensorParallelGroup(f"tcp://{LOOPBACK}:{port}", 0, self.size, timeout=self._startup)
+            # Every rank has imported what it runs and is joining: forming the group is communication
+            # like a step's, bounded as one is, so a rank that dies in between (torch's rendezvous
+            # is deaf to its exit) fails the start within distributed_timeout_s, not the start-up timeout.
+            return TensorParallelGroup(f"tcp://{LOOPBACK}:{port}", 0, self.size,
+                                       timeout=timedelta(seconds=self.config.distributed_timeout_s))
         except BaseException as error:
-            exited = next((rank for rank in self._ranks if rank.exited()), None)
+            exited = None if isinstance(error, RankExited) else self._exited_rank(error)
             for rank in self._ranks:
                 rank.stop(0)
-            if exited is not None and not isinstance(error, RankExited):  # rank 0's view of the rank's exit
+            if exited is not None:  # rank 0's view of the rank's exit: the rank's own error instead
                 raise exited.start_up_failure() from error
             raise
 

@@ -184,12 +184,33 @@ class EngineConfig:
                 "workers run `python -m blockserve.distributed.worker`)", "choices": DISTRIBUTED_EXECUTORS})
     distributed_timeout_s: float = field(default=60.0, metadata={
         "help": "seconds a tensor-parallel rank may take for one step's communication before the engine "
-                "fails every request and stops"})
+                "fails every request and stops (and to join the group once every rank has started)"})
     distributed_startup_timeout_s: float = field(default=600.0, metadata={
         "help": "seconds the tensor-parallel ranks may take to join and to load their shards"})
 
+    json_max_integer_digits: int = field(default=16, metadata={
+        "help": "digits a JSON number's integral part may have in the grammars built from JSON schemas and "
+                "json_object, where the schema sets no bound of its own (1-18; llama.cpp's 16)"})
+    json_max_fraction_digits: int = field(default=10, metadata={
+        "help": "digits a JSON number's fraction may have there (0-10)"})
+    json_max_whitespace: int = field(default=20, metadata={
+        "help": "characters of whitespace between two JSON tokens, for schemas that ask for flexible "
+                "whitespace (x-guidance whitespace_flexible) without a pattern of their own"})
+
+    @property
+    def json_bounds(self):
+        """The bounds the engine's JSON grammars write into schemas (structured/json_bounds.py)."""
+        from blockserve.structured.json_bounds import JsonBounds
+
+        return JsonBounds(self.json_max_integer_digits, self.json_max_fraction_digits, self.json_max_whitespace)
+
     def __post_init__(self) -> None:
         from blockserve.attention.paged_attention import BACKENDS
+
+        try:
+            _ = self.json_bounds  # built (and so checked) once here, not first when a grammar compiles
+        except ValueError as e:  # JsonBounds names its own field, which this config prefixes with json_
+            raise ValueError(f"json_{e}") from None
 
         # Given as a JSON string (the command line) or a mapping (LLM(...)): kept parsed and validated.
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -25,7 +25,7 @@ from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import RequestOutput as CoreOutput
 from blockserve.scheduler.output import SchedulerStats
 from blockserve.scheduler.request import Request
-from blockserve.structured.compiler import GrammarCompiler
+from blockserve.structured.compiler import GrammarCompiler, GrammarLimits
 from blockserve.worker.cuda_graphs import Capture, graph_blockers
 from blockserve.worker.model_runner import ModelRunner, RunnerTimings
 
@@ -75,7 +75,8 @@ class LLMEngine:
             self.vocab_size = loaded.hf_config.vocab_size
             eos = self.tokenizer.eos_token_id if self.tokenizer is not None else loaded.hf_config.eos_token_id
             self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
-            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id)
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
+                                            GrammarLimits(json_bounds=config.json_bounds))
         except BaseException:
             if core is None:
                 self.core.close()

@@ -1,7 +1,8 @@
 """Starting a tensor-parallel engine's ranks: an engine built at the top level of a script with no
 `if __name__ == "__main__":` guard (a first script, a notebook) answers, since no rank imports
 the script; a rank that exits during start-up fails the start at once with that rank's own error
-(here: its `import torch` fails), and no process is left."""
+(here: its `import torch` fails), and no process is left; one that dies in the rendezvous itself
+fails it within distributed_timeout_s with its own error too."""
 
 from __future__ import annotations
 
@@ -80,4 +81,26 @@ def test_a_rank_that_dies_at_import_fails_the_start_at_once(model_path, tmp_path
     (executor,) = executors
     (rank1,) = executor.processes
     assert rank1.returncode == 1  # reaped
+    assert not child_pids() - before
+
+
+def test_a_rank_that_dies_while_joining_fails_the_start_within_the_step_timeout(model_path, tmp_path, monkeypatch):
+    """Rank 1 imports everything and says it is joining, then cannot reach rank 0 (its rendezvous
+    raises, through a sitecustomize only its interpreter loads): rank 0, already in the rendezvous,
+    gives up within distributed_timeout_s (not the start-up timeout) and names the rank's error."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import torch.distributed\n\n\n"
+        "def unreachable(*args, **kwargs):\n"
+        "    raise ConnectionError('rank 0 is unreachable from here')\n\n\n"
+        "torch.distributed.rendezvous = unreachable\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]))
+    before = child_pids()
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 exited with status 1 during start-up(.|\n)*"
+                                           r"ConnectionError: rank 0 is unreachable from here"):
+        LLM(model_path, tensor_parallel_size=2, distributed_startup_timeout_s=STARTUP_TIMEOUT_S,
+            distributed_timeout_s=1, **ENGINE)
+    assert time.monotonic() - began < STARTUP_TIMEOUT_S / 3
     assert not child_pids() - before

@@ -22,7 +22,8 @@ ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory
                 "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",
                 "--distributed-startup-timeout-s", "--device", "--dtype", "--gpu-memory-utilization",
                 "--quantized-activations", "--quantized-max-rows", "--enforce-eager", "--cuda-graph-sizes",
-                "--async-scheduling", "--kv-offload-dir", "--kv-offload-size", "--kv-offload-memory", "--speculative-config"}
+                "--async-scheduling", "--kv-offload-dir", "--kv-offload-size", "--kv-offload-memory", "--speculative-config",
+                "--json-max-integer-digits", "--json-max-fraction-digits", "--json-max-whitespace"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",
                 "--max-request-body-bytes", "--max-json-depth", "--max-n", "--max-prompts", "--max-stop",
@@ -118,6 +119,23 @@ def test_bad_values_are_refused_by_the_parser(argv, capsys):
 def test_bad_values_the_parser_accepts_are_refused_by_the_config():
     with pytest.raises(ValueError, match="power of two"):
         config_from_namespace(EngineConfig, engine_parser().parse_args(["--block-size", "3"]))
+
+
+@pytest.mark.parametrize("argv, field", [(["--json-max-integer-digits", "0"], "json_max_integer_digits"),
+                                         (["--json-max-fraction-digits", "11"], "json_max_fraction_digits"),
+                                         (["--json-max-whitespace", "0"], "json_max_whitespace")])
+def test_json_bounds_out_of_range_are_refused_naming_the_field(argv, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        config_from_namespace(EngineConfig, engine_parser().parse_args(argv))
+
+
+def test_the_json_bounds_flags_build_the_engines_bounds():
+    from blockserve.structured import JsonBounds
+
+    config = config_from_namespace(EngineConfig, engine_parser().parse_args(
+        ["--json-max-integer-digits", "4", "--json-max-fraction-digits", "2", "--json-max-whitespace", "3"]))
+    assert config.json_bounds == JsonBounds(max_integer_digits=4, max_fraction_digits=2, max_whitespace=3)
+    assert EngineConfig().json_bounds == JsonBounds()  # llama.cpp's 16 digits by default
 
 
 def test_bench_leaves_kv_cache_memory_unset_and_the_config_keeps_its_default():

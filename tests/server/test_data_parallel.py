@@ -295,11 +295,13 @@ def test_replicas_get_the_front_ends_flags_back():
     from blockserve.engine.config import EngineConfig
 
     argv = ["serve", "--data-parallel-size", "2", "--max-model-len", "512", "--block-size", "4", "--no-prefix-caching",
-            "--kv-cache-memory", "8MiB", "--request-timeout", "12.5", "--served-model-name", "m", "--api-key", "k"]
+            "--kv-cache-memory", "8MiB", "--request-timeout", "12.5", "--served-model-name", "m", "--api-key", "k",
+            "--json-max-integer-digits", "8"]
     args = build_parser().parse_args(argv)
     engine, server = config_from_namespace(EngineConfig, args), server_config(args)
     again = build_parser().parse_args(["serve", *config_flags(server), *config_flags(engine)])
     assert config_from_namespace(EngineConfig, again) == engine and server_config(again) == server
+    assert engine.json_max_integer_digits == 8
 
 
 def test_each_replica_gets_a_gpu_of_its_own():
@@ -320,3 +322,30 @@ def test_each_replica_gets_a_gpu_of_its_own():
         envs(EngineConfig(device="cuda:1"), 2, {}, cuda_devices=2)
     with pytest.raises(ValueError, match="CUDA is not available"):
         envs(cuda, 2, {}, cuda_devices=0)
+
+
+def test_chat_prompts_are_hashed_as_the_replica_renders_them():
+    """The front end routes a chat by the tokens its replica will cache: the template rendered with
+    the request's chat_template_kwargs and add_generation_prompt (both passed on to the replica in
+    the body); reserved variables are the replica's 400 to give, so the chat is routed by load."""
+    import copy
+
+    from blockserve.data_parallel.router import prompt_token_ids
+    from blockserve.engine.tokenizer import load_tokenizer
+
+    tokenizer = copy.copy(load_tokenizer())
+    tokenizer.chat_template = ("{% if formal %}Dear reader: {% endif %}{% for m in messages %}{{ m['content'] }}"
+                               "{% endfor %}{% if add_generation_prompt %} Answer:{% endif %}")
+    messages = [{"role": "user", "content": "hello there"}]
+
+    def ids(**fields) -> list[int] | None:
+        return prompt_token_ids(tokenizer, "/v1/chat/completions", {"messages": messages, **fields})
+
+    def encoded(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert ids() == encoded("hello there Answer:")
+    assert ids(chat_template_kwargs={"formal": True}) == encoded("Dear reader: hello there Answer:")
+    assert ids(chat_template_kwargs={"formal": True}, add_generation_prompt=False) == encoded("Dear reader: hello there")
+    assert ids(chat_template_kwargs={"tokenize": False}) is None
+    assert ids(chat_template_kwargs=["formal"]) is None

@@ -1,7 +1,7 @@
 """The data-parallel front end in process, over two stand-in replicas: one whose process lives but
 refuses connections, one a plain HTTP server. A request the first refuses goes to the second (it
 never reached the first, so nothing is lost); the first leaves the rotation and /metrics says so;
-nothing stays in flight."""
+nothing stays in flight; a body reaches the replica as the client sent it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from blockserve.engine.config import EngineConfig
 from blockserve.server.config import ServerConfig
 from tests.server.asgi import asgi_request
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": True}
 METRICS = "# HELP blockserve_generation_tokens_total Tokens generated.\n" \
           "# TYPE blockserve_generation_tokens_total counter\nblockserve_generation_tokens_total 7.0\n"
 
@@ -27,7 +29,7 @@ METRICS = "# HELP blockserve_generation_tokens_total Tokens generated.\n" \
 class _Replica(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self._answer(json.dumps({"served": self.path, "prompt": body["prompt"]}).encode(), "application/json")
+        self._answer(json.dumps({"served": self.path, "body": body}).encode(), "application/json")
 
     def do_GET(self):
         self._answer(METRICS.encode(), "text/plain; version=0.0.4")
@@ -54,21 +56,23 @@ def test_a_refused_connection_takes_the_replica_out_and_the_request_to_the_next(
             app = create_router_app(replicas, EngineConfig(model=None), ServerConfig(), tokenizer=None)
             try:
                 status, _, body = await asgi_request(app, "POST", "/v1/completions", {"prompt": [1, 2, 3]})
+                _, _, chat = await asgi_request(app, "POST", "/v1/chat/completions", CHAT)
                 _, _, metrics = await asgi_request(app, "GET", "/metrics")
-                return replicas, status, json.loads(body), metrics.decode()
+                return replicas, status, json.loads(body), json.loads(chat), metrics.decode()
             finally:
                 await replicas.client.aclose()
 
-        replicas, status, body, metrics = asyncio.run(run())
+        replicas, status, body, chat, metrics = asyncio.run(run())
     finally:
         server.shutdown()
         for process in alive:
             process.kill()
             process.wait()
-    assert status == 200 and body == {"served": "/v1/completions", "prompt": [1, 2, 3]}  # replica 1 answered
+    assert status == 200 and body == {"served": "/v1/completions", "body": {"prompt": [1, 2, 3]}}  # replica 1
+    assert chat == {"served": "/v1/chat/completions", "body": CHAT}  # chat_template_kwargs reach the replica
     assert [load.alive for load in replicas.loads] == [False, True]
     assert [load.in_flight for load in replicas.loads] == [0, 0]
-    assert replicas.routed["no_match"] == 2  # the pick that was refused, then the one that served
+    assert replicas.routed["no_match"] == 3  # the pick that was refused, then the one that served, then the chat
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(metrics) for s in family.samples}
     assert samples[("blockserve_router_replica_up", (("replica", "0"),))] == 0

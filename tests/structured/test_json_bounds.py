@@ -28,6 +28,12 @@ def compiler(smollm2_tokenizer):
     return GrammarCompiler(smollm2_tokenizer, VOCAB, EOS)
 
 
+@pytest.fixture(scope="module")
+def bundled_model():
+    """The bundled SmolLM2, loaded once for the engines below."""
+    return load_model(None, BACKENDS["exact"])
+
+
 def accepts(compiler: GrammarCompiler, tokenizer, spec: Spec, text: str) -> bool:
     """Whether the grammar of `spec` takes `text` whole and complete."""
     matcher = compiler.compile(spec).start_matcher()
@@ -68,7 +74,8 @@ def test_the_rewrite_adds_the_missing_bounds_and_keeps_the_schemas_own():
     (Spec(json={"type": "object", "properties": {"p": {"type": "number"}}, "required": ["p"],
                 "additionalProperties": False}), ['{"p": 1.5}'], ['{"p": ' + "2" * 30 + "}"]),
     (Spec(json_object=True), ['{"a": [1, 2.5, {"b": -3}], "c": "x"}'],
-     ['{"a": ' + "1" * 17 + "}", '{"a": [1, ' + "1" * 17 + "]}", '{"a": {"b": 0.' + "3" * 11 + "}}"]),
+     ['{"a": ' + "1" * 17 + "}", '{"a": [1, ' + "1" * 17 + "]}", '{"a": {"b": 0.' + "3" * 11 + "}}",
+      '{"a": 1,\n\n\n"b": 2}', '{"a":' + " " * 30 + "1}"]),  # no free whitespace either
     (Spec(json={}), ["[1, 2]", '"x"', "null"], ["1" * 17]),
     (Spec(json={"type": "integer", "maximum": 10 ** 18}), ["1" * 18], ["1" * 19]),  # the schema's own bound
     (Spec(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
@@ -98,6 +105,22 @@ def test_the_bounds_are_configurable(smollm2_tokenizer):
         JsonBounds(max_integer_digits=19)  # llguidance's integer bounds are 64-bit
 
 
+@pytest.mark.slow  # the real model
+def test_an_engine_built_with_narrower_bounds_holds_its_outputs_to_them(bundled_model):
+    """`LLM(..., json_max_integer_digits=3)` (`--json-max-integer-digits 3` on the command line):
+    the engine's grammars, and so its outputs, keep every integer under 1000."""
+    llm = LLM(bundled_model, max_model_len=256, json_max_integer_digits=3)
+    assert llm.engine.grammars.limits.json_bounds == JsonBounds(max_integer_digits=3)
+    schema = {"type": "object", "properties": {"year": {"type": "integer"}, "population": {"type": "integer"}},
+              "required": ["year", "population"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=Spec(json=schema))
+    (output,) = llm.chat([[{"role": "user", "content": "Give statistics about the world population."}]], params,
+                         use_tqdm=False)
+    answer = json.loads(output.outputs[0].text)
+    assert all(abs(v) < 1000 for v in answer.values()), answer
+    llm.close()
+
+
 CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
                                          "population_millions": {"type": "number"}},
         "required": ["name", "country", "population_millions"], "additionalProperties": False}
@@ -110,9 +133,9 @@ MAX_TOKENS = 100
 
 
 @pytest.mark.slow  # the real model
-def test_open_prompts_under_strict_schemas_end_their_json_on_the_bundled_model():
+def test_open_prompts_under_strict_schemas_end_their_json_on_the_bundled_model(bundled_model):
     """Before the bounds, 7 of these 10 ran a number on to max_tokens (`1.2288888…`, `1111…`)."""
-    llm = LLM(load_model(None, BACKENDS["exact"]), max_model_len=512)
+    llm = LLM(bundled_model, max_model_len=512)
     conversations = [[{"role": "user", "content": q}] for q in OPEN_PROMPTS]
     for schema in (CITY, STATS):
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=schema))
