@@ -233,6 +233,22 @@ def test_an_invalid_escape_is_invalid_json(server, raw):
     assert status == 400 and error_of(status, answer)["code"] == "invalid_json", answer
 
 
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 1, "logit_bias": {"1": NaN}}'),
+    ("/v1/completions", b'{"prompt": "Hi", "structured_outputs": {"json": {"type": "number", "maximum": Infinity}}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"x": -Infinity}}'),
+    ("/tokenize", b'{"prompt": "Hi", "add_special_tokens": NaN}'),
+])
+def test_nan_and_infinity_are_invalid_json(server, path, raw):
+    """Python's parser reads them, JSON (RFC 8259) has no such numbers: refused as what they are,
+    not taken into a template or a schema. Inside a string they are text."""
+    status, answer = post(server, path, raw)
+    error = error_of(status, answer)
+    assert status == 400 and error["code"] == "invalid_json" and "NaN" in error["message"], error
+    status, answer = post(server, "/v1/completions", b'{"prompt": "NaN -Infinity", "max_tokens": 1}')
+    assert status == 200, answer
+
+
 # Pieces of text: lone surrogates, NUL, a surrogate pair as JSON sends it (two escapes the parser
 # joins into one character), the last code point, any character.
 HOSTILE = st.lists(st.one_of(st.characters(codec=None, categories=["Cs"]),
