@@ -125,6 +125,14 @@ eval-smoke: install
 	$(PY) -m pip install -q -e '.[eval]'
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.lm_eval.smoke --json results/lm_eval_smoke.json
 
+# The server's outside fuzzer (schemathesis over /openapi.json, tests/server/test_fuzz_openapi.py) with
+# EXAMPLES per operation and generation mode; the default test run draws 25.
+.PHONY: fuzz-server
+EXAMPLES ?= 500
+fuzz-server: install
+	FUZZ_EXAMPLES=$(EXAMPLES) OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest -s \
+		tests/server/test_fuzz_openapi.py -k every_generated_request
+
 # The server soak (blockserve/sim/server_soak.py): MINUTES of mixed load against a real `blockserve serve`.
 .PHONY: soak-server
 MINUTES ?= 30

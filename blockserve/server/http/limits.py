@@ -10,6 +10,8 @@ names the limit and the `blockserve serve` flag that sets it (defaults: server/c
     body not UTF-8                       400 `invalid_encoding`, naming the first bad byte
     JSON nested past --max-json-depth    400 `json_too_deep`, found by a scan before any parse
                                          (so Python's recursive json parser never meets it)
+    NaN, Infinity, -Infinity             400 `invalid_json`: Python's parser reads them, JSON
+                                         (RFC 8259) has no such numbers
     n, prompts, stop strings             400 `invalid_value` with `param`: --max-n, --max-prompts,
                                          --max-stop, --max-stop-length (`check_request_limits`)
     request_timeout over the server's    400 `invalid_value`: a body may shorten its deadline
@@ -34,6 +36,7 @@ from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string, escapes included
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_NOT_A_NUMBER = re.compile(r"-?\b(?:NaN|Infinity)\b")  # outside strings: what json.loads takes beyond JSON
 
 
 class RequestLimitsMiddleware:
@@ -89,17 +92,23 @@ class RequestLimitsMiddleware:
 
 
 def body_problem(body: bytes, max_json_depth: int) -> APIError | None:
-    """A 400 for a body that is not UTF-8 or is nested deeper than `max_json_depth`; else None.
-    Whether it is valid JSON is the parser's to say."""
+    """A 400 for a body that is not UTF-8, is nested deeper than `max_json_depth` or holds NaN or
+    an infinity; else None. Whether it is otherwise valid JSON is the parser's to say."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         return APIError(400, f"the request body is not valid UTF-8: byte {e.start} (0x{body[e.start]:02x}) "
                              f"{e.reason}; send JSON encoded as UTF-8", code="invalid_encoding")
-    depth = json_depth(text)
+    outside_strings = _STRING.sub('""', text)
+    depth = json_depth(outside_strings)
     if depth > max_json_depth:
         return APIError(400, f"the request body's JSON is nested {depth} levels deep; this server allows "
                              f"{max_json_depth} (--max-json-depth)", code="json_too_deep")
+    number = _NOT_A_NUMBER.search(outside_strings)
+    if number is not None:
+        return APIError(400, f"the request body is not valid JSON: {number.group()} is not a JSON number (JSON has "
+                             f"no NaN or infinities); send a finite number, or leave the field out",
+                        code="invalid_json")
     return None
 
 
