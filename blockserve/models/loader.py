@@ -8,10 +8,10 @@ directory or from a GGUF file converted once and cached.
                 formats run from the mapped blocks (gguf_block_linear.py), those in Q4_0 / Q4_1 /
                 Q8_0 from packed blocks (quantized_linear.py), neither with a float32 copy; the
                 config, tokenizer and float32 copies of every other tensor (float formats, stacked
-                experts, and Q4_0 / Q4_1 / Q8_0 for where the kernels cannot run) are written to a
-                Hugging Face directory under the cache once
+                experts) are written to a Hugging Face directory under the cache once; where no
+                kernel can run, the block formats are dequantised from the file as it loads
 
-    <cache>/gguf-<stem>-<digest>-f32rest/   a converted GGUF; digest: the first 16 hex digits of the
+    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF; digest: the first 16 hex digits of the
                                     file's SHA-256, so every copy of one file shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
     <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
@@ -53,7 +53,6 @@ from blockserve.attention.paged_attention import PagedAttention
 from blockserve.cached_directory import cached_directory
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
-from blockserve.models.gguf_block_linear import NEW_FORMATS as BLOCK_ONLY_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
@@ -64,7 +63,7 @@ from blockserve.models.weight_layout import use_input_major_linears
 
 logger = logging.getLogger(__name__)
 
-_CACHE_LAYOUT = "f32rest"  # a cache entry holds float32 copies of the tensors no block kernel reads only
+_CACHE_LAYOUT = "f32unblocked"  # a cache entry holds float32 copies of the tensors in no block format only
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # llama.cpp tensor names -> Hugging Face module names (per layer under "blk.N.")
@@ -189,8 +188,8 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
 
     widened = Counter(f"{t.tensor_type.name}{' experts' if t.name.split('.')[-2] in _GGUF_EXPERTS else ''}"
                       for t in reader.tensors if t.tensor_type.name != "F32" and not _block_only(t))
-    if widened:  # read as float32 only where no block kernel takes them (the cache holds them for that case)
-        logger.info("%s: tensors cached as float32 in %s, for layers no block kernel takes: %s", path.name, hf_dir,
+    if widened:
+        logger.info("%s: tensors widened to float32 (cached in %s): %s", path.name, hf_dir,
                     ", ".join(f"{count} {kind}" for kind, count in sorted(widened.items())))
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
     if quantized_matmul and quantized_max_rows is None:
@@ -297,8 +296,9 @@ def _converted_gguf(path: Path, root: Path) -> Path:
 def _convert_gguf(path: Path, out: Path) -> None:
     """Write the GGUF file `path` as a Hugging Face directory into `out`: config, tokenizer and, as
     float32, the weights a block kernel does not read (csrc/gguf_blocks.cpp: every format but the
-    float ones; stacked experts are not linear layers). Those in BLOCK_ONLY_FORMATS are read from
-    the file at every load instead."""
+    float ones; stacked experts are not linear layers). Those in a block format are read from the
+    file at every load instead (dequantised there only where no kernel takes them), so the entry
+    and its first writing hold no float32 copy of them."""
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     config = _gguf_config(reader, arch)
@@ -384,13 +384,13 @@ class _CheckedReader(gguf.GGUFReader):
             extents.append((start_offs + int(offset[0]), elements // values * nbytes, name))
         extents.sort()
         for (start, length, name), following in zip(extents, [*extents[1:], None]):
-            if start + length > len(self.data):
-                raise TensorExtentError(f"GGUF tensor {name}: its {length} bytes at offset {start} run past the end "
-                                        f"of the file ({len(self.data)} bytes): the file is truncated")
             if following is not None and start + length > following[0]:
                 raise TensorExtentError(f"GGUF tensor {name}: its shape needs {length} bytes but the next tensor "
                                         f"({following[2]}) starts {following[0] - start} bytes after it: its block "
                                         "count does not match its shape")
+            if start + length > len(self.data):
+                raise TensorExtentError(f"GGUF tensor {name}: its {length} bytes at offset {start} run past the end "
+                                        f"of the file ({len(self.data)} bytes): the file is truncated")
         super()._build_tensors(start_offs, fields)
 
 
@@ -413,7 +413,7 @@ def _gguf_reader(path: Path) -> gguf.GGUFReader:
 
 def _block_only(tensor: gguf.ReaderTensor) -> bool:
     """Whether `tensor` is read from the file's blocks at load rather than cached as float32."""
-    return tensor.tensor_type.name in BLOCK_ONLY_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS
+    return tensor.tensor_type.name in BLOCK_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,

@@ -435,3 +435,6 @@ def test_many_rows_run_on_tiles_dequantised_from_the_blocks(format, monkeypatch)
     for start, rows in ((2, 4), (0, 31), (-4, 4)):
         with pytest.raises(RuntimeError, match="rows"):
             dequantize(start, rows)
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    for build in (ops, *([avx2] if avx2 is not None and avx2.simd_lanes() else [])):  # exact in either build
+        assert torch.equal(build.quantized_dequantize(layer.packed, 30, 64, format != "Q8_0", 8, 22), weight[8:])
