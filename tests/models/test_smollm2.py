@@ -112,7 +112,7 @@ def test_every_linear_keeps_its_gguf_blocks_in_the_right_order(loaded):
         weight = (file_weights["model.embed_tokens.weight"] if name == "quantized_lm_head" else
                   torch.cat([file_weights[f"{parent}.{part}.weight"] for part in fused.get(leaf, (leaf,))]))
         assert torch.equal(layer.weight, weight), name
-        for rows in (3, layer.max_rows + 1):
+        for rows in (3, layer.max_rows + 1) if name.startswith(("model.layers.0.", "quantized_lm_head")) else (3,):
             x = torch.randn(rows, layer.in_features)
             want = torch.nn.functional.linear(x, weight)
             torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
