@@ -10,7 +10,7 @@ the time to /health and the process's peak RSS (VmHWM) at /health.
     python -m benchmarks.cold_start [--model FILE.gguf ...] [--threads 2] [--rounds 3]
         [--include-kernel-build] [--json results/cold_start.json]
 
-Rounds alternate the two engines; the medians are printed, with the other processes' share of the
+Both get a context of 512 tokens (KV_CACHE_MEMORY). Rounds alternate the two engines; the medians are printed, with the other processes' share of the
 CPUs during each start (the servers' own CPU time, reaped as they exit, is left out). llama.cpp: llama-server from the peer
 build (benchmarks/peers/build_llama_cpp.sh), -np 1; blockserve: `blockserve serve`.
 """
@@ -31,6 +31,9 @@ from blockserve.models.default_model import default_model_path
 from benchmarks.peers.native import BLOCKSERVE, HERE, CpuShare, engine_env, free_port
 
 POLL_S = 0.02
+# a context of 512 tokens for both: llama.cpp's -c 512 (float16 KV), blockserve's float32 KV of 512 tokens
+# of SmolLM2-135M (24 MiB) rounded up; blockserve's default would allocate (and zero) 1 GiB
+KV_CACHE_MEMORY = "32MiB"
 PROMPT = "The capital of France is"
 
 
@@ -40,8 +43,8 @@ def llama_command(bin_dir: Path, model: str, threads: int, port: int) -> list[st
 
 
 def blockserve_command(model: str, threads: int, port: int) -> list[str]:
-    return [*BLOCKSERVE, "serve", "--model", model, "--num-threads", str(threads), "--host", "127.0.0.1",
-            "--port", str(port)]
+    return [*BLOCKSERVE, "serve", "--model", model, "--num-threads", str(threads), "--max-model-len", "512",
+            "--kv-cache-memory", KV_CACHE_MEMORY, "--host", "127.0.0.1", "--port", str(port)]
 
 
 def _get(url: str) -> bytes | None:
