@@ -4,8 +4,10 @@ replaces, for SmolLM2-135M's shapes and formats (Q4_1 layers, the Q8_0 tied lm_h
     int16    quantized_matmul_int16: x rounded to int16 per block of 32, integer dot products
     int8     quantized_matmul_int8: x rounded to int8 per block of 32, integer dot products
     float    quantized_matmul: weights dequantised in registers, float32 activations
-    dense    the float32 layer QuantizedLinear falls back to (column-major nn.Linear, or
-             PanelLinear for >= PANEL_MIN_OUT outputs)
+    tiled    QuantizedLinear's many-row path: tiles dequantised from the packed blocks
+             (quantized_dequantize) multiplied by torch's GEMM, no float32 copy kept
+    dense    a resident float32 copy (column-major nn.Linear, or PanelLinear for >= PANEL_MIN_OUT
+             outputs): what the many-row path ran on before the tiles
 
 Each cell: the median over --rounds of the mean of a few calls, the variants interleaved in
 every round (the machine may be shared; the fastest round is kept too, and the printed speed-ups
@@ -13,7 +15,7 @@ in brackets compare those); weight GB/s counts the packed bytes the kernels read
 (the float32 bytes for dense). Prints a table per thread count and writes the raw figures, the
 CPU flags and the thread settings as JSON. Run:
 
-    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.quantized_matmul [--avx2] [--threads 1 2]
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.quantized_matmul [--avx2] [--threads 1 2] [--rows 64 128 512]
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ import torch
 
 from blockserve.native.extension import quantized_matmul_ops, why_not_native
 from blockserve.bench.common import environment, print_environment, write_json
-from blockserve.models.quantized_linear import PACKED_BYTES, pack_blocks
+from blockserve.models.quantized_linear import PACKED_BYTES, QuantizedLinear, pack_blocks
 from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear, column_major
 
 # name: (in_features, out_features, GGUF format) as in SmolLM2-135M-Instruct.Q4_1.gguf
 SHAPES = {"qkv": (576, 960, "Q4_1"), "o": (576, 576, "Q4_1"), "gate_up": (576, 3072, "Q4_1"),
           "down": (1536, 576, "Q4_1"), "lm_head": (576, 49152, "Q8_0")}
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-VARIANTS = ("int16", "int8", "float", "dense")
+VARIANTS = ("int16", "int8", "float", "tiled", "dense")
 INTEGER = ("int16", "int8")
 
 
@@ -67,6 +69,7 @@ def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int,
     with torch.inference_mode():
         for name, (k, n, format) in shapes.items():
             packed, dense = layer(k, n, format)
+            tiled = QuantizedLinear(packed, format, n, k)
             q4 = format != "Q8_0"
             packed_bytes = -(-n // 4) * k // 32 * PACKED_BYTES[format]
             for m in rows:
@@ -74,6 +77,7 @@ def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int,
                 fns = {"int16": lambda: ops.quantized_matmul_int16(x, packed, n, q4),
                        "int8": lambda: ops.quantized_matmul_int8(x, packed, n, q4),
                        "float": lambda: ops.quantized_matmul(x, packed, n, q4),
+                       "tiled": lambda: tiled.gemm(x),
                        "dense": lambda: dense(x)}
                 calls = {v: max(1, int(target_s / max(mean_seconds(fn, 2), 1e-7))) for v, fn in fns.items()}
                 times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -91,13 +95,14 @@ def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int,
 
 
 def print_table(cells: list[dict]) -> None:
-    ratios = [f"{v}/{peer}" for v in INTEGER for peer in ("float", "dense")]
+    ratios = [f"{v}/{peer}" for v in INTEGER for peer in ("float", "dense")] + ["tiled/dense"]
     print(f"{'shape':<8} {'rows':>4} " + " ".join(f"{v + ' us':>9}" for v in VARIANTS) + " "
           + " ".join(f"{r:>11}" for r in ratios) + "   (medians; speed-ups: peer's time / the variant's)")
     for c in cells:
         us = c["us"]
         print(f"{c['shape']:<8} {c['rows']:>4} " + " ".join(f"{us[v]:>9.1f}" for v in VARIANTS) + " "
-              + " ".join(f"{us[peer] / us[v]:>10.2f}x" for v in INTEGER for peer in ("float", "dense")))
+              + " ".join(f"{us[peer] / us[v]:>10.2f}x" for v in INTEGER for peer in ("float", "dense"))
+              + f" {us['dense'] / us['tiled']:>10.2f}x")
 
 
 def crossovers(cells: list[dict], variant: str) -> dict:

@@ -35,7 +35,6 @@ from blockserve.attention.context import ForwardContext
 from blockserve.native.extension import fused_ops
 from blockserve.native.gate import native_reads
 from blockserve.attention.rotary_decode import RotaryDecode
-from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from blockserve.models.quantized_linear import QuantizedLinear
 
 
@@ -130,7 +129,7 @@ def _build_stack(layers: nn.ModuleList, final_norm: nn.Module):
     attention = {(layer.self_attn.num_heads, layer.self_attn.attn.backend.scale) for layer in layers}
     if (not all(isinstance(linear, QuantizedLinear) for linear in linears) or len(attention) != 1
             or len({linear.activations for linear in linears}) != 1
-            or any(isinstance(linear.dense, (ColumnParallelLinear, RowParallelLinear)) for linear in linears)):
+            or any(linear.sharded for linear in linears)):
         return None
     (num_heads, scale), = attention
     norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]

@@ -5,13 +5,13 @@ directory or from a GGUF file converted once and cached.
     None        the default model's GGUF (default_model.py), as a .gguf below
     <dir>       config.json + model.safetensors (or a sharded index) + tokenizer files, if any
     <x>.gguf    mapped read-only; its linear layers (and embedding) in the 5-bit, K-quant and IQ4
-                formats run from the mapped blocks (gguf_block_linear.py, no float32 copy), those
-                in Q4_0 / Q4_1 / Q8_0 from packed blocks for small batches (quantized_linear.py,
-                beside a float32 copy); the config, tokenizer and float32 copies of every other
-                tensor (float formats, stacked experts, and the block formats too where the kernels
-                cannot run) are written to a Hugging Face directory under the cache once
+                formats run from the mapped blocks (gguf_block_linear.py), those in Q4_0 / Q4_1 /
+                Q8_0 from packed blocks (quantized_linear.py), neither with a float32 copy; the
+                config, tokenizer and float32 copies of every other tensor (float formats, stacked
+                experts) are written to a Hugging Face directory under the cache once; where no
+                kernel can run, the block formats are dequantised from the file as it loads
 
-    <cache>/gguf-<stem>-<digest>-f32rest/   a converted GGUF; digest: the first 16 hex digits of the
+    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF; digest: the first 16 hex digits of the
                                     file's SHA-256, so every copy of one file shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
     <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import json
 import logging
+import mmap
 import os
 import tempfile
 from collections import Counter
@@ -52,18 +53,17 @@ from blockserve.attention.paged_attention import PagedAttention
 from blockserve.cached_directory import cached_directory
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
-from blockserve.models.gguf_block_linear import NEW_FORMATS as BLOCK_ONLY_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
-from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, use_quantized_linears
+from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, measure_max_rows, use_quantized_linears
 from blockserve.models.registry import model_class
 from blockserve.models.safetensors_reader import read_tensors
 from blockserve.models.weight_layout import use_input_major_linears
 
 logger = logging.getLogger(__name__)
 
-_CACHE_LAYOUT = "f32rest"  # a cache entry holds float32 copies of the tensors no block kernel reads only
+_CACHE_LAYOUT = "f32unblocked"  # a cache entry holds float32 copies of the tensors in no block format only
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # llama.cpp tensor names -> Hugging Face module names (per layer under "blk.N.")
@@ -148,9 +148,9 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
                quantized_activations: str = DEFAULT_ACTIVATIONS, quantized_max_rows: int | None = None) -> LoadedModel:
     """Load `source` (a Hugging Face model directory, a .gguf file, or None for the default model).
 
-    quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 also keep those blocks
-    and run on them (models/quantized_linear.py), those in the other block formats run from the mapped
-    file's blocks alone (models/gguf_block_linear.py); False: float32 only.
+    quantized_matmul: for a GGUF file, linear layers stored as Q4_0, Q4_1 or Q8_0 run on packed copies
+    of those blocks (models/quantized_linear.py), those in the other block formats from the mapped
+    file's blocks (models/gguf_block_linear.py), neither with a float32 copy; False: float32 only.
     quantized_activations: those blocks' kernel, "float32" (exact: transformers' logits), "int8"
     (llama.cpp's rounding; every batch size) or "int16" (16-bit rounding).
     quantized_max_rows: float32 and int16: the most rows the blocks serve, the float32 GEMM past
@@ -172,25 +172,28 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     hf_dir = _converted_gguf(path, cache_root(cache_dir))
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
+    reader.fields.clear()  # the rest is in the cache entry; the vocabulary's numpy views alone are ~150 MiB
 
     def gguf_weights(model: nn.Module, config: PretrainedConfig,
-                     cached: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+                     cached: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         taken: set[str] = set()
         if quantized_matmul and block_ops() is not None:
             taken = use_block_modules(model, _gguf_blocks(reader, arch, config, BLOCK_FORMATS), quantized_activations)
+        if quantized_matmul:  # before the weights load: no float32 copy of these is ever made
+            taken |= use_quantized_linears(model, _gguf_blocks(reader, arch, config, QUANTIZED_FORMATS),
+                                           quantized_max_rows, quantized_activations, measure=False)
         streamed = _gguf_tensors(reader, arch, config, lambda name, tensor: _block_only(tensor) and name not in taken)
-        return itertools.chain(((name, t) for name, t in cached if name not in taken), streamed)
+        return itertools.chain(cached(lambda name: name not in taken), streamed)
 
     widened = Counter(f"{t.tensor_type.name}{' experts' if t.name.split('.')[-2] in _GGUF_EXPERTS else ''}"
                       for t in reader.tensors if t.tensor_type.name != "F32" and not _block_only(t))
-    if widened:  # Q4_0 / Q4_1 / Q8_0 linear layers keep a float32 copy beside their packed blocks
+    if widened:
         logger.info("%s: tensors widened to float32 (cached in %s): %s", path.name, hf_dir,
                     ", ".join(f"{count} {kind}" for kind, count in sorted(widened.items())))
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
-    if quantized_matmul:
-        used = use_quantized_linears(loaded.model, _gguf_blocks(reader, arch, loaded.hf_config, QUANTIZED_FORMATS),
-                                     quantized_max_rows, quantized_activations)
-        logger.info("%d linear layers keep the GGUF's blocks for small batches", used)
+    if quantized_matmul and quantized_max_rows is None:
+        measure_max_rows(loaded.model)
     return loaded
 
 
@@ -247,8 +250,9 @@ def _is_digest(text: str) -> bool:
 
 def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], description: str,
                  placement: Placement, weights: Callable | None = None) -> LoadedModel:
-    """`weights(model, config, tensors)`: the (name, tensor) pairs to load into the model built,
-    given the directory's; None: the directory's."""
+    """`weights(model, config, read)`: the (name, tensor) pairs to load into the model built, given
+    `read(keep)`, the directory's tensors whose names `keep` takes (the others are not read); None:
+    the directory's."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; a model directory needs config.json, "
                                 "*.safetensors weights and tokenizer files (as written by save_pretrained)")
@@ -259,7 +263,8 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
     cls = model_class(config.architectures)
     cls.check_tensor_parallel(1 if placement.tp is None else placement.tp.size)
     model = cls(config, attention_backend_cls, placement)
-    model.load_weights(_safetensors(path) if weights is None else weights(model, config, _safetensors(path)))
+    model.load_weights(_safetensors(path) if weights is None else
+                       weights(model, config, lambda keep: _safetensors(path, keep)))
     use_input_major_linears(model)
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -267,7 +272,7 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
     return LoadedModel(model.eval(), tokenizer, config, description)
 
 
-def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -278,7 +283,7 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                 "save the model with save_pretrained to get safetensors weights")
     for name in files:  # one tensor read at a time: a tensor-parallel rank keeps only its shard of each
         try:
-            yield from read_tensors(path / name)  # not mapped: only what the model keeps stays resident
+            yield from read_tensors(path / name, keep)  # not mapped: only what the model keeps stays resident
         except (ValueError, OSError) as error:
             raise ValueError(f"corrupt weights file {path / name}: {error}; download or save it again") from error
 
@@ -291,8 +296,9 @@ def _converted_gguf(path: Path, root: Path) -> Path:
 def _convert_gguf(path: Path, out: Path) -> None:
     """Write the GGUF file `path` as a Hugging Face directory into `out`: config, tokenizer and, as
     float32, the weights a block kernel does not read (csrc/gguf_blocks.cpp: every format but the
-    float ones; stacked experts are not linear layers). Those in BLOCK_ONLY_FORMATS are read from
-    the file at every load instead."""
+    float ones; stacked experts are not linear layers). Those in a block format are read from the
+    file at every load instead (dequantised there only where no kernel takes them), so the entry
+    and its first writing hold no float32 copy of them."""
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     config = _gguf_config(reader, arch)
@@ -357,11 +363,48 @@ def _gguf_model_type(reader: gguf.GGUFReader, arch: str) -> str:
     return _GGUF_MODEL_TYPES.get(arch, arch)
 
 
+class _CheckedReader(gguf.GGUFReader):
+    """gguf-py's reader, which first checks that each tensor's data lies in the file, after the
+    one before it (`TensorExtentError` naming the tensor where it does not)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        extents = []
+        for field in fields:  # gguf-py's tensor info: name length, name, dimension count, dims, type, offset
+            _, name, _, dims, raw_type, offset = field.parts
+            name = bytes(name).decode("utf-8", "replace")
+            try:
+                values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+            except ValueError:
+                raise TensorExtentError(f"GGUF tensor {name}: unknown type {int(raw_type[0])}") from None
+            elements = int(np.prod(dims.astype(np.int64)))
+            if elements % values:
+                raise TensorExtentError(f"GGUF tensor {name}: its shape {dims.tolist()} holds {elements} values, "
+                                        f"not a whole number of {gguf.GGMLQuantizationType(int(raw_type[0])).name} "
+                                        f"blocks of {values}")
+            extents.append((start_offs + int(offset[0]), elements // values * nbytes, name))
+        extents.sort()
+        for (start, length, name), following in zip(extents, [*extents[1:], None]):
+            if following is not None and start + length > following[0]:
+                raise TensorExtentError(f"GGUF tensor {name}: its shape needs {length} bytes but the next tensor "
+                                        f"({following[2]}) starts {following[0] - start} bytes after it: its block "
+                                        "count does not match its shape")
+            if start + length > len(self.data):
+                raise TensorExtentError(f"GGUF tensor {name}: its {length} bytes at offset {start} run past the end "
+                                        f"of the file ({len(self.data)} bytes): the file is truncated")
+        super()._build_tensors(start_offs, fields)
+
+
+class TensorExtentError(ValueError):
+    """A GGUF tensor whose data does not fit the file."""
+
+
 def _gguf_reader(path: Path) -> gguf.GGUFReader:
     """The file mapped read-only (its blocks are used in place)."""
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _CheckedReader(path)
         reader.fields["general.architecture"].contents()
+    except TensorExtentError as error:
+        raise ValueError(f"{path}: {error}; download the file again") from None
     except Exception as error:  # the reader raises many kinds on a damaged file
         raise ValueError(f"could not read GGUF file {path} ({error}); it may be truncated or corrupt: "
                          "download it again") from error
@@ -370,7 +413,7 @@ def _gguf_reader(path: Path) -> gguf.GGUFReader:
 
 def _block_only(tensor: gguf.ReaderTensor) -> bool:
     """Whether `tensor` is read from the file's blocks at load rather than cached as float32."""
-    return tensor.tensor_type.name in BLOCK_ONLY_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS
+    return tensor.tensor_type.name in BLOCK_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
@@ -422,6 +465,19 @@ def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config,
             check_blocks(tensor.name, tensor.tensor_type.name, raw, rows, columns)
             raw = raw.reshape(rows, -1)
             yield name, tensor.tensor_type.name, _unpermute_rope_rows(raw, rope_heads) if rope_heads else raw
+            _release_pages(reader, tensor)
+
+
+def _release_pages(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> None:
+    """Drop `tensor`'s pages of the mapped file from this process's memory once its blocks have been
+    taken (packed, or kept as views): the mapping is read-only, so a view read later faults them
+    back in from the page cache, and the load's peak holds one tensor's pages, not the file's."""
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    end = tensor.data_offset + tensor.n_bytes
+    mapped.madvise(mmap.MADV_DONTNEED, start, min(end, len(reader.data)) - start)
 
 
 def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, gguf.ReaderTensor, int | None]]:

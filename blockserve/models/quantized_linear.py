@@ -1,9 +1,8 @@
-"""Linear layers that keep the GGUF blocks their float32 weights were dequantised from.
+"""Linear layers that hold a GGUF weight in Q4_0 / Q4_1 / Q8_0 blocks only, with no float32 copy.
 
-A GGUF model is served from float32 weights (models/loader.py): 4 bytes per weight. The file's
-Q4_0 / Q4_1 and Q8_0 blocks encode the same values in 0.75 and 1.125 bytes per weight (as packed
-here), and a small-batch decode step is bound by reading weights, so the native kernels
-(native/csrc/quantized_matmul.cpp) read the blocks instead. `activations` picks one of three:
+The file's Q4_0 / Q4_1 and Q8_0 blocks encode the weights in 0.75 and 1.125 bytes per weight (as
+packed here) instead of float32's 4, and a small-batch decode step is bound by reading weights,
+so the native kernels (native/csrc/quantized_matmul.cpp) read the blocks. `activations` picks one of three:
 
     "float32"  the weights dequantised in registers, float32 x: exact up to float rounding, so the
                model gives transformers' logits and greedy tokens. The default
@@ -24,13 +23,13 @@ Their speed and their drift from transformers' logits are measured in docs/perfo
 
     float32:  rows <= max_rows   x @ W^T over the blocks (max_rows: where the GEMM starts to beat
                                  them clearly on this CPU, measured as the model loads; at most MAX_ROWS)
-              rows >  max_rows   the float32 layer it wraps (nn.Linear; PanelLinear when it has at
-                                 least PANEL_MIN_OUT outputs: faster above 16 rows)
-    int8:     every row count    the int8 kernel (row tiles of 128 inside it); the float32 layer on x
+              rows >  max_rows   the GEMM over tiles dequantised from the blocks (QuantizedLinear.gemm:
+                                 TILE_VALUES weights at a time, cache-resident, then dropped)
+    int8:     every row count    the int8 kernel (row tiles of 128 inside it); the tiled GEMM on x
                                  rounded as the kernel rounds it (`round_per_block`) only where the
                                  kernel cannot run (no native build, x not a 2-D float32 CPU tensor)
     int16:    rows <= max_rows   the int16 kernel (float32's max_rows)
-              rows >  max_rows   the float32 layer on x rounded as the kernel rounds it (also where
+              rows >  max_rows   the tiled GEMM on x rounded as the kernel rounds it (also where
                                  the kernel cannot run)
 
 Under "int8", and "int16" up to max_rows, a matmul row's result is the same bits whatever shares its
@@ -40,11 +39,11 @@ different orders.
 
 The kernel reads Q4_1 (w = d * q + m), Q4_0 (w = d * (q - 8), packed as Q4_1 with m = -8 d)
 and Q8_0 (w = d * q), d and m float16; the other block formats run from the file's own blocks
-(gguf_block_linear.py). The blocks cost memory on top of the float32 copy.
+(gguf_block_linear.py).
 
 Tensor-parallel: each rank keeps the blocks of its own shard (`narrow_blocks` of the column- and
 row-parallel layers, tensor_parallel/layers.py); a row-parallel layer's partial product is
-all-reduced, as its float32 layer's is. The tied LM head stays the vocab-parallel float32 one.
+all-reduced. The tied LM head stays the vocab-parallel float32 one.
 """
 
 from __future__ import annotations
@@ -58,9 +57,8 @@ from torch import nn
 
 from blockserve.native.extension import quantized_matmul_ops
 from blockserve.native.gate import native_reads
-from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from blockserve.models.row_crossover import crossover_rows, shape_of
-from blockserve.models.weight_layout import PANEL_MIN_OUT, PanelLinear
 from blockserve.models.weights import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
@@ -84,6 +82,7 @@ GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
 NIBBLES = ("Q4_0", "Q4_1")  # packed in the kernel's Q4_1 layout
 PACKED_BYTES = {"Q4_0": 96, "Q4_1": 96, "Q8_0": 144}  # per group of four rows and block of 32 columns
+TILE_VALUES = 1 << 18  # weights dequantised per tile past max_rows: 1 MiB of float32, cache-resident
 
 # GGUF files hold Llama-family models: Hugging Face projection -> (our fused one, its index, parts), as llama.py fuses
 FUSED = {part: (group.target, i, len(group.parts)) for group in (QKV, GATE_UP) for i, part in enumerate(group.parts)}
@@ -129,120 +128,142 @@ def round_per_block(x: torch.Tensor, levels: int) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / levels)).reshape(x.shape)
 
 
-def sharing_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
-    """An nn.Linear over existing tensors (nothing allocated), e.g. over a tied embedding."""
-    def shared(t: torch.Tensor | None) -> nn.Parameter | None:  # a Parameter over the same storage
-        return t if t is None or isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
-
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    linear.weight, linear.bias = shared(weight), shared(bias)
-    return linear
-
-
 class QuantizedLinear(nn.Module):
-    """A float32 linear layer `dense` (nn.Linear or PanelLinear, weight [N, K]) plus the packed
-    GGUF blocks of the same weight; forward picks by the number of rows. `activations` picks the
-    kernel for the rows the blocks serve (see the module docstring);
-    `max_rows` None: MAX_ROWS."""
+    """out = x @ W^T (+ bias) with W [out_features, in_features] held only as `packed` GGUF blocks
+    (pack_blocks); forward picks by the number of rows. `activations` picks the kernel for the rows
+    the blocks serve (see the module docstring); `max_rows` None: MAX_ROWS. Past them, `gemm`:
+    tiles of about TILE_VALUES weights dequantised from the blocks and multiplied by torch's GEMM.
+    `tp`: a row-parallel layer's group, whose ranks' partial outputs are summed (all-reduce);
+    `sharded`: the blocks are this tensor-parallel rank's shard."""
 
-    def __init__(self, dense: nn.Module, packed: torch.Tensor, format: str, max_rows: int | None = None,
-                 activations: str = DEFAULT_ACTIVATIONS):
+    def __init__(self, packed: torch.Tensor, format: str, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None, max_rows: int | None = None,
+                 activations: str = DEFAULT_ACTIVATIONS, tp=None, sharded: bool = False):
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
-        self.out_features, self.in_features = dense.out_features, dense.in_features
-        expected = -(-self.out_features // GROUP) * self.in_features // 32 * PACKED_BYTES[format]
-        if self.in_features % 32 or packed.numel() != expected:
-            raise ValueError(f"{format} blocks of {packed.numel()} bytes do not fit a {self.out_features} x "
-                             f"{self.in_features} weight; the GGUF file does not match the model")
-        self.dense = dense
+        self.out_features, self.in_features = out_features, in_features
+        expected = -(-out_features // GROUP) * in_features // 32 * PACKED_BYTES[format]
+        if in_features % 32 or packed.numel() != expected:
+            raise ValueError(f"{format} blocks of {packed.numel()} bytes do not fit a {out_features} x "
+                             f"{in_features} weight; the GGUF file does not match the model")
         self.register_buffer("packed", packed, persistent=False)
-        ops = quantized_matmul_ops()
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+        self.ops = quantized_matmul_ops()
         self.q4_1 = format in NIBBLES
         self.activations = activations
-        self.max_rows = MAX_ROWS[activations, ops.simd_lanes()] if max_rows is None else max_rows
-        self.kernel = getattr(ops, KERNELS[activations])
+        self.max_rows = MAX_ROWS[activations, self.ops.simd_lanes()] if max_rows is None else max_rows
+        self.kernel = getattr(self.ops, KERNELS[activations])
+        self.tp, self.sharded = tp, sharded or tp is not None
+
+    def dequantize(self, row_start: int = 0, rows: int | None = None) -> torch.Tensor:
+        """W[row_start:row_start + rows] (row_start a multiple of four) as float32 [rows, in_features]."""
+        rows = self.out_features - row_start if rows is None else rows
+        return self.ops.quantized_dequantize(self.packed, self.out_features, self.in_features, self.q4_1,
+                                             row_start, rows)
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.dense.weight
+        """W as float32 (a copy, for inspection and tests: the forward never builds it)."""
+        return self.dequantize()
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.dense.bias
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] float32 @ W^T, tile by tile (no bias, no all-reduce)."""
+        tile = max(GROUP, TILE_VALUES // self.in_features // GROUP * GROUP)
+        if tile >= self.out_features:
+            return x @ self.dequantize().t()
+        out = x.new_empty(x.shape[0], self.out_features)
+        for start in range(0, self.out_features, tile):
+            rows = min(tile, self.out_features - start)
+            torch.mm(x, self.dequantize(start, rows).t(), out=out[:, start:start + rows])
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.max_rows or not native_reads(x):
-            return self.dense(round_per_block(x, LEVELS[self.activations]) if self.activations in LEVELS else x)
-        out = self.kernel(x, self.packed, self.out_features, self.q4_1)
-        if isinstance(self.dense, RowParallelLinear):  # this rank's columns: sum over the ranks
-            out = self.dense.tp.all_reduce(out)
-        return out if self.bias is None else out.add_(self.bias)
+        shape = x.shape
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and native_reads(x):
+            out = self.kernel(x, self.packed, self.out_features, self.q4_1)
+        else:
+            x = x.reshape(-1, self.in_features).float().contiguous()
+            out = self.gemm(round_per_block(x, LEVELS[self.activations]) if self.activations in LEVELS else x)
+        if self.tp is not None:  # this rank's columns: sum over the ranks
+            out = self.tp.all_reduce(out)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
 
 
 def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
-                          max_rows: int | None = None, activations: str = DEFAULT_ACTIVATIONS) -> int:
-    """Give `model`'s linear layers their GGUF blocks: (Hugging Face weight name, GGUF type name,
-    raw blocks [N, ...] with rows in the Hugging Face order); `max_rows` None: measured on this
-    CPU (measure_max_rows; at most MAX_ROWS); `activations`: QuantizedLinear's. Fused
-    projections (q/k/v, gate/up) get their parts' rows concatenated, when all parts share one format.
-    A tied input embedding becomes the model's `quantized_lm_head`. Returns how many layers use blocks; 0 when the kernel cannot run here."""
+                          max_rows: int | None = None, activations: str = DEFAULT_ACTIVATIONS,
+                          measure: bool = True) -> set[str]:
+    """Replace `model`'s linear layers whose GGUF weights are Q4_0 / Q4_1 / Q8_0 by QuantizedLinears
+    (before or after their weights load: a bias is kept as the module holds it, loaded later
+    where still on the meta device). `blocks`: (Hugging Face weight name, GGUF type name, raw blocks
+    [N, ...] with rows in the Hugging Face order); `max_rows` None: measured on this CPU
+    (measure_max_rows, where `measure`; at most MAX_ROWS); `activations`: QuantizedLinear's. Fused
+    projections (q/k/v, gate/up) get their parts' rows concatenated, when all parts share one
+    format. A tied input embedding in one of these formats becomes a GGUFBlockEmbedding over the
+    file's blocks plus the model's `quantized_lm_head`. Returns the weight names now held as
+    blocks (not to be loaded); empty when the kernel cannot run here."""
+    from blockserve.models.gguf_block_linear import GGUFBlockEmbedding, as_tensor, block_ops
+
     ops = quantized_matmul_ops()
     if ops is None or not ops.simd_lanes():
-        logger.info("GGUF blocks not used for small batches: %s", "no native kernels" if ops is None
+        logger.info("GGUF blocks not used: %s", "no native kernels" if ops is None
                     else "the quantized kernel needs AVX-512 or AVX2 (float32 weights are used)")
-        return 0
+        return set()
     modules = dict(model.named_modules())
-    parts: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
-    used = 0
+    parts: dict[str, dict[int, tuple[str, str, np.ndarray]]] = {}
+    taken: set[str] = set()
     for name, format, raw in blocks:
         module_path = name.removesuffix(".weight")
         parent, _, proj = module_path.rpartition(".")
+        names = [name]
         if proj in FUSED:
             fused, index, count = FUSED[proj]
             module_path = f"{parent}.{fused}"
             received = parts.setdefault(module_path, {})
-            received[index] = (format, raw)
+            received[index] = (name, format, raw)
             if len(received) < count:
                 continue
-            formats = {f for f, _ in received.values()}
+            formats = {f for _, f, _ in received.values()}
             if len(formats) > 1:  # e.g. v_proj in Q8_0 next to q/k in Q4_0: one kernel call cannot mix
                 continue
-            format, raw = formats.pop(), np.concatenate([received[i][1] for i in range(len(received))])
+            names = [received[i][0] for i in range(count)]
+            format, raw = formats.pop(), np.concatenate([received[i][2] for i in range(count)])
         if format not in FORMATS:
             continue
+        module = modules.get(module_path)
         if module_path == "model.embed_tokens" and getattr(model, "tie_word_embeddings", False):
-            if isinstance(modules[module_path], VocabParallelEmbedding):  # its logits: the ranks' gather
+            if type(module) is not nn.Embedding or block_ops() is None:  # the vocab-parallel one: its ranks' gather
                 continue
-            embedding = modules[module_path]
-            model.quantized_lm_head = QuantizedLinear(sharing_linear(embedding.weight), pack_blocks(raw, format),
-                                                      format, max_rows, activations)
-            used += 1
+            embedding = GGUFBlockEmbedding(format, as_tensor(raw), module.embedding_dim, name)
+            setattr(modules[parent] if parent else model, "embed_tokens", embedding)
+            model.quantized_lm_head = QuantizedLinear(pack_blocks(raw, format), format, raw.shape[0],
+                                                      module.embedding_dim, None, max_rows, activations)
+            taken.add(name)
             continue
-        linear = modules.get(module_path)
-        if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):  # this rank's blocks only
-            raw = linear.narrow_blocks(raw, FORMATS[format])
-        if not isinstance(linear, (nn.Linear, PanelLinear)) or linear.out_features != raw.shape[0]:
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):  # this rank's blocks only
+            raw = module.narrow_blocks(raw, FORMATS[format])
+        if not isinstance(module, nn.Linear) or module.out_features != raw.shape[0]:
             continue
-        if type(linear) is nn.Linear and linear.out_features >= PANEL_MIN_OUT:
-            linear = PanelLinear(linear.weight.detach(), linear.bias)
-        parent_module = modules[parent] if parent else model
-        setattr(parent_module, module_path.rpartition(".")[2],
-                QuantizedLinear(linear, pack_blocks(raw, format), format, max_rows, activations))
-        used += 1
-    if max_rows is None:
+        sharded = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+        setattr(modules[parent] if parent else model, module_path.rpartition(".")[2],
+                QuantizedLinear(pack_blocks(raw, format), format, module.out_features, module.in_features,
+                                module.bias, max_rows, activations,
+                                tp=module.tp if isinstance(module, RowParallelLinear) else None, sharded=sharded))
+        taken.update(names)
+    if max_rows is None and measure:
         measure_max_rows(model)
-    return used
+    return taken
 
 
 def measure_max_rows(model: nn.Module) -> None:
-    """Each QuantizedLinear's max_rows set to where the float32 GEMM starts to beat its blocks clearly on
+    """Each QuantizedLinear's max_rows set to where the float32 GEMM (over tiles dequantised from the blocks) starts to beat the blocks kernel clearly on
     this CPU (models/row_crossover.py), at most its kernel's MAX_ROWS. Not where they serve every row
     count (int8), and not under tensor parallelism (the GEMM's all-reduce is a collective: ranks
     timing it on their own would wait on each other): there the build's MAX_ROWS stands."""
     linears = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
-    if (not linears or linears[0].max_rows == EVERY_ROW
-            or any(isinstance(linear.dense, (ColumnParallelLinear, RowParallelLinear)) for linear in linears)):
+    if not linears or linears[0].max_rows == EVERY_ROW or any(linear.sharded for linear in linears):
         return
     rows = crossover_rows(linears, linears[0].max_rows)
     for linear in linears:

@@ -1,6 +1,7 @@
 """How many rows a model's GGUF blocks should serve on this CPU, measured at load time.
 
-A QuantizedLinear runs its blocks kernel up to `max_rows` rows and the float32 GEMM past them.
+A QuantizedLinear runs its blocks kernel up to `max_rows` rows and the GEMM over tiles dequantised
+from the blocks past them.
 Where the two cross depends on the CPU more than on the code (measured in docs/performance.md),
 so the loader times both paths on the model's own layers and keeps the blocks while they are not
 clearly slower:
@@ -54,7 +55,7 @@ def shape_of(linear) -> Shape:
 def crossover_rows(linears: Sequence, ceiling: int,
                    time_call: Callable[[Callable[[], object]], float] | None = None) -> dict[Shape, int]:
     """Per shape of `linears` (QuantizedLinears in model order, one activations kind): the most rows
-    up to `ceiling` the blocks serve no slower than GEMM_MARGIN times the float32 GEMM. `time_call(fn)` -> seconds (a
+    up to `ceiling` the blocks serve no slower than GEMM_MARGIN times the tiled GEMM. `time_call(fn)` -> seconds (a
     test's fake clock); None: the wall clock, and the result kept for this process."""
     key = (tuple(shape_of(linear) for linear in linears), linears[0].activations if linears else None,
            ceiling, torch.get_num_threads())
@@ -64,7 +65,7 @@ def crossover_rows(linears: Sequence, ceiling: int,
     rows = _measure(linears, ceiling, time_call or _wall_seconds)
     if time_call is None:
         MEASURED[key] = rows
-        logger.info("GGUF blocks serve up to %s rows per layer shape (out, in), the float32 GEMM past that "
+        logger.info("GGUF blocks serve up to %s rows per layer shape (out, in), the tiled GEMM past that "
                     "(measured in %.2f s at %d threads)", {s[:2]: r for s, r in rows.items()},
                     time.perf_counter() - start, torch.get_num_threads())
     return rows
@@ -81,7 +82,7 @@ def _blocks(linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm(linear, x: torch.Tensor) -> torch.Tensor:
-    return linear.dense(x)
+    return linear.gemm(x)
 
 
 def _first_of_each_shape(layers: Sequence, count: int) -> list:

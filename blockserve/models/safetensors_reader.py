@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,9 +28,10 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 MAX_HEADER_BYTES = 100 << 20  # the format's own limit
 
 
-def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for each tensor of the safetensors file `path`, in file order, each in a
-    fresh CPU tensor. ValueError naming the file and what is wrong with it."""
+def read_tensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of the safetensors file `path` whose name `keep` takes (None:
+    all), in file order, each in a fresh CPU tensor (the others are not read). ValueError naming
+    the file and what is wrong with it."""
     size = os.path.getsize(path)
     with open(path, "rb") as file:
         header, data_start = _header(file, size, path)
@@ -48,6 +49,8 @@ def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 raise ValueError(f"{path}: tensor {name!r} ({entry['dtype']} {shape}) should take {nbytes} bytes at "
                                  f"[{begin}, {end}) of the data, but the file has {size - data_start}: truncated "
                                  "or corrupt")
+            if keep is not None and not keep(name):
+                continue
             buffer = torch.empty(nbytes, dtype=torch.uint8)
             file.seek(data_start + begin)
             if nbytes and file.readinto(memoryview(buffer.numpy())) != nbytes:

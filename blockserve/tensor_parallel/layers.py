@@ -182,7 +182,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup):
         self.rows = _vocab_slice(vocab_size, tp)
-        super().__init__(self.rows.size, hidden_size)
+        super().__init__(self.rows.size, hidden_size, _weight=torch.empty(self.rows.size, hidden_size))  # uninitialised
         self.tp = tp
         self.weight.weight_loader = self._narrow
 
@@ -284,6 +284,7 @@ def row_linear(in_features: int, out_features: int, tp: TensorParallelGroup | No
 
 
 def vocab_embedding(vocab_size: int, hidden_size: int, tp: TensorParallelGroup | None) -> nn.Embedding:
-    if tp is None:
-        return nn.Embedding(vocab_size, hidden_size)
+    if tp is None:  # an uninitialised weight: the checkpoint fills it (on the meta device, torch's random
+        # init would import torch._dynamo, ~110 MiB and ~1 s of a load)
+        return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
     return VocabParallelEmbedding(vocab_size, hidden_size, tp)

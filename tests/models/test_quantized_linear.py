@@ -1,5 +1,6 @@
 """QuantizedLinear: GGUF blocks packed for the native kernel give the matmul of the weights gguf's
-own dequantiser produces, for the rows it handles; more rows go to the float32 copy.
+own dequantiser produces, for the rows it handles; more rows go to the GEMM over tiles dequantised
+from the same blocks (no float32 copy is kept).
 
 Tolerances. activations="float32": x @ W^T up to float32 accumulation against float64:
   |error| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (scaled by the terms' magnitudes, not the result's, which
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
+from blockserve.models import quantized_linear
 from blockserve.models.quantized_linear import (
     ACTIVATIONS,
     DEFAULT_ACTIVATIONS,
@@ -35,10 +37,9 @@ from blockserve.models.quantized_linear import (
     QuantizedLinear,
     pack_blocks,
     round_per_block,
-    sharing_linear,
     use_quantized_linears,
 )
-from blockserve.models.weight_layout import PANEL_COLUMNS, PANEL_MIN_OUT, PanelLinear
+from blockserve.models.weight_layout import PANEL_COLUMNS, PanelLinear
 from blockserve.native.extension import ISA_ENV, fused_ops, quantized_matmul_ops
 from tests.threads import torch_threads
 
@@ -87,6 +88,12 @@ def quantized(rows: int, cols: int, format: str, seed: int = 0) -> tuple[np.ndar
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format]).copy())
 
 
+def layer_over(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor, format: str,
+               **kwargs) -> QuantizedLinear:
+    """A QuantizedLinear of `weight`'s shape over `packed` (the weight's values are not kept)."""
+    return QuantizedLinear(packed, format, weight.shape[0], weight.shape[1], bias, **kwargs)
+
+
 def assert_layer_matmul(layer: QuantizedLinear, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None):
     """`layer`'s output against the rule of its activations (module docstring)."""
@@ -102,20 +109,21 @@ def assert_layer_matmul(layer: QuantizedLinear, out: torch.Tensor, x: torch.Tens
 def test_blocks_give_the_dequantised_matmul(format, rows, activations):
     raw, weight = quantized(rows, 96, format)
     bias = torch.randn(rows)
-    # A decoy float32 copy: the rows the blocks serve (up to max_rows; int8: every row count, 300
-    # crossing the kernel's row tiles of 128) must come from the blocks, more from the copy (int16:
-    # on x rounded as the kernel rounds it).
-    decoy = torch.zeros_like(weight)
-    layer = QuantizedLinear(sharing_linear(decoy, bias), pack_blocks(raw, format), format, activations=activations)
+    # The rows the blocks serve (up to max_rows; int8: every row count, 300 crossing the kernel's
+    # row tiles of 128) come from the kernel, more from the tiled GEMM (int16: on x rounded as the
+    # kernel rounds it); both give the dequantised matmul, and the layer holds no float32 weight.
+    layer = layer_over(weight, bias, pack_blocks(raw, format), format, activations=activations)
     assert layer.max_rows == MAX_ROWS[activations, ops.simd_lanes()]
+    assert [p.dtype for p in layer.parameters()] == [torch.float32] and layer.bias.shape == (rows,)
+    assert torch.equal(layer.weight, weight)  # the blocks' values, dequantised exactly
     served = (1, 2, 3, 4, 5, 7, 64, 300) if layer.max_rows == EVERY_ROW else (1, 2, 3, 4, 5, 7, layer.max_rows)
     for m in served:
         x = torch.randn(m, 96)
         assert_layer_matmul(layer, layer(x), x, weight, bias)
     if layer.max_rows < EVERY_ROW:
         x = torch.randn(layer.max_rows + 1, 96)
-        x_seen = round_per_block(x, LEVELS[activations]) if activations in LEVELS else x
-        assert torch.equal(layer(x), F.linear(x_seen, decoy, bias))
+        layer.kernel = None  # past max_rows the kernel is not called
+        assert_layer_matmul(layer, layer(x), x, weight, bias)
 
 
 def test_the_isa_switch_gives_every_caller_the_avx2_build(monkeypatch):
@@ -127,7 +135,7 @@ def test_the_isa_switch_gives_every_caller_the_avx2_build(monkeypatch):
     monkeypatch.setenv(ISA_ENV, "avx2")
     assert quantized_matmul_ops() is avx2 and fused_ops() is avx2
     raw, weight = quantized(8, 64, "Q4_1")
-    assert QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1").max_rows == MAX_ROWS["float32", 8]
+    assert layer_over(weight, None, pack_blocks(raw, "Q4_1"), "Q4_1").max_rows == MAX_ROWS["float32", 8]
     monkeypatch.setenv(ISA_ENV, "avx3")
     with pytest.raises(ValueError, match="choose native or avx2"):
         quantized_matmul_ops()
@@ -150,7 +158,7 @@ def test_integer_rows_get_the_same_bits_alone_or_in_a_batch(format, activations)
     Where the kernel cannot run (here: a 3-D x), the float32 layer takes x rounded as the kernel rounds it."""
     raw, weight = quantized(13, 96, format, seed=3)
     bias = torch.randn(13)
-    layer = QuantizedLinear(sharing_linear(weight, bias), pack_blocks(raw, format), format, activations=activations)
+    layer = layer_over(weight, bias, pack_blocks(raw, format), format, activations=activations)
     rows = min(300, layer.max_rows)
     x = torch.randn(rows, 96)
     x[1, :32] = 0  # a zero block
@@ -178,7 +186,7 @@ def test_round_per_block_is_the_kernels_rounding_to_the_bit(activations):
     top = LEVELS[activations]
     levels = torch.randint(-top, top, x.shape, generator=generator).float()
     x = torch.where(x.abs() == amax, x, (levels + 0.5) * (amax / top)).reshape(64, k)
-    layer = QuantizedLinear(sharing_linear(torch.eye(k)), pack_blocks(raw.reshape(k, -1), "Q8_0"), "Q8_0",
+    layer = layer_over(torch.eye(k), None, pack_blocks(raw.reshape(k, -1), "Q8_0"), "Q8_0",
                             activations=activations)
     assert torch.equal(layer.kernel(x, layer.packed, k, False), round_per_block(x, top))
 
@@ -327,15 +335,15 @@ def test_integer_q8_0_weights_at_the_ends_of_their_range(activations):
 def test_activations_default_to_float32_and_unknown_ones_are_refused():
     raw, weight = quantized(8, 64, "Q4_1")
     packed = pack_blocks(raw, "Q4_1")
-    layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1")
+    layer = layer_over(weight, None, packed, "Q4_1")
     assert layer.activations == "float32" and layer.kernel is ops.quantized_matmul
     assert layer.max_rows == MAX_ROWS["float32", ops.simd_lanes()]
-    layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int8")
+    layer = layer_over(weight, None, packed, "Q4_1", activations="int8")
     assert layer.activations == "int8" and layer.kernel is ops.quantized_matmul_int8 and layer.max_rows == EVERY_ROW
-    layer = QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int16")
+    layer = layer_over(weight, None, packed, "Q4_1", activations="int16")
     assert layer.kernel is ops.quantized_matmul_int16 and layer.max_rows == MAX_ROWS["float32", ops.simd_lanes()]
     with pytest.raises(ValueError, match="activations must be one of"):
-        QuantizedLinear(sharing_linear(weight), packed, "Q4_1", activations="int4")
+        layer_over(weight, None, packed, "Q4_1", activations="int4")
     # EngineConfig's choices and default (torch-free) are the kernel's
     assert ACTIVATIONS == QUANTIZED_ACTIVATIONS and DEFAULT_ACTIVATIONS == DEFAULT_QUANTIZED_ACTIVATIONS
     assert EngineConfig().quantized_activations == DEFAULT_ACTIVATIONS
@@ -346,7 +354,7 @@ def test_activations_default_to_float32_and_unknown_ones_are_refused():
 @pytest.mark.parametrize("activations", ["int8", "int16", "float32"])
 def test_non_contiguous_rows(activations):
     raw, weight = quantized(8, 64, "Q4_1")
-    layer = QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1", activations=activations)
+    layer = layer_over(weight, None, pack_blocks(raw, "Q4_1"), "Q4_1", activations=activations)
     x = torch.randn(3, 128)[:, ::2]
     assert_layer_matmul(layer, layer(x), x, weight)
 
@@ -354,7 +362,7 @@ def test_non_contiguous_rows(activations):
 def test_blocks_that_do_not_fit_the_weight_are_refused():
     raw, weight = quantized(8, 64, "Q8_0")
     with pytest.raises(ValueError, match="do not fit a 8 x 96 weight"):
-        QuantizedLinear(sharing_linear(torch.zeros(8, 96)), pack_blocks(raw, "Q8_0"), "Q8_0")
+        layer_over(torch.zeros(8, 96), None, pack_blocks(raw, "Q8_0"), "Q8_0")
     with pytest.raises(RuntimeError, match="bytes"):
         ops.quantized_matmul(torch.randn(1, 64), pack_blocks(raw, "Q8_0")[:-1].contiguous(), 8, False)
     for kernel in (ops.quantized_matmul_int8, ops.quantized_matmul_int16):
@@ -382,17 +390,17 @@ def test_fused_parts_concatenate_in_order_and_mixed_formats_stay_float32():
     model.self_attn.o_proj.weight.data = o_weight
     blocks = [(f"self_attn.{n}_proj.weight", "Q4_1", parts[n][0]) for n in "kqv"]  # any arrival order
     blocks.append(("self_attn.o_proj.weight", "Q8_0", o_raw))
-    assert use_quantized_linears(model, blocks) == 2
+    assert use_quantized_linears(model, blocks) == {f"self_attn.{n}_proj.weight" for n in "qkvo"}
     x = torch.randn(2, 64)
     assert isinstance(model.self_attn.qkv_proj, QuantizedLinear)
-    assert_float32_matmul(model.self_attn.qkv_proj(x), x, model.self_attn.qkv_proj.weight)
+    assert_float32_matmul(model.self_attn.qkv_proj(x), x, torch.cat([parts[n][1] for n in "qkv"]))
     assert_float32_matmul(model.self_attn.o_proj(x), x, o_weight)
 
     mixed = TwoLayer()
     v_raw, _ = quantized(8, 64, "Q8_0")
     blocks = [(f"self_attn.{n}_proj.weight", "Q4_1", parts[n][0]) for n in "qk"]
     blocks.append(("self_attn.v_proj.weight", "Q8_0", v_raw))
-    assert use_quantized_linears(mixed, blocks) == 0
+    assert use_quantized_linears(mixed, blocks) == set()
     assert type(mixed.self_attn.qkv_proj) is nn.Linear
 
 
@@ -408,20 +416,25 @@ def test_panel_linear_is_the_same_linear():
         assert_float32_matmul(panels(x).reshape(-1, weight.shape[0]), x.reshape(-1, 96), weight, bias)
 
 
-def test_wide_layers_with_blocks_run_larger_batches_on_panels():
-    """A wide layer that gets blocks keeps its float32 copy as panels (above float32's max_rows, where
-    the panels are faster); a narrow one stays an nn.Linear."""
-    wide_raw, wide = quantized(PANEL_MIN_OUT, 64, "Q8_0")
-    narrow_raw, narrow = quantized(8, 64, "Q8_0", seed=1)
-    model = TwoLayer()
-    model.mlp = nn.Module()
-    model.mlp.fc = nn.Linear(64, PANEL_MIN_OUT, bias=False)
-    model.mlp.fc.weight.data = wide.clone()
-    model.self_attn.o_proj.weight.data = narrow.clone()
-    blocks = [("mlp.fc.weight", "Q8_0", wide_raw), ("self_attn.o_proj.weight", "Q8_0", narrow_raw)]
-    assert use_quantized_linears(model, blocks) == 2
-    assert isinstance(model.mlp.fc.dense, PanelLinear) and type(model.self_attn.o_proj.dense) is nn.Linear
-    for layer, weight in ((model.mlp.fc, wide), (model.self_attn.o_proj, narrow)):
-        for rows in (1, layer.max_rows + 1):
-            x = torch.randn(rows, 64)
-            assert_float32_matmul(layer(x), x, weight)
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
+def test_many_rows_run_on_tiles_dequantised_from_the_blocks(format, monkeypatch):
+    """Past max_rows a layer wider than one tile dequantises a tile of rows at a time (the last one
+    shorter, rows not a multiple of four) into the GEMM: the float32 matmul of the weights, with
+    no float32 weight resident; row ranges off a group of four are refused."""
+    raw, weight = quantized(4 * 7 + 2, 64, format)
+    layer = layer_over(weight, None, pack_blocks(raw, format), format, max_rows=2)
+    monkeypatch.setattr(quantized_linear, "TILE_VALUES", 8 * 64)  # tiles of 8 rows: 4 tiles, the last 6 rows
+    tiles = []
+    dequantize = layer.dequantize
+    monkeypatch.setattr(layer, "dequantize", lambda start=0, rows=None: tiles.append((start, rows)) or
+                        dequantize(start, rows))
+    x = torch.randn(9, 64)
+    assert_float32_matmul(layer(x), x, weight)
+    assert tiles == [(0, 8), (8, 8), (16, 8), (24, 6)]
+    assert layer.packed.numel() < weight.numel() * 2 and not list(layer.parameters())  # 1.2 bytes a weight at most
+    for start, rows in ((2, 4), (0, 31), (-4, 4)):
+        with pytest.raises(RuntimeError, match="rows"):
+            dequantize(start, rows)
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    for build in (ops, *([avx2] if avx2 is not None and avx2.simd_lanes() else [])):  # exact in either build
+        assert torch.equal(build.quantized_dequantize(layer.packed, 30, 64, format != "Q8_0", 8, 22), weight[8:])

@@ -17,24 +17,22 @@ from blockserve.models.quantized_linear import (
     MAX_ROWS,
     QuantizedLinear,
     pack_blocks,
-    sharing_linear,
     use_quantized_linears,
 )
 from blockserve.models.row_crossover import ALWAYS, crossover_rows, shape_of
 from blockserve.native.extension import quantized_matmul_ops
-from tests.models.test_quantized_linear import assert_float32_matmul, quantized
+from tests.models.test_quantized_linear import layer_over, assert_float32_matmul, quantized
 
 ops = quantized_matmul_ops()
 pytestmark = pytest.mark.skipif(ops is None or not ops.simd_lanes(),
                                 reason="the quantized kernel needs native kernels built with AVX-512 or AVX2")
 
 
-class FakeGemm(nn.Module):
+class FakeGemm:
     def __init__(self, costs: FakeCosts, linear: QuantizedLinear):
-        super().__init__()
         self.costs, self.out_features = costs, linear.out_features
 
-    def forward(self, x: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor) -> None:
         self.costs.record(self.out_features, "gemm", x.shape[0], 1.0)
 
 
@@ -50,7 +48,7 @@ class FakeCosts:
             def blocks(x, packed, out_features, q4_1):
                 faster = x.shape[0] <= blocks_win_up_to[out_features]
                 self.record(out_features, "blocks", x.shape[0], 0.5 if faster else slower)
-            linear.kernel, linear.dense = blocks, FakeGemm(self, linear)
+            linear.kernel, linear.gemm = blocks, FakeGemm(self, linear)
 
     def record(self, out_features: int, path: str, rows: int, seconds_per_row: float) -> None:
         self.calls.append((out_features, path, rows))
@@ -65,7 +63,7 @@ def linears_of(outs: list[int], activations: str = "float32") -> list[QuantizedL
     layers = []
     for i, out in enumerate(outs):
         raw, weight = quantized(out, 64, "Q4_1", seed=i)
-        layers.append(QuantizedLinear(sharing_linear(weight), pack_blocks(raw, "Q4_1"), "Q4_1",
+        layers.append(layer_over(weight, None, pack_blocks(raw, "Q4_1"), "Q4_1",
                                       activations=activations))
     return layers
 

@@ -90,9 +90,10 @@ def test_matches_transformers(reference, loaded, backend):
 
 
 def test_every_linear_keeps_its_gguf_blocks_in_the_right_order(loaded):
-    """The blocks each layer reads at small batches give the same matmul as its float32 weights,
-    which come from the independent dequantise-and-convert path: q/k rows unpermuted, q/k/v and
-    gate/up concatenated in the same order, the tied lm_head from the Q8_0 embedding."""
+    """The blocks each layer reads, at small batches and past them (the dequantised tiles), give the
+    same matmul as the file's weights dequantised by gguf-py (the loader's float32 path): q/k rows
+    unpermuted, q/k/v and gate/up concatenated in the same order, the tied lm_head from the Q8_0
+    embedding."""
     ops = quantized_matmul_ops()
     if ops is None or not ops.simd_lanes():
         pytest.skip("the quantized kernel needs native kernels built with AVX-512 or AVX2")
@@ -101,10 +102,20 @@ def test_every_linear_keeps_its_gguf_blocks_in_the_right_order(loaded):
     assert len(layers) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; lm_head
     assert model.quantized_lm_head in layers
     assert not any(isinstance(m, QuantizedLinear) for m in loaded[1]["whole_block"].model.modules())
-    for layer in layers:
-        x = torch.randn(3, layer.in_features)
-        want = torch.nn.functional.linear(x, layer.weight)
-        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    file_weights = dict(loader._gguf_tensors(loader._gguf_reader(default_model_path()), "llama", model.config,
+                                             lambda name, tensor: name.endswith(("proj.weight", "embed_tokens.weight"))))
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, QuantizedLinear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        weight = (file_weights["model.embed_tokens.weight"] if name == "quantized_lm_head" else
+                  torch.cat([file_weights[f"{parent}.{part}.weight"] for part in fused.get(leaf, (leaf,))]))
+        assert torch.equal(layer.weight, weight), name
+        for rows in (3, layer.max_rows + 1) if name.startswith(("model.layers.0.", "quantized_lm_head")) else (3,):
+            x = torch.randn(rows, layer.in_features)
+            want = torch.nn.functional.linear(x, weight)
+            torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 # activations: (mean bound, max bound, near-tie) on logits against transformers'; measured below.

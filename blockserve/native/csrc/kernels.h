@@ -52,6 +52,10 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
 at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 at::Tensor quantized_matmul_int8(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
 at::Tensor quantized_matmul_int16(at::Tensor x, at::Tensor packed, int64_t out_features, bool q4_1);
+// W's rows [row_start, row_start + rows) as float32 [rows, K] (row_start a multiple of 4): the values the
+// blocks encode, for the many-row side (a tile dequantised and multiplied by the GEMM).
+at::Tensor quantized_dequantize(at::Tensor packed, int64_t out_features, int64_t in_features, bool q4_1,
+                                int64_t row_start, int64_t rows);
 int64_t simd_lanes();
 
 // half_matmul.cpp: out = x @ W^T, x float32, W [N, K] bfloat16 or float16 widened in registers (float32 sums).

@@ -36,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int8 per block of 32 (integer dots)");
   m.def("quantized_matmul_int16", &quantized_matmul_int16,
         "out [M, N] = x [M, K] @ W^T as quantized_matmul, with x rounded to int16 per block of 32 (integer dots)");
+  m.def("quantized_dequantize", &quantized_dequantize,
+        "(packed, out_features, in_features, q4_1, row_start, rows) -> W[row_start:row_start + rows] float32 [rows, K]");
   m.def("simd_lanes", &simd_lanes, "16: the AVX-512 path, 8: AVX2, 0: neither (quantized_matmul cannot run)");
   m.def("half_matmul", &half_matmul,
         "out [M, N] float32 = x [M, K] float32 @ W^T, W [N, K] bfloat16 or float16 widened in registers");

@@ -573,6 +573,47 @@ at::Tensor quantized_matmul(at::Tensor x, at::Tensor packed, int64_t out_feature
 #endif
 }
 
+at::Tensor quantized_dequantize(at::Tensor packed, int64_t out_features, int64_t in_features, bool q4_1,
+                                int64_t row_start, int64_t rows) {
+  const int64_t N = out_features, K = in_features;
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous(), "packed: contiguous uint8 expected");
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "in_features must be a positive multiple of 32");
+  TORCH_CHECK(row_start >= 0 && row_start % kGroup == 0 && rows >= 0 && row_start + rows <= N,
+              "rows [", row_start, ", ", row_start + rows, ") are not a run of ", N, " rows starting on a group of 4");
+  const int64_t blocks = K / kBlock, gbb = q4_1 ? group_block_bytes<true>() : group_block_bytes<false>();
+  TORCH_CHECK(packed.numel() == (N + kGroup - 1) / kGroup * blocks * gbb, "packed weights have ", packed.numel(),
+              " bytes; ", (N + kGroup - 1) / kGroup * blocks * gbb, " expected for ", N, " x ", K);
+  auto out = at::empty({rows, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t first = row_start / kGroup, groups = (rows + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* gb = w + (first + g) * blocks * gbb;
+      const int64_t live = std::min(kGroup, rows - g * kGroup);
+      for (int64_t b = 0; b < blocks; ++b, gb += gbb) {
+        const float* d = reinterpret_cast<const float*>(gb);
+        for (int64_t i = 0; i < live; ++i) {
+          float* dst = o + (g * kGroup + i) * K + b * kBlock;
+          const float scale = d[i];
+          if (q4_1) {  // byte j: weight j (low nibble), weight j + 16 (high); d * q is exact, one rounding adds m
+            const float m = reinterpret_cast<const float*>(gb + 16)[i];
+            const uint8_t* q = gb + 32 + 16 * i;
+            for (int64_t j = 0; j < 16; ++j) {
+              dst[j] = scale * static_cast<float>(q[j] & 15) + m;
+              dst[j + 16] = scale * static_cast<float>(q[j] >> 4) + m;
+            }
+          } else {
+            const int8_t* q = reinterpret_cast<const int8_t*>(gb + 16 + 32 * i);
+            for (int64_t j = 0; j < kBlock; ++j) dst[j] = scale * static_cast<float>(q[j]);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 int64_t simd_lanes() { return BLOCKSERVE_LANES; }
 
 }  // namespace blockserve
