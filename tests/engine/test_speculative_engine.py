@@ -9,6 +9,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from blockserve import LLM, SamplingParams
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.worker.input_batch import InputBatch
 from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
 from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
 
@@ -55,6 +56,55 @@ def test_greedy_tokens_are_identical_with_speculation(tiny, scenario):
     if scenario == "preemption":
         assert llm.engine.core.scheduler.num_preemptions > 0
     llm.engine.core.scheduler.assert_idle()
+
+
+def test_a_verification_step_attends_as_decodes_and_prompt_logprobs_keep_their_rows(tiny, monkeypatch):
+    """Drafts are scored by the decode kernels: each of a request's k + 1 rows is a decode of its own
+    length (what makes a verification cost close to one decode step); a prompt chunk in the same step
+    keeps its own rows, so its prompt logprobs are those of a run without speculation."""
+    steps = []
+    prepare = InputBatch.prepare
+
+    def recording(self, out):
+        inputs = prepare(self, out)
+        if out.spec_token_ids:
+            steps.append((out, inputs))
+        return inputs
+
+    monkeypatch.setattr(InputBatch, "prepare", recording)
+    loop, plain_prompt = prompts()[0], [60 + (7 * i) % 300 for i in range(90)]
+    greedy = SamplingParams(temperature=0, max_tokens=3 * NEW_TOKENS, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    llm = LLM(tiny, block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=16,
+              speculative_config=SPEC | {"min_acceptance_rate": 0})
+    engine = llm.engine
+    engine.add_request("loop", loop, greedy)
+    while not steps:  # until "loop" verifies drafts
+        engine.step()
+    engine.add_request("scored", plain_prompt, with_logprobs)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    mixed = [inputs for out, inputs in steps if len(out.num_scheduled_tokens) > 1]
+    assert mixed, "no step verified drafts beside a prompt chunk"
+    for out, inputs in steps:
+        verified = [rid for rid in inputs.request_ids if rid in out.spec_token_ids]
+        rows = sum(len(out.spec_token_ids[rid]) + 1 for rid in verified)
+        assert inputs.layout.num_decodes >= rows
+        assert inputs.layout.seq_lens[:rows] == sorted(inputs.layout.seq_lens[:rows])
+        starts = dict(zip(inputs.request_ids, zip(inputs.query_start, inputs.query_start[1:])))
+        assert [end - start for start, end in (starts[rid] for rid in inputs.request_ids)] == [
+            out.num_scheduled_tokens[rid] for rid in inputs.request_ids]
+    plain = LLM(tiny, block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=16)
+    expected = plain.generate([plain_prompt], with_logprobs, use_tqdm=False)[0]
+    got = next(output.prompt_logprobs for output in outputs["scored"] if output.prompt_logprobs is not None)
+    assert len(got) == len(expected.prompt_logprobs)
+    for a, b in zip(got, expected.prompt_logprobs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
 def test_seeded_sampling_is_reproducible_and_logprobs_follow_the_tokens(tiny):
