@@ -26,8 +26,8 @@ class SpeculativeConfig:
     tokens that followed their latest earlier occurrence are proposed.
 
     `disable_by_batch_size`: no proposals in a step with at least this many running requests
-    (None: no limit). `min_acceptance_rate`: a request whose drafts are accepted at a lower rate
-    (over its recent proposals) stops proposing for a while, then tries again (0: never)."""
+    (None: no limit). Below it, drafts are verified only where the measured cost of the rows they
+    add is expected to pay (spec_decode/step_costs.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -35,7 +35,6 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     model: str | None = None
     disable_by_batch_size: int | None = None
-    min_acceptance_rate: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method in NOT_BUILT:
@@ -54,9 +53,6 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max}); give min <= max")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
-        rate = self.min_acceptance_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-            raise ValueError(f"speculative_config.min_acceptance_rate must be a number in [0, 1), got {rate!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:

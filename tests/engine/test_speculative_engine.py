@@ -9,6 +9,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from blockserve import LLM, SamplingParams
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.spec_decode.speculator import Speculator
 from blockserve.worker.input_batch import InputBatch
 from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
 from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
@@ -35,6 +36,13 @@ def tiny(request, tmp_path_factory):
     config = LlamaConfig(**SIZES) if request.param == "llama" else Qwen2Config(**SIZES, tie_word_embeddings=True)
     save_random_model(config, path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def unmeasured_steps(monkeypatch):
+    """Steps' costs stay unmeasured (so every draft is verified: the tests see the same drafts whatever
+    the machine's load); test_decode_steps_are_measured restores the measurement."""
+    monkeypatch.setattr(Speculator, "observe_step", lambda self, rows, seconds: None)
 
 
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
@@ -76,7 +84,7 @@ def test_a_verification_step_attends_as_decodes_and_prompt_logprobs_keep_their_r
     greedy = SamplingParams(temperature=0, max_tokens=3 * NEW_TOKENS, ignore_eos=True)
     with_logprobs = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
     llm = LLM(tiny, block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=16,
-              speculative_config=SPEC | {"min_acceptance_rate": 0})
+              speculative_config=SPEC)
     engine = llm.engine
     engine.add_request("loop", loop, greedy)
     while not steps:  # until "loop" verifies drafts
@@ -105,6 +113,25 @@ def test_a_verification_step_attends_as_decodes_and_prompt_logprobs_keep_their_r
         if a is not None:
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_decode_steps_are_measured(tiny, monkeypatch):
+    """The engine times its decode steps by row count (what the drafts are weighed against), and
+    not its prefill steps."""
+    monkeypatch.undo()
+    observed = []
+    observe = Speculator.observe_step
+    monkeypatch.setattr(Speculator, "observe_step",
+                        lambda self, rows, seconds: observed.append((rows, seconds)) or observe(self, rows, seconds))
+    llm = LLM(tiny, block_size=4, kv_cache_memory="4MiB", speculative_config=SPEC)
+    llm.generate([prompts()[0]], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats().speculation
+    emitted = NEW_TOKENS - 1  # the prefill step emits the first token and is not observed
+    assert len(observed) == emitted - stats.num_accepted_tokens  # every step after the prefill
+    assert sum(rows for rows, _ in observed) == len(observed) + stats.num_draft_tokens
+    assert all(seconds > 0 for _, seconds in observed)
+    speculator = llm.engine.core.scheduler.speculator
+    assert speculator.costs.seconds(1) is not None
 
 
 def test_seeded_sampling_is_reproducible_and_logprobs_follow_the_tokens(tiny):
