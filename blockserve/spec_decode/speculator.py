@@ -23,6 +23,7 @@ from blockserve.spec_decode.config import SpeculativeConfig
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.proposer import Proposer
 from blockserve.spec_decode.stats import SpeculationStats
+from blockserve.spec_decode.suffix import SuffixProposer
 from blockserve.spec_decode.step_costs import StepCosts
 
 FIRST_BACKOFF_STEPS = 4
@@ -48,6 +49,9 @@ class _RequestBooks:
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
     raise ValueError(f"no proposer for speculative_config.method {config.method!r}")
 
 

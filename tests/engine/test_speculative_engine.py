@@ -66,6 +66,22 @@ def test_greedy_tokens_are_identical_with_speculation(tiny, scenario):
     llm.engine.core.scheduler.assert_idle()
 
 
+def test_suffix_decoding_keeps_the_greedy_tokens_and_learns_across_requests(tiny):
+    suffix = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}
+    options = dict(block_size=4, kv_cache_memory="4MiB", check_integrity=True, poison=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = tokens(LLM(tiny, **options), params)
+    llm = LLM(tiny, speculative_config=suffix, **options)
+    assert tokens(llm, params) == plain
+    first = llm.engine.stats().speculation
+    assert tokens(llm, params) == plain  # again: the finished outputs now draft too
+    again = llm.engine.stats().speculation
+    assert again.num_accepted_tokens - first.num_accepted_tokens > first.num_accepted_tokens > 0
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    assert proposer.num_requests == 0 and proposer.num_cached_requests == 2 * len(prompts())
+    llm.engine.core.scheduler.assert_idle()
+
+
 def test_a_verification_step_attends_as_decodes_and_prompt_logprobs_keep_their_rows(tiny, monkeypatch):
     """Drafts are scored by the decode kernels: each of a request's k + 1 rows is a decode of its own
     length (what makes a verification cost close to one decode step); a prompt chunk in the same step

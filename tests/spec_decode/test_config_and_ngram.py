@@ -24,6 +24,12 @@ def test_the_json_shape_parses():
     ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens"),
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"method": "ngram", "model": "x"}', "model"), ('{"method": "ngram", "k": 2}', "k"), ("{not json", "JSON"),
+    ('{"method": "ngram", "suffix_decoding_max_tree_depth": 8}', "suffix_decoding_max_tree_depth"),
+    ('{"method": "suffix", "prompt_lookup_max": 3}', "prompt_lookup_max"),
+    ('{"method": "suffix", "suffix_decoding_max_tree_depth": 1}', "suffix_decoding_max_tree_depth"),
+    ('{"method": "suffix", "suffix_decoding_max_cached_requests": -1}', "suffix_decoding_max_cached_requests"),
+    ('{"method": "suffix", "suffix_decoding_max_spec_factor": 0}', "suffix_decoding_max_spec_factor"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "suffix_decoding_min_token_prob"),
 ])
 def test_bad_configs_are_refused_naming_the_field(value, field):
     with pytest.raises(ValueError, match=field):
