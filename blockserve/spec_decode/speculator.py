@@ -56,10 +56,10 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, costs: StepCosts | None = None):
         self.config = config
         self.proposer = proposer or make_proposer(config)
-        self.costs = StepCosts()
+        self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
         self._step_rows = 0  # drafted rows this step so far
         k = config.num_speculative_tokens

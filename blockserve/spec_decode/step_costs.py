@@ -8,8 +8,9 @@ expectation, a + a^2 + ... + a^k tokens, for c(R + k) - c(R) more seconds. Plain
 B requests emits B / c(B) tokens per second; drafts pay when they add tokens at a better rate than
 that. `best_drafts` picks the k of largest expected gain at that price, 0 when none gains.
 
-A row count never measured (or not measured for STALE_AFTER observations, since what a step costs
-changes with the CPU's load) counts as free, so it is tried and measured."""
+Where a batch's plain step is not measured, no drafts are verified (so the next step measures it);
+a larger row count never measured counts as free, so it is tried and measured. A count not measured
+for STALE_AFTER observations is forgotten (what a step costs changes with the CPU's load)."""
 
 from __future__ import annotations
 
@@ -38,16 +39,14 @@ class StepCosts:
 
     def seconds(self, rows: int) -> float | None:
         """c(rows): measured, or interpolated between the nearest measured row counts either side;
-        None where no count at or above `rows` is measured (not yet known)."""
+        None where no count is measured on one side (not known)."""
         measured = self._seconds
         if rows in measured:
             return measured[rows]
         below = max((r for r in measured if r < rows), default=None)
         above = min((r for r in measured if r > rows), default=None)
-        if above is None:
+        if below is None or above is None:
             return None
-        if below is None:
-            return measured[above]
         share = (rows - below) / (above - below)
         return measured[below] + share * (measured[above] - measured[below])
 
@@ -56,7 +55,9 @@ class StepCosts:
         scores `rows` rows, for a request whose drafts are accepted at rate `acceptance` per position:
         the k of largest expected tokens gained less the plain rate's tokens for the seconds added."""
         base, plain = self.seconds(rows), self.seconds(batch_size)
-        rate = batch_size / plain if plain else 0.0  # plain decoding's tokens per second (unknown: free)
+        if plain is None:
+            return 0  # the plain step first: what the drafts' rows are weighed against
+        rate = batch_size / plain if plain > 0 else 0.0  # plain decoding's tokens per second
         best, best_gain = 0, 0.0
         expected = 0.0
         for k in range(1, available + 1):
@@ -67,3 +68,14 @@ class StepCosts:
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
+
+
+class FlatStepCosts(StepCosts):
+    """Every step costs the same whatever its rows, so every draft pays: for drivers whose steps'
+    time means nothing (the shadow simulator)."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, rows: int) -> float | None:
+        return 1.0

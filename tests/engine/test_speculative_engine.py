@@ -9,7 +9,9 @@ from transformers import LlamaConfig, Qwen2Config
 
 from blockserve import LLM, SamplingParams
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.speculator import Speculator
+from blockserve.spec_decode.step_costs import FlatStepCosts
 from blockserve.worker.input_batch import InputBatch
 from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
 from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
@@ -39,10 +41,10 @@ def tiny(request, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def unmeasured_steps(monkeypatch):
-    """Steps' costs stay unmeasured (so every draft is verified: the tests see the same drafts whatever
-    the machine's load); test_decode_steps_are_measured restores the measurement."""
-    monkeypatch.setattr(Speculator, "observe_step", lambda self, rows, seconds: None)
+def flat_step_costs(monkeypatch):
+    """Every draft is verified (steps weighed as costing the same whatever their rows), so the tests
+    see the same drafts whatever the machine's load; test_decode_steps_are_measured undoes it."""
+    monkeypatch.setattr(speculator_module, "StepCosts", FlatStepCosts)
 
 
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:

@@ -8,7 +8,7 @@ from blockserve.spec_decode.acceptance import num_accepted
 from blockserve.spec_decode.config import SpeculativeConfig
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.speculator import FIRST_BACKOFF_STEPS, Speculator
-from blockserve.spec_decode.step_costs import SMOOTHING, StepCosts
+from blockserve.spec_decode.step_costs import SMOOTHING, FlatStepCosts, StepCosts
 
 
 def test_the_json_shape_parses():
@@ -64,8 +64,9 @@ def measured(speculator: Speculator, seconds_by_rows: dict[int, float]) -> Specu
 
 def test_step_costs_interpolate_and_leave_unmeasured_rows_free():
     costs = StepCosts()
-    assert costs.seconds(1) is None and costs.best_drafts(4, 0.1, 1, 1) == 4  # nothing measured: try
+    assert costs.seconds(1) is None and costs.best_drafts(4, 0.9, 1, 1) == 0  # the plain step is measured first
     costs.observe(1, 1.0)
+    assert costs.best_drafts(4, 0.1, 1, 1) == 4  # larger steps never measured: tried
     costs.observe(5, 3.0)
     assert costs.seconds(3) == pytest.approx(2.0) and costs.seconds(6) is None
     costs.observe(5, 5.0)  # an average: the new observation weighs SMOOTHING
@@ -120,6 +121,7 @@ def test_acceptance_and_the_step_so_far_decide_the_drafts():
 
 
 def test_large_batches_do_not_speculate():
-    speculator = Speculator(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=8))
+    speculator = Speculator(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=8),
+                            costs=FlatStepCosts())
     assert speculator.propose("r", [1, 2, 1], 4, 8) == []
     assert speculator.propose("r", [1, 2, 1], 4, 7) == [2, 1]
