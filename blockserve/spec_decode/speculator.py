@@ -23,8 +23,8 @@ from blockserve.spec_decode.config import SpeculativeConfig
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.proposer import Proposer
 from blockserve.spec_decode.stats import SpeculationStats
-from blockserve.spec_decode.suffix import SuffixProposer
 from blockserve.spec_decode.step_costs import StepCosts
+from blockserve.spec_decode.suffix import SuffixProposer
 
 FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 256
@@ -118,6 +118,7 @@ class Speculator:
             tried = num_accepted + (num_accepted < num_drafts)
             books.accepted = FORGETTING * books.accepted + num_accepted
             books.tried = FORGETTING * books.tried + tried
+
     def forget(self, request_id: str) -> None:
         """The request ended: drop everything held for it."""
         self._books.pop(request_id, None)
