@@ -146,9 +146,11 @@ class SuffixProposer:
         request.indexed = len(token_ids)
         if max_tokens <= 0:
             return []
-        # The latest token's own occurrence has no continuation yet, so the match is an earlier one.
-        own = draft(trie, token_ids, max_tokens, self.max_spec_factor, self.min_token_prob)
-        cross = draft(self.cross, token_ids, max_tokens, self.max_spec_factor, self.min_token_prob)
+        # A match is at most max_depth - 1 tokens; the latest tokens' own occurrence has no
+        # continuation yet, so it is an earlier one.
+        tail = list(token_ids[-self.max_depth:])
+        own = draft(trie, tail, max_tokens, self.max_spec_factor, self.min_token_prob)
+        cross = draft(self.cross, tail, max_tokens, self.max_spec_factor, self.min_token_prob)
         return max(own, cross, key=lambda proposal: proposal[1])[0]
 
     def forget(self, request_id: str) -> None:
