@@ -3,8 +3,8 @@ batch 1: the runner's forward time (model and lm head) of a step of 1 row and of
 
     python -m benchmarks.verify_step [--k 4] [--rounds 3] [--steps 40]
 
-A request continues a repetitive list (n-gram drafts are all accepted), so nearly every step scores
-k + 1 rows. Two ways to run those rows, alternating in one process:
+A request continues a repetitive list (n-gram drafts are all accepted) and every draft is verified
+(FlatStepCosts: no step-cost rule), so nearly every step scores k + 1 rows. Two ways to run those rows, alternating in one process:
 
     decode   the engine's own: the k + 1 rows attend as k + 1 decodes of growing length
              (worker/input_batch.py), so the step runs the decoder stack's one native call
@@ -26,6 +26,7 @@ from benchmarks.cpu_share import CpuShare
 from benchmarks.spec_decode import TASKS
 from blockserve import LLM, SamplingParams
 from blockserve.bench.common import cpu_simd_flags
+from blockserve.spec_decode.step_costs import FlatStepCosts
 from blockserve.worker.input_batch import InputBatch
 
 
@@ -60,6 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     plain, speculative = LLM(enable_prefix_caching=False), LLM(enable_prefix_caching=False, speculative_config=spec)
+    speculative.engine.core.scheduler.speculator.costs = FlatStepCosts()  # every step verifies all its drafts
     prompt = TASKS["continue-list"]
     samples: dict[str, list[float]] = {"one-row": [], "decode": [], "prefill": []}
     with CpuShare() as share:
