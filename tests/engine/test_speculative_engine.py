@@ -177,3 +177,25 @@ def test_a_model_with_recurrent_state_is_refused(tiny_model):
     path, _ = tiny_model("qwen3_next")
     with pytest.raises(ValueError, match="speculative_config: this model has recurrent-state layers"):
         LLM(str(path), speculative_config=SPEC, kv_cache_memory="4MiB")
+
+
+def test_the_bundled_model_verifies_in_its_native_decode_stack(monkeypatch):
+    """On GGUF blocks a verification runs the decoder stack's one native call at k + 1 rows, and the
+    greedy text is the one decoded without speculation."""
+    from blockserve.models import llama_decode
+
+    stack_rows = []
+    native_stack = llama_decode.native_stack
+    monkeypatch.setattr(llama_decode, "native_stack", lambda layers, norm, rows: (
+        stack_rows.append(rows) or native_stack(layers, norm, rows)))
+    plain = LLM(max_model_len=256, kv_cache_memory="16MiB", quantized_max_rows=8)
+    speculative = LLM(plain.engine.core.loaded, max_model_len=256, kv_cache_memory="16MiB", quantized_max_rows=8,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    prompt = "Monday: check the logs, update the tickets.\nTuesday: check the logs, update the tickets.\nWednesday:"
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    stack_rows.clear()
+    got = speculative.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids and got.text == expected.text
+    assert speculative.engine.stats().speculation.num_accepted_tokens > 0
+    assert 4 in stack_rows  # a step of one token and its 3 drafts, in one native call
