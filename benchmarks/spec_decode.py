@@ -1,17 +1,21 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding on the bundled model: output
-tok/s per task at batch 1 and 16, greedy, with the outputs checked byte-identical.
+"""Speculative decoding (n-gram prompt lookup, suffix decoding) against plain decoding on the bundled
+model: output tok/s per task at batch 1 and 16, greedy, with the outputs checked byte-identical.
 
-    python -m benchmarks.spec_decode [--max-tokens 96] [--k 4] [--rounds 3]
+    python -m benchmarks.spec_decode [--max-tokens 96] [--k 4] [--rounds 3] [--methods ngram suffix]
+
+Suffix decoding runs over each request's own tokens only (suffix_decoding_max_cached_requests 0):
+every round repeats the same prompts, whose earlier answers a cross-request trie would replay.
 
 Tasks: three grounded in their input (edit a given code file, answer from a given document,
 continue a repetitive list), where the output repeats the prompt, and open-ended chat, where it
-does not. Prints one JSON line per (task, batch) with the medians of `rounds` runs, their ratio,
+does not. Prints one JSON line per (method, task, batch) with the medians of `rounds` runs, their ratio,
 the acceptance figures, the CPU flags and the other processes' CPU share while it ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -54,6 +58,12 @@ TASKS = {
 }
 
 
+METHODS = {  # each method's fields
+    "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {"suffix_decoding_max_cached_requests": 0},
+}
+
+
 def run(llm: LLM, prompt: str, batch: int, params: SamplingParams) -> tuple[float, list[str]]:
     began = time.perf_counter()
     outputs = llm.generate([prompt] * batch, params, use_tqdm=False)
@@ -67,35 +77,37 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    plain, speculative = LLM(enable_prefix_caching=False), LLM(enable_prefix_caching=False, speculative_config=spec)
+    plain = LLM(enable_prefix_caching=False)
+    speculatives = {method: LLM(enable_prefix_caching=False, speculative_config={
+        "method": method, "num_speculative_tokens": args.k, **METHODS[method]}) for method in args.methods}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     flags = cpu_simd_flags()
-    for batch in args.batches:
-        for task, prompt in TASKS.items():
-            rates = {"plain": [], "ngram": []}
-            texts = {}
-            before = speculative.engine.stats().speculation
-            with CpuShare() as share:
-                for _ in range(args.rounds):
-                    for name, llm in (("plain", plain), ("ngram", speculative)):
-                        rate, texts[name] = run(llm, prompt, batch, params)
-                        rates[name].append(rate)
-            after = speculative.engine.stats().speculation
-            drafted = after.num_draft_tokens - before.num_draft_tokens
-            accepted = after.num_accepted_tokens - before.num_accepted_tokens
-            verifications = after.num_verifications - before.num_verifications
-            plain_rate, spec_rate = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
-            print(json.dumps({
-                "task": task, "batch": batch, "max_tokens": args.max_tokens, "k": args.k,
-                "plain_tok_s": round(plain_rate, 1), "ngram_tok_s": round(spec_rate, 1),
-                "ratio": round(spec_rate / plain_rate, 2), "identical": texts["plain"] == texts["ngram"],
-                "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
-                "mean_accepted_length": round(1 + accepted / verifications, 2) if verifications else None,
-                "others_cpu_share": None if share.others is None else round(share.others, 2),
-                "cpu_flags": flags,
-            }), flush=True)
+    for batch, (method, speculative), (task, prompt) in itertools.product(args.batches, speculatives.items(),
+                                                                          TASKS.items()):
+        rates = {"plain": [], "speculative": []}
+        texts = {}
+        before = speculative.engine.stats().speculation
+        with CpuShare() as share:
+            for _ in range(args.rounds):
+                for name, llm in (("plain", plain), ("speculative", speculative)):
+                    rate, texts[name] = run(llm, prompt, batch, params)
+                    rates[name].append(rate)
+        after = speculative.engine.stats().speculation
+        drafted = after.num_draft_tokens - before.num_draft_tokens
+        accepted = after.num_accepted_tokens - before.num_accepted_tokens
+        verifications = after.num_verifications - before.num_verifications
+        plain_rate, spec_rate = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
+        print(json.dumps({
+            "method": method, "task": task, "batch": batch, "max_tokens": args.max_tokens, "k": args.k,
+            "plain_tok_s": round(plain_rate, 1), "speculative_tok_s": round(spec_rate, 1),
+            "ratio": round(spec_rate / plain_rate, 2), "identical": texts["plain"] == texts["speculative"],
+            "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
+            "mean_accepted_length": round(1 + accepted / verifications, 2) if verifications else None,
+            "others_cpu_share": None if share.others is None else round(share.others, 2),
+            "cpu_flags": flags,
+        }), flush=True)
 
 
 if __name__ == "__main__":

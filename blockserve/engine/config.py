@@ -171,8 +171,9 @@ class EngineConfig:
 
     speculative_config: SpeculativeConfig | None = field(default=None, metadata={
         "help": "speculative decoding, as a JSON object in vLLM's shape, e.g. '{\"method\": \"ngram\", "
-                "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
-                "(docs/speculative.md); greedy outputs stay identical and sampling keeps the model's distribution",
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
+                "'{\"method\": \"suffix\"}' (docs/speculative.md); greedy outputs stay identical and sampling "
+                "keeps the model's distribution",
         "type": str})
 
     tensor_parallel_size: int = field(default=1, metadata={

@@ -282,6 +282,7 @@ class EngineCore:
                         self.thread_governor.max_threads)
         if self.runner is None:
             raise RuntimeError("this engine is closed: build a new one")
+        began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self.config.async_scheduling:
             outputs = self._step_ahead(scheduler_output)
@@ -289,6 +290,9 @@ class EngineCore:
         else:
             runner_output = _run(lambda: self.runner.execute(scheduler_output), scheduler_output)
             outputs, stats = self.scheduler.update_from_output(scheduler_output, runner_output)
+            speculator = self.scheduler.speculator
+            if speculator is not None and _decodes_only(scheduler_output):  # what speculation weighs its drafts by
+                speculator.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - began)
         if self.check_integrity:
             self.kv.check_integrity()
         return outputs, stats
@@ -331,3 +335,10 @@ class EngineCore:
         if plan is not None and plan.is_cuda:
             gc.collect()  # whatever a reference cycle still holds on the device
             torch.cuda.empty_cache()
+
+
+def _decodes_only(out: SchedulerOutput) -> bool:
+    """Whether every request of step `out` computed one token and its drafts (no prompt chunk)."""
+    drafts_of = out.spec_token_ids
+    return bool(out.num_scheduled_tokens) and all(
+        n == 1 + len(drafts_of.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())

@@ -117,6 +117,8 @@ class Scheduler:
         preempted: set[str] = set()
         drafts_of: dict[str, list[int]] = {}
         speculator = self.speculator
+        if speculator is not None:
+            speculator.begin_step()
 
         # This loop and the one that fills the token ids run for every running request every step.
         running, allocate_slots = self.running, self.kv.allocate_slots

@@ -15,6 +15,7 @@ from blockserve.sim.shadow_proposer import ShadowProposer
 from blockserve.sim.shadow_runner import ShadowRunner
 from blockserve.spec_decode.config import SpeculativeConfig
 from blockserve.spec_decode.speculator import Speculator
+from blockserve.spec_decode.step_costs import FlatStepCosts
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ def build(
     """The real scheduler and KV manager (with `offload` as their second tier) and a shadow runner;
     with `speculative`, drafts from a ShadowProposer (partly right, partly wrong) up to its
     num_speculative_tokens."""
-    speculator = None if speculative is None else Speculator(speculative, ShadowProposer(vocab_size))
+    # The shadow's steps take no time worth weighing drafts by: every draft is verified.
+    speculator = None if speculative is None else Speculator(speculative, ShadowProposer(vocab_size), FlatStepCosts())
     scheduler = Scheduler(scheduler_config, KVCacheManager(kv_config, offload), speculator)
     salt_of = lambda request_id: scheduler.requests[request_id].cache_salt  # noqa: E731
     return scheduler, ShadowRunner(kv_config, reads_unwritten_slots, vocab_size, salt_of, offload)

@@ -2,8 +2,8 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
-Every error names the field and what to give instead. Methods other than n-gram prompt lookup
-(suffix, draft_model, eagle, mtp, ...) are refused by name: they are not built.
+Every error names the field and what to give instead. Methods other than n-gram prompt lookup and
+suffix decoding (draft_model, eagle, mtp, ...) are refused by name: they are not built.
 """
 
 from __future__ import annotations
@@ -13,21 +13,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
-NOT_BUILT = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
+METHODS = ("ngram", "suffix")
+NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both ends of the window
+# Each method's own fields (vLLM's names and defaults); giving one to the other method is refused.
+NGRAM_FIELDS = {"prompt_lookup_min": DEFAULT_PROMPT_LOOKUP, "prompt_lookup_max": DEFAULT_PROMPT_LOOKUP}
+SUFFIX_FIELDS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+                 "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """n-gram prompt lookup: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+    """`ngram`, prompt lookup: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
     are looked up in the request's prompt and output so far; the up to `num_speculative_tokens`
     tokens that followed their latest earlier occurrence are proposed.
 
+    `suffix`, suffix decoding (spec_decode/suffix.py): the most frequent continuation of the longest
+    match (at most suffix_decoding_max_tree_depth - 1 tokens) of the request's last tokens in its own
+    tokens and in the outputs of the last suffix_decoding_max_cached_requests finished requests
+    (0: its own only); at most suffix_decoding_max_spec_factor x the match length tokens, each at
+    least suffix_decoding_min_token_prob of the continuations seen.
+
     `disable_by_batch_size`: no proposals in a step with at least this many running requests
-    (None: no limit). `min_acceptance_rate`: a request whose drafts are accepted at a lower rate
-    (over its recent proposals) stops proposing for a while, then tries again (0: never)."""
+    (None: no limit). Below it, drafts are verified only where the measured cost of the rows they
+    add is expected to pay (spec_decode/step_costs.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -35,7 +45,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     model: str | None = None
     disable_by_batch_size: int | None = None
-    min_acceptance_rate: float = 0.1
+    suffix_decoding_max_tree_depth: int = SUFFIX_FIELDS["suffix_decoding_max_tree_depth"]
+    suffix_decoding_max_cached_requests: int = SUFFIX_FIELDS["suffix_decoding_max_cached_requests"]
+    suffix_decoding_max_spec_factor: float = SUFFIX_FIELDS["suffix_decoding_max_spec_factor"]
+    suffix_decoding_min_token_prob: float = SUFFIX_FIELDS["suffix_decoding_min_token_prob"]
 
     def __post_init__(self) -> None:
         if self.method in NOT_BUILT:
@@ -54,9 +67,14 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max}); give min <= max")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
-        rate = self.min_acceptance_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-            raise ValueError(f"speculative_config.min_acceptance_rate must be a number in [0, 1), got {rate!r}")
+        other = SUFFIX_FIELDS if self.method == "ngram" else NGRAM_FIELDS
+        for name, default in other.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"speculative_config.{name} is not a field of the {self.method!r} method; leave it out")
+        _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2, None)
+        _check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0, None)
+        _check_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0, None)
+        _check_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0, 1)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -85,3 +103,11 @@ def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"speculative_config.{name} must be an integer {bound}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float | None) -> None:
+    """A number above `low` (and at most `high`)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low
+            or (high is not None and value > high)):
+        bound = f"in ({low}, {high}]" if high is not None else f"> {low}"
+        raise ValueError(f"speculative_config.{name} must be a number {bound}, got {value!r}")

@@ -1,12 +1,16 @@
 """The scheduler's side of speculation: a proposer, when to use it, and the acceptance books.
 
-    schedule():  drafts = speculator.propose(request, room, batch_size)   (may be none)
+    schedule():  speculator.begin_step()
+                 drafts = speculator.propose(request, room, batch_size)   (may be none)
+    engine:      speculator.observe_step(rows, seconds)                   (decode steps' measured cost)
     update():    speculator.record(request_id, len(drafts), accepted)
     finish:      speculator.forget(request_id)
 
-When speculation does not pay it is switched off: for a step whose running batch reaches
-`disable_by_batch_size`, and for a request whose recent drafts were accepted at less than
-`min_acceptance_rate` (it waits a number of its steps that doubles each time, then tries again).
+Drafts are verified only where they are expected to pay (step_costs.py): the measured cost of the
+rows they add to the step against the tokens the request's acceptance so far says they will add.
+A request the rule keeps from drafting tries again after a number of its steps that doubles each
+time (4 up to 256), so a request whose drafts start to match is noticed. A step whose running
+batch reaches `disable_by_batch_size` does not speculate at all.
 """
 
 from __future__ import annotations
@@ -19,39 +23,58 @@ from blockserve.spec_decode.config import SpeculativeConfig
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.proposer import Proposer
 from blockserve.spec_decode.stats import SpeculationStats
+from blockserve.spec_decode.step_costs import StepCosts
+from blockserve.spec_decode.suffix import SuffixProposer
 
-WINDOW_DRAFT_TOKENS = 16  # a request's acceptance is judged over at least this many draft tokens
 FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 256
+PRIOR_ACCEPTANCE = 0.5  # a request's acceptance before its own drafts say otherwise...
+PRIOR_WEIGHT = 2.0  # ...worth this many tried positions
+FORGETTING = 0.8  # weight of a request's earlier verifications against its latest
 
 
 @dataclass
 class _RequestBooks:
-    drafted: int = 0  # in the current window
-    accepted: int = 0
-    wait: int = 0  # steps left without proposals
+    accepted: float = 0.0  # accepted drafts, recent verifications weighing most
+    tried: float = 0.0  # positions tried: the accepted ones and the first rejected one
+    declined: int = 0  # steps in a row the cost rule kept it from drafting
     backoff: int = FIRST_BACKOFF_STEPS
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that its next draft position is accepted, given the ones before it were."""
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
     raise ValueError(f"no proposer for speculative_config.method {config.method!r}")
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, costs: StepCosts | None = None):
         self.config = config
         self.proposer = proposer or make_proposer(config)
+        self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
+        self._step_rows = 0  # drafted rows this step so far
         k = config.num_speculative_tokens
         self._drafted = [0] * k
         self._accepted = [0] * k
         self._verifications = self._skipped = 0
         self._seconds = 0.0
 
+    def begin_step(self) -> None:
+        """A step is being scheduled: no drafts in it yet."""
+        self._step_rows = 0
+
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int, batch_size: int) -> list[int]:
-        """Drafts for the request's next step: at most min(num_speculative_tokens, max_tokens)."""
+        """Drafts for the request's next step: at most min(num_speculative_tokens, max_tokens), and
+        only as many as are expected to pay in a step of `batch_size` requests (see the module)."""
         limit = self.config.disable_by_batch_size
         if limit is not None and batch_size >= limit:
             self._skipped += 1
@@ -59,14 +82,27 @@ class Speculator:
         books = self._books.get(request_id)
         if books is None:
             books = self._books[request_id] = _RequestBooks()
-        if books.wait:
-            books.wait -= 1
-            self._skipped += 1
-            return []
         began = time.perf_counter()
         drafts = self.proposer.propose(request_id, token_ids, min(self.config.num_speculative_tokens, max_tokens))
         self._seconds += time.perf_counter() - began
-        return drafts
+        if not drafts:
+            return []
+        k = self.costs.best_drafts(len(drafts), books.acceptance, batch_size, batch_size + self._step_rows)
+        if k:
+            books.declined, books.backoff = 0, FIRST_BACKOFF_STEPS
+        else:
+            books.declined += 1
+            if books.declined < books.backoff:
+                self._skipped += 1
+                return []
+            books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)  # a probe
+            k = len(drafts)
+        self._step_rows += k
+        return drafts[:k]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step of decodes (each request's token and its drafts: `rows` in all) took `seconds`."""
+        self.costs.observe(rows, seconds)
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """The target accepted the first `num_accepted` of the request's `num_drafts` drafts."""
@@ -78,16 +114,10 @@ class Speculator:
         for i in range(num_accepted):
             self._accepted[i] += 1
         books = self._books.get(request_id)
-        if books is None or self.config.min_acceptance_rate == 0:
-            return
-        books.drafted += num_drafts
-        books.accepted += num_accepted
-        if books.drafted >= WINDOW_DRAFT_TOKENS:
-            if books.accepted < self.config.min_acceptance_rate * books.drafted:
-                books.wait, books.backoff = books.backoff, min(2 * books.backoff, MAX_BACKOFF_STEPS)
-            else:
-                books.backoff = FIRST_BACKOFF_STEPS
-            books.drafted = books.accepted = 0
+        if books is not None:
+            tried = num_accepted + (num_accepted < num_drafts)
+            books.accepted = FORGETTING * books.accepted + num_accepted
+            books.tried = FORGETTING * books.tried + tried
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop everything held for it."""

@@ -50,7 +50,7 @@ class CachedRequest:
 
 @dataclass
 class StepInputs:
-    request_ids: list[str]  # batch order: decodes first
+    request_ids: list[str]  # batch order: decodes (and verified drafts) first
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: list[AttentionMetadata | StateMetadata]  # per group
@@ -62,6 +62,9 @@ class StepInputs:
     # Per state group, (running slot, checkpoint slot): captures at the end of a segment, done
     # after the forward as copies (those inside a segment are in the metadata's `captures`).
     end_captures: dict[int, list[tuple[int, int]]]
+    # Per request in batch order, where its tokens start ([len(request_ids) + 1]). The same as
+    # layout.query_start but where a verified request's k + 1 tokens are k + 1 decodes in the layout.
+    query_start: list[int]
 
     def to(self, device: torch.device) -> StepInputs:
         """These inputs on `device`, moved in one copy (itself on the CPU)."""
@@ -124,19 +127,38 @@ class InputBatch:
         request's computed count. Runs once per step over every request, so it builds its tensors
         from flat lists (int64_tensor) and takes a shortcut on decode-only steps."""
         scheduled, token_ids = out.num_scheduled_tokens, out.scheduled_token_ids
+        verifying = self._verifying(out)
         if max(scheduled.values()) == 1:  # decode-only: every request computes one token
             order = list(scheduled)
             query_lens = [1] * len(order)
             flat_ids = [token_ids[rid][0] for rid in order]
         else:
-            order = [rid for rid, n in scheduled.items() if n == 1] + [rid for rid, n in scheduled.items() if n != 1]
+            decode_like = {rid for rid, n in scheduled.items() if n == 1} | verifying
+            order = [rid for rid in scheduled if rid in decode_like] + [rid for rid in scheduled if rid not in decode_like]
             query_lens = [scheduled[rid] for rid in order]
             flat_ids = [t for rid in order for t in token_ids[rid]]
         requests = [self.requests[rid] for rid in order]
-        layout = BatchLayout.build(query_lens, [r.num_computed for r in requests])
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        if verifying:  # each verified request's k + 1 tokens attend as k + 1 decodes of growing length
+            seq_query_lens, computed, row_ids = [], [], []
+            for rid, request, n in zip(order, requests, query_lens):
+                if rid in verifying:
+                    seq_query_lens += [1] * n
+                    computed += range(request.num_computed, request.num_computed + n)
+                    row_ids += [request.row] * n
+                else:
+                    seq_query_lens.append(n)
+                    computed.append(request.num_computed)
+                    row_ids.append(request.row)
+            layout = BatchLayout.build(seq_query_lens, computed)
+        else:
+            layout = BatchLayout.build(query_lens, [r.num_computed for r in requests])
+            row_ids = [r.row for r in requests]
         longest = max(layout.seq_lens)
         input_ids = int64_tensor(flat_ids)
-        rows = int64_tensor([r.row for r in requests])
+        rows = int64_tensor(row_ids)
         metadata: list[AttentionMetadata | StateMetadata] = []
         end_captures: dict[int, list[tuple[int, int]]] = {}
         for group_id, (group, table) in enumerate(zip(self.kv_config.groups, self.tables)):
@@ -158,7 +180,7 @@ class InputBatch:
             width = step_table_width(cdiv(longest, bs), capacity)
             metadata.append(AttentionMetadata.build(layout, table[rows, :width], bs, window, capacity))
         sample_ids, logits_indices = [], []
-        query_ends = layout.query_start[1:]
+        query_ends = query_start[1:]
         drafts_of = out.spec_token_ids
         for rid, request, n, end in zip(order, requests, query_lens, query_ends):
             request.num_computed += n
@@ -170,7 +192,19 @@ class InputBatch:
                 else:
                     logits_indices.append(end - 1)
         return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
-                          int64_tensor(logits_indices), end_captures)
+                          int64_tensor(logits_indices), end_captures, query_start)
+
+    def _verifying(self, out: SchedulerOutput) -> set[str]:
+        """The requests whose step scores a decode and its drafts, to be attended as one decode per
+        token: row i is a decode of context length num_computed + i + 1 (its KV and the earlier rows'
+        are written before any row attends, as for every decode), so the step runs the decode kernels,
+        not the prefill path, with the same causal result. Not where a state group (recurrent layers)
+        would see the rows as separate sequences."""
+        drafts_of = out.spec_token_ids
+        if not drafts_of or any(group.is_state for group in self.kv_config.groups):
+            return set()
+        scheduled = out.num_scheduled_tokens
+        return {rid for rid, drafts in drafts_of.items() if drafts and scheduled.get(rid) == len(drafts) + 1}
 
 
 MIN_STEP_TABLE_WIDTH = 16  # columns: a Triton kernel specialises a row stride divisible by 16

@@ -101,7 +101,7 @@ class PromptLogprobs:
         if not self._entries:
             return
         rows, targets, owners = [], [], []
-        starts = inputs.layout.query_start
+        starts = inputs.query_start
         for i, rid in enumerate(inputs.request_ids):
             if rid not in self._entries:
                 continue

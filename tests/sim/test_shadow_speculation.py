@@ -27,7 +27,7 @@ ATTENTION_LAYOUTS = sorted(name for name in LAYOUTS if "state" not in name)
 def run(layout, specs, num_blocks, prefix_caching, budget, chunk, k=None, poison=False):
     sched_config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=6, max_num_batched_tokens=budget,
                                    max_prefill_chunk=chunk)
-    speculative = None if k is None else SpeculativeConfig(num_speculative_tokens=k, min_acceptance_rate=0)
+    speculative = None if k is None else SpeculativeConfig(num_speculative_tokens=k)
     scheduler, runner = build(kv_config(layout, num_blocks, prefix_caching, poison=poison), sched_config,
                               LAYOUTS[layout][1], speculative=speculative)
     result = run_stream(scheduler, runner, arrivals(specs), max_steps=5000)

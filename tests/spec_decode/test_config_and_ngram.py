@@ -8,6 +8,7 @@ from blockserve.spec_decode.acceptance import num_accepted
 from blockserve.spec_decode.config import SpeculativeConfig
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.speculator import FIRST_BACKOFF_STEPS, Speculator
+from blockserve.spec_decode.step_costs import SMOOTHING, FlatStepCosts, StepCosts
 
 
 def test_the_json_shape_parses():
@@ -23,6 +24,12 @@ def test_the_json_shape_parses():
     ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens"),
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"method": "ngram", "model": "x"}', "model"), ('{"method": "ngram", "k": 2}', "k"), ("{not json", "JSON"),
+    ('{"method": "ngram", "suffix_decoding_max_tree_depth": 8}', "suffix_decoding_max_tree_depth"),
+    ('{"method": "suffix", "prompt_lookup_max": 3}', "prompt_lookup_max"),
+    ('{"method": "suffix", "suffix_decoding_max_tree_depth": 1}', "suffix_decoding_max_tree_depth"),
+    ('{"method": "suffix", "suffix_decoding_max_cached_requests": -1}', "suffix_decoding_max_cached_requests"),
+    ('{"method": "suffix", "suffix_decoding_max_spec_factor": 0}', "suffix_decoding_max_spec_factor"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "suffix_decoding_min_token_prob"),
 ])
 def test_bad_configs_are_refused_naming_the_field(value, field):
     with pytest.raises(ValueError, match=field):
@@ -49,24 +56,72 @@ def test_acceptance_keeps_the_agreeing_prefix():
         num_accepted([4], [4])
 
 
-def test_a_request_with_low_acceptance_pauses_then_tries_again():
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1))
+def measured(speculator: Speculator, seconds_by_rows: dict[int, float]) -> Speculator:
+    for rows, seconds in seconds_by_rows.items():
+        speculator.observe_step(rows, seconds)
+    return speculator
+
+
+def test_step_costs_interpolate_and_leave_unmeasured_rows_free():
+    costs = StepCosts()
+    assert costs.seconds(1) is None and costs.best_drafts(4, 0.9, 1, 1) == 0  # the plain step is measured first
+    costs.observe(1, 1.0)
+    assert costs.best_drafts(4, 0.1, 1, 1) == 4  # larger steps never measured: tried
+    costs.observe(5, 3.0)
+    assert costs.seconds(3) == pytest.approx(2.0) and costs.seconds(6) is None
+    costs.observe(5, 5.0)  # an average: the new observation weighs SMOOTHING
+    assert costs.seconds(5) == pytest.approx(3.0 + SMOOTHING * 2.0)
+    with pytest.raises(ValueError):
+        costs.observe(0, 1.0)
+
+
+@pytest.mark.parametrize("acceptance, expected", [(0.99, 3), (0.5, 2), (0.15, 0)])
+def test_drafts_are_cut_where_their_rows_stop_paying(acceptance, expected):
+    """Rows 2-4 cost a fifth of a step each, the fifth row a whole pass more (a 4-row kernel): near-certain
+    drafts stop before the fifth row, coin flips where a row's tokens fall below its cost, rare ones
+    take none."""
+    costs = StepCosts()
+    for rows, seconds in {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 5: 3.2}.items():
+        costs.observe(rows, seconds)
+    assert costs.best_drafts(4, acceptance, 1, 1) == expected
+
+
+def test_a_request_whose_drafts_do_not_pay_pauses_then_probes():
+    speculator = measured(Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                                       prompt_lookup_max=1)), {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
     tokens = [1, 2, 1, 2, 1]
-    assert speculator.propose("r", tokens, 4, 1)
-    for _ in range(4):
-        speculator.record("r", 4, 0)  # 16 drafts, none accepted
-    assert all(speculator.propose("r", tokens, 4, 1) == [] for _ in range(FIRST_BACKOFF_STEPS))
-    assert speculator.propose("r", tokens, 4, 1)
-    stats = speculator.stats()
-    assert stats.num_draft_tokens == 16 and stats.num_accepted_tokens == 0 and stats.num_skipped == FIRST_BACKOFF_STEPS
-    speculator.record("r", 4, 3)
-    assert speculator.stats().per_position_acceptance == (0.2, 0.2, 0.2, 0.0)
-    assert speculator.stats().mean_accepted_length == 1 + 3 / 5
+    speculator.begin_step()
+    assert speculator.propose("r", tokens, 4, 1) == []  # a draft row costs a whole step: never worth it
+    assert all(speculator.propose("r", tokens, 4, 1) == [] for _ in range(FIRST_BACKOFF_STEPS - 2))
+    assert speculator.propose("r", tokens, 4, 1) == [2, 1]  # the probe, after FIRST_BACKOFF_STEPS declines
+    assert all(speculator.propose("r", tokens, 4, 1) == [] for _ in range(2 * FIRST_BACKOFF_STEPS - 1))
+    assert speculator.propose("r", tokens, 4, 1) == [2, 1]  # the next probe waits twice as long
+    assert speculator.stats().num_skipped == 3 * FIRST_BACKOFF_STEPS - 2
+    speculator.record("r", 2, 1)
+    assert speculator.stats().per_position_acceptance == (1.0, 0.0, 0.0, 0.0)
+    assert speculator.stats().mean_accepted_length == 2
     speculator.forget("r")
     assert speculator.num_requests == 0
 
 
+def test_acceptance_and_the_step_so_far_decide_the_drafts():
+    """Cheap rows up to 3, dear after: a request with high acceptance drafts, and a second request in
+    the same step finds the cheap rows taken."""
+    speculator = measured(Speculator(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
+                                                       prompt_lookup_max=1)), {2: 1.0, 3: 1.1, 4: 1.2, 5: 3.0, 6: 5.0})
+    tokens = [1, 2, 1, 2, 1]
+    for _ in range(3):
+        speculator.record("a", 2, 2)  # accepted every time
+        speculator.record("b", 2, 2)
+    speculator.begin_step()
+    assert speculator.propose("a", tokens, 4, 2) == [2, 1]
+    assert speculator.propose("b", tokens, 4, 2) == []  # rows 5 and 6 cost more than they add
+    speculator.begin_step()
+    assert speculator.propose("b", tokens, 4, 2) == [2, 1]
+
+
 def test_large_batches_do_not_speculate():
-    speculator = Speculator(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=8))
+    speculator = Speculator(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=8),
+                            costs=FlatStepCosts())
     assert speculator.propose("r", [1, 2, 1], 4, 8) == []
     assert speculator.propose("r", [1, 2, 1], 4, 7) == [2, 1]
