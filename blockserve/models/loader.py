@@ -8,10 +8,11 @@ directory or from a GGUF file converted once and cached.
                 formats run from the mapped blocks (gguf_block_linear.py, no float32 copy), those
                 in Q4_0 / Q4_1 / Q8_0 from packed blocks for small batches (quantized_linear.py,
                 beside a float32 copy); the config, tokenizer and float32 copies of every other
-                tensor (float formats, stacked experts, and the block formats too where the kernels
-                cannot run) are written to a Hugging Face directory under the cache once
+                tensor (the float formats, and the block formats too where the kernels cannot
+                run) are written to a Hugging Face directory under the cache once; stacked MoE
+                experts in a block format run from the mapped blocks too (gguf_block_experts.py)
 
-    <cache>/gguf-<stem>-<digest>-f32rest/   a converted GGUF; digest: the first 16 hex digits of the
+    <cache>/gguf-<stem>-<digest>-f32dense/   a converted GGUF; digest: the first 16 hex digits of the
                                     file's SHA-256, so every copy of one file shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
     <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
@@ -54,6 +55,8 @@ from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
 from blockserve.models.gguf_block_linear import NEW_FORMATS as BLOCK_ONLY_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
+from blockserve.models.gguf_block_experts import use_block_experts
+from blockserve.models.moe import expert_ops
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
 from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, use_quantized_linears
@@ -63,7 +66,7 @@ from blockserve.models.weight_layout import use_input_major_linears
 
 logger = logging.getLogger(__name__)
 
-_CACHE_LAYOUT = "f32rest"  # a cache entry holds float32 copies of the tensors no block kernel reads only
+_CACHE_LAYOUT = "f32dense"  # a cache entry holds float32 copies of the tensors no block kernel reads (experts' neither)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # llama.cpp tensor names -> Hugging Face module names (per layer under "blk.N.")
@@ -178,6 +181,8 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         taken: set[str] = set()
         if quantized_matmul and block_ops() is not None:
             taken = use_block_modules(model, _gguf_blocks(reader, arch, config, BLOCK_FORMATS), quantized_activations)
+            if expert_ops() is not None:
+                taken |= use_block_experts(model, _gguf_expert_blocks(reader, arch, config))
         streamed = _gguf_tensors(reader, arch, config, lambda name, tensor: _block_only(tensor) and name not in taken)
         return itertools.chain(((name, t) for name, t in cached if name not in taken), streamed)
 
@@ -291,8 +296,8 @@ def _converted_gguf(path: Path, root: Path) -> Path:
 def _convert_gguf(path: Path, out: Path) -> None:
     """Write the GGUF file `path` as a Hugging Face directory into `out`: config, tokenizer and, as
     float32, the weights a block kernel does not read (csrc/gguf_blocks.cpp: every format but the
-    float ones; stacked experts are not linear layers). Those in BLOCK_ONLY_FORMATS are read from
-    the file at every load instead."""
+    float ones). Those in BLOCK_ONLY_FORMATS, and stacked experts in any block format, are read
+    from the file at every load instead."""
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     config = _gguf_config(reader, arch)
@@ -369,8 +374,12 @@ def _gguf_reader(path: Path) -> gguf.GGUFReader:
 
 
 def _block_only(tensor: gguf.ReaderTensor) -> bool:
-    """Whether `tensor` is read from the file's blocks at load rather than cached as float32."""
-    return tensor.tensor_type.name in BLOCK_ONLY_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS
+    """Whether `tensor` is read from the file's blocks at load rather than cached as float32: the
+    formats only csrc/gguf_blocks.cpp reads, and stacked experts in any format it reads (run from
+    their blocks by gguf_block_experts.py, or dequantised at load without the native kernels)."""
+    if tensor.name.split(".")[-2] in _GGUF_EXPERTS:
+        return tensor.tensor_type.name in BLOCK_FORMATS
+    return tensor.tensor_type.name in BLOCK_ONLY_FORMATS
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
@@ -412,8 +421,8 @@ def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config,
                  formats) -> Iterator[tuple[str, str, np.ndarray]]:
     """(Hugging Face name, GGUF type, raw blocks [rows, bytes]) of the file's tensors stored in one
     of `formats`, rows in Hugging Face order, checked (check_blocks); views of the mapped file
-    but where rows are unpermuted. Stacked experts are not linear layers: they run on the
-    dequantised weights."""
+    but where rows are unpermuted. Stacked experts are not linear layers: _gguf_expert_blocks
+    gives theirs."""
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
         if tensor.tensor_type.name in formats and tensor.name.split(".")[-2] not in _GGUF_EXPERTS:
             shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
@@ -422,6 +431,19 @@ def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config,
             check_blocks(tensor.name, tensor.tensor_type.name, raw, rows, columns)
             raw = raw.reshape(rows, -1)
             yield name, tensor.tensor_type.name, _unpermute_rope_rows(raw, rope_heads) if rope_heads else raw
+
+
+def _gguf_expert_blocks(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, str, np.ndarray]]:
+    """("<layer>.mlp.experts.{gate,up,down}", GGUF type, raw blocks [E, rows, row bytes]) of the
+    file's stacked experts stored in a block format, checked (check_blocks); views of the mapped file."""
+    parts = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+    for name, tensor, _ in _gguf_named(reader, arch, config):
+        kind = tensor.name.split(".")[-2]
+        if kind in parts and tensor.tensor_type.name in BLOCK_FORMATS:
+            experts, rows, columns = (int(n) for n in reversed(tensor.shape))
+            raw = np.asarray(tensor.data)
+            check_blocks(tensor.name, tensor.tensor_type.name, raw, experts * rows, columns)
+            yield f"{name.rpartition('.')[0]}.{parts[kind]}", tensor.tensor_type.name, raw.reshape(experts, rows, -1)
 
 
 def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, gguf.ReaderTensor, int | None]]:

@@ -63,4 +63,10 @@ std::vector<std::string> gguf_block_formats();
 at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns);
 at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
 
+// moe_experts.cpp: a mixture-of-experts layer's routed SwiGLU experts in one call, float32 or GGUF blocks.
+at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up, at::Tensor down);
+at::Tensor moe_experts_blocks(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
+                              const std::string& gate_format, at::Tensor up, const std::string& up_format,
+                              at::Tensor down, const std::string& down_format, int64_t intermediate);
+
 }  // namespace blockserve
