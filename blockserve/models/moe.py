@@ -48,7 +48,9 @@ class Experts(nn.Module):
 
         native    csrc/moe_experts.cpp: the pairs grouped by expert and every expert run in one
                   call (a decode step's experts as one job over all their weight rows); the
-                  CPU's route in float32 where the native kernels are built
+                  CPU's route in float32 where the native kernels are built (measured at
+                  benchmarks.moe's shape, 16 experts of 2048 x 768, top-8, 2 contended threads,
+                  medians: 4 tokens 57 ms, the grouped route 296 ms; 16 tokens 178 ms, 222 ms)
         loop      one matmul pair per expert some token picked; reads `ids` on the host (the
                   CPU's route in other dtypes or without the native kernels)
         grouped   the (token, expert) pairs sorted by expert, two torch._grouped_mm calls over
