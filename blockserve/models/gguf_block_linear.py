@@ -244,11 +244,13 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def block_resident_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of GGUF blocks `model`'s block modules hold, per format (shared blocks counted once)."""
+    """Bytes of GGUF blocks `model`'s block modules (experts included) hold, per format (shared
+    blocks counted once)."""
     seen: dict[int, tuple[str, int]] = {}
     for module in model.modules():
         segments = (module.segments if isinstance(module, GGUFBlockLinear) else
-                    [module.segment] if isinstance(module, GGUFBlockEmbedding) else [])
+                    [module.segment] if isinstance(module, GGUFBlockEmbedding) else
+                    getattr(module, "block_segments", []))  # gguf_block_experts.GGUFBlockExperts
         for segment in segments:
             seen[segment.raw.data_ptr()] = (segment.format, segment.raw.numel())
     totals: dict[str, int] = {}

@@ -6,10 +6,11 @@ directory or from a GGUF file converted once and cached.
     <dir>       config.json + model.safetensors (or a sharded index) + tokenizer files, if any
     <x>.gguf    mapped read-only; its linear layers (and embedding) in the 5-bit, K-quant and IQ4
                 formats run from the mapped blocks (gguf_block_linear.py), those in Q4_0 / Q4_1 /
-                Q8_0 from packed blocks (quantized_linear.py), neither with a float32 copy; the
-                config, tokenizer and float32 copies of every other tensor (float formats, stacked
-                experts) are written to a Hugging Face directory under the cache once; where no
-                kernel can run, the block formats are dequantised from the file as it loads
+                Q8_0 from packed blocks (quantized_linear.py), stacked MoE experts in any block
+                format from the mapped blocks (gguf_block_experts.py), none with a float32 copy;
+                the config, tokenizer and float32 copies of the tensors in a float format are
+                written to a Hugging Face directory under the cache once; where no kernel can run,
+                the block formats are dequantised from the file as it loads
 
     <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF; digest: the first 16 hex digits of the
                                     file's SHA-256, so every copy of one file shares one entry
@@ -54,6 +55,8 @@ from blockserve.cached_directory import cached_directory
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
+from blockserve.models.gguf_block_experts import use_block_experts
+from blockserve.models.moe import expert_ops
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
 from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, measure_max_rows, use_quantized_linears
@@ -180,6 +183,8 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         taken: set[str] = set()
         if quantized_matmul and block_ops() is not None:
             taken = use_block_modules(model, _gguf_blocks(reader, arch, config, BLOCK_FORMATS), quantized_activations)
+            if expert_ops() is not None:
+                taken |= use_block_experts(model, _gguf_expert_blocks(reader, arch, config))
         if quantized_matmul:  # before the weights load: no float32 copy of these is ever made
             taken |= use_quantized_linears(model, _gguf_blocks(reader, arch, config, QUANTIZED_FORMATS),
                                            quantized_max_rows, quantized_activations, measure=False)
@@ -296,9 +301,9 @@ def _converted_gguf(path: Path, root: Path) -> Path:
 def _convert_gguf(path: Path, out: Path) -> None:
     """Write the GGUF file `path` as a Hugging Face directory into `out`: config, tokenizer and, as
     float32, the weights a block kernel does not read (csrc/gguf_blocks.cpp: every format but the
-    float ones; stacked experts are not linear layers). Those in a block format are read from the
-    file at every load instead (dequantised there only where no kernel takes them), so the entry
-    and its first writing hold no float32 copy of them."""
+    float ones). Those in a block format, stacked experts included, are read from the file at every
+    load instead (dequantised there only where no kernel takes them), so the entry and its first
+    writing hold no float32 copy of them."""
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     config = _gguf_config(reader, arch)
@@ -412,8 +417,10 @@ def _gguf_reader(path: Path) -> gguf.GGUFReader:
 
 
 def _block_only(tensor: gguf.ReaderTensor) -> bool:
-    """Whether `tensor` is read from the file's blocks at load rather than cached as float32."""
-    return tensor.tensor_type.name in BLOCK_FORMATS and tensor.name.split(".")[-2] not in _GGUF_EXPERTS
+    """Whether `tensor` is read from the file's blocks at load rather than cached as float32: every
+    block format, stacked experts included (run from their blocks by gguf_block_experts.py, or
+    dequantised at load where no kernel takes them)."""
+    return tensor.tensor_type.name in BLOCK_FORMATS
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
@@ -455,8 +462,8 @@ def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config,
                  formats) -> Iterator[tuple[str, str, np.ndarray]]:
     """(Hugging Face name, GGUF type, raw blocks [rows, bytes]) of the file's tensors stored in one
     of `formats`, rows in Hugging Face order, checked (check_blocks); views of the mapped file
-    but where rows are unpermuted. Stacked experts are not linear layers: they run on the
-    dequantised weights."""
+    but where rows are unpermuted. Stacked experts are not linear layers: _gguf_expert_blocks
+    gives theirs."""
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
         if tensor.tensor_type.name in formats and tensor.name.split(".")[-2] not in _GGUF_EXPERTS:
             shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
@@ -478,6 +485,20 @@ def _release_pages(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> None:
     start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
     end = tensor.data_offset + tensor.n_bytes
     mapped.madvise(mmap.MADV_DONTNEED, start, min(end, len(reader.data)) - start)
+
+
+def _gguf_expert_blocks(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, str, np.ndarray]]:
+    """("<layer>.mlp.experts.{gate,up,down}", GGUF type, raw blocks [E, rows, row bytes]) of the
+    file's stacked experts stored in a block format, checked (check_blocks); views of the mapped file."""
+    parts = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+    for name, tensor, _ in _gguf_named(reader, arch, config):
+        kind = tensor.name.split(".")[-2]
+        if kind in parts and tensor.tensor_type.name in BLOCK_FORMATS:
+            experts, rows, columns = (int(n) for n in reversed(tensor.shape))
+            raw = np.asarray(tensor.data)
+            check_blocks(tensor.name, tensor.tensor_type.name, raw, experts * rows, columns)
+            yield f"{name.rpartition('.')[0]}.{parts[kind]}", tensor.tensor_type.name, raw.reshape(experts, rows, -1)
+            _release_pages(reader, tensor)
 
 
 def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, gguf.ReaderTensor, int | None]]:

@@ -64,7 +64,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                                         "full attention, MoE with a shared expert", _MOE),
     "Qwen3ForCausalLM": Architecture("llama.LlamaForCausalLM", "Qwen3", "full attention, q/k norms", _TINY),
     "Qwen3MoeForCausalLM": Architecture("llama_moe.Qwen3MoeForCausalLM", "Qwen3-30B-A3B, Qwen3-Coder-30B-A3B",
-                                        "full attention, MoE", _MOE),
+                                        "full attention, MoE", (*_MOE, "models/test_moe_gguf_blocks.py")),
     "Qwen3NextForCausalLM": Architecture("qwen3_next.Qwen3NextForCausalLM", "Qwen3-Next",
                                          "Gated DeltaNet and gated full attention, MoE", _STATE),
     "SmolLM3ForCausalLM": Architecture("smollm3.SmolLM3ForCausalLM", "SmolLM3", "full attention, layers without RoPE",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
+from blockserve.models.gguf_block_experts import GGUFBlockExperts
 from blockserve.models.gguf_block_linear import GGUFBlockEmbedding, GGUFBlockLinear
 from blockserve.models.quantized_linear import QuantizedLinear
 
@@ -35,8 +36,8 @@ def resident_weight_bytes(model: nn.Module) -> dict[str, int]:
         held[label] = held.get(label, 0) + storage.nbytes()
 
     for module in model.modules():
-        if isinstance(module, GGUFBlockLinear):
-            for segment in module.segments:
+        if isinstance(module, (GGUFBlockLinear, GGUFBlockExperts)):
+            for segment in module.segments if isinstance(module, GGUFBlockLinear) else module.block_segments:
                 add(segment.raw, segment.format)
         elif isinstance(module, GGUFBlockEmbedding):
             add(module.segment.raw, module.segment.format)

@@ -53,6 +53,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x [M, K] float32, blocks uint8 [N, K/32, 16], scales uint8 [N, K/32]) -> x @ W^T [M, N], W in MXFP4",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 
+  m.def("moe_experts", &moe_experts,
+        "(x [T, H] float32, weights [T, k] float32, ids [T, k] int64, gate_up [E, 2I, H], down [E, H, I]) -> [T, H]: "
+        "each token's weighted sum of its k SwiGLU experts",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("moe_experts_blocks", &moe_experts_blocks,
+        "(x, weights, ids, gate, gate_format, up, up_format, down, down_format, intermediate) -> [T, H]: "
+        "moe_experts over GGUF blocks [E, rows, row bytes]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<bool>,

@@ -1,0 +1,92 @@
+"""A mixture-of-experts layer's routed experts kept in a GGUF file's blocks: llama.cpp's stacked
+`ffn_gate_exps`, `ffn_up_exps` [E, I, H] and `ffn_down_exps` [E, H, I], each in its own format,
+run in place by csrc/moe_experts.cpp (moe_experts_blocks, which reads every expert's rows through
+csrc/gguf_blocks.cpp's entry points), with no float32 copy: the experts stay at their file size.
+
+GGUFBlockExperts replaces a model's moe.Experts (same forward) before its weights load;
+`use_block_experts` does that for every layer whose three expert tensors are in a block format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from blockserve.models.gguf_block_linear import KERNEL_FORMATS, Segment, as_tensor, block_shape
+from blockserve.models.moe import Experts, expert_ops
+
+PARTS = ("gate", "up", "down")  # the names use_block_experts takes: "<layer>.mlp.experts.<part>"
+
+
+class GGUFBlockExperts(nn.Module):
+    """forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H], as moe.Experts, over `gate`, `up`
+    [E, I, row bytes] and `down` [E, H, row bytes] GGUF blocks (format, raw uint8)."""
+
+    def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor], down: tuple[str, torch.Tensor],
+                 hidden_size: int, intermediate_size: int, what: str = "experts"):
+        super().__init__()
+        self.ops = expert_ops()
+        if self.ops is None:
+            raise RuntimeError("GGUF block experts need the native extension (AVX2 or AVX-512)")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        expected = {"gate": (intermediate_size, hidden_size), "up": (intermediate_size, hidden_size),
+                    "down": (hidden_size, intermediate_size)}
+        self.block_segments = []
+        for part, (format, raw) in zip(PARTS, (gate, up, down)):
+            rows, columns = expected[part]
+            if format not in KERNEL_FORMATS:
+                raise ValueError(f"{what}.{part}: no block kernel for GGUF format {format} "
+                                 f"(read: {', '.join(KERNEL_FORMATS)})")
+            values, nbytes = block_shape(format)
+            if (raw.dtype != torch.uint8 or raw.dim() != 3 or raw.shape[1] != rows or columns % values
+                    or raw.shape[2] != columns // values * nbytes):
+                raise ValueError(f"{what}.{part}: {format} blocks of shape {tuple(raw.shape)} do not hold "
+                                 f"[experts, {rows}, {columns}] values; the GGUF file does not match the model")
+            segment = Segment(format, raw.contiguous())
+            self.block_segments.append(segment)
+            self.register_buffer(f"{part}_blocks", segment.raw, persistent=False)
+        if len({s.raw.shape[0] for s in self.block_segments}) != 1:
+            raise ValueError(f"{what}: gate, up and down hold different numbers of experts")
+        self.num_experts = self.block_segments[0].raw.shape[0]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.block_segments
+        out = self.ops.moe_experts_blocks(x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
+                                          gate.raw, gate.format, up.raw, up.format, down.raw, down.format,
+                                          self.intermediate_size)
+        return out.to(x.dtype)
+
+    def resident_bytes(self) -> int:
+        return sum(s.raw.numel() for s in self.block_segments)
+
+
+def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
+    """Replace `model`'s moe.Experts by GGUFBlockExperts where the GGUF holds all three of a layer's
+    expert tensors in block formats, before its weights load. `blocks`: ("<layer>.mlp.experts.<part>",
+    format, raw [E, rows, row bytes]) with part in PARTS. Tensor-parallel experts (sharded by
+    intermediate size) stay float32. Returns the parameter names now held as blocks (not to load):
+    "<layer>.mlp.experts.gate_up_proj" and ".down_proj"."""
+    modules = dict(model.named_modules())
+    pending: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
+    taken: set[str] = set()
+    for name, format, raw in blocks:
+        path, _, part = name.rpartition(".")
+        experts = modules.get(path)
+        if not isinstance(experts, Experts) or experts.tp is not None or format not in KERNEL_FORMATS:
+            continue
+        parts = pending.setdefault(path, {})
+        parts[part] = (format, raw)
+        if len(parts) < len(PARTS):
+            continue
+        num_experts, two_i, hidden = experts.gate_up_proj.shape
+        module = GGUFBlockExperts(*((f, as_tensor(r)) for f, r in (parts[p] for p in PARTS)),
+                                  hidden_size=hidden, intermediate_size=two_i // 2, what=path)
+        if module.num_experts != num_experts:
+            raise ValueError(f"{path}: the GGUF holds {module.num_experts} experts, the config {num_experts}")
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, module)
+        taken.update((f"{path}.gate_up_proj", f"{path}.down_proj"))
+    return taken

@@ -1,0 +1,199 @@
+// Routed SwiGLU experts of a mixture-of-experts layer in one call (models/moe.py, Experts):
+//
+//   out[t] = Σ_j weights[t, j] · down_e(silu(gate_e x[t]) * up_e x[t]),  e = ids[t, j]
+//
+//   moe_experts(x, weights, ids, gate_up [E, 2I, H], down [E, H, I])      float32 experts
+//   moe_experts_blocks(x, weights, ids, gate, gate_format, up, up_format,  experts in GGUF blocks,
+//                      down, down_format, intermediate)                    [E, rows, row bytes] each
+//
+// The (token, slot) pairs are grouped by expert with a counting sort (experts in id order, a
+// token's pairs in token order), each expert's tokens gathered once. float32 experts: those with
+// at most kMaxRows tokens (every expert of a decode step) run as one task-pool job over all their
+// weight rows at once (gate|up rows, then the down rows: two jobs a layer, each weight row read
+// once and dotted with its expert's few tokens, the vector code the compiler's at the build's
+// width); an expert with more tokens (prefill) takes torch's GEMM. GGUF experts: each expert's
+// rows through gguf_blocks.cpp's entry points (gguf_matmul for a few tokens, gguf_dequantize and
+// the GEMM for more), read from the file's blocks. SiLU(gate) * up is fused into one pass, and the
+// weighted sum is added per token in expert-id order (the order the Python loop sums in), so a
+// token's result does not depend on the other tokens of the batch.
+
+#include "kernels.h"
+
+#include "task_pool.h"
+
+#include <cmath>
+
+namespace blockserve {
+namespace {
+
+constexpr int64_t kMaxRows = 8;  // an expert with more tokens than this takes the GEMM
+
+struct Groups {
+  std::vector<int64_t> start;   // [E + 1]: expert e's pairs are order[start[e] .. start[e + 1])
+  std::vector<int64_t> token;   // [T * k] the pair's token, grouped by expert
+  std::vector<float> weight;    // [T * k] the pair's routing weight
+};
+
+Groups group_by_expert(const at::Tensor& weights, const at::Tensor& ids, int64_t experts) {
+  const int64_t T = ids.size(0), k = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* w = weights.data_ptr<float>();
+  Groups g{std::vector<int64_t>(experts + 1, 0), std::vector<int64_t>(T * k), std::vector<float>(T * k)};
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "moe_experts: expert id ", id[p], " out of range [0, ", experts, ")");
+    ++g.start[id[p] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p) {
+    const int64_t at = fill[id[p]]++;
+    g.token[at] = p / k;
+    g.weight[at] = w[p];
+  }
+  return g;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "moe_experts: x must be contiguous float32 [T, H]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == x.size(0) && ids.is_contiguous(),
+              "moe_experts: ids must be contiguous int64 [T, k]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == ids.sizes() && weights.is_contiguous(),
+              "moe_experts: weights must be contiguous float32 [T, k], as ids");
+}
+
+// h [n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
+void silu_mul(const float* gate_up, int64_t n, int64_t I, float* h) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* g = gate_up + r * 2 * I;
+    const float* u = g + I;
+    float* o = h + r * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+// out[m * stride] = w · x[m] for the M rows of x (length K)
+inline void dot_tokens(const float* w, const float* x, int64_t M, int64_t K, float* out, int64_t stride) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; ++k) s += w[k] * xm[k];
+    out[m * stride] = s;
+  }
+}
+
+// For each expert in `small`: out_e [n_e, N] = in_e [n_e, K] @ W_e^T, W_e = weight + e * N * K. One
+// job over the experts' N rows each; in_e / out_e at the offsets `first` (rows of in / out).
+void small_experts_matmul(const std::vector<int64_t>& small, const std::vector<int64_t>& count,
+                          const std::vector<int64_t>& first, const float* weight, int64_t N, int64_t K,
+                          const float* in, float* out) {
+  const int64_t rows = static_cast<int64_t>(small.size()) * N;
+  for_each_range(rows, std::max<int64_t>(1, (1 << 15) / K), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t s = r / N, n = r % N, e = small[s];
+      dot_tokens(weight + (e * N + n) * K, in + first[s] * K, count[s], K, out + first[s] * N + n, N);
+    }
+  });
+}
+
+// out[token] += weight · y for each pair, experts in id order
+void add_weighted(const Groups& g, const float* y, int64_t H, float* out) {
+  for (size_t p = 0; p < g.token.size(); ++p) {
+    float* o = out + g.token[p] * H;
+    const float* yp = y + p * H;
+    const float w = g.weight[p];
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) o[h] += w * yp[h];
+  }
+}
+
+at::Tensor gathered(const at::Tensor& x, const Groups& g) {
+  return x.index_select(0, at::from_blob(const_cast<int64_t*>(g.token.data()),
+                                         {static_cast<int64_t>(g.token.size())}, at::kLong));
+}
+
+}  // namespace
+
+at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up, at::Tensor down) {
+  check_inputs(x, weights, ids);
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 3 && gate_up.is_contiguous() &&
+                  gate_up.size(2) == x.size(1) && gate_up.size(1) % 2 == 0,
+              "moe_experts: gate_up must be contiguous float32 [E, 2I, H]");
+  const int64_t E = gate_up.size(0), H = x.size(1), I = gate_up.size(1) / 2;
+  TORCH_CHECK(down.scalar_type() == at::kFloat && down.is_contiguous() && down.dim() == 3 && down.size(0) == E &&
+                  down.size(1) == H && down.size(2) == I,
+              "moe_experts: down must be contiguous float32 [E, H, I]");
+  auto out = at::zeros_like(x);
+  const Groups g = group_by_expert(weights, ids, E);
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  if (pairs == 0) return out;
+  const auto xs = gathered(x, g);  // [pairs, H], grouped by expert
+  auto gu = at::empty({pairs, 2 * I}, x.options());
+  auto h = at::empty({pairs, I}, x.options());
+  auto y = at::empty({pairs, H}, x.options());
+  std::vector<int64_t> small, count, first;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    if (n <= kMaxRows) {
+      small.push_back(e), count.push_back(n), first.push_back(g.start[e]);
+      continue;
+    }
+    const auto rows = [&](const at::Tensor& t) { return t.narrow(0, g.start[e], n); };
+    auto gu_e = rows(gu);
+    at::mm_out(gu_e, rows(xs), gate_up[e].t());
+    silu_mul(gu_e.data_ptr<float>(), n, I, rows(h).data_ptr<float>());
+    auto y_e = rows(y);
+    at::mm_out(y_e, rows(h), down[e].t());
+  }
+  if (!small.empty()) {
+    small_experts_matmul(small, count, first, gate_up.data_ptr<float>(), 2 * I, H, xs.data_ptr<float>(),
+                         gu.data_ptr<float>());
+    for (size_t s = 0; s < small.size(); ++s)
+      silu_mul(gu.data_ptr<float>() + first[s] * 2 * I, count[s], I, h.data_ptr<float>() + first[s] * I);
+    small_experts_matmul(small, count, first, down.data_ptr<float>(), H, I, h.data_ptr<float>(),
+                         y.data_ptr<float>());
+  }
+  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor moe_experts_blocks(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
+                              const std::string& gate_format, at::Tensor up, const std::string& up_format,
+                              at::Tensor down, const std::string& down_format, int64_t intermediate) {
+  check_inputs(x, weights, ids);
+  const int64_t E = gate.size(0), H = x.size(1), I = intermediate;
+  for (const auto* t : {&gate, &up, &down})
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 3 && t->size(0) == E && t->is_contiguous(),
+                "moe_experts_blocks: gate, up and down must be contiguous uint8 [E, rows, row bytes]");
+  TORCH_CHECK(gate.size(1) == I && up.size(1) == I && down.size(1) == H,
+              "moe_experts_blocks: gate and up need `intermediate` rows, down H rows");
+  auto out = at::zeros_like(x);
+  const Groups g = group_by_expert(weights, ids, E);
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  if (pairs == 0) return out;
+  const auto xs = gathered(x, g);
+  auto y = at::empty({pairs, H}, x.options());
+  const auto matmul = [](const at::Tensor& in, const at::Tensor& raw, const std::string& format, int64_t columns) {
+    if (in.size(0) <= kMaxRows) return gguf_matmul(in, raw, format);
+    return at::mm(in, gguf_dequantize(raw, format, columns).t());
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    const auto xe = xs.narrow(0, g.start[e], n);
+    auto gate_e = matmul(xe, gate[e], gate_format, H);
+    const auto up_e = matmul(xe, up[e], up_format, H);
+    float* gp = gate_e.data_ptr<float>();
+    const float* upp = up_e.data_ptr<float>();
+#pragma omp simd
+    for (int64_t i = 0; i < n * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
+    y.narrow(0, g.start[e], n).copy_(matmul(gate_e, down[e], down_format, I));
+  }
+  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace blockserve
