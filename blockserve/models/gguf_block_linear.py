@@ -6,8 +6,9 @@ projection whose parts differ in format).
 GGUFBlockLinear, out = x @ W^T (+ bias), W given as row segments (a fused projection's parts, each
 in its own format):
 
-    rows <= MAX_ROWS   gguf_matmul: each output row dequantised once into a small buffer and
-                       dotted with the rows (the weights are read at their file size)
+    rows <= MAX_ROWS   gguf_matmul: four output rows at a time dequantised once into a small
+                       buffer and multiplied with the rows in register tiles (the weights are
+                       read at their file size)
     more rows          tiles of about TILE_VALUES dequantised weights at a time, each multiplied
                        by torch's GEMM and dropped (prefill: compute-bound, so the GEMM pays)
 
@@ -41,7 +42,7 @@ NEW_FORMATS = KERNEL_FORMATS[3:]
 # byte offsets of each block's float16 scales (d, and dmin / m where the format has them)
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
                  "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
-MAX_ROWS = 8
+MAX_ROWS = 8  # past it the tiled GEMM is as fast or faster on both builds (docs/cpu.md)
 TILE_VALUES = 1 << 18  # dequantised weights per prefill tile: 1 MiB of float32
 
 

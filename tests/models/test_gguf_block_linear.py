@@ -74,6 +74,19 @@ def test_dequantize_and_matmul_equal_gguf_py(build, format):
             assert_matmul(ops.gguf_matmul(x, torch.from_numpy(raw), format), x, weight)
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_every_register_tile_shape(build):
+    """gguf_matmul multiplies 4 dequantised weight rows at a time with 4 (AVX-512) or 3 (AVX2) rows
+    of x: every remainder of both, across more than one tile."""
+    ops, rng = BUILDS[build], np.random.default_rng(4)
+    raw = random_blocks("Q5_0", 9, 64, rng)
+    weight = dequantized("Q5_0", raw)
+    x = torch.randn(9, 64)
+    for n in range(1, 10):
+        for m in range(1, 10):
+            assert_matmul(ops.gguf_matmul(x[:m], torch.from_numpy(raw[:n]), "Q5_0"), x[:m], weight[:n])
+
+
 @pytest.mark.parametrize("format", ("Q4_K", "Q6_K", "Q5_0"))
 def test_the_linear_layer_across_row_counts_segments_and_tiles(format):
     rng = np.random.default_rng(1)

@@ -8,17 +8,20 @@
 //       dequantize gives, bit for bit (every product below is exact in float32 or rounded once,
 //       in gguf-py's order); for embedding rows and for the tiles a many-row matmul multiplies.
 //   gguf_matmul(x, raw, format)            -> out [M, N] = x [M, K] @ W^T, W [N, K] in `raw`:
-//       each output row is dequantised once into a per-task buffer of K floats (L1/L2) and
-//       dotted with the M rows of x, so the weights are read from memory at their file size.
+//       four output rows at a time are dequantised into a per-task buffer of 4 x K floats (L1/L2)
+//       and multiplied with the M rows of x in register tiles (4 weight rows x 4 rows of x on
+//       AVX-512, 4 x 3 on AVX2), so each weight is dequantised once per call whatever M is and
+//       the weights are read from memory at their file size.
 //
-// Both run on the process's TaskPool (task_pool.h), over ranges of output rows. The vector code is
-// the compiler's (-march=native, or -mno-avx512f for the AVX2 build): the dequantisers are loops
-// over 16 or 32 contiguous values and the dots plain reductions, which it vectorises at the
-// build's width.
+// Both run on the process's TaskPool (task_pool.h), over ranges of output rows. The dequantisers of
+// Q4_0, Q8_0, Q5_0, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS unpack 16 bytes at a time with SSSE3 and
+// widen them at the build's width (block_unpack.h); Q4_1, Q5_1, Q2_K and Q3_K are plain loops the
+// compiler vectorises. The register tiles are GCC vector types of the build's width.
 
 #include "kernels.h"
 
-#include "row_dot.h"
+#include "block_unpack.h"
+
 #include "task_pool.h"
 
 #include <algorithm>
@@ -72,11 +75,9 @@ struct Q4_0 {
   static constexpr int Elems = 32, Bytes = 18;
   static void dequantize(const uint8_t* b, float* y) {
     const float d = half_to_float(b);
-    const uint8_t* qs = b + 2;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = d * float(int(qs[j] & 0x0f) - 8);
-      y[j + 16] = d * float(int(qs[j] >> 4) - 8);
-    }
+    const __m128i qs = load16(b + 2), eight = _mm_set1_epi8(8);
+    store_scaled(_mm_sub_epi8(low_nibbles(qs), eight), d, y);
+    store_scaled(_mm_sub_epi8(high_nibbles(qs), eight), d, y + 16);
   }
 };
 
@@ -96,8 +97,8 @@ struct Q8_0 {
   static constexpr int Elems = 32, Bytes = 34;
   static void dequantize(const uint8_t* b, float* y) {
     const float d = half_to_float(b);
-    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-    for (int j = 0; j < 32; ++j) y[j] = d * float(qs[j]);
+    store_scaled(load16(b + 2), d, y);
+    store_scaled(load16(b + 18), d, y + 16);
   }
 };
 
@@ -107,11 +108,11 @@ struct Q5_0 {
     const float d = half_to_float(b);
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
-    const uint8_t* qs = b + 6;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = d * float(int((qs[j] & 0x0f) | (((qh >> j) & 1) << 4)) - 16);
-      y[j + 16] = d * float(int((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
-    }
+    const __m128i qs = load16(b + 6), fifth = _mm_set1_epi8(0x10);
+    const __m128i low = _mm_or_si128(low_nibbles(qs), _mm_and_si128(bit_bytes(qh), fifth));
+    const __m128i high = _mm_or_si128(high_nibbles(qs), _mm_and_si128(bit_bytes(qh >> 16), fifth));
+    store_scaled(_mm_sub_epi8(low, fifth), d, y);
+    store_scaled(_mm_sub_epi8(high, fifth), d, y + 16);
   }
 };
 
@@ -132,12 +133,10 @@ struct Q5_1 {
 struct IQ4_NL {
   static constexpr int Elems = 32, Bytes = 18;
   static void dequantize(const uint8_t* b, float* y) {
+    const __m128i table = load16(reinterpret_cast<const uint8_t*>(kNonLinear4)), qs = load16(b + 2);
     const float d = half_to_float(b);
-    const uint8_t* qs = b + 2;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = d * float(kNonLinear4[qs[j] & 0x0f]);
-      y[j + 16] = d * float(kNonLinear4[qs[j] >> 4]);
-    }
+    store_scaled(_mm_shuffle_epi8(table, low_nibbles(qs)), d, y);
+    store_scaled(_mm_shuffle_epi8(table, high_nibbles(qs)), d, y + 16);
   }
 };
 
@@ -190,7 +189,10 @@ struct Q4_K {  // d | dmin | scales[12] | qs[128]
         scale_min_k4(b + 4, 2 * chunk + part, &sc, &m);
         const float scale = d * float(sc), min = dmin * float(m);
         float* out = y + 64 * chunk + 32 * part;
-        for (int l = 0; l < 32; ++l) out[l] = scale * float((qs[32 * chunk + l] >> (4 * part)) & 0x0f) - min;
+        for (int half = 0; half < 2; ++half) {
+          const __m128i q = load16(qs + 32 * chunk + 16 * half);
+          store_scaled_less(part ? high_nibbles(q) : low_nibbles(q), scale, min, out + 16 * half);
+        }
       }
     }
   }
@@ -209,8 +211,12 @@ struct Q5_K {  // d | dmin | scales[12] | qh[32] | qs[128]
         scale_min_k4(b + 4, sub, &sc, &m);
         const float scale = d * float(sc), min = dmin * float(m);
         float* out = y + 32 * sub;
-        for (int l = 0; l < 32; ++l)
-          out[l] = scale * float(((qs[32 * chunk + l] >> (4 * part)) & 0x0f) | (((qh[l] >> sub) & 1) << 4)) - min;
+        const __m128i bit = _mm_set1_epi8(char(1 << sub)), fifth = _mm_set1_epi8(0x10);
+        for (int half = 0; half < 2; ++half) {
+          const __m128i q = load16(qs + 32 * chunk + 16 * half), h = load16(qh + 16 * half);
+          const __m128i high = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bit), bit), fifth);
+          store_scaled_less(_mm_or_si128(part ? high_nibbles(q) : low_nibbles(q), high), scale, min, out + 16 * half);
+        }
       }
     }
   }
@@ -226,11 +232,13 @@ struct Q6_K {  // ql[128] | qh[64] | scales[16] int8 | d
     for (int half = 0; half < 2; ++half)
       for (int group = 0; group < 4; ++group) {
         const int w0 = 128 * half + 32 * group;
-        const float scale0 = d * float(scales[w0 / 16]), scale1 = d * float(scales[w0 / 16 + 1]);
-        for (int l = 0; l < 32; ++l) {
-          const int low = (ql[64 * half + 32 * (group % 2) + l] >> (4 * (group / 2))) & 0x0f;
-          const int high = (qh[32 * half + l] >> (2 * group)) & 3;
-          y[w0 + l] = (l < 16 ? scale0 : scale1) * float((low | (high << 4)) - 32);
+        const __m128i shift = _mm_cvtsi32_si128(2 * group), three = _mm_set1_epi8(3);
+        for (int l = 0; l < 2; ++l) {  // 16 values sharing scales[w0 / 16 + l]
+          const __m128i q = load16(ql + 64 * half + 32 * (group % 2) + 16 * l);
+          const __m128i low = group / 2 ? high_nibbles(q) : low_nibbles(q);
+          const __m128i high = _mm_and_si128(_mm_srl_epi16(load16(qh + 32 * half + 16 * l), shift), three);
+          const __m128i value = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+          store_scaled(value, d * float(scales[w0 / 16 + l]), y + w0 + 16 * l);
         }
       }
   }
@@ -247,10 +255,9 @@ struct IQ4_XS {  // d | scales_h (uint16) | scales_l[4] | qs[128]
     for (int sub = 0; sub < 8; ++sub) {
       const int scale = (((scales_l[sub / 2] >> (4 * (sub % 2))) & 0x0f) | (((scales_h >> (2 * sub)) & 3) << 4)) - 32;
       const float dl = d * float(scale);
-      for (int j = 0; j < 16; ++j) {
-        y[32 * sub + j] = dl * float(kNonLinear4[qs[16 * sub + j] & 0x0f]);
-        y[32 * sub + 16 + j] = dl * float(kNonLinear4[qs[16 * sub + j] >> 4]);
-      }
+      const __m128i table = load16(reinterpret_cast<const uint8_t*>(kNonLinear4)), q = load16(qs + 16 * sub);
+      store_scaled(_mm_shuffle_epi8(table, low_nibbles(q)), dl, y + 32 * sub);
+      store_scaled(_mm_shuffle_epi8(table, high_nibbles(q)), dl, y + 32 * sub + 16);
     }
   }
 };
@@ -258,6 +265,54 @@ struct IQ4_XS {  // d | scales_h (uint16) | scales_l[4] | qs[128]
 template <typename F>
 void dequantize_row(const uint8_t* row, int64_t columns, float* out) {
   for (int64_t b = 0; b < columns / F::Elems; ++b) F::dequantize(row + b * F::Bytes, out + b * F::Elems);
+}
+
+// The register-blocked product of dequantised weight rows with rows of x: a tile of NR weight rows
+// (w, each K floats, contiguous) times MR rows of x keeps NR x MR vector accumulators, so each
+// vector of weights loaded serves MR rows and each of x serves NR. K is a multiple of 32.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kTileRows = 4;  // 16 of the 32 zmm registers accumulate
+#else
+constexpr int kLanes = 8, kTileRows = 3;  // 12 of the 16 ymm registers accumulate
+#endif
+constexpr int kWeightRows = 4;  // the switch in gguf_matmul takes 1 to 4
+typedef float Lanes __attribute__((vector_size(4 * kLanes)));
+typedef float UnalignedLanes __attribute__((vector_size(4 * kLanes), aligned(4)));
+
+inline Lanes load_lanes(const float* p) { return *reinterpret_cast<const UnalignedLanes*>(p); }
+
+inline float lane_sum(Lanes v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+template <int NR, int MR>
+inline void tile(const float* w, const float* x, int64_t K, float* out, int64_t out_stride) {
+  Lanes acc[NR][MR] = {};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    Lanes wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = load_lanes(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const Lanes xv = load_lanes(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[n][m] += wv[n] * xv;
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) out[m * out_stride + n] = lane_sum(acc[n][m]);
+}
+
+// out[m, n] for the M rows of x and NR weight rows w (out_stride: the row length of out).
+template <int NR>
+void weight_rows_times_x(const float* w, const float* x, int64_t M, int64_t K, float* out, int64_t out_stride) {
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) tile<NR, kTileRows>(w, x + m * K, K, out + m * out_stride, out_stride);
+  switch (M - m) {
+    case 1: tile<NR, 1>(w, x + m * K, K, out + m * out_stride, out_stride); break;
+    case 2: tile<NR, 2>(w, x + m * K, K, out + m * out_stride, out_stride); break;
+    case 3: tile<NR, 3>(w, x + m * K, K, out + m * out_stride, out_stride); break;
+    default: break;
+  }
 }
 
 struct Format {
@@ -326,12 +381,20 @@ at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format) 
   const float* xp = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = raw.size(1);
-  // tasks of >= ~64 K multiply-adds
-  for_each_range(N, std::max<int64_t>(1, (1 << 16) / (K * std::max<int64_t>(M, 1))), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
-    for (int64_t n = begin; n < end; ++n) {
-      f.dequantize_row(w + n * row_bytes, K, row.data());
-      dot_rows(row.data(), xp, M, K, o + n, N);
+  // tasks of kWeightRows output rows at a time, >= ~64 K multiply-adds each
+  const int64_t groups = (N + kWeightRows - 1) / kWeightRows;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (K * M * kWeightRows));
+  for_each_range(groups, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(kWeightRows * K);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kWeightRows, count = std::min<int64_t>(kWeightRows, N - n0);
+      for (int64_t r = 0; r < count; ++r) f.dequantize_row(w + (n0 + r) * row_bytes, K, rows.data() + r * K);
+      switch (count) {
+        case 4: weight_rows_times_x<4>(rows.data(), xp, M, K, o + n0, N); break;
+        case 3: weight_rows_times_x<3>(rows.data(), xp, M, K, o + n0, N); break;
+        case 2: weight_rows_times_x<2>(rows.data(), xp, M, K, o + n0, N); break;
+        default: weight_rows_times_x<1>(rows.data(), xp, M, K, o + n0, N); break;
+      }
     }
   });
   return out;
