@@ -1,5 +1,5 @@
 // One dequantised weight row dotted with M rows of x, for the kernels that dequantise a row of
-// packed weights into a small buffer first (gguf_blocks.cpp, mxfp4.cpp). The vector code is the
+// packed weights into a small buffer first (mxfp4.cpp). The vector code is the
 // compiler's, at the build's width.
 
 #pragma once
