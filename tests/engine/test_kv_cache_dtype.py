@@ -68,7 +68,7 @@ def test_16bit_cache_keeps_the_float32_outputs(model_path, dtype):
 
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int4")
+        EngineConfig(kv_cache_dtype="int3")
 
 
 QUANTIZED = pytest.mark.parametrize("dtype", ["int8", "fp8", "int4"])
