@@ -59,7 +59,8 @@ def is_rotated(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.uint8
 
 
-def _scale_bytes(dtype: torch.dtype) -> int:
+def scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes after a quantized row's codes: its float16 scale (4-bit: and minimum)."""
     return INT4_SCALE_BYTES if dtype == torch.uint8 else SCALE_BYTES
 
 
@@ -150,7 +151,7 @@ def fill_rows(cache: torch.Tensor, dim: int, index: torch.Tensor, poison: bool) 
     if not is_quantized(cache):
         cache.index_fill_(dim, index, float("nan") if poison else 0.0)
         return
-    tail = _scale_bytes(cache.dtype)
+    tail = scale_bytes(cache.dtype)
     cache[..., :-tail].view(torch.uint8).index_fill_(dim, index, POISON_BYTE[cache.dtype] if poison else 0)
     cache[..., -tail:].view(torch.float16).index_fill_(dim, index, float("nan") if poison else 0.0)
 
