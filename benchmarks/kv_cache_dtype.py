@@ -46,8 +46,8 @@ from blockserve.models.loader import load_model
 from blockserve.worker.kv_tensors import KVCacheTensors
 
 BLOCK, WINDOW, CHUNK = 16, 1024, 256
-DTYPES = ("float16", "int8", "fp8")  # each against the float32 cache
-QUALITY_DTYPES = ("int8", "fp8")  # float16's KL is ~0 (its rounding is 2^-11 relative)
+DTYPES = ("float16", "int8", "fp8", "int4")  # each against the float32 cache
+QUALITY_DTYPES = ("int8", "fp8", "int4")  # float16's KL is ~0 (its rounding is 2^-11 relative)
 LLAMA_TYPES = ("f16", "q8_0", "q4_0")
 CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three uses of copper.",
                 "Explain photosynthesis in two sentences.", "How do I reverse a list in Python?",
@@ -168,9 +168,10 @@ def fill_random(run: PagedRun) -> None:
     for tensor in run.kv.tensors[0]:
         for layer in tensor:  # one layer at a time: bounded temporary memory
             if kv_quant.is_quantized(layer):
-                codes = layer.view(torch.uint8)[..., :-kv_quant.SCALE_BYTES]
+                tail = kv_quant.scale_bytes(layer.dtype)
+                codes = layer.view(torch.uint8)[..., :-tail]
                 codes.copy_(torch.randint(0, 0x7E, codes.shape, generator=gen, dtype=torch.uint8))
-                layer[..., -kv_quant.SCALE_BYTES:].view(torch.float16).fill_(1 / 64)
+                layer[..., -tail:].view(torch.float16).fill_(1 / 64)
             else:
                 layer.copy_(torch.randn(layer.shape, generator=gen).to(layer.dtype))
 

@@ -261,7 +261,7 @@ class FlexAttention:
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
-    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # dequantised as pages are read
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn", "int4_rotated")  # dequantised as read
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
@@ -281,6 +281,9 @@ class FlexAttention:
         if (sinks is not None) != self.sinks:
             raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
                              f"{'out' if sinks is None else ''} sink logits")
+        rotated = kv_quant.is_rotated(k_cache)  # the 4-bit form: attend R q over R k, R v; un-rotate once
+        if rotated:
+            q = kv_quant.rotate_queries(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         kv_quant.write(k_flat, meta.slot_mapping, k)
@@ -289,7 +292,8 @@ class FlexAttention:
         keys = kv_quant.decode(_kv(k_cache, mask.pages), q.dtype)
         values = kv_quant.decode(_kv(v_cache, mask.pages), q.dtype)
         out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale, self.score_mod, sinks)
-        return out[0].transpose(0, 1).contiguous()
+        out = out[0].transpose(0, 1).contiguous()
+        return kv_quant.unrotate_output(out) if rotated else out
 
 
 class FlexMLA(AbsorbedMLA):

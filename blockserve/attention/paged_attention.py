@@ -19,7 +19,7 @@ Decodes are attended together in one batched call (exact length: by the native k
 csrc/paged_decode.cpp when it is built, which reads the same slots in place instead of copying
 them); prefill chunks one sequence at a time (a fresh prompt needs no cache read at all).
 
-A quantized cache (int8 or fp8, attention/kv_quant.py) is written as codes and scales, and every read
+A quantized cache (int8, fp8 or rotated 4-bit, attention/kv_quant.py) is written as codes and scales, and every read
 dequantises; a fresh prompt then attends the dequantised K/V too, so that a prefix-cache hit
 and a cold run see the same values (C4).
 
@@ -95,7 +95,7 @@ class PagedAttention:
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
     # The quantized KV dtypes (kv/specs.py QUANTIZED_KV_DTYPES) this backend reads and writes.
-    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn", "int4_rotated")
     # Whether a decode step's forward may be captured as a CUDA graph (worker/cuda_graphs.py): it
     # reads only tensors, no host list. These backends build their gathers from the host lists.
     captures_decode: ClassVar[bool] = False
@@ -123,6 +123,9 @@ class PagedAttention:
         if (sinks is not None) != self.sinks:
             raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
                              f"{'out' if sinks is None else ''} sink logits")
+        rotated = kv_quant.is_rotated(k_cache)  # the 4-bit form: attend R q over R k, R v; un-rotate once
+        if rotated:
+            q = kv_quant.rotate_queries(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         k_rows = kv_quant.write(k_flat, meta.slot_mapping, k)  # slots are distinct within a step
@@ -147,7 +150,7 @@ class PagedAttention:
                 continue
             g, mask = self._derived(meta, i, lambda host: self._prefill_gather(host, i, seq_len, n))
             out[start:end] = self._attend(qi, g.read(k_cache), g.read(v_cache), mask, sinks)[0].transpose(0, 1)
-        return out
+        return kv_quant.unrotate_output(out) if rotated else out
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from blockserve.attention import kv_quant
 from blockserve.attention.context import ForwardContext, LayerCache
 from blockserve.attention.layer import Attention
 from blockserve.attention.metadata import AttentionMetadata
@@ -47,6 +48,7 @@ class RotaryDecode:
         attn = self.attn
         kernel = self._kernel()
         if (kernel is None or attn.sliding_window is not None or cache.k_cache.device.type != "cpu"
+                or kv_quant.is_rotated(cache.k_cache)  # the fused write has no rotation: the layer's path writes it
                 or not kernel.reads(dtype, cache.k_cache.dtype, attn.head_dim)):
             return None
         return kernel, cache.k_cache, cache.v_cache

@@ -128,7 +128,8 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
                 "and reads; int8 and fp8 (e4m3): one-byte codes and a float16 scale per head vector, about half "
-                "of float16; "
+                "of float16; int4: each head vector rotated (a fixed randomised Hadamard transform) then 4-bit "
+                "codes with a float16 scale and minimum, 3.6x fewer bytes than float16 at head size 64; "
                 "attention still computes in float32)", "choices": KV_CACHE_DTYPES})
     kv_offload_dir: str | None = field(default=None, metadata={
         "help": "a directory for a disk tier behind the prefix cache: the KV of computed prompt blocks is written "

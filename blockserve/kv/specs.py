@@ -26,18 +26,22 @@ DTYPE_BYTES = {
     "float8_e5m2": 1,
     "int8": 1,
     "uint8": 1,
+    "int4_rotated": 1,  # the byte of its storage; kv_row_bytes counts two codes per byte
 }
 
 
 # Quantized K/V: each head vector of each token is stored in its block as `head_size` one-byte
-# codes followed by its float16 scale (KV_SCALE_BYTES), x ~= code * scale (attention/kv_quant.py).
-QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
+# codes followed by its float16 scale (KV_SCALE_BYTES), x ~= code * scale; or, rotated 4-bit
+# ("int4_rotated", uint8 bytes), as head_size / 2 bytes of packed 4-bit codes followed by a float16
+# scale and a float16 minimum (attention/kv_quant.py).
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn", "int4_rotated")
 KV_SCALE_BYTES = 2
+INT4_SCALE_BYTES = 4  # scale and minimum, float16 each
 
 # The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's); "fp8" is
-# e4m3 (the stored dtype float8_e4m3fn).
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
-_STORED_AS = {"fp8": "float8_e4m3fn"}
+# e4m3 (the stored dtype float8_e4m3fn); "int4" the rotated 4-bit form (stored as "int4_rotated").
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "int4")
+_STORED_AS = {"fp8": "float8_e4m3fn", "int4": "int4_rotated"}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -52,7 +56,13 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def kv_row_bytes(dtype: str, head_size: int) -> int:
-    """Bytes of one head vector of one token as stored: its elements, plus its scale when quantized."""
+    """Bytes of one head vector of one token as stored: its elements, plus its scale when quantized
+    (the rotated 4-bit form: two codes a byte, then its scale and minimum)."""
+    if dtype == "int4_rotated":
+        if head_size % 4:  # two codes a byte, and the float16 scale at an even byte of the row
+            raise ValueError(f"kv_cache_dtype int4 packs two codes a byte: head_size {head_size} must be a "
+                             f"multiple of 4")
+        return head_size // 2 + INT4_SCALE_BYTES
     return head_size * dtype_bytes(dtype) + (KV_SCALE_BYTES if dtype in QUANTIZED_KV_DTYPES else 0)
 
 
@@ -77,7 +87,7 @@ class FullAttentionSpec:
 
     def __post_init__(self) -> None:
         _require_positive(block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size)
-        dtype_bytes(self.dtype)
+        kv_row_bytes(self.dtype, self.head_size)  # a known dtype that can store this head size
 
     @property
     def page_size_bytes(self) -> int:

@@ -2,7 +2,7 @@
 holding all the group's layers, so a zero order is one indexed fill per tensor.
 
     attention group  [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_size]
-                     (quantized: int8 rows of head_size codes + a float16 scale, attention/kv_quant.py)
+                     (quantized: rows of codes + their float16 scale, attention/kv_quant.py)
     MLA group        [layers, num_blocks, block_size, kv_lora_rank + rope_dim]
     state group      one tensor per state component: [layers, num_slots, *shape], the running
                      slots followed by the checkpoint slots
@@ -30,6 +30,7 @@ TORCH_DTYPES = {
     "float8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
     "uint8": torch.uint8,
+    "int4_rotated": torch.uint8,  # packed codes and their float16 scale and minimum (attention/kv_quant.py)
 }
 
 

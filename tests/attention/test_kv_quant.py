@@ -21,6 +21,19 @@ from blockserve.native.extension import paged_decode_kernel, why_not_native
 needs_native = pytest.mark.skipif(why_not_native() is not None, reason=f"no native kernels: {why_not_native()}")
 BUILDS = pytest.mark.parametrize("without_avx512", [False, True], ids=["native-default", "native-avx2"])
 CODES = pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+ALL_CODES = pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, torch.uint8], ids=["int8", "fp8", "int4"])
+
+
+def empty_cache(shape, head_size: int, codes: torch.dtype) -> torch.Tensor:
+    """A zeroed cache [*shape, row] of `codes` rows of head_size values."""
+    row = kv_quant.encode(torch.zeros(head_size), codes).shape[-1]
+    return torch.zeros(*shape, row, dtype=torch.uint8).view(codes)
+
+
+def dequantised(x: torch.Tensor, codes: torch.dtype) -> torch.Tensor:
+    """What attention over a cache of `codes` sees of x, in x's own coordinates."""
+    back = kv_quant.decode(kv_quant.encode(x, codes), torch.float32)
+    return kv_quant.unrotate_output(back) if codes == torch.uint8 else back
 
 
 def head_vectors(kind: str, n: int = 512, dim: int = 64) -> torch.Tensor:
@@ -59,7 +72,48 @@ def test_fp8_error_is_relative(kind):
     assert back.abs().amax(-1).sub(x.abs().amax(-1)).abs().le(x.abs().amax(-1) / 16).all()
 
 
-@CODES
+@pytest.mark.parametrize("dim", [64, 96])
+def test_rotation_is_orthogonal_and_fixed(dim):
+    """R (blockwise for 96: three 32-channel Hadamard blocks) is orthogonal, so q . k and norms are kept,
+    and the same in every call (a cache written by one engine reads in the next)."""
+    r = kv_quant.rotation(dim)
+    torch.testing.assert_close(r @ r.t(), torch.eye(dim), atol=1e-6, rtol=0)
+    x, y = torch.randn(2, 5, dim).unbind()
+    torch.testing.assert_close((kv_quant.rotate_queries(x) * kv_quant.rotate_queries(y)).sum(-1), (x * y).sum(-1),
+                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(kv_quant.unrotate_output(kv_quant.rotate_queries(x)), x, atol=1e-5, rtol=1e-5)
+    kv_quant.rotation.cache_clear()
+    assert torch.equal(kv_quant.rotation(dim), r)
+    if dim == 96:  # blockwise: channel 0 spreads over its own 32-channel block only
+        assert r[0, :32].ne(0).all() and r[0, 32:].eq(0).all()
+
+
+@pytest.mark.parametrize("kind", ["random", "outliers"])
+def test_int4_error_and_what_rotation_buys(kind):
+    """4-bit rows: the rotated values come back within half a step (plus the float16 rounding of the
+    minimum) of themselves; on outlier-heavy vectors the rotation cuts the relative error ~3x
+    against the same 4-bit codes without it, and asymmetric codes beat symmetric ones."""
+    x = head_vectors(kind)
+    rows = kv_quant.encode(x, torch.uint8)
+    assert rows.dtype == torch.uint8 and rows.shape == (512, 36)
+    y = kv_quant.rotate_queries(x)
+    scale, minimum = rows[:, -4:].view(torch.float16).float().unbind(-1)
+    back = kv_quant.decode(rows, torch.float32)
+    assert ((back - y).abs() <= 0.5 * scale[:, None] * 1.01 + 1e-3 * minimum.abs()[:, None]).all()
+    rotated = ((kv_quant.unrotate_output(back) - x).norm(dim=-1) / x.norm(dim=-1)).mean()
+    # encode quantises R x; fed R^T x it quantises x itself: the same codes without the rotation
+    plain = kv_quant.decode(kv_quant.encode(kv_quant.unrotate_output(x), torch.uint8), torch.float32)
+    unrotated = ((plain - x).norm(dim=-1) / x.norm(dim=-1)).mean()
+    step = y.abs().amax(-1, keepdim=True) / 7
+    symmetric = (((y / step).round().clamp(-8, 7) * step - y).norm(dim=-1) / y.norm(dim=-1)).mean()
+    assert rotated < (0.1 if kind == "random" else 0.06) and rotated < symmetric
+    if kind == "outliers":
+        assert unrotated > 2.5 * rotated
+    else:
+        assert unrotated < 1.3 * rotated  # nothing to spread: the rotation neither helps nor hurts much
+
+
+@ALL_CODES
 def test_zero_and_poison_rows(codes):
     """Zeroed rows decode to 0 (and a zero vector encodes to them); poisoned rows to NaN: a NaN
     scale, and codes the quantiser never writes (int8 -128; e4m3's NaN)."""
@@ -67,9 +121,10 @@ def test_zero_and_poison_rows(codes):
     kv_quant.fill_rows(cache, 0, torch.tensor([1]), poison=False)
     kv_quant.fill_rows(cache, 0, torch.tensor([2]), poison=True)
     out = kv_quant.decode(cache, torch.float32)
+    tail = 4 if codes == torch.uint8 else 2
     assert out[1].eq(0).all() and out[2].isnan().all() and out[[0, 3]].isfinite().all()
-    assert (cache[2, ..., :-2].view(torch.uint8) == kv_quant.POISON_BYTE[codes]).all()
-    assert cache[2, ..., -2:].view(torch.float16).isnan().all()
+    assert (cache[2, ..., :-tail].view(torch.uint8) == kv_quant.POISON_BYTE[codes]).all()
+    assert cache[2, ..., -tail:].view(torch.float16).isnan().all()
     assert kv_quant.encode(torch.zeros(2, 8), codes).view(torch.uint8).eq(0).all()
 
 
@@ -80,7 +135,7 @@ def paged_step(head_size: int, block_size: int, codes: torch.dtype, hq: int = 6,
     gen = torch.Generator().manual_seed(0)
     need = [-(-n // block_size) for n in lens]
     order = (torch.randperm(sum(need), generator=gen) + 1).tolist()
-    k_cache = torch.zeros(sum(need) + 1, block_size, hkv, head_size + 2, dtype=torch.int8).view(codes)
+    k_cache = empty_cache((sum(need) + 1, block_size, hkv), head_size, codes)
     kv_quant.fill_rows(k_cache, 0, torch.arange(1, sum(need) + 1), poison=True)
     v_cache = k_cache.clone()
     table = torch.zeros(len(lens), max(need), dtype=torch.int64)
@@ -103,11 +158,12 @@ def paged_step(head_size: int, block_size: int, codes: torch.dtype, hq: int = 6,
 
 @needs_native
 @BUILDS
-@CODES
+@ALL_CODES
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 4), (256, 32), (64, 32), (8, 4)])
 def test_native_decode_reads_the_codes_in_place(without_avx512, codes, head_size, block_size):
     """AVX-512, AVX2 (64, 128, 256) and the portable path (8) against dense attention over the
-    dequantised cache: 3 query heads per KV head, windows, partial blocks, every unwritten row poisoned."""
+    dequantised cache (4-bit: over the rotated vectors it stores, as the kernel takes rotated
+    queries): 3 query heads per KV head, windows, partial blocks, every unwritten row poisoned."""
     kernel = paged_decode_kernel(without_avx512=without_avx512)
     assert kernel.reads(torch.float32, codes, head_size)
     q, k_cache, v_cache, table, starts, lens, want = paged_step(head_size, block_size, codes)
@@ -171,7 +227,7 @@ def test_fused_decode_writes_the_bytes_the_backend_writes(codes, head_dim):
 VARIANTS = ["exact", "exact-pytorch", "whole_block", "flex"]
 
 
-@CODES
+@ALL_CODES
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_backends_attend_the_dequantised_cache(variant, codes):
     """Decodes and prefill chunks (fresh and continued) over an int8 cache equal dense attention over
@@ -181,7 +237,7 @@ def test_backends_attend_the_dequantised_cache(variant, codes):
     gen = torch.Generator().manual_seed(0)
     results = {}
     for poison in (False, True):
-        k_cache = torch.zeros(40, bs, hkv, d + 2, dtype=torch.int8).view(codes)
+        k_cache = empty_cache((40, bs, hkv), d, codes)
         kv_quant.fill_rows(k_cache, 0, torch.arange(1, 40), poison=poison)
         v_cache = k_cache.clone()
         full_k, full_v, tables, free = [], [], [], list(range(1, 40))
@@ -206,8 +262,7 @@ def test_backends_attend_the_dequantised_cache(variant, codes):
     out = results[False]
     for i, (c, n) in enumerate(seqs):
         s = layout.query_start[i]
-        keys = kv_quant.decode(kv_quant.encode(full_k[i], codes), torch.float32)
-        values = kv_quant.decode(kv_quant.encode(full_v[i], codes), torch.float32)
+        keys, values = dequantised(full_k[i], codes), dequantised(full_v[i], codes)
         scores = q[s:s + n].transpose(0, 1) @ keys.repeat_interleave(2, 1).permute(1, 2, 0) / math.sqrt(d)
         mask = torch.arange(c + n)[None] <= torch.arange(c, c + n)[:, None]
         want = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values.repeat_interleave(2, 1).transpose(0, 1))

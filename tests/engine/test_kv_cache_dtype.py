@@ -8,7 +8,7 @@ this random model's greedy picks within a few tokens, so for it only the storage
 and the same memory must hold twice the blocks.
 
 int8 and fp8 (codes and a float16 scale per head vector, attention/kv_quant.py) must hold 3.8x the
-float32 blocks, read the same through every CPU backend, survive recycled poisoned blocks (C1:
+float32 blocks (the rotated 4-bit form 7x), read the same through every CPU backend, survive recycled poisoned blocks (C1:
 identical epoch to epoch with the derived zeroing; broken on a whole-block reader without it), and
 give the same tokens with prefix caching on and off (C4). A dtype a backend or layer kind cannot
 read is refused at start-up.
@@ -68,11 +68,13 @@ def test_16bit_cache_keeps_the_float32_outputs(model_path, dtype):
 
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int4")
+        EngineConfig(kv_cache_dtype="int3")
 
 
-QUANTIZED = pytest.mark.parametrize("dtype", ["int8", "fp8"])
-STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANTIZED = pytest.mark.parametrize("dtype", ["int8", "fp8", "int4"])
+STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
+ROW_BYTES = {"int8": 64 + 2, "fp8": 64 + 2, "int4": 32 + 4}  # codes, then the scale (4-bit: and minimum)
+AGAINST_FLOAT16 = {"int8": "1.94x", "fp8": "1.94x", "int4": "3.56x"}
 
 
 @QUANTIZED
@@ -81,17 +83,18 @@ def test_quantized_cache_holds_codes_scales_and_3_8x_the_float32_tokens(model_pa
     got, quantized = run(model_path, dtype, check_integrity=True)
     assert all(len(tokens) == 40 for tokens in got)
     caches = quantized.engine.core.runner.layer_caches.values()
-    assert {(c.k_cache.dtype, c.k_cache.shape[-1]) for c in caches} == {(STORED[dtype], 64 + 2)}
+    assert {(c.k_cache.dtype, c.k_cache.shape[-1]) for c in caches} == {(STORED[dtype], ROW_BYTES[dtype])}
     blocks = lambda llm: sum(g.num_blocks for g in llm.engine.core.kv_config.groups)  # noqa: E731
-    assert blocks(quantized) >= 3.8 * blocks(full)
-    assert "1.94x float16" in quantized.engine.core.kv_config.capacity_report()
+    assert blocks(quantized) >= (7 if dtype == "int4" else 3.8) * blocks(full)
+    assert f"{AGAINST_FLOAT16[dtype]} float16" in quantized.engine.core.kv_config.capacity_report()
     # every backend reads the same codes: the native kernel, the gathered path, whole blocks
     assert run(model_path, dtype, attention_backend="whole_block")[0] == got
 
 
-# 2 layers x (K, V) x 4 slots x 2 heads x (64 codes + 2 scale bytes): 17 blocks hold one request of
-# 64 tokens, far fewer than engine_prompts() need at once, so blocks recycle within an epoch.
-SMALL_QUANTIZED_CACHE = dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 2 * 4 * 2 * 66)
+# 2 layers x (K, V) x 4 slots x 2 heads x a row's bytes: 17 blocks hold one request of 64 tokens, far
+# fewer than engine_prompts() need at once, so blocks recycle within an epoch.
+def small_quantized_cache(dtype: str) -> dict:
+    return dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 2 * 4 * 2 * ROW_BYTES[dtype])
 
 
 def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
@@ -106,7 +109,7 @@ def test_recycled_poisoned_quantized_blocks(model_path, backend, dtype):
     """C1 on quantized bytes: every garbage block holds poison codes and NaN scales. With the derived
     zeroing, every epoch gives the unpoisoned outputs; with zeroing forced off, the exact backend
     still does and the whole-block one, which reads unwritten slots, breaks."""
-    options = dict(SMALL_QUANTIZED_CACHE, kv_cache_dtype=dtype)
+    options = dict(small_quantized_cache(dtype), kv_cache_dtype=dtype)
     want = epochs(LLM(model_path, **options), 1)[0]
     assert epochs(LLM(model_path, attention_backend=backend, poison=True, **options), 3) == [want] * 3
     unzeroed = epochs(LLM(model_path, attention_backend=backend, poison=True, unsafe_disable_zeroing=True,
@@ -122,7 +125,8 @@ def test_recycled_poisoned_quantized_blocks(model_path, backend, dtype):
 def test_quantized_prefix_caching_on_equals_off(model_path, backend, dtype):
     """C4: a prefix hit reads the stored codes (never re-quantised); a cold prompt attends the same
     dequantised K/V, so the tokens do not change."""
-    options = dict(SMALL_QUANTIZED_CACHE, kv_cache_memory="1MiB", attention_backend=backend, kv_cache_dtype=dtype)
+    options = dict(small_quantized_cache(dtype), kv_cache_memory="1MiB", attention_backend=backend,
+                   kv_cache_dtype=dtype)
     off = epochs(LLM(model_path, enable_prefix_caching=False, **options), 1)[0]
     cached = LLM(model_path, enable_prefix_caching=True, **options)
     assert epochs(cached, 2) == [off, off]
@@ -137,14 +141,14 @@ def test_quantized_dtypes_are_refused_where_they_cannot_be_read():
         refuse_unreadable_kv_dtype("layers.0", attn, spec)
     refuse_unreadable_kv_dtype("layers.0", Attention("layers.0", 4, 2, 64, BACKENDS["exact"](0.125),
                                                      dtype=torch.float32), spec)
-    for dtype in ("int8", "fp8"):
+    for dtype in ("int8", "fp8", "int4"):
         with pytest.raises(ValueError, match=f"'{dtype}' is not built for MLA"):
             with_kv_cache_dtype(MLASpec(16, 32, 8), dtype)
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench", "latency"]], ids=" ".join)
 def test_every_command_takes_the_quantized_kv_cache_dtypes(command):
-    for dtype in ("int8", "fp8"):
+    for dtype in ("int8", "fp8", "int4"):
         args = build_parser().parse_args([*command, "--kv-cache-dtype", dtype])
         assert config_from_namespace(EngineConfig, args).kv_cache_dtype == dtype
 

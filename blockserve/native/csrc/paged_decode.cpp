@@ -413,7 +413,8 @@ static void dispatch_cache(const at::Tensor& k_cache, Args&&... args) {
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens,
                             double scale) {
-  if (k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn)  // paged_decode_quantized.cpp
+  if (k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+      k_cache.scalar_type() == at::kByte)  // paged_decode_quantized.cpp
     return paged_decode_attention_quantized(out, q, k_cache, v_cache, block_table, key_start, seq_lens, scale);
   TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat,
               "paged_decode_attention: float32 q and out expected");
@@ -451,7 +452,8 @@ void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at:
                              at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                              at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens,
                              int64_t n_heads, double scale) {
-  if (k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn)  // paged_decode_quantized.cpp
+  if (k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+      k_cache.scalar_type() == at::kByte)  // paged_decode_quantized.cpp
     return rotary_decode_attention_quantized(out, qkv, cos, sin, k_cache, v_cache, slot_mapping, block_table, key_start,
                                         seq_lens, n_heads, scale);
   const char* name = "rotary_decode_attention";

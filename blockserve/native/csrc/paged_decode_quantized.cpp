@@ -3,15 +3,20 @@
 // call these for an int8 or float8_e4m3fn cache.
 //
 // A cache row is one head vector of one token: D one-byte codes (int8, or float8 e4m3), then its
-// float16 scale (x = c * s). The SIMD paths widen e4m3 codes through float16: the code's sign,
-// exponent and mantissa shifted into a float16's place stand for its value / 256 (subnormals too),
-// and the 256 is folded into the scale.
+// float16 scale (x = c * s); or (the rotated 4-bit form, a uint8 cache) D / 2 bytes of 4-bit codes,
+// low nibble first, then its float16 scale and minimum (x = c * s + m). The rotation is the
+// caller's: it passes rotated queries and un-rotates the output. The SIMD paths widen e4m3 codes
+// through float16: the code's sign, exponent and mantissa shifted into a float16's place stand for
+// its value / 256 (subnormals too), and the 256 is folded into the scale.
 // Scales are folded, never multiplied into the codes:
-//     score_p = scale * s_k[p] * (q . c_k[p])          weight_p = softmax_p * s_v[p]
-// so a key costs one multiply beyond its codes' dot product, and all arithmetic is float32. Only
+//     score_p = scale * (s_k[p] * (q . c_k[p]) + m_k[p] * sum(q))
+//     weight_p = softmax_p * s_v[p], and sum_p softmax_p * m_v[p] added to every output channel
+// so a key costs one multiply (4-bit: two) beyond its codes' dot product, and all arithmetic is
+// float32. Only
 // slots of positions below seq_len are read. Three implementations of one (sequence, KV head):
 // AVX-512 (16 keys at a time) and AVX2 (8) for head sizes 64, 128 and 256, a portable one else.
-// Writes quantise each head vector as kv_quant.encode does, to the same bytes.
+// Writes quantise each head vector as kv_quant.encode does, to the same bytes (the one-byte forms;
+// the fused write refuses the 4-bit form, which attention/rotary_decode.py never sends).
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
@@ -21,6 +26,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "fast_exp.h"
@@ -44,27 +50,49 @@ namespace {
 
 constexpr int64_t kScaleBytes = 2;
 
-inline float row_scale(const int8_t* row, int64_t dim) {
-  at::Half scale;
-  std::memcpy(&scale, row + dim, kScaleBytes);
-  return static_cast<float>(scale);
+// The stored forms: one-byte codes (int8, e4m3) with a scale, or packed 4-bit codes with a scale and a minimum.
+enum Form { kInt8 = 0, kFp8 = 1, kInt4 = 2 };
+
+// Bytes of a row's codes, and of the whole row.
+template <int F>
+constexpr int64_t code_bytes(int64_t dim) { return F == kInt4 ? dim / 2 : dim; }
+template <int F>
+constexpr int64_t row_bytes(int64_t dim) { return code_bytes<F>(dim) + (F == kInt4 ? 2 : 1) * kScaleBytes; }
+
+inline float half_at(const int8_t* p) {
+  at::Half value;
+  std::memcpy(&value, p, kScaleBytes);
+  return static_cast<float>(value);
+}
+
+template <int F>
+inline float row_scale(const int8_t* row, int64_t dim) { return half_at(row + code_bytes<F>(dim)); }
+// The row's minimum (the 4-bit form; 0 for the others).
+template <int F>
+inline float row_minimum(const int8_t* row, int64_t dim) {
+  return F == kInt4 ? half_at(row + code_bytes<F>(dim) + kScaleBytes) : 0.f;
 }
 
 // The largest code magnitude: a row's largest |x| is stored as it.
 template <bool FP8>
 constexpr float kCodeMax = FP8 ? 448.f : 127.f;
 // What the SIMD paths' widened codes are multiplied by to give the codes' values.
-template <bool FP8>
-constexpr float kSimdUnit = FP8 ? 256.f : 1.f;
+template <int F>
+constexpr float kSimdUnit = F == kFp8 ? 256.f : 1.f;
 
-template <bool FP8>
-inline float code_value(int8_t code) {
-  if constexpr (FP8) {
+// Code d of a row.
+template <int F>
+inline float code_value(const int8_t* row, int64_t d) {
+  if constexpr (F == kInt4) {
+    const uint8_t byte = static_cast<uint8_t>(row[d / 2]);
+    return static_cast<float>(d % 2 ? byte >> 4 : byte & 15);
+  } else if constexpr (F == kFp8) {
+    const int8_t code = row[d];
     c10::Float8_e4m3fn value;
     std::memcpy(&value, &code, 1);
     return static_cast<float>(value);
   } else {
-    return static_cast<float>(code);
+    return static_cast<float>(row[d]);
   }
 }
 
@@ -109,9 +137,11 @@ struct Item {
   const int64_t* table;     // the sequence's block table row
   int64_t start, stop, group, dim, block_size, slot_stride;  // slot_stride: bytes between slots
   float scale;
+  const float* qsum;        // [group]: each query head's sum (the 4-bit form's minimum times it)
   float* acc;               // [group, dim]
   float* weights;           // [group, lanes], 64-byte aligned
   float* correction;        // [group]
+  float* bias;              // [group]: a chunk's sum_j w_j * m_v[j] (the 4-bit form)
   float* run_max;
   float* run_sum;
 };
@@ -131,7 +161,7 @@ inline void block_of(const Item& it, int64_t base, const int8_t** k, const int8_
   }
 }
 
-template <bool FP8>
+template <int F>
 void attend_portable(const Item& it) {
   const int64_t dim = it.dim;
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
@@ -141,30 +171,37 @@ void attend_portable(const Item& it) {
     for (int64_t j = lo; j < hi; ++j) {
       const int8_t* kr = kb + j * it.slot_stride;
       const int8_t* vr = vb + j * it.slot_stride;
-      const float ks = row_scale(kr, dim) * it.scale, vs = row_scale(vr, dim);
+      const float ks = row_scale<F>(kr, dim) * it.scale, vs = row_scale<F>(vr, dim);
+      const float km = row_minimum<F>(kr, dim) * it.scale, vm = row_minimum<F>(vr, dim);
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const float* qh = it.q + hq * dim;
         float dot = 0.f;
-        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * code_value<FP8>(kr[d]);
-        const float score = dot * ks;
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * code_value<F>(kr, d);
+        const float score = dot * ks + km * it.qsum[hq];
         const float new_max = std::max(it.run_max[hq], score);
         const float fix = fast_exp(it.run_max[hq] - new_max), w = fast_exp(score - new_max);
         it.run_max[hq] = new_max;
         it.run_sum[hq] = it.run_sum[hq] * fix + w;
         float* ah = it.acc + hq * dim;
-        const float wv = w * vs;
-        for (int64_t d = 0; d < dim; ++d) ah[d] = ah[d] * fix + wv * code_value<FP8>(vr[d]);
+        const float wv = w * vs, wm = w * vm;
+        for (int64_t d = 0; d < dim; ++d) ah[d] = ah[d] * fix + (wv * code_value<F>(vr, d) + wm);
       }
     }
   }
 }
 
 #if QUANTIZED_KV_AVX512
-// 16 codes widened to float32 (e4m3: / 256).
-template <bool FP8>
-inline __m512 codes16(const int8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (FP8) {
+// 16 codes of a row from code 16 * c, widened to float32 (e4m3: / 256).
+template <int F>
+inline __m512 codes16(const int8_t* row, int c) {
+  if constexpr (F == kInt4) {
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+  }
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
+  if constexpr (F == kFp8) {
     const __m256i wide = _mm256_cvtepu8_epi16(bytes);
     const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
     const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
@@ -176,24 +213,27 @@ inline __m512 codes16(const int8_t* p) {
 
 // Head size 16 * C, keys 16 at a time: per query head the chunk's 16 scores in one vector, the
 // online softmax on it, then its V-scaled weights into the head's accumulator.
-template <bool FP8, int C>
+template <int F, int C>
 void attend_avx512(const Item& it) {
   constexpr int64_t dim = 16 * C;
   const int64_t stride = it.slot_stride;
-  alignas(64) float kscale[16], vscale[16];
+  alignas(64) float kscale[16], vscale[16], kmin[16], vmin[16];
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
     const int8_t *kb, *vb, *nk, *nv;
     block_of(it, base, &kb, &vb, &nk, &nv);
     const int64_t hi = std::min(it.stop, base + it.block_size) - base;
     for (int64_t lo = std::max(it.start, base) - base; lo < hi; lo += 16) {
       const int64_t n = std::min<int64_t>(16, hi - lo);
-      prefetch_rows(nk, nv, lo, std::min(lo + 16, it.block_size), stride, dim + kScaleBytes);
+      prefetch_rows(nk, nv, lo, std::min(lo + 16, it.block_size), stride, row_bytes<F>(dim));
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
       for (int j = 0; j < 16; ++j) {
-        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<FP8>) : 0.f;
-        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) * kSimdUnit<FP8> : 0.f;
+        kscale[j] = j < n ? row_scale<F>(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<F>) : 0.f;
+        vscale[j] = j < n ? row_scale<F>(vb + (lo + j) * stride, dim) * kSimdUnit<F> : 0.f;
+        kmin[j] = j < n ? row_minimum<F>(kb + (lo + j) * stride, dim) * it.scale : 0.f;
+        vmin[j] = j < n ? row_minimum<F>(vb + (lo + j) * stride, dim) : 0.f;
       }
       const __m512 ks = _mm512_load_ps(kscale), vs = _mm512_load_ps(vscale);
+      const __m512 km = _mm512_load_ps(kmin), vm = _mm512_load_ps(vmin);
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const int8_t* kh = kb + lo * stride;
         __m512 q[C], part[16];
@@ -202,9 +242,11 @@ void attend_avx512(const Item& it) {
         for (int j = 0; j < 16; ++j) {
           part[j] = _mm512_setzero_ps();
           if (j < n)
-            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16<FP8>(kh + j * stride + 16 * c), part[j]);
+            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16<F>(kh + j * stride, c), part[j]);
         }
-        _mm512_store_ps(it.weights + 16 * hq, _mm512_mul_ps(lanes_transpose_sum16(part), ks));
+        __m512 score = _mm512_mul_ps(lanes_transpose_sum16(part), ks);
+        if constexpr (F == kInt4) score = _mm512_fmadd_ps(km, _mm512_set1_ps(it.qsum[hq]), score);
+        _mm512_store_ps(it.weights + 16 * hq, score);
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const __m512 score = _mm512_load_ps(it.weights + 16 * hq);
@@ -213,6 +255,7 @@ void attend_avx512(const Item& it) {
         it.correction[hq] = fast_exp(it.run_max[hq] - chunk_max);
         it.run_max[hq] = chunk_max;
         it.run_sum[hq] = it.run_sum[hq] * it.correction[hq] + _mm512_reduce_add_ps(w);
+        if constexpr (F == kInt4) it.bias[hq] = _mm512_reduce_add_ps(_mm512_mul_ps(w, vm));
         _mm512_store_ps(it.weights + 16 * hq, _mm512_mul_ps(w, vs));
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {  // even and odd keys in two chains
@@ -220,21 +263,22 @@ void attend_avx512(const Item& it) {
         const float* wh = it.weights + 16 * hq;
         float* ah = it.acc + hq * dim;
         __m512 even[C], odd[C];
+        const __m512 bias = _mm512_set1_ps(F == kInt4 ? it.bias[hq] : 0.f);
         for (int c = 0; c < C; ++c) {
-          even[c] = _mm512_mul_ps(_mm512_loadu_ps(ah + 16 * c), _mm512_set1_ps(it.correction[hq]));
+          even[c] = _mm512_fmadd_ps(_mm512_loadu_ps(ah + 16 * c), _mm512_set1_ps(it.correction[hq]), bias);
           odd[c] = _mm512_setzero_ps();
         }
         int64_t j = 0;
         for (; j + 1 < n; j += 2) {
           const __m512 we = _mm512_set1_ps(wh[j]), wo = _mm512_set1_ps(wh[j + 1]);
           for (int c = 0; c < C; ++c) {
-            even[c] = _mm512_fmadd_ps(we, codes16<FP8>(vh + j * stride + 16 * c), even[c]);
-            odd[c] = _mm512_fmadd_ps(wo, codes16<FP8>(vh + (j + 1) * stride + 16 * c), odd[c]);
+            even[c] = _mm512_fmadd_ps(we, codes16<F>(vh + j * stride, c), even[c]);
+            odd[c] = _mm512_fmadd_ps(wo, codes16<F>(vh + (j + 1) * stride, c), odd[c]);
           }
         }
         if (j < n) {
           const __m512 we = _mm512_set1_ps(wh[j]);
-          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16<FP8>(vh + j * stride + 16 * c), even[c]);
+          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16<F>(vh + j * stride, c), even[c]);
         }
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, _mm512_add_ps(even[c], odd[c]));
       }
@@ -244,11 +288,19 @@ void attend_avx512(const Item& it) {
 #endif
 
 #if QUANTIZED_KV_AVX2
-// 8 codes widened to float32 (e4m3: / 256).
-template <bool FP8>
-inline __m256 codes8(const int8_t* p) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  if constexpr (FP8) {
+// 8 codes of a row from code 8 * c, widened to float32 (e4m3: / 256).
+template <int F>
+inline __m256 codes8(const int8_t* row, int c) {
+  if constexpr (F == kInt4) {
+    int32_t four;
+    std::memcpy(&four, row + 4 * c, 4);
+    const __m128i packed = _mm_cvtsi32_si128(four);
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+  }
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+  if constexpr (F == kFp8) {
     const __m128i wide = _mm_cvtepu8_epi16(bytes);
     const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
     const __m128i rest = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7);
@@ -260,26 +312,29 @@ inline __m256 codes8(const int8_t* p) {
 
 // attend_avx512's contract on 8 lanes, head size 8 * C; the V rows go into the accumulator
 // SLICE registers at a time.
-template <bool FP8, int C>
+template <int F, int C>
 void attend_avx2(const Item& it) {
   constexpr int64_t dim = 8 * C;
   constexpr int SLICE = C < 8 ? C : 8;
   const int64_t stride = it.slot_stride;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  alignas(32) float kscale[8], vscale[8];
+  alignas(32) float kscale[8], vscale[8], kmin[8], vmin[8];
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
     const int8_t *kb, *vb, *nk, *nv;
     block_of(it, base, &kb, &vb, &nk, &nv);
     const int64_t hi = std::min(it.stop, base + it.block_size) - base;
     for (int64_t lo = std::max(it.start, base) - base; lo < hi; lo += 8) {
       const int64_t n = std::min<int64_t>(8, hi - lo);
-      prefetch_rows(nk, nv, lo, std::min(lo + 8, it.block_size), stride, dim + kScaleBytes);
+      prefetch_rows(nk, nv, lo, std::min(lo + 8, it.block_size), stride, row_bytes<F>(dim));
       const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
       for (int j = 0; j < 8; ++j) {
-        kscale[j] = j < n ? row_scale(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<FP8>) : 0.f;
-        vscale[j] = j < n ? row_scale(vb + (lo + j) * stride, dim) * kSimdUnit<FP8> : 0.f;
+        kscale[j] = j < n ? row_scale<F>(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<F>) : 0.f;
+        vscale[j] = j < n ? row_scale<F>(vb + (lo + j) * stride, dim) * kSimdUnit<F> : 0.f;
+        kmin[j] = j < n ? row_minimum<F>(kb + (lo + j) * stride, dim) * it.scale : 0.f;
+        vmin[j] = j < n ? row_minimum<F>(vb + (lo + j) * stride, dim) : 0.f;
       }
       const __m256 ks = _mm256_load_ps(kscale), vs = _mm256_load_ps(vscale);
+      const __m256 km = _mm256_load_ps(kmin), vm = _mm256_load_ps(vmin);
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const int8_t* kh = kb + lo * stride;
         const float* qh = it.q + hq * dim;
@@ -289,9 +344,11 @@ void attend_avx2(const Item& it) {
           const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
-            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8<FP8>(kh + j * stride + 8 * c), part[j]);
+            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8<F>(kh + j * stride, c), part[j]);
         }
-        _mm256_store_ps(it.weights + 8 * hq, _mm256_mul_ps(lanes_transpose_sum8(part), ks));
+        __m256 score = _mm256_mul_ps(lanes_transpose_sum8(part), ks);
+        if constexpr (F == kInt4) score = _mm256_fmadd_ps(km, _mm256_set1_ps(it.qsum[hq]), score);
+        _mm256_store_ps(it.weights + 8 * hq, score);
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const __m256 score = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_load_ps(it.weights + 8 * hq), valid);
@@ -300,20 +357,21 @@ void attend_avx2(const Item& it) {
         it.correction[hq] = fast_exp(it.run_max[hq] - chunk_max);
         it.run_max[hq] = chunk_max;
         it.run_sum[hq] = it.run_sum[hq] * it.correction[hq] + lanes_add8(w);
+        if constexpr (F == kInt4) it.bias[hq] = lanes_add8(_mm256_mul_ps(w, vm));
         _mm256_store_ps(it.weights + 8 * hq, _mm256_mul_ps(w, vs));
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const int8_t* vh = vb + lo * stride;
         const float* wh = it.weights + 8 * hq;
-        const __m256 fix = _mm256_set1_ps(it.correction[hq]);
+        const __m256 fix = _mm256_set1_ps(it.correction[hq]), bias = _mm256_set1_ps(F == kInt4 ? it.bias[hq] : 0.f);
         for (int s = 0; s < C; s += SLICE) {
           float* ah = it.acc + hq * dim + 8 * s;
           __m256 sum[SLICE];
-          for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_mul_ps(_mm256_loadu_ps(ah + 8 * c), fix);
+          for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(_mm256_loadu_ps(ah + 8 * c), fix, bias);
           for (int64_t j = 0; j < n; ++j) {
             const __m256 wj = _mm256_set1_ps(wh[j]);
-            const int8_t* vr = vh + j * stride + 8 * s;
-            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8<FP8>(vr + 8 * c), sum[c]);
+            const int8_t* vr = vh + j * stride;
+            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8<F>(vr, s + c), sum[c]);
           }
           for (int c = 0; c < SLICE; ++c) _mm256_storeu_ps(ah + 8 * c, sum[c]);
         }
@@ -325,18 +383,27 @@ void attend_avx2(const Item& it) {
 
 using Path = void (*)(const Item&);
 
-template <bool FP8>
+template <int F>
 Path path_for(int64_t dim) {
 #if QUANTIZED_KV_AVX512
-  if (dim == 64) return attend_avx512<FP8, 4>;
-  if (dim == 128) return attend_avx512<FP8, 8>;
-  if (dim == 256) return attend_avx512<FP8, 16>;
+  if (dim == 64) return attend_avx512<F, 4>;
+  if (dim == 128) return attend_avx512<F, 8>;
+  if (dim == 256) return attend_avx512<F, 16>;
 #elif QUANTIZED_KV_AVX2
-  if (dim == 64) return attend_avx2<FP8, 8>;
-  if (dim == 128) return attend_avx2<FP8, 16>;
-  if (dim == 256) return attend_avx2<FP8, 32>;
+  if (dim == 64) return attend_avx2<F, 8>;
+  if (dim == 128) return attend_avx2<F, 16>;
+  if (dim == 256) return attend_avx2<F, 32>;
 #endif
-  return attend_portable<FP8>;
+  return attend_portable<F>;
+}
+
+// The stored form of a cache, its head size and its row bytes.
+int form_of(const at::Tensor& cache) {
+  if (cache.scalar_type() == at::kByte) return kInt4;
+  return cache.scalar_type() == at::kFloat8_e4m3fn ? kFp8 : kInt8;
+}
+int64_t head_size_of(const at::Tensor& cache) {
+  return form_of(cache) == kInt4 ? 2 * (cache.size(3) - 2 * kScaleBytes) : cache.size(3) - kScaleBytes;
 }
 
 // Every sequence's decode; sequence n's query heads are the n_heads * dim floats at qp + n * q_stride.
@@ -345,22 +412,23 @@ Path path_for(int64_t dim) {
 void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seqs, int64_t n_heads,
                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                 const at::Tensor& key_start, const at::Tensor& seq_lens, float scale) {
-  const int64_t n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes, block_size = k_cache.size(1);
-  const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);
-  const int64_t slot_stride = n_kv_heads * (dim + kScaleBytes);
+  const int64_t n_kv_heads = k_cache.size(2), dim = head_size_of(k_cache), block_size = k_cache.size(1);
+  const int64_t group = n_heads / n_kv_heads, width = block_table.size(1), row = k_cache.size(3);
+  const int64_t slot_stride = n_kv_heads * row;
   const int8_t* kp = static_cast<const int8_t*>(k_cache.data_ptr());
   const int8_t* vp = static_cast<const int8_t*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* starts = key_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const Path attend = k_cache.scalar_type() == at::kFloat8_e4m3fn ? path_for<true>(dim) : path_for<false>(dim);
+  const int form = form_of(k_cache);
+  const Path attend = form == kInt4 ? path_for<kInt4>(dim) : form == kFp8 ? path_for<kFp8>(dim) : path_for<kInt8>(dim);
   int64_t keys = 0;
   for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
   const int64_t items = n_seqs * n_kv_heads;
   const int64_t per_item = std::max<int64_t>(1, keys * group * dim / std::max<int64_t>(1, n_seqs));
   const auto body = [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * dim), run_max(group), run_sum(group), correction(group);
+    std::vector<float> acc(group * dim), run_max(group), run_sum(group), correction(group), bias(group), qsum(group);
     std::vector<float> weights_buffer(group * 16 + 16);
     float* weights = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(weights_buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t item = begin; item < end; ++item) {
@@ -368,9 +436,12 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      const Item it{qp + n * q_stride + kv * group * dim, kp + kv * (dim + kScaleBytes), vp + kv * (dim + kScaleBytes),
-                    table + n * width, starts[n], lens[n], group, dim, block_size, slot_stride, scale, acc.data(),
-                    weights, correction.data(), run_max.data(), run_sum.data()};
+      const float* q = qp + n * q_stride + kv * group * dim;
+      if (form == kInt4)
+        for (int64_t hq = 0; hq < group; ++hq) qsum[hq] = std::accumulate(q + hq * dim, q + (hq + 1) * dim, 0.f);
+      const Item it{q, kp + kv * row, vp + kv * row, table + n * width, starts[n], lens[n], group, dim, block_size,
+                    slot_stride, scale, qsum.data(), acc.data(), weights, correction.data(), bias.data(),
+                    run_max.data(), run_sum.data()};
       attend(it);
       float* on = op + n * n_heads * dim + kv * group * dim;
       for (int64_t hq = 0; hq < group; ++hq) {
@@ -389,11 +460,12 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
 void check_quantized_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                       const at::Tensor& key_start, const at::Tensor& seq_lens, int64_t n_seqs, int64_t n_heads,
                       int64_t dim, const char* name) {
-  TORCH_CHECK((k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn) &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              name, ": int8 or float8_e4m3fn K and V caches of one dtype expected");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == dim + kScaleBytes, name,
-              ": K and V caches [blocks, block_size, Hkv, D + 2] (codes, float16 scale) expected");
+  TORCH_CHECK((k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+               k_cache.scalar_type() == at::kByte) && v_cache.scalar_type() == k_cache.scalar_type(),
+              name, ": int8, float8_e4m3fn or uint8 (4-bit) K and V caches of one dtype expected");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && head_size_of(k_cache) == dim, name,
+              ": K and V caches [blocks, block_size, Hkv, D + 2] (codes, float16 scale) or [..., D / 2 + 4] "
+              "(4-bit codes, float16 scale and minimum) expected");
   TORCH_CHECK(block_table.dtype() == at::kLong && key_start.dtype() == at::kLong && seq_lens.dtype() == at::kLong,
               name, ": int64 block_table, key_start and seq_lens expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous() &&
@@ -426,6 +498,8 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
                   sin.dtype() == at::kFloat,
               name, ": float32 qkv, cos, sin and out expected");
   TORCH_CHECK(k_cache.dim() == 4, name, ": K and V caches [blocks, block_size, Hkv, D + 2] expected");
+  TORCH_CHECK(k_cache.scalar_type() != at::kByte, name,
+              ": the rotated 4-bit cache is written by attention/kv_quant.py, not by the fused decode step");
   const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes;
   check_quantized_cache(k_cache, v_cache, block_table, key_start, seq_lens, n_seqs, n_heads, dim, name);
   const int64_t q_size = n_heads * dim, kv_size = n_kv_heads * dim;
