@@ -9,8 +9,8 @@ in its own format):
     rows <= MAX_ROWS   gguf_matmul: four output rows at a time dequantised once into a small
                        buffer and multiplied with the rows in register tiles (the weights are
                        read at their file size)
-    more rows          tiles of about TILE_VALUES dequantised weights at a time, each multiplied
-                       by torch's GEMM and dropped (prefill: compute-bound, so the GEMM pays)
+    more rows          tiles of dequantised weights (tiled_gemm.py), each multiplied by torch's
+                       GEMM and dropped (prefill: compute-bound, so the GEMM pays)
 
 With int8 / int16 activations (--quantized-activations), x is first rounded per block of 32 as
 quantized_linear's integer kernels round it, so every layer of a model computes the same function.
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, FUSED, LEVELS, round_per_block
+from blockserve.models.tiled_gemm import tiled_gemm
 from blockserve.native.extension import quantized_matmul_ops
 from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -43,7 +44,6 @@ NEW_FORMATS = KERNEL_FORMATS[3:]
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
                  "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 MAX_ROWS = 8  # past it the tiled GEMM is as fast or faster on both builds (docs/cpu.md)
-TILE_VALUES = 1 << 18  # dequantised weights per prefill tile: 1 MiB of float32
 
 
 def block_shape(format: str) -> tuple[int, int]:
@@ -111,15 +111,9 @@ class GGUFBlockLinear(nn.Module):
     def _segment(self, x: torch.Tensor, segment: Segment) -> torch.Tensor:
         if x.shape[0] <= MAX_ROWS:
             return self.ops.gguf_matmul(x, segment.raw, segment.format)
-        rows = segment.raw.shape[0]
-        tile = max(16, TILE_VALUES // self.in_features)
-        if rows <= tile:
-            return x @ self.ops.gguf_dequantize(segment.raw, segment.format, self.in_features).t()
-        out = torch.empty(x.shape[0], rows)
-        for r0 in range(0, rows, tile):
-            out[:, r0:r0 + tile] = x @ self.ops.gguf_dequantize(segment.raw[r0:r0 + tile], segment.format,
-                                                                self.in_features).t()
-        return out
+        return tiled_gemm(x, segment.raw.shape[0], self.in_features,
+                          lambda start, count: self.ops.gguf_dequantize(segment.raw[start:start + count],
+                                                                        segment.format, self.in_features))
 
     def resident_bytes(self) -> int:
         return sum(s.raw.numel() for s in self.segments)

@@ -109,10 +109,7 @@ class Experts(nn.Module):
         route = self._route_for(x)
         if route not in self.ROUTES:
             raise ValueError(f"unknown expert route {route!r}; choose one of {self.ROUTES} (or None: by device)")
-        if route == "native":
-            out = self._native(x, weights, ids)
-        else:
-            out = self._grouped(x, weights, ids) if route == "grouped" else self._loop(x, weights, ids)
+        out = {"native": self._native, "grouped": self._grouped, "loop": self._loop}[route](x, weights, ids)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _native(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

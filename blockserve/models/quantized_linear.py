@@ -23,8 +23,8 @@ Their speed and their drift from transformers' logits are measured in docs/perfo
 
     float32:  rows <= max_rows   x @ W^T over the blocks (max_rows: where the GEMM starts to beat
                                  them clearly on this CPU, measured as the model loads; at most MAX_ROWS)
-              rows >  max_rows   the GEMM over tiles dequantised from the blocks (QuantizedLinear.gemm:
-                                 TILE_VALUES weights at a time, cache-resident, then dropped)
+              rows >  max_rows   the GEMM over tiles dequantised from the blocks (QuantizedLinear.gemm,
+                                 tiled_gemm.py: one cache-resident tile at a time, then dropped)
     int8:     every row count    the int8 kernel (row tiles of 128 inside it); the tiled GEMM on x
                                  rounded as the kernel rounds it (`round_per_block`) only where the
                                  kernel cannot run (no native build, x not a 2-D float32 CPU tensor)
@@ -59,6 +59,7 @@ from blockserve.native.extension import quantized_matmul_ops
 from blockserve.native.gate import native_reads
 from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from blockserve.models.row_crossover import crossover_rows, shape_of
+from blockserve.models.tiled_gemm import tiled_gemm
 from blockserve.models.weights import GATE_UP, QKV
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,6 @@ GROUP = 4  # output rows packed together (the kernel's layout)
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # GGUF block bytes per 32 weights
 NIBBLES = ("Q4_0", "Q4_1")  # packed in the kernel's Q4_1 layout
 PACKED_BYTES = {"Q4_0": 96, "Q4_1": 96, "Q8_0": 144}  # per group of four rows and block of 32 columns
-TILE_VALUES = 1 << 18  # weights dequantised per tile past max_rows: 1 MiB of float32, cache-resident
 
 # GGUF files hold Llama-family models: Hugging Face projection -> (our fused one, its index, parts), as llama.py fuses
 FUSED = {part: (group.target, i, len(group.parts)) for group in (QKV, GATE_UP) for i, part in enumerate(group.parts)}
@@ -132,7 +132,7 @@ class QuantizedLinear(nn.Module):
     """out = x @ W^T (+ bias) with W [out_features, in_features] held only as `packed` GGUF blocks
     (pack_blocks); forward picks by the number of rows. `activations` picks the kernel for the rows
     the blocks serve (see the module docstring); `max_rows` None: MAX_ROWS. Past them, `gemm`:
-    tiles of about TILE_VALUES weights dequantised from the blocks and multiplied by torch's GEMM.
+    tiles dequantised from the blocks and multiplied by torch's GEMM (tiled_gemm.py).
     `tp`: a row-parallel layer's group, whose ranks' partial outputs are summed (all-reduce);
     `sharded`: the blocks are this tensor-parallel rank's shard."""
 
@@ -169,14 +169,7 @@ class QuantizedLinear(nn.Module):
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] float32 @ W^T, tile by tile (no bias, no all-reduce)."""
-        tile = max(GROUP, TILE_VALUES // self.in_features // GROUP * GROUP)
-        if tile >= self.out_features:
-            return x @ self.dequantize().t()
-        out = x.new_empty(x.shape[0], self.out_features)
-        for start in range(0, self.out_features, tile):
-            rows = min(tile, self.out_features - start)
-            torch.mm(x, self.dequantize(start, rows).t(), out=out[:, start:start + rows])
-        return out
+        return tiled_gemm(x, self.out_features, self.in_features, self.dequantize, align=GROUP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

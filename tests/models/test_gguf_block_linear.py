@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from blockserve.models.gguf_block_linear import (KERNEL_FORMATS, MAX_ROWS, SCALE_OFFSETS, TILE_VALUES,
+from blockserve.models.gguf_block_linear import (KERNEL_FORMATS, MAX_ROWS, SCALE_OFFSETS,
                                                  GGUFBlockEmbedding, GGUFBlockLinear, block_shape, check_blocks)
 from blockserve.models.quantized_linear import round_per_block
+from blockserve.models.tiled_gemm import TILE_VALUES
 from blockserve.native.extension import quantized_matmul_ops
 
 BUILDS = {"native": quantized_matmul_ops(), "avx2": quantized_matmul_ops(without_avx512=True)}

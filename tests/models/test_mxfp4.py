@@ -17,6 +17,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from blockserve.models.mxfp4 import dequantize_mxfp4, mxfp4_matmul
 from blockserve.native.extension import mxfp4_ops
 from tests.models.mxfp4_encoder import decode_mxfp4, encode_mxfp4
+from tests.models.test_gguf_block_linear import assert_matmul
 
 BUILDS = {"native": mxfp4_ops(), "avx2": mxfp4_ops(without_avx512=True)}
 needs_native = pytest.mark.skipif(any(ops is None for ops in BUILDS.values()),
@@ -30,14 +31,6 @@ def random_mxfp4(n: int, k: int, rng: np.random.Generator) -> tuple[torch.Tensor
     scales = rng.integers(117, 131, (n, k // 32), dtype=np.uint8)
     scales[0, 0] = 0
     return torch.from_numpy(blocks), torch.from_numpy(scales)
-
-
-def assert_matmul(out: torch.Tensor, x: torch.Tensor, weight: np.ndarray) -> None:
-    w = torch.from_numpy(weight).double()
-    want = x.double() @ w.T
-    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
-    excess = ((out.double() - want).abs() - bound).max()
-    assert excess <= 0, f"off by {excess:.3g} beyond float32 rounding"
 
 
 def test_dequantised_values_are_transformers_and_the_encoders():

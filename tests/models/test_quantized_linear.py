@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS, EngineConfig
-from blockserve.models import quantized_linear
+from blockserve.models import quantized_linear, tiled_gemm
 from blockserve.models.quantized_linear import (
     ACTIVATIONS,
     DEFAULT_ACTIVATIONS,
@@ -423,7 +423,7 @@ def test_many_rows_run_on_tiles_dequantised_from_the_blocks(format, monkeypatch)
     no float32 weight resident; row ranges off a group of four are refused."""
     raw, weight = quantized(4 * 7 + 2, 64, format)
     layer = layer_over(weight, None, pack_blocks(raw, format), format, max_rows=2)
-    monkeypatch.setattr(quantized_linear, "TILE_VALUES", 8 * 64)  # tiles of 8 rows: 4 tiles, the last 6 rows
+    monkeypatch.setattr(tiled_gemm, "TILE_VALUES", 8 * 64)  # tiles of 8 rows: 4 tiles, the last 6 rows
     tiles = []
     dequantize = layer.dequantize
     monkeypatch.setattr(layer, "dequantize", lambda start=0, rows=None: tiles.append((start, rows)) or
