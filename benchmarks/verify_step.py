@@ -26,6 +26,7 @@ from benchmarks.cpu_share import CpuShare
 from benchmarks.spec_decode import TASKS
 from blockserve import LLM, SamplingParams
 from blockserve.bench.common import cpu_simd_flags
+from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.step_costs import FlatStepCosts
 from blockserve.worker.input_batch import InputBatch
 
@@ -60,8 +61,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per path and round")
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    plain, speculative = LLM(enable_prefix_caching=False), LLM(enable_prefix_caching=False, speculative_config=spec)
-    speculative.engine.core.scheduler.speculator.costs = FlatStepCosts()  # every step verifies all its drafts
+    plain = LLM(enable_prefix_caching=False)
+    with mock.patch.object(speculator_module, "StepCosts", FlatStepCosts):  # every step verifies all its drafts
+        speculative = LLM(enable_prefix_caching=False, speculative_config=spec)
     prompt = TASKS["continue-list"]
     samples: dict[str, list[float]] = {"one-row": [], "decode": [], "prefill": []}
     with CpuShare() as share:

@@ -472,13 +472,15 @@ def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config,
             check_blocks(tensor.name, tensor.tensor_type.name, raw, rows, columns)
             raw = raw.reshape(rows, -1)
             yield name, tensor.tensor_type.name, _unpermute_rope_rows(raw, rope_heads) if rope_heads else raw
-            _release_pages(reader, tensor)
+            if not name.startswith(_GGUF_TOP["token_embd"]):  # an embedding is read row by row as ids
+                _release_pages(reader, tensor)  # appear: dropped, its pages would creep back while serving
 
 
 def _release_pages(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> None:
     """Drop `tensor`'s pages of the mapped file from this process's memory once its blocks have been
-    taken (packed, or kept as views): the mapping is read-only, so a view read later faults them
-    back in from the page cache, and the load's peak holds one tensor's pages, not the file's."""
+    taken (packed, or kept as views a forward reads whole): the mapping is read-only, so a view read
+    later faults them back in from the page cache, and the load's peak holds one tensor's pages, not
+    the file's."""
     mapped = getattr(reader.data, "_mmap", None)
     if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
@@ -498,7 +500,6 @@ def _gguf_expert_blocks(reader: gguf.GGUFReader, arch: str, config) -> Iterator[
             raw = np.asarray(tensor.data)
             check_blocks(tensor.name, tensor.tensor_type.name, raw, experts * rows, columns)
             yield f"{name.rpartition('.')[0]}.{parts[kind]}", tensor.tensor_type.name, raw.reshape(experts, rows, -1)
-            _release_pages(reader, tensor)
 
 
 def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[str, gguf.ReaderTensor, int | None]]:
