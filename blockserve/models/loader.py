@@ -268,13 +268,13 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
         raise ValueError(f"could not read {path / 'config.json'}: {error}") from error
     cls = model_class(config.architectures)
     cls.check_tensor_parallel(1 if placement.tp is None else placement.tp.size)
-    tokenizer = None  # before the weights: its load's transient memory (the parsed tokenizer.json) is not on top of theirs
-    if any((path / name).is_file() for name in TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = cls(config, attention_backend_cls, placement)
     model.load_weights(_safetensors(path) if weights is None else
                        weights(model, config, lambda keep: _safetensors(path, keep)))
     use_input_major_linears(model)
+    tokenizer = None
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(model.eval(), tokenizer, config, description)
 
 
