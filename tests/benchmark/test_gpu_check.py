@@ -84,17 +84,22 @@ def run_parity_grid(gpu_check, backends: tuple[str, ...]) -> None:
 
 @pytest.mark.slow
 def test_parity_and_poison_run_their_full_grid_on_the_cpu():
-    """Every family x scenario of the parity section for exact and flex (eager on the CPU), and every
-    backend of the poison section (triton interpreted), as the GPU run has them, in float32: all pass,
-    the hybrid models' preemption runs included (their small cache once left no room for the state
-    slots the engine reserves, a failure only the full grid could show). Triton's parity grid is the
-    next test's."""
+    """Every family x scenario of the parity section for exact, and every backend of the poison
+    section (flex eager, triton interpreted), as the GPU run has them, in float32: all pass, the
+    hybrid models' preemption runs included (their small cache once left no room for the state slots
+    the engine reserves, a failure only the full grid could show). Flex's and Triton's parity grids
+    are the next tests'."""
     gpu_check = load_gpu_check()
     assert gpu_check.GPU_BACKENDS == ("exact", "flex", "triton")
-    run_parity_grid(gpu_check, ("exact", "flex"))
+    run_parity_grid(gpu_check, ("exact",))
     poison = gpu_check.poison("cpu", torch.float32, smoke=False)
     assert poison["ok"], json.dumps(poison)[:2000]
     assert set(poison["backends"]) == {"exact", "whole_block", "flex", "triton"}
+
+
+@pytest.mark.backend_full  # about a minute: flex runs eager on the CPU (its own parity: attention/test_flex_attention.py)
+def test_flex_parity_grid_on_the_cpu():
+    run_parity_grid(load_gpu_check(), ("flex",))
 
 
 @pytest.mark.backend_full  # ~70 s: Triton's interpreter (its engines: tests/attention/test_triton_attention.py)
