@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import mmap
 import os
 import tempfile
@@ -124,7 +125,7 @@ _GGUF_16BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
 _GGUF_NORMS_PLUS_ONE = ("gemma2",)
 # transformers' model_type of GGUF architectures named otherwise (llama.cpp writes Mixtral as "llama"
 # with experts), and the metadata transformers' GGUF_CONFIG_MAPPING leaves out
-_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "gemma3": "gemma3_text"}
 _GGUF_EXTRA_CONFIG = {
     "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -361,9 +362,11 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
     if arch == "gemma2":  # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B
         big = values["num_hidden_layers"] == 46
         values["query_pre_attn_scalar"] = values["hidden_size"] // values["num_attention_heads"] if big else head_dim
+    if arch == "phi3" and values.get("sliding_window") == 0:  # the converter's "no window" (Phi-4)
+        del values["sliding_window"]
     if arch in _GGUF_SLIDING_EVERY and values.get("sliding_window"):
         values["layer_types"] = _gguf_layer_types(reader, arch, values["num_hidden_layers"])
-    long_rope = _gguf_long_rope(reader, arch)
+    long_rope = _gguf_long_rope(reader, arch, values["max_position_embeddings"])
     if long_rope is not None:  # Phi-3's LongRoPE: the factors are tensors
         values["rope_parameters"] = {**long_rope, "rope_theta": values.pop("rope_theta")}
         values["original_max_position_embeddings"] = long_rope["original_max_position_embeddings"]
@@ -390,9 +393,10 @@ def _gguf_layer_types(reader: gguf.GGUFReader, arch: str, num_layers: int) -> li
     return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
-def _gguf_long_rope(reader: gguf.GGUFReader, arch: str) -> dict | None:
+def _gguf_long_rope(reader: gguf.GGUFReader, arch: str, max_positions: int) -> dict | None:
     """Phi-3's LongRoPE rope_parameters from its rope_factors_long / rope_factors_short tensors and
-    rope.scaling.original_context_length; None for a file without them."""
+    rope.scaling.original_context_length, with the file's rope.scaling.attn_factor where it is not the
+    one transformers derives from the two lengths; None for a file without them."""
     factors = {tensor.name.partition(".")[0]: tensor for tensor in reader.tensors
                if tensor.name.startswith("rope_factors_")}
     if not factors:
@@ -405,8 +409,15 @@ def _gguf_long_rope(reader: gguf.GGUFReader, arch: str) -> dict | None:
     lists = {kind: [float(v) for v in gguf.quants.dequantize(factors[f"rope_factors_{kind}"].data,
                                                              factors[f"rope_factors_{kind}"].tensor_type).ravel()]
              for kind in ("long", "short")}
-    return {"rope_type": "longrope", "long_factor": lists["long"], "short_factor": lists["short"],
-            "original_max_position_embeddings": int(original.contents())}
+    parameters = {"rope_type": "longrope", "long_factor": lists["long"], "short_factor": lists["short"],
+                  "original_max_position_embeddings": int(original.contents())}
+    scale = max_positions / parameters["original_max_position_embeddings"]
+    derived = math.sqrt(1 + math.log(scale) / math.log(parameters["original_max_position_embeddings"])) \
+        if scale > 1 else 1.0
+    attn_factor = reader.fields.get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None and not math.isclose(attn_factor.contents(), derived, rel_tol=1e-6):
+        parameters["attention_factor"] = attn_factor.contents()
+    return parameters
 
 
 def _gguf_yarn(reader: gguf.GGUFReader, arch: str) -> dict:
