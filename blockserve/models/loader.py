@@ -157,6 +157,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None  # None when the directory ships no tokenizer files
     hf_config: PretrainedConfig
     source: str  # what was loaded, for logs
+    # every token id that ends a sequence: generation_config.json's eos_token_id (one or a list), else
+    # config.json's; () when neither names one (transformers' generate and vLLM stop on each of them)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
@@ -288,7 +291,24 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(model.eval(), tokenizer, config, description)
+    return LoadedModel(model.eval(), tokenizer, config, description, _eos_token_ids(path, config))
+
+
+def _eos_token_ids(path: Path, config: PretrainedConfig) -> tuple[int, ...]:
+    """The directory's end-of-sequence ids: generation_config.json's eos_token_id where the file
+    names one, else config.json's (either an id or a list of them)."""
+    eos = getattr(config, "eos_token_id", None)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        try:
+            named = json.loads(generation.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as error:
+            raise ValueError(f"could not read {generation}: {error}; fix or remove the file") from error
+        eos = eos if named is None else named
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them; got {eos!r}")
+    return tuple(dict.fromkeys(ids))
 
 
 def _safetensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
