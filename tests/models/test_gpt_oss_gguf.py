@@ -78,9 +78,9 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], num_layers: int):
         yield gguf_name(key + ".weight" if leaf == "sinks" else key), array, None
 
 
-def write_gguf(checkpoint, config, path) -> int:
-    """The GGUF of the checkpoint directory `checkpoint` (built from `config`) at `path`; returns the
-    bytes of its MXFP4 tensors."""
+def write_gguf(checkpoint, config, path, widen=()) -> int:
+    """The GGUF of the checkpoint directory `checkpoint` (built from `config`) at `path`, the MXFP4
+    tensors named in `widen` written as float32 instead; returns the bytes of its MXFP4 tensors."""
     rope = config.rope_parameters
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
     writer.add_block_count(config.num_hidden_layers)
@@ -111,6 +111,8 @@ def write_gguf(checkpoint, config, path) -> int:
     mxfp4_bytes = 0
     for name, array, raw_dtype in _gguf_tensors(load_file(str(checkpoint / "model.safetensors")),
                                                 config.num_hidden_layers):
+        if raw_dtype is not None and name in widen:
+            array, raw_dtype = gguf.quants.dequantize(array, raw_dtype), None
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
         mxfp4_bytes += array.nbytes if raw_dtype is not None else 0
     writer.write_header_to_file()
@@ -169,3 +171,12 @@ def test_float_experts_gguf_loads_as_the_float_checkpoint(tmp_path):
     assert write_gguf(tmp_path / "hf", config, tmp_path / "model.gguf") == 0
     _assert_loads_alike(load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache")),
                         load_model(str(tmp_path / "hf"), BACKENDS["exact"]))
+
+
+def test_experts_partly_mxfp4_are_refused(tmp_path):
+    config = GPT_OSS_CONFIGS["gpt_oss"]()
+    (tmp_path / "hf").mkdir()
+    write_mxfp4_checkpoint(tmp_path / "hf")
+    write_gguf(tmp_path / "hf", config, tmp_path / "model.gguf", widen=("blk.1.ffn_down_exps.weight",))
+    with pytest.raises(ValueError, match="some expert weights MXFP4 and others not"):
+        load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))
