@@ -386,11 +386,16 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
         del values["sliding_window"]
     if arch in _GGUF_SLIDING_EVERY and values.get("sliding_window"):
         values["layer_types"] = _gguf_layer_types(reader, arch, values["num_hidden_layers"])
+    elif arch == "exaone4":  # no window (EXAONE 4.0-1.2B): every layer global, with RoPE (not the config's default)
+        values.update(sliding_window=None, layer_types=["full_attention"] * values["num_hidden_layers"])
     long_rope = _gguf_long_rope(reader, arch, values["max_position_embeddings"])
     if long_rope is not None:  # Phi-3's LongRoPE: the factors are tensors
         values["rope_parameters"] = {**long_rope, "rope_theta": values.pop("rope_theta")}
         values["original_max_position_embeddings"] = long_rope["original_max_position_embeddings"]
     if arch == "gpt-oss":
+        if not values.get("sliding_window"):
+            raise ValueError("gpt-oss GGUF without gpt-oss.attention.sliding_window (llama.cpp requires it too); "
+                             "convert the model again")
         values["rope_parameters"] = {**_gguf_yarn(reader, arch), "rope_theta": values.pop("rope_theta")}
         if (quantization := _gpt_oss_experts_quantization(reader)) is not None:
             values["quantization_config"] = quantization

@@ -54,6 +54,9 @@ DENSE_GGUF_CONFIGS = {
     # local layers with RoPE, a global one without (its window pattern: one flag a layer)
     "exaone4": lambda: Exaone4Config(**_COMMON, num_hidden_layers=3, head_dim=16, sliding_window=7,
                                      layer_types=[S, S, F]),
+    # EXAONE 4.0-1.2B's shape: no window, every layer global with RoPE
+    "exaone4-global": lambda: Exaone4Config(**_COMMON, num_hidden_layers=2, head_dim=16, sliding_window=None,
+                                            layer_types=[F, F]),
 }
 ORIGINAL = 64
 LONG_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ORIGINAL,
@@ -61,7 +64,8 @@ LONG_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_posit
              "long_factor": [2.0 + 0.5 * i for i in range(6)]}
 GGUF_ARCH = {"phi3": gguf.MODEL_ARCH.PHI3, "phi3-longrope": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
              "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "glm4": gguf.MODEL_ARCH.GLM4,
-             "smollm3": gguf.MODEL_ARCH.SMOLLM3, "exaone4": gguf.MODEL_ARCH.EXAONE4}
+             "smollm3": gguf.MODEL_ARCH.SMOLLM3, "exaone4": gguf.MODEL_ARCH.EXAONE4,
+             "exaone4-global": gguf.MODEL_ARCH.EXAONE4}
 ROPE_PERMUTED = {"granite", "smollm3"}  # the converter's LlamaModel lineage permutes Q and K rows (weights and biases)
 NORMS_PLUS_ONE = {"gemma2"}  # llama.cpp's converter stores Gemma's norm weights as 1 + w
 # the config fields a GGUF's metadata carries, beyond the shapes
@@ -122,10 +126,11 @@ def write_gguf(reference, path, name: str) -> None:
         writer.add_sliding_window(0)  # the converter's "no window"
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    if name == "exaone4":
+    if name.startswith("exaone4"):  # the converter writes the pattern with a window only
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-        writer.add_sliding_window_pattern([kind == S for kind in config.layer_types])
+        if config.sliding_window:
+            writer.add_sliding_window_pattern([kind == S for kind in config.layer_types])
     if name in ROPE_PERMUTED:  # the converter's LlamaModel writes the rotary dimensions
         writer.add_rope_dimension_count(head_dim)
     if name == "granite":
