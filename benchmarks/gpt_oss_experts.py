@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.cpu_share import CpuShare
 from benchmarks.mxfp4_matmul import seconds_per_call
-from blockserve.models.gpt_oss import GptOssExperts, mxfp4_expert_ops
+from blockserve.models.gpt_oss import GptOssExperts, gpt_oss_expert_ops
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 32, 2880, 2880, 4
 
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if mxfp4_expert_ops() is None:
+    if gpt_oss_expert_ops() is None:
         raise SystemExit("native kernels are not built here")
     gen = torch.Generator().manual_seed(0)
     experts = random_experts(gen)

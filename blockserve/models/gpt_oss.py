@@ -22,7 +22,7 @@ down_proj [E, I, H], down_proj_bias [E, H]. A checkpoint whose config says
 `quantization_config.quant_method: "mxfp4"` (the released gpt-oss-20b/120b, or llama.cpp's GGUF of
 them: gpt_oss_gguf.py) holds the two projections as MXFP4 instead, kept as read (mxfp4.py, 4.25 bits
 a weight) and run, a whole layer's experts in one call, by csrc/moe_experts.cpp's moe_experts_mxfp4
-(GptOssExperts' routes): gate_up_proj_blocks [E, 2I, H/32, 16] with gate_up_proj_scales [E, 2I, H/32],
+(float32 experts by its moe_experts_gpt_oss: GptOssExperts' routes): gate_up_proj_blocks [E, 2I, H/32, 16] with gate_up_proj_scales [E, 2I, H/32],
 down_proj_blocks [E, H, I/32, 16] with down_proj_scales [E, H, I/32] (each expert's weight as
 [out, in]); the biases stay floating point.
 
@@ -79,10 +79,11 @@ def _mxfp4_parameters(experts: int, rows: int, columns: int) -> tuple[nn.Paramet
     return nn.Parameter(blocks, requires_grad=False), nn.Parameter(scales, requires_grad=False)
 
 
-def mxfp4_expert_ops():
-    """The native module when it has csrc/moe_experts.cpp's moe_experts_mxfp4, else None."""
+def gpt_oss_expert_ops():
+    """The native module when it has csrc/moe_experts.cpp's GPT-OSS experts (moe_experts_mxfp4 and
+    moe_experts_gpt_oss), else None."""
     ops = mxfp4_ops()
-    return ops if ops is not None and hasattr(ops, "moe_experts_mxfp4") else None
+    return ops if ops is not None and hasattr(ops, "moe_experts_gpt_oss") else None
 
 
 class GptOssExperts(nn.Module):
@@ -90,11 +91,12 @@ class GptOssExperts(nn.Module):
     layout, floating point or (`mxfp4`) MXFP4. forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H].
     Two routes compute it (equal up to rounding):
 
-        native   MXFP4 experts, float32 on the CPU with the native kernels: the whole layer in one
-                 call (csrc/moe_experts.cpp's moe_experts_mxfp4: pairs grouped by expert, a decode
-                 step's experts as one job over all their weight rows)
-        loop     one matmul pair per expert some token picked (ids read on the host): floating
-                 point experts, other dtypes and devices, or no native kernels
+        native   float32 activations on the CPU with the native kernels, experts in MXFP4 or float32:
+                 the whole layer in one call (csrc/moe_experts.cpp's moe_experts_mxfp4, a decode
+                 step's experts as one job over all their weight rows; moe_experts_gpt_oss, one
+                 addmm per expert picked), the pairs grouped by expert
+        loop     one matmul pair per expert some token picked (ids read on the host): other dtypes
+                 and devices, or no native kernels
 
     `route`: None picks; "loop" forces the loop (how tests hold the native route to it)."""
 
@@ -132,16 +134,21 @@ class GptOssExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.route not in (None, "loop", "native"):
             raise ValueError(f"unknown GPT-OSS expert route {self.route!r}; choose native, loop or None")
-        ops = mxfp4_expert_ops()
-        native = self.mxfp4 and ops is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        ops = gpt_oss_expert_ops()
+        native = ops is not None and x.device.type == "cpu" and x.dtype == torch.float32 and (
+            self.mxfp4 or self.gate_up_proj.dtype == torch.float32)
         if self.route == "native" and not native:
-            raise RuntimeError("the native GPT-OSS expert route needs MXFP4 experts, float32 on the CPU and "
-                               "the native kernels")
+            raise RuntimeError("the native GPT-OSS expert route needs float32 activations on the CPU, MXFP4 or "
+                               "float32 experts, and the native kernels")
         if native and self.route != "loop":
-            return ops.moe_experts_mxfp4(
-                x.contiguous(), weights.float().contiguous(), ids.long().contiguous(), self.gate_up_proj_blocks,
-                self.gate_up_proj_scales, self.gate_up_proj_bias.float().contiguous(), self.down_proj_blocks,
-                self.down_proj_scales, self.down_proj_bias.float().contiguous(), self.alpha, self.limit)
+            routing = (x.contiguous(), weights.float().contiguous(), ids.long().contiguous())
+            biases = (self.gate_up_proj_bias.float().contiguous(), self.down_proj_bias.float().contiguous())
+            if self.mxfp4:
+                return ops.moe_experts_mxfp4(*routing, self.gate_up_proj_blocks, self.gate_up_proj_scales, biases[0],
+                                             self.down_proj_blocks, self.down_proj_scales, biases[1],
+                                             self.alpha, self.limit)
+            return ops.moe_experts_gpt_oss(*routing, self.gate_up_proj.contiguous(), biases[0],
+                                           self.down_proj.contiguous(), biases[1], self.alpha, self.limit)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():  # only the experts some token picked, in id order
             tokens, slot = torch.where(ids == e)  # a token meets each expert at most once

@@ -2,7 +2,8 @@
 float64, in both builds (-march=native and the AVX2 one): float32 experts with every expert at
 decode size (the one-job path) and with some past kMaxRows tokens (the GEMM path); experts in GGUF
 blocks (Q4_K, Q6_K, Q8_0: the gguf_blocks.cpp entry points) against their dequantised values;
-GPT-OSS's MXFP4 experts (biases, clamped SwiGLU) against its loop over the dequantised weights. Also: an expert id out of range is refused, and no pairs give zeros.
+GPT-OSS's experts (biases, clamped SwiGLU), MXFP4 or float32, against its loop over the (dequantised)
+weights. Also: an expert id out of range is refused, and no pairs give zeros.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from blockserve.models.gpt_oss import GptOssExperts, mxfp4_expert_ops
+from blockserve.models.gpt_oss import GptOssExperts, gpt_oss_expert_ops
 from blockserve.models.moe import Experts
 from blockserve.models.mxfp4 import dequantize_mxfp4
 from tests.models.mxfp4_encoder import encode_mxfp4
@@ -119,6 +120,25 @@ def test_gpt_oss_mxfp4_experts_match_the_loop(build, tokens):
         assert ids.flatten().bincount(minlength=experts).max() >= 16  # the GEMM path ran
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("tokens", [0, 3, 40])
+def test_gpt_oss_float32_experts_match_the_loop(build, tokens):
+    """moe_experts_gpt_oss: the checkpoint's input-major float32 experts, biases, clamped SwiGLU."""
+    experts, H, I, alpha, limit = 4, 64, 48, 1.702, 1.5
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up, down = torch.randn(experts, H, 2 * I, generator=gen) / 4, torch.randn(experts, I, H, generator=gen) / 4
+    gate_up_bias, down_bias = torch.randn(experts, 2 * I, generator=gen), torch.randn(experts, H, generator=gen)
+    x = torch.randn(tokens, H, generator=gen)
+    weights, ids = _routing(tokens, experts, tokens)
+    out = BUILDS[build].moe_experts_gpt_oss(x, weights, ids, gate_up, gate_up_bias, down, down_bias, alpha, limit)
+    want = _gpt_oss_reference(x, weights, ids, gate_up.transpose(1, 2), gate_up_bias, down.transpose(1, 2),
+                              down_bias, alpha, limit)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+    if tokens:
+        gu = x @ gate_up[0] + gate_up_bias[0]
+        assert (gu[:, 0::2] > limit).any() and (gu[:, 1::2] < -limit).any()  # the clamps are live
+
+
 def test_gpt_oss_layers_run_the_native_experts(monkeypatch):
     """A GPT-OSS MXFP4 layer takes the native route by default: forcing the loop gives the same output."""
     gen = np.random.default_rng(1)
@@ -132,8 +152,8 @@ def test_gpt_oss_layers_run_the_native_experts(monkeypatch):
     x = torch.randn(5, 64)
     weights, ids = _routing(5, 4, 2)
     calls = []
-    ops = mxfp4_expert_ops()
-    monkeypatch.setattr("blockserve.models.gpt_oss.mxfp4_expert_ops",
+    ops = gpt_oss_expert_ops()
+    monkeypatch.setattr("blockserve.models.gpt_oss.gpt_oss_expert_ops",
                         lambda: type("Spy", (), {"moe_experts_mxfp4": lambda self, *a: calls.append(1) or
                                                  ops.moe_experts_mxfp4(*a)})())
     with torch.no_grad():

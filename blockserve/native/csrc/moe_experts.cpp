@@ -8,6 +8,8 @@
 //   moe_experts_mxfp4(x, weights, ids, gate_up_blocks, gate_up_scales,     GPT-OSS's experts in MXFP4
 //                     gate_up_bias, down_blocks, down_scales, down_bias,   (below)
 //                     alpha, limit)
+//   moe_experts_gpt_oss(x, weights, ids, gate_up [E, H, 2I], gate_up_bias,  GPT-OSS's float32 experts,
+//                       down [E, I, H], down_bias, alpha, limit)            input-major (its checkpoint's)
 //
 // The (token, slot) pairs are grouped by expert with a counting sort (experts in id order, a
 // token's pairs in token order), each expert's tokens gathered once. float32 experts: those with
@@ -29,7 +31,8 @@
 //
 // Experts with fewer than kMxfp4GemmRows tokens run as one task-pool job over all their weight rows
 // (each row dequantised once into a per-task buffer, mxfp4_row.h, and dotted with its expert's
-// tokens); an expert with more takes mxfp4_matmul (its tiled GEMM).
+// tokens); an expert with more takes mxfp4_matmul (its tiled GEMM). Float32 experts, stored
+// input-major, take one addmm per expert picked (torch's GEMM reads [K, N] rows as they lie).
 
 #include "kernels.h"
 
@@ -131,6 +134,46 @@ void add_weighted(const Groups& g, const float* y, int64_t H, float* out) {
 at::Tensor gathered(const at::Tensor& x, const Groups& g) {
   return x.index_select(0, at::from_blob(const_cast<int64_t*>(g.token.data()),
                                          {static_cast<int64_t>(g.token.size())}, at::kLong));
+}
+
+void check_biases(const at::Tensor& gate_up_bias, const at::Tensor& down_bias, int64_t E, int64_t I, int64_t H) {
+  TORCH_CHECK(gate_up_bias.scalar_type() == at::kFloat && gate_up_bias.is_contiguous() &&
+                  gate_up_bias.sizes() == at::IntArrayRef({E, 2 * I}),
+              "GPT-OSS experts: gate_up_bias must be contiguous float32 [E, 2I]");
+  TORCH_CHECK(down_bias.scalar_type() == at::kFloat && down_bias.is_contiguous() &&
+                  down_bias.sizes() == at::IntArrayRef({E, H}),
+              "GPT-OSS experts: down_bias must be contiguous float32 [E, H]");
+}
+
+// h [pairs, I] of gu [pairs, 2I] (biases added; gate at even columns, up at odd): GPT-OSS's clamped SwiGLU
+at::Tensor clamped_swiglu(const at::Tensor& gu, double alpha, double limit) {
+  const int64_t pairs = gu.size(0), I = gu.size(1) / 2;
+  auto h = at::empty({pairs, I}, gu.options());
+  const float* gup = gu.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float* r = gup + p * 2 * I;
+    float* o = hp + p * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float gate = std::min(r[2 * i], l), up = std::clamp(r[2 * i + 1], -l, l);
+      o[i] = (up + 1.f) * gate / (1.f + std::exp(-a * gate));
+    }
+  }
+  return h;
+}
+
+// out [pairs, N] = each pair's row of in [pairs, K] times its expert's float32 weight [E, K, N]
+// (input-major, as GPT-OSS's checkpoint stores it) plus its bias [E, N]: one addmm per expert picked
+void input_major_experts_matmul(const Groups& g, const at::Tensor& in, const at::Tensor& weight,
+                                const at::Tensor& bias, at::Tensor& out) {
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(g.start.size()); ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    auto rows = out.narrow(0, g.start[e], n);
+    at::addmm_out(rows, bias[e], in.narrow(0, g.start[e], n), weight[e]);
+  }
 }
 
 // One projection of every expert in MXFP4: blocks [E, N, K/32, 16], scales [E, N, K/32].
@@ -287,33 +330,41 @@ at::Tensor moe_experts_mxfp4(at::Tensor x, at::Tensor weights, at::Tensor ids, a
   const int64_t I = gate_up.N / 2;
   const Mxfp4Experts down = mxfp4_experts(down_blocks, down_scales, E, I, "down");
   TORCH_CHECK(down.N == H, "moe_experts_mxfp4: down must have H = ", H, " rows");
-  TORCH_CHECK(gate_up_bias.scalar_type() == at::kFloat && gate_up_bias.is_contiguous() &&
-                  gate_up_bias.sizes() == at::IntArrayRef({E, 2 * I}),
-              "moe_experts_mxfp4: gate_up_bias must be contiguous float32 [E, 2I]");
-  TORCH_CHECK(down_bias.scalar_type() == at::kFloat && down_bias.is_contiguous() &&
-                  down_bias.sizes() == at::IntArrayRef({E, H}),
-              "moe_experts_mxfp4: down_bias must be contiguous float32 [E, H]");
+  check_biases(gate_up_bias, down_bias, E, I, H);
   auto out = at::zeros_like(x);
   const Groups g = group_by_expert(weights, ids, E);
   const int64_t pairs = static_cast<int64_t>(g.token.size());
   if (pairs == 0) return out;
   auto gu = at::empty({pairs, 2 * I}, x.options());
   mxfp4_experts_matmul(g, gathered(x, g), gate_up_blocks, gate_up_scales, gate_up, gate_up_bias.data_ptr<float>(), gu);
-  auto h = at::empty({pairs, I}, x.options());
-  const float* gup = gu.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
-  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const float* r = gup + p * 2 * I;
-    float* o = hp + p * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) {
-      const float gate = std::min(r[2 * i], l), up = std::clamp(r[2 * i + 1], -l, l);
-      o[i] = (up + 1.f) * gate / (1.f + std::exp(-a * gate));
-    }
-  }
+  const auto h = clamped_swiglu(gu, alpha, limit);
   auto y = at::empty({pairs, H}, x.options());
   mxfp4_experts_matmul(g, h, down_blocks, down_scales, down, down_bias.data_ptr<float>(), y);
+  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor moe_experts_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up,
+                               at::Tensor gate_up_bias, at::Tensor down, at::Tensor down_bias, double alpha,
+                               double limit) {
+  check_inputs(x, weights, ids);
+  const int64_t E = gate_up.size(0), H = x.size(1);
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 3 && gate_up.is_contiguous() &&
+                  gate_up.size(1) == H && gate_up.size(2) % 2 == 0,
+              "moe_experts_gpt_oss: gate_up must be contiguous float32 [E, H, 2I]");
+  const int64_t I = gate_up.size(2) / 2;
+  TORCH_CHECK(down.scalar_type() == at::kFloat && down.is_contiguous() &&
+                  down.sizes() == at::IntArrayRef({E, I, H}),
+              "moe_experts_gpt_oss: down must be contiguous float32 [E, I, H]");
+  check_biases(gate_up_bias, down_bias, E, I, H);
+  auto out = at::zeros_like(x);
+  const Groups g = group_by_expert(weights, ids, E);
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  if (pairs == 0) return out;
+  auto gu = at::empty({pairs, 2 * I}, x.options());
+  input_major_experts_matmul(g, gathered(x, g), gate_up, gate_up_bias, gu);
+  auto y = at::empty({pairs, H}, x.options());
+  input_major_experts_matmul(g, clamped_swiglu(gu, alpha, limit), down, down_bias, y);
   add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
   return out;
 }
