@@ -172,8 +172,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(config_from_namespace(EngineConfig, args), config)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `blockserve` parser: every subcommand with its flags; `args.func` runs one."""
+def build_parser(bench: bool = True) -> argparse.ArgumentParser:
+    """The `blockserve` parser: every subcommand with its flags; `args.func` runs one. With `bench`
+    false, `bench` is listed but its subcommands are not built: their modules import torch and
+    transformers' model code, seconds of a start that serves or generates."""
     parser = argparse.ArgumentParser(prog="blockserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-q", "--quiet", action="store_true", help="do not log engine start-up (capacity report)")
@@ -203,16 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(serve, EngineConfig, title="engine")
     serve.set_defaults(func=cmd_serve)
 
-    from blockserve.bench import add_bench_parser
+    from blockserve.bench import HELP, add_bench_parser
 
-    add_bench_parser(sub)  # bench throughput | latency | serve | gpu-check
+    if bench:
+        add_bench_parser(sub)  # bench throughput | latency | serve | gpu-check
+    else:
+        sub.add_parser("bench", help=HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     apply_defaults()  # the OpenMP wait policy (thread_policy.py): before anything loads torch
-    args = build_parser().parse_args(argv)
+    args = build_parser(bench="bench" in argv).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("blockserve").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 
+HELP = "benchmarks: throughput, latency, serve, gpu-check"
+
 
 def add_bench_parser(sub) -> None:
     """Add `bench` with its subcommands to the CLI's subparsers."""
     from blockserve.bench import gpu_check, latency, serve, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, gpu-check",
+    bench = sub.add_parser("bench", help=HELP,
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     throughput.add_parser(bench_sub)

@@ -57,6 +57,7 @@ from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
 from blockserve.models.gguf_block_experts import use_block_experts
+from blockserve.models.gguf_metadata import LazyArrayReader
 from blockserve.models.gpt_oss_gguf import GGML_MXFP4, expert_tensors
 from blockserve.models.moe import expert_ops
 from blockserve.models.placement import Placement
@@ -192,7 +193,7 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     hf_dir = _converted_gguf(path, cache_root(cache_dir))
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
-    reader.fields.clear()  # the rest is in the cache entry; the vocabulary's numpy views alone are ~150 MiB
+    reader.fields.clear()  # the rest is in the cache entry
 
     def gguf_weights(model: nn.Module, config: PretrainedConfig,
                      cached: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]]
@@ -489,9 +490,10 @@ def _gguf_model_type(reader: gguf.GGUFReader, arch: str) -> str:
     return _GGUF_MODEL_TYPES.get(arch, arch)
 
 
-class _CheckedReader(gguf.GGUFReader):
-    """gguf-py's reader, which first checks that each tensor's data lies in the file, after the
-    one before it (`TensorExtentError` naming the tensor where it does not)."""
+class _CheckedReader(LazyArrayReader):
+    """gguf-py's reader (its metadata arrays read on demand, gguf_metadata.py), which first checks
+    that each tensor's data lies in the file, after the one before it (`TensorExtentError` naming
+    the tensor where it does not)."""
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         extents = []

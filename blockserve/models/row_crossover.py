@@ -19,7 +19,10 @@ shape's float32 weights (5x the bytes) on the GEMM.
 
 Each candidate sweeps the layers in model order, so the weights stream from memory as in a real
 step (a single layer timed in a loop sits in cache and flatters the GEMM at 8-16 rows); past 16
-rows both paths are compute-bound and fewer layers suffice (SWEEP_ROW_LAYERS). Each path's time is
+rows both paths are compute-bound and fewer layers suffice (SWEEP_ROW_LAYERS), and of a layer wider
+than SWEEP_MAX_OUT only its first SWEEP_MAX_OUT output rows are timed (the rows are independent, so
+both paths' times scale with them; a 49k-row output head timed whole was most of a load's
+measurement, its memory too). Each path's time is
 the fastest of REPEATS alternating sweeps. Results are kept per process (MEASURED), keyed by the
 shapes, the activations, the ceiling and torch's thread count, so engines built alike in
 one process choose alike (the choice moves results only by float rounding: the blocks and the
@@ -42,6 +45,7 @@ ALWAYS = 4
 CANDIDATES = (8, 16, 32, 64, 128)
 GEMM_MARGIN = 1.2  # the blocks keep a candidate while their time is at most this times the GEMM's
 SWEEP_ROW_LAYERS = 256  # past 16 rows, a sweep covers about this many rows x layers
+SWEEP_MAX_OUT = 4096  # past 16 rows, the output rows of a layer timed (a multiple of the packed groups of 4)
 REPEATS = 2
 
 Shape = tuple[int, int, bool]  # (out_features, in_features, q4_1)
@@ -77,12 +81,16 @@ def _wall_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _blocks(linear, x: torch.Tensor) -> torch.Tensor:
-    return linear.kernel(x, linear.packed, linear.out_features, linear.q4_1)
+def _blocks(linear, x: torch.Tensor, out_rows: int) -> torch.Tensor:
+    """x @ the first `out_rows` rows of the layer's weight, by its blocks kernel."""
+    packed = linear.packed
+    if out_rows < linear.out_features:  # whole groups of four rows lie one after another
+        packed = packed[:packed.numel() // -(-linear.out_features // 4) * -(-out_rows // 4)]
+    return linear.kernel(x, packed, out_rows, linear.q4_1)
 
 
-def _gemm(linear, x: torch.Tensor) -> torch.Tensor:
-    return linear.gemm(x)
+def _gemm(linear, x: torch.Tensor, out_rows: int) -> torch.Tensor:
+    return linear.gemm(x, out_rows)
 
 
 def _first_of_each_shape(layers: Sequence, count: int) -> list:
@@ -106,6 +114,8 @@ def _measure(linears: Sequence, ceiling: int, time_call) -> dict[Shape, int]:
             if rows > 16:  # compute-bound: the first few layers of each shape, in model order
                 layers = _first_of_each_shape(layers, max(1, math.ceil(SWEEP_ROW_LAYERS / rows / len(open_shapes))))
             inputs = {linear.in_features: torch.randn(rows, linear.in_features) for linear in layers}
+            out_rows = {linear: linear.out_features if rows <= 16 else min(linear.out_features, SWEEP_MAX_OUT)
+                        for linear in layers}
             blocks = {shape: math.inf for shape in open_shapes}
             gemm = dict(blocks)
             for _ in range(REPEATS):
@@ -113,7 +123,7 @@ def _measure(linears: Sequence, ceiling: int, time_call) -> dict[Shape, int]:
                     spent: Counter[Shape] = Counter()
                     for linear in layers:
                         x = inputs[linear.in_features]
-                        spent[shape_of(linear)] += time_call(lambda: run(linear, x))
+                        spent[shape_of(linear)] += time_call(lambda: run(linear, x, out_rows[linear]))
                     for shape, seconds in spent.items():
                         times[shape] = min(times[shape], seconds)
             for shape in list(open_shapes):

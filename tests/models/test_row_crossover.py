@@ -32,8 +32,8 @@ class FakeGemm:
     def __init__(self, costs: FakeCosts, linear: QuantizedLinear):
         self.costs, self.out_features = costs, linear.out_features
 
-    def __call__(self, x: torch.Tensor) -> None:
-        self.costs.record(self.out_features, "gemm", x.shape[0], 1.0)
+    def __call__(self, x: torch.Tensor, out_rows: int | None = None) -> None:
+        self.costs.record(self.out_features, "gemm", x.shape[0], 1.0, out_rows or self.out_features)
 
 
 class FakeCosts:
@@ -43,15 +43,18 @@ class FakeCosts:
 
     def __init__(self, linears, blocks_win_up_to: dict[int, int], slower: float = 2.0):
         self.calls: list[tuple[int, str, int]] = []  # (out_features, path, rows)
+        self.out_rows: list[tuple[int, str, int, int]] = []  # (out_features, path, rows, output rows computed)
         self.cost = 0.0
         for linear in linears:
-            def blocks(x, packed, out_features, q4_1):
-                faster = x.shape[0] <= blocks_win_up_to[out_features]
-                self.record(out_features, "blocks", x.shape[0], 0.5 if faster else slower)
+            def blocks(x, packed, out_rows, q4_1, layer=linear):
+                assert packed.numel() == layer.packed.numel() * -(-out_rows // 4) // -(-layer.out_features // 4)
+                faster = x.shape[0] <= blocks_win_up_to[layer.out_features]
+                self.record(layer.out_features, "blocks", x.shape[0], 0.5 if faster else slower, out_rows)
             linear.kernel, linear.gemm = blocks, FakeGemm(self, linear)
 
-    def record(self, out_features: int, path: str, rows: int, seconds_per_row: float) -> None:
+    def record(self, out_features: int, path: str, rows: int, seconds_per_row: float, out_rows: int) -> None:
         self.calls.append((out_features, path, rows))
+        self.out_rows.append((out_features, path, rows, out_rows))
         self.cost = seconds_per_row * rows
 
     def time_call(self, fn) -> float:
@@ -104,6 +107,28 @@ def test_small_batches_sweep_every_layer_and_large_ones_a_few():
     repeats = row_crossover.REPEATS
     assert per_candidate[8] == per_candidate[16] == 40 * repeats
     assert per_candidate[32] == 8 * repeats and per_candidate[128] == 2 * repeats
+
+
+def test_past_16_rows_a_wide_layer_is_timed_on_its_first_output_rows():
+    """A layer wider than SWEEP_MAX_OUT (an output head) is timed whole up to 16 rows (memory-bound),
+    on its first SWEEP_MAX_OUT output rows past them (compute-bound), on both paths alike."""
+    wide = row_crossover.SWEEP_MAX_OUT + 8
+    layers = linears_of([8, wide])
+    fake = FakeCosts(layers, {8: 0, wide: 0})  # the GEMM wins everywhere: every candidate is measured
+    crossover_rows(layers, ceiling=64, time_call=fake.time_call)
+    timed = {(path, rows, out_rows) for out, path, rows, out_rows in fake.out_rows if out == wide}
+    assert timed == {(path, rows, wide if rows <= 16 else row_crossover.SWEEP_MAX_OUT)
+                     for path in ("blocks", "gemm") for rows in (8, 16, 32, 64)}
+    assert {out_rows for out, _, _, out_rows in fake.out_rows if out == 8} == {8}
+
+
+def test_a_row_prefix_of_the_blocks_is_the_weights_first_rows():
+    """_blocks and _gemm over the first output rows equal the float32 matmul with those rows."""
+    layer = linears_of([20])[0]
+    x = torch.randn(3, layer.in_features)
+    expected = x @ layer.weight[:8].t()
+    for run in (row_crossover._blocks, row_crossover._gemm):
+        torch.testing.assert_close(run(layer, x, 8), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_the_loader_measures_once_per_process_and_a_fixed_value_stands(monkeypatch):

@@ -24,10 +24,10 @@ from blockserve.models.random_checkpoint import save_random_model
 from tests.server_process import ServerProcess
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+             num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
              pad_token_id=None)
 BLOCK = 4
-ENGINE_ARGS = ["--max-model-len", "512", "--block-size", str(BLOCK), "--num-threads", "1",
+ENGINE_ARGS = ["--max-model-len", "4096", "--block-size", str(BLOCK), "--num-threads", "1",
                "--kv-cache-memory", "8MiB"]
 TENANTS = 3  # odd, so round robin sends each tenant's requests to both replicas in turn
 ROUNDS = 4
@@ -179,7 +179,8 @@ def in_flight_replica(server) -> dict:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_has_its_request_aborted_on_the_replica(affinity_server, stream):
     before = scrape(affinity_server)
-    body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 480, "ignore_eos": True, "temperature": 1.0,
+    # Long enough (seconds on this tiny model) that it cannot finish before the client leaves.
+    body = json.dumps({"prompt": [9, 8, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 1.0,
                        "stream": stream}).encode()
     client = socket.create_connection(("127.0.0.1", affinity_server.port), timeout=60)
     client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
@@ -222,7 +223,7 @@ def test_a_dead_replica_leaves_rotation_and_its_in_flight_request_gets_503(affin
 
     def long_request():
         result["answer"] = affinity_server.request("POST", "/v1/completions", {
-            "prompt": [5, 6, 7], "max_tokens": 500, "n": 4, "ignore_eos": True, "temperature": 1.0})
+            "prompt": [5, 6, 7], "max_tokens": 2000, "n": 4, "ignore_eos": True, "temperature": 1.0})
 
     thread = threading.Thread(target=long_request)
     thread.start()

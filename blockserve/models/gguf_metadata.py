@@ -1,0 +1,111 @@
+"""gguf-py's GGUF reader, with its metadata arrays read on demand.
+
+gguf-py's `GGUFReader` makes two numpy views of the mapped file for every string of an array field
+and one for every number: a vocabulary of 49k tokens and 49k merges is ~300k views, seconds of a
+start and ~150 MiB of RSS, for lists a load mostly never reads (the tokenizer comes from the cache
+entry, or from transformers' own reader of the file). `LazyArrayReader` gives the same fields — the
+same `parts`, `data` and `types`, so `ReaderField.contents()` returns what gguf-py's would — but an
+array's parts are made when indexed: opening the file costs one pass over its strings' lengths.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import gguf
+import numpy as np
+
+
+class LazyArrayReader(gguf.GGUFReader):
+    """`gguf.GGUFReader` whose fields holding arrays of strings or numbers make their parts on
+    demand (`ArrayParts`); every other field is gguf-py's own."""
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        for _ in range(count):
+            orig_offs = offs
+            key_length, key = self._get_str(offs)
+            offs += int(key_length.nbytes + key.nbytes)
+            raw_type = self._get(offs, np.uint32)
+            offs += int(raw_type.nbytes)
+            head = [key_length, key, raw_type]
+            parts = self._array_parts(head, offs) if raw_type[0] == gguf.GGUFValueType.ARRAY else None
+            if parts is not None:
+                size, indices, types = parts.nbytes, parts.data, [gguf.GGUFValueType.ARRAY, parts.item_type]
+            else:
+                size, field_parts, field_indices, types = self._get_field_parts(offs, raw_type[0])
+                parts = head + field_parts
+                indices = [index + len(head) for index in field_indices]
+            self._push_field(gguf.ReaderField(orig_offs, str(bytes(key), encoding="utf-8"), parts, indices, types),
+                             skip_sum=True)
+            offs += size
+        return offs
+
+    def _array_parts(self, head: list[np.ndarray], offs: int) -> ArrayParts | None:
+        """The parts of the array at `offs`; None for an array of arrays (left to gguf-py)."""
+        item_type = self._get(offs, np.uint32)
+        length = self._get(offs + 4, np.uint64)
+        start, count = offs + 12, int(length[0])
+        kind = gguf.GGUFValueType(item_type[0])
+        if kind == gguf.GGUFValueType.STRING:
+            host = sys.byteorder == "little"
+            string_length = struct.Struct(("<" if (self.byte_order == "I") == host else ">") + "Q")
+            buffer = memoryview(self.data)
+            starts = np.empty(count + 1, dtype=np.int64)
+            position, end, truncated = start, len(self.data), False
+            for index in range(count):
+                starts[index] = position
+                truncated = position + 8 > end
+                if truncated:
+                    break
+                position += 8 + string_length.unpack_from(buffer, position)[0]
+            if truncated or position > end:
+                raise ValueError(f"GGUF field {bytes(head[1]).decode(errors='replace')}: its strings run past "
+                                 f"the end of the file ({end} bytes): the file is truncated or corrupt")
+            starts[-1] = position
+            return ArrayParts(self, [*head, item_type, length], kind, starts=starts)
+        scalar = self.gguf_scalar_to_np.get(kind)
+        if scalar is None:
+            return None
+        return ArrayParts(self, [*head, item_type, length], kind, values=self._get(start, scalar, count))
+
+
+class ArrayParts(Sequence):
+    """The parts list of an array field, as gguf-py lays it out: key length, key, value type, item
+    type, item count, then per item its parts (a string: its length, its bytes; a number: a
+    one-element view), each view made when indexed. `data`: the indices of the items' values."""
+
+    def __init__(self, reader: gguf.GGUFReader, head: list[np.ndarray], item_type: gguf.GGUFValueType,
+                 starts: np.ndarray | None = None, values: np.ndarray | None = None) -> None:
+        self._reader, self._head, self.item_type = reader, head, item_type
+        self._starts, self._values = starts, values
+        first = len(head)
+        if starts is not None:
+            self._count = 2 * (len(starts) - 1)
+            self.data = range(first + 1, first + self._count, 2)
+            self.nbytes = 12 + int(starts[-1] - starts[0])
+        else:
+            self._count = len(values)
+            self.data = range(first, first + self._count)
+            self.nbytes = 12 + int(values.nbytes)
+
+    def __len__(self) -> int:
+        return len(self._head) + self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        if index < len(self._head):
+            return self._head[index]
+        if self._values is not None:
+            item = index - len(self._head)
+            return self._values[item:item + 1]
+        item, which = divmod(index - len(self._head), 2)
+        length = self._reader._get(int(self._starts[item]), np.uint64)
+        return length if which == 0 else self._reader._get(int(self._starts[item]) + 8, np.uint8, length[0])
