@@ -75,6 +75,9 @@ class LLMEngine:
             self.vocab_size = loaded.hf_config.vocab_size
             eos = self.tokenizer.eos_token_id if self.tokenizer is not None else loaded.hf_config.eos_token_id
             self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+            # the model's other end-of-sequence ids (its generation config's list): stop tokens of every
+            # request that does not ignore EOS, as vLLM adds them
+            self.extra_eos_token_ids = tuple(t for t in loaded.eos_token_ids if t != self.eos_token_id)
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
                                             GrammarLimits(json_bounds=config.json_bounds))
         except BaseException:
@@ -167,6 +170,9 @@ class LLMEngine:
         params = parent.params
         child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
                                            prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            child_params = dataclasses.replace(child_params, stop_token_ids=tuple(dict.fromkeys(
+                (*params.stop_token_ids, *self.extra_eos_token_ids))))
         child_id = self._child_id(parent_id, params.n, index)
         request = Request(child_id, parent.output.prompt_token_ids, child_params, self.eos_token_id,
                           arrival_time=time.monotonic(), priority=parent.priority, cache_salt=parent.cache_salt)

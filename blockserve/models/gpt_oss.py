@@ -19,9 +19,10 @@ The decoder is the Llama family's (llama.py) with these differences:
 Expert weights are held as the checkpoint stores them (transformers' layout, bfloat16 variants):
 gate_up_proj [E, H, 2I] (gate and up interleaved by column), gate_up_proj_bias [E, 2I],
 down_proj [E, I, H], down_proj_bias [E, H]. A checkpoint whose config says
-`quantization_config.quant_method: "mxfp4"` (the released gpt-oss-20b/120b) holds the two
-projections as MXFP4 instead, kept as read (mxfp4.py, 4.25 bits a weight) and multiplied by
-csrc/mxfp4.cpp: gate_up_proj_blocks [E, 2I, H/32, 16] with gate_up_proj_scales [E, 2I, H/32],
+`quantization_config.quant_method: "mxfp4"` (the released gpt-oss-20b/120b, or llama.cpp's GGUF of
+them: gpt_oss_gguf.py) holds the two projections as MXFP4 instead, kept as read (mxfp4.py, 4.25 bits
+a weight) and run, a whole layer's experts in one call, by csrc/moe_experts.cpp's moe_experts_mxfp4
+(float32 experts by its moe_experts_gpt_oss: GptOssExperts' routes): gate_up_proj_blocks [E, 2I, H/32, 16] with gate_up_proj_scales [E, 2I, H/32],
 down_proj_blocks [E, H, I/32, 16] with down_proj_scales [E, H, I/32] (each expert's weight as
 [out, in]); the biases stay floating point.
 
@@ -41,6 +42,7 @@ from blockserve.models.llama import (AttentionOptions, LlamaAttention, LlamaDeco
                                      sliding_window_of)
 from blockserve.models.placement import Placement
 from blockserve.models.weights import QKV, CheckpointLayout
+from blockserve.native.extension import mxfp4_ops
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -77,15 +79,32 @@ def _mxfp4_parameters(experts: int, rows: int, columns: int) -> tuple[nn.Paramet
     return nn.Parameter(blocks, requires_grad=False), nn.Parameter(scales, requires_grad=False)
 
 
+def gpt_oss_expert_ops():
+    """The native module when it has csrc/moe_experts.cpp's GPT-OSS experts (moe_experts_mxfp4 and
+    moe_experts_gpt_oss), else None."""
+    ops = mxfp4_ops()
+    return ops if ops is not None and hasattr(ops, "moe_experts_gpt_oss") else None
+
+
 class GptOssExperts(nn.Module):
     """The routed experts with biases and the clamped SwiGLU (module docstring), in the checkpoint's
-    layout, floating point or (`mxfp4`) MXFP4. forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]:
-    one matmul pair per expert some token picked (ids read on the host)."""
+    layout, floating point or (`mxfp4`) MXFP4. forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H].
+    Two routes compute it (equal up to rounding):
+
+        native   float32 activations on the CPU with the native kernels, experts in MXFP4 or float32:
+                 the whole layer in one call (csrc/moe_experts.cpp's moe_experts_mxfp4, a decode
+                 step's experts as one job over all their weight rows; moe_experts_gpt_oss, one
+                 addmm per expert picked), the pairs grouped by expert
+        loop     one matmul pair per expert some token picked (ids read on the host): other dtypes
+                 and devices, or no native kernels
+
+    `route`: None picks; "loop" forces the loop (how tests hold the native route to it)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
                  mxfp4: bool = False):
         super().__init__()
         self.alpha, self.limit, self.mxfp4 = alpha, limit, mxfp4
+        self.route: str | None = None
         if mxfp4:
             self.gate_up_proj_blocks, self.gate_up_proj_scales = _mxfp4_parameters(
                 num_experts, 2 * intermediate_size, hidden_size)
@@ -113,6 +132,23 @@ class GptOssExperts(nn.Module):
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.route not in (None, "loop", "native"):
+            raise ValueError(f"unknown GPT-OSS expert route {self.route!r}; choose native, loop or None")
+        ops = gpt_oss_expert_ops()
+        native = ops is not None and x.device.type == "cpu" and x.dtype == torch.float32 and (
+            self.mxfp4 or self.gate_up_proj.dtype == torch.float32)
+        if self.route == "native" and not native:
+            raise RuntimeError("the native GPT-OSS expert route needs float32 activations on the CPU, MXFP4 or "
+                               "float32 experts, and the native kernels")
+        if native and self.route != "loop":
+            routing = (x.contiguous(), weights.float().contiguous(), ids.long().contiguous())
+            biases = (self.gate_up_proj_bias.float().contiguous(), self.down_proj_bias.float().contiguous())
+            if self.mxfp4:
+                return ops.moe_experts_mxfp4(*routing, self.gate_up_proj_blocks, self.gate_up_proj_scales, biases[0],
+                                             self.down_proj_blocks, self.down_proj_scales, biases[1],
+                                             self.alpha, self.limit)
+            return ops.moe_experts_gpt_oss(*routing, self.gate_up_proj.contiguous(), biases[0],
+                                           self.down_proj.contiguous(), biases[1], self.alpha, self.limit)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():  # only the experts some token picked, in id order
             tokens, slot = torch.where(ids == e)  # a token meets each expert at most once

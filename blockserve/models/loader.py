@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import mmap
 import os
 import tempfile
@@ -57,6 +58,7 @@ from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
 from blockserve.models.gguf_block_experts import use_block_experts
 from blockserve.models.gguf_metadata import LazyArrayReader
+from blockserve.models.gpt_oss_gguf import GGML_MXFP4, expert_tensors
 from blockserve.models.moe import expert_ops
 from blockserve.models.placement import Placement
 from blockserve.models.quantized_linear import FORMATS as QUANTIZED_FORMATS
@@ -105,21 +107,26 @@ _GGUF_LAYER_BY_ARCH = {
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "glm4": {"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
              "ffn_up": "mlp.gate_up_proj"},
+    "exaone4": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                "ffn_gate_inp": "mlp.router"},
 }
+# GGUF tensors "<kind>.weight" that are bare parameters in the checkpoint (GPT-OSS's sinks [heads])
+_GGUF_BARE = ("attn_sinks",)
 # the GGUF architectures read here (general.architecture); others are refused, naming these
-_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "granite",
-                       "olmo2", "glm4", "smollm3")
+_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3", "gemma2",
+                       "granite", "olmo2", "glm4", "smollm3", "exaone4")
 # architectures whose Q and K rows llama.cpp's converter permutes for its rope kernel (its LlamaModel lineage)
 _GGUF_ROPE_PERMUTED = ("llama", "granite", "smollm3")
 # architectures transformers' GGUF_CONFIG_MAPPING leaves out whose metadata keys are another's
-_GGUF_CONFIG_AS = {"granite": "llama", "olmo2": "llama", "glm4": "llama", "smollm3": "llama"}
+_GGUF_CONFIG_AS = {"granite": "llama", "olmo2": "llama", "glm4": "llama", "smollm3": "llama", "exaone4": "llama"}
 # GGUF's 16-bit tensor types, kept in their dtype in the converted directory
 _GGUF_16BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight); ours hold w
 _GGUF_NORMS_PLUS_ONE = ("gemma2",)
 # transformers' model_type of GGUF architectures named otherwise (llama.cpp writes Mixtral as "llama"
 # with experts), and the metadata transformers' GGUF_CONFIG_MAPPING leaves out
-_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "gemma3": "gemma3_text"}
 _GGUF_EXTRA_CONFIG = {
     "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
@@ -135,7 +142,14 @@ _GGUF_EXTRA_CONFIG = {
     # SmolLM3: no metadata for its NoPE layers; llama.cpp fixes every fourth, transformers' default
     "smollm3": {"rope.dimension_count": None},
     "glm4": {"rope.dimension_count": None, "attention.key_length": "head_dim"},
+    "exaone4": {"rope.dimension_count": None, "attention.key_length": "head_dim",
+                "attention.sliding_window": "sliding_window"},
+    "gpt_oss": {"sliding_window": None, "attention.sliding_window": "sliding_window", "feed_forward_length": None,
+                "expert_feed_forward_length": "intermediate_size", "attention.key_length": "head_dim"},
 }
+# the layers llama.cpp makes sliding-window when a file has no attention.sliding_window_pattern: all but
+# every n-th (its set_swa_pattern(n)); EXAONE 4's n is transformers' default
+_GGUF_SLIDING_EVERY = {"gpt-oss": 2, "exaone4": 4}
 
 
 @dataclass(frozen=True)
@@ -144,6 +158,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None  # None when the directory ships no tokenizer files
     hf_config: PretrainedConfig
     source: str  # what was loaded, for logs
+    # every token id that ends a sequence: generation_config.json's eos_token_id (one or a list), else
+    # config.json's; () when neither names one (transformers' generate and vLLM stop on each of them)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
@@ -275,7 +292,24 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(model.eval(), tokenizer, config, description)
+    return LoadedModel(model.eval(), tokenizer, config, description, _eos_token_ids(path, config))
+
+
+def _eos_token_ids(path: Path, config: PretrainedConfig) -> tuple[int, ...]:
+    """The directory's end-of-sequence ids: generation_config.json's eos_token_id where the file
+    names one, else config.json's (either an id or a list of them)."""
+    eos = getattr(config, "eos_token_id", None)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        try:
+            named = json.loads(generation.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as error:
+            raise ValueError(f"could not read {generation}: {error}; fix or remove the file") from error
+        eos = eos if named is None else named
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them; got {eos!r}")
+    return tuple(dict.fromkeys(ids))
 
 
 def _safetensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -310,7 +344,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
     config = _gguf_config(reader, arch)
     tensors = dict(_gguf_tensors(reader, arch, config, lambda name, tensor: not _block_only(tensor)))
     # AutoTokenizer reads the file's config first and refuses architectures transformers' GGUF loader lacks
-    tokenizer_class = PreTrainedTokenizerFast if arch in _GGUF_CONFIG_AS else AutoTokenizer
+    tokenizer_class = PreTrainedTokenizerFast if arch in (*_GGUF_CONFIG_AS, "gpt-oss") else AutoTokenizer
     tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     config.save_pretrained(out)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -329,9 +363,6 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
         raise ValueError(f"blockserve serves {architecture} but not from a GGUF file of architecture {arch!r} "
                          f"(GGUF architectures read: {', '.join(_GGUF_ARCHITECTURES)}); load the model's "
                          "Hugging Face directory instead")
-    if any(tensor.name.startswith("rope_factors_") for tensor in reader.tensors):
-        raise ValueError(f"{arch} GGUF with LongRoPE factors (rope_factors_long/short) is not supported; "
-                         "load the model's Hugging Face directory instead")
     mapping = {**mapping, **_GGUF_EXTRA_CONFIG.get(model_type, {})}
     renames = {f"{arch}.{key}": name for key, name in mapping.items()}
     renames.update({f"tokenizer.{key}": name for key, name in GGUF_CONFIG_MAPPING["tokenizer"].items()})
@@ -352,7 +383,97 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
     if arch == "gemma2":  # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B
         big = values["num_hidden_layers"] == 46
         values["query_pre_attn_scalar"] = values["hidden_size"] // values["num_attention_heads"] if big else head_dim
+    if arch == "phi3" and values.get("sliding_window") == 0:  # the converter's "no window" (Phi-4)
+        del values["sliding_window"]
+    if arch in _GGUF_SLIDING_EVERY and values.get("sliding_window"):
+        values["layer_types"] = _gguf_layer_types(reader, arch, values["num_hidden_layers"])
+    elif arch == "exaone4":  # no window (EXAONE 4.0-1.2B): every layer global, with RoPE (not the config's default)
+        values.update(sliding_window=None, layer_types=["full_attention"] * values["num_hidden_layers"])
+    long_rope = _gguf_long_rope(reader, arch, values["max_position_embeddings"])
+    if long_rope is not None:  # Phi-3's LongRoPE: the factors are tensors
+        values["rope_parameters"] = {**long_rope, "rope_theta": values.pop("rope_theta")}
+        values["original_max_position_embeddings"] = long_rope["original_max_position_embeddings"]
+    if arch == "gpt-oss":
+        if not values.get("sliding_window"):
+            raise ValueError("gpt-oss GGUF without gpt-oss.attention.sliding_window (llama.cpp requires it too); "
+                             "convert the model again")
+        values["rope_parameters"] = {**_gguf_yarn(reader, arch), "rope_theta": values.pop("rope_theta")}
+        if (quantization := _gpt_oss_experts_quantization(reader)) is not None:
+            values["quantization_config"] = quantization
     return AutoConfig.for_model(model_type, architectures=[architecture], **values)
+
+
+def _gguf_layer_types(reader: gguf.GGUFReader, arch: str, num_layers: int) -> list[str]:
+    """Each layer's "sliding_attention" / "full_attention" as llama.cpp reads them: the file's
+    attention.sliding_window_pattern, one flag a layer or a period n (all but every n-th layer
+    slide), else the architecture's period."""
+    field = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    pattern = _GGUF_SLIDING_EVERY[arch] if field is None else field.contents()
+    if isinstance(pattern, int):
+        sliding = [layer % pattern < pattern - 1 for layer in range(num_layers)]
+    else:
+        sliding = [bool(flag) for flag in pattern]
+    if len(sliding) != num_layers:
+        raise ValueError(f"{arch} GGUF: attention.sliding_window_pattern has {len(sliding)} entries for "
+                         f"{num_layers} layers; the file is malformed: convert the model again")
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
+
+
+def _gguf_long_rope(reader: gguf.GGUFReader, arch: str, max_positions: int) -> dict | None:
+    """Phi-3's LongRoPE rope_parameters from its rope_factors_long / rope_factors_short tensors and
+    rope.scaling.original_context_length, with the file's rope.scaling.attn_factor where it is not the
+    one transformers derives from the two lengths; None for a file without them."""
+    factors = {tensor.name.partition(".")[0]: tensor for tensor in reader.tensors
+               if tensor.name.startswith("rope_factors_")}
+    if not factors:
+        return None
+    original = reader.fields.get(f"{arch}.rope.scaling.original_context_length")
+    if arch != "phi3" or set(factors) != {"rope_factors_long", "rope_factors_short"} or original is None:
+        raise ValueError(f"{arch} GGUF: LongRoPE needs rope_factors_long and rope_factors_short tensors and "
+                         f"{arch}.rope.scaling.original_context_length (read for phi3 only); got "
+                         f"{sorted(factors)}: convert the model again or load its Hugging Face directory")
+    lists = {kind: [float(v) for v in gguf.quants.dequantize(factors[f"rope_factors_{kind}"].data,
+                                                             factors[f"rope_factors_{kind}"].tensor_type).ravel()]
+             for kind in ("long", "short")}
+    parameters = {"rope_type": "longrope", "long_factor": lists["long"], "short_factor": lists["short"],
+                  "original_max_position_embeddings": int(original.contents())}
+    scale = max_positions / parameters["original_max_position_embeddings"]
+    derived = math.sqrt(1 + math.log(scale) / math.log(parameters["original_max_position_embeddings"])) \
+        if scale > 1 else 1.0
+    attn_factor = reader.fields.get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None and not math.isclose(attn_factor.contents(), derived, rel_tol=1e-6):
+        parameters["attention_factor"] = attn_factor.contents()
+    return parameters
+
+
+def _gguf_yarn(reader: gguf.GGUFReader, arch: str) -> dict:
+    """GPT-OSS's rope_parameters: YaRN from rope.scaling.* where the file says so (not truncating its
+    correction range, as the released checkpoints' configs), else plain RoPE."""
+    kind = reader.fields.get(f"{arch}.rope.scaling.type")
+    if kind is None or kind.contents() == "none":
+        return {"rope_type": "default"}
+    if kind.contents() != "yarn":
+        raise ValueError(f"{arch} GGUF: rope.scaling.type {kind.contents()!r} is not read (yarn is)")
+    keys = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+            "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+    parameters = {"rope_type": "yarn", "truncate": False}
+    for key, name in keys.items():
+        if (field := reader.fields.get(f"{arch}.rope.scaling.{key}")) is not None:
+            parameters[name] = field.contents()
+    if "factor" not in parameters or "original_max_position_embeddings" not in parameters:
+        raise ValueError(f"{arch} GGUF: YaRN needs rope.scaling.factor and rope.scaling.original_context_length")
+    return parameters
+
+
+def _gpt_oss_experts_quantization(reader: gguf.GGUFReader) -> dict | None:
+    """{"quant_method": "mxfp4"} where every expert weight is MXFP4 (gpt_oss.py keeps them so), None
+    where none is; ValueError for a mix."""
+    kinds = {tensor.tensor_type.name == GGML_MXFP4 for tensor in reader.tensors
+             if tensor.name.split(".")[-2] in _GGUF_EXPERTS and tensor.name.endswith(".weight")}
+    if kinds == {True, False}:
+        raise ValueError("gpt-oss GGUF with some expert weights MXFP4 and others not is not read; convert the "
+                         "model again with all experts in MXFP4 (llama.cpp's converter) or none")
+    return {"quant_method": "mxfp4"} if kinds == {True} else None
 
 
 def gguf_architectures() -> frozenset[str]:
@@ -422,13 +543,14 @@ def _block_only(tensor: gguf.ReaderTensor) -> bool:
     """Whether `tensor` is read from the file's blocks at load rather than cached as float32: every
     block format, stacked experts included (run from their blocks by gguf_block_experts.py, or
     dequantised at load where no kernel takes them)."""
-    return tensor.tensor_type.name in BLOCK_FORMATS
+    return tensor.tensor_type.name in BLOCK_FORMATS or tensor.tensor_type.name == GGML_MXFP4
 
 
 def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
                   keep: Callable[[str, gguf.ReaderTensor], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantised tensors under Hugging Face names, those `keep(name, tensor)` takes; stacked
-    experts' gate and up joined into one gate_up_proj [E, 2I, H] once both have been read."""
+    experts' gate and up joined into one gate_up_proj [E, 2I, H] once both have been read (GPT-OSS's
+    into its checkpoint's layout, MXFP4 kept as blocks: gpt_oss_gguf.py)."""
     for tensor in reader.tensors:
         if tensor.name.rpartition(".")[0] == "rope_freqs":  # llama.cpp's rope divisors (Llama 3.1+ scaling)
             if not np.all(gguf.quants.dequantize(tensor.data, tensor.tensor_type) == 1):
@@ -438,12 +560,25 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
         if not keep(name, tensor):
             continue
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        kind = tensor.name.split(".")[-2]
+        mxfp4 = tensor.tensor_type.name == GGML_MXFP4
+        if arch == "gpt-oss" and kind in _GGUF_EXPERTS and mxfp4:  # raw rows [E, out, 17 bytes a block]
+            weights = np.asarray(tensor.data).reshape(*(int(n) for n in reversed(tensor.shape[1:])), -1)
+        else:
+            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if rope_heads:
             weights = _unpermute_rope_rows(weights, rope_heads)
-        kind = tensor.name.split(".")[-2]
         if arch in _GGUF_NORMS_PLUS_ONE and kind.endswith("norm"):
             weights = weights - np.float32(1)
+        if arch == "gpt-oss" and kind in _GGUF_EXPERTS:
+            halves = gate_or_up.setdefault(name, {})
+            halves[kind] = weights
+            if kind != "ffn_down_exps" and len(halves) < 2:
+                continue
+            del gate_or_up[name]
+            for hf_name, array in expert_tensors(name, halves, mxfp4):
+                yield hf_name, torch.from_numpy(array if mxfp4 else np.array(array, dtype=np.float32))
+            continue
         if kind in ("ffn_gate_exps", "ffn_up_exps"):
             halves = gate_or_up.setdefault(name, {})
             halves[kind] = weights
@@ -512,14 +647,16 @@ def _gguf_named(reader: gguf.GGUFReader, arch: str, config) -> Iterator[tuple[st
     for tensor in reader.tensors:
         module, _, leaf = tensor.name.rpartition(".")
         parts = module.split(".")
-        if module == "rope_freqs":
+        if module == "rope_freqs" or module.startswith("rope_factors_"):  # rope metadata (_gguf_config)
             continue
         if module in _GGUF_TOP:
             name = f"{_GGUF_TOP[module]}.{leaf}"
         elif len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
-            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{leaf}"
+            bare = parts[2] in _GGUF_BARE and leaf == "weight"
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}{'' if bare else f'.{leaf}'}"
         elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
-            name = f"model.layers.{parts[1]}.{_GGUF_EXPERTS[parts[2]]}"
+            # GPT-OSS's experts have biases: "<...>.gate_up_proj_bias"
+            name = f"model.layers.{parts[1]}.{_GGUF_EXPERTS[parts[2]]}{'_bias' if leaf == 'bias' else ''}"
         else:
             raise ValueError(f"GGUF tensor {tensor.name!r} of architecture {arch!r} is not one blockserve reads "
                              f"(GGUF architectures read: {', '.join(_GGUF_ARCHITECTURES)}); load the model's "

@@ -31,7 +31,7 @@ _STATE = ("models/test_hybrid_tiny.py", "engine/test_hybrid_engine.py")
 ARCHITECTURES: dict[str, Architecture] = {
     "DeepseekV3ForCausalLM": Architecture("deepseek_v3.DeepseekV3ForCausalLM", "DeepSeek-V3", "MLA, MoE", _MLA),
     "Exaone4ForCausalLM": Architecture("exaone4.Exaone4ForCausalLM", "EXAONE 4.0",
-                                       "sliding window and full attention (without RoPE)", _DENSE),
+                                       "sliding window and full attention (without RoPE)", _DENSE_GGUF),
     "Gemma2ForCausalLM": Architecture("gemma2.Gemma2ForCausalLM", "Gemma 2",
                                       "sliding window and full attention, soft-capped scores", _DENSE_GGUF),
     "Gemma3ForCausalLM": Architecture("gemma3.Gemma3ForCausalLM", "Gemma 3 (text)", "sliding window and full attention",
@@ -41,7 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GptOssForCausalLM": Architecture("gpt_oss.GptOssForCausalLM", "gpt-oss-20b, gpt-oss-120b (MXFP4 or bfloat16)",
                                       "sliding window and full attention with sinks, MoE",
                                       ("models/test_gpt_oss.py", "models/test_gpt_oss_mxfp4.py",
-                                       "engine/test_families_engine.py")),
+                                       "engine/test_families_engine.py", "models/test_gpt_oss_gguf.py")),
     "GraniteForCausalLM": Architecture("granite.GraniteForCausalLM", "Granite 3.x (dense)",
                                        "full attention, muP multipliers", _DENSE_GGUF),
     "GraniteMoeHybridForCausalLM": Architecture("granitemoehybrid.GraniteMoeHybridForCausalLM", "Granite 4.0-H",

@@ -1,24 +1,28 @@
-"""Phi-3, Gemma 2, Granite, OLMo 2, GLM-4 and SmolLM3 from GGUF files written here with gguf-py as
-llama.cpp's converter lays them out: tensor names from gguf-py's own table (gguf.get_tensor_name_map,
+"""Phi-3, Gemma 2, Granite, OLMo 2, GLM-4, SmolLM3 and EXAONE 4 from GGUF files written here with gguf-py
+as llama.cpp's converter lays them out: tensor names from gguf-py's own table (gguf.get_tensor_name_map,
 the converter's), so Phi-3's fused `attn_qkv` and `ffn_up` (gate | up, as GLM-4's), Gemma 2's
-`post_attention_norm`, `ffn_norm` (its pre-feed-forward norm) and `post_ffw_norm`, OLMo 2's post-norms
-and q/k norms, GLM-4's sandwich norms; Gemma's norm weights stored as 1 + w; Q and K rows permuted for
-the converter's LlamaModel lineage (Granite, SmolLM3); the metadata the converter writes (sliding
-window, rotary dimensions, soft caps, Granite's multipliers as float32). transformers' own GGUF loader
-reads none of Granite, OLMo 2, GLM-4 and SmolLM3, so each family is compared with the safetensors load
-of the same weights: parameters equal (Gemma 2's norms up to the float32 rounding of 1 + w), logits
-equal up to float32 rounding, greedy tokens transformers'. GGUF architectures blockserve does not read
-(EXAONE 4 here) are refused with a message naming them.
+`post_attention_norm`, `ffn_norm` (its pre-feed-forward norm) and `post_ffw_norm`, OLMo 2's and EXAONE 4's
+post-norms and q/k norms, GLM-4's sandwich norms; Gemma's norm weights stored as 1 + w; Q and K rows
+permuted for the converter's LlamaModel lineage (Granite, SmolLM3); the metadata the converter writes
+(sliding window and EXAONE 4's per-layer pattern, rotary dimensions, soft caps, Granite's multipliers as
+float32) and Phi-3's LongRoPE factors as its `rope_factors_long` / `rope_factors_short` tensors with
+rope.scaling.original_context_length (here Phi-4-mini's shape: partial rotary, tied embeddings).
+transformers' own GGUF loader reads none of Granite, OLMo 2, GLM-4, SmolLM3 and EXAONE 4, so each family
+is compared with the safetensors load of the same weights: parameters and config equal (Gemma 2's norms up
+to the float32 rounding of 1 + w), logits equal up to float32 rounding, greedy tokens transformers'. GGUF
+architectures blockserve does not read (Gemma 3 here) are refused with a message naming them.
 """
 
 from __future__ import annotations
+
+import math
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (Exaone4Config, Gemma2Config, Glm4Config, GraniteConfig, Olmo2Config, Phi3Config,
-                          SmolLM3Config)
+from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config,
+                          Phi3Config, SmolLM3Config)
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
@@ -44,17 +48,31 @@ DENSE_GGUF_CONFIGS = {
     "glm4": lambda: Glm4Config(**_COMMON, num_hidden_layers=2, head_dim=16),
     # NoPE on every fourth layer: llama.cpp's fixed step, transformers' default
     "smollm3": lambda: SmolLM3Config(**_COMMON, num_hidden_layers=4),
+    # Phi-4-mini's shape: LongRoPE over 3/4 of each head, tied embeddings (factors exact in float32)
+    "phi3-longrope": lambda: Phi3Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True,
+                                        original_max_position_embeddings=ORIGINAL, rope_parameters=LONG_ROPE),
+    # local layers with RoPE, a global one without (its window pattern: one flag a layer)
+    "exaone4": lambda: Exaone4Config(**_COMMON, num_hidden_layers=3, head_dim=16, sliding_window=7,
+                                     layer_types=[S, S, F]),
+    # EXAONE 4.0-1.2B's shape: no window, every layer global with RoPE
+    "exaone4-global": lambda: Exaone4Config(**_COMMON, num_hidden_layers=2, head_dim=16, sliding_window=None,
+                                            layer_types=[F, F]),
 }
-GGUF_ARCH = {"phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "granite": gguf.MODEL_ARCH.GRANITE,
-             "olmo2": gguf.MODEL_ARCH.OLMO2, "glm4": gguf.MODEL_ARCH.GLM4,
-             "smollm3": gguf.MODEL_ARCH.SMOLLM3, "exaone4": gguf.MODEL_ARCH.EXAONE4}
+ORIGINAL = 64
+LONG_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ORIGINAL,
+             "partial_rotary_factor": 0.75, "short_factor": [1.0 + 0.125 * i for i in range(6)],
+             "long_factor": [2.0 + 0.5 * i for i in range(6)]}
+GGUF_ARCH = {"phi3": gguf.MODEL_ARCH.PHI3, "phi3-longrope": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+             "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "glm4": gguf.MODEL_ARCH.GLM4,
+             "smollm3": gguf.MODEL_ARCH.SMOLLM3, "exaone4": gguf.MODEL_ARCH.EXAONE4,
+             "exaone4-global": gguf.MODEL_ARCH.EXAONE4}
 ROPE_PERMUTED = {"granite", "smollm3"}  # the converter's LlamaModel lineage permutes Q and K rows (weights and biases)
 NORMS_PLUS_ONE = {"gemma2"}  # llama.cpp's converter stores Gemma's norm weights as 1 + w
 # the config fields a GGUF's metadata carries, beyond the shapes
 CONFIG_KEYS = ("sliding_window", "head_dim", "query_pre_attn_scalar", "attn_logit_softcapping",
                "final_logit_softcapping", "layer_types", "tie_word_embeddings", "rope_parameters",
                "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-               "attention_bias", "mlp_bias", "no_rope_layers", "use_sliding_window")
+               "attention_bias", "mlp_bias", "no_rope_layers", "use_sliding_window", "original_max_position_embeddings")
 
 
 def _llama_cpp_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -99,6 +117,20 @@ def write_gguf(reference, path, name: str) -> None:
         writer.add_sliding_window(config.sliding_window)
     if name == "phi3":
         writer.add_rope_dimension_count(head_dim)
+    if name == "phi3-longrope":  # the converter: its rotary dimensions, original length and factor tensors
+        rope = config.rope_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIGINAL)))
+        writer.add_sliding_window(0)  # the converter's "no window"
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if name.startswith("exaone4"):  # the converter writes the pattern with a window only
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        if config.sliding_window:
+            writer.add_sliding_window_pattern([kind == S for kind in config.layer_types])
     if name in ROPE_PERMUTED:  # the converter's LlamaModel writes the rotary dimensions
         writer.add_rope_dimension_count(head_dim)
     if name == "granite":
@@ -157,16 +189,16 @@ def test_gguf_loads_as_the_safetensors_model(tmp_path, name):
 
 
 def test_an_architecture_not_read_is_refused_by_name(tmp_path):
-    reference = save_random_model(Exaone4Config(**_COMMON, num_hidden_layers=1), tmp_path / "hf")
-    writer = gguf.GGUFWriter(tmp_path / "model.gguf", "exaone4")
+    reference = save_random_model(Gemma3TextConfig(**_COMMON, num_hidden_layers=1), tmp_path / "hf")
+    writer = gguf.GGUFWriter(tmp_path / "model.gguf", "gemma3")
     writer.add_block_count(1)
     writer.add_token_list([f"t{i}" for i in range(reference.config.vocab_size)])
     for key, tensor in reference.state_dict().items():
-        gguf_name = gguf.get_tensor_name_map(GGUF_ARCH["exaone4"], 1).get_name(key, try_suffixes=(".weight",))
+        gguf_name = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 1).get_name(key, try_suffixes=(".weight",))
         writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.detach().float().numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="not from a GGUF file of architecture 'exaone4'.*phi3, gemma2"):
+    with pytest.raises(ValueError, match="not from a GGUF file of architecture 'gemma3'.*phi3, gemma2"):
         load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))

@@ -69,10 +69,17 @@ at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
 
 // mxfp4.cpp: out = x @ W^T, W [N, K] in MXFP4 (Hugging Face's blocks [N, K/32, 16] and e8m0 scales [N, K/32]).
 at::Tensor mxfp4_matmul(at::Tensor x, at::Tensor blocks, at::Tensor scales);
-// moe_experts.cpp: a mixture-of-experts layer's routed SwiGLU experts in one call, float32 or GGUF blocks.
+// moe_experts.cpp: a mixture-of-experts layer's routed SwiGLU experts in one call, float32 or GGUF blocks,
+// or GPT-OSS's experts (biases, clamped SwiGLU) in MXFP4 or float32.
 at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up, at::Tensor down);
 at::Tensor moe_experts_blocks(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
                               const std::string& gate_format, at::Tensor up, const std::string& up_format,
                               at::Tensor down, const std::string& down_format, int64_t intermediate);
+at::Tensor moe_experts_mxfp4(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up_blocks,
+                             at::Tensor gate_up_scales, at::Tensor gate_up_bias, at::Tensor down_blocks,
+                             at::Tensor down_scales, at::Tensor down_bias, double alpha, double limit);
+at::Tensor moe_experts_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up,
+                               at::Tensor gate_up_bias, at::Tensor down, at::Tensor down_bias, double alpha,
+                               double limit);
 
 }  // namespace blockserve

@@ -61,6 +61,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x, weights, ids, gate, gate_format, up, up_format, down, down_format, intermediate) -> [T, H]: "
         "moe_experts over GGUF blocks [E, rows, row bytes]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("moe_experts_mxfp4", &moe_experts_mxfp4,
+        "(x, weights, ids, gate_up_blocks [E, 2I, H/32, 16], gate_up_scales, gate_up_bias [E, 2I], down_blocks "
+        "[E, H, I/32, 16], down_scales, down_bias [E, H], alpha, limit) -> [T, H]: GPT-OSS's MXFP4 experts",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("moe_experts_gpt_oss", &moe_experts_gpt_oss,
+        "(x, weights, ids, gate_up [E, H, 2I], gate_up_bias [E, 2I], down [E, I, H], down_bias [E, H], alpha, limit) "
+        "-> [T, H]: GPT-OSS's float32 experts",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)

@@ -5,6 +5,11 @@
 //   moe_experts(x, weights, ids, gate_up [E, 2I, H], down [E, H, I])      float32 experts
 //   moe_experts_blocks(x, weights, ids, gate, gate_format, up, up_format,  experts in GGUF blocks,
 //                      down, down_format, intermediate)                    [E, rows, row bytes] each
+//   moe_experts_mxfp4(x, weights, ids, gate_up_blocks, gate_up_scales,     GPT-OSS's experts in MXFP4
+//                     gate_up_bias, down_blocks, down_scales, down_bias,   (below)
+//                     alpha, limit)
+//   moe_experts_gpt_oss(x, weights, ids, gate_up [E, H, 2I], gate_up_bias,  GPT-OSS's float32 experts,
+//                       down [E, I, H], down_bias, alpha, limit)            input-major (its checkpoint's)
 //
 // The (token, slot) pairs are grouped by expert with a counting sort (experts in id order, a
 // token's pairs in token order), each expert's tokens gathered once. float32 experts: those with
@@ -16,17 +21,34 @@
 // the GEMM for more), read from the file's blocks. SiLU(gate) * up is fused into one pass, and the
 // weighted sum is added per token in expert-id order (the order the Python loop sums in), so a
 // token's result does not depend on the other tokens of the batch.
+//
+// GPT-OSS (models/gpt_oss.py): the checkpoint's MXFP4 blocks [E, N, K/32, 16] and scales [E, N, K/32]
+// (mxfp4.cpp's layout), gate_up's rows interleaved (gate at even rows, up at odd), a bias after each
+// projection and the clamped SwiGLU between them:
+//
+//   gate = min(gu[2i] + b[2i], limit)   up = clamp(gu[2i+1] + b[2i+1], ±limit)
+//   h[i] = (up + 1) · gate · sigmoid(alpha · gate)          y = down(h) + b_down
+//
+// Experts with fewer than kMxfp4GemmRows tokens run as one task-pool job over all their weight rows
+// (each row dequantised once into a per-task buffer, mxfp4_row.h, and dotted with its expert's
+// tokens); an expert with more takes mxfp4_matmul (its tiled GEMM). Float32 experts, stored
+// input-major, take one addmm per expert picked (torch's GEMM reads [K, N] rows as they lie).
 
 #include "kernels.h"
 
+#include "mxfp4_row.h"
+#include "row_dot.h"
 #include "task_pool.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace blockserve {
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // an expert with more tokens than this takes the GEMM
+constexpr int64_t kMxfp4GemmRows = 16;  // an MXFP4 expert with this many tokens takes mxfp4_matmul's GEMM
 
 struct Groups {
   std::vector<int64_t> start;   // [E + 1]: expert e's pairs are order[start[e] .. start[e + 1])
@@ -114,6 +136,107 @@ at::Tensor gathered(const at::Tensor& x, const Groups& g) {
                                          {static_cast<int64_t>(g.token.size())}, at::kLong));
 }
 
+void check_biases(const at::Tensor& gate_up_bias, const at::Tensor& down_bias, int64_t E, int64_t I, int64_t H) {
+  TORCH_CHECK(gate_up_bias.scalar_type() == at::kFloat && gate_up_bias.is_contiguous() &&
+                  gate_up_bias.sizes() == at::IntArrayRef({E, 2 * I}),
+              "GPT-OSS experts: gate_up_bias must be contiguous float32 [E, 2I]");
+  TORCH_CHECK(down_bias.scalar_type() == at::kFloat && down_bias.is_contiguous() &&
+                  down_bias.sizes() == at::IntArrayRef({E, H}),
+              "GPT-OSS experts: down_bias must be contiguous float32 [E, H]");
+}
+
+// h [pairs, I] of gu [pairs, 2I] (biases added; gate at even columns, up at odd): GPT-OSS's clamped SwiGLU
+at::Tensor clamped_swiglu(const at::Tensor& gu, double alpha, double limit) {
+  const int64_t pairs = gu.size(0), I = gu.size(1) / 2;
+  auto h = at::empty({pairs, I}, gu.options());
+  const float* gup = gu.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float* r = gup + p * 2 * I;
+    float* o = hp + p * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+      const float gate = std::min(r[2 * i], l), up = std::clamp(r[2 * i + 1], -l, l);
+      o[i] = (up + 1.f) * gate / (1.f + std::exp(-a * gate));
+    }
+  }
+  return h;
+}
+
+// out [pairs, N] = each pair's row of in [pairs, K] times its expert's float32 weight [E, K, N]
+// (input-major, as GPT-OSS's checkpoint stores it) plus its bias [E, N]: one addmm per expert picked
+void input_major_experts_matmul(const Groups& g, const at::Tensor& in, const at::Tensor& weight,
+                                const at::Tensor& bias, at::Tensor& out) {
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(g.start.size()); ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    auto rows = out.narrow(0, g.start[e], n);
+    at::addmm_out(rows, bias[e], in.narrow(0, g.start[e], n), weight[e]);
+  }
+}
+
+// One projection of every expert in MXFP4: blocks [E, N, K/32, 16], scales [E, N, K/32].
+struct Mxfp4Experts {
+  const uint8_t* blocks;
+  const uint8_t* scales;
+  int64_t N, K;
+};
+
+Mxfp4Experts mxfp4_experts(const at::Tensor& blocks, const at::Tensor& scales, int64_t E, int64_t K,
+                           const char* name) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 4 && blocks.is_contiguous() &&
+                  blocks.size(0) == E && blocks.size(2) * mxfp4::kBlock == K && blocks.size(3) == mxfp4::kBlock / 2,
+              "moe_experts_mxfp4: ", name, "_blocks must be contiguous uint8 [E, N, ", K, "/32, 16]");
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.dim() == 3 && scales.is_contiguous() &&
+                  scales.sizes() == blocks.sizes().slice(0, 3),
+              "moe_experts_mxfp4: ", name, "_scales must be contiguous uint8 [E, N, K/32], as its blocks");
+  return {blocks.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), blocks.size(1), K};
+}
+
+// For each expert in `small`: out_e [n_e, N] = in_e [n_e, K] @ W_e^T, in_e's columns as
+// mxfp4::split_even_odd orders them. One job over the experts' N rows each.
+void small_mxfp4_experts_matmul(const std::vector<int64_t>& small, const std::vector<int64_t>& count,
+                                const std::vector<int64_t>& first, const Mxfp4Experts& w, const float* in,
+                                float* out) {
+  const int64_t groups = w.K / mxfp4::kBlock, rows = static_cast<int64_t>(small.size()) * w.N;
+  for_each_range(rows, std::max<int64_t>(1, (1 << 15) / w.K), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(w.K);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t s = r / w.N, n = r % w.N, at = small[s] * w.N + n;
+      mxfp4::dequantize_row(w.blocks + at * groups * (mxfp4::kBlock / 2), w.scales + at * groups, groups, row.data());
+      dot_rows(row.data(), in + first[s] * w.K, count[s], w.K, out + first[s] * w.N + n, w.N);
+    }
+  });
+}
+
+// out [pairs, N] = each pair's row of in [pairs, K] through its expert's MXFP4 projection, plus its bias [E, N]
+void mxfp4_experts_matmul(const Groups& g, const at::Tensor& in, const at::Tensor& blocks, const at::Tensor& scales,
+                          const Mxfp4Experts& w, const float* bias, at::Tensor& out) {
+  const int64_t E = static_cast<int64_t>(g.start.size()) - 1;
+  std::vector<int64_t> small, count, first;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    if (n < kMxfp4GemmRows) {
+      small.push_back(e), count.push_back(n), first.push_back(g.start[e]);
+      continue;
+    }
+    out.narrow(0, g.start[e], n).copy_(mxfp4_matmul(in.narrow(0, g.start[e], n), blocks[e], scales[e]));
+  }
+  if (!small.empty())
+    small_mxfp4_experts_matmul(small, count, first, w, mxfp4::split_even_odd(in).data_ptr<float>(),
+                               out.data_ptr<float>());
+  float* o = out.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t p = g.start[e]; p < g.start[e + 1]; ++p) {
+      float* row = o + p * w.N;
+      const float* b = bias + e * w.N;
+#pragma omp simd
+      for (int64_t n = 0; n < w.N; ++n) row[n] += b[n];
+    }
+}
+
 }  // namespace
 
 at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up, at::Tensor down) {
@@ -192,6 +315,56 @@ at::Tensor moe_experts_blocks(at::Tensor x, at::Tensor weights, at::Tensor ids, 
     for (int64_t i = 0; i < n * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
     y.narrow(0, g.start[e], n).copy_(matmul(gate_e, down[e], down_format, I));
   }
+  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor moe_experts_mxfp4(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up_blocks,
+                             at::Tensor gate_up_scales, at::Tensor gate_up_bias, at::Tensor down_blocks,
+                             at::Tensor down_scales, at::Tensor down_bias, double alpha, double limit) {
+  check_inputs(x, weights, ids);
+  const int64_t E = gate_up_blocks.size(0), H = x.size(1);
+  const Mxfp4Experts gate_up = mxfp4_experts(gate_up_blocks, gate_up_scales, E, H, "gate_up");
+  TORCH_CHECK(gate_up.N % 2 == 0 && (gate_up.N / 2) % mxfp4::kBlock == 0,
+              "moe_experts_mxfp4: gate_up needs 2I rows, I a multiple of 32");
+  const int64_t I = gate_up.N / 2;
+  const Mxfp4Experts down = mxfp4_experts(down_blocks, down_scales, E, I, "down");
+  TORCH_CHECK(down.N == H, "moe_experts_mxfp4: down must have H = ", H, " rows");
+  check_biases(gate_up_bias, down_bias, E, I, H);
+  auto out = at::zeros_like(x);
+  const Groups g = group_by_expert(weights, ids, E);
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  if (pairs == 0) return out;
+  auto gu = at::empty({pairs, 2 * I}, x.options());
+  mxfp4_experts_matmul(g, gathered(x, g), gate_up_blocks, gate_up_scales, gate_up, gate_up_bias.data_ptr<float>(), gu);
+  const auto h = clamped_swiglu(gu, alpha, limit);
+  auto y = at::empty({pairs, H}, x.options());
+  mxfp4_experts_matmul(g, h, down_blocks, down_scales, down, down_bias.data_ptr<float>(), y);
+  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor moe_experts_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up,
+                               at::Tensor gate_up_bias, at::Tensor down, at::Tensor down_bias, double alpha,
+                               double limit) {
+  check_inputs(x, weights, ids);
+  const int64_t E = gate_up.size(0), H = x.size(1);
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 3 && gate_up.is_contiguous() &&
+                  gate_up.size(1) == H && gate_up.size(2) % 2 == 0,
+              "moe_experts_gpt_oss: gate_up must be contiguous float32 [E, H, 2I]");
+  const int64_t I = gate_up.size(2) / 2;
+  TORCH_CHECK(down.scalar_type() == at::kFloat && down.is_contiguous() &&
+                  down.sizes() == at::IntArrayRef({E, I, H}),
+              "moe_experts_gpt_oss: down must be contiguous float32 [E, I, H]");
+  check_biases(gate_up_bias, down_bias, E, I, H);
+  auto out = at::zeros_like(x);
+  const Groups g = group_by_expert(weights, ids, E);
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  if (pairs == 0) return out;
+  auto gu = at::empty({pairs, 2 * I}, x.options());
+  input_major_experts_matmul(g, gathered(x, g), gate_up, gate_up_bias, gu);
+  auto y = at::empty({pairs, H}, x.options());
+  input_major_experts_matmul(g, clamped_swiglu(gu, alpha, limit), down, down_bias, y);
   add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
   return out;
 }
