@@ -417,6 +417,29 @@ def test_panel_linear_is_the_same_linear():
 
 
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_tiles_dequantiser_gives_gguf_py_bits_at_extreme_scales(format):
+    """quantized_dequantize (the prefill tiles' source; AVX-512 looks the 16 values d * q + m up per
+    lane, AVX2 widens a vector of levels) equals gguf-py's dequantisation on random blocks whose
+    scales and mins are the largest finite float16, zero, negative or subnormal, on either build,
+    for rows off a group of four: bit for bit, but for Q4_0's zeros at a zero scale (packed as
+    d * q + m with m = -8 d they come out +0 where gguf-py's d * (q - 8) gives -0: equal values)."""
+    from tests.models.test_gguf_block_linear import random_blocks
+
+    extremes = np.array([65504.0, 0.0, -65504.0, -1.5e-3, 6e-8, 0.25])
+    raw = random_blocks(format, 11, 96, np.random.default_rng(7), extremes)
+    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format])
+    packed = pack_blocks(raw, format)
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    for build in (ops, *([avx2] if avx2 is not None and avx2.simd_lanes() else [])):
+        for start, rows in ((0, 11), (4, 7), (8, 1)):
+            ours = build.quantized_dequantize(packed, 11, 96, format != "Q8_0", start, rows).numpy()
+            want = weight[start:start + rows]
+            if format == "Q4_0":
+                ours, want = ours + 0.0, want + 0.0  # -0 and +0 alike (x + 0.0 turns -0 into +0)
+            assert np.array_equal(ours.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 def test_many_rows_run_on_tiles_dequantised_from_the_blocks(format, monkeypatch):
     """Past max_rows a layer wider than one tile dequantises a tile of rows at a time (the last one
     shorter, rows not a multiple of four) into the GEMM: the float32 matmul of the weights, with
