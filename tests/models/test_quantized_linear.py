@@ -444,20 +444,20 @@ def test_many_rows_run_on_tiles_dequantised_from_the_blocks(format, monkeypatch)
     """Past max_rows a layer wider than one tile dequantises a tile of rows at a time (the last one
     shorter, rows not a multiple of four) into the GEMM: the float32 matmul of the weights, with
     no float32 weight resident; row ranges off a group of four are refused."""
-    raw, weight = quantized(4 * 7 + 2, 64, format)
+    raw, weight = quantized(16 * 3 + 14, 64, format)
     layer = layer_over(weight, None, pack_blocks(raw, format), format, max_rows=2)
-    monkeypatch.setattr(tiled_gemm, "TILE_VALUES", 8 * 64)  # tiles of 8 rows: 4 tiles, the last 6 rows
+    monkeypatch.setattr(tiled_gemm, "TILE_VALUES", 23 * 64)  # tiles of 16 rows (ROW_STEP): 4 tiles, the last 14 rows
     tiles = []
     dequantize = layer.dequantize
     monkeypatch.setattr(layer, "dequantize", lambda start=0, rows=None: tiles.append((start, rows)) or
                         dequantize(start, rows))
     x = torch.randn(9, 64)
     assert_float32_matmul(layer(x), x, weight)
-    assert tiles == [(0, 8), (8, 8), (16, 8), (24, 6)]
+    assert tiles == [(0, 16), (16, 16), (32, 16), (48, 14)]
     assert layer.packed.numel() < weight.numel() * 2 and not list(layer.parameters())  # 1.2 bytes a weight at most
-    for start, rows in ((2, 4), (0, 31), (-4, 4)):
+    for start, rows in ((2, 4), (0, 63), (-4, 4)):
         with pytest.raises(RuntimeError, match="rows"):
             dequantize(start, rows)
     avx2 = quantized_matmul_ops(without_avx512=True)
     for build in (ops, *([avx2] if avx2 is not None and avx2.simd_lanes() else [])):  # exact in either build
-        assert torch.equal(build.quantized_dequantize(layer.packed, 30, 64, format != "Q8_0", 8, 22), weight[8:])
+        assert torch.equal(build.quantized_dequantize(layer.packed, 62, 64, format != "Q8_0", 8, 54), weight[8:])
