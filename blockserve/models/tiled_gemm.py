@@ -5,7 +5,7 @@ time and multiplied by torch's GEMM, so no float32 copy of W exists beyond one t
 The tile size is measured (docs/cpu.md): the GEMM repacks all of x for every tile, so a tile must
 hold enough output rows for that to vanish against its multiplies. 4 MiB of float32 (455 rows of
 2048 inputs, or the whole of a 1536 x 576 layer) ran 512 rows of x within the float32 GEMM's time
-over the whole weight, where 1 MiB tiles (170 rows at 1536 inputs) took 1.2-1.4x it; the tile is
+over the whole weight, where 1 MiB tiles (170 rows at 1536 inputs) took 1.3x it; the tile is
 written once and read once, so L3 holds it well enough. A tile's rows are a multiple of
 ROW_STEP, so each tile's columns of the output start on a cache line: tiles of 1820 rows (4 MiB at
 576 inputs) ran 512 rows of a 3072 x 576 layer 1.1-1.2x slower than tiles of 1808 or 1024.
