@@ -1,9 +1,18 @@
-"""Milliseconds of one gguf_matmul (csrc/gguf_blocks.cpp) per format, row count and build, on a
-layer shape of the bundled model's (random blocks with finite scales), one thread, fastest of 15.
+"""x @ W^T over GGUF blocks in the file's layout (csrc/gguf_blocks.cpp) per format, row count and
+build, on a layer shape of the bundled model's (random blocks with finite scales), at --threads:
 
-    python -m benchmarks.gguf_blocks [--rows 1 8 16]
+    blocks   gguf_matmul: four weight rows dequantised at a time into register tiles (decode)
+    tiles    GGUFBlockLinear's many-row path: tiles dequantised from the blocks into torch's GEMM
+    float32  a resident float32 copy of the dequantised weights (column-major nn.Linear): what the
+             many-row path would run on with a float32 copy
 
-Prints one line per (build, format, rows) and the other processes' CPU share while it measured.
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.gguf_blocks [--rows 1 8 16 64 512] [--formats Q4_K Q6_K] [--threads 2]
+
+Each cell is the fastest of --rounds calls, the variants interleaved in every round. At one thread
+a call is timed by this thread's CPU time (time.thread_time), so the time the process waits while
+other processes hold the CPU (a shared machine) is not counted; at more threads by the wall clock.
+`blocks` is timed up to --blocks-max-rows rows. Prints one line per (build, format,
+rows) and the other processes' CPU share while it measured.
 """
 
 from __future__ import annotations
@@ -16,9 +25,14 @@ import torch
 
 from benchmarks.cpu_share import CpuShare
 from blockserve.models.gguf_block_linear import SCALE_OFFSETS, block_shape
+from blockserve.models.tiled_gemm import tiled_gemm
+from blockserve.models.weight_layout import column_major
 from blockserve.native.extension import quantized_matmul_ops
 
-SHAPES = {"Q5_0": (1536, 576), "Q4_K": (576, 1536), "Q6_K": (576, 1536), "Q8_0": (1536, 576)}
+SHAPES = {"Q5_0": (1536, 576), "Q4_K": (576, 1536), "Q6_K": (576, 1536), "Q8_0": (1536, 576), "Q2_K": (576, 1536),
+          "Q3_K": (576, 1536), "Q5_K": (576, 1536), "Q4_1": (1536, 576)}
+DEFAULT_FORMATS = ("Q5_0", "Q4_K", "Q6_K", "Q8_0")
+VARIANTS = ("blocks", "tiles", "float32")
 
 
 def blocks(format: str, rows: int, columns: int, rng: np.random.Generator) -> torch.Tensor:
@@ -29,30 +43,46 @@ def blocks(format: str, rows: int, columns: int, rng: np.random.Generator) -> to
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
-def fastest_ms(fn, repeats: int = 15) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+def fastest_ms(fns: dict, rounds: int, clock=time.perf_counter) -> dict[str, float]:
+    """The fastest of `rounds` calls of each function by `clock`, the functions interleaved in every round."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = clock()
+            fn()
+            best[name] = min(best[name], clock() - start)
+    return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--formats", nargs="+", choices=list(SHAPES), default=list(DEFAULT_FORMATS))
+    ap.add_argument("--builds", nargs="+", choices=("native", "avx2"), default=["native", "avx2"])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--blocks-max-rows", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    with CpuShare() as share:
-        for build in ("native", "avx2"):
+    with CpuShare() as share, torch.inference_mode():
+        for build in args.builds:
             ops = quantized_matmul_ops(without_avx512=build == "avx2")
-            for format, (n, k) in SHAPES.items():
+            for format in args.formats:
+                n, k = SHAPES[format]
                 raw = blocks(format, n, k, rng)
+                weight = column_major(ops.gguf_dequantize(raw, format, k))
                 for m in args.rows:
                     x = torch.randn(m, k)
-                    print(f"{build:6} {format:5} {n}x{k} rows {m:3}: "
-                          f"{fastest_ms(lambda: ops.gguf_matmul(x, raw, format)):.3f} ms", flush=True)
+                    fns = {"blocks": lambda: ops.gguf_matmul(x, raw, format),
+                           "tiles": lambda: tiled_gemm(x, n, k, lambda s, c: ops.gguf_dequantize(raw[s:s + c], format, k)),
+                           "float32": lambda: torch.nn.functional.linear(x, weight)}
+                    if m > args.blocks_max_rows:
+                        del fns["blocks"]
+                    ms = fastest_ms(fns, args.rounds, time.thread_time if args.threads == 1 else time.perf_counter)
+                    cells = "  ".join(f"{v} {ms[v]:8.3f}" if v in ms else f"{v} {'-':>8}" for v in VARIANTS)
+                    print(f"{build:6} {args.threads}t {format:5} {n}x{k} rows {m:4}: {cells} ms  float32/tiles "
+                          f"{ms['float32'] / ms['tiles']:.2f}x", flush=True)
     print(f"others' CPU share: {share.others:.0%}" if share.others is not None else "others' CPU share: unknown")
 
 

@@ -10,7 +10,9 @@ replaces, for SmolLM2-135M's shapes and formats (Q4_1 layers, the Q8_0 tied lm_h
              outputs): what the many-row path ran on before the tiles
 
 Each cell: the median over --rounds of the mean of a few calls, the variants interleaved in
-every round (the machine may be shared; the fastest round is kept too, and the printed speed-ups
+every round; at one thread a call is timed by this thread's CPU time (time.thread_time), so the
+time the process waits while others hold the CPU (a shared machine) is not counted, at more
+threads by the wall clock (the machine may be shared; the fastest round is kept too, and the printed speed-ups
 in brackets compare those); weight GB/s counts the packed bytes the kernels read
 (the float32 bytes for dense). Prints a table per thread count and writes the raw figures, the
 CPU flags and the thread settings as JSON. Run:
@@ -56,15 +58,16 @@ def layer(in_features: int, out_features: int, format: str):
     return pack_blocks(raw, format), dense
 
 
-def mean_seconds(fn, calls: int) -> float:
-    start = time.perf_counter()
+def mean_seconds(fn, calls: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int, target_s: float) -> list[dict]:
     torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter
     cells = []
     with torch.inference_mode():
         for name, (k, n, format) in shapes.items():
@@ -79,14 +82,15 @@ def measure(ops, shapes: dict, rows: tuple[int, ...], threads: int, rounds: int,
                        "float": lambda: ops.quantized_matmul(x, packed, n, q4),
                        "tiled": lambda: tiled.gemm(x),
                        "dense": lambda: dense(x)}
-                calls = {v: max(1, int(target_s / max(mean_seconds(fn, 2), 1e-7))) for v, fn in fns.items()}
+                calls = {v: max(1, int(target_s / max(mean_seconds(fn, 2, clock), 1e-7))) for v, fn in fns.items()}
                 times: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 for _ in range(rounds):
                     for v in VARIANTS:
-                        times[v].append(mean_seconds(fns[v], calls[v]))
+                        times[v].append(mean_seconds(fns[v], calls[v], clock))
                 us = {v: statistics.median(times[v]) * 1e6 for v in VARIANTS}
                 best = {v: min(times[v]) * 1e6 for v in VARIANTS}
                 cells.append({"shape": name, "in": k, "out": n, "format": format, "rows": m, "threads": threads,
+                              "clock": clock.__name__,
                               "us": us, "min_us": best,
                               "samples_us": {v: [t * 1e6 for t in times[v]] for v in VARIANTS},
                               "weight_gb_s": {**{v: packed_bytes / us[v] / 1e3 for v in VARIANTS[:-1]},

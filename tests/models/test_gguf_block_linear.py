@@ -17,7 +17,7 @@ import torch
 from blockserve.models.gguf_block_linear import (KERNEL_FORMATS, MAX_ROWS, SCALE_OFFSETS,
                                                  GGUFBlockEmbedding, GGUFBlockLinear, block_shape, check_blocks)
 from blockserve.models.quantized_linear import round_per_block
-from blockserve.models.tiled_gemm import TILE_VALUES
+from blockserve.models import tiled_gemm
 from blockserve.native.extension import quantized_matmul_ops
 
 BUILDS = {"native": quantized_matmul_ops(), "avx2": quantized_matmul_ops(without_avx512=True)}
@@ -89,11 +89,12 @@ def test_every_register_tile_shape(build):
 
 
 @pytest.mark.parametrize("format", ("Q4_K", "Q6_K", "Q5_0"))
-def test_the_linear_layer_across_row_counts_segments_and_tiles(format):
+def test_the_linear_layer_across_row_counts_segments_and_tiles(format, monkeypatch):
     rng = np.random.default_rng(1)
     values = block_shape(format)[0]
     columns = 2 * values
-    rows = TILE_VALUES // columns + 5  # two tiles for many rows, the second partial
+    monkeypatch.setattr(tiled_gemm, "TILE_VALUES", 64 * columns)  # tiles of 64 rows (a small layer)
+    rows = 64 + 5  # two tiles for many rows, the second partial
     parts = [random_blocks(format, rows, columns, rng), random_blocks("Q8_0", 3, columns, rng)]
     weight = np.concatenate([dequantized(format, parts[0]), dequantized("Q8_0", parts[1])])
     bias = torch.randn(rows + 3)

@@ -417,24 +417,47 @@ def test_panel_linear_is_the_same_linear():
 
 
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_tiles_dequantiser_gives_gguf_py_bits_at_extreme_scales(format):
+    """quantized_dequantize (the prefill tiles' source; AVX-512 looks the 16 values d * q + m up per
+    lane, AVX2 widens a vector of levels) equals gguf-py's dequantisation on random blocks whose
+    scales and mins are the largest finite float16, zero, negative or subnormal, on either build,
+    for rows off a group of four: bit for bit, but for Q4_0's zeros at a zero scale (packed as
+    d * q + m with m = -8 d they come out +0 where gguf-py's d * (q - 8) gives -0: equal values)."""
+    from tests.models.test_gguf_block_linear import random_blocks
+
+    extremes = np.array([65504.0, 0.0, -65504.0, -1.5e-3, 6e-8, 0.25])
+    raw = random_blocks(format, 11, 96, np.random.default_rng(7), extremes)
+    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format])
+    packed = pack_blocks(raw, format)
+    avx2 = quantized_matmul_ops(without_avx512=True)
+    for build in (ops, *([avx2] if avx2 is not None and avx2.simd_lanes() else [])):
+        for start, rows in ((0, 11), (4, 7), (8, 1)):
+            ours = build.quantized_dequantize(packed, 11, 96, format != "Q8_0", start, rows).numpy()
+            want = weight[start:start + rows]
+            if format == "Q4_0":
+                ours, want = ours + 0.0, want + 0.0  # -0 and +0 alike (x + 0.0 turns -0 into +0)
+            assert np.array_equal(ours.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 def test_many_rows_run_on_tiles_dequantised_from_the_blocks(format, monkeypatch):
     """Past max_rows a layer wider than one tile dequantises a tile of rows at a time (the last one
     shorter, rows not a multiple of four) into the GEMM: the float32 matmul of the weights, with
     no float32 weight resident; row ranges off a group of four are refused."""
-    raw, weight = quantized(4 * 7 + 2, 64, format)
+    raw, weight = quantized(16 * 3 + 14, 64, format)
     layer = layer_over(weight, None, pack_blocks(raw, format), format, max_rows=2)
-    monkeypatch.setattr(tiled_gemm, "TILE_VALUES", 8 * 64)  # tiles of 8 rows: 4 tiles, the last 6 rows
+    monkeypatch.setattr(tiled_gemm, "TILE_VALUES", 23 * 64)  # tiles of 16 rows (ROW_STEP): 4 tiles, the last 14 rows
     tiles = []
     dequantize = layer.dequantize
     monkeypatch.setattr(layer, "dequantize", lambda start=0, rows=None: tiles.append((start, rows)) or
                         dequantize(start, rows))
     x = torch.randn(9, 64)
     assert_float32_matmul(layer(x), x, weight)
-    assert tiles == [(0, 8), (8, 8), (16, 8), (24, 6)]
+    assert tiles == [(0, 16), (16, 16), (32, 16), (48, 14)]
     assert layer.packed.numel() < weight.numel() * 2 and not list(layer.parameters())  # 1.2 bytes a weight at most
-    for start, rows in ((2, 4), (0, 31), (-4, 4)):
+    for start, rows in ((2, 4), (0, 63), (-4, 4)):
         with pytest.raises(RuntimeError, match="rows"):
             dequantize(start, rows)
     avx2 = quantized_matmul_ops(without_avx512=True)
     for build in (ops, *([avx2] if avx2 is not None and avx2.simd_lanes() else [])):  # exact in either build
-        assert torch.equal(build.quantized_dequantize(layer.packed, 30, 64, format != "Q8_0", 8, 22), weight[8:])
+        assert torch.equal(build.quantized_dequantize(layer.packed, 62, 64, format != "Q8_0", 8, 54), weight[8:])

@@ -4,6 +4,7 @@
 //
 //   store_scaled(q, d, y)          y[0..16) = d * q            (q: 16 int8)
 //   store_scaled_less(q, d, m, y)  y[0..16) = d * q - m        (rounded after the product, as gguf-py)
+//   store_scaled_plus(q, d, m, y)  y[0..16) = d * q + m        (likewise)
 //   bit_bytes(bits)                0xff in byte j where bit j of the 16 low bits is set
 //   low_nibbles / high_nibbles     the 4-bit halves of 16 bytes
 //
@@ -40,6 +41,11 @@ inline void store_scaled_less(__m128i q, float d, float m, float* y) {
   const __m512 product = _mm512_mul_ps(widen16(q), _mm512_set1_ps(d));
   _mm512_storeu_ps(y, _mm512_sub_ps(product, _mm512_set1_ps(m)));
 }
+
+inline void store_scaled_plus(__m128i q, float d, float m, float* y) {
+  const __m512 product = _mm512_mul_ps(widen16(q), _mm512_set1_ps(d));
+  _mm512_storeu_ps(y, _mm512_add_ps(product, _mm512_set1_ps(m)));
+}
 #else
 inline __m256 widen8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
 
@@ -53,6 +59,12 @@ inline void store_scaled_less(__m128i q, float d, float m, float* y) {
   const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
   _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(widen8(q), vd), vm));
   _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(widen8(_mm_unpackhi_epi64(q, q)), vd), vm));
+}
+
+inline void store_scaled_plus(__m128i q, float d, float m, float* y) {
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(widen8(q), vd), vm));
+  _mm256_storeu_ps(y + 8, _mm256_add_ps(_mm256_mul_ps(widen8(_mm_unpackhi_epi64(q, q)), vd), vm));
 }
 #endif
 

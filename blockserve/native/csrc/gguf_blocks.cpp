@@ -13,10 +13,10 @@
 //       AVX-512, 4 x 3 on AVX2), so each weight is dequantised once per call whatever M is and
 //       the weights are read from memory at their file size.
 //
-// Both run on the process's TaskPool (task_pool.h), over ranges of output rows. The dequantisers of
-// Q4_0, Q8_0, Q5_0, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS unpack 16 bytes at a time with SSSE3 and
-// widen them at the build's width (block_unpack.h); Q4_1, Q5_1, Q2_K and Q3_K are plain loops the
-// compiler vectorises. The register tiles are GCC vector types of the build's width.
+// Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
+// dequantiser unpacks 16 bytes at a time with SSSE3 and widens them at the build's width
+// (block_unpack.h); Q3_K's 16 sub-block scales are decoded by a plain loop first. The register
+// tiles are GCC vector types of the build's width.
 
 #include "kernels.h"
 
@@ -85,11 +85,9 @@ struct Q4_1 {
   static constexpr int Elems = 32, Bytes = 20;
   static void dequantize(const uint8_t* b, float* y) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
-    const uint8_t* qs = b + 4;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = d * float(qs[j] & 0x0f) + m;
-      y[j + 16] = d * float(qs[j] >> 4) + m;
-    }
+    const __m128i qs = load16(b + 4);
+    store_scaled_plus(low_nibbles(qs), d, m, y);
+    store_scaled_plus(high_nibbles(qs), d, m, y + 16);
   }
 };
 
@@ -122,11 +120,9 @@ struct Q5_1 {
     const float d = half_to_float(b), m = half_to_float(b + 2);
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
-    const uint8_t* qs = b + 8;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = d * float((qs[j] & 0x0f) | (((qh >> j) & 1) << 4)) + m;
-      y[j + 16] = d * float((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
-    }
+    const __m128i qs = load16(b + 8), fifth = _mm_set1_epi8(0x10);
+    store_scaled_plus(_mm_or_si128(low_nibbles(qs), _mm_and_si128(bit_bytes(qh), fifth)), d, m, y);
+    store_scaled_plus(_mm_or_si128(high_nibbles(qs), _mm_and_si128(bit_bytes(qh >> 16), fifth)), d, m, y + 16);
   }
 };
 
@@ -146,12 +142,14 @@ struct Q2_K {  // scales[16] | qs[64] | d | dmin
     const uint8_t* scales = b;
     const uint8_t* qs = b + 16;
     const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    const __m128i three = _mm_set1_epi8(3);
     for (int half = 0; half < 2; ++half)
       for (int shift = 0; shift < 4; ++shift)
-        for (int l = 0; l < 32; ++l) {
-          const int w = half * 128 + shift * 32 + l;
+        for (int l = 0; l < 2; ++l) {  // 16 weights from bits 2 shift of 16 bytes, sharing scales[w / 16]
+          const int w = half * 128 + shift * 32 + 16 * l;
           const uint8_t sc = scales[w / 16];
-          y[w] = d * float(sc & 0x0f) * float((qs[half * 32 + l] >> (2 * shift)) & 3) - dmin * float(sc >> 4);
+          const __m128i q = _mm_and_si128(_mm_srl_epi16(load16(qs + half * 32 + 16 * l), _mm_cvtsi32_si128(2 * shift)), three);
+          store_scaled_less(q, d * float(sc & 0x0f), dmin * float(sc >> 4), y + w);  // both products exact
         }
   }
 };
@@ -168,13 +166,17 @@ struct Q3_K {  // hmask[32] | qs[64] | scales[12] | d
       const int low = (s[i % 8] >> (4 * (i / 8))) & 0x0f, high = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
       dl[i] = d * float((low | (high << 4)) - 32);
     }
+    const __m128i three = _mm_set1_epi8(3), four = _mm_set1_epi8(4);
     for (int half = 0; half < 2; ++half)
-      for (int shift = 0; shift < 4; ++shift)
-        for (int l = 0; l < 32; ++l) {
-          const int w = half * 128 + shift * 32 + l;
-          const int q = ((qs[half * 32 + l] >> (2 * shift)) & 3) - (((hmask[l] >> (w / 32)) & 1) ? 0 : 4);
-          y[w] = dl[w / 16] * float(q);
+      for (int shift = 0; shift < 4; ++shift) {
+        const __m128i bit = _mm_set1_epi8(char(1 << (half * 4 + shift)));  // hmask bit w / 32 of weight w
+        for (int l = 0; l < 2; ++l) {
+          const int w = half * 128 + shift * 32 + 16 * l;
+          const __m128i low = _mm_and_si128(_mm_srl_epi16(load16(qs + half * 32 + 16 * l), _mm_cvtsi32_si128(2 * shift)), three);
+          const __m128i h = _mm_and_si128(load16(hmask + 16 * l), bit);
+          store_scaled(_mm_sub_epi8(low, _mm_andnot_si128(_mm_cmpeq_epi8(h, bit), four)), dl[w / 16], y + w);
         }
+      }
   }
 };
 
