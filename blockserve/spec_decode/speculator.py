@@ -8,7 +8,9 @@
 
 Drafts are verified only where they are expected to pay (step_costs.py): the measured cost of the
 rows they add to the step against the tokens the request's acceptance so far says they will add.
-A request the rule keeps from drafting tries again after a number of its steps that doubles each
+A proposer whose drafts cost a forward each (a draft model, `always_proposes`) is asked for only
+the drafts the rule says pay; the others propose first, and the rule cuts their drafts. A request
+the rule keeps from drafting tries again after a number of its steps that doubles each
 time (4 up to 256), so a request whose drafts start to match is noticed. A step whose running
 batch reaches `disable_by_batch_size` does not speculate at all.
 """
@@ -59,6 +61,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, costs: StepCosts | None = None):
         self.config = config
         self.proposer = proposer or make_proposer(config)
+        # A proposer that always fills its max_tokens (a draft model) is asked only for the drafts that pay.
+        self._decide_first = getattr(self.proposer, "always_proposes", False)
         self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
         self._step_rows = 0  # drafted rows this step so far
@@ -82,23 +86,33 @@ class Speculator:
         books = self._books.get(request_id)
         if books is None:
             books = self._books[request_id] = _RequestBooks()
+        n = min(self.config.num_speculative_tokens, max_tokens)
+        if self._decide_first:  # its drafts cost a forward each: ask for no more than pay
+            n = self._drafts_to_verify(books, n, batch_size)
+            if not n:
+                return []
         began = time.perf_counter()
-        drafts = self.proposer.propose(request_id, token_ids, min(self.config.num_speculative_tokens, max_tokens))
+        drafts = self.proposer.propose(request_id, token_ids, n)
         self._seconds += time.perf_counter() - began
         if not drafts:
             return []
-        k = self.costs.best_drafts(len(drafts), books.acceptance, batch_size, batch_size + self._step_rows)
-        if k:
-            books.declined, books.backoff = 0, FIRST_BACKOFF_STEPS
-        else:
-            books.declined += 1
-            if books.declined < books.backoff:
-                self._skipped += 1
-                return []
-            books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)  # a probe
-            k = len(drafts)
+        k = len(drafts) if self._decide_first else self._drafts_to_verify(books, len(drafts), batch_size)
         self._step_rows += k
         return drafts[:k]
+
+    def _drafts_to_verify(self, books: _RequestBooks, n: int, batch_size: int) -> int:
+        """How many of n drafts to verify: those expected to pay, or all n as a probe once the
+        request's back-off has passed (0: none, counted as skipped)."""
+        k = self.costs.best_drafts(n, books.acceptance, batch_size, batch_size + self._step_rows)
+        if k:
+            books.declined, books.backoff = 0, FIRST_BACKOFF_STEPS
+            return k
+        books.declined += 1
+        if books.declined < books.backoff:
+            self._skipped += 1
+            return 0
+        books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)  # a probe
+        return n
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step of decodes (each request's token and its drafts: `rows` in all) took `seconds`."""
@@ -123,6 +137,12 @@ class Speculator:
         """The request ended: drop everything held for it."""
         self._books.pop(request_id, None)
         self.proposer.forget(request_id)
+
+    def close(self) -> None:
+        """The engine is closing: the proposer lets go of what it holds (a draft model)."""
+        close = getattr(self.proposer, "close", None)
+        if close is not None:
+            close()
 
     @property
     def num_requests(self) -> int:
