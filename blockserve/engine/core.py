@@ -32,7 +32,7 @@ from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
-from blockserve.spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary
+from blockserve.worker.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from blockserve.spec_decode.speculator import Speculator
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from blockserve.worker.model_runner import LaunchedStep, ModelRunner

@@ -1,5 +1,4 @@
 """Speculative decoding: proposers guess the next tokens of a request, the target model scores
 them all in one step, and the tokens it would have produced anyway are kept (docs/speculative.md).
 
-The scheduler runs the proposers; the worker verifies with the ordinary sampler. Torch-free, except
-the draft-model proposer (draft_model.py), which drives a model runner of its own."""
+Torch-free: the scheduler runs the proposers; the worker verifies with the ordinary sampler."""

@@ -38,7 +38,7 @@ class SpeculativeConfig:
     least suffix_decoding_min_token_prob of the continuations seen.
 
     `draft_model`: `model` (a model directory or .gguf file with the target's vocabulary) decodes
-    the drafts greedily (spec_decode/draft_model.py); it takes none of the other methods' fields.
+    the drafts greedily (worker/draft_proposer.py); it takes none of the other methods' fields.
 
     `disable_by_batch_size`: no proposals in a step with at least this many running requests
     (None: no limit). Below it, drafts are verified only where the measured cost of the rows they
