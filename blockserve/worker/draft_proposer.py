@@ -142,6 +142,11 @@ class DraftModelProposer:
         if self._requests.pop(request_id, None) is not None:
             self.kv.free(request_id)
 
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Positions of the request the draft's cache holds (0 for a request it holds nothing for)."""
+        request = self._requests.get(request_id)
+        return 0 if request is None else request.num_computed_tokens
+
     @property
     def num_requests(self) -> int:
         return len(self._requests)

@@ -114,6 +114,7 @@ def test_the_draft_cache_keeps_only_the_drafts_the_target_kept(models, monkeypat
     fed.clear()
     again = proposer.propose("a", kept, 3)
     assert [ids["a"] for ids in fed if ids][0] == [wrong, 7, 8]
+    assert proposer.num_cached_tokens("a") == len(kept) + 2  # kept, and the drafts fed back but the last
     assert proposer.propose("b", kept, 3) == again
     proposer.forget("a")
     proposer.forget("b")
@@ -144,3 +145,19 @@ def test_drafts_that_cannot_serve_the_target_are_refused(models, tmp_path, tiny_
                            (hybrid, "recurrent-state layers")]:
         with pytest.raises(ValueError, match=f"speculative_config.model.*{message}"):
             LLM(target, speculative_config=spec(str(draft)), max_model_len=128, kv_cache_memory="4MiB")
+
+
+def test_a_full_draft_cache_takes_blocks_from_the_least_recent_proposer(models):
+    """The draft's cache holds as many tokens as the target's (here about 130): a third long request
+    takes the blocks of the one that proposed least recently, which re-feeds its tokens later."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), block_size=4, **SMALL_CACHE)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    long_prompts = {rid: [(7 * i + offset) % 500 for i in range(50)] for rid, offset in zip("abc", (1, 2, 3))}
+    proposed = {rid: proposer.propose(rid, prompt, 3) for rid, prompt in long_prompts.items()}
+    assert proposer.num_requests == 2 and proposer.num_cached_tokens("a") == 0
+    assert proposer.propose("a", long_prompts["a"], 3) == proposed["a"]  # fed again from scratch
+    assert proposer.num_cached_tokens("a") == 50 + 2 and proposer.num_cached_tokens("b") == 0
+    for rid in "abc":
+        proposer.forget(rid)
+    assert_nothing_held(llm)
