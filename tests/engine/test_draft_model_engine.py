@@ -91,9 +91,13 @@ def test_an_aborted_request_gives_its_draft_blocks_back(models):
     assert proposer.num_requests == 3 and max(proposer.kv.usage()) > 0
     engine.abort_request(["1"])
     assert proposer.num_requests == 2
+    got = {}
     while engine.has_unfinished_requests():
-        engine.step()
+        for output in engine.step():
+            got[output.request_id] = list(output.outputs[0].token_ids)  # cumulative
     assert_nothing_held(llm)
+    plain = tokens(LLM(target, **OPTIONS))
+    assert got == {"0": plain[0], "2": plain[2]}
 
 
 def test_the_draft_cache_keeps_only_the_drafts_the_target_kept(models, monkeypatch):
