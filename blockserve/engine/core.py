@@ -274,11 +274,11 @@ class EngineCore:
                              "rolled back to the last accepted draft; use an attention-only draft model")
         draft_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
         try:
-            kv_config = plan_kv_cache(groups, draft_bytes, self.max_model_len, 1, chunk_cap,
+            kv_config = plan_kv_cache(groups, draft_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
                                       enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from e
-        runner = ModelRunner(draft.model, kv_config, 1, self.max_model_len, config.seed,
+        runner = ModelRunner(draft.model, kv_config, config.max_num_seqs, self.max_model_len, config.seed,
                              device=self.device_plan.device)
         kv = KVCacheManager(kv_config)
         logger.info("draft model %s, its KV cache:\n%s", draft.source, kv.capacity_report())

@@ -1,16 +1,17 @@
 """Draft-model speculation: a small model with the target's vocabulary decodes the drafts greedily,
 on its own paged KV cache, through the engine's own model runner.
 
-    propose(request, token_ids, k):
+    propose_batch([(request, token_ids, k), ...]):   (propose: one request)
         valid = the tokens its cache holds that are still the request's (its fed drafts the target
                 rejected, and everything after them, are not)
         feed   token_ids[valid:]                 one forward (in chunks for a long prompt), samples d1
         decode d1 .. d(k-1)                      k - 1 one-token forwards, sample d2 .. dk
+               (each forward carries every request of the batch that has tokens left to feed)
         now    its cache holds token_ids and d1 .. d(k-1)
 
 Each request owns blocks in the draft's KVCacheManager (zeroed and poisoned like the target's) for
 as long as it is running; `forget` frees them. A request is admitted to the draft's runner for the
-length of one `propose` (re-admitted at its valid length, as the target's runner re-admits a
+length of one proposal (re-admitted at its valid length, as the target's runner re-admits a
 preempted request over blocks whose KV is already written) and released before it returns, so the
 runner holds nothing between calls. When the draft's cache is full, the requests that proposed
 least recently give their draft blocks back (they re-feed their tokens when they next propose).
@@ -74,68 +75,90 @@ class DraftModelProposer:
         self._nothing_new = [[] for _ in kv.config.groups]
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        if max_tokens <= 0 or not token_ids:
-            return []
-        request = self._requests.pop(request_id, None)
-        if request is None or len(token_ids) < request.known:
-            if request is not None:
-                self.kv.free(request_id)
-            request = _DraftRequest(request_id, self.kv.new_block_hashes())
-        self._requests[request_id] = request
-        valid = request.known
-        for draft, token in zip(request.fed_drafts, token_ids[request.known:]):
-            if draft != token:
-                break
-            valid += 1
-        valid = min(valid, len(token_ids) - 1)  # the last token is fed again: its forward samples d1
-        if valid < request.num_computed_tokens:
-            request.num_computed_tokens = valid
-            self.kv.trim_slots(request, valid)
-        request.token_ids = token_ids
-        if not self._allocate(request, len(token_ids) - valid + max_tokens - 1):
-            self.forget(request_id)
-            return []
-        drafts = self._decode(request, token_ids, valid, max_tokens)
-        request.known, request.fed_drafts = len(token_ids), drafts[:-1]
+        return self.propose_batch([(request_id, token_ids, max_tokens)]).get(request_id, [])
+
+    def propose_batch(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
+        """Drafts for several requests at once, (request id, its tokens, how many drafts) each: their
+        forwards batched, as the target batches its requests. A request whose blocks do not fit
+        even in an emptied draft cache gets none."""
+        batch: dict[str, tuple[_DraftRequest, Sequence[int], int]] = {}
+        for request_id, token_ids, max_tokens in asks:
+            if max_tokens <= 0 or not token_ids:
+                continue
+            request = self._requests.pop(request_id, None)
+            if request is None or len(token_ids) < request.known:
+                if request is not None:
+                    self.kv.free(request_id)
+                request = _DraftRequest(request_id, self.kv.new_block_hashes())
+            self._requests[request_id] = request
+            valid = request.known
+            for draft, token in zip(request.fed_drafts, token_ids[request.known:]):
+                if draft != token:
+                    break
+                valid += 1
+            valid = min(valid, len(token_ids) - 1)  # the last token is fed again: its forward samples d1
+            if valid < request.num_computed_tokens:
+                request.num_computed_tokens = valid
+                self.kv.trim_slots(request, valid)
+            request.token_ids = token_ids
+            if self._allocate(request, len(token_ids) - valid + max_tokens - 1, batch):
+                batch[request_id] = (request, token_ids, max_tokens)
+            else:
+                self.forget(request_id)
+        if not batch:
+            return {}
+        drafts = self._decode(batch)
+        for request_id, (request, token_ids, _) in batch.items():
+            request.known, request.fed_drafts = len(token_ids), drafts[request_id][:-1]
         return drafts
 
-    def _allocate(self, request: _DraftRequest, num_tokens: int) -> bool:
+    def _allocate(self, request: _DraftRequest, num_tokens: int, keep) -> bool:
         """Blocks for `num_tokens` more tokens, taken back from the least recently proposing requests
-        while they do not fit; False if even the whole cache cannot hold them."""
+        (not those in `keep`) while they do not fit; False if that cannot make room."""
         while self.kv.allocate_slots(request, num_tokens) is None:
-            oldest = next(iter(self._requests))
-            if oldest == request.request_id:
+            oldest = next((rid for rid in self._requests if rid != request.request_id and rid not in keep), None)
+            if oldest is None:
                 return False
             self.forget(oldest)
         return True
 
-    def _decode(self, request: _DraftRequest, token_ids: Sequence[int], valid: int, k: int) -> list[int]:
-        """Feed token_ids[valid:] (the request re-admitted to the runner at `valid` computed tokens),
-        then decode k drafts greedily; the request leaves the runner before this returns."""
-        rid = request.request_id
-        prompt = list(token_ids)
-        new = NewRequestData(rid, prompt, [], GREEDY, self.kv.block_ids(rid), valid)
-        drafts: list[int] = []
-        start = valid
+    def _decode(self, batch: dict[str, tuple[_DraftRequest, Sequence[int], int]]) -> dict[str, list[int]]:
+        """Feed each request's tokens past those its cache holds (re-admitting it to the runner at
+        that many computed tokens), then decode its drafts greedily; at most `max_chunk` tokens per
+        forward. The requests leave the runner before this returns."""
+        position = {rid: request.num_computed_tokens for rid, (request, _, _) in batch.items()}
+        drafts: dict[str, list[int]] = {rid: [] for rid in batch}
+        admitted: set[str] = set()
         try:
-            while start < len(prompt):
-                chunk = prompt[start:start + self.max_chunk]
-                sampled = self._step(rid, chunk, new if start == valid else None, start)
-                start += len(chunk)
-            drafts.append(sampled[0])
-            while len(drafts) < k:
-                drafts.append(self._step(rid, [drafts[-1]], None, start)[0])
-                start += 1
+            while True:
+                step: dict[str, list[int]] = {}
+                room = self.max_chunk
+                for rid, (_, token_ids, k) in batch.items():
+                    if room == 0:
+                        break
+                    if position[rid] < len(token_ids):
+                        step[rid] = list(token_ids[position[rid]:position[rid] + room])
+                    elif len(drafts[rid]) < k:
+                        step[rid] = drafts[rid][-1:]
+                    else:
+                        continue
+                    room -= len(step[rid])
+                if not step:
+                    break
+                new = [NewRequestData(rid, list(batch[rid][1]), [], GREEDY, self.kv.block_ids(rid), position[rid])
+                       for rid in step if rid not in admitted]
+                cached = [CachedRequestData(rid, self._nothing_new, position[rid]) for rid in step if rid in admitted]
+                admitted.update(step)
+                sampled = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending())).sampled_token_ids
+                for rid, token_ids in step.items():
+                    position[rid] += len(token_ids)
+                    drafts[rid] += sampled[rid]
         finally:
-            self.runner.execute(_step_output([], [], {}, PendingWork(), preempted={rid}))
-        request.num_computed_tokens = start
+            if admitted:
+                self.runner.execute(_step_output([], [], {}, PendingWork(), preempted=admitted))
+        for rid, (request, _, _) in batch.items():
+            request.num_computed_tokens = position[rid]
         return drafts
-
-    def _step(self, rid: str, token_ids: list[int], new: NewRequestData | None, num_computed: int) -> list[int]:
-        """One forward of the draft over `token_ids` of request `rid` (admitting it first if `new`)."""
-        cached = [] if new is not None else [CachedRequestData(rid, self._nothing_new, num_computed)]
-        out = _step_output([new] if new is not None else [], cached, {rid: token_ids}, self.kv.take_pending())
-        return self.runner.execute(out).sampled_token_ids[rid]
 
     def forget(self, request_id: str) -> None:
         """The request ended (or gives its draft blocks back): free them."""

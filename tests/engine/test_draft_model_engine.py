@@ -67,11 +67,16 @@ def test_a_draft_equal_to_the_target_has_its_drafts_accepted(models):
 @pytest.mark.parametrize("scenario", [{}, {"max_num_batched_tokens": 8}, SMALL_CACHE],
                          ids=["prefix-caching", "chunked", "preemption"])
 def test_a_random_draft_keeps_the_greedy_tokens(models, scenario):
+    """The tokens of a run without the draft, the draft's forwards batched across a step's requests."""
     target, draft = models
     options = OPTIONS | scenario
     plain = tokens(LLM(target, **options))
     llm = LLM(target, speculative_config=spec(draft, 4), **options)
+    runner = llm.engine.core.scheduler.speculator.proposer.runner
+    execute, batch_sizes = runner.execute, []
+    runner.execute = lambda out: batch_sizes.append(len(out.num_scheduled_tokens)) or execute(out)
     assert tokens(llm) == plain
+    assert max(batch_sizes) > 1  # the step's requests draft in one batch
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     if scenario is SMALL_CACHE:

@@ -160,3 +160,23 @@ def test_a_proposer_whose_drafts_cost_work_is_asked_only_for_drafts_that_pay():
     assert all(never.propose("s", [5, 6], 4, 1) == [] for _ in range(FIRST_BACKOFF_STEPS - 1))
     assert proposer.asked == [2]  # declined steps run no draft forward
     assert never.propose("s", [5, 6], 4, 1) == [6] * 4  # the probe asks for all of them
+
+
+class BatchedDraftModel(CountingDraftModel):
+    def propose_batch(self, asks):
+        self.asked.append([(rid, n) for rid, _, n in asks])
+        return {rid: [tokens[-1]] * n for rid, tokens, n in asks}
+
+
+def test_a_batched_proposer_drafts_once_per_step_for_every_request():
+    proposer = BatchedDraftModel()
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+    speculator = Speculator(config, proposer, FlatStepCosts())
+    assert speculator.batches
+    speculator.begin_step()
+    speculator.prepare_step([("a", [1, 2], 3), ("b", [4, 5], 2)], 2)
+    assert proposer.asked == [[("a", 3), ("b", 2)]]
+    assert speculator.propose("b", [4, 5], 1, 2) == [5]  # cut to the room the step has left
+    assert speculator.propose("a", [1, 2], 3, 2) == [2, 2, 2]
+    assert speculator.propose("c", [7], 3, 2) == []  # not among the step's candidates
+    assert proposer.asked == [[("a", 3), ("b", 2)]]
