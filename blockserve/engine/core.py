@@ -32,9 +32,9 @@ from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
-from blockserve.worker.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from blockserve.spec_decode.speculator import Speculator
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
+from blockserve.worker.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from blockserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("blockserve")
@@ -281,7 +281,8 @@ class EngineCore:
         runner = ModelRunner(draft.model, kv_config, config.max_num_seqs, self.max_model_len, config.seed,
                              device=self.device_plan.device)
         kv = KVCacheManager(kv_config)
-        logger.info("draft model %s, its KV cache:\n%s", draft.source, kv.capacity_report())
+        logger.info("draft model %s, its KV cache:\n%s\n%s", draft.source, kv.capacity_report(),
+                    weight_memory_report(draft.model))
         return DraftModelProposer(runner, kv, chunk_cap)
 
     def _decode_graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
