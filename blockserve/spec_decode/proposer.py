@@ -13,7 +13,9 @@ class Proposer(Protocol):
 
     A proposer may declare `always_proposes = True`: it returns exactly `max_tokens` drafts on every
     call and each costs it work (a draft model's forward), so the speculator decides how many pay
-    before asking rather than after; `close()`, where defined, releases what it holds."""
+    before asking rather than after; such a proposer may also define `propose_batch(asks)` (asks:
+    (request id, tokens, max_tokens) each; returns drafts by request id), then the speculator asks it
+    once per step for all requests. `close()`, where defined, releases what it holds."""
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """At most `max_tokens` draft tokens (possibly none)."""
