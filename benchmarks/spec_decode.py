@@ -1,7 +1,12 @@
-"""Speculative decoding (n-gram prompt lookup, suffix decoding) against plain decoding on the bundled
-model: output tok/s per task at batch 1 and 16, greedy, with the outputs checked byte-identical.
+"""Speculative decoding (n-gram prompt lookup, suffix decoding, a draft model) against plain decoding on
+the bundled model: output tok/s per task at batch 1 and 16, greedy, with the outputs checked byte-identical.
 
     python -m benchmarks.spec_decode [--max-tokens 96] [--k 4] [--rounds 3] [--methods ngram suffix]
+    python -m benchmarks.spec_decode --methods draft_model [--draft-model PATH]
+
+The draft model defaults to the bundled model itself: no smaller model of its vocabulary ships, so
+that row measures the acceptance ceiling and the draft's overhead, not a speed-up (a draft as costly
+as the target cannot pay).
 
 Suffix decoding runs over each request's own tokens only (suffix_decoding_max_cached_requests 0):
 every round repeats the same prompts, whose earlier answers a cross-request trie would replay.
@@ -23,6 +28,7 @@ import time
 from benchmarks.cpu_share import CpuShare
 from blockserve import LLM, SamplingParams
 from blockserve.bench.common import cpu_simd_flags
+from blockserve.models.loader import default_model_path
 
 CODE = '''def load_rows(path):
     rows = []
@@ -61,6 +67,7 @@ TASKS = {
 METHODS = {  # each method's fields
     "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"suffix_decoding_max_cached_requests": 0},
+    "draft_model": {},  # "model": --draft-model
 }
 
 
@@ -78,10 +85,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
+    parser.add_argument("--draft-model", default=None,
+                        help="draft_model: the draft's path (default: the bundled model, its own draft)")
     args = parser.parse_args()
     plain = LLM(enable_prefix_caching=False)
+    fields = {**METHODS, "draft_model": {"model": args.draft_model or str(default_model_path())}}
     speculatives = {method: LLM(enable_prefix_caching=False, speculative_config={
-        "method": method, "num_speculative_tokens": args.k, **METHODS[method]}) for method in args.methods}
+        "method": method, "num_speculative_tokens": args.k, **fields[method]}) for method in args.methods}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     flags = cpu_simd_flags()
     for batch, (method, speculative), (task, prompt) in itertools.product(args.batches, speculatives.items(),

@@ -25,7 +25,7 @@ from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
-from blockserve.kv.specs import with_kv_cache_dtype
+from blockserve.kv.specs import LinearStateSpec, with_kv_cache_dtype
 from blockserve.models.loader import LoadedModel, load_model
 from blockserve.models.weight_memory import weight_memory_report
 from blockserve.scheduler.config import SchedulerConfig
@@ -34,6 +34,7 @@ from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
 from blockserve.spec_decode.speculator import Speculator
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
+from blockserve.worker.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from blockserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("blockserve")
@@ -163,15 +164,7 @@ class EngineCore:
         self.max_model_len = max_model_len = resolve_max_model_len(config, loaded.hf_config)
 
         model = self.loaded.model
-        # C1: each KV layer declares its spec and whether its kernel reads unwritten slots.
-        kv_layers = model.kv_layers()
-        groups: dict[tuple, list[str]] = {}
-        for layer_name, spec in model.kv_cache_specs(config.block_size).items():
-            spec = with_kv_cache_dtype(spec, config.kv_cache_dtype)
-            if layer_name not in kv_layers:
-                raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
-            refuse_unreadable_kv_dtype(layer_name, kv_layers[layer_name], spec)
-            groups.setdefault((spec, kv_layers[layer_name].reads_unwritten_slots), []).append(layer_name)
+        kv_groups = kv_groups_of(model, config)
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -180,7 +173,6 @@ class EngineCore:
             max_prefill_chunk=config.max_prefill_chunk,
             policy=config.scheduling_policy,
         )
-        kv_groups = [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()]
         graph_sizes = self._decode_graph_sizes(config) if plan.is_cuda else ()
         self.kv_budget = None  # CUDA: how gpu_memory_utilization was spent (kv_budget.py)
         if self.executor is not None:
@@ -219,7 +211,8 @@ class EngineCore:
             logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
                            "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
                            config.state_checkpoint_share)
-        self.scheduler = Scheduler(scheduler_config, self.kv, self._speculator(config))
+        self.scheduler = Scheduler(scheduler_config, self.kv, self._speculator(config, kv_groups, kv_bytes,
+                                                                                scheduler_config.chunk_cap))
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
         runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
         self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
@@ -243,17 +236,54 @@ class EngineCore:
                         "budgeted)", sorted(set(graph_sizes)), time.perf_counter() - began, held / 2**30,
                         budgeted / 2**30)
 
-    def _speculator(self, config: EngineConfig) -> Speculator | None:
+    def _speculator(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> Speculator | None:
         """The speculator `config.speculative_config` asks for, or a ValueError when this model cannot
         roll back a rejected draft (its recurrent-state layers keep no state per position)."""
-        if config.speculative_config is None:
+        spec = config.speculative_config
+        if spec is None:
             return None
         state = [type(g.spec).__name__ for g in self.kv_config.groups if g.is_state]
         if state:
             raise ValueError(f"speculative_config: this model has recurrent-state layers ({', '.join(state)}), whose "
                              "state cannot yet be rolled back to the last accepted draft; serve it without "
                              "speculative decoding")
-        return Speculator(config.speculative_config)
+        if spec.method != "draft_model":
+            return Speculator(spec)
+        return Speculator(spec, self._draft_proposer(config, kv_groups, kv_bytes, chunk_cap))
+
+    def _draft_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int,
+                        chunk_cap: int) -> DraftModelProposer:
+        """speculative_config.model loaded like the target (device, dtype, attention backend, quantized
+        kernels), checked against its vocabulary, with a KV cache that holds as many tokens as the
+        target's (its budget scaled by their bytes per token) and a runner of its own."""
+        path = config.speculative_config.model
+        try:
+            draft = load_model(path, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul,
+                               quantized_activations=config.quantized_activations,
+                               quantized_max_rows=config.quantized_max_rows, placement=self.device_plan.placement)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config.model {path!r} does not load: {e}") from e
+        check_draft_vocabulary(self.loaded.hf_config, self.loaded.tokenizer, draft.hf_config, draft.tokenizer)
+        draft_len = getattr(draft.hf_config, "max_position_embeddings", None)
+        if draft_len is not None and draft_len < self.max_model_len:
+            raise ValueError(f"speculative_config.model: the draft holds {draft_len} positions, fewer than "
+                             f"max_model_len={self.max_model_len}; lower max_model_len or use a longer draft")
+        groups = kv_groups_of(draft.model, config)
+        if any(isinstance(spec, LinearStateSpec) for spec, _, _ in groups):
+            raise ValueError("speculative_config.model has recurrent-state layers, whose state cannot yet be "
+                             "rolled back to the last accepted draft; use an attention-only draft model")
+        draft_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
+        try:
+            kv_config = plan_kv_cache(groups, draft_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
+                                      enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
+        runner = ModelRunner(draft.model, kv_config, config.max_num_seqs, self.max_model_len, config.seed,
+                             device=self.device_plan.device)
+        kv = KVCacheManager(kv_config)
+        logger.info("draft model %s, its KV cache:\n%s\n%s", draft.source, kv.capacity_report(),
+                    weight_memory_report(draft.model))
+        return DraftModelProposer(runner, kv, chunk_cap)
 
     def _decode_graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
         """CUDA: the batch sizes to capture decode steps at; none with enforce_eager, or when some layer
@@ -330,11 +360,34 @@ class EngineCore:
             self.executor.close()
         if self.kv_offload is not None:
             self.kv_offload.close()  # writes what is queued, joins the writer
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None and scheduler.speculator is not None:
+            scheduler.speculator.close()
         plan = getattr(self, "device_plan", None)
         self.runner = self.loaded = self._in_flight = None
         if plan is not None and plan.is_cuda:
             gc.collect()  # whatever a reference cycle still holds on the device
             torch.cuda.empty_cache()
+
+
+def kv_groups_of(model: torch.nn.Module, config: EngineConfig) -> list[tuple]:
+    """The model's KV groups as plan_kv_cache takes them: (spec, layer names, whether its kernel reads
+    unwritten slots) for each set of layers with equal specs (C1)."""
+    kv_layers = model.kv_layers()
+    groups: dict[tuple, list[str]] = {}
+    for layer_name, spec in model.kv_cache_specs(config.block_size).items():
+        spec = with_kv_cache_dtype(spec, config.kv_cache_dtype)
+        if layer_name not in kv_layers:
+            raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
+        refuse_unreadable_kv_dtype(layer_name, kv_layers[layer_name], spec)
+        groups.setdefault((spec, kv_layers[layer_name].reads_unwritten_slots), []).append(layer_name)
+    return [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()]
+
+
+def _bytes_per_token(kv_groups: list[tuple]) -> float:
+    """KV bytes one token takes in every attention group of `kv_groups` together."""
+    return sum(spec.page_size_bytes * len(layers) / spec.block_size
+               for spec, layers, _ in kv_groups if not isinstance(spec, LinearStateSpec))
 
 
 def _decodes_only(out: SchedulerOutput) -> bool:

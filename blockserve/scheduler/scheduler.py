@@ -117,11 +117,17 @@ class Scheduler:
         preempted: set[str] = set()
         drafts_of: dict[str, list[int]] = {}
         speculator = self.speculator
+        running, allocate_slots = self.running, self.kv.allocate_slots
         if speculator is not None:
             speculator.begin_step()
+            if speculator.batches:  # drafts for every request that may verify some, in one batch
+                speculator.prepare_step([(request.request_id, request.token_ids, room) for request in running
+                                         if _may_draft(request) and (room := min(
+                                             budget - 1, cap - 1,
+                                             request.max_output_tokens - len(request.output_token_ids) - 1)) > 0],
+                                        len(running))
 
         # This loop and the one that fills the token ids run for every running request every step.
-        running, allocate_slots = self.running, self.kv.allocate_slots
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -134,8 +140,7 @@ class Scheduler:
                 i += 1
                 continue
             block_ids = None
-            if (speculator is not None and not pending and len(request.token_ids) - request.num_computed_tokens == 1
-                    and request.sampling_params.structured_outputs is None):  # (a grammar is not rolled back)
+            if speculator is not None and _may_draft(request):
                 room = min(budget - 1, cap - 1, request.max_output_tokens - len(request.output_token_ids) - 1)
                 drafts = speculator.propose(request.request_id, request.token_ids, room, len(running)) if room > 0 else ()
                 if drafts and (block_ids := allocate_slots(request, 1 + len(drafts))) is not None:
@@ -440,3 +445,10 @@ def _wants_prompt_logprobs(request: Request) -> bool:
     """Prompt logprobs need the logits of every prompt token, which tokens served from the prefix
     cache lack (worker/prompt_logprobs.py): such a request is admitted without a hit until it sampled."""
     return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
+
+
+def _may_draft(request: Request) -> bool:
+    """Whether a running request's next step may verify drafts: it decodes (one token to compute,
+    none in flight) and has no grammar (a grammar is not rolled back)."""
+    return (not request.num_output_placeholders and len(request.token_ids) - request.num_computed_tokens == 1
+            and request.sampling_params.structured_outputs is None)

@@ -2,8 +2,10 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
-Every error names the field and what to give instead. Methods other than n-gram prompt lookup and
-suffix decoding (draft_model, eagle, mtp, ...) are refused by name: they are not built.
+    {"method": "draft_model", "model": "path/to/small-model", "num_speculative_tokens": 4}
+
+Every error names the field and what to give instead. Methods other than n-gram prompt lookup,
+suffix decoding and a draft model (eagle, mtp, ...) are refused by name: they are not built.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix")
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
+METHODS = ("ngram", "suffix", "draft_model")
+NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both ends of the window
 # Each method's own fields (vLLM's names and defaults); giving one to the other method is refused.
@@ -34,6 +36,9 @@ class SpeculativeConfig:
     tokens and in the outputs of the last suffix_decoding_max_cached_requests finished requests
     (0: its own only); at most suffix_decoding_max_spec_factor x the match length tokens, each at
     least suffix_decoding_min_token_prob of the continuations seen.
+
+    `draft_model`: `model` (a model directory or .gguf file with the target's vocabulary) decodes
+    the drafts greedily (worker/draft_proposer.py); it takes none of the other methods' fields.
 
     `disable_by_batch_size`: no proposals in a step with at least this many running requests
     (None: no limit). Below it, drafts are verified only where the measured cost of the rows they
@@ -56,9 +61,13 @@ class SpeculativeConfig:
                              f"use one of {list(METHODS)}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method {self.method!r} is unknown; use one of {list(METHODS)}")
-        if self.model is not None:
-            raise ValueError(f"speculative_config.model is for draft-model methods, which are not supported; "
-                             f"the {self.method!r} method takes no model: leave it out")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config.model is required by the 'draft_model' method: give the path "
+                                 "of a small model (directory or .gguf) with the target's vocabulary")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config.model is for the 'draft_model' method; the {self.method!r} "
+                             "method takes no model: leave it out")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, None)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, None)
@@ -67,8 +76,8 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max}); give min <= max")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
-        other = SUFFIX_FIELDS if self.method == "ngram" else NGRAM_FIELDS
-        for name, default in other.items():
+        other = {"ngram": SUFFIX_FIELDS, "suffix": NGRAM_FIELDS, "draft_model": NGRAM_FIELDS | SUFFIX_FIELDS}
+        for name, default in other[self.method].items():
             if getattr(self, name) != default:
                 raise ValueError(f"speculative_config.{name} is not a field of the {self.method!r} method; leave it out")
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2, None)

@@ -1,6 +1,7 @@
 """The scheduler's side of speculation: a proposer, when to use it, and the acceptance books.
 
     schedule():  speculator.begin_step()
+                 speculator.prepare_step(candidates, batch_size)          (if speculator.batches)
                  drafts = speculator.propose(request, room, batch_size)   (may be none)
     engine:      speculator.observe_step(rows, seconds)                   (decode steps' measured cost)
     update():    speculator.record(request_id, len(drafts), accepted)
@@ -8,7 +9,9 @@
 
 Drafts are verified only where they are expected to pay (step_costs.py): the measured cost of the
 rows they add to the step against the tokens the request's acceptance so far says they will add.
-A request the rule keeps from drafting tries again after a number of its steps that doubles each
+A proposer whose drafts cost a forward each (a draft model, `always_proposes`) is asked for only
+the drafts the rule says pay; the others propose first, and the rule cuts their drafts. A request
+the rule keeps from drafting tries again after a number of its steps that doubles each
 time (4 up to 256), so a request whose drafts start to match is noticed. A step whose running
 batch reaches `disable_by_batch_size` does not speculate at all.
 """
@@ -59,6 +62,11 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, costs: StepCosts | None = None):
         self.config = config
         self.proposer = proposer or make_proposer(config)
+        # A proposer that always fills its max_tokens (a draft model) is asked only for the drafts that pay.
+        self._decide_first = getattr(self.proposer, "always_proposes", False)
+        # ...and one that drafts for many requests at once is asked once per step (prepare_step).
+        self.batches = self._decide_first and hasattr(self.proposer, "propose_batch")
+        self._prepared: dict[str, list[int]] | None = None  # this step's batched drafts, handed out by propose
         self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
         self._step_rows = 0  # drafted rows this step so far
@@ -71,34 +79,81 @@ class Speculator:
     def begin_step(self) -> None:
         """A step is being scheduled: no drafts in it yet."""
         self._step_rows = 0
+        self._prepared = None
+
+    def prepare_step(self, candidates: Sequence[tuple[str, Sequence[int], int]], batch_size: int) -> None:
+        """For a proposer that drafts in batches (`batches`): draft at once for every request the step
+        may verify, given as (request id, its tokens, the most drafts it has room for), each asked for
+        the drafts that pay; `propose` then hands them out."""
+        asks = []
+        for request_id, token_ids, max_tokens in candidates:
+            n = self._drafts_paying(request_id, max_tokens, batch_size)
+            if n:
+                asks.append((request_id, token_ids, n))
+                self._step_rows += n
+        began = time.perf_counter()
+        self._prepared = self.proposer.propose_batch(asks) if asks else {}
+        self._seconds += time.perf_counter() - began
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int, batch_size: int) -> list[int]:
         """Drafts for the request's next step: at most min(num_speculative_tokens, max_tokens), and
         only as many as are expected to pay in a step of `batch_size` requests (see the module)."""
+        if self._prepared is not None:
+            return self._prepared.pop(request_id, [])[:max_tokens]
+        if self._decide_first:
+            n = self._drafts_paying(request_id, max_tokens, batch_size)
+            drafts = self._timed_propose(request_id, token_ids, n) if n else []
+            self._step_rows += len(drafts)
+            return drafts
+        if self._over_batch_limit(batch_size):
+            return []
+        books = self._books_of(request_id)
+        drafts = self._timed_propose(request_id, token_ids, min(self.config.num_speculative_tokens, max_tokens))
+        if not drafts:
+            return []
+        k = self._drafts_to_verify(books, len(drafts), batch_size)
+        self._step_rows += k
+        return drafts[:k]
+
+    def _drafts_paying(self, request_id: str, max_tokens: int, batch_size: int) -> int:
+        """How many drafts to ask a proposer whose drafts cost work for: those expected to pay."""
+        if self._over_batch_limit(batch_size):
+            return 0
+        n = min(self.config.num_speculative_tokens, max_tokens)
+        return self._drafts_to_verify(self._books_of(request_id), n, batch_size) if n > 0 else 0
+
+    def _over_batch_limit(self, batch_size: int) -> bool:
         limit = self.config.disable_by_batch_size
         if limit is not None and batch_size >= limit:
             self._skipped += 1
-            return []
+            return True
+        return False
+
+    def _books_of(self, request_id: str) -> _RequestBooks:
         books = self._books.get(request_id)
         if books is None:
             books = self._books[request_id] = _RequestBooks()
+        return books
+
+    def _timed_propose(self, request_id: str, token_ids: Sequence[int], n: int) -> list[int]:
         began = time.perf_counter()
-        drafts = self.proposer.propose(request_id, token_ids, min(self.config.num_speculative_tokens, max_tokens))
+        drafts = self.proposer.propose(request_id, token_ids, n)
         self._seconds += time.perf_counter() - began
-        if not drafts:
-            return []
-        k = self.costs.best_drafts(len(drafts), books.acceptance, batch_size, batch_size + self._step_rows)
+        return drafts
+
+    def _drafts_to_verify(self, books: _RequestBooks, n: int, batch_size: int) -> int:
+        """How many of n drafts to verify: those expected to pay, or all n as a probe once the
+        request's back-off has passed (0: none, counted as skipped)."""
+        k = self.costs.best_drafts(n, books.acceptance, batch_size, batch_size + self._step_rows)
         if k:
             books.declined, books.backoff = 0, FIRST_BACKOFF_STEPS
-        else:
-            books.declined += 1
-            if books.declined < books.backoff:
-                self._skipped += 1
-                return []
-            books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)  # a probe
-            k = len(drafts)
-        self._step_rows += k
-        return drafts[:k]
+            return k
+        books.declined += 1
+        if books.declined < books.backoff:
+            self._skipped += 1
+            return 0
+        books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)  # a probe
+        return n
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step of decodes (each request's token and its drafts: `rows` in all) took `seconds`."""
@@ -123,6 +178,12 @@ class Speculator:
         """The request ended: drop everything held for it."""
         self._books.pop(request_id, None)
         self.proposer.forget(request_id)
+
+    def close(self) -> None:
+        """The engine is closing: the proposer lets go of what it holds (a draft model)."""
+        close = getattr(self.proposer, "close", None)
+        if close is not None:
+            close()
 
     @property
     def num_requests(self) -> int:

@@ -30,6 +30,8 @@ def test_the_json_shape_parses():
     ('{"method": "suffix", "suffix_decoding_max_cached_requests": -1}', "suffix_decoding_max_cached_requests"),
     ('{"method": "suffix", "suffix_decoding_max_spec_factor": 0}', "suffix_decoding_max_spec_factor"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "suffix_decoding_min_token_prob"),
+    ('{"method": "draft_model"}', "model"), ('{"method": "draft_model", "model": ""}', "model"),
+    ('{"method": "draft_model", "model": "d", "prompt_lookup_max": 3}', "prompt_lookup_max"),
 ])
 def test_bad_configs_are_refused_naming_the_field(value, field):
     with pytest.raises(ValueError, match=field):
@@ -125,3 +127,56 @@ def test_large_batches_do_not_speculate():
                             costs=FlatStepCosts())
     assert speculator.propose("r", [1, 2, 1], 4, 8) == []
     assert speculator.propose("r", [1, 2, 1], 4, 7) == [2, 1]
+
+
+class CountingDraftModel:
+    """A proposer whose every draft costs work (always_proposes): records what it was asked for."""
+
+    always_proposes = True
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def propose(self, request_id, token_ids, max_tokens):
+        self.asked.append(max_tokens)
+        return [token_ids[-1]] * max_tokens
+
+    def forget(self, request_id):
+        pass
+
+    num_requests = 0
+
+
+def test_a_proposer_whose_drafts_cost_work_is_asked_only_for_drafts_that_pay():
+    proposer = CountingDraftModel()
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
+    speculator = measured(Speculator(config, proposer), {1: 1.0, 2: 1.1, 3: 1.2, 4: 3.0, 5: 5.0})
+    for _ in range(3):
+        speculator.record("r", 4, 4)  # accepted every time
+    speculator.begin_step()
+    assert speculator.propose("r", [5, 6], 4, 1) == [6, 6]  # rows 4 and 5 cost more than they add
+    assert proposer.asked == [2]
+    never = measured(Speculator(config, proposer), {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
+    assert all(never.propose("s", [5, 6], 4, 1) == [] for _ in range(FIRST_BACKOFF_STEPS - 1))
+    assert proposer.asked == [2]  # declined steps run no draft forward
+    assert never.propose("s", [5, 6], 4, 1) == [6] * 4  # the probe asks for all of them
+
+
+class BatchedDraftModel(CountingDraftModel):
+    def propose_batch(self, asks):
+        self.asked.append([(rid, n) for rid, _, n in asks])
+        return {rid: [tokens[-1]] * n for rid, tokens, n in asks}
+
+
+def test_a_batched_proposer_drafts_once_per_step_for_every_request():
+    proposer = BatchedDraftModel()
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+    speculator = Speculator(config, proposer, FlatStepCosts())
+    assert speculator.batches
+    speculator.begin_step()
+    speculator.prepare_step([("a", [1, 2], 3), ("b", [4, 5], 2)], 2)
+    assert proposer.asked == [[("a", 3), ("b", 2)]]
+    assert speculator.propose("b", [4, 5], 1, 2) == [5]  # cut to the room the step has left
+    assert speculator.propose("a", [1, 2], 3, 2) == [2, 2, 2]
+    assert speculator.propose("c", [7], 3, 2) == []  # not among the step's candidates
+    assert proposer.asked == [[("a", 3), ("b", 2)]]

@@ -1,0 +1,172 @@
+"""Draft-model speculation through the whole engine: a draft equal to the target has its drafts
+accepted, a random draft leaves the greedy tokens as they are (prefix caching, chunked prefill,
+preemption, poison, abort), the draft's cache rolls back to the drafts the target kept and frees
+every block, and drafts that cannot serve the target are refused at start-up, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from blockserve import LLM, SamplingParams
+from blockserve.models.random_checkpoint import save_random_model
+from blockserve.spec_decode import speculator as speculator_module
+from blockserve.spec_decode.step_costs import FlatStepCosts
+from tests.engine.test_speculative_engine import NEW_TOKENS, prompts
+from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
+from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
+
+OPTIONS = dict(block_size=4, kv_cache_memory="4MiB", check_integrity=True, poison=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+DRAFT_SIZES = SIZES | dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, a smaller random draft of the same vocabulary), saved."""
+    target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
+    save_random_model(LlamaConfig(**SIZES), target)
+    save_random_model(LlamaConfig(**DRAFT_SIZES), draft, seed=5)
+    return str(target), str(draft)
+
+
+@pytest.fixture(autouse=True)
+def flat_step_costs(monkeypatch):
+    """Every draft is verified, whatever the machine's load."""
+    monkeypatch.setattr(speculator_module, "StepCosts", FlatStepCosts)
+
+
+def spec(model: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+def tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    assert proposer.num_requests == 0
+    assert proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
+    assert not proposer.runner.batch.requests
+    llm.engine.core.scheduler.assert_idle()
+
+
+def test_a_draft_equal_to_the_target_has_its_drafts_accepted(models):
+    target, _ = models
+    plain = tokens(LLM(target, **OPTIONS))
+    llm = LLM(target, speculative_config=spec(target), **OPTIONS)
+    assert tokens(llm) == plain
+    assert tokens(llm) == plain  # the target's prompts from its prefix cache, the draft's fed again
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 2 * len(prompts())
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("scenario", [{}, {"max_num_batched_tokens": 8}, SMALL_CACHE],
+                         ids=["prefix-caching", "chunked", "preemption"])
+def test_a_random_draft_keeps_the_greedy_tokens(models, scenario):
+    """The tokens of a run without the draft, the draft's forwards batched across a step's requests."""
+    target, draft = models
+    options = OPTIONS | scenario
+    plain = tokens(LLM(target, **options))
+    llm = LLM(target, speculative_config=spec(draft, 4), **options)
+    runner = llm.engine.core.scheduler.speculator.proposer.runner
+    execute, batch_sizes = runner.execute, []
+    runner.execute = lambda out: batch_sizes.append(len(out.num_scheduled_tokens)) or execute(out)
+    assert tokens(llm) == plain
+    assert max(batch_sizes) > 1  # the step's requests draft in one batch
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    if scenario is SMALL_CACHE:
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_nothing_held(llm)
+
+
+def test_an_aborted_request_gives_its_draft_blocks_back(models):
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), **OPTIONS)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts()[:3]):
+        engine.add_request(str(i), prompt, GREEDY)
+    for _ in range(4):
+        engine.step()
+    proposer = engine.core.scheduler.speculator.proposer
+    assert proposer.num_requests == 3 and max(proposer.kv.usage()) > 0
+    engine.abort_request(["1"])
+    assert proposer.num_requests == 2
+    got = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            got[output.request_id] = list(output.outputs[0].token_ids)  # cumulative
+    assert_nothing_held(llm)
+    plain = tokens(LLM(target, **OPTIONS))
+    assert got == {"0": plain[0], "2": plain[2]}
+
+
+def test_the_draft_cache_keeps_only_the_drafts_the_target_kept(models, monkeypatch):
+    """After a rejection the draft feeds only the tokens past the last draft the target kept, and
+    proposes what a draft fed the same tokens from scratch proposes."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), **OPTIONS)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    fed = []
+    execute = proposer.runner.execute
+    monkeypatch.setattr(proposer.runner, "execute", lambda out: fed.append(out.scheduled_token_ids) or execute(out))
+    prompt = prompts()[2]
+    first = proposer.propose("a", prompt, 3)
+    assert [ids["a"] for ids in fed if ids] == [prompt, first[:1], first[1:2]]
+    wrong = (first[1] + 1) % SIZES["vocab_size"]
+    # The target kept the first draft, emitted its own token, and two more in steps without drafts.
+    kept = prompt + [first[0], wrong, 7, 8]
+    fed.clear()
+    again = proposer.propose("a", kept, 3)
+    assert [ids["a"] for ids in fed if ids][0] == [wrong, 7, 8]
+    assert proposer.num_cached_tokens("a") == len(kept) + 2  # kept, and the drafts fed back but the last
+    assert proposer.propose("b", kept, 3) == again
+    proposer.forget("a")
+    proposer.forget("b")
+    assert_nothing_held(llm)
+
+
+def test_sampled_requests_are_reproducible_with_a_draft(models):
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), **OPTIONS)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW_TOKENS, seed=3, logprobs=1, ignore_eos=True)
+    first = llm.generate(prompts()[:2], params, use_tqdm=False)
+    again = llm.generate(prompts()[:2], params, use_tqdm=False)
+    for a, b in zip(first, again):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.outputs[0].token_ids) == len(a.outputs[0].logprobs) == NEW_TOKENS
+    assert llm.engine.stats().speculation.num_draft_tokens > 0
+
+
+def test_drafts_that_cannot_serve_the_target_are_refused(models, tmp_path, tiny_model):
+    target, _ = models
+    other_vocab = tmp_path / "vocab"
+    save_random_model(LlamaConfig(**DRAFT_SIZES | {"vocab_size": 256}), other_vocab)
+    short = tmp_path / "short"
+    save_random_model(LlamaConfig(**DRAFT_SIZES | {"max_position_embeddings": 32}), short)
+    hybrid, _ = tiny_model("qwen3_next")
+    for draft, message in [(other_vocab, "vocabulary has 256 tokens, the target's 512"),
+                           (tmp_path / "missing", "does not load"), (short, "holds 32 positions"),
+                           (hybrid, "recurrent-state layers")]:
+        with pytest.raises(ValueError, match=f"speculative_config.model.*{message}"):
+            LLM(target, speculative_config=spec(str(draft)), max_model_len=128, kv_cache_memory="4MiB")
+
+
+def test_a_full_draft_cache_takes_blocks_from_the_least_recent_proposer(models):
+    """The draft's cache holds as many tokens as the target's (here about 130): a third long request
+    takes the blocks of the one that proposed least recently, which re-feeds its tokens later."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), block_size=4, **SMALL_CACHE)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    long_prompts = {rid: [(7 * i + offset) % 500 for i in range(50)] for rid, offset in zip("abc", (1, 2, 3))}
+    proposed = {rid: proposer.propose(rid, prompt, 3) for rid, prompt in long_prompts.items()}
+    assert proposer.num_requests == 2 and proposer.num_cached_tokens("a") == 0
+    assert proposer.propose("a", long_prompts["a"], 3) == proposed["a"]  # fed again from scratch
+    assert proposer.num_cached_tokens("a") == 50 + 2 and proposer.num_cached_tokens("b") == 0
+    for rid in "abc":
+        proposer.forget(rid)
+    assert_nothing_held(llm)
