@@ -92,6 +92,11 @@ class KVCacheTensors:
         return b"".join(t.select(dim, block_id).contiguous().view(torch.uint8).cpu().numpy().tobytes()
                         for t in self.tensors[group_id])
 
+    def block_nbytes(self, group_id: int) -> int:
+        """The length of `block_bytes(group_id, ...)`."""
+        dim = self.block_dims[group_id]
+        return sum(t.select(dim, 0).numel() * t.element_size() for t in self.tensors[group_id])
+
     def load_blocks(self, group_id: int, loads) -> None:
         """Write each (block, payload) of `loads`: the inverse of `block_bytes`. A payload of the wrong
         size is a ValueError (the tier's key names the KV format, so it means a bug)."""

@@ -164,25 +164,33 @@ class SlowTier(HostMemoryTier):
         return super().write(key, payload)
 
 
-def test_a_full_queue_drops_saves_and_never_blocks():
+def test_the_queue_is_bounded_in_bytes_drops_what_does_not_fit_and_never_blocks():
     tier = SlowTier()
-    store = TieredKVStore([tier], b"model", queue_blocks=1)
+    store = TieredKVStore([tier], b"model", queue_bytes=3 * len(PAYLOAD))
     try:
         began = time.perf_counter()
-        for key in KEYS[:4]:
+        for key in KEYS[:4]:  # three fit (one the writer holds counts until written), the fourth is dropped
             assert store.claim(key)
-            if store.has_room():
-                store.submit(key, PAYLOAD)
-            else:
-                store.release(key)
+            store.submit(key, PAYLOAD)
+        assert store.claim(KEYS[4])
+        store.submit(KEYS[4], PAYLOAD * 2)  # larger than the room left: dropped on submit
+        for key in KEYS[5:7]:  # the runner's way: ask before copying the block out
+            assert store.claim(key)
+            assert not store.has_room(len(PAYLOAD))
+            store.release(key, len(PAYLOAD))
         assert time.perf_counter() - began < 1
-        assert store.stats().writes_dropped >= 2
+        stats = store.stats()
+        assert stats.queued_bytes == 3 * len(PAYLOAD) == stats.queue_bytes
+        assert stats.writes_dropped == 4 and stats.bytes_dropped == 5 * len(PAYLOAD)
         tier.gate.set()
         store.flush()
-        assert store.is_idle() and 1 <= tier.num_entries <= 2
+        assert store.is_idle() and tier.num_entries == 3 and store.stats().queued_bytes == 0
+        assert store.has_room(3 * len(PAYLOAD)) and not store.has_room(3 * len(PAYLOAD) + 1)
     finally:
         tier.gate.set()
         store.close()
+    with pytest.raises(ValueError, match="positive size"):
+        TieredKVStore([HostMemoryTier(10)], b"model", queue_bytes=0)
 
 
 def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -4,14 +4,14 @@
     num_held(keys)      how far a prefix goes    
     load(keys)          verified payloads  ──►  load orders (C2)
     claim(key)          a save order wanted? ─► save orders: copy the ─► submit ─► queue ─► tiers
-                                                block, never blocking        (bounded; full: skip)
+                                                block, never blocking      (bounded in bytes; full: skip)
 
 Entries are keyed by `entry_key(fingerprint, group, salted block hash)` (kv/tiers/entry.py). A load
 returns only payloads that passed their tier's check, in prefix order, stopping at the first block
 no tier holds intact: the KV manager grants exactly those, and the tokens past them are computed
-again. Writes run on one thread behind a bounded queue, so the step never waits for a disk; a
-full queue drops the write, and a full disk or a failing file system turns writes off (with one
-warning) while loads go on.
+again. Writes run on one thread behind a queue bounded by the bytes it holds, so the step never
+waits for a disk; a save that would overfill it is dropped (counted), and a full disk or a failing
+file system turns writes off (with one warning) while loads go on.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from blockserve.kv.tiers.entry import CorruptEntry, entry_key
 
 logger = logging.getLogger("blockserve")
 
-DEFAULT_QUEUE_BLOCKS = 256
+DEFAULT_QUEUE_BYTES = 256 << 20  # payloads waiting for the writer: 366 blocks of the bundled model
 
 
 class Tier(Protocol):
@@ -65,10 +65,14 @@ class TierStats:
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """The tiers in lookup order; saves the writer's full queue dropped; whether writes are on."""
+    """The tiers in lookup order; the saves (and their bytes) dropped because the writer's queue had
+    no room for them; the bytes queued now and the queue's bound; whether writes are on."""
 
     tiers: tuple[TierStats, ...]
     writes_dropped: int
+    bytes_dropped: int
+    queued_bytes: int
+    queue_bytes: int
     writing: bool
 
 
@@ -83,17 +87,21 @@ class _Counters:
 class TieredKVStore:
     """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format."""
 
-    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_blocks: int = DEFAULT_QUEUE_BLOCKS):
+    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_bytes: int = DEFAULT_QUEUE_BYTES):
         if not tiers:
             raise ValueError("a tiered KV store needs at least one tier")
+        if queue_bytes <= 0:
+            raise ValueError(f"the writer's queue needs a positive size, got {queue_bytes} bytes")
         self.tiers = tuple(tiers)
         self.fingerprint = fingerprint
         self._counters = [_Counters() for _ in self.tiers]
         self._lock = threading.Lock()
         self._in_flight: set[bytes] = set()  # claimed, not yet written or dropped
-        self._writes_dropped = 0
+        self._writes_dropped = self._bytes_dropped = 0
         self._writing = True
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self.queue_bytes = queue_bytes
+        self._queued_bytes = 0  # payloads submitted and not yet written (under _lock)
+        self._queue: queue.Queue = queue.Queue()  # bounded by _queued_bytes
         self._writer = threading.Thread(target=self._write_loop, name="blockserve-kv-writer", daemon=True)
         self._writer.start()
 
@@ -153,22 +161,29 @@ class TieredKVStore:
             self._in_flight.add(key)
         return True
 
-    def has_room(self) -> bool:
-        """Whether a save submitted now would be queued (checked before copying a block out)."""
-        return self._writing and not self._queue.full()
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a save of `nbytes` submitted now would be queued (checked before copying a block out)."""
+        return self._writing and self._queued_bytes + nbytes <= self.queue_bytes
 
     def submit(self, key: bytes, payload: bytes) -> None:
-        """Queue a claimed save; dropped, never waited for, when the queue is full."""
-        try:
+        """Queue a claimed save; dropped, never waited for, when the queue has no room for it."""
+        with self._lock:
+            if self._queued_bytes + len(payload) > self.queue_bytes:
+                fits = False
+            else:
+                fits = True
+                self._queued_bytes += len(payload)
+        if fits:
             self._queue.put_nowait((key, payload))
-        except queue.Full:
-            self.release(key)
+        else:
+            self.release(key, len(payload))
 
-    def release(self, key: bytes) -> None:
-        """Give up a claimed save without writing it."""
+    def release(self, key: bytes, nbytes: int = 0) -> None:
+        """Give up a claimed save (of `nbytes`, where known) without writing it."""
         with self._lock:
             self._in_flight.discard(key)
             self._writes_dropped += 1
+            self._bytes_dropped += nbytes
 
     def _write_loop(self) -> None:
         while True:
@@ -183,6 +198,7 @@ class TieredKVStore:
                 finally:
                     with self._lock:
                         self._in_flight.discard(key)
+                        self._queued_bytes -= len(payload)
             finally:
                 self._queue.task_done()
 
@@ -211,7 +227,8 @@ class TieredKVStore:
         tiers = tuple(TierStats(t.name, c.hits, c.load_failures, c.bytes_loaded, c.load_seconds, c.writes,
                                 c.bytes_written, t.num_entries, t.num_bytes)
                       for t, c in zip(self.tiers, self._counters))
-        return OffloadStats(tiers, self._writes_dropped, self._writing)
+        return OffloadStats(tiers, self._writes_dropped, self._bytes_dropped, self._queued_bytes, self.queue_bytes,
+                            self._writing)
 
     def flush(self) -> None:
         """Wait until every save queued so far is written (tests, benchmarks)."""
