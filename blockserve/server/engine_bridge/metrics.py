@@ -131,11 +131,18 @@ class _EngineStatsCollector(Collector):
             for tier in s.kv_offload.tiers:
                 metric.add_metric([self._model, tier.name], read(tier))
             yield metric
-        dropped = CounterMetricFamily("blockserve_kv_tier_writes_dropped",
-                                      "Blocks not saved to the second tier because its writer's queue was full.",
-                                      labels=["model_name"])
-        dropped.add_metric([self._model], s.kv_offload.writes_dropped)
-        yield dropped
+        offload = s.kv_offload
+        for name, doc, family, value in (
+            ("blockserve_kv_tier_writes_dropped", "Blocks not saved to the second tier because its writer's queue "
+             "had no room for them.", CounterMetricFamily, offload.writes_dropped),
+            ("blockserve_kv_tier_writes_dropped_bytes", "Bytes of the blocks not saved because the writer's queue had "
+             "no room for them.", CounterMetricFamily, offload.bytes_dropped),
+            ("blockserve_kv_tier_queue_bytes", "Bytes of blocks waiting for the second tier's writer.",
+             GaugeMetricFamily, offload.queued_bytes),
+        ):
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self._model], value)
+            yield metric
 
 
 class Metrics:
