@@ -48,7 +48,7 @@ def build_kv_offload(config: EngineConfig, kv_config: KVCacheConfig, model: torc
     if not config.kv_offload_enabled:
         return None
     if bad := unsupported_groups(kv_config):
-        raise ValueError("--kv-offload-dir / --kv-offload-memory serve full-attention, MLA and recurrent-state "
+        raise ValueError("--kv-offload-dir / --kv-offload-memory serve attention, MLA and recurrent-state "
                          f"groups only; this model also has {', '.join(bad)}: run it without them")
     queue_bytes = parse_bytes(config.kv_offload_queue, "kv_offload_queue")
     largest = max(g.spec.page_size_bytes * max(1, len(g.layer_names)) for g in kv_config.groups)

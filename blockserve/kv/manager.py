@@ -179,16 +179,16 @@ class KVCacheManager:
 
     def allocate_external_computed_blocks(self, request: KVRequest, num_new_tokens: int, computed: ComputedBlocks,
                                           num_external_tokens: int) -> int | None:
-        """Admit `request` with the hit `computed`, `num_external_tokens` tokens from the second tier and
-        room for `num_new_tokens` more, in every group, or None (nothing changed) when they do not fit.
+        """Admit `request` with the hit `computed`, up to `num_external_tokens` tokens from the second tier
+        and room for `num_new_tokens` more after those that load, in every group, or None (nothing
+        changed) when they may not fit.
 
         Returns the tokens loaded: the external ones up to the first block whose entry was missing or
-        failed its check; the request computes from there (the blocks cover that too)."""
+        failed its check; the request computes `num_new_tokens` from there."""
         if num_new_tokens <= 0 or num_external_tokens <= 0:
             raise ValueError(f"allocate_external_computed_blocks needs new and external tokens, got "
                              f"{num_new_tokens} and {num_external_tokens}")
-        loaded = self.external.allocate(request, computed, num_external_tokens,
-                                        computed.num_tokens + num_external_tokens + num_new_tokens)
+        loaded = self.external.allocate(request, computed, num_external_tokens, num_new_tokens)
         if loaded is not None and request.num_computed_tokens == 0:
             hit = computed.num_tokens + loaded
             self._requests += 1

@@ -172,11 +172,10 @@ class Scheduler:
             n = min(n, budget, cap)
             loaded = 0
             if external:
-                # Loads failing their check leave their tokens to compute (the blocks cover them).
+                # Loads failing their check leave their tokens to compute: n of them this step, the rest after.
                 loaded = self.kv.allocate_external_computed_blocks(request, n, hit, external)
                 if loaded is None:
                     break
-                n = min(len(request.token_ids) - hit.num_tokens - loaded, budget, cap)
             elif self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.pop()

@@ -35,15 +35,18 @@ def llama(tmp_path_factory):
     return str(path)
 
 
-def ask(llm: LLM, prompts, salt: str | None = None):
+def ask(llm: LLM, prompts, salt: str | None = None, params: SamplingParams = GREEDY):
     engine = llm.engine
     outputs = []
     for prompt in prompts:
-        engine.add_request(uuid.uuid4().hex, prompt, GREEDY, cache_salt=salt)
+        engine.add_request(uuid.uuid4().hex, prompt, params, cache_salt=salt)
         while engine.has_unfinished_requests():
             outputs.extend(o for o in engine.step() if o.finished)
         if engine.core.kv_offload is not None:
             engine.core.kv_offload.flush()  # saves are written off the step: let them land before the next turn
+    if params.logprobs is not None:  # with each sampled token's logprob
+        return [(o.outputs[0].token_ids, o.num_cached_tokens,
+                 [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outputs]
     return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outputs]
 
 
@@ -100,10 +103,39 @@ def test_bad_tier_settings_are_refused(llama, tmp_path):
                        (dict(kv_offload_dir="d", tensor_parallel_size=2), "tensor_parallel_size")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
+    with pytest.raises(ValueError, match="kv_offload_queue.*smaller than one block"):
+        LLM(llama, kv_offload_dir=str(tmp_path / "kv"), kv_offload_queue="1KiB", **ENGINE)
+    assert not writer_threads()
+
+
+def test_a_sliding_window_model_loads_only_its_window_and_answers_as_without_tiers(tmp_path):
+    """Gemma 2 alternates sliding-window (8 tokens) and global layers: a tier hit loads every global
+    block but only the window's blocks of the sliding layers (2 of 4 tokens), with the tokens and
+    logprobs of an engine without tiers, on and after a restart."""
     gemma = tmp_path / "gemma2"
     save_random_model(Gemma2Config(**SIZES, head_dim=16, sliding_window=8), gemma)
-    with pytest.raises(ValueError, match="full-attention, MLA and recurrent-state groups only.*SlidingWindowSpec"):
-        LLM(str(gemma), kv_offload_dir=str(tmp_path / "kv"), **ENGINE)
+    turns = [h + [7, 8, 9] for h in HISTORIES] + [h + [10, 11] for h in HISTORIES]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+
+    def same(answers, expected, cached):
+        for (tokens, got_cached, logprobs), (want, _, want_logprobs), c in zip(answers, expected, cached, strict=True):
+            assert tokens == want and got_cached == c
+            assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+
+    with LLM(str(gemma), **ENGINE) as plain:
+        expected = ask(plain, turns, params=params)
+        assert plain.engine.stats().prefix_cache_hits == 0
+    directory = str(tmp_path / "kv")
+    with LLM(str(gemma), kv_offload_dir=directory, **ENGINE) as llm:
+        same(ask(llm, turns, params=params), expected, [0, 0, 0, 140, 140, 140])
+        stats = llm.engine.stats()
+    # Per hit: 35 global blocks and the 2 sliding-window blocks before the run's end.
+    assert stats.kv_offload.tiers[0].hits == 3 * (35 + 2)
+    # Every block of both groups is saved: 37 full ones per history (148 tokens written), then each second
+    # turn's own block 35.
+    assert stats.kv_offload.tiers[0].entries == 2 * (3 * 37 + 3)
+    with LLM(str(gemma), kv_offload_dir=directory, **ENGINE) as restarted:
+        same(ask(restarted, turns[:3], params=params), expected[:3], [140, 140, 140])
 
 
 @pytest.mark.slow  # three engines on a hybrid: ~10 s

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec, MLASpec
+from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec, MLASpec, SlidingWindowSpec
 from blockserve.kv.block_pool import BlockPool
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.kv.specs import zero_new_blocks
@@ -40,6 +40,9 @@ LAYOUTS = {
                   MLASpec(block_size=8, kv_lora_rank=16, qk_rope_head_dim=4)), (True, False)),
     "mla+state": ((MLASpec(block_size=4, kv_lora_rank=16, qk_rope_head_dim=4),
                    LinearStateSpec(shapes=((4, 3), (2, 8, 8)), dtypes=("float32", "float32"))), (True, False)),
+    # A sliding window loads only the 2 blocks (of 4 tokens) its window of 6 reaches; runs end every 8 tokens.
+    "window+mla": ((SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, sliding_window=6),
+                    MLASpec(block_size=8, kv_lora_rank=16, qk_rope_head_dim=4)), (True, False)),
 }
 
 
@@ -177,7 +180,8 @@ def test_damaged_files_are_recomputed(tmp_path):
     first = _run_conversation(store)
     assert_same_answers(first, off)
     store.close()
-    files = sorted(os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names)
+    files = sorted(os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names
+                   if name.endswith(".kv"))
     assert len(files) == 2 * (40 // 4)  # one entry per full prompt block, per tenant
     for i, path in enumerate(files):
         if i % 3 == 0:

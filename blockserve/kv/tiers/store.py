@@ -117,6 +117,10 @@ class TieredKVStore:
                 return i
         return len(keys)
 
+    def holds(self, key: bytes) -> bool:
+        """Whether some tier holds `key` (not yet verified)."""
+        return any(tier.contains(key) for tier in self.tiers)
+
     def load(self, keys: Sequence[bytes]) -> list[bytearray]:
         """The verified payloads of `keys`, from the first, up to the first that no tier holds intact;
         an entry read from a later tier is copied into the earlier ones."""
