@@ -166,6 +166,15 @@ def test_two_engines_share_a_directory_and_a_tiny_cap_only_limits_hits(llama, tm
         assert ask(b, turns[:1]) == [(expected[0], 140)]  # a's entries, read by b
         assert ask(b, turns[1:]) == [(expected[1], 0)]
         assert ask(a, turns[1:]) == [(expected[1], 140)]  # and b's by a
+    # One cap for the directory, not one per engine: a history's 35 entries take 72 KiB, two would pass 100 KiB.
+    shared = dict(kv_offload_dir=str(tmp_path / "shared"), kv_offload_size="100KiB", **ENGINE)
+    with LLM(llama, **shared) as a, LLM(llama, **shared) as b:
+        assert ask(a, turns[:1]) == [(expected[0], 0)] and ask(b, turns[1:]) == [(expected[1], 0)]
+        held = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(tmp_path / "shared")
+                   for name in names if name.endswith(".kv"))
+        assert 72 * 1024 < held <= 100 * 1024
+        assert a.engine.stats().kv_offload.tiers[0].bytes_held == held  # every engine reports the directory
+        assert [tokens for tokens, _ in ask(a, turns)] == expected  # partly evicted: still the same answers
     with LLM(llama, kv_offload_dir=str(tmp_path / "small"), kv_offload_size="5KiB", **ENGINE) as small:
         answers = ask(small, turns + turns)
         tier = small.engine.stats().kv_offload.tiers[0]
