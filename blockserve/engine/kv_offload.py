@@ -51,7 +51,7 @@ def build_kv_offload(config: EngineConfig, kv_config: KVCacheConfig, model: torc
         raise ValueError("--kv-offload-dir / --kv-offload-memory serve attention, MLA and recurrent-state "
                          f"groups only; this model also has {', '.join(bad)}: run it without them")
     queue_bytes = parse_bytes(config.kv_offload_queue, "kv_offload_queue")
-    largest = max(g.spec.page_size_bytes * max(1, len(g.layer_names)) for g in kv_config.groups)
+    largest = max(g.bytes_per_block for g in kv_config.groups)
     if queue_bytes < largest:
         raise ValueError(f"kv_offload_queue ({config.kv_offload_queue}) is smaller than one block of this model's KV "
                          f"({largest} bytes), so nothing would ever be saved: give at least {largest} bytes")

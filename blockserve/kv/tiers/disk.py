@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from blockserve.kv.tiers.entry import HEADER_BYTES, CorruptEntry, check, encode
+from blockserve.kv.tiers.entry import HEADER_BYTES, CorruptEntry, check, header
 
 logger = logging.getLogger("blockserve")
 
@@ -170,24 +170,26 @@ class DiskTier:
     def write(self, key: bytes, payload: bytes) -> bool:
         """Store an entry (False if it is larger than the cap or the directory holds it already);
         TierFull when the disk is full, and OSError for other failures of the file system."""
-        data = encode(key, payload)
-        if len(data) > self.capacity_bytes:
+        head = header(key, payload)  # written before the payload: no copy of the payload joins them
+        size = len(head) + len(payload)
+        if size > self.capacity_bytes:
             return False
         path = self.path(key)
         with self._locked() as fd:
             if os.path.exists(path):
                 return False  # another engine wrote it
             usage = self._load_usage(fd)
-            if usage is None or usage[0] + len(data) > self.capacity_bytes:
-                room = max(len(data), self.capacity_bytes // SLACK_FRACTION)
+            if usage is None or usage[0] + size > self.capacity_bytes:
+                room = max(size, self.capacity_bytes // SLACK_FRACTION)
                 usage = self._evict_to(self.capacity_bytes - room)
             num_bytes, entries = usage
-            self._store_usage(fd, num_bytes + len(data), entries + 1)  # before the file: a crash counts high
+            self._store_usage(fd, num_bytes + size, entries + 1)  # before the file: a crash counts high
             os.makedirs(os.path.dirname(path), exist_ok=True)
             temporary = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
             try:
                 with open(temporary, "wb") as f:
-                    f.write(data)
+                    f.write(head)
+                    f.write(payload)
                 os.replace(temporary, path)
                 _touch(path)
             except OSError as e:

@@ -16,7 +16,9 @@ file system turns writes off (with one warning) while loads go on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,6 +31,7 @@ from blockserve.kv.tiers.entry import CorruptEntry, entry_key
 
 logger = logging.getLogger("blockserve")
 
+WRITER_NICENESS = 10  # added to the writer thread's nice value
 DEFAULT_QUEUE_BYTES = 256 << 20  # payloads waiting for the writer: 366 blocks of the bundled model
 
 
@@ -190,6 +193,7 @@ class TieredKVStore:
             self._bytes_dropped += nbytes
 
     def _write_loop(self) -> None:
+        _lower_priority()
         while True:
             item = self._queue.get()
             try:
@@ -248,3 +252,11 @@ class TieredKVStore:
         """No save claimed and still unwritten (C2: every claim is answered)."""
         with self._lock:
             return not self._in_flight
+
+
+def _lower_priority() -> None:
+    """Make the calling thread yield the CPU to the engine's (Linux: threads have their own nice value),
+    so that checksums and writes take idle time first when the cores are busy."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))
