@@ -134,8 +134,7 @@ class EngineConfig:
     kv_offload_dir: str | None = field(default=None, metadata={
         "help": "a directory for a disk tier behind the prefix cache: the KV of computed prompt blocks is written "
                 "there off the step and read back, checksummed, by later requests and after a restart (keyed "
-                "by the model's weights and KV format and the cache salt; engines may share it); full-attention "
-                "and MLA models"})
+                "by the model's weights and KV format and the cache salt; engines may share it, under one cap)"})
     kv_offload_size: str = field(default="16GiB", metadata={
         "help": "the disk tier's size cap, bytes with a unit; least recently used entries go first"})
     kv_offload_queue: str = field(default="256MiB", metadata={

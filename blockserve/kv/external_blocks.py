@@ -65,6 +65,8 @@ class ExternalBlocks:
         self.unit = config.checkpoint_stride
         self.block_sizes = [coordinator.managers[i].block_size for i in range(len(config.groups))]
         self.num_loaded_tokens = 0  # cumulative: prompt tokens whose KV a tier supplied
+        self._asked: dict[str, set[bytes]] = {}  # per waiting request, the keys its prefetches asked for
+        self.num_load_waits = 0  # cumulative: admissions put off a step while their blocks were read
 
     def _keys(self, request, group_id: int, start: int, end: int) -> list[bytes]:
         bs = self.block_sizes[group_id]
@@ -141,6 +143,32 @@ class ExternalBlocks:
             payloads.update((g, [p]) for g, p in zip(self.states, states))
         return end, payloads
 
+    def _run_keys(self, request, start: int, end: int) -> list[bytes]:
+        """The keys `_load` reads first for a run from `start` to `end`."""
+        keys = [k for g in self.full for k in self._keys(request, g, start, end)]
+        for g in self.windows:
+            keys += self._keys(request, g, self._window_start(g, start, end), end)
+        if self.states:
+            keys += self._state_keys(request, end)
+        return keys
+
+    def loads_ready(self, request, start: int, num_external: int) -> bool:
+        """Start reading what admitting `request` now would load, on the loader thread; whether it is all
+        read (then `allocate` reads no tier). Each key is asked for once per admission, so a read the
+        store dropped for room is done again by `allocate`, never waited for twice."""
+        keys = self._run_keys(request, start, start + num_external)
+        asked = self._asked.setdefault(request.request_id, set())
+        self.store.prefetch([k for k in keys if k not in asked])
+        asked.update(keys)
+        if self.store.reading(keys):
+            self.num_load_waits += 1
+            return False
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The request was admitted or left: its prefetches are no longer waited for."""
+        self._asked.pop(request_id, None)
+
     def _most_blocks(self, request_id: str, computed, num_external: int, num_new: int) -> list[int]:
         """Per group, the most free blocks `allocate` may take, however much of the run loads: a full group's
         need grows with the run, a window group's is its window (hit, loaded or revived) and the new tokens'."""
@@ -158,6 +186,7 @@ class ExternalBlocks:
         needed = self._most_blocks(rid, computed, num_external, num_new)
         if any(n > pool.num_free for n, pool in zip(needed, self.coordinator.pools)):
             return None
+        self.forget(rid)
         end, payloads = self._load(request, start, start + num_external)
         if end == start:
             if self.coordinator.allocate(rid, start, start + num_new, computed.blocks) is None:

@@ -166,6 +166,8 @@ class Scheduler:
             no_hit = _wants_prompt_logprobs(request)
             hit = self._no_hit if no_hit else self.kv.get_computed_blocks(request)
             external = 0 if no_hit else self.kv.num_external_tokens(request, hit)  # a second tier's (kv/tiers/)
+            if external and scheduled and not self.kv.external_loads_ready(request, hit, external):
+                break  # its blocks are read off this thread while the step runs the others; admitted once read
             n = len(request.token_ids) - hit.num_tokens - external
             if not self.config.enable_chunked_prefill and n > budget:
                 break

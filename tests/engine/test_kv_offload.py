@@ -51,7 +51,7 @@ def ask(llm: LLM, prompts, salt: str | None = None, params: SamplingParams = GRE
 
 
 def writer_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "blockserve-kv-writer"]
+    return [t for t in threading.enumerate() if t.name in ("blockserve-kv-writer", "blockserve-kv-loader")]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -77,6 +77,30 @@ def test_histories_beyond_the_device_pool_come_back_from_disk_and_after_a_restar
         again = ask(restarted, turns[:3])
     assert again == [(expected[i], 140) for i in range(3)]
     assert not [n for _, _, names in os.walk(directory) for n in names if n.endswith(".tmp")]
+
+
+def test_a_tier_hit_is_read_while_running_requests_decode(llama, tmp_path):
+    """A request arriving while another decodes waits while its blocks are read on the loader thread
+    (the decode goes on), then loads them: the same answers as alone, and as without tiers."""
+    other, history = [5, 6, 7, 8], HISTORIES[0] + [7, 8, 9]
+    long = SamplingParams(temperature=0, max_tokens=12)
+    with LLM(llama, **ENGINE) as plain:
+        expected = ask(plain, [history])[0][0], ask(plain, [other], params=long)[0][0]
+    directory = str(tmp_path / "kv")
+    with LLM(llama, kv_offload_dir=directory, **ENGINE) as llm:
+        ask(llm, [history])
+    with LLM(llama, kv_offload_dir=directory, **ENGINE) as restarted:
+        engine, outputs = restarted.engine, {}
+        engine.add_request("decoding", other, long)
+        engine.step()
+        engine.add_request("from disk", history, GREEDY)
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        external = engine.core.kv.external
+        assert external.num_load_waits >= 1 and not external._asked
+        assert restarted.engine.stats().kv_offload.tiers[0].hits == 35
+    assert (outputs["from disk"].outputs[0].token_ids, outputs["from disk"].num_cached_tokens) == (expected[0], 140)
+    assert outputs["decoding"].outputs[0].token_ids == expected[1]
 
 
 def test_another_model_or_salt_gets_no_hit(llama, tmp_path_factory, tmp_path):

@@ -228,6 +228,53 @@ def test_store_writes_through_its_thread_and_loads_a_verified_prefix(tmp_path):
     assert not store._writer.is_alive()
 
 
+class CountingTier(HostMemoryTier):
+    def __init__(self):
+        super().__init__(10**6)
+        self.reads = []  # (key, thread name)
+
+    def read(self, key):
+        self.reads.append((key, threading.current_thread().name))
+        return super().read(key)
+
+
+def test_prefetched_blocks_are_read_on_the_loader_thread_and_loaded_without_a_read():
+    tier = CountingTier()
+    for key in KEYS[:3]:
+        tier.write(key, PAYLOAD)
+    store = TieredKVStore([tier], b"model", queue_bytes=2 * len(PAYLOAD))
+    try:
+        store.prefetch(KEYS[:4])  # the fourth is held by no tier
+        deadline = time.monotonic() + 10
+        while store.reading(KEYS[:4]) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not store.reading(KEYS[:4])
+        assert {name for _, name in tier.reads} == {"blockserve-kv-loader"} and len(tier.reads) == 4
+        # Room for two payloads: the first read was dropped, so load reads it again (on this thread).
+        assert store.load(KEYS[:4]) == [PAYLOAD] * 3
+        assert tier.reads[4:] == [(KEYS[0], threading.current_thread().name)]
+        assert store.stats().tiers[0].hits == 4
+        store.prefetch(KEYS[:2])  # taken by the load: read again
+        store.close()  # joins the loader too
+        assert not store._loader.is_alive()
+    finally:
+        store.close()
+
+
+def test_without_a_loader_thread_a_prefetch_is_read_at_the_next_call():
+    tier = CountingTier()
+    tier.write(KEYS[0], PAYLOAD)
+    store = TieredKVStore([tier], b"model", loader_thread=False)
+    try:
+        store.prefetch(KEYS[:1])
+        assert store.reading(KEYS[:1]) and not tier.reads
+        store.prefetch([])
+        assert not store.reading(KEYS[:1]) and len(tier.reads) == 1
+        assert store.load(KEYS[:1]) == [PAYLOAD] and len(tier.reads) == 1
+    finally:
+        store.close()
+
+
 class SlowTier(HostMemoryTier):
     def __init__(self):
         super().__init__(10**6)

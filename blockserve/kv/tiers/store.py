@@ -1,7 +1,8 @@
 """The second tier of the prefix cache: host memory and/or disk behind the device pool.
 
     scheduler's thread                          worker                     writer thread
-    num_held(keys)      how far a prefix goes    
+    num_held(keys)      how far a prefix goes
+    prefetch(keys)      read them on the loader thread while the request waits; True once read
     load(keys)          verified payloads  ──►  load orders (C2)
     claim(key)          a save order wanted? ─► save orders: copy the ─► submit ─► queue ─► tiers
                                                 block, never blocking      (bounded in bytes; full: skip)
@@ -22,6 +23,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -90,7 +92,8 @@ class _Counters:
 class TieredKVStore:
     """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format."""
 
-    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_bytes: int = DEFAULT_QUEUE_BYTES):
+    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 loader_thread: bool = True):
         if not tiers:
             raise ValueError("a tiered KV store needs at least one tier")
         if queue_bytes <= 0:
@@ -107,6 +110,15 @@ class TieredKVStore:
         self._queue: queue.Queue = queue.Queue()  # bounded by _queued_bytes
         self._writer = threading.Thread(target=self._write_loop, name="blockserve-kv-writer", daemon=True)
         self._writer.start()
+        # Reads started by `prefetch` (under _lock): key -> verified payload, or None (no tier holds it intact).
+        self._fetched: OrderedDict[bytes, bytearray | None] = OrderedDict()
+        self._fetched_bytes = 0
+        self._fetching: set[bytes] = set()
+        self._fetch_queue: queue.Queue = queue.Queue()
+        self._loader = None  # without one, a prefetch is read at the next call (simulations: deterministic)
+        if loader_thread:
+            self._loader = threading.Thread(target=self._fetch_loop, name="blockserve-kv-loader", daemon=True)
+            self._loader.start()
 
     def key(self, group_id: int, block_hash: bytes) -> bytes:
         return entry_key(self.fingerprint, group_id, block_hash)
@@ -126,33 +138,82 @@ class TieredKVStore:
 
     def load(self, keys: Sequence[bytes]) -> list[bytearray]:
         """The verified payloads of `keys`, from the first, up to the first that no tier holds intact;
-        an entry read from a later tier is copied into the earlier ones."""
+        a prefetched key is taken from what its read left, the others are read now."""
         payloads = []
         for key in keys:
-            payload = None
-            for i, tier in enumerate(self.tiers):
-                began = time.perf_counter()
-                try:
-                    payload = tier.read(key)
-                except CorruptEntry as e:
-                    logger.warning("KV %s tier: entry %s failed its check (%s); recomputing it", tier.name,
-                                   key.hex()[:16], e)
-                    payload = None
-                    self._counters[i].load_failures += 1
-                    continue
-                if payload is None:
-                    continue
-                counters = self._counters[i]
-                counters.hits += 1
-                counters.bytes_loaded += len(payload)
-                counters.load_seconds += time.perf_counter() - began
-                for earlier in self.tiers[:i]:
-                    earlier.write(key, payload)
-                break
+            with self._lock:
+                fetched = key in self._fetched
+                if fetched:
+                    payload = self._fetched.pop(key)
+                    self._fetched_bytes -= len(payload) if payload is not None else 0
+            if not fetched:
+                payload = self._read(key)
             if payload is None:
                 break
             payloads.append(payload)
         return payloads
+
+    def _read(self, key: bytes) -> bytearray | None:
+        """The key's verified payload from the first tier holding it intact (copied into the tiers before
+        that one), None if none does."""
+        for i, tier in enumerate(self.tiers):
+            began = time.perf_counter()
+            try:
+                payload = tier.read(key)
+            except CorruptEntry as e:
+                logger.warning("KV %s tier: entry %s failed its check (%s); recomputing it", tier.name,
+                               key.hex()[:16], e)
+                with self._lock:
+                    self._counters[i].load_failures += 1
+                continue
+            if payload is None:
+                continue
+            with self._lock:
+                counters = self._counters[i]
+                counters.hits += 1
+                counters.bytes_loaded += len(payload)
+                counters.load_seconds += time.perf_counter() - began
+            for earlier in self.tiers[:i]:
+                earlier.write(key, payload)
+            return payload
+        return None
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Start reading and verifying `keys` on the loader thread (those not read or being read yet), so
+        that `load` takes them without touching a tier. What was read waits, bounded by the writer
+        queue's size (the least recently read dropped: `load` reads those again)."""
+        if self._loader is None:  # a simulation: what earlier calls asked for is read now
+            while not self._fetch_queue.empty():
+                self._fetch(self._fetch_queue.get_nowait())
+        with self._lock:
+            new = [k for k in dict.fromkeys(keys) if k not in self._fetched and k not in self._fetching]
+            self._fetching.update(new)
+        if new:
+            self._fetch_queue.put(new)
+
+    def reading(self, keys: Sequence[bytes]) -> bool:
+        """Whether a prefetch is still reading one of `keys`."""
+        with self._lock:
+            return any(k in self._fetching for k in keys)
+
+    def _fetch(self, keys: list[bytes]) -> None:
+        for key in keys:
+            try:
+                payload = self._read(key)
+            except Exception:  # noqa: BLE001 (an unexpected failure: `load` reads it again, and reports it)
+                logger.exception("KV offload: prefetching entry %s failed", key.hex()[:16])
+                payload = None
+            with self._lock:
+                self._fetching.discard(key)
+                self._fetched[key] = payload
+                self._fetched_bytes += len(payload) if payload is not None else 0
+                while self._fetched_bytes > self.queue_bytes:
+                    dropped = self._fetched.popitem(last=False)[1]
+                    self._fetched_bytes -= len(dropped) if dropped is not None else 0
+
+    def _fetch_loop(self) -> None:
+        while (keys := self._fetch_queue.get()) is not None:
+            self._fetch(keys)
 
     # -- saves ---------------------------------------------------------------------------------
 
@@ -243,10 +304,16 @@ class TieredKVStore:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop and join the writer. Idempotent."""
+        """Write what is queued, then stop and join the writer (and the loader). Idempotent."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        if self._loader is not None and self._loader.is_alive():
+            self._fetch_queue.put(None)
+            self._loader.join()
+        with self._lock:
+            self._fetched.clear()
+            self._fetched_bytes = 0
 
     def is_idle(self) -> bool:
         """No save claimed and still unwritten (C2: every claim is answered)."""
