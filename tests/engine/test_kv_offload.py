@@ -122,6 +122,7 @@ def test_bad_tier_settings_are_refused(llama, tmp_path):
         LLM(llama, kv_offload_dir=str(blocker / "kv"), **ENGINE)
     assert not writer_threads()
     for bad, match in ((dict(kv_offload_size="lots"), "kv_offload_size"),
+                       (dict(kv_offload_queue="0MiB"), "kv_offload_queue"),
                        (dict(kv_offload_memory="0GiB"), "kv_offload_memory"),
                        (dict(kv_offload_dir="d", enable_prefix_caching=False), "need prefix caching"),
                        (dict(kv_offload_dir="d", tensor_parallel_size=2), "tensor_parallel_size")):
