@@ -18,7 +18,8 @@ rejections are observed as they happen.
     blockserve_kv_tier_hits_total{tier} / _load_failures_total{tier}   counter, blocks read intact / failing their check
     blockserve_kv_tier_loaded_bytes_total{tier} / _load_seconds_total{tier} / _written_bytes_total{tier}  counter
     blockserve_kv_tier_bytes{tier} / _entries{tier}         gauge, what the tier holds
-    blockserve_kv_tier_writes_dropped_total                 counter, saves a full writer queue dropped
+    blockserve_kv_tier_writes_dropped_total / _writes_dropped_bytes_total  counter, saves the writer's queue had no room for
+    blockserve_kv_tier_queue_bytes                          gauge, bytes waiting for the writer
     blockserve_num_preemptions_total                        counter
     blockserve_prompt_tokens_total / _generation_tokens_total  counter
     blockserve_request_finished_total{finished_reason}      counter (stop, length; abort: the client left;
