@@ -123,6 +123,34 @@ def decode_itl(llm: LLM, prompts: list[list[int]], tokens: int) -> list[float]:
     return gaps
 
 
+def measure_itl(args, loaded, engine: dict) -> dict:
+    """Decode ITL of a batch of fresh prompts, tier off and with the writer saving them (a new directory
+    each time), in alternating rounds so that both see the same load on a shared machine."""
+    vocab = loaded.hf_config.vocab_size
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.document)] for _ in range(args.itl_batch)]
+    gaps, shares = {"tier off": [], "disk tier, writer saving the prompts": []}, {}
+    for _ in range(args.itl_rounds):
+        for name in gaps:
+            with tempfile.TemporaryDirectory() as directory:
+                extra = {"kv_offload_dir": directory} if name != "tier off" else {}
+                with LLM(loaded, **engine, **extra) as llm:
+                    share = CpuShare()
+                    with share:
+                        gaps[name] += decode_itl(llm, prompts, 64)
+                shares.setdefault(name, []).append(share.others)
+    return {name: {"itl_p50_ms": percentile(g, 50) * 1e3, "itl_p90_ms": percentile(g, 90) * 1e3,
+                   "gaps": len(g), "others_cpu_share": None if None in shares[name] else max(shares[name])}
+            for name, g in gaps.items()}
+
+
+def print_itl(itl: dict) -> None:
+    for name, value in itl.items():
+        others = "n/a" if value["others_cpu_share"] is None else f"up to {value['others_cpu_share']:.0%}"
+        print(f"decode ITL, {name}: p50 {value['itl_p50_ms']:.1f} ms, p90 {value['itl_p90_ms']:.1f} ms over "
+              f"{value['gaps']} gaps (others' CPU share {others})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=12)
@@ -133,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device-ratio", type=float, default=8.0,
                         help="all final histories / the device KV budget")
     parser.add_argument("--itl-batch", type=int, default=4)
+    parser.add_argument("--itl-rounds", type=int, default=3, help="alternating rounds of the ITL runs, off and on")
+    parser.add_argument("--itl-only", action="store_true", help="measure decode ITL only (no trace)")
     parser.add_argument("--model", choices=("bundled", "hybrid"), default="bundled",
                         help="bundled: SmolLM2-135M; hybrid: a tiny random Qwen3-Next (benchmarks.multiturn's), whose "
                              "state checkpoints go through the tier too")
@@ -184,6 +214,11 @@ def measure(args, env: dict, loaded) -> int:
         results["runs"][name] = {k: v for k, v in run.items() if k != "answers"}
         return run
 
+    if args.itl_only:
+        results["decode_itl"] = itl = measure_itl(args, loaded, small)
+        print_itl(itl)
+        write_json(args.json, results)
+        return 0
     after = make_trace(args.conversations, 0, args.message, vocab, seed=2)[1]()  # the next turn's, for every engine
     with tempfile.TemporaryDirectory() as directory:
         with LLM(loaded, **small) as llm:
@@ -203,17 +238,7 @@ def measure(args, env: dict, loaded) -> int:
         assert restarted["answers"] == cold["answers"] == warm["answers"], "the restart changed an answer"
         results["disk_tier_stats"] = dataclasses.asdict(tier_stats)
 
-        rng = random.Random(1)
-        itl_prompts = [[rng.randrange(100, vocab) for _ in range(args.document)] for _ in range(args.itl_batch)]
-        itl = {}
-        for name, extra in (("tier off", {}), ("disk tier, writer saving the prompts", {"kv_offload_dir": directory})):
-            with LLM(loaded, **small, **extra) as llm:
-                share = CpuShare()
-                with share:
-                    gaps = decode_itl(llm, itl_prompts, 64)
-                itl[name] = {"itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p90_ms": percentile(gaps, 90) * 1e3,
-                             "others_cpu_share": share.others}
-        results["decode_itl"] = itl
+    results["decode_itl"] = itl = measure_itl(args, loaded, small)
 
     print(f"\n{'run':44} {'prompt tok':>10} {'computed':>9} {'hit rate':>8} {'TTFT p50 ms':>12} {'p90 ms':>8} "
           f"{'others CPU':>10}")
@@ -234,11 +259,10 @@ def measure(args, env: dict, loaded) -> int:
             runs["next turn: restarted, cold"]["ttft_p50_ms"] / runs["next turn: restarted, disk-warm"]["ttft_p50_ms"],
         "decode ITL p50, writer saving / tier off":
             itl["disk tier, writer saving the prompts"]["itl_p50_ms"] / itl["tier off"]["itl_p50_ms"],
+        "decode ITL p90, writer saving / tier off":
+            itl["disk tier, writer saving the prompts"]["itl_p90_ms"] / itl["tier off"]["itl_p90_ms"],
     }
-    for name, value in itl.items():
-        others = "n/a" if value["others_cpu_share"] is None else f"{value['others_cpu_share']:.0%}"
-        print(f"decode ITL, {name}: p50 {value['itl_p50_ms']:.1f} ms, p90 {value['itl_p90_ms']:.1f} ms "
-              f"(others' CPU share {others})")
+    print_itl(itl)
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     results["ratios"] = ratios

@@ -134,10 +134,12 @@ class EngineConfig:
     kv_offload_dir: str | None = field(default=None, metadata={
         "help": "a directory for a disk tier behind the prefix cache: the KV of computed prompt blocks is written "
                 "there off the step and read back, checksummed, by later requests and after a restart (keyed "
-                "by the model's weights and KV format and the cache salt; engines may share it); full-attention "
-                "and MLA models"})
+                "by the model's weights and KV format and the cache salt; engines may share it, under one cap)"})
     kv_offload_size: str = field(default="16GiB", metadata={
         "help": "the disk tier's size cap, bytes with a unit; least recently used entries go first"})
+    kv_offload_queue: str = field(default="256MiB", metadata={
+        "help": "bytes of blocks waiting for the second tier's writer thread; a block that would overfill it is "
+                "not saved (counted in blockserve_kv_tier_writes_dropped_total), the step never waits"})
     kv_offload_memory: str | None = field(default=None, metadata={
         "help": "a host-memory tier of this size (bytes with a unit) in front of the disk tier, or alone (pays "
                 "under a CUDA device pool); least recently used entries go first"})
@@ -271,6 +273,7 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling runs on one device: it cannot be combined with tensor_parallel_size > 1")
         parse_bytes(self.kv_offload_size, "kv_offload_size")
+        parse_bytes(self.kv_offload_queue, "kv_offload_queue")
         if self.kv_offload_memory is not None:
             parse_bytes(self.kv_offload_memory, "kv_offload_memory")
         if self.kv_offload_enabled and not self.enable_prefix_caching:

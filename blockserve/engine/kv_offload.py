@@ -48,11 +48,16 @@ def build_kv_offload(config: EngineConfig, kv_config: KVCacheConfig, model: torc
     if not config.kv_offload_enabled:
         return None
     if bad := unsupported_groups(kv_config):
-        raise ValueError("--kv-offload-dir / --kv-offload-memory serve full-attention, MLA and recurrent-state "
+        raise ValueError("--kv-offload-dir / --kv-offload-memory serve attention, MLA and recurrent-state "
                          f"groups only; this model also has {', '.join(bad)}: run it without them")
+    queue_bytes = parse_bytes(config.kv_offload_queue, "kv_offload_queue")
+    largest = max(g.bytes_per_block for g in kv_config.groups)
+    if queue_bytes < largest:
+        raise ValueError(f"kv_offload_queue ({config.kv_offload_queue}) is smaller than one block of this model's KV "
+                         f"({largest} bytes), so nothing would ever be saved: give at least {largest} bytes")
     tiers = []
     if config.kv_offload_memory is not None:
         tiers.append(HostMemoryTier(parse_bytes(config.kv_offload_memory, "kv_offload_memory")))
     if config.kv_offload_dir is not None:
         tiers.append(DiskTier(config.kv_offload_dir, parse_bytes(config.kv_offload_size, "kv_offload_size")))
-    return TieredKVStore(tiers, model_fingerprint(model, config, kv_config, dtype))
+    return TieredKVStore(tiers, model_fingerprint(model, config, kv_config, dtype), queue_bytes)

@@ -106,15 +106,22 @@ class KVCacheCoordinator:
                                                                       min(r for _, r in limits))
         return new_ids
 
-    def allocate_loaded(self, request_id: str, computed: Sequence[Sequence], num_tokens: int) -> list[list[Block]]:
+    def allocate_loaded(self, request_id: str, computed: Sequence[Sequence], num_tokens: int,
+                        firsts: dict[int, int]) -> list[list[Block]]:
         """Take the hit `computed`, then blocks up to `num_tokens` tokens (whole blocks) that loads from
         the second tier fill: no zero order, since the load writes every slot before a kernel reads
-        any (C1); cached only by `cache_blocks` after the step (C4). The caller checked they fit."""
+        any (C1); cached only by `cache_blocks` after the step (C4). In a group of `firsts` (sliding
+        windows) the table entries before block `firsts[group]` are the null block. The caller
+        checked they fit."""
         loaded = []
-        for manager, hit in zip(self.managers, computed):
+        for group_id, (manager, hit) in enumerate(zip(self.managers, computed)):
             if hit:
                 manager.add_computed_blocks(request_id, hit)
             blocks = manager.req_blocks.setdefault(request_id, [])
+            first = firsts.get(group_id, 0)
+            if first > len(blocks):  # out of the window: never read, never cached
+                blocks.extend([manager.pool.null_block] * (first - len(blocks)))
+                manager.num_cached[request_id] = first
             new = manager.pool.get_new_blocks(max(0, manager.table_len(num_tokens) - len(blocks)), zero=False)
             blocks.extend(new)
             loaded.append(new)

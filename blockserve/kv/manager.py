@@ -177,18 +177,23 @@ class KVCacheManager:
             return 0
         return self.external.num_external_tokens(request, computed.num_tokens)
 
+    def external_loads_ready(self, request: KVRequest, computed: ComputedBlocks, num_external_tokens: int) -> bool:
+        """Start reading the `num_external_tokens` tokens past the hit `computed` off the scheduler's thread;
+        whether they are read, so that `allocate_external_computed_blocks` would not wait for a tier."""
+        return self.external.loads_ready(request, computed.num_tokens, num_external_tokens)
+
     def allocate_external_computed_blocks(self, request: KVRequest, num_new_tokens: int, computed: ComputedBlocks,
                                           num_external_tokens: int) -> int | None:
-        """Admit `request` with the hit `computed`, `num_external_tokens` tokens from the second tier and
-        room for `num_new_tokens` more, in every group, or None (nothing changed) when they do not fit.
+        """Admit `request` with the hit `computed`, up to `num_external_tokens` tokens from the second tier
+        and room for `num_new_tokens` more after those that load, in every group, or None (nothing
+        changed) when they may not fit.
 
         Returns the tokens loaded: the external ones up to the first block whose entry was missing or
-        failed its check; the request computes from there (the blocks cover that too)."""
+        failed its check; the request computes `num_new_tokens` from there."""
         if num_new_tokens <= 0 or num_external_tokens <= 0:
             raise ValueError(f"allocate_external_computed_blocks needs new and external tokens, got "
                              f"{num_new_tokens} and {num_external_tokens}")
-        loaded = self.external.allocate(request, computed, num_external_tokens,
-                                        computed.num_tokens + num_external_tokens + num_new_tokens)
+        loaded = self.external.allocate(request, computed, num_external_tokens, num_new_tokens)
         if loaded is not None and request.num_computed_tokens == 0:
             hit = computed.num_tokens + loaded
             self._requests += 1
@@ -244,6 +249,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release every block and state slot the request holds. Idempotent."""
         self._plans.pop(request_id, None)
+        if self.external is not None:
+            self.external.forget(request_id)
         self.coordinator.free(request_id)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
@@ -341,3 +348,4 @@ class KVCacheManager:
         if self.external is not None:
             self.external.store.flush()
             assert self.external.store.is_idle(), "a save order was claimed but never submitted or released"
+            assert not self.external._asked, f"prefetches still waited for: {list(self.external._asked)}"

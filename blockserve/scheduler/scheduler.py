@@ -171,17 +171,18 @@ class Scheduler:
             no_hit = _wants_prompt_logprobs(request)
             hit = self._no_hit if no_hit else self.kv.get_computed_blocks(request)
             external = 0 if no_hit else self.kv.num_external_tokens(request, hit)  # a second tier's (kv/tiers/)
+            if external and scheduled and not self.kv.external_loads_ready(request, hit, external):
+                break  # its blocks are read off this thread while the step runs the others; admitted once read
             n = len(request.token_ids) - hit.num_tokens - external
             if not self.config.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget, cap)
             loaded = 0
             if external:
-                # Loads failing their check leave their tokens to compute (the blocks cover them).
+                # Loads failing their check leave their tokens to compute: n of them this step, the rest after.
                 loaded = self.kv.allocate_external_computed_blocks(request, n, hit, external)
                 if loaded is None:
                     break
-                n = min(len(request.token_ids) - hit.num_tokens - loaded, budget, cap)
             elif self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.pop()

@@ -36,6 +36,7 @@ class StreamResult:
     state_restores: int = 0  # checkpoint copies into running slots
     state_captures: int = 0
     tier_hits: int = 0  # prompt tokens a second tier supplied
+    tier_waits: int = 0  # admissions put off a step while their tier blocks were read
     draft_tokens: int = 0  # speculative decoding: drafts proposed, and rejected
     rejected_drafts: int = 0
 
@@ -112,6 +113,7 @@ def run_stream(
     result.state_restores = runner.num_restores
     result.state_captures = runner.num_captures
     result.tier_hits = scheduler.kv.prefix_cache_stats().tier_hits
+    result.tier_waits = 0 if scheduler.kv.external is None else scheduler.kv.external.num_load_waits
     if scheduler.speculator is not None:
         result.draft_tokens = scheduler.speculator.stats().num_draft_tokens
         result.rejected_drafts = runner.num_rejected

@@ -145,10 +145,11 @@ class ShadowRunner:
         # Saves, poison, restores, loads, then zero orders, all before the forward pass that may read them.
         for group_id, orders in out.blocks_to_save.items():
             for block_id, key in orders:
-                if self.offload.has_room():
-                    self.offload.submit(key, repr(self.slots[group_id][block_id]).encode())
+                payload = repr(self.slots[group_id][block_id]).encode()
+                if self.offload.has_room(len(payload)):
+                    self.offload.submit(key, payload)
                 else:
-                    self.offload.release(key)
+                    self.offload.release(key, len(payload))
         for group_id, block_ids in out.blocks_to_poison.items():
             for block_id in block_ids:
                 self.slots[group_id][block_id] = [POISON] * len(self.slots[group_id][block_id])

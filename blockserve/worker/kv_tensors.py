@@ -86,11 +86,23 @@ class KVCacheTensors:
         for tensor in self.tensors[group_id]:
             tensor[:, dst] = tensor[:, src]
 
-    def block_bytes(self, group_id: int, block_id: int) -> bytes:
-        """The block's content in every layer of the group, as bytes (a second tier's payload)."""
+    def block_bytes(self, group_id: int, block_id: int) -> memoryview:
+        """The block's content in every layer of the group, copied once into host memory (a second
+        tier's payload, bytes-like)."""
         dim = self.block_dims[group_id]
-        return b"".join(t.select(dim, block_id).contiguous().view(torch.uint8).cpu().numpy().tobytes()
-                        for t in self.tensors[group_id])
+        out = torch.empty(self.block_nbytes(group_id), dtype=torch.uint8)
+        offset = 0
+        for tensor in self.tensors[group_id]:
+            src = tensor.select(dim, block_id)
+            size = src.numel() * src.element_size()
+            out[offset : offset + size].view(src.dtype).view(src.shape).copy_(src)
+            offset += size
+        return memoryview(out.numpy())
+
+    def block_nbytes(self, group_id: int) -> int:
+        """The length of `block_bytes(group_id, ...)`."""
+        dim = self.block_dims[group_id]
+        return sum(t.select(dim, 0).numel() * t.element_size() for t in self.tensors[group_id])
 
     def load_blocks(self, group_id: int, loads) -> None:
         """Write each (block, payload) of `loads`: the inverse of `block_bytes`. A payload of the wrong

@@ -156,7 +156,7 @@ class ModelRunner:
         return self.last
 
     def _save_blocks(self, saves: dict[int, list[tuple[int, bytes]]]) -> None:
-        """Copy each block out to the writer's queue; one the full queue cannot take is dropped
+        """Copy each block out to the writer's queue; one the queue has no room for is dropped
         (the step never waits for the writer)."""
         store = self.offload
         if store is None:
@@ -164,13 +164,14 @@ class ModelRunner:
         orders = [(group_id, block_id, key) for group_id, group in saves.items() for block_id, key in group]
         for i, (group_id, block_id, key) in enumerate(orders):
             try:
-                payload = self.kv.block_bytes(group_id, block_id) if store.has_room() else None
+                nbytes = self.kv.block_nbytes(group_id)
+                payload = self.kv.block_bytes(group_id, block_id) if store.has_room(nbytes) else None
             except BaseException:
                 for _, _, unanswered in orders[i:]:  # every claim is answered, even by a failed step
                     store.release(unanswered)
                 raise
             if payload is None:
-                store.release(key)
+                store.release(key, nbytes)
             else:
                 store.submit(key, payload)
 

@@ -22,7 +22,8 @@ ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory
                 "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",
                 "--distributed-startup-timeout-s", "--device", "--dtype", "--gpu-memory-utilization",
                 "--quantized-activations", "--quantized-max-rows", "--enforce-eager", "--cuda-graph-sizes",
-                "--async-scheduling", "--kv-offload-dir", "--kv-offload-size", "--kv-offload-memory", "--speculative-config",
+                "--async-scheduling", "--kv-offload-dir", "--kv-offload-size", "--kv-offload-queue", "--kv-offload-memory",
+                "--speculative-config",
                 "--json-max-integer-digits", "--json-max-fraction-digits", "--json-max-whitespace"}
 SERVER_FLAGS = {"--host", "--port", "--api-key", "--prefix-cache-isolation", "--served-model-name",
                 "--max-waiting-requests", "--max-waiting-tokens", "--shutdown-timeout",

@@ -35,20 +35,23 @@ def llama(tmp_path_factory):
     return str(path)
 
 
-def ask(llm: LLM, prompts, salt: str | None = None):
+def ask(llm: LLM, prompts, salt: str | None = None, params: SamplingParams = GREEDY):
     engine = llm.engine
     outputs = []
     for prompt in prompts:
-        engine.add_request(uuid.uuid4().hex, prompt, GREEDY, cache_salt=salt)
+        engine.add_request(uuid.uuid4().hex, prompt, params, cache_salt=salt)
         while engine.has_unfinished_requests():
             outputs.extend(o for o in engine.step() if o.finished)
         if engine.core.kv_offload is not None:
             engine.core.kv_offload.flush()  # saves are written off the step: let them land before the next turn
+    if params.logprobs is not None:  # with each sampled token's logprob
+        return [(o.outputs[0].token_ids, o.num_cached_tokens,
+                 [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]) for o in outputs]
     return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outputs]
 
 
 def writer_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "blockserve-kv-writer"]
+    return [t for t in threading.enumerate() if t.name in ("blockserve-kv-writer", "blockserve-kv-loader")]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -76,6 +79,30 @@ def test_histories_beyond_the_device_pool_come_back_from_disk_and_after_a_restar
     assert not [n for _, _, names in os.walk(directory) for n in names if n.endswith(".tmp")]
 
 
+def test_a_tier_hit_is_read_while_running_requests_decode(llama, tmp_path):
+    """A request arriving while another decodes waits while its blocks are read on the loader thread
+    (the decode goes on), then loads them: the same answers as alone, and as without tiers."""
+    other, history = [5, 6, 7, 8], HISTORIES[0] + [7, 8, 9]
+    long = SamplingParams(temperature=0, max_tokens=12)
+    with LLM(llama, **ENGINE) as plain:
+        expected = ask(plain, [history])[0][0], ask(plain, [other], params=long)[0][0]
+    directory = str(tmp_path / "kv")
+    with LLM(llama, kv_offload_dir=directory, **ENGINE) as llm:
+        ask(llm, [history])
+    with LLM(llama, kv_offload_dir=directory, **ENGINE) as restarted:
+        engine, outputs = restarted.engine, {}
+        engine.add_request("decoding", other, long)
+        engine.step()
+        engine.add_request("from disk", history, GREEDY)
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        external = engine.core.kv.external
+        assert external.num_load_waits >= 1 and not external._asked
+        assert restarted.engine.stats().kv_offload.tiers[0].hits == 35
+    assert (outputs["from disk"].outputs[0].token_ids, outputs["from disk"].num_cached_tokens) == (expected[0], 140)
+    assert outputs["decoding"].outputs[0].token_ids == expected[1]
+
+
 def test_another_model_or_salt_gets_no_hit(llama, tmp_path_factory, tmp_path):
     directory = str(tmp_path / "kv")
     with LLM(llama, kv_offload_dir=directory, **ENGINE) as llm:
@@ -95,15 +122,45 @@ def test_bad_tier_settings_are_refused(llama, tmp_path):
         LLM(llama, kv_offload_dir=str(blocker / "kv"), **ENGINE)
     assert not writer_threads()
     for bad, match in ((dict(kv_offload_size="lots"), "kv_offload_size"),
+                       (dict(kv_offload_queue="0MiB"), "kv_offload_queue"),
                        (dict(kv_offload_memory="0GiB"), "kv_offload_memory"),
                        (dict(kv_offload_dir="d", enable_prefix_caching=False), "need prefix caching"),
                        (dict(kv_offload_dir="d", tensor_parallel_size=2), "tensor_parallel_size")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
+    with pytest.raises(ValueError, match="kv_offload_queue.*smaller than one block"):
+        LLM(llama, kv_offload_dir=str(tmp_path / "kv"), kv_offload_queue="1KiB", **ENGINE)
+    assert not writer_threads()
+
+
+def test_a_sliding_window_model_loads_only_its_window_and_answers_as_without_tiers(tmp_path):
+    """Gemma 2 alternates sliding-window (8 tokens) and global layers: a tier hit loads every global
+    block but only the window's blocks of the sliding layers (2 of 4 tokens), with the tokens and
+    logprobs of an engine without tiers, on and after a restart."""
     gemma = tmp_path / "gemma2"
     save_random_model(Gemma2Config(**SIZES, head_dim=16, sliding_window=8), gemma)
-    with pytest.raises(ValueError, match="full-attention, MLA and recurrent-state groups only.*SlidingWindowSpec"):
-        LLM(str(gemma), kv_offload_dir=str(tmp_path / "kv"), **ENGINE)
+    turns = [h + [7, 8, 9] for h in HISTORIES] + [h + [10, 11] for h in HISTORIES]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+
+    def same(answers, expected, cached):
+        for (tokens, got_cached, logprobs), (want, _, want_logprobs), c in zip(answers, expected, cached, strict=True):
+            assert tokens == want and got_cached == c
+            assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+
+    with LLM(str(gemma), **ENGINE) as plain:
+        expected = ask(plain, turns, params=params)
+        assert plain.engine.stats().prefix_cache_hits == 0
+    directory = str(tmp_path / "kv")
+    with LLM(str(gemma), kv_offload_dir=directory, **ENGINE) as llm:
+        same(ask(llm, turns, params=params), expected, [0, 0, 0, 140, 140, 140])
+        stats = llm.engine.stats()
+    # Per hit: 35 global blocks and the 2 sliding-window blocks before the run's end.
+    assert stats.kv_offload.tiers[0].hits == 3 * (35 + 2)
+    # Every block of both groups is saved: 37 full ones per history (148 tokens written), then each second
+    # turn's own block 35.
+    assert stats.kv_offload.tiers[0].entries == 2 * (3 * 37 + 3)
+    with LLM(str(gemma), kv_offload_dir=directory, **ENGINE) as restarted:
+        same(ask(restarted, turns[:3], params=params), expected[:3], [140, 140, 140])
 
 
 @pytest.mark.slow  # three engines on a hybrid: ~10 s
@@ -134,6 +191,15 @@ def test_two_engines_share_a_directory_and_a_tiny_cap_only_limits_hits(llama, tm
         assert ask(b, turns[:1]) == [(expected[0], 140)]  # a's entries, read by b
         assert ask(b, turns[1:]) == [(expected[1], 0)]
         assert ask(a, turns[1:]) == [(expected[1], 140)]  # and b's by a
+    # One cap for the directory, not one per engine: a history's 35 entries take 72 KiB, two would pass 100 KiB.
+    shared = dict(kv_offload_dir=str(tmp_path / "shared"), kv_offload_size="100KiB", **ENGINE)
+    with LLM(llama, **shared) as a, LLM(llama, **shared) as b:
+        assert ask(a, turns[:1]) == [(expected[0], 0)] and ask(b, turns[1:]) == [(expected[1], 0)]
+        held = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(tmp_path / "shared")
+                   for name in names if name.endswith(".kv"))
+        assert 72 * 1024 < held <= 100 * 1024
+        assert a.engine.stats().kv_offload.tiers[0].bytes_held == held  # every engine reports the directory
+        assert [tokens for tokens, _ in ask(a, turns)] == expected  # partly evicted: still the same answers
     with LLM(llama, kv_offload_dir=str(tmp_path / "small"), kv_offload_size="5KiB", **ENGINE) as small:
         answers = ask(small, turns + turns)
         tier = small.engine.stats().kv_offload.tiers[0]

@@ -38,5 +38,7 @@ def test_a_restarted_server_answers_from_its_disk_tier(tmp_path):
         assert status == 200
         hits = re.search(r'blockserve_kv_tier_hits_total\{model_name="[^"]*",tier="disk"\} (\S+)', metrics)
         assert hits and float(hits.group(1)) == cached // 16
+        assert re.search(r"blockserve_kv_tier_writes_dropped_bytes_total\{[^}]*\} 0", metrics)
+        assert re.search(r"blockserve_kv_tier_queue_bytes\{[^}]*\} ", metrics)
         tier_tokens = re.search(r"blockserve_prefix_cache_tier_hits_total\{[^}]*\} (\S+)", metrics)
         assert tier_tokens and float(tier_tokens.group(1)) == cached

@@ -2,8 +2,9 @@
 and KV manager with a tier behind a small device pool, run twice on the same tier (the second run a
 restart: cold device pool, warm tier).
 
-Every loaded block is checked like a computed one: it must hold exactly its prefix's content, cache
-salt included (the shadow tags start from the salt), and a running state slot loaded from a tier's
+Prefetches complete at the next step (no loader thread: deterministic), so a request with a tier
+hit waits a step while others run, then loads what was read. Every loaded block is checked like a
+computed one: it must hold exactly its prefix's content, cache salt included (the shadow tags start from the salt), and a running state slot loaded from a tier's
 checkpoint must hold the state of exactly the prefix the request resumes after. Entries go missing
 or fail their check at random (a tier that lies about what it holds), and on disk files are
 truncated, altered and removed between the runs; every stream must still answer as with prefix caching off, with
@@ -21,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec, MLASpec
+from blockserve.kv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec, MLASpec, SlidingWindowSpec
 from blockserve.kv.block_pool import BlockPool
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.kv.specs import zero_new_blocks
@@ -40,6 +41,9 @@ LAYOUTS = {
                   MLASpec(block_size=8, kv_lora_rank=16, qk_rope_head_dim=4)), (True, False)),
     "mla+state": ((MLASpec(block_size=4, kv_lora_rank=16, qk_rope_head_dim=4),
                    LinearStateSpec(shapes=((4, 3), (2, 8, 8)), dtypes=("float32", "float32"))), (True, False)),
+    # A sliding window loads only the 2 blocks (of 4 tokens) its window of 6 reaches; runs end every 8 tokens.
+    "window+mla": ((SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, sliding_window=6),
+                    MLASpec(block_size=8, kv_lora_rank=16, qk_rope_head_dim=4)), (True, False)),
 }
 
 
@@ -108,14 +112,15 @@ def assert_same_answers(run_a, run_b):
 @pytest.fixture
 def occurred():
     """Over a whole fuzz run: the restarts served tier hits often enough for "on == off" to mean
-    something, and planted faults were met. Measured over 40 examples, 5 seeds x 3 layouts: tier
-    hits in 37-90% of the examples, planted faults met in 40-70%; the draw is derandomized, so
-    a run that meets them always does."""
+    something, planted faults were met, and admissions waited a step for their reads. Measured over
+    40 examples, 5 seeds x 3 layouts: tier hits in 37-90% of the examples, planted faults met in
+    40-70%, waits in 40-72%; the draw is derandomized, so a run that meets them always does."""
     tally = Counter()
     yield tally
     if tally["examples"] >= 30:
         assert tally["tier_hits"] / tally["examples"] > 0.25, tally
         assert tally["faults"] / tally["examples"] > 0.2, tally
+        assert tally["waits"] / tally["examples"] > 0.25, tally  # admissions that waited for their reads
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -139,7 +144,7 @@ def test_tiers_never_change_the_answer(occurred, layout, specs, num_blocks, poli
         tier = (HostMemoryTier(capacity_entries * 170) if medium == "memory"
                 else DiskTier(directory, capacity_entries * 250))
         lying = LyingTier(tier, seed, FAULT_PERCENT)
-        store = TieredKVStore([lying], b"fingerprint")
+        store = TieredKVStore([lying], b"fingerprint", loader_thread=False)
         try:
             first = run(layout, specs, num_blocks, policy, budget, chunk, store)
             restarted = run(layout, specs, num_blocks, policy, budget, chunk, store)
@@ -149,6 +154,7 @@ def test_tiers_never_change_the_answer(occurred, layout, specs, num_blocks, poli
     assert_same_answers(restarted, off)
     occurred["examples"] += 1
     occurred["tier_hits"] += restarted.tier_hits > 0
+    occurred["waits"] += first.tier_waits + restarted.tier_waits > 0
     occurred["faults"] += lying.num_faults > 0
 
 
@@ -173,11 +179,12 @@ def _run_conversation(store, salts=("a", "b", "a", "b"), num_blocks: int = 14):
 
 def test_damaged_files_are_recomputed(tmp_path):
     off = _run_conversation(None)
-    store = TieredKVStore([DiskTier(str(tmp_path), 10**6)], b"fingerprint")
+    store = TieredKVStore([DiskTier(str(tmp_path), 10**6)], b"fingerprint", loader_thread=False)
     first = _run_conversation(store)
     assert_same_answers(first, off)
     store.close()
-    files = sorted(os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names)
+    files = sorted(os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names
+                   if name.endswith(".kv"))
     assert len(files) == 2 * (40 // 4)  # one entry per full prompt block, per tenant
     for i, path in enumerate(files):
         if i % 3 == 0:
@@ -188,7 +195,7 @@ def test_damaged_files_are_recomputed(tmp_path):
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)
                 f.write(bytes([last[0] ^ 1]))
-    store = TieredKVStore([DiskTier(str(tmp_path), 10**6)], b"fingerprint")
+    store = TieredKVStore([DiskTier(str(tmp_path), 10**6)], b"fingerprint", loader_thread=False)
     restarted = _run_conversation(store)
     store.close()
     assert_same_answers(restarted, off)
@@ -200,7 +207,7 @@ def test_another_tenants_block_is_caught():
     """The check can fail: a tier that hands tenant b the entries tenant a wrote (same tokens, other
     salt) makes b read foreign KV."""
     tier = HostMemoryTier(10**6)
-    store = TieredKVStore([tier], b"fingerprint")
+    store = TieredKVStore([tier], b"fingerprint", loader_thread=False)
     try:
         _run_conversation(store, salts=("a",))
         for mine, theirs in zip(BlockHashChain([4], "b").get(4, PROMPT), BlockHashChain([4], "a").get(4, PROMPT)):
@@ -214,7 +221,7 @@ def test_another_tenants_block_is_caught():
 def test_a_loaded_block_that_is_also_zeroed_is_caught(monkeypatch):
     """The check can fail: if a loaded block still got a zero order, the zero (applied after the
     load) would wipe it, and the request would read zeros instead of its prefix."""
-    store = TieredKVStore([HostMemoryTier(10**6)], b"fingerprint")
+    store = TieredKVStore([HostMemoryTier(10**6)], b"fingerprint", loader_thread=False)
     try:
         _run_conversation(store, salts=("a",))
         original = BlockPool.get_new_blocks

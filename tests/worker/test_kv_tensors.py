@@ -23,7 +23,7 @@ def test_a_block_round_trips_through_its_payload():
             tensor.copy_(torch.randn(tensor.shape))
     for group_id, (source, target) in enumerate(((2, 3), (1, 4), (6, 2))):  # state: a checkpoint into a running slot
         payload = kv.block_bytes(group_id, source)
-        assert len(payload) == GROUPS[group_id].bytes_per_block
+        assert len(payload) == GROUPS[group_id].bytes_per_block == kv.block_nbytes(group_id)
         kv.load_blocks(group_id, [(target, bytearray(payload))])
         dim = kv.block_dims[group_id]
         for tensor in kv.tensors[group_id]:

@@ -24,8 +24,13 @@ def entry_key(fingerprint: bytes, group_id: int, block_hash: bytes) -> bytes:
     return hashlib.sha256(fingerprint + group_id.to_bytes(4, "little") + block_hash).digest()
 
 
-def encode(key: bytes, payload: bytes) -> bytes:
-    return b"".join((MAGIC, key, len(payload).to_bytes(8, "little"), hashlib.sha256(payload).digest(), payload))
+def header(key: bytes, payload) -> bytes:
+    """The header of the entry of `payload` (any bytes-like object) under `key`."""
+    return b"".join((MAGIC, key, len(payload).to_bytes(8, "little"), hashlib.sha256(payload).digest()))
+
+
+def encode(key: bytes, payload) -> bytes:
+    return header(key, payload) + bytes(payload)
 
 
 def check(key: bytes, header: bytes | bytearray, payload: bytes | bytearray) -> None:

@@ -1,25 +1,29 @@
 """The second tier of the prefix cache: host memory and/or disk behind the device pool.
 
     scheduler's thread                          worker                     writer thread
-    num_held(keys)      how far a prefix goes    
+    num_held(keys)      how far a prefix goes
+    prefetch(keys)      read them on the loader thread while the request waits; True once read
     load(keys)          verified payloads  ──►  load orders (C2)
     claim(key)          a save order wanted? ─► save orders: copy the ─► submit ─► queue ─► tiers
-                                                block, never blocking        (bounded; full: skip)
+                                                block, never blocking      (bounded in bytes; full: skip)
 
 Entries are keyed by `entry_key(fingerprint, group, salted block hash)` (kv/tiers/entry.py). A load
 returns only payloads that passed their tier's check, in prefix order, stopping at the first block
 no tier holds intact: the KV manager grants exactly those, and the tokens past them are computed
-again. Writes run on one thread behind a bounded queue, so the step never waits for a disk; a
-full queue drops the write, and a full disk or a failing file system turns writes off (with one
-warning) while loads go on.
+again. Writes run on one thread behind a queue bounded by the bytes it holds, so the step never
+waits for a disk; a save that would overfill it is dropped (counted), and a full disk or a failing
+file system turns writes off (with one warning) while loads go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,7 +33,8 @@ from blockserve.kv.tiers.entry import CorruptEntry, entry_key
 
 logger = logging.getLogger("blockserve")
 
-DEFAULT_QUEUE_BLOCKS = 256
+WRITER_NICENESS = 10  # added to the writer thread's nice value
+DEFAULT_QUEUE_BYTES = 256 << 20  # payloads waiting for the writer: 366 blocks of the bundled model
 
 
 class Tier(Protocol):
@@ -65,10 +70,14 @@ class TierStats:
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """The tiers in lookup order; saves the writer's full queue dropped; whether writes are on."""
+    """The tiers in lookup order; the saves (and their bytes) dropped because the writer's queue had
+    no room for them; the bytes queued now and the queue's bound; whether writes are on."""
 
     tiers: tuple[TierStats, ...]
     writes_dropped: int
+    bytes_dropped: int
+    queued_bytes: int
+    queue_bytes: int
     writing: bool
 
 
@@ -83,19 +92,33 @@ class _Counters:
 class TieredKVStore:
     """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format."""
 
-    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_blocks: int = DEFAULT_QUEUE_BLOCKS):
+    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 loader_thread: bool = True):
         if not tiers:
             raise ValueError("a tiered KV store needs at least one tier")
+        if queue_bytes <= 0:
+            raise ValueError(f"the writer's queue needs a positive size, got {queue_bytes} bytes")
         self.tiers = tuple(tiers)
         self.fingerprint = fingerprint
         self._counters = [_Counters() for _ in self.tiers]
         self._lock = threading.Lock()
         self._in_flight: set[bytes] = set()  # claimed, not yet written or dropped
-        self._writes_dropped = 0
+        self._writes_dropped = self._bytes_dropped = 0
         self._writing = True
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self.queue_bytes = queue_bytes
+        self._queued_bytes = 0  # payloads submitted and not yet written (under _lock)
+        self._queue: queue.Queue = queue.Queue()  # bounded by _queued_bytes
         self._writer = threading.Thread(target=self._write_loop, name="blockserve-kv-writer", daemon=True)
         self._writer.start()
+        # Reads started by `prefetch` (under _lock): key -> verified payload, or None (no tier holds it intact).
+        self._fetched: OrderedDict[bytes, bytearray | None] = OrderedDict()
+        self._fetched_bytes = 0
+        self._fetching: set[bytes] = set()
+        self._fetch_queue: queue.Queue = queue.Queue()
+        self._loader = None  # without one, a prefetch is read at the next call (simulations: deterministic)
+        if loader_thread:
+            self._loader = threading.Thread(target=self._fetch_loop, name="blockserve-kv-loader", daemon=True)
+            self._loader.start()
 
     def key(self, group_id: int, block_hash: bytes) -> bytes:
         return entry_key(self.fingerprint, group_id, block_hash)
@@ -109,35 +132,88 @@ class TieredKVStore:
                 return i
         return len(keys)
 
+    def holds(self, key: bytes) -> bool:
+        """Whether some tier holds `key` (not yet verified)."""
+        return any(tier.contains(key) for tier in self.tiers)
+
     def load(self, keys: Sequence[bytes]) -> list[bytearray]:
         """The verified payloads of `keys`, from the first, up to the first that no tier holds intact;
-        an entry read from a later tier is copied into the earlier ones."""
+        a prefetched key is taken from what its read left, the others are read now."""
         payloads = []
         for key in keys:
-            payload = None
-            for i, tier in enumerate(self.tiers):
-                began = time.perf_counter()
-                try:
-                    payload = tier.read(key)
-                except CorruptEntry as e:
-                    logger.warning("KV %s tier: entry %s failed its check (%s); recomputing it", tier.name,
-                                   key.hex()[:16], e)
-                    payload = None
-                    self._counters[i].load_failures += 1
-                    continue
-                if payload is None:
-                    continue
-                counters = self._counters[i]
-                counters.hits += 1
-                counters.bytes_loaded += len(payload)
-                counters.load_seconds += time.perf_counter() - began
-                for earlier in self.tiers[:i]:
-                    earlier.write(key, payload)
-                break
+            with self._lock:
+                fetched = key in self._fetched
+                if fetched:
+                    payload = self._fetched.pop(key)
+                    self._fetched_bytes -= len(payload) if payload is not None else 0
+            if not fetched:
+                payload = self._read(key)
             if payload is None:
                 break
             payloads.append(payload)
         return payloads
+
+    def _read(self, key: bytes) -> bytearray | None:
+        """The key's verified payload from the first tier holding it intact (copied into the tiers before
+        that one), None if none does."""
+        for i, tier in enumerate(self.tiers):
+            began = time.perf_counter()
+            try:
+                payload = tier.read(key)
+            except CorruptEntry as e:
+                logger.warning("KV %s tier: entry %s failed its check (%s); recomputing it", tier.name,
+                               key.hex()[:16], e)
+                with self._lock:
+                    self._counters[i].load_failures += 1
+                continue
+            if payload is None:
+                continue
+            with self._lock:
+                counters = self._counters[i]
+                counters.hits += 1
+                counters.bytes_loaded += len(payload)
+                counters.load_seconds += time.perf_counter() - began
+            for earlier in self.tiers[:i]:
+                earlier.write(key, payload)
+            return payload
+        return None
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Start reading and verifying `keys` on the loader thread (those not read or being read yet), so
+        that `load` takes them without touching a tier. What was read waits, bounded by the writer
+        queue's size (the least recently read dropped: `load` reads those again)."""
+        if self._loader is None:  # a simulation: what earlier calls asked for is read now
+            while not self._fetch_queue.empty():
+                self._fetch(self._fetch_queue.get_nowait())
+        with self._lock:
+            new = [k for k in dict.fromkeys(keys) if k not in self._fetched and k not in self._fetching]
+            self._fetching.update(new)
+        if new:
+            self._fetch_queue.put(new)
+
+    def reading(self, keys: Sequence[bytes]) -> bool:
+        """Whether a prefetch is still reading one of `keys`."""
+        with self._lock:
+            return any(k in self._fetching for k in keys)
+
+    def _fetch(self, keys: list[bytes]) -> None:
+        for key in keys:
+            try:
+                payload = self._read(key)
+            except Exception:  # noqa: BLE001 (an unexpected failure: `load` reads it again, and reports it)
+                logger.exception("KV offload: prefetching entry %s failed", key.hex()[:16])
+                payload = None
+            with self._lock:
+                self._fetching.discard(key)
+                self._fetched[key] = payload
+                self._fetched_bytes += len(payload) if payload is not None else 0
+                while self._fetched_bytes > self.queue_bytes:
+                    dropped = self._fetched.popitem(last=False)[1]
+                    self._fetched_bytes -= len(dropped) if dropped is not None else 0
+
+    def _fetch_loop(self) -> None:
+        while (keys := self._fetch_queue.get()) is not None:
+            self._fetch(keys)
 
     # -- saves ---------------------------------------------------------------------------------
 
@@ -153,24 +229,32 @@ class TieredKVStore:
             self._in_flight.add(key)
         return True
 
-    def has_room(self) -> bool:
-        """Whether a save submitted now would be queued (checked before copying a block out)."""
-        return self._writing and not self._queue.full()
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a save of `nbytes` submitted now would be queued (checked before copying a block out)."""
+        return self._writing and self._queued_bytes + nbytes <= self.queue_bytes
 
     def submit(self, key: bytes, payload: bytes) -> None:
-        """Queue a claimed save; dropped, never waited for, when the queue is full."""
-        try:
+        """Queue a claimed save; dropped, never waited for, when the queue has no room for it."""
+        with self._lock:
+            if self._queued_bytes + len(payload) > self.queue_bytes:
+                fits = False
+            else:
+                fits = True
+                self._queued_bytes += len(payload)
+        if fits:
             self._queue.put_nowait((key, payload))
-        except queue.Full:
-            self.release(key)
+        else:
+            self.release(key, len(payload))
 
-    def release(self, key: bytes) -> None:
-        """Give up a claimed save without writing it."""
+    def release(self, key: bytes, nbytes: int = 0) -> None:
+        """Give up a claimed save (of `nbytes`, where known) without writing it."""
         with self._lock:
             self._in_flight.discard(key)
             self._writes_dropped += 1
+            self._bytes_dropped += nbytes
 
     def _write_loop(self) -> None:
+        _lower_priority()
         while True:
             item = self._queue.get()
             try:
@@ -183,6 +267,7 @@ class TieredKVStore:
                 finally:
                     with self._lock:
                         self._in_flight.discard(key)
+                        self._queued_bytes -= len(payload)
             finally:
                 self._queue.task_done()
 
@@ -211,19 +296,34 @@ class TieredKVStore:
         tiers = tuple(TierStats(t.name, c.hits, c.load_failures, c.bytes_loaded, c.load_seconds, c.writes,
                                 c.bytes_written, t.num_entries, t.num_bytes)
                       for t, c in zip(self.tiers, self._counters))
-        return OffloadStats(tiers, self._writes_dropped, self._writing)
+        return OffloadStats(tiers, self._writes_dropped, self._bytes_dropped, self._queued_bytes, self.queue_bytes,
+                            self._writing)
 
     def flush(self) -> None:
         """Wait until every save queued so far is written (tests, benchmarks)."""
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop and join the writer. Idempotent."""
+        """Write what is queued, then stop and join the writer (and the loader). Idempotent."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        if self._loader is not None and self._loader.is_alive():
+            self._fetch_queue.put(None)
+            self._loader.join()
+        with self._lock:
+            self._fetched.clear()
+            self._fetched_bytes = 0
 
     def is_idle(self) -> bool:
         """No save claimed and still unwritten (C2: every claim is answered)."""
         with self._lock:
             return not self._in_flight
+
+
+def _lower_priority() -> None:
+    """Make the calling thread yield the CPU to the engine's (Linux: threads have their own nice value),
+    so that checksums and writes take idle time first when the cores are busy."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))

@@ -18,7 +18,8 @@ rejections are observed as they happen.
     blockserve_kv_tier_hits_total{tier} / _load_failures_total{tier}   counter, blocks read intact / failing their check
     blockserve_kv_tier_loaded_bytes_total{tier} / _load_seconds_total{tier} / _written_bytes_total{tier}  counter
     blockserve_kv_tier_bytes{tier} / _entries{tier}         gauge, what the tier holds
-    blockserve_kv_tier_writes_dropped_total                 counter, saves a full writer queue dropped
+    blockserve_kv_tier_writes_dropped_total / _writes_dropped_bytes_total  counter, saves the writer's queue had no room for
+    blockserve_kv_tier_queue_bytes                          gauge, bytes waiting for the writer
     blockserve_num_preemptions_total                        counter
     blockserve_prompt_tokens_total / _generation_tokens_total  counter
     blockserve_request_finished_total{finished_reason}      counter (stop, length; abort: the client left;
@@ -131,11 +132,18 @@ class _EngineStatsCollector(Collector):
             for tier in s.kv_offload.tiers:
                 metric.add_metric([self._model, tier.name], read(tier))
             yield metric
-        dropped = CounterMetricFamily("blockserve_kv_tier_writes_dropped",
-                                      "Blocks not saved to the second tier because its writer's queue was full.",
-                                      labels=["model_name"])
-        dropped.add_metric([self._model], s.kv_offload.writes_dropped)
-        yield dropped
+        offload = s.kv_offload
+        for name, doc, family, value in (
+            ("blockserve_kv_tier_writes_dropped", "Blocks not saved to the second tier because its writer's queue "
+             "had no room for them.", CounterMetricFamily, offload.writes_dropped),
+            ("blockserve_kv_tier_writes_dropped_bytes", "Bytes of the blocks not saved because the writer's queue had "
+             "no room for them.", CounterMetricFamily, offload.bytes_dropped),
+            ("blockserve_kv_tier_queue_bytes", "Bytes of blocks waiting for the second tier's writer.",
+             GaugeMetricFamily, offload.queued_bytes),
+        ):
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self._model], value)
+            yield metric
 
 
 class Metrics:
