@@ -22,7 +22,12 @@ for symmetric codes, tests/attention/test_kv_quant.py), two a byte, low nibble f
 
 Rows decode to the rotated y (`decode`); attention reads them as is: R is orthogonal, so
 q . k = (R q) . (R k), and the output over rotated values is R o. A backend rotates its queries
-once (`rotate_queries`) and un-rotates its output once (`unrotate_output`), never a key.
+once (`rotate_queries`) when its keys are rotated and un-rotates its output once (`unrotate_output`)
+when its values are, never a key.
+
+K and V may be stored apart (kv/specs.py SPLIT_KV_DTYPES, "k8v4"): one-byte keys with rotated 4-bit
+values: on the bundled model the keys' 4 bits cost most of int4's KL, and finer 4-bit scale groups
+barely help (docs/cpu.md), so int4 keeps one scale and minimum per head vector.
 
 One scale per head vector rather than per 32 values (llama.cpp's q8_0): the decode kernel then
 folds it into the key's score and the value's weight, one multiply per key instead of one per

@@ -124,8 +124,8 @@ class KVCacheConfig:
             else:
                 what = f"{usable} blocks x {spec.block_size} = {usable * spec.block_size} tokens"
                 if getattr(spec, "is_quantized", False):  # what the same memory holds, against float16 K/V
-                    float16_page = dataclasses.replace(spec, dtype="float16").page_size_bytes
-                    what += (f" of {spec.dtype} ({2**30 / group.bytes_per_block * spec.block_size:,.0f} tokens per "
+                    float16_page = dataclasses.replace(spec, dtype="float16", v_dtype=None).page_size_bytes
+                    what += (f" of {spec.dtype_name} ({2**30 / group.bytes_per_block * spec.block_size:,.0f} tokens per "
                              f"GiB, {float16_page / spec.page_size_bytes:.2f}x float16)")
             lines.append(
                 f"group {i} {type(spec).__name__} ({len(group.layer_names)} layers): {what}, "
