@@ -164,11 +164,14 @@ def needles(path: str, contexts: list[int], threads: int) -> dict:
         llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="512MiB", max_model_len=max(contexts) + 16,
                   num_threads=threads)
         cases = needle_cases(llm.get_tokenizer(), contexts, NEEDLE_DEPTHS)
-        found = needle_retrieval(llm, cases)
-        out["float32" if dtype == "auto" else dtype] = {
-            str(context): sum(ok for ok, c in zip(found, cases) if c.context == context) for context in contexts}
-        print(f"needle {dtype:8s} " + "  ".join(f"{c}: {n}/{len(NEEDLE_DEPTHS)}" for c, n in
-                                               out["float32" if dtype == "auto" else dtype].items()), flush=True)
+        with CpuShare() as share:
+            found = needle_retrieval(llm, cases)
+        name = "float32" if dtype == "auto" else dtype
+        out[name] = {str(context): sum(ok for ok, c in zip(found, cases) if c.context == context)
+                     for context in contexts}
+        print(f"needle {dtype:8s} " + "  ".join(f"{c}: {n}/{len(NEEDLE_DEPTHS)}" for c, n in out[name].items())
+              + f" ({share.others or 0:.0%} others)", flush=True)
+        out[name]["others_cpu_share"] = share.others
         del llm
     return out
 

@@ -294,3 +294,12 @@ def test_backends_attend_the_dequantised_cache(variant, codes, v_codes):
         assert results[True].isnan().any()
     else:
         assert torch.equal(results[True], out)
+
+
+@pytest.mark.parametrize("dim", [64, 96, 8])
+def test_rotation_butterflies_equal_the_matrix(dim):
+    """rotate_queries / unrotate_output (butterflies, no matmul) apply R and R^T of `rotation`."""
+    x = torch.randn(3, 4, dim)
+    r_t = kv_quant.rotation(dim)
+    torch.testing.assert_close(kv_quant.rotate_queries(x), x @ r_t, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kv_quant.unrotate_output(x), x @ r_t.t(), atol=1e-6, rtol=1e-5)
