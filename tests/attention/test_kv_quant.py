@@ -272,7 +272,8 @@ def test_backends_attend_the_dequantised_cache(variant, codes, v_codes):
             full_v.append(torch.randn(c + n, hkv, d, generator=gen))
             for p in range(c):
                 k_cache.view(torch.uint8)[blocks[p // bs], p % bs] = kv_quant.encode(full_k[-1][p], codes).view(torch.uint8)
-                v_cache.view(torch.uint8)[blocks[p // bs], p % bs] = kv_quant.encode(full_v[-1][p], v_codes).view(torch.uint8)
+                v_row = kv_quant.encode(full_v[-1][p], v_codes)
+                v_cache.view(torch.uint8)[blocks[p // bs], p % bs] = v_row.view(torch.uint8)
         q = torch.randn(sum(n for _, n in seqs), hq, d, generator=gen)
         k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, seqs)])
         v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, seqs)])

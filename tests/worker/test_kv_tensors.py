@@ -23,13 +23,15 @@ def test_a_block_round_trips_through_its_payload():
     for tensors in kv.tensors:
         for tensor in tensors:
             tensor.view(torch.uint8).copy_(torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8))
-    for group_id, (source, target) in enumerate(((2, 3), (1, 4), (6, 2), (5, 1))):  # state: a checkpoint into a running slot
+    # state (group 2): a checkpoint into a running slot
+    for group_id, (source, target) in enumerate(((2, 3), (1, 4), (6, 2), (5, 1))):
         payload = kv.block_bytes(group_id, source)
         assert len(payload) == GROUPS[group_id].bytes_per_block
         kv.load_blocks(group_id, [(target, bytearray(payload))])
         dim = kv.block_dims[group_id]
         for tensor in kv.tensors[group_id]:
-            assert torch.equal(tensor.select(dim, source).view(torch.uint8), tensor.select(dim, target).view(torch.uint8))
+            source_bytes, target_bytes = (tensor.select(dim, b).view(torch.uint8) for b in (source, target))
+            assert torch.equal(source_bytes, target_bytes)
         with pytest.raises(ValueError, match="bytes"):
             kv.load_blocks(group_id, [(target, bytearray(payload[:-2]))])
         with pytest.raises(ValueError, match="null block"):

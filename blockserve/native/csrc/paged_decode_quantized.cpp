@@ -402,7 +402,8 @@ Path path_for(int64_t dim) {
 // 4-bit values (check_quantized_cache refuses the rest).
 Path path_for_forms(int fk, int fv, int64_t dim) {
   if (fv == kInt4 && fk != kInt4) return fk == kFp8 ? path_for<kFp8, kInt4>(dim) : path_for<kInt8, kInt4>(dim);
-  return fk == kInt4 ? path_for<kInt4, kInt4>(dim) : fk == kFp8 ? path_for<kFp8, kFp8>(dim) : path_for<kInt8, kInt8>(dim);
+  if (fk == kInt4) return path_for<kInt4, kInt4>(dim);
+  return fk == kFp8 ? path_for<kFp8, kFp8>(dim) : path_for<kInt8, kInt8>(dim);
 }
 
 // The stored form of a cache, its head size and its row bytes.
@@ -448,8 +449,8 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
       if (rotated_keys)
         for (int64_t hq = 0; hq < group; ++hq) qsum[hq] = std::accumulate(q + hq * dim, q + (hq + 1) * dim, 0.f);
       const Item it{q, kp + kv * k_row, vp + kv * v_row, table + n * width, starts[n], lens[n], group, dim,
-                    block_size, n_kv_heads * k_row, n_kv_heads * v_row, scale, qsum.data(), acc.data(), weights, correction.data(), bias.data(),
-                    run_max.data(), run_sum.data()};
+                    block_size, n_kv_heads * k_row, n_kv_heads * v_row, scale, qsum.data(), acc.data(), weights,
+                    correction.data(), bias.data(), run_max.data(), run_sum.data()};
       attend(it);
       float* on = op + n * n_heads * dim + kv * group * dim;
       for (int64_t hq = 0; hq < group; ++hq) {
