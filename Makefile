@@ -25,15 +25,15 @@ run: install
 	$(VENV)/bin/blockserve generate --chat-template --max-tokens 128 "$(PROMPT)"
 
 # One torch thread: on a shared 2-core machine a second one stalls whenever another process runs.
-# The subsets (slow, gpu, tp_full, backend_full, browser): tests/README.md. The slowest 25 are listed
-# at the end, so a run that nears the 15-minute budget says where the time went.
+# The subsets (slow, gpu, tp_full, backend_full, model_quality, browser): tests/README.md. The slowest
+# 25 are listed at the end, so a run that nears the 15-minute budget says where the time went.
 test: install
 	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest --durations=25
 
 # Every test but the slow ones (a -m replaces pyproject's, so it leaves out the full matrices too).
 .PHONY: test-fast
 test-fast: install
-	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not tp_full and not backend_full"
+	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not tp_full and not backend_full and not model_quality"
 
 # Developer benchmarks (benchmarks/README.md: the question each answers); `blockserve bench ...`
 # (blockserve/bench/) measures the installed engine. Each writes its raw figures under results/.

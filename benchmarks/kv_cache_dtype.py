@@ -3,7 +3,8 @@ float32 cache, capacity, and whole-model decode latency beside native llama.cpp'
 one run.
 
     python -m benchmarks.kv_cache_dtype [--quality-tokens 20480] [--contexts 2048 8192] [--batches 1 16]
-        [--threads 2] [--rounds 3] [--skip-llama-cpp] [--json results/kv_cache_dtype.json]
+        [--needle-contexts 1024 2048 4096 8192] [--threads 2] [--rounds 3] [--skip-llama-cpp]
+        [--json results/kv_cache_dtype.json]
 
 quality    the model over --quality-tokens tokens of English prose in windows of 1024, prefilled
            in chunks of 256 (later chunks read the cache as decodes do), once per KV dtype: mean and
@@ -11,6 +12,10 @@ quality    the model over --quality-tokens tokens of English prose in windows of
            float16 is left out (its KL is ~0). The text is CPython's pydoc_data/topics.py (the Python Language Reference, shipped with
            every CPython; PSF license: no public-domain prose is installed on this machine).
            Greedy agreement: 8 chat prompts, 64 new tokens, LLM.chat per dtype against float32.
+           k8v4 is int8 keys with rotated 4-bit values (the keys' error costs most KL).
+needle     needle-in-a-haystack retrieval (blockserve/bench/needle.py): a 5-digit passphrase at depths
+           0.1, 0.5 and 0.9 of prose prompts of each --needle-contexts length, asked for at the end;
+           greedy, per dtype (float32 included): how many answers start with it.
 capacity   tokens per GiB of K/V from each layout's bytes per token (30 layers, 3 KV heads of 64).
 latency    one decode step of the whole model (the engine's native decode stack) with B sequences
            of C cached tokens each, the cache filled with random codes (timing does not depend on
@@ -46,9 +51,10 @@ from blockserve.models.loader import load_model
 from blockserve.worker.kv_tensors import KVCacheTensors
 
 BLOCK, WINDOW, CHUNK = 16, 1024, 256
-DTYPES = ("float16", "int8", "fp8", "int4")  # each against the float32 cache
-QUALITY_DTYPES = ("int8", "fp8", "int4")  # float16's KL is ~0 (its rounding is 2^-11 relative)
-LLAMA_TYPES = ("f16", "q8_0", "q4_0")
+DTYPES = ("float16", "int8", "fp8", "int4", "k8v4")  # each against the float32 cache
+QUALITY_DTYPES = ("int8", "fp8", "int4", "k8v4")  # float16's KL is ~0 (its rounding is 2^-11 relative)
+LLAMA_TYPES = ("f16", "q8_0", "q4_0", "q8_0/q4_0")  # K/V: one type for both, or -ctk / -ctv
+NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three uses of copper.",
                 "Explain photosynthesis in two sentences.", "How do I reverse a list in Python?",
                 "Give me a short packing list for a weekend hike.", "What causes the seasons on Earth?",
@@ -149,6 +155,27 @@ def greedy_agreement(path: str, threads: int) -> dict:
     return out
 
 
+def needles(path: str, contexts: list[int], threads: int) -> dict:
+    """Per dtype (auto: float32 first), per context: how many of the depths' passphrases come back."""
+    from blockserve.bench.needle import needle_cases, needle_retrieval
+
+    out = {}
+    for dtype in ("auto", *QUALITY_DTYPES):
+        llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="512MiB", max_model_len=max(contexts) + 16,
+                  num_threads=threads)
+        cases = needle_cases(llm.get_tokenizer(), contexts, NEEDLE_DEPTHS)
+        with CpuShare() as share:
+            found = needle_retrieval(llm, cases)
+        name = "float32" if dtype == "auto" else dtype
+        out[name] = {str(context): sum(ok for ok, c in zip(found, cases) if c.context == context)
+                     for context in contexts}
+        print(f"needle {dtype:8s} " + "  ".join(f"{c}: {n}/{len(NEEDLE_DEPTHS)}" for c, n in out[name].items())
+              + f" ({share.others or 0:.0%} others)", flush=True)
+        out[name]["others_cpu_share"] = share.others
+        del llm
+    return out
+
+
 def capacity(model) -> dict:
     specs = list(model.kv_cache_specs(BLOCK).values())
     layers, (heads, dim) = len(specs), (specs[0].num_kv_heads, specs[0].head_size)
@@ -156,8 +183,9 @@ def capacity(model) -> dict:
     for dtype in ("float32", *DTYPES):
         per_token = sum(with_kv_cache_dtype(s, dtype).page_size_bytes for s in specs) / BLOCK
         out[f"blockserve {dtype}"] = {"bytes_per_token": per_token, "tokens_per_gib": 2**30 / per_token}
-    for kind, per_value in LLAMA_BYTES_PER_VALUE.items():
-        per_token = layers * 2 * heads * dim * per_value
+    for kind in LLAMA_TYPES:
+        k, _, v = kind.partition("/")
+        per_token = layers * heads * dim * (LLAMA_BYTES_PER_VALUE[k] + LLAMA_BYTES_PER_VALUE[v or k])
         out[f"llama.cpp {kind}"] = {"bytes_per_token": per_token, "tokens_per_gib": 2**30 / per_token}
     return out
 
@@ -206,7 +234,8 @@ def llama_decode_ms(bin_dir: Path, model: str, kind: str, context: int, batch: i
     generated = 16
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", model, "-c", str(context + batch * (generated + 16)),
            "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(generated), "-npl", str(batch), "-pps", "-kvu",
-           "-fa", "on", "-ctk", kind, "-ctv", kind, "-t", str(threads), "-tb", str(threads)]
+           "-fa", "on", "-ctk", kind.partition("/")[0], "-ctv", kind.partition("/")[2] or kind, "-t", str(threads),
+           "-tb", str(threads)]
     with CpuShare() as share:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
@@ -224,7 +253,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-needle", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--json", type=Path)
@@ -248,6 +279,8 @@ def main() -> int:
             print(f"quality {dtype:8s} mean KL {q['mean_kl']:.5f} max {q['max_kl']:.4f} p99 {q['p99_kl']:.5f} "
                   f"top-1 {q['top1_agreement']:.4f} over {q['tokens']} tokens; greedy identical "
                   f"{g['identical']}/{g['prompts']}, common prefix {g['common_prefix_share']:.2f}")
+    if not args.skip_needle:
+        results["needle"] = needles(path, args.needle_contexts, args.threads)
     bin_dir = None if args.skip_llama_cpp or args.skip_latency else llama_bin()
     gguf = path if path.endswith(".gguf") else str(next(Path(path).glob("*.gguf")))
     results["latency"] = []

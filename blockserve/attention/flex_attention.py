@@ -281,8 +281,7 @@ class FlexAttention:
         if (sinks is not None) != self.sinks:
             raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
                              f"{'out' if sinks is None else ''} sink logits")
-        rotated = kv_quant.is_rotated(k_cache)  # the 4-bit form: attend R q over R k, R v; un-rotate once
-        if rotated:
+        if kv_quant.is_rotated(k_cache):  # the 4-bit form: R q attends R k (and R v gives R o, un-rotated once)
             q = kv_quant.rotate_queries(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
@@ -293,7 +292,7 @@ class FlexAttention:
         values = kv_quant.decode(_kv(v_cache, mask.pages), q.dtype)
         out = _attend(q.transpose(0, 1)[None], keys, values, mask.block_mask, self.scale, self.score_mod, sinks)
         out = out[0].transpose(0, 1).contiguous()
-        return kv_quant.unrotate_output(out) if rotated else out
+        return kv_quant.unrotate_output(out) if kv_quant.is_rotated(v_cache) else out
 
 
 class FlexMLA(AbsorbedMLA):

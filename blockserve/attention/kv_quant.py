@@ -22,7 +22,12 @@ for symmetric codes, tests/attention/test_kv_quant.py), two a byte, low nibble f
 
 Rows decode to the rotated y (`decode`); attention reads them as is: R is orthogonal, so
 q . k = (R q) . (R k), and the output over rotated values is R o. A backend rotates its queries
-once (`rotate_queries`) and un-rotates its output once (`unrotate_output`), never a key.
+once (`rotate_queries`) when its keys are rotated and un-rotates its output once (`unrotate_output`)
+when its values are, never a key.
+
+K and V may be stored apart (kv/specs.py SPLIT_KV_DTYPES, "k8v4"): one-byte keys with rotated 4-bit
+values: on the bundled model the keys' 4 bits cost most of int4's KL, and finer 4-bit scale groups
+barely help (docs/cpu.md), so int4 keeps one scale and minimum per head vector.
 
 One scale per head vector rather than per 32 values (llama.cpp's q8_0): the decode kernel then
 folds it into the key's score and the value's weight, one multiply per key instead of one per
@@ -69,7 +74,7 @@ def rotation(dim: int, device: torch.device = torch.device("cpu")) -> torch.Tens
     """R^T [dim, dim] for row vectors (y = x @ R^T): the sign flips, then the normalised Hadamard
     transform of each block of B channels (B the largest power of two dividing dim). Orthogonal."""
     block = dim & -dim
-    signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(ROTATION_SEED)) * 2.0 - 1.0
+    signs = _row_signs(dim, torch.device("cpu"))
     hadamard = torch.ones(1, 1)
     while hadamard.shape[0] < block:  # Sylvester's construction: H_2n = [[H, H], [H, -H]]
         hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
@@ -77,14 +82,40 @@ def rotation(dim: int, device: torch.device = torch.device("cpu")) -> torch.Tens
     return r.t().contiguous().to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _row_signs(dim: int, device: torch.device) -> torch.Tensor:
+    """R's seeded sign per channel."""
+    gen = torch.Generator().manual_seed(ROTATION_SEED)
+    return (torch.randint(0, 2, (dim,), generator=gen) * 2.0 - 1.0).to(device)
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """H x / sqrt(B) over each block of B channels (R's blocks), as butterflies: log2(B) stages of
+    elementwise adds, never a matmul, so no thread pool wakes for a decode's few rows (a 64 x 64
+    matmul per layer cost 15 ms a call on a contended 2-core machine, beside the decode kernel's
+    spinning task pool)."""
+    dim = x.shape[-1]
+    block = dim & -dim
+    y = x.reshape(-1, dim // block, block)
+    h = 1
+    while h < block:
+        pairs = y.view(y.shape[0], dim // block, block // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), -2).view(y.shape[0], dim // block, block)
+        h *= 2
+    return (y * block**-0.5).view(x.shape)
+
+
 def rotate_queries(q: torch.Tensor) -> torch.Tensor:
     """q [..., D] as R q: what attention over a rotated cache takes as its queries."""
-    return (q.float() @ rotation(q.shape[-1], q.device)).to(q.dtype)
+    x = q.float()
+    return _hadamard(x * _row_signs(x.shape[-1], x.device)).to(q.dtype)
 
 
 def unrotate_output(out: torch.Tensor) -> torch.Tensor:
-    """Attention's output over a rotated cache, R o, back to o."""
-    return (out.float() @ rotation(out.shape[-1], out.device).t()).to(out.dtype)
+    """Attention's output over a rotated cache, R o, back to o (R^T = diag(s) H / sqrt(B))."""
+    x = out.float()
+    return (_hadamard(x) * _row_signs(x.shape[-1], x.device)).to(out.dtype)
 
 
 def _encode_int4(x: torch.Tensor) -> torch.Tensor:

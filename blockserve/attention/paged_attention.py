@@ -123,15 +123,16 @@ class PagedAttention:
         if (sinks is not None) != self.sinks:
             raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
                              f"{'out' if sinks is None else ''} sink logits")
-        rotated = kv_quant.is_rotated(k_cache)  # the 4-bit form: attend R q over R k, R v; un-rotate once
-        if rotated:
+        if kv_quant.is_rotated(k_cache):  # the 4-bit form: R q attends R k (and R v gives R o, un-rotated once)
             q = kv_quant.rotate_queries(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         k_rows = kv_quant.write(k_flat, meta.slot_mapping, k)  # slots are distinct within a step
         v_rows = kv_quant.write(v_flat, meta.slot_mapping, v)
         if kv_quant.is_quantized(k_cache):  # attend what the cache holds, cold or warm
-            k, v = kv_quant.decode(k_rows, q.dtype), kv_quant.decode(v_rows, q.dtype)
+            k = kv_quant.decode(k_rows, q.dtype)
+        if kv_quant.is_quantized(v_cache):
+            v = kv_quant.decode(v_rows, q.dtype)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         layout = meta.layout
         nd = layout.num_decodes
@@ -150,7 +151,7 @@ class PagedAttention:
                 continue
             g, mask = self._derived(meta, i, lambda host: self._prefill_gather(host, i, seq_len, n))
             out[start:end] = self._attend(qi, g.read(k_cache), g.read(v_cache), mask, sinks)[0].transpose(0, 1)
-        return kv_quant.unrotate_output(out) if rotated else out
+        return kv_quant.unrotate_output(out) if kv_quant.is_rotated(v_cache) else out
 
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
@@ -217,8 +218,9 @@ class ExactLengthAttention(PagedAttention):
     def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
         if (self.decode_kernel is None or not native_reads(q, q.dtype)
-                or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1])
-                or (sinks is not None and kv_quant.is_quantized(k_cache))):  # the sinks kernel reads float caches
+                or not self.decode_kernel.reads(q.dtype, k_cache.dtype, q.shape[-1], v_cache.dtype)
+                or (sinks is not None and (kv_quant.is_quantized(k_cache) or kv_quant.is_quantized(v_cache)))):
+            # the sinks kernel reads float caches
             return super()._attend_decodes(q, k_cache, v_cache, meta, out, sinks)
         nd = meta.layout.num_decodes
         table, key_start, seq_lens = self._derived(meta, "decode_in_place", lambda host: (

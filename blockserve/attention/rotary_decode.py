@@ -48,7 +48,8 @@ class RotaryDecode:
         attn = self.attn
         kernel = self._kernel()
         if (kernel is None or attn.sliding_window is not None or cache.k_cache.device.type != "cpu"
-                or kv_quant.is_rotated(cache.k_cache)  # the fused write has no rotation: the layer's path writes it
+                or kv_quant.is_rotated(cache.k_cache) or kv_quant.is_rotated(cache.v_cache)  # the fused write
+                or cache.k_cache.dtype != cache.v_cache.dtype  # has no rotation: the layer's path writes these
                 or not kernel.reads(dtype, cache.k_cache.dtype, attn.head_dim)):
             return None
         return kernel, cache.k_cache, cache.v_cache

@@ -183,11 +183,10 @@ def load_for_bench(args: argparse.Namespace):
     return config, load_model_for(config)
 
 
-def kv_bytes_needed(loaded, block_size: int, token_counts: list[int], kv_cache_dtype: str = "auto") -> int:
-    """KV cache bytes for requests of these total lengths all running at once."""
-    from blockserve.kv.specs import with_kv_cache_dtype
-
-    specs = [with_kv_cache_dtype(s, kv_cache_dtype) for s in loaded.model.kv_cache_specs(block_size).values()]
+def kv_bytes_needed(loaded, config, token_counts: list[int]) -> int:
+    """KV cache bytes for requests of these total lengths all running at once, in `config`'s block
+    size and K/V dtypes."""
+    specs = [config.kv_spec(s) for s in loaded.model.kv_cache_specs(config.block_size).values()]
     return sum(spec.max_blocks_held(n) * spec.page_size_bytes for spec in specs for n in token_counts)
 
 
@@ -202,8 +201,7 @@ def engine_config_for(config, loaded, token_counts: list[int], size_kv_cache: bo
     if not size_kv_cache:
         return config
     max_len = resolve_max_model_len(config, loaded.hf_config)
-    need = max(kv_bytes_needed(loaded, config.block_size, token_counts, config.kv_cache_dtype),
-               kv_bytes_needed(loaded, config.block_size, [max_len], config.kv_cache_dtype))
+    need = max(kv_bytes_needed(loaded, config, token_counts), kv_bytes_needed(loaded, config, [max_len]))
     return dataclasses.replace(config, kv_cache_memory=int(1.5 * need) + 64 * 2**20)
 
 

@@ -45,7 +45,6 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
     """Serve as one rank until rank 0 says stop; raises what went wrong (after reporting it to rank 0).
     `joining()`, if given, is called once the rank's modules are imported, just before it joins."""
     from blockserve.attention.paged_attention import BACKENDS
-    from blockserve.kv.specs import with_kv_cache_dtype
     from blockserve.models.loader import load_model
     from blockserve.models.placement import Placement
     from blockserve.worker.model_runner import ModelRunner
@@ -77,7 +76,7 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
         kv_config, max_num_seqs, max_model_len = setup
         specs = loaded.model.kv_cache_specs(config.block_size)
         mismatched = [layer for g in kv_config.groups for layer in g.layer_names
-                      if layer not in specs or with_kv_cache_dtype(specs[layer], config.kv_cache_dtype) != g.spec]
+                      if layer not in specs or config.kv_spec(specs[layer]) != g.spec]
         report = ("ok", None) if not mismatched else (
             "error", f"rank {group.rank}'s KV specs differ from rank 0's for layers {mismatched[:4]}")
         group.gather_objects(report, timeout=startup)

@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from blockserve.kv.specs import KV_CACHE_DTYPES
+from blockserve.kv.specs import KV_CACHE_DTYPES, KV_SIDE_DTYPES, resolve_kv_dtypes, with_kv_cache_dtype
 from blockserve.spec_decode.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -130,7 +130,14 @@ class EngineConfig:
                 "and reads; int8 and fp8 (e4m3): one-byte codes and a float16 scale per head vector, about half "
                 "of float16; int4: each head vector rotated (a fixed randomised Hadamard transform) then 4-bit "
                 "codes with a float16 scale and minimum, 3.6x fewer bytes than float16 at head size 64; "
-                "attention still computes in float32)", "choices": KV_CACHE_DTYPES})
+                "k8v4: int8 keys with int4 values, 2.5x fewer; attention still computes in float32)",
+        "choices": KV_CACHE_DTYPES})
+    k_cache_dtype: str | None = field(default=None, metadata={
+        "help": "the keys' storage, overriding kv_cache_dtype for K (one of kv_cache_dtype's single dtypes); "
+                "K and V may differ only as int8 or fp8 keys with int4 values", "choices": KV_SIDE_DTYPES})
+    v_cache_dtype: str | None = field(default=None, metadata={
+        "help": "the values' storage, overriding kv_cache_dtype for V (see k_cache_dtype)",
+        "choices": KV_SIDE_DTYPES})
     kv_offload_dir: str | None = field(default=None, metadata={
         "help": "a directory for a disk tier behind the prefix cache: the KV of computed prompt blocks is written "
                 "there off the step and read back, checksummed, by later requests and after a restart (keyed "
@@ -282,8 +289,11 @@ class EngineConfig:
         if self.kv_offload_enabled and self.tensor_parallel_size > 1:
             raise ValueError("kv_offload_dir / kv_offload_memory run on one rank: they cannot be combined with "
                              "tensor_parallel_size > 1")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
+        resolve_kv_dtypes(self.kv_cache_dtype, self.k_cache_dtype, self.v_cache_dtype)
+
+    def kv_spec(self, spec):
+        """A layer's spec with its K/V stored as kv_cache_dtype, k_cache_dtype and v_cache_dtype choose."""
+        return with_kv_cache_dtype(spec, self.kv_cache_dtype, self.k_cache_dtype, self.v_cache_dtype)
 
     def kv_cache_bytes(self) -> int:
         """kv_cache_memory in bytes (DEFAULT_KV_CACHE_MEMORY when not given): the CPU's KV budget (on

@@ -25,7 +25,7 @@ from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
-from blockserve.kv.specs import LinearStateSpec, with_kv_cache_dtype
+from blockserve.kv.specs import QUANTIZED_KV_DTYPES, LinearStateSpec
 from blockserve.models.loader import LoadedModel, load_model
 from blockserve.models.weight_memory import weight_memory_report
 from blockserve.scheduler.config import SchedulerConfig
@@ -121,10 +121,12 @@ def refuse_unreadable_kv_dtype(layer_name: str, module, spec) -> None:
     if not getattr(spec, "is_quantized", False):
         return
     backend = getattr(module, "backend", None)
-    if spec.dtype not in getattr(backend, "quantized_kv_dtypes", ()):
-        reader = f"attention backend {backend.name!r}" if backend is not None else type(module).__name__
-        raise ValueError(f"kv_cache_dtype {spec.dtype!r} cannot be read by {reader} (layer {layer_name}); "
-                         f"use attention_backend 'exact', 'whole_block' or 'flex', or a float kv_cache_dtype")
+    readable = getattr(backend, "quantized_kv_dtypes", ())
+    for dtype in dict.fromkeys((spec.dtype, spec.value_dtype)):
+        if dtype in QUANTIZED_KV_DTYPES and dtype not in readable:
+            reader = f"attention backend {backend.name!r}" if backend is not None else type(module).__name__
+            raise ValueError(f"kv_cache_dtype {dtype!r} cannot be read by {reader} (layer {layer_name}); "
+                             f"use attention_backend 'exact', 'whole_block' or 'flex', or a float kv_cache_dtype")
 
 
 class EngineCore:
@@ -376,7 +378,7 @@ def kv_groups_of(model: torch.nn.Module, config: EngineConfig) -> list[tuple]:
     kv_layers = model.kv_layers()
     groups: dict[tuple, list[str]] = {}
     for layer_name, spec in model.kv_cache_specs(config.block_size).items():
-        spec = with_kv_cache_dtype(spec, config.kv_cache_dtype)
+        spec = config.kv_spec(spec)
         if layer_name not in kv_layers:
             raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
         refuse_unreadable_kv_dtype(layer_name, kv_layers[layer_name], spec)

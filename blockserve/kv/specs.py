@@ -39,9 +39,18 @@ KV_SCALE_BYTES = 2
 INT4_SCALE_BYTES = 4  # scale and minimum, float16 each
 
 # The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's); "fp8" is
-# e4m3 (the stored dtype float8_e4m3fn); "int4" the rotated 4-bit form (stored as "int4_rotated").
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "int4")
+# e4m3 (the stored dtype float8_e4m3fn); "int4" the rotated 4-bit form (stored as "int4_rotated");
+# "k8v4" int8 keys with rotated 4-bit values (K_V_PRESETS). k_cache_dtype / v_cache_dtype take
+# KV_SIDE_DTYPES and override one side.
+KV_SIDE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "int4")
+K_V_PRESETS = {"k8v4": ("int8", "int4")}
+KV_CACHE_DTYPES = (*KV_SIDE_DTYPES, *K_V_PRESETS)
 _STORED_AS = {"fp8": "float8_e4m3fn", "int4": "int4_rotated"}
+_NAMED_AS = {stored: name for name, stored in _STORED_AS.items()}
+
+# K and V stored in different dtypes: one-byte keys (the scores' precision matters most) with rotated
+# 4-bit values. Any other split is refused: the decode kernel reads these pairs only.
+SPLIT_KV_DTYPES = (("int8", "int4_rotated"), ("float8_e4m3fn", "int4_rotated"))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -72,15 +81,29 @@ def _require_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _require_split_pair(k_stored: str, v_stored: str) -> None:
+    if (k_stored, v_stored) not in SPLIT_KV_DTYPES:
+        pairs = ", ".join(f"{kv_dtype_name(k)} keys with {kv_dtype_name(v)} values" for k, v in SPLIT_KV_DTYPES)
+        raise ValueError(f"k_cache_dtype {kv_dtype_name(k_stored)!r} with v_cache_dtype {kv_dtype_name(v_stored)!r} "
+                         f"is not built; K and V may differ only as {pairs}")
+
+
+def kv_dtype_name(stored: str) -> str:
+    """The kv_cache_dtype name of a stored dtype ("float8_e4m3fn" is "fp8", "int4_rotated" "int4")."""
+    return _NAMED_AS.get(stored, stored)
+
+
 @dataclass(frozen=True)
 class FullAttentionSpec:
     """Keys and values of every token, `block_size` tokens per block. A quantized dtype
-    (QUANTIZED_KV_DTYPES) keeps each head vector's scale beside its codes, inside the block."""
+    (QUANTIZED_KV_DTYPES) keeps each head vector's scale beside its codes, inside the block.
+    `dtype` stores both K and V unless `v_dtype` names the values' own (a SPLIT_KV_DTYPES pair)."""
 
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: str = "float32"
+    v_dtype: str | None = None  # None: the values share `dtype`
 
     state_must_start_zeroed: ClassVar[bool] = False
     supports_prefix_caching: ClassVar[bool] = True
@@ -88,15 +111,36 @@ class FullAttentionSpec:
     def __post_init__(self) -> None:
         _require_positive(block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size)
         kv_row_bytes(self.dtype, self.head_size)  # a known dtype that can store this head size
+        if self.v_dtype is not None:
+            if self.v_dtype == self.dtype:
+                raise ValueError(f"v_dtype {self.v_dtype!r} equals dtype: leave it None")
+            _require_split_pair(self.dtype, self.v_dtype)
+            kv_row_bytes(self.v_dtype, self.head_size)
+
+    @property
+    def k_dtype(self) -> str:
+        return self.dtype
+
+    @property
+    def value_dtype(self) -> str:
+        return self.dtype if self.v_dtype is None else self.v_dtype
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer (K and V; codes and scales when quantized)."""
-        return 2 * self.block_size * self.num_kv_heads * kv_row_bytes(self.dtype, self.head_size)
+        rows = kv_row_bytes(self.dtype, self.head_size) + kv_row_bytes(self.value_dtype, self.head_size)
+        return self.block_size * self.num_kv_heads * rows
 
     @property
     def is_quantized(self) -> bool:
-        return self.dtype in QUANTIZED_KV_DTYPES
+        return self.dtype in QUANTIZED_KV_DTYPES or self.value_dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def dtype_name(self) -> str:
+        """The K/V storage as kv_cache_dtype names: "int8", or "int8 keys / int4 values" when split."""
+        if self.v_dtype is None:
+            return kv_dtype_name(self.dtype)
+        return f"{kv_dtype_name(self.dtype)} keys / {kv_dtype_name(self.v_dtype)} values"
 
     def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int | None = None) -> int:
         """The most blocks a request of `num_tokens` tokens ever holds at once."""
@@ -203,16 +247,36 @@ def zero_new_blocks(spec: KVCacheSpec, backend_reads_unwritten_slots: bool) -> b
     return backend_reads_unwritten_slots or spec.state_must_start_zeroed
 
 
-def with_kv_cache_dtype(spec, kv_cache_dtype: str):
-    """The spec with its K/V stored as `kv_cache_dtype` (full and sliding-window attention; MLA
-    latents and recurrent states keep the model's dtype). "auto" returns the spec unchanged.
-    A quantized dtype is refused for MLA latents, which have no quantized form."""
+def resolve_kv_dtypes(kv_cache_dtype: str, k_cache_dtype: str | None = None,
+                      v_cache_dtype: str | None = None) -> tuple[str, str]:
+    """The (K, V) dtype names the three settings choose: kv_cache_dtype for both (a K_V_PRESETS name
+    for a split), each side overridden by k_cache_dtype / v_cache_dtype where given."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}")
-    stored = _STORED_AS.get(kv_cache_dtype, kv_cache_dtype)
-    if stored in QUANTIZED_KV_DTYPES and isinstance(spec, MLASpec):
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not built for MLA layers' latent cache; "
-                         f"use auto, float16 or bfloat16 for this model")
-    if kv_cache_dtype == "auto" or not isinstance(spec, FullAttentionSpec):
+    for field, value in (("k_cache_dtype", k_cache_dtype), ("v_cache_dtype", v_cache_dtype)):
+        if value is not None and value not in KV_SIDE_DTYPES:
+            raise ValueError(f"unknown {field} {value!r}; choose one of {list(KV_SIDE_DTYPES)}")
+    k, v = K_V_PRESETS.get(kv_cache_dtype, (kv_cache_dtype, kv_cache_dtype))
+    k, v = k_cache_dtype or k, v_cache_dtype or v
+    if k != v and "auto" not in (k, v):  # with "auto" the pair depends on the model: checked by its spec
+        _require_split_pair(_STORED_AS.get(k, k), _STORED_AS.get(v, v))
+    return k, v
+
+
+def with_kv_cache_dtype(spec, kv_cache_dtype: str, k_cache_dtype: str | None = None,
+                        v_cache_dtype: str | None = None):
+    """The spec with its K and V stored as the settings choose (resolve_kv_dtypes; full and
+    sliding-window attention; MLA latents and recurrent states keep the model's dtype). "auto" keeps
+    that side's dtype. A quantized dtype is refused for MLA latents, which have no quantized form,
+    and a K/V split outside SPLIT_KV_DTYPES is refused naming both."""
+    k, v = resolve_kv_dtypes(kv_cache_dtype, k_cache_dtype, v_cache_dtype)
+    if isinstance(spec, MLASpec):
+        for name in dict.fromkeys((k, v)):
+            if _STORED_AS.get(name, name) in QUANTIZED_KV_DTYPES:
+                raise ValueError(f"kv_cache_dtype {name!r} is not built for MLA layers' latent cache; "
+                                 f"use auto, float16 or bfloat16 for this model")
+    if not isinstance(spec, FullAttentionSpec):
         return spec
-    return dataclasses.replace(spec, dtype=stored)
+    k_stored = spec.dtype if k == "auto" else _STORED_AS.get(k, k)
+    v_stored = spec.value_dtype if v == "auto" else _STORED_AS.get(v, v)
+    return dataclasses.replace(spec, dtype=k_stored, v_dtype=None if v_stored == k_stored else v_stored)

@@ -71,12 +71,16 @@ class PagedDecodeKernel:
         (attention/rotary_decode.py)."""
         self._module.rotary_decode_attention(*args)
 
-    def reads(self, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int) -> bool:
+    def reads(self, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_size: int,
+              v_cache_dtype: torch.dtype | None = None) -> bool:
         """float32 queries over a float32 or a quantized (int8, float8_e4m3fn, uint8 for the rotated 4-bit
         form: csrc/paged_decode_quantized.cpp) cache always; over float16 / bfloat16 caches where an
-        intrinsics path (AVX-512, or AVX2 + FMA + F16C) is compiled in and the head size is 64, 128 or 256."""
+        intrinsics path (AVX-512, or AVX2 + FMA + F16C) is compiled in and the head size is 64, 128 or 256.
+        A V cache of its own dtype (`v_cache_dtype`): one-byte keys over 4-bit values only."""
         if q_dtype != torch.float32:
             return False
+        if v_cache_dtype is not None and v_cache_dtype != cache_dtype:
+            return cache_dtype in (torch.int8, torch.float8_e4m3fn) and v_cache_dtype == torch.uint8
         if cache_dtype in (torch.float32, torch.int8, torch.float8_e4m3fn, torch.uint8):
             return True
         return cache_dtype in (torch.float16, torch.bfloat16) and self._module.reads_16bit(head_size)

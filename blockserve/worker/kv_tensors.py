@@ -2,7 +2,9 @@
 holding all the group's layers, so a zero order is one indexed fill per tensor.
 
     attention group  [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_size]
-                     (quantized: rows of codes + their float16 scale, attention/kv_quant.py)
+                     (quantized: rows of codes + their float16 scale, attention/kv_quant.py);
+                     K and V in different dtypes (spec.v_dtype): two tensors, K's then V's,
+                     [layers, num_blocks, block_size, kv_heads, row] each
     MLA group        [layers, num_blocks, block_size, kv_lora_rank + rope_dim]
     state group      one tensor per state component: [layers, num_slots, *shape], the running
                      slots followed by the checkpoint slots
@@ -34,6 +36,11 @@ TORCH_DTYPES = {
 }
 
 
+def _row(dtype: str, head_size: int) -> int:
+    """Elements of one stored head vector (bytes for the quantized forms, scales included)."""
+    return kv_row_bytes(dtype, head_size) // TORCH_DTYPES[dtype].itemsize
+
+
 class KVCacheTensors:
     def __init__(self, config: KVCacheConfig, *, device: torch.device | str):
         self.config = config
@@ -49,9 +56,12 @@ class KVCacheTensors:
                 width = spec.kv_lora_rank + spec.qk_rope_head_dim
                 tensors = [torch.zeros(layers, n, spec.block_size, width, dtype=TORCH_DTYPES[spec.dtype], device=device)]
                 block_dim = 1
+            elif spec.v_dtype is not None:
+                tensors = [torch.zeros(layers, n, spec.block_size, spec.num_kv_heads, _row(d, spec.head_size),
+                                       dtype=TORCH_DTYPES[d], device=device) for d in (spec.dtype, spec.v_dtype)]
+                block_dim = 1
             else:
-                row = kv_row_bytes(spec.dtype, spec.head_size) // TORCH_DTYPES[spec.dtype].itemsize
-                shape = (layers, 2, n, spec.block_size, spec.num_kv_heads, row)
+                shape = (layers, 2, n, spec.block_size, spec.num_kv_heads, _row(spec.dtype, spec.head_size))
                 tensors = [torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)]
                 block_dim = 2
             self.tensors.append(tensors)
@@ -145,6 +155,8 @@ class KVCacheTensors:
                     caches[name] = StateCache(group_id, [t[i] for t in tensors])
                 elif isinstance(group.spec, MLASpec):
                     caches[name] = MLACache(group_id, tensors[0][i])
+                elif len(tensors) == 2:  # K and V in their own dtypes
+                    caches[name] = LayerCache(group_id, tensors[0][i], tensors[1][i])
                 else:
                     caches[name] = LayerCache(group_id, tensors[0][i, 0], tensors[0][i, 1])
         return caches

@@ -22,6 +22,10 @@ needs_native = pytest.mark.skipif(why_not_native() is not None, reason=f"no nati
 BUILDS = pytest.mark.parametrize("without_avx512", [False, True], ids=["native-default", "native-avx2"])
 CODES = pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 ALL_CODES = pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, torch.uint8], ids=["int8", "fp8", "int4"])
+# K and V codes: one dtype for both, or one-byte keys over rotated 4-bit values (k8v4)
+KV_CODES = pytest.mark.parametrize("codes,v_codes", [
+    (torch.int8, torch.int8), (torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.uint8, torch.uint8),
+    (torch.int8, torch.uint8), (torch.float8_e4m3fn, torch.uint8)], ids=["int8", "fp8", "int4", "k8v4", "kfp8v4"])
 
 
 def empty_cache(shape, head_size: int, codes: torch.dtype) -> torch.Tensor:
@@ -128,16 +132,20 @@ def test_zero_and_poison_rows(codes):
     assert kv_quant.encode(torch.zeros(2, 8), codes).view(torch.uint8).eq(0).all()
 
 
-def paged_step(head_size: int, block_size: int, codes: torch.dtype, hq: int = 6, hkv: int = 2):
-    """A poisoned quantized cache with sequences written at random blocks; the dense reference over
-    each sequence's dequantised keys and values."""
+def paged_step(head_size: int, block_size: int, codes: torch.dtype, hq: int = 6, hkv: int = 2,
+               v_codes: torch.dtype | None = None):
+    """A poisoned quantized cache (values in `v_codes`, default `codes`) with sequences written at
+    random blocks; the dense reference over each sequence's dequantised keys and values, as stored
+    (rotated for the 4-bit form: the kernel takes rotated queries and leaves the output rotated)."""
+    v_codes = codes if v_codes is None else v_codes
     lens, starts = [1, 5, 16, 17, 40, 70, 33], [0, 0, 3, 0, 20, 9, 0]
     gen = torch.Generator().manual_seed(0)
     need = [-(-n // block_size) for n in lens]
     order = (torch.randperm(sum(need), generator=gen) + 1).tolist()
     k_cache = empty_cache((sum(need) + 1, block_size, hkv), head_size, codes)
     kv_quant.fill_rows(k_cache, 0, torch.arange(1, sum(need) + 1), poison=True)
-    v_cache = k_cache.clone()
+    v_cache = empty_cache((sum(need) + 1, block_size, hkv), head_size, v_codes)
+    kv_quant.fill_rows(v_cache, 0, torch.arange(1, sum(need) + 1), poison=True)
     table = torch.zeros(len(lens), max(need), dtype=torch.int64)
     q = torch.randn(len(lens), hq, head_size, generator=gen)
     refs = []
@@ -145,7 +153,7 @@ def paged_step(head_size: int, block_size: int, codes: torch.dtype, hq: int = 6,
         blocks, order = order[: need[i]], order[need[i]:]
         table[i, : need[i]] = torch.tensor(blocks)
         keys = kv_quant.encode(torch.randn(n, hkv, head_size, generator=gen) * 3, codes)
-        values = kv_quant.encode(torch.randn(n, hkv, head_size, generator=gen), codes)
+        values = kv_quant.encode(torch.randn(n, hkv, head_size, generator=gen), v_codes)
         for p in range(n):
             k_cache.view(torch.uint8)[blocks[p // block_size], p % block_size] = keys[p].view(torch.uint8)
             v_cache.view(torch.uint8)[blocks[p // block_size], p % block_size] = values[p].view(torch.uint8)
@@ -158,18 +166,31 @@ def paged_step(head_size: int, block_size: int, codes: torch.dtype, hq: int = 6,
 
 @needs_native
 @BUILDS
-@ALL_CODES
+@KV_CODES
 @pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 4), (256, 32), (64, 32), (8, 4)])
-def test_native_decode_reads_the_codes_in_place(without_avx512, codes, head_size, block_size):
+def test_native_decode_reads_the_codes_in_place(without_avx512, codes, v_codes, head_size, block_size):
     """AVX-512, AVX2 (64, 128, 256) and the portable path (8) against dense attention over the
     dequantised cache (4-bit: over the rotated vectors it stores, as the kernel takes rotated
-    queries): 3 query heads per KV head, windows, partial blocks, every unwritten row poisoned."""
+    queries): 3 query heads per KV head, windows, partial blocks, every unwritten row poisoned;
+    K and V in one form or one-byte keys over 4-bit values."""
     kernel = paged_decode_kernel(without_avx512=without_avx512)
-    assert kernel.reads(torch.float32, codes, head_size)
-    q, k_cache, v_cache, table, starts, lens, want = paged_step(head_size, block_size, codes)
+    assert kernel.reads(torch.float32, codes, head_size, v_codes)
+    q, k_cache, v_cache, table, starts, lens, want = paged_step(head_size, block_size, codes, v_codes=v_codes)
     out = torch.empty_like(q)
     kernel(out, q, k_cache, v_cache, table, starts, lens, 1 / math.sqrt(head_size))
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_native_decode_refuses_kv_pairs_it_does_not_read():
+    """Only one-byte keys over 4-bit values may differ in form; 4-bit keys over int8 values are refused."""
+    kernel = paged_decode_kernel()
+    assert not kernel.reads(torch.float32, torch.uint8, 64, torch.int8)
+    assert not kernel.reads(torch.float32, torch.float16, 64, torch.uint8)
+    q, k_cache, _, table, starts, lens, _ = paged_step(64, 16, torch.uint8)
+    _, _, v_cache, *_ = paged_step(64, 16, torch.int8)
+    with pytest.raises(RuntimeError, match="keys over uint8"):
+        kernel(torch.empty_like(q), q, k_cache, v_cache, table, starts, lens, 0.125)
 
 
 @needs_native
@@ -227,11 +248,12 @@ def test_fused_decode_writes_the_bytes_the_backend_writes(codes, head_dim):
 VARIANTS = ["exact", "exact-pytorch", "whole_block", "flex"]
 
 
-@ALL_CODES
+@KV_CODES
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_backends_attend_the_dequantised_cache(variant, codes):
-    """Decodes and prefill chunks (fresh and continued) over an int8 cache equal dense attention over
-    the dequantised K/V; on a poisoned cache the whole-page readers turn NaN and the exact one does not."""
+def test_backends_attend_the_dequantised_cache(variant, codes, v_codes):
+    """Decodes and prefill chunks (fresh and continued) over a quantized cache (K and V in one form, or
+    one-byte keys over 4-bit values) equal dense attention over the dequantised K/V; on a poisoned
+    cache the whole-page readers turn NaN and the exact one does not."""
     hq, hkv, d, bs = 4, 2, 8, 4
     seqs = [(5, 1), (12, 1), (3, 1), (0, 9), (6, 5)]
     gen = torch.Generator().manual_seed(0)
@@ -239,7 +261,8 @@ def test_backends_attend_the_dequantised_cache(variant, codes):
     for poison in (False, True):
         k_cache = empty_cache((40, bs, hkv), d, codes)
         kv_quant.fill_rows(k_cache, 0, torch.arange(1, 40), poison=poison)
-        v_cache = k_cache.clone()
+        v_cache = empty_cache((40, bs, hkv), d, v_codes)
+        kv_quant.fill_rows(v_cache, 0, torch.arange(1, 40), poison=poison)
         full_k, full_v, tables, free = [], [], [], list(range(1, 40))
         gen.manual_seed(0)
         for c, n in seqs:
@@ -249,7 +272,8 @@ def test_backends_attend_the_dequantised_cache(variant, codes):
             full_v.append(torch.randn(c + n, hkv, d, generator=gen))
             for p in range(c):
                 k_cache.view(torch.uint8)[blocks[p // bs], p % bs] = kv_quant.encode(full_k[-1][p], codes).view(torch.uint8)
-                v_cache.view(torch.uint8)[blocks[p // bs], p % bs] = kv_quant.encode(full_v[-1][p], codes).view(torch.uint8)
+                v_row = kv_quant.encode(full_v[-1][p], v_codes)
+                v_cache.view(torch.uint8)[blocks[p // bs], p % bs] = v_row.view(torch.uint8)
         q = torch.randn(sum(n for _, n in seqs), hq, d, generator=gen)
         k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, seqs)])
         v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, seqs)])
@@ -262,7 +286,7 @@ def test_backends_attend_the_dequantised_cache(variant, codes):
     out = results[False]
     for i, (c, n) in enumerate(seqs):
         s = layout.query_start[i]
-        keys, values = dequantised(full_k[i], codes), dequantised(full_v[i], codes)
+        keys, values = dequantised(full_k[i], codes), dequantised(full_v[i], v_codes)
         scores = q[s:s + n].transpose(0, 1) @ keys.repeat_interleave(2, 1).permute(1, 2, 0) / math.sqrt(d)
         mask = torch.arange(c + n)[None] <= torch.arange(c, c + n)[:, None]
         want = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values.repeat_interleave(2, 1).transpose(0, 1))
@@ -271,3 +295,12 @@ def test_backends_attend_the_dequantised_cache(variant, codes):
         assert results[True].isnan().any()
     else:
         assert torch.equal(results[True], out)
+
+
+@pytest.mark.parametrize("dim", [64, 96, 8])
+def test_rotation_butterflies_equal_the_matrix(dim):
+    """rotate_queries / unrotate_output (butterflies, no matmul) apply R and R^T of `rotation`."""
+    x = torch.randn(3, 4, dim)
+    r_t = kv_quant.rotation(dim)
+    torch.testing.assert_close(kv_quant.rotate_queries(x), x @ r_t, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kv_quant.unrotate_output(x), x @ r_t.t(), atol=1e-6, rtol=1e-5)

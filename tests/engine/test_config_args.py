@@ -17,6 +17,7 @@ from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
 # The engine flags as `add_engine_args` wrote them out by hand, before they were generated.
 ENGINE_FLAGS = {"--model", "--max-model-len", "--block-size", "--kv-cache-memory", "--max-num-seqs",
                 "--max-num-batched-tokens", "--no-prefix-caching", "--attention-backend", "--kv-cache-dtype",
+                "--k-cache-dtype", "--v-cache-dtype",
                 "--num-threads", "--no-adaptive-threads", "--poison", "--no-quantized-matmul", "--state-checkpoint-share",
                 "--state-checkpoint-interval", "--state-checkpoint-savings-weight",
                 "--tensor-parallel-size", "--distributed-executor", "--distributed-timeout-s",

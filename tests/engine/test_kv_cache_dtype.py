@@ -8,7 +8,8 @@ this random model's greedy picks within a few tokens, so for it only the storage
 and the same memory must hold twice the blocks.
 
 int8 and fp8 (codes and a float16 scale per head vector, attention/kv_quant.py) must hold 3.8x the
-float32 blocks (the rotated 4-bit form 7x), read the same through every CPU backend, survive recycled poisoned blocks (C1:
+float32 blocks (the rotated 4-bit form 7x, k8v4's int8 keys with 4-bit values 5x), read the same
+through every CPU backend, survive recycled poisoned blocks (C1:
 identical epoch to epoch with the derived zeroing; broken on a whole-block reader without it), and
 give the same tokens with prefix caching on and off (C4). A dtype a backend or layer kind cannot
 read is refused at start-up.
@@ -27,7 +28,7 @@ from blockserve.attention.layer import Attention
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import refuse_unreadable_kv_dtype
-from blockserve.kv.specs import MLASpec, with_kv_cache_dtype
+from blockserve.kv.specs import FullAttentionSpec, MLASpec, with_kv_cache_dtype
 from blockserve.models.random_checkpoint import save_random_model
 from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
 from tests.scenarios import engine_prompts
@@ -71,10 +72,17 @@ def test_unknown_kv_cache_dtype_is_rejected():
         EngineConfig(kv_cache_dtype="int3")
 
 
-QUANTIZED = pytest.mark.parametrize("dtype", ["int8", "fp8", "int4"])
-STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
-ROW_BYTES = {"int8": 64 + 2, "fp8": 64 + 2, "int4": 32 + 4}  # codes, then the scale (4-bit: and minimum)
-AGAINST_FLOAT16 = {"int8": "1.94x", "fp8": "1.94x", "int4": "3.56x"}
+QUANTIZED = pytest.mark.parametrize("dtype", ["int8", "fp8", "int4", "k8v4"])
+STORED = {"int8": (torch.int8,) * 2, "fp8": (torch.float8_e4m3fn,) * 2, "int4": (torch.uint8,) * 2,
+          "k8v4": (torch.int8, torch.uint8)}  # K's, V's
+# K's and V's row bytes: codes, then the scale (4-bit: and minimum)
+ROW_BYTES = {"int8": (64 + 2,) * 2, "fp8": (64 + 2,) * 2, "int4": (32 + 4,) * 2, "k8v4": (64 + 2, 32 + 4)}
+AGAINST_FLOAT16 = {"int8": "1.94x", "fp8": "1.94x", "int4": "3.56x", "k8v4": "2.51x"}
+AGAINST_FLOAT32 = {"int8": 3.8, "fp8": 3.8, "int4": 7, "k8v4": 5}
+# k8v4 stores each side as int8 and int4 do: with one backend each below (whole blocks for C1, where
+# zeroing forced off must break; exact reads for C4), its own tensors and zero orders are covered.
+PER_BACKEND = pytest.mark.parametrize("backend,dtype", [
+    *((b, d) for b in ("exact", "whole_block") for d in ("int8", "fp8", "int4")), ("whole_block", "k8v4")])
 
 
 @QUANTIZED
@@ -83,18 +91,19 @@ def test_quantized_cache_holds_codes_scales_and_3_8x_the_float32_tokens(model_pa
     got, quantized = run(model_path, dtype, check_integrity=True)
     assert all(len(tokens) == 40 for tokens in got)
     caches = quantized.engine.core.runner.layer_caches.values()
-    assert {(c.k_cache.dtype, c.k_cache.shape[-1]) for c in caches} == {(STORED[dtype], ROW_BYTES[dtype])}
+    assert {((c.k_cache.dtype, c.v_cache.dtype), (c.k_cache.shape[-1], c.v_cache.shape[-1])) for c in caches} == {
+        (STORED[dtype], ROW_BYTES[dtype])}
     blocks = lambda llm: sum(g.num_blocks for g in llm.engine.core.kv_config.groups)  # noqa: E731
-    assert blocks(quantized) >= (7 if dtype == "int4" else 3.8) * blocks(full)
+    assert blocks(quantized) >= AGAINST_FLOAT32[dtype] * blocks(full)
     assert f"{AGAINST_FLOAT16[dtype]} float16" in quantized.engine.core.kv_config.capacity_report()
     # every backend reads the same codes: the native kernel, the gathered path, whole blocks
     assert run(model_path, dtype, attention_backend="whole_block")[0] == got
 
 
-# 2 layers x (K, V) x 4 slots x 2 heads x a row's bytes: 17 blocks hold one request of 64 tokens, far
+# 2 layers x 4 slots x 2 heads x a K and a V row's bytes: 17 blocks hold one request of 64 tokens, far
 # fewer than engine_prompts() need at once, so blocks recycle within an epoch.
 def small_quantized_cache(dtype: str) -> dict:
-    return dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 2 * 4 * 2 * ROW_BYTES[dtype])
+    return dict(block_size=4, max_model_len=64, kv_cache_memory=17 * 2 * 4 * 2 * sum(ROW_BYTES[dtype]))
 
 
 def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
@@ -103,8 +112,7 @@ def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
             for _ in range(count)]
 
 
-@QUANTIZED
-@pytest.mark.parametrize("backend", ["exact", "whole_block"])
+@PER_BACKEND
 def test_recycled_poisoned_quantized_blocks(model_path, backend, dtype):
     """C1 on quantized bytes: every garbage block holds poison codes and NaN scales. With the derived
     zeroing, every epoch gives the unpoisoned outputs; with zeroing forced off, the exact backend
@@ -120,8 +128,8 @@ def test_recycled_poisoned_quantized_blocks(model_path, backend, dtype):
         assert unzeroed == [want] * 2
 
 
-@QUANTIZED
-@pytest.mark.parametrize("backend", ["exact", "whole_block"])
+@pytest.mark.parametrize("backend,dtype", [
+    *((b, d) for b in ("exact", "whole_block") for d in ("int8", "fp8", "int4")), ("exact", "k8v4")])
 def test_quantized_prefix_caching_on_equals_off(model_path, backend, dtype):
     """C4: a prefix hit reads the stored codes (never re-quantised); a cold prompt attends the same
     dequantised K/V, so the tokens do not change."""
@@ -144,13 +152,31 @@ def test_quantized_dtypes_are_refused_where_they_cannot_be_read():
     for dtype in ("int8", "fp8", "int4"):
         with pytest.raises(ValueError, match=f"'{dtype}' is not built for MLA"):
             with_kv_cache_dtype(MLASpec(16, 32, 8), dtype)
+    split = with_kv_cache_dtype(attn.kv_cache_spec(16), "k8v4")  # a side the backend cannot read is named
+    with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
+        refuse_unreadable_kv_dtype("layers.0", attn, split)
+    with pytest.raises(ValueError, match="'float32' with v_cache_dtype 'int4' is not built"):  # the model's K
+        with_kv_cache_dtype(attn.kv_cache_spec(16), "int8", k_cache_dtype="auto", v_cache_dtype="int4")
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench", "latency"]], ids=" ".join)
 def test_every_command_takes_the_quantized_kv_cache_dtypes(command):
-    for dtype in ("int8", "fp8", "int4"):
+    for dtype in ("int8", "fp8", "int4", "k8v4"):
         args = build_parser().parse_args([*command, "--kv-cache-dtype", dtype])
         assert config_from_namespace(EngineConfig, args).kv_cache_dtype == dtype
+    args = build_parser().parse_args([*command, "--k-cache-dtype", "fp8", "--v-cache-dtype", "int4"])
+    config = config_from_namespace(EngineConfig, args)
+    assert (config.kv_cache_dtype, config.k_cache_dtype, config.v_cache_dtype) == ("auto", "fp8", "int4")
+
+
+def test_split_kv_dtypes_are_checked_when_the_config_is_built():
+    """A K/V pair no kernel reads, or an unknown side, fails at EngineConfig naming the fields."""
+    with pytest.raises(ValueError, match="unknown k_cache_dtype 'int3'"):
+        EngineConfig(k_cache_dtype="int3")
+    with pytest.raises(ValueError, match="k_cache_dtype 'int4' with v_cache_dtype 'int8' is not built"):
+        EngineConfig(kv_cache_dtype="int4", v_cache_dtype="int8")
+    assert EngineConfig(k_cache_dtype="int8", v_cache_dtype="int4").kv_spec(FullAttentionSpec(16, 2, 64)).v_dtype == (
+        "int4_rotated")
 
 
 @pytest.mark.parametrize("family", [pytest.param("granitemoehybrid", marks=pytest.mark.slow), "qwen3_next"])
@@ -182,3 +208,18 @@ def test_int8_is_refused_for_a_model_with_mla_layers(tiny_model):
     path, _ = tiny_model("kimi_linear")
     with pytest.raises(ValueError, match="'int8' is not built for MLA"):
         LLM(str(path), kv_cache_dtype="int8", kv_cache_memory="16MiB", max_model_len=192)
+
+
+@pytest.mark.model_quality
+def test_needle_retrieval_is_unchanged_by_the_quantized_caches():
+    """The bundled model finds a passphrase at 10%, 50% and 90% of a 1024-token prose prompt with the
+    float32 cache (so the check can fail), and with every quantized cache as well."""
+    from blockserve.bench.needle import needle_cases, needle_retrieval
+    from blockserve.models.default_model import default_model_path
+
+    found = {}
+    for dtype in ("auto", "int8", "fp8", "int4", "k8v4"):
+        llm = LLM(str(default_model_path()), kv_cache_dtype=dtype, kv_cache_memory="128MiB", max_model_len=1040)
+        found[dtype] = needle_retrieval(llm, needle_cases(llm.get_tokenizer(), [1024], [0.1, 0.5, 0.9]))
+    assert found["auto"] == [True] * 3
+    assert found == {dtype: [True] * 3 for dtype in found}

@@ -3,6 +3,7 @@
 import pytest
 
 from blockserve.kv import FullAttentionSpec, LinearStateSpec, MLASpec, SlidingWindowSpec, zero_new_blocks
+from blockserve.kv.specs import with_kv_cache_dtype
 from tests.kv.conftest import full, mla, sliding, state
 
 
@@ -98,3 +99,25 @@ def test_specs_are_frozen_and_hashable():
 def test_zero_new_blocks_derivation(spec, backend_reads_unwritten, expected):
     """C1: attention groups follow the backend's declaration; a state starts at zero unless it says not."""
     assert zero_new_blocks(spec, backend_reads_unwritten) is expected
+
+
+def test_keys_and_values_in_their_own_dtypes():
+    """k8v4 (and k_cache_dtype / v_cache_dtype): int8 keys (64 codes + scale) with rotated 4-bit values
+    (32 bytes + scale and minimum) per head vector; a pair the kernels do not read is refused naming both."""
+    base = FullAttentionSpec(16, 3, 64)
+    split = with_kv_cache_dtype(base, "k8v4")
+    assert (split.dtype, split.v_dtype, split.dtype_name) == ("int8", "int4_rotated", "int8 keys / int4 values")
+    assert split.page_size_bytes == 16 * 3 * (66 + 36) and split.is_quantized
+    assert with_kv_cache_dtype(base, "int4", k_cache_dtype="int8") == split
+    assert with_kv_cache_dtype(base, "fp8", v_cache_dtype="int4").v_dtype == "int4_rotated"
+    assert with_kv_cache_dtype(base, "k8v4", v_cache_dtype="int8") == with_kv_cache_dtype(base, "int8")
+    assert with_kv_cache_dtype(base, "int8", k_cache_dtype="int8").v_dtype is None  # one dtype: one tensor
+    assert with_kv_cache_dtype(SlidingWindowSpec(16, 3, 64, sliding_window=8), "k8v4").sliding_window == 8
+    with pytest.raises(ValueError, match="k_cache_dtype 'int4' with v_cache_dtype 'int8' is not built"):
+        with_kv_cache_dtype(base, "int4", v_cache_dtype="int8")
+    with pytest.raises(ValueError, match="k_cache_dtype 'float16' with v_cache_dtype 'int4' is not built"):
+        with_kv_cache_dtype(base, "auto", k_cache_dtype="float16", v_cache_dtype="int4")
+    with pytest.raises(ValueError, match="unknown v_cache_dtype 'k8v4'"):
+        with_kv_cache_dtype(base, "auto", v_cache_dtype="k8v4")
+    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
+        with_kv_cache_dtype(MLASpec(16, 32, 8), "k8v4")

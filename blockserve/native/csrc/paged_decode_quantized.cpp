@@ -5,7 +5,9 @@
 // A cache row is one head vector of one token: D one-byte codes (int8, or float8 e4m3), then its
 // float16 scale (x = c * s); or (the rotated 4-bit form, a uint8 cache) D / 2 bytes of 4-bit codes,
 // low nibble first, then its float16 scale and minimum (x = c * s + m). The rotation is the
-// caller's: it passes rotated queries and un-rotates the output. The SIMD paths widen e4m3 codes
+// caller's: it passes rotated queries (4-bit keys) and un-rotates the output (4-bit values). K and V
+// may be stored in different forms: one-byte keys over 4-bit values (templates <FK, FV>, each side
+// with its own row bytes). The SIMD paths widen e4m3 codes
 // through float16: the code's sign, exponent and mantissa shifted into a float16's place stand for
 // its value / 256 (subnormals too), and the 256 is folded into the scale.
 // Scales are folded, never multiplied into the codes:
@@ -117,14 +119,14 @@ inline void quantize_row(const float* x, int8_t* row, int64_t dim) {
 }
 
 // Requests the rows [lo, hi) of the next block (K and V, the item's head) ahead of their use.
-inline void prefetch_rows(const int8_t* next_k, const int8_t* next_v, int64_t lo, int64_t hi, int64_t slot_stride,
-                          int64_t row_bytes) {
+template <int FK, int FV>
+inline void prefetch_rows(const int8_t* next_k, const int8_t* next_v, int64_t lo, int64_t hi, int64_t k_stride,
+                          int64_t v_stride, int64_t dim) {
   if (next_k == nullptr) return;
-  for (int64_t j = lo; j < hi; ++j)
-    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-      __builtin_prefetch(next_k + j * slot_stride + byte);
-      __builtin_prefetch(next_v + j * slot_stride + byte);
-    }
+  for (int64_t j = lo; j < hi; ++j) {
+    for (int64_t byte = 0; byte < row_bytes<FK>(dim); byte += 64) __builtin_prefetch(next_k + j * k_stride + byte);
+    for (int64_t byte = 0; byte < row_bytes<FV>(dim); byte += 64) __builtin_prefetch(next_v + j * v_stride + byte);
+  }
 }
 
 // The arguments of one (sequence, KV head) item: its `group` query heads against the K/V rows of
@@ -135,7 +137,7 @@ struct Item {
   const int8_t* k;          // the cache's first row of this KV head (slot 0)
   const int8_t* v;
   const int64_t* table;     // the sequence's block table row
-  int64_t start, stop, group, dim, block_size, slot_stride;  // slot_stride: bytes between slots
+  int64_t start, stop, group, dim, block_size, k_stride, v_stride;  // bytes between slots of K, of V
   float scale;
   const float* qsum;        // [group]: each query head's sum (the 4-bit form's minimum times it)
   float* acc;               // [group, dim]
@@ -149,19 +151,18 @@ struct Item {
 // Where the block holding `base` starts, and the next block (null where the sequence ends first).
 inline void block_of(const Item& it, int64_t base, const int8_t** k, const int8_t** v, const int8_t** next_k,
                      const int8_t** next_v) {
-  const int64_t block_stride = it.block_size * it.slot_stride;
-  const int64_t offset = it.table[base / it.block_size] * block_stride;
-  *k = it.k + offset;
-  *v = it.v + offset;
+  const int64_t block = it.table[base / it.block_size];
+  *k = it.k + block * it.block_size * it.k_stride;
+  *v = it.v + block * it.block_size * it.v_stride;
   *next_k = *next_v = nullptr;
   if (base + it.block_size < it.stop) {
-    const int64_t next = it.table[base / it.block_size + 1] * block_stride;
-    *next_k = it.k + next;
-    *next_v = it.v + next;
+    const int64_t next = it.table[base / it.block_size + 1];
+    *next_k = it.k + next * it.block_size * it.k_stride;
+    *next_v = it.v + next * it.block_size * it.v_stride;
   }
 }
 
-template <int F>
+template <int FK, int FV>
 void attend_portable(const Item& it) {
   const int64_t dim = it.dim;
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
@@ -169,14 +170,14 @@ void attend_portable(const Item& it) {
     block_of(it, base, &kb, &vb, &nk, &nv);
     const int64_t lo = std::max(it.start, base) - base, hi = std::min(it.stop, base + it.block_size) - base;
     for (int64_t j = lo; j < hi; ++j) {
-      const int8_t* kr = kb + j * it.slot_stride;
-      const int8_t* vr = vb + j * it.slot_stride;
-      const float ks = row_scale<F>(kr, dim) * it.scale, vs = row_scale<F>(vr, dim);
-      const float km = row_minimum<F>(kr, dim) * it.scale, vm = row_minimum<F>(vr, dim);
+      const int8_t* kr = kb + j * it.k_stride;
+      const int8_t* vr = vb + j * it.v_stride;
+      const float ks = row_scale<FK>(kr, dim) * it.scale, vs = row_scale<FV>(vr, dim);
+      const float km = row_minimum<FK>(kr, dim) * it.scale, vm = row_minimum<FV>(vr, dim);
       for (int64_t hq = 0; hq < it.group; ++hq) {
         const float* qh = it.q + hq * dim;
         float dot = 0.f;
-        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * code_value<F>(kr, d);
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * code_value<FK>(kr, d);
         const float score = dot * ks + km * it.qsum[hq];
         const float new_max = std::max(it.run_max[hq], score);
         const float fix = fast_exp(it.run_max[hq] - new_max), w = fast_exp(score - new_max);
@@ -184,7 +185,7 @@ void attend_portable(const Item& it) {
         it.run_sum[hq] = it.run_sum[hq] * fix + w;
         float* ah = it.acc + hq * dim;
         const float wv = w * vs, wm = w * vm;
-        for (int64_t d = 0; d < dim; ++d) ah[d] = ah[d] * fix + (wv * code_value<F>(vr, d) + wm);
+        for (int64_t d = 0; d < dim; ++d) ah[d] = ah[d] * fix + (wv * code_value<FV>(vr, d) + wm);
       }
     }
   }
@@ -213,10 +214,10 @@ inline __m512 codes16(const int8_t* row, int c) {
 
 // Head size 16 * C, keys 16 at a time: per query head the chunk's 16 scores in one vector, the
 // online softmax on it, then its V-scaled weights into the head's accumulator.
-template <int F, int C>
+template <int FK, int FV, int C>
 void attend_avx512(const Item& it) {
   constexpr int64_t dim = 16 * C;
-  const int64_t stride = it.slot_stride;
+  const int64_t ks_stride = it.k_stride, vs_stride = it.v_stride;
   alignas(64) float kscale[16], vscale[16], kmin[16], vmin[16];
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
     const int8_t *kb, *vb, *nk, *nv;
@@ -224,28 +225,28 @@ void attend_avx512(const Item& it) {
     const int64_t hi = std::min(it.stop, base + it.block_size) - base;
     for (int64_t lo = std::max(it.start, base) - base; lo < hi; lo += 16) {
       const int64_t n = std::min<int64_t>(16, hi - lo);
-      prefetch_rows(nk, nv, lo, std::min(lo + 16, it.block_size), stride, row_bytes<F>(dim));
+      prefetch_rows<FK, FV>(nk, nv, lo, std::min(lo + 16, it.block_size), ks_stride, vs_stride, dim);
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
       for (int j = 0; j < 16; ++j) {
-        kscale[j] = j < n ? row_scale<F>(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<F>) : 0.f;
-        vscale[j] = j < n ? row_scale<F>(vb + (lo + j) * stride, dim) * kSimdUnit<F> : 0.f;
-        kmin[j] = j < n ? row_minimum<F>(kb + (lo + j) * stride, dim) * it.scale : 0.f;
-        vmin[j] = j < n ? row_minimum<F>(vb + (lo + j) * stride, dim) : 0.f;
+        kscale[j] = j < n ? row_scale<FK>(kb + (lo + j) * ks_stride, dim) * (it.scale * kSimdUnit<FK>) : 0.f;
+        vscale[j] = j < n ? row_scale<FV>(vb + (lo + j) * vs_stride, dim) * kSimdUnit<FV> : 0.f;
+        kmin[j] = j < n ? row_minimum<FK>(kb + (lo + j) * ks_stride, dim) * it.scale : 0.f;
+        vmin[j] = j < n ? row_minimum<FV>(vb + (lo + j) * vs_stride, dim) : 0.f;
       }
       const __m512 ks = _mm512_load_ps(kscale), vs = _mm512_load_ps(vscale);
       const __m512 km = _mm512_load_ps(kmin), vm = _mm512_load_ps(vmin);
       for (int64_t hq = 0; hq < it.group; ++hq) {
-        const int8_t* kh = kb + lo * stride;
+        const int8_t* kh = kb + lo * ks_stride;
         __m512 q[C], part[16];
         for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(it.q + hq * dim + 16 * c);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
           part[j] = _mm512_setzero_ps();
           if (j < n)
-            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16<F>(kh + j * stride, c), part[j]);
+            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16<FK>(kh + j * ks_stride, c), part[j]);
         }
         __m512 score = _mm512_mul_ps(lanes_transpose_sum16(part), ks);
-        if constexpr (F == kInt4) score = _mm512_fmadd_ps(km, _mm512_set1_ps(it.qsum[hq]), score);
+        if constexpr (FK == kInt4) score = _mm512_fmadd_ps(km, _mm512_set1_ps(it.qsum[hq]), score);
         _mm512_store_ps(it.weights + 16 * hq, score);
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {
@@ -255,15 +256,15 @@ void attend_avx512(const Item& it) {
         it.correction[hq] = fast_exp(it.run_max[hq] - chunk_max);
         it.run_max[hq] = chunk_max;
         it.run_sum[hq] = it.run_sum[hq] * it.correction[hq] + _mm512_reduce_add_ps(w);
-        if constexpr (F == kInt4) it.bias[hq] = _mm512_reduce_add_ps(_mm512_mul_ps(w, vm));
+        if constexpr (FV == kInt4) it.bias[hq] = _mm512_reduce_add_ps(_mm512_mul_ps(w, vm));
         _mm512_store_ps(it.weights + 16 * hq, _mm512_mul_ps(w, vs));
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {  // even and odd keys in two chains
-        const int8_t* vh = vb + lo * stride;
+        const int8_t* vh = vb + lo * vs_stride;
         const float* wh = it.weights + 16 * hq;
         float* ah = it.acc + hq * dim;
         __m512 even[C], odd[C];
-        const __m512 bias = _mm512_set1_ps(F == kInt4 ? it.bias[hq] : 0.f);
+        const __m512 bias = _mm512_set1_ps(FV == kInt4 ? it.bias[hq] : 0.f);
         for (int c = 0; c < C; ++c) {
           even[c] = _mm512_fmadd_ps(_mm512_loadu_ps(ah + 16 * c), _mm512_set1_ps(it.correction[hq]), bias);
           odd[c] = _mm512_setzero_ps();
@@ -272,13 +273,13 @@ void attend_avx512(const Item& it) {
         for (; j + 1 < n; j += 2) {
           const __m512 we = _mm512_set1_ps(wh[j]), wo = _mm512_set1_ps(wh[j + 1]);
           for (int c = 0; c < C; ++c) {
-            even[c] = _mm512_fmadd_ps(we, codes16<F>(vh + j * stride, c), even[c]);
-            odd[c] = _mm512_fmadd_ps(wo, codes16<F>(vh + (j + 1) * stride, c), odd[c]);
+            even[c] = _mm512_fmadd_ps(we, codes16<FV>(vh + j * vs_stride, c), even[c]);
+            odd[c] = _mm512_fmadd_ps(wo, codes16<FV>(vh + (j + 1) * vs_stride, c), odd[c]);
           }
         }
         if (j < n) {
           const __m512 we = _mm512_set1_ps(wh[j]);
-          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16<F>(vh + j * stride, c), even[c]);
+          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16<FV>(vh + j * vs_stride, c), even[c]);
         }
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, _mm512_add_ps(even[c], odd[c]));
       }
@@ -312,11 +313,11 @@ inline __m256 codes8(const int8_t* row, int c) {
 
 // attend_avx512's contract on 8 lanes, head size 8 * C; the V rows go into the accumulator
 // SLICE registers at a time.
-template <int F, int C>
+template <int FK, int FV, int C>
 void attend_avx2(const Item& it) {
   constexpr int64_t dim = 8 * C;
   constexpr int SLICE = C < 8 ? C : 8;
-  const int64_t stride = it.slot_stride;
+  const int64_t ks_stride = it.k_stride, vs_stride = it.v_stride;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float kscale[8], vscale[8], kmin[8], vmin[8];
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
@@ -325,18 +326,18 @@ void attend_avx2(const Item& it) {
     const int64_t hi = std::min(it.stop, base + it.block_size) - base;
     for (int64_t lo = std::max(it.start, base) - base; lo < hi; lo += 8) {
       const int64_t n = std::min<int64_t>(8, hi - lo);
-      prefetch_rows(nk, nv, lo, std::min(lo + 8, it.block_size), stride, row_bytes<F>(dim));
+      prefetch_rows<FK, FV>(nk, nv, lo, std::min(lo + 8, it.block_size), ks_stride, vs_stride, dim);
       const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
       for (int j = 0; j < 8; ++j) {
-        kscale[j] = j < n ? row_scale<F>(kb + (lo + j) * stride, dim) * (it.scale * kSimdUnit<F>) : 0.f;
-        vscale[j] = j < n ? row_scale<F>(vb + (lo + j) * stride, dim) * kSimdUnit<F> : 0.f;
-        kmin[j] = j < n ? row_minimum<F>(kb + (lo + j) * stride, dim) * it.scale : 0.f;
-        vmin[j] = j < n ? row_minimum<F>(vb + (lo + j) * stride, dim) : 0.f;
+        kscale[j] = j < n ? row_scale<FK>(kb + (lo + j) * ks_stride, dim) * (it.scale * kSimdUnit<FK>) : 0.f;
+        vscale[j] = j < n ? row_scale<FV>(vb + (lo + j) * vs_stride, dim) * kSimdUnit<FV> : 0.f;
+        kmin[j] = j < n ? row_minimum<FK>(kb + (lo + j) * ks_stride, dim) * it.scale : 0.f;
+        vmin[j] = j < n ? row_minimum<FV>(vb + (lo + j) * vs_stride, dim) : 0.f;
       }
       const __m256 ks = _mm256_load_ps(kscale), vs = _mm256_load_ps(vscale);
       const __m256 km = _mm256_load_ps(kmin), vm = _mm256_load_ps(vmin);
       for (int64_t hq = 0; hq < it.group; ++hq) {
-        const int8_t* kh = kb + lo * stride;
+        const int8_t* kh = kb + lo * ks_stride;
         const float* qh = it.q + hq * dim;
         __m256 part[8];
         for (int j = 0; j < 8; ++j) part[j] = _mm256_setzero_ps();
@@ -344,10 +345,10 @@ void attend_avx2(const Item& it) {
           const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
-            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8<F>(kh + j * stride, c), part[j]);
+            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8<FK>(kh + j * ks_stride, c), part[j]);
         }
         __m256 score = _mm256_mul_ps(lanes_transpose_sum8(part), ks);
-        if constexpr (F == kInt4) score = _mm256_fmadd_ps(km, _mm256_set1_ps(it.qsum[hq]), score);
+        if constexpr (FK == kInt4) score = _mm256_fmadd_ps(km, _mm256_set1_ps(it.qsum[hq]), score);
         _mm256_store_ps(it.weights + 8 * hq, score);
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {
@@ -357,21 +358,21 @@ void attend_avx2(const Item& it) {
         it.correction[hq] = fast_exp(it.run_max[hq] - chunk_max);
         it.run_max[hq] = chunk_max;
         it.run_sum[hq] = it.run_sum[hq] * it.correction[hq] + lanes_add8(w);
-        if constexpr (F == kInt4) it.bias[hq] = lanes_add8(_mm256_mul_ps(w, vm));
+        if constexpr (FV == kInt4) it.bias[hq] = lanes_add8(_mm256_mul_ps(w, vm));
         _mm256_store_ps(it.weights + 8 * hq, _mm256_mul_ps(w, vs));
       }
       for (int64_t hq = 0; hq < it.group; ++hq) {
-        const int8_t* vh = vb + lo * stride;
+        const int8_t* vh = vb + lo * vs_stride;
         const float* wh = it.weights + 8 * hq;
-        const __m256 fix = _mm256_set1_ps(it.correction[hq]), bias = _mm256_set1_ps(F == kInt4 ? it.bias[hq] : 0.f);
+        const __m256 fix = _mm256_set1_ps(it.correction[hq]), bias = _mm256_set1_ps(FV == kInt4 ? it.bias[hq] : 0.f);
         for (int s = 0; s < C; s += SLICE) {
           float* ah = it.acc + hq * dim + 8 * s;
           __m256 sum[SLICE];
           for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(_mm256_loadu_ps(ah + 8 * c), fix, bias);
           for (int64_t j = 0; j < n; ++j) {
             const __m256 wj = _mm256_set1_ps(wh[j]);
-            const int8_t* vr = vh + j * stride;
-            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8<F>(vr, s + c), sum[c]);
+            const int8_t* vr = vh + j * vs_stride;
+            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8<FV>(vr, s + c), sum[c]);
           }
           for (int c = 0; c < SLICE; ++c) _mm256_storeu_ps(ah + 8 * c, sum[c]);
         }
@@ -383,18 +384,26 @@ void attend_avx2(const Item& it) {
 
 using Path = void (*)(const Item&);
 
-template <int F>
+template <int FK, int FV>
 Path path_for(int64_t dim) {
 #if QUANTIZED_KV_AVX512
-  if (dim == 64) return attend_avx512<F, 4>;
-  if (dim == 128) return attend_avx512<F, 8>;
-  if (dim == 256) return attend_avx512<F, 16>;
+  if (dim == 64) return attend_avx512<FK, FV, 4>;
+  if (dim == 128) return attend_avx512<FK, FV, 8>;
+  if (dim == 256) return attend_avx512<FK, FV, 16>;
 #elif QUANTIZED_KV_AVX2
-  if (dim == 64) return attend_avx2<F, 8>;
-  if (dim == 128) return attend_avx2<F, 16>;
-  if (dim == 256) return attend_avx2<F, 32>;
+  if (dim == 64) return attend_avx2<FK, FV, 8>;
+  if (dim == 128) return attend_avx2<FK, FV, 16>;
+  if (dim == 256) return attend_avx2<FK, FV, 32>;
 #endif
-  return attend_portable<F>;
+  return attend_portable<FK, FV>;
+}
+
+// The path for keys of form `fk` and values of form `fv`: one form for both, or one-byte keys over
+// 4-bit values (check_quantized_cache refuses the rest).
+Path path_for_forms(int fk, int fv, int64_t dim) {
+  if (fv == kInt4 && fk != kInt4) return fk == kFp8 ? path_for<kFp8, kInt4>(dim) : path_for<kInt8, kInt4>(dim);
+  if (fk == kInt4) return path_for<kInt4, kInt4>(dim);
+  return fk == kFp8 ? path_for<kFp8, kFp8>(dim) : path_for<kInt8, kInt8>(dim);
 }
 
 // The stored form of a cache, its head size and its row bytes.
@@ -413,16 +422,16 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                 const at::Tensor& key_start, const at::Tensor& seq_lens, float scale) {
   const int64_t n_kv_heads = k_cache.size(2), dim = head_size_of(k_cache), block_size = k_cache.size(1);
-  const int64_t group = n_heads / n_kv_heads, width = block_table.size(1), row = k_cache.size(3);
-  const int64_t slot_stride = n_kv_heads * row;
+  const int64_t group = n_heads / n_kv_heads, width = block_table.size(1);
+  const int64_t k_row = k_cache.size(3), v_row = v_cache.size(3);
   const int8_t* kp = static_cast<const int8_t*>(k_cache.data_ptr());
   const int8_t* vp = static_cast<const int8_t*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* starts = key_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int form = form_of(k_cache);
-  const Path attend = form == kInt4 ? path_for<kInt4>(dim) : form == kFp8 ? path_for<kFp8>(dim) : path_for<kInt8>(dim);
+  const bool rotated_keys = form_of(k_cache) == kInt4;
+  const Path attend = path_for_forms(form_of(k_cache), form_of(v_cache), dim);
   int64_t keys = 0;
   for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
   const int64_t items = n_seqs * n_kv_heads;
@@ -437,11 +446,11 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
       std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
       const float* q = qp + n * q_stride + kv * group * dim;
-      if (form == kInt4)
+      if (rotated_keys)
         for (int64_t hq = 0; hq < group; ++hq) qsum[hq] = std::accumulate(q + hq * dim, q + (hq + 1) * dim, 0.f);
-      const Item it{q, kp + kv * row, vp + kv * row, table + n * width, starts[n], lens[n], group, dim, block_size,
-                    slot_stride, scale, qsum.data(), acc.data(), weights, correction.data(), bias.data(),
-                    run_max.data(), run_sum.data()};
+      const Item it{q, kp + kv * k_row, vp + kv * v_row, table + n * width, starts[n], lens[n], group, dim,
+                    block_size, n_kv_heads * k_row, n_kv_heads * v_row, scale, qsum.data(), acc.data(), weights,
+                    correction.data(), bias.data(), run_max.data(), run_sum.data()};
       attend(it);
       float* on = op + n * n_heads * dim + kv * group * dim;
       for (int64_t hq = 0; hq < group; ++hq) {
@@ -460,11 +469,17 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
 void check_quantized_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                       const at::Tensor& key_start, const at::Tensor& seq_lens, int64_t n_seqs, int64_t n_heads,
                       int64_t dim, const char* name) {
-  TORCH_CHECK((k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn ||
-               k_cache.scalar_type() == at::kByte) && v_cache.scalar_type() == k_cache.scalar_type(),
-              name, ": int8, float8_e4m3fn or uint8 (4-bit) K and V caches of one dtype expected");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && head_size_of(k_cache) == dim, name,
-              ": K and V caches [blocks, block_size, Hkv, D + 2] (codes, float16 scale) or [..., D / 2 + 4] "
+  const auto one_byte = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kChar || t.scalar_type() == at::kFloat8_e4m3fn;
+  };
+  TORCH_CHECK((one_byte(k_cache) || k_cache.scalar_type() == at::kByte) &&
+                  (v_cache.scalar_type() == k_cache.scalar_type() ||
+                   (one_byte(k_cache) && v_cache.scalar_type() == at::kByte)),
+              name, ": int8, float8_e4m3fn or uint8 (4-bit) K and V caches of one dtype, or int8 / float8_e4m3fn "
+              "keys over uint8 (4-bit) values, expected");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3) &&
+                  head_size_of(k_cache) == dim && head_size_of(v_cache) == dim,
+              name, ": K and V caches [blocks, block_size, Hkv, D + 2] (codes, float16 scale) or [..., D / 2 + 4] "
               "(4-bit codes, float16 scale and minimum) expected");
   TORCH_CHECK(block_table.dtype() == at::kLong && key_start.dtype() == at::kLong && seq_lens.dtype() == at::kLong,
               name, ": int64 block_table, key_start and seq_lens expected");
@@ -498,7 +513,7 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
                   sin.dtype() == at::kFloat,
               name, ": float32 qkv, cos, sin and out expected");
   TORCH_CHECK(k_cache.dim() == 4, name, ": K and V caches [blocks, block_size, Hkv, D + 2] expected");
-  TORCH_CHECK(k_cache.scalar_type() != at::kByte, name,
+  TORCH_CHECK(k_cache.scalar_type() != at::kByte && v_cache.scalar_type() == k_cache.scalar_type(), name,
               ": the rotated 4-bit cache is written by attention/kv_quant.py, not by the fused decode step");
   const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes;
   check_quantized_cache(k_cache, v_cache, block_table, key_start, seq_lens, n_seqs, n_heads, dim, name);
