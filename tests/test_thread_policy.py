@@ -28,7 +28,7 @@ def test_the_cli_sets_it_before_torch_loads(argv):
     """libgomp reads its environment when torch loads: importing the CLI must not load torch, and
     main() applies the policy before any command runs."""
     code = ("import sys, os, blockserve.cli as cli; assert 'torch' not in sys.modules; "
-            "[os.environ.pop(k, None) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]; cli.build_parser = lambda: (_ for _ in ()).throw(SystemExit(0));\n"
+            "[os.environ.pop(k, None) for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]; cli.build_parser = lambda *args, **options: (_ for _ in ()).throw(SystemExit(0));\n"
             f"try:\n    cli.main({argv})\nexcept SystemExit:\n    pass\n"
             "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE' and 'torch' not in sys.modules")
     env = {"PATH": "/usr/bin:/bin"}
