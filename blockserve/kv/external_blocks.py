@@ -169,6 +169,10 @@ class ExternalBlocks:
         """The request was admitted or left: its prefetches are no longer waited for."""
         self._asked.pop(request_id, None)
 
+    def waiting_requests(self) -> list[str]:
+        """The requests whose prefetches are still waited for (none once every request was admitted or left)."""
+        return list(self._asked)
+
     def _most_blocks(self, request_id: str, computed, num_external: int, num_new: int) -> list[int]:
         """Per group, the most free blocks `allocate` may take, however much of the run loads: a full group's
         need grows with the run, a window group's is its window (hit, loaded or revived) and the new tokens'."""

@@ -348,4 +348,5 @@ class KVCacheManager:
         if self.external is not None:
             self.external.store.flush()
             assert self.external.store.is_idle(), "a save order was claimed but never submitted or released"
-            assert not self.external._asked, f"prefetches still waited for: {list(self.external._asked)}"
+            assert not self.external.waiting_requests(), \
+                f"prefetches still waited for: {self.external.waiting_requests()}"

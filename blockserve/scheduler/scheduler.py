@@ -122,9 +122,7 @@ class Scheduler:
             speculator.begin_step()
             if speculator.batches:  # drafts for every request that may verify some, in one batch
                 speculator.prepare_step([(request.request_id, request.token_ids, room) for request in running
-                                         if _may_draft(request) and (room := min(
-                                             budget - 1, cap - 1,
-                                             request.max_output_tokens - len(request.output_token_ids) - 1)) > 0],
+                                         if _may_draft(request) and (room := _draft_room(request, budget, cap)) > 0],
                                         len(running))
 
         # This loop and the one that fills the token ids run for every running request every step.
@@ -141,7 +139,7 @@ class Scheduler:
                 continue
             block_ids = None
             if speculator is not None and _may_draft(request):
-                room = min(budget - 1, cap - 1, request.max_output_tokens - len(request.output_token_ids) - 1)
+                room = _draft_room(request, budget, cap)
                 drafts = speculator.propose(request.request_id, request.token_ids, room, len(running)) if room > 0 else ()
                 if drafts and (block_ids := allocate_slots(request, 1 + len(drafts))) is not None:
                     drafts_of[request.request_id] = drafts
@@ -446,6 +444,12 @@ def _wants_prompt_logprobs(request: Request) -> bool:
     """Prompt logprobs need the logits of every prompt token, which tokens served from the prefix
     cache lack (worker/prompt_logprobs.py): such a request is admitted without a hit until it sampled."""
     return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
+
+
+def _draft_room(request: Request, budget: int, cap: int) -> int:
+    """The most drafts a decoding request may verify this step: past its one token, within the step's
+    token budget, the chunk cap and its max_tokens."""
+    return min(budget - 1, cap - 1, request.max_output_tokens - len(request.output_token_ids) - 1)
 
 
 def _may_draft(request: Request) -> bool:

@@ -97,7 +97,7 @@ def test_a_tier_hit_is_read_while_running_requests_decode(llama, tmp_path):
         while engine.has_unfinished_requests():
             outputs.update((o.request_id, o) for o in engine.step() if o.finished)
         external = engine.core.kv.external
-        assert external.num_load_waits >= 1 and not external._asked
+        assert external.num_load_waits >= 1 and not external.waiting_requests()
         assert restarted.engine.stats().kv_offload.tiers[0].hits == 35
     assert (outputs["from disk"].outputs[0].token_ids, outputs["from disk"].num_cached_tokens) == (expected[0], 140)
     assert outputs["decoding"].outputs[0].token_ids == expected[1]
