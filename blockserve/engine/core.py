@@ -223,8 +223,8 @@ class EngineCore:
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
         if self.executor is None:
             self.runner = ModelRunner(self.loaded.model, *runner_args, device=plan.device)
-        if self.kv_offload is not None:
-            self.runner.offload = self.kv_offload
+        if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
+            (self.runner if self.executor is None else self.executor.runner).offload = self.kv_offload
         self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
         if self.executor is None and plan.device.type == "cpu" and config.adaptive_threads:
             self.thread_governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
