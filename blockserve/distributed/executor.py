@@ -132,18 +132,20 @@ class TensorParallelExecutor:
                 raise exited.start_up_failure() from error
             raise
 
-    def start(self, kv_config, max_num_seqs: int, max_model_len: int, seed: int | None, dtype=None):
+    def start(self, kv_config, max_num_seqs: int, max_model_len: int, seed: int | None, dtype=None,
+              offload_sizes: tuple[int, int] | None = None):
         """Every rank builds its ModelRunner over `kv_config` (checking its own KV specs equal rank 0's)
-        and, with kv_offload_dir, its second-tier store (`rank_fingerprints` then holds every rank's
-        fingerprint, for `dtype`, rank 0's); returns self, the runner the engine steps."""
+        and, given `offload_sizes` (kv_offload_dir: the writer queue's bytes and the disk cap), its
+        second-tier store; `rank_fingerprints` then holds every rank's fingerprint (of its shard in
+        `dtype`, rank 0's). Returns self, the runner the engine steps."""
         from blockserve.worker.model_runner import ModelRunner
 
         try:
             self.group.broadcast_object((kv_config, max_num_seqs, max_model_len), timeout=self._startup)
             self._raise_failed(self.group.gather_objects(("ok", None), timeout=self._startup), "set up its KV cache")
             self.runner = ModelRunner(self.loaded.model, kv_config, max_num_seqs, max_model_len, seed, device="cpu")
-            if self.config.kv_offload_enabled:
-                self.rank_fingerprints = self._share_offload(kv_config, dtype)
+            if offload_sizes is not None:
+                self.rank_fingerprints = self._share_offload(kv_config, dtype, offload_sizes)
         except BaseException as error:
             exited = self._exited_rank(error)
             self.close()
@@ -153,10 +155,10 @@ class TensorParallelExecutor:
         self._serving[0] = True
         return self
 
-    def _share_offload(self, kv_config, dtype) -> tuple[bytes, ...]:
+    def _share_offload(self, kv_config, dtype, sizes: tuple[int, int]) -> tuple[bytes, ...]:
         """Every rank's fingerprint, once each has checked it sees rank 0's directory and set up its tiers;
         sent to every rank, whose store then takes the save orders. ValueError naming a rank that cannot."""
-        from blockserve.engine.kv_offload import model_fingerprint
+        from blockserve.worker.kv_fingerprint import model_fingerprint
 
         directory = self.config.kv_offload_dir
         marker = f".tp-{uuid.uuid4().hex}"
@@ -168,7 +170,7 @@ class TensorParallelExecutor:
             raise ValueError(f"--kv-offload-dir {directory!r} cannot be used: {e.strerror or e}; give a directory "
                              "this process can create and write") from e
         try:
-            self.group.broadcast_object((dtype, marker), timeout=self._startup)
+            self.group.broadcast_object((dtype, marker, sizes), timeout=self._startup)
             own = model_fingerprint(self.loaded.model, self.config, kv_config, dtype, 0, self.size)
             reports = self.group.gather_objects(("ok", own), timeout=self._startup)
         finally:

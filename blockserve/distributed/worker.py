@@ -7,7 +7,7 @@
     gather ◄──────── (ok, KV memory) | error ──── report
     (KV config, max_num_seqs, max_model_len) ───► check its KV specs equal rank 0's; build a ModelRunner
     gather ◄──────── ok | error ───────────────── report
-    with kv_offload_dir: (dtype, marker) ───────► check rank 0's marker file is in its directory; its tiers
+    with kv_offload_dir: (dtype, marker, sizes) ► check rank 0's marker file is in its directory; its tiers
     gather ◄──────── (ok, fingerprint) | error ── fingerprint of its own shard ("rank r of N")
     every rank's fingerprints ─── broadcast ────► its store: writes its entries of the save orders
     per step: SchedulerOutput ─── broadcast ────► the same forward (collectives inside); no sampling
@@ -88,7 +88,7 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
         if mismatched:
             return
         runner = ModelRunner(loaded.model, kv_config, max_num_seqs, max_model_len, config.seed, device="cpu")
-        if config.kv_offload_enabled:
+        if config.kv_offload_dir is not None:
             store = runner.offload = _offload_store(group, config, kv_config, loaded.model, startup)
             if store is None:
                 return
@@ -107,17 +107,17 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
 def _offload_store(group, config, kv_config, model, startup):
     """This rank's second-tier store (executor.py's `_share_offload` on rank 0), or None when this rank
     could not set it up (reported to rank 0, which stops)."""
-    from blockserve.engine.kv_offload import model_fingerprint, rank_tiers
-    from blockserve.kv.tiers import TieredKVStore
+    from blockserve.kv.tiers import DiskTier, TieredKVStore
+    from blockserve.worker.kv_fingerprint import model_fingerprint
 
-    dtype, marker = group.broadcast_object(timeout=startup)
+    dtype, marker, (queue_bytes, disk_bytes) = group.broadcast_object(timeout=startup)
     tiers = None
     try:
         if not os.path.exists(os.path.join(config.kv_offload_dir, marker)):
             raise ValueError(f"rank {group.rank} does not see rank 0's --kv-offload-dir "
                              f"{os.path.abspath(config.kv_offload_dir)!r}: every rank reads the others' entries, "
                              "so they need one directory (a file system they share)")
-        tiers, queue_bytes = rank_tiers(config, kv_config)
+        tiers = [DiskTier(config.kv_offload_dir, disk_bytes)]
         report = ("ok", model_fingerprint(model, config, kv_config, dtype, group.rank, group.size))
     except Exception as error:
         report = ("error", _report(error))

@@ -20,7 +20,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
 from blockserve.engine.kv_budget import cuda_kv_budget, fixed_cuda_kv_bytes, graph_probe, profile_step
-from blockserve.engine.kv_offload import build_kv_offload
+from blockserve.engine.kv_offload import build_kv_offload, offload_sizes
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
@@ -208,8 +208,10 @@ class EngineCore:
             logger.warning("zeroing of new KV blocks is disabled: outputs may be corrupted (C1 tests only)")
         runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
         rank_fingerprints = None
-        if self.executor is not None:  # the ranks' runners (and second-tier stores) first: rank 0's store needs
-            self.runner = self.executor.start(*runner_args, dtype=plan.dtype)  # every rank's fingerprint
+        if self.executor is not None:  # the ranks' runners and second-tier stores first: rank 0's store needs
+            # every rank's fingerprint
+            sizes = offload_sizes(config, self.kv_config) if config.kv_offload_enabled else None
+            self.runner = self.executor.start(*runner_args, dtype=plan.dtype, offload_sizes=sizes)
             rank_fingerprints = self.executor.rank_fingerprints
         # A second prefix-cache tier (disk, host memory), if asked for: closed with the engine.
         self.kv_offload = build_kv_offload(config, self.kv_config, model, plan.dtype, rank_fingerprints)

@@ -284,7 +284,8 @@ class TieredKVStore:
         return self._writing and self._queued_bytes + nbytes <= self.queue_bytes
 
     def submit(self, key: Key, payload: bytes) -> None:
-        """Queue a claimed save of this process's entry of `key`; dropped, never waited for, when the queue has no room for it."""
+        """Queue a claimed save of this process's entry of `key`; dropped, never waited for, when the
+        queue has no room for it."""
         with self._lock:
             if self._queued_bytes + len(payload) > self.queue_bytes:
                 fits = False
