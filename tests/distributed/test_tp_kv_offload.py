@@ -2,15 +2,18 @@
 2 KV heads are sharded (each rank's entry of a block holds other bytes): a prompt's blocks are written by
 both ranks, a restarted engine serves the same prompt from the tier with TP=1's greedy tokens; a damaged
 or missing entry on rank 1 alone makes exactly that block and the ones after it recompute on both ranks,
-with the same tokens; another tensor-parallel size never hits.
+with the same tokens; another tensor-parallel size never hits; a rank that does not see rank 0's
+directory is refused at start-up.
 
 Each TP=2 engine spawns a rank process (~5-10 s here): the default suite runs one test, `-m tp_full` the
-other.
+others.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from transformers import LlamaConfig
@@ -18,6 +21,7 @@ from transformers import LlamaConfig
 from blockserve import LLM, SamplingParams
 from blockserve.models.random_checkpoint import save_random_model
 from tests.distributed.processes import child_pids
+from tests.server_process import free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -96,3 +100,27 @@ def test_another_tensor_parallel_size_gets_no_hit(llama, tmp_path):
         assert tp2.engine.stats().prefix_cache_tier_hits == 0
     with LLM(llama, kv_offload_dir=directory, **ENGINE) as again:  # TP=1's entries are still there for TP=1
         assert ask(again) == (expected, 56)
+
+
+@pytest.mark.slow  # a rank process: ~8 s
+@pytest.mark.tp_full
+def test_a_rank_that_does_not_see_rank_0_s_directory_is_refused_at_start_up(llama, tmp_path, monkeypatch):
+    """Rank 1 as its own program in another working directory: the relative kv_offload_dir names another
+    directory there, as a rank on a host without the shared file system would see."""
+    for side in ("rank0", "rank1"):
+        (tmp_path / side).mkdir()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    worker = subprocess.Popen([sys.executable, "-m", "blockserve.distributed.worker"], cwd=tmp_path / "rank1",
+                              env={**os.environ, **env, "RANK": "1", "OMP_NUM_THREADS": "1",
+                                   "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        monkeypatch.chdir(tmp_path / "rank0")
+        for key, value in {**env, "RANK": "0"}.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(ValueError, match="rank 1 could not use --kv-offload-dir: .*does not see rank 0's"):
+            LLM(llama, tensor_parallel_size=2, distributed_executor="external", kv_offload_dir="kv", **ENGINE)
+        assert worker.wait(timeout=30) == 0  # it reported and left
+    finally:
+        worker.kill()
+        worker.wait()
+    assert not os.listdir(tmp_path / "rank0" / "kv")  # the marker is gone
