@@ -3,7 +3,7 @@
 both ranks, a restarted engine serves the same prompt from the tier with TP=1's greedy tokens; a damaged
 or missing entry on rank 1 alone makes exactly that block and the ones after it recompute on both ranks,
 with the same tokens; another tensor-parallel size never hits; a rank that does not see rank 0's
-directory is refused at start-up.
+directory is refused at start-up; a hybrid's state checkpoints come back per rank too.
 
 Each TP=2 engine spawns a rank process (~5-10 s here): the default suite runs one test, `-m tp_full` the
 others.
@@ -21,6 +21,7 @@ from transformers import LlamaConfig
 from blockserve import LLM, SamplingParams
 from blockserve.models.random_checkpoint import save_random_model
 from tests.distributed.processes import child_pids
+from tests.models.conftest import STATE_CONFIGS
 from tests.server_process import free_port
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -124,3 +125,25 @@ def test_a_rank_that_does_not_see_rank_0_s_directory_is_refused_at_start_up(llam
         worker.kill()
         worker.wait()
     assert not os.listdir(tmp_path / "rank0" / "kv")  # the marker is gone
+
+
+@pytest.mark.slow  # three engines on a hybrid, two with a rank process: ~50 s on a busy 2-core machine
+@pytest.mark.tp_full
+def test_a_tp2_hybrid_resumes_from_each_rank_s_state_checkpoint_on_disk(tmp_path):
+    """Qwen3-Next (Gated DeltaNet + attention, checkpoint stride 64): each rank's state slot holds its own
+    heads, so its checkpoint is its own entry too; a restart resumes from both ranks' checkpoints."""
+    path = tmp_path / "qwen3_next"
+    save_random_model(STATE_CONFIGS["qwen3_next"](), path)
+    history = [(13 * i) % 500 + 1 for i in range(150)]
+    engine = dict(num_threads=1, block_size=4, max_model_len=192, check_integrity=True, poison=True)
+    with LLM(str(path), **engine) as tp1:
+        expected = tp1.generate([history + [8, 9]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    directory = str(tmp_path / "kv")
+    with LLM(str(path), tensor_parallel_size=2, kv_offload_dir=directory, **engine) as cold:
+        assert cold.generate([history + [5, 6, 7]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    with LLM(str(path), tensor_parallel_size=2, kv_offload_dir=directory, **engine) as restarted:
+        output = restarted.generate([history + [8, 9]], GREEDY, use_tqdm=False)[0]
+        stats = restarted.engine.stats()
+    assert (output.outputs[0].token_ids, output.num_cached_tokens) == (expected, 128)
+    assert stats.prefix_cache_tier_hits == 128
+    assert stats.kv_offload.tiers[0].hits == 2 * (128 // 4 + 1)  # each rank's blocks and state checkpoint
