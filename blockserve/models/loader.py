@@ -38,7 +38,7 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -193,6 +193,7 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     hf_dir = _converted_gguf(path, cache_root(cache_dir))
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
+    end_of_generation = _gguf_end_of_generation_ids(reader, path)
     reader.fields.clear()  # the rest is in the cache entry
 
     def gguf_weights(model: nn.Module, config: PretrainedConfig,
@@ -217,7 +218,33 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
     if quantized_matmul and quantized_max_rows is None:
         measure_max_rows(loaded.model)
-    return loaded
+    return replace(loaded, eos_token_ids=tuple(dict.fromkeys((*loaded.eos_token_ids, *end_of_generation))))
+
+
+# the token ids llama.cpp ends generation on besides eos (its vocabulary's end-of-generation set):
+# end of turn, end of message, and the fill-in-the-middle pad / repeat / separator tokens
+_GGUF_END_OF_GENERATION = ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+
+
+def _gguf_end_of_generation_ids(reader: gguf.GGUFReader, path: Path) -> tuple[int, ...]:
+    """The ids of the file's tokenizer.ggml.{eot,eom,fim_pad,fim_rep,fim_sep}_token_id, which a
+    request stops on beside eos as llama.cpp's does. An id outside the vocabulary is dropped with a
+    warning naming it (llama.cpp's "bad special token"), never kept."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = None if tokens is None else len(tokens.data)
+    ids = []
+    for kind in _GGUF_END_OF_GENERATION:
+        field = reader.fields.get(f"tokenizer.ggml.{kind}_token_id")
+        if field is None:
+            continue
+        token = int(field.contents())
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            logger.warning("%s: tokenizer.ggml.%s_token_id %d is outside the vocabulary (%s tokens); ignored: "
+                           "requests do not stop on it (fix the file's metadata, or pass stop_token_ids)",
+                           path.name, kind, token, vocab_size)
+            continue
+        ids.append(token)
+    return tuple(dict.fromkeys(ids))
 
 
 def check_tensor_parallel(source: str | None, tp_size: int) -> None:

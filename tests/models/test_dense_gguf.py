@@ -100,8 +100,9 @@ def _gguf_tensors(reference, name: str):
         yield gguf_name, weights
 
 
-def write_gguf(reference, path, name: str) -> None:
-    """A float32 GGUF of `reference` with the metadata llama.cpp's converter writes and a placeholder vocabulary."""
+def write_gguf(reference, path, name: str, edit=None) -> None:
+    """A float32 GGUF of `reference` with the metadata llama.cpp's converter writes and a placeholder
+    vocabulary; `edit(writer)`, where given, adds to it before it is written."""
     config = reference.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[GGUF_ARCH[name]])
@@ -155,6 +156,8 @@ def write_gguf(reference, path, name: str) -> None:
     writer.add_token_merges([])
     for gguf_name, weights in _gguf_tensors(reference, name):
         writer.add_tensor(gguf_name, np.ascontiguousarray(weights))
+    if edit is not None:
+        edit(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
