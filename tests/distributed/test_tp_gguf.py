@@ -135,9 +135,10 @@ def test_a_row_parallel_block_linear_cutting_a_block_is_refused():
 @pytest.mark.slow  # two rank processes loading the model
 @pytest.mark.skipif(expert_ops() is None, reason="the block experts need the native extension")
 def test_qwen3_moe_block_experts_over_two_ranks_give_one_ranks_tokens(tmp_path, monkeypatch):
-    """test_moe_gguf_blocks' Qwen3-MoE (experts in Q4_K / Q6_K and Q8_0) with 512-wide experts: 256
-    columns a rank, whole K-quant blocks."""
+    """test_moe_gguf_blocks' Qwen3-MoE (experts in Q4_K / Q6_K and Q8_0, attention in Q4_K) with 512-wide
+    experts and heads of 128: 256 columns a rank of down and of o_proj, whole K-quant blocks."""
     monkeypatch.setattr(test_moe_gguf_blocks, "EXPERT_FFN", 512)
+    monkeypatch.setattr(test_moe_gguf_blocks, "HEAD_DIM", 128)
     path = tmp_path / "model.gguf"
     test_moe_gguf_blocks.write_qwen3_moe_gguf(path)
     monkeypatch.setenv("BLOCKSERVE_CACHE_DIR", str(tmp_path / "cache"))
