@@ -94,7 +94,8 @@ class GptOssGGUFBlockExperts(GGUFBlockExperts):
         out = self.ops.moe_experts_blocks_gpt_oss(
             x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
             gate.raw, gate.format, up.raw, up.format, down.raw, down.format,
-            self.gate_up_proj_bias.float().contiguous(), self.down_proj_bias.float().contiguous(), self.alpha, self.limit)
+            self.gate_up_proj_bias.float().contiguous(), self.down_proj_bias.float().contiguous(),
+            self.alpha, self.limit)
         return out.to(x.dtype)
 
 

@@ -67,8 +67,9 @@ GGUF_ARCH = {"phi3": gguf.MODEL_ARCH.PHI3, "phi3-longrope": gguf.MODEL_ARCH.PHI3
              "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "glm4": gguf.MODEL_ARCH.GLM4,
              "smollm3": gguf.MODEL_ARCH.SMOLLM3, "exaone4": gguf.MODEL_ARCH.EXAONE4,
              "exaone4-global": gguf.MODEL_ARCH.EXAONE4}
-GGUF_ARCH["llama"] = gguf.MODEL_ARCH.LLAMA  # the rope_freqs test's (transformers' GGUF loader reads Llama)
-ROPE_PERMUTED = {"granite", "smollm3", "llama"}  # the converter's LlamaModel lineage permutes Q and K rows (weights and biases)
+GGUF_ARCH["llama"] = gguf.MODEL_ARCH.LLAMA  # the rope_freqs test's
+# the converter's LlamaModel lineage permutes Q and K rows (weights and biases)
+ROPE_PERMUTED = {"granite", "smollm3", "llama"}
 NORMS_PLUS_ONE = {"gemma2"}  # llama.cpp's converter stores Gemma's norm weights as 1 + w
 # the config fields a GGUF's metadata carries, beyond the shapes
 CONFIG_KEYS = ("sliding_window", "head_dim", "query_pre_attn_scalar", "attn_logit_softcapping",
