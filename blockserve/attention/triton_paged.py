@@ -168,6 +168,8 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
     num_kv_heads = k1.shape[2]
     group = q1.shape[1] // num_kv_heads
     head_block = min(1 << (group - 1).bit_length(), MAX_HEAD_BLOCK)
+    if any(t is not None and kv_quant.is_quantized(t) for t in (k1, k2, v)) and (q2 is not None or value_is_k1):
+        raise ValueError("the triton kernel reads quantized caches as one-part keys with their own values, not MLA's")
     if value_is_k1 and out.shape[-1] != k1.shape[-1]:
         raise ValueError(f"values read from k1 need out's width {out.shape[-1]} to be k1's {k1.shape[-1]}")
     d2 = 0 if q2 is None else q2.shape[-1]
@@ -186,8 +188,6 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
                  out.new_empty(rows, dtype=torch.float32))
     k_codes, k1, k_scales = _codes(k1, q1.shape[-1], "key")
     v_codes, v, v_scales = (0, v, None) if value_is_k1 else _codes(v, out.shape[-1], "value")
-    if (k_codes or (k2 is not None and kv_quant.is_quantized(k2))) and (q2 is not None or value_is_k1):
-        raise ValueError("the triton kernel reads quantized caches as one-part keys with their own values, not MLA's")
     q2 = q1 if q2 is None else q2
     k2 = k1 if k2 is None else k2
     k_scales = q1 if k_scales is None else k_scales  # unused when plain
