@@ -267,8 +267,20 @@ COMPILE_CHILD = textwrap.dedent("""
         return compile_for(90, torch.empty_like(q), q, pages[..., :r], pages[..., :r], meta, 0.1, q2=q_rope,
                            k2=pages[..., r:], value_is_k1=True, splits=splits)
 
+    def quantized(k_codes, v_codes, seqs, splits=1):  # llama_1b's widths over quantized caches, bfloat16 queries
+        meta = meta_for(seqs)
+        q = torch.empty(meta.slot_mapping.shape[0], 32, 64, dtype=torch.bfloat16)
+        k, v = (torch.empty(64, 16, 8, 36 if codes == torch.uint8 else 66, dtype=torch.uint8).view(codes)
+                for codes in (k_codes, v_codes))
+        return compile_for(90, torch.empty_like(q), q, k, v, meta, 0.125, splits=splits)
+
     decode, mixed = [(30, 1)] * 4, [(30, 1), (0, 40), (17, 9)]
     kernels = {}
+    # each code form on each side, in decode and prefill tiles and with key splits
+    kernels["int8_decode"] = quantized(torch.int8, torch.int8, decode)
+    kernels["fp8_mixed"] = quantized(torch.float8_e4m3fn, torch.float8_e4m3fn, mixed)
+    kernels["int4_decode_split"] = quantized(torch.uint8, torch.uint8, decode, splits=8)
+    kernels["k8v4_mixed"] = quantized(torch.int8, torch.uint8, mixed)
     for dtype in (torch.bfloat16, torch.float32):
         for name, seqs in (("decode", decode), ("mixed", mixed)):
             key = f"{str(dtype)[6:]}_{name}"
@@ -298,13 +310,13 @@ HOPPER_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_
 
 def test_compiles_for_hopper():
     """The kernels a GPU run launches compile for sm_90 (Triton's compiler and its ptxas, no GPU),
-    each within Hopper's shared memory; and the CPU out of interpreter mode is refused clearly."""
+    quantized caches' included, each within Hopper's shared memory; and the CPU out of interpreter mode is refused clearly."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert "TRITON_INTERPRET=1" in report["refusal"]
-    assert len(report["kernels"]) == 16 + 2 * 2 * 2  # the split variants: attention and combine kernels
+    assert len(report["kernels"]) == 16 + 2 * 2 * 2 + 5  # the split variants: attention and combine kernels
     for name, kernel in report["kernels"].items():
         assert kernel["cubin"] > 0, name
         assert kernel["shared"] <= HOPPER_SHARED_MEMORY, (name, kernel["shared"])
