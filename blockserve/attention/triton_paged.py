@@ -48,6 +48,7 @@ KEY_TILE = 64  # keys per step of the online softmax (half that for heads wider 
 WIDE_HEAD = 256
 MAX_SPLITS = 16  # key splits per decode row at most (triton_kernel.py's flash-decoding)
 MIN_SPLIT_KEYS = 256  # keys per split at least, counted over the block table's width
+FP8_CAPABILITY = (8, 9)  # Triton converts e4m3 (fp8e4nv) on these GPUs and newer
 
 
 def _kernels():
@@ -155,6 +156,11 @@ def _codes(cache: torch.Tensor, width: int, side: str) -> tuple[int, torch.Tenso
         raise ValueError(f"the {side} cache's rows hold {kv_quant.head_size(cache)} values, the kernel reads {width}")
     if kv_quant.is_rotated(cache) and width % 4:
         raise ValueError(f"the triton kernel reads 4-bit rows of a head size divisible by 4, got {width}")
+    if (cache.dtype == torch.float8_e4m3fn and cache.device.type == "cuda"
+            and torch.cuda.get_device_capability(cache.device) < FP8_CAPABILITY):
+        raise ValueError(f"the triton kernel reads fp8 (e4m3) codes on GPUs of compute capability "
+                         f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer; {cache.device} is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(cache.device)))}: use kv_cache_dtype int8")
     codes = width // 2 if kv_quant.is_rotated(cache) else width
     form = {torch.int8: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}[cache.dtype]
     return form, cache.view(torch.uint8) if form == 3 else cache, cache.view(torch.uint8)[..., codes:].view(torch.float16)
