@@ -12,9 +12,10 @@ queries are rotated before the kernel and the output un-rotated after it, as the
 MLA's latent cache stays plain here (TritonMLA declares no quantized dtype).
 
 Attention sinks (GPT-OSS): with `sinks=True` forward takes each head's sink logit and the kernel adds
-it to the softmax's denominator. The kernel reads only slots its rows may see (masked page loads; a quantized row's scale too), so
-reads_unwritten_slots = False: recycled blocks need no zeroing (C1), plain or quantized. It reads no host list, so decode steps are captured
-as CUDA graphs. On the CPU it runs in Triton's interpreter, for tests (TRITON_INTERPRET=1).
+it to the softmax's denominator. The kernel reads only slots its rows may see (masked page loads; a
+quantized row's scale too), so reads_unwritten_slots = False: recycled blocks need no zeroing (C1),
+plain or quantized. It reads no host list, so decode steps are captured as CUDA graphs. On the CPU
+it runs in Triton's interpreter, for tests (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations

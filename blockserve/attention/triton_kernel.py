@@ -18,7 +18,8 @@ first part (VALUE_IS_K1: the loaded tile is reused, not read twice).
 
 Quantized caches (attention/kv_quant.py; K_CODES / V_CODES, each side on its own: 0 plain, 1
 int8 codes, 2 rotated 4-bit codes two a byte, low nibble first, 3 e4m3 codes read as bytes and
-bitcast): the code pointer is the cache itself (a row's first bytes), the scale pointer a float16 view of each row's tail
+bitcast): the code pointer is the cache itself (a row's first bytes), the scale pointer a float16
+view of each row's tail
 (scale; 4-bit: then minimum). Codes are read in place and widened in registers; each key's scale is
 folded into its score and each value's into its softmax weight, one multiply per key:
 

@@ -158,12 +158,14 @@ def _codes(cache: torch.Tensor, width: int, side: str) -> tuple[int, torch.Tenso
         raise ValueError(f"the triton kernel reads 4-bit rows of a head size divisible by 4, got {width}")
     if (cache.dtype == torch.float8_e4m3fn and cache.device.type == "cuda"
             and torch.cuda.get_device_capability(cache.device) < FP8_CAPABILITY):
+        major, minor = torch.cuda.get_device_capability(cache.device)
         raise ValueError(f"the triton kernel reads fp8 (e4m3) codes on GPUs of compute capability "
-                         f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer; {cache.device} is "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(cache.device)))}: use kv_cache_dtype int8")
+                         f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer; {cache.device} is {major}.{minor}: "
+                         "use kv_cache_dtype int8")
     codes = width // 2 if kv_quant.is_rotated(cache) else width
     form = {torch.int8: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}[cache.dtype]
-    return form, cache.view(torch.uint8) if form == 3 else cache, cache.view(torch.uint8)[..., codes:].view(torch.float16)
+    scales = cache.view(torch.uint8)[..., codes:].view(torch.float16)
+    return form, cache.view(torch.uint8) if form == 3 else cache, scales
 
 
 def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, value_is_k1: bool,

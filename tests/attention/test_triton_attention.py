@@ -140,7 +140,8 @@ def test_quantized_key_splits_match_exact(dtype):
     seqs = LONG_DECODES
     k_cache, v_cache, table, q, k, v = quantized_step(seqs, dtype, poison=True)
     layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
-    want = exact_pytorch(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, AttentionMetadata.build(layout, table, BS))
+    want = exact_pytorch(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache,
+                                                   AttentionMetadata.build(layout, table, BS))
     got = paged_attention(torch.empty_like(q), q, k_cache, v_cache, AttentionMetadata.build(layout, table, BS),
                           1 / math.sqrt(D), splits=4)
     if kv_quant.is_rotated(v_cache):
@@ -309,7 +310,8 @@ HOPPER_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_
 
 def test_compiles_for_hopper():
     """The kernels a GPU run launches compile for sm_90 (Triton's compiler and its ptxas, no GPU),
-    quantized caches' included, each within Hopper's shared memory; and the CPU out of interpreter mode is refused clearly."""
+    quantized caches' included, each within Hopper's shared memory; and the CPU out of interpreter mode
+    is refused clearly."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
