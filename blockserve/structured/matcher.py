@@ -10,8 +10,9 @@ Bitmask layout (llguidance's): int32 words, bit j of word w allows token 32 * w 
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -56,7 +57,66 @@ class GrammarMatcher:
             logger.warning("grammar (%s) refused token %d: %s", self.compiled.kind, token,
                            self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "")
 
+    def advance_to(self, output_token_ids: Sequence[int]) -> None:
+        """Accept the tokens of `output_token_ids` past those accepted so far (a request's output,
+        which only grows)."""
+        if len(output_token_ids) < self.num_accepted:
+            raise ValueError(f"the output has {len(output_token_ids)} tokens, but the grammar accepted "
+                             f"{self.num_accepted}: an output only grows")
+        for token in output_token_ids[self.num_accepted:]:
+            self.accept(token)
+
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts`, from the first, the grammar allows in a row from here (the matcher
+        does not move). EOS counts only where the grammar allows it before being complete."""
+        if self._matcher.is_error() or not drafts:
+            return 0
+        return self._matcher.validate_tokens(list(drafts))
+
+    def draft_masks(self, drafts: Sequence[int]) -> tuple[list[FixedMask], int]:
+        """The k + 1 bitmasks that verify k `drafts`, and how many drafts the grammar allows in a row.
+        Position i's mask is the grammar's after drafts[:i], computed on a copy (this matcher does not
+        move). Positions past the first draft the grammar refuses repeat the mask before it: that
+        draft is outside its position's mask, so the masked target never samples it, it is never
+        accepted, and nothing sampled past it is emitted."""
+        probe = copy.copy(self)
+        probe._matcher = self._matcher.deep_copy()
+        masks = []
+        allowed = len(drafts)
+        for i in range(len(drafts) + 1):
+            row = torch.empty(self.num_words, dtype=torch.int32)
+            probe.fill_bitmask(row)
+            masks.append(FixedMask(row))
+            if i == len(drafts):
+                break
+            token = drafts[i]
+            if not masks[-1].allows(token):
+                allowed = i
+                break
+            if not probe._matcher.is_error():
+                probe._matcher.consume_token(token)  # refused despite the mask: in error, so EOS only next
+        masks.extend(masks[-1:] * (len(drafts) + 1 - len(masks)))
+        return masks, allowed
+
     @property
     def is_finished(self) -> bool:
         """True once the grammar is complete (only EOS can follow) or stopped."""
         return self._matcher.is_stopped()
+
+
+class FixedMask:
+    """A bitmask computed ahead (one verification position's, `GrammarMatcher.draft_masks`), read
+    by the sampler like a matcher's."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self.num_words = mask.numel()
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        if row.dtype != torch.int32 or row.numel() != self.num_words:
+            raise ValueError(f"the bitmask row must be int32 of {self.num_words} words")
+        row.copy_(self.mask)
+
+    def allows(self, token: int) -> bool:
+        """Whether the mask allows `token`."""
+        return 0 <= token < 32 * self.num_words and bool((int(self.mask[token // 32]) >> (token % 32)) & 1)
