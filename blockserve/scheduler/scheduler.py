@@ -140,9 +140,10 @@ class Scheduler:
             block_ids = None
             if speculator is not None and _may_draft(request):
                 room = _draft_room(request, budget, cap)
-                structured = request.sampling_params.structured_outputs
-                drafts = speculator.propose(request.request_id, request.token_ids, room, len(running),
-                                            structured and structured.compiled, request.output_token_ids) if room > 0 else ()
+                structured = request.sampling_params.structured_outputs  # drafts its grammar refuses are cut
+                grammar = structured.compiled if structured is not None else None
+                drafts = speculator.propose(request.request_id, request.token_ids, room, len(running), grammar,
+                                            request.output_token_ids) if room > 0 else ()
                 if drafts and (block_ids := allocate_slots(request, 1 + len(drafts))) is not None:
                     drafts_of[request.request_id] = drafts
                     n = 1 + len(drafts)

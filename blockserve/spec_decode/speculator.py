@@ -16,7 +16,7 @@ time (4 up to 256), so a request whose drafts start to match is noticed. A step 
 batch reaches `disable_by_batch_size` does not speculate at all.
 
 A request with structured outputs has its drafts cut at the first one its grammar refuses, by a
-grammar matcher of its own kept here at the request's output so far, so no slot is spent on a
+grammar matcher of its own kept here at the request's output so far (grammar_cut.py), so no slot is spent on a
 draft that cannot be accepted. (What keeps its output exact is the worker: each verified position
 samples under the grammar's mask after the drafts before it, worker/model_runner.py.)
 """
@@ -26,15 +26,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blockserve.spec_decode.config import SpeculativeConfig
+from blockserve.spec_decode.grammar_cut import DraftGrammar
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.proposer import Proposer
 from blockserve.spec_decode.stats import SpeculationStats
 from blockserve.spec_decode.step_costs import StepCosts
 from blockserve.spec_decode.suffix import SuffixProposer
-from blockserve.structured.compiler import CompiledGrammar
-from blockserve.structured.matcher import GrammarMatcher
 
 FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 256
@@ -76,7 +76,7 @@ class Speculator:
         self._prepared: dict[str, list[int]] | None = None  # this step's batched drafts, handed out by propose
         self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
-        self._grammars: dict[str, GrammarMatcher] = {}  # constrained requests': at their output so far
+        self._grammars: dict[str, DraftGrammar] = {}  # constrained requests': at their output so far
         self._step_rows = 0  # drafted rows this step so far
         k = config.num_speculative_tokens
         self._drafted = [0] * k
@@ -104,11 +104,11 @@ class Speculator:
         self._seconds += time.perf_counter() - began
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int, batch_size: int,
-                grammar: CompiledGrammar | None = None, output_token_ids: Sequence[int] = ()) -> list[int]:
+                grammar: Any = None, output_token_ids: Sequence[int] = ()) -> list[int]:
         """Drafts for the request's next step: at most min(num_speculative_tokens, max_tokens), and
         only as many as are expected to pay in a step of `batch_size` requests (see the module);
-        with a `grammar` (structured outputs; `output_token_ids`: the request's output so far), none
-        past the first the grammar refuses."""
+        with a `grammar` (structured outputs: the request's compiled grammar; `output_token_ids`: its
+        output so far), none past the first the grammar refuses."""
         if self._prepared is not None:
             drafts = self._prepared.pop(request_id, [])[:max_tokens]
             kept = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
@@ -131,17 +131,15 @@ class Speculator:
         self._step_rows += k
         return drafts[:k]
 
-    def _grammar_cut(self, request_id: str, drafts: list[int], grammar: CompiledGrammar | None,
+    def _grammar_cut(self, request_id: str, drafts: list[int], grammar: Any,
                      output_token_ids: Sequence[int]) -> list[int]:
         """`drafts` up to the first one `grammar` refuses after the request's output (all without one)."""
         if grammar is None or not drafts:
             return drafts
-        matcher = self._grammars.get(request_id)
-        if matcher is None or matcher.compiled is not grammar or matcher.num_accepted > len(output_token_ids):
-            matcher = self._grammars[request_id] = GrammarMatcher(grammar, output_token_ids)
-        else:
-            matcher.advance_to(output_token_ids)
-        return drafts[:matcher.valid_drafts(drafts)]
+        cut = self._grammars.get(request_id)
+        if cut is None or cut.compiled is not grammar:
+            cut = self._grammars[request_id] = DraftGrammar(grammar)
+        return drafts[:cut.valid_drafts(output_token_ids, drafts)]
 
     def _drafts_paying(self, request_id: str, max_tokens: int, batch_size: int) -> int:
         """How many drafts to ask a proposer whose drafts cost work for: those expected to pay."""

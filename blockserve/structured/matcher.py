@@ -5,6 +5,11 @@ takes a request in (first admission, or re-admission after preemption, replaying
 tokens so far), so its state always equals the tokens the request holds; it is dropped with the
 request (finish, abort, preemption).
 
+Speculative decoding: `draft_masks(drafts)` gives the bitmask of each position that verifies a
+request's drafts (position i's is the grammar's after drafts[:i]), walking a copy of the matcher,
+so the matcher itself never holds a draft: after verification it accepts the emitted tokens only,
+and its state is the accepted prefix's whatever was rejected.
+
 Bitmask layout (llguidance's): int32 words, bit j of word w allows token 32 * w + j.
 """
 
@@ -56,22 +61,6 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token) and token != self.compiled.eos_token_id:
             logger.warning("grammar (%s) refused token %d: %s", self.compiled.kind, token,
                            self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "")
-
-    def advance_to(self, output_token_ids: Sequence[int]) -> None:
-        """Accept the tokens of `output_token_ids` past those accepted so far (a request's output,
-        which only grows)."""
-        if len(output_token_ids) < self.num_accepted:
-            raise ValueError(f"the output has {len(output_token_ids)} tokens, but the grammar accepted "
-                             f"{self.num_accepted}: an output only grows")
-        for token in output_token_ids[self.num_accepted:]:
-            self.accept(token)
-
-    def valid_drafts(self, drafts: Sequence[int]) -> int:
-        """How many of `drafts`, from the first, the grammar allows in a row from here (the matcher
-        does not move). EOS counts only where the grammar allows it before being complete."""
-        if self._matcher.is_error() or not drafts:
-            return 0
-        return self._matcher.validate_tokens(list(drafts))
 
     def draft_masks(self, drafts: Sequence[int]) -> tuple[list[FixedMask], int]:
         """The k + 1 bitmasks that verify k `drafts`, and how many drafts the grammar allows in a row.

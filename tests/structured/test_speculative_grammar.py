@@ -6,10 +6,12 @@ distribution under the mask (chi-square over many draws)."""
 from __future__ import annotations
 
 import llguidance
+import pytest
 import torch
 
 from blockserve.sampling_params import SamplingParams
 from blockserve.spec_decode.acceptance import num_accepted
+from blockserve.spec_decode.grammar_cut import DraftGrammar
 from blockserve.structured.compiler import CompiledGrammar
 from blockserve.structured.matcher import GrammarMatcher
 from blockserve.worker.model_runner import _verification_rows
@@ -52,31 +54,32 @@ def test_masks_follow_the_drafts_and_the_matcher_stays_where_it_was():
     matcher = GrammarMatcher(grammar, [A])
     before = allowed(matcher)
     masks, valid = matcher.draft_masks([B, C, A, D])  # A is refused after "abc"
-    assert valid == 2 and matcher.valid_drafts([B, C, A, D]) == 2
+    assert valid == 2 and DraftGrammar(grammar).valid_drafts([A], [B, C, A, D]) == 2  # the scheduler's cut
     assert len(masks) == 5
     for i, mask in enumerate(masks[:3]):  # position i: the grammar after the output and drafts[:i]
         assert allowed(mask) == allowed(GrammarMatcher(grammar, [A, B, C][:i + 1]))
     assert allowed(masks[3]) == allowed(masks[4]) == allowed(masks[2])  # past the refused draft: repeated
     assert A not in allowed(masks[2])  # so the refused draft is never sampled there
     assert matcher.num_accepted == 1 and allowed(matcher) == before == {B, C, D}
-    matcher.advance_to([A, B])  # the target accepted B, then sampled D
-    matcher.advance_to([A, B, D])
-    assert allowed(matcher) == allowed(GrammarMatcher(grammar, [A, B, D]))
 
 
-def test_a_refused_first_draft_leaves_no_draft_and_an_output_never_shrinks():
-    matcher = GrammarMatcher(compiled(), [])
-    masks, valid = matcher.draft_masks([D, A])  # "d" cannot start
-    assert valid == 0 and matcher.valid_drafts([D, A]) == 0
+def test_a_refused_first_draft_leaves_no_draft():
+    grammar = compiled()
+    masks, valid = GrammarMatcher(grammar, []).draft_masks([D, A])  # "d" cannot start
+    assert valid == 0
     assert [allowed(m) for m in masks] == [{A, B, C}] * 3
-    assert matcher.valid_drafts([]) == 0 and matcher.valid_drafts([99]) == 0
-    matcher.advance_to([A])
-    try:
-        matcher.advance_to([])
-    except ValueError as e:
-        assert "only grows" in str(e)
-    else:
-        raise AssertionError("a shrinking output was taken")
+
+
+def test_the_scheduler_cut_follows_the_output_and_refuses_a_shrinking_one():
+    cut = DraftGrammar(compiled())
+    assert cut.valid_drafts([], [D, A]) == 0 and cut.valid_drafts([], []) == 0
+    assert cut.valid_drafts([A], [B, C, A]) == 2
+    assert cut.valid_drafts([A, B, C], [A, B]) == 0 and cut.valid_drafts([A, B, C], [D, EOS]) == 2
+    assert cut.valid_drafts([A, B, C, D], [99]) == 0  # outside the vocabulary
+    with pytest.raises(ValueError, match="only grows"):
+        cut.valid_drafts([A], [B])
+    refused = DraftGrammar(compiled())
+    assert refused.valid_drafts([D], [B]) == 0  # an output the grammar refused: no drafts after it
 
 
 def _emitted(drafts: list[int], logits_by_position: list[torch.Tensor], seed: int):
