@@ -123,3 +123,9 @@ def test_a_refused_draft_is_never_accepted():
     emitted = _emitted([D, B], [logits0, torch.zeros(VOCAB), torch.zeros(VOCAB)], seed=5)
     assert all(len(e) == 1 for e in emitted)
     assert _chi2([e[0] for e in emitted], logits0, [A, B, C]) < CHI2_CRITICAL
+
+
+def test_an_eos_draft_where_the_grammar_is_complete_is_allowed_and_only_eos_follows():
+    masks, valid = GrammarMatcher(compiled("[ab]"), []).draft_masks([A, EOS, B])
+    assert valid == 2
+    assert [allowed(m) for m in masks] == [{A, B}, {EOS}, {EOS}, {EOS}]  # never an empty row
