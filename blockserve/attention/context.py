@@ -75,6 +75,7 @@ class StateMetadata:
     chains: list[tuple[int, int]] = field(default_factory=list)
     row_captures: list[tuple[int, int]] = field(default_factory=list)
     row_states: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # written by the layers
+    decode_plan: tuple | None = None  # the chains' waves, built by the first layer that runs them
 
     def __post_init__(self) -> None:
         if self.slot_ids is None:  # built on the host (the worker passes the list it has)

@@ -34,7 +34,9 @@ def run_decodes(layer_name: str, meta: StateMetadata, states: Sequence[torch.Ten
         for t, n in zip(states, new):
             t[slots] = n
         return
-    waves, last = _waves(meta.chains, nd)
+    if meta.decode_plan is None:  # the same for every state layer of the step
+        meta.decode_plan = _waves(meta.chains, nd) + _captures(meta.row_captures)
+    waves, last, capture_rows, capture_slots = meta.decode_plan
     after = [t.new_empty(nd, *t.shape[1:]) for t in states]
     for j, rows in enumerate(waves):
         before = [t[slots[rows]] for t in states] if j == 0 else [a[rows - 1] for a in after]
@@ -43,12 +45,18 @@ def run_decodes(layer_name: str, meta: StateMetadata, states: Sequence[torch.Ten
             a[rows] = n
     for t, a in zip(states, after):
         t[slots[last]] = a[last]
-    if meta.row_captures:
-        rows = torch.tensor([r for r, _ in meta.row_captures], dtype=torch.int64)
-        targets = torch.tensor([s for _, s in meta.row_captures], dtype=torch.int64)
+    if capture_rows is not None:
         for t, a in zip(states, after):
-            t[targets] = a[rows]
+            t[capture_slots] = a[capture_rows]
     meta.row_states[layer_name] = after
+
+
+def _captures(row_captures: list[tuple[int, int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(decode rows, checkpoint slots) of the captures after chain rows; (None, None) without any."""
+    if not row_captures:
+        return None, None
+    return (torch.tensor([r for r, _ in row_captures], dtype=torch.int64),
+            torch.tensor([s for _, s in row_captures], dtype=torch.int64))
 
 
 def _waves(chains: list[tuple[int, int]], num_decodes: int) -> tuple[list[torch.Tensor], torch.Tensor]:
