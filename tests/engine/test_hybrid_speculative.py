@@ -4,17 +4,21 @@ checkpoints captured while decoding, some past rejected drafts) and off, chunked
 preemption and poison. The drafts come from an oracle that knows the greedy reply and spoils it
 after a varying number of right tokens, so every verification keeps some drafts and rolls back
 the rest: a rollback bug (a slot left holding a rejected draft's state, a checkpoint cached
-after one) changes the tokens that follow. N-gram and suffix drafts run too."""
+after one) changes the tokens that follow. N-gram and suffix drafts, and an attention-only draft
+model, run too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.kv import LinearStateSpec
+from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.step_costs import FlatStepCosts
+from tests.engine.test_draft_model_engine import DRAFT_SIZES
 from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -133,4 +137,18 @@ def test_greedy_tokens_are_identical_with_lookup_drafts(family, config):
     llm = LLM(plain_llm.engine.core.loaded, speculative_config=config, **BASE)
     assert run(llm, 2) == plain
     assert llm.engine.stats().speculation.num_draft_tokens > 0
+    llm.engine.core.scheduler.assert_idle()
+
+
+def test_an_attention_draft_model_serves_a_hybrid_target(family, tmp_path):
+    """A hybrid target with a small attention-only draft of its vocabulary: the random draft is mostly
+    wrong, so most verifications roll the target's state back."""
+    plain_llm, plain = family
+    draft = tmp_path / "draft"
+    save_random_model(LlamaConfig(**DRAFT_SIZES), draft, seed=5)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=spec, **BASE)
+    assert run(llm) == plain[:len(prompts())]
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > stats.num_accepted_tokens
     llm.engine.core.scheduler.assert_idle()
