@@ -133,45 +133,52 @@ class ReplayProposer:
 def hybrid_main(args) -> None:
     """Batch-1 tok/s with and without speculation on a random hybrid shape, per draft acceptance."""
     from blockserve.models.random_checkpoint import save_random_model
+    from blockserve.spec_decode import speculator
 
     config = hybrid_config(args.hybrid)
     with tempfile.TemporaryDirectory() as path:
         save_random_model(config, path)
         plain = LLM(path, enable_prefix_caching=False, max_model_len=1024)
-    prompt = random.Random(0).choices(range(config.vocab_size), k=200)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    reply = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    flags = cpu_simd_flags()
-    for acceptance in args.acceptance:
-        speculative = LLM(plain.engine.core.loaded, enable_prefix_caching=False, max_model_len=1024,
-                          speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
-        speculative.engine.core.scheduler.speculator.proposer = ReplayProposer(prompt, reply, acceptance,
-                                                                              config.vocab_size)
-        rates = {"plain": [], "speculative": []}
-        outputs, step_ms = {}, {}
-        with CpuShare() as share:
-            for _ in range(args.rounds):
-                for name, llm in (("plain", plain), ("speculative", speculative)):
-                    timings = llm.engine.core.runner.timings
-                    forward, steps = timings.forward, timings.steps
-                    began = time.perf_counter()
-                    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-                    rates[name].append(len(out) / (time.perf_counter() - began))
-                    outputs[name] = out
-                    # The runner's forward per step, the prompt's step included (the same in both).
-                    step_ms.setdefault(name, []).append(1000 * (timings.forward - forward) / (timings.steps - steps))
-        stats = speculative.engine.stats().speculation
-        plain_rate, spec_rate = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
-        print(json.dumps({
-            "hybrid": args.hybrid, "draft_acceptance": acceptance, "batch": 1, "max_tokens": args.max_tokens,
-            "k": args.k, "plain_tok_s": round(plain_rate, 1), "speculative_tok_s": round(spec_rate, 1),
-            "ratio": round(spec_rate / plain_rate, 2), "identical": outputs["plain"] == outputs["speculative"],
-            "plain_forward_ms_per_step": round(statistics.median(step_ms["plain"]), 2),
-            "speculative_forward_ms_per_step": round(statistics.median(step_ms["speculative"]), 2),
-            "acceptance_rate": round(stats.acceptance_rate, 2) if stats.num_draft_tokens else None,
-            "mean_accepted_length": round(stats.mean_accepted_length, 2) if stats.num_verifications else None,
-            "others_cpu_share": None if share.others is None else round(share.others, 2), "cpu_flags": flags,
-        }), flush=True)
+        prompt = random.Random(0).choices(range(config.vocab_size), k=200)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        reply = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        flags = cpu_simd_flags()
+        make_proposer = speculator.make_proposer
+        for acceptance in args.acceptance:
+            # The engine's speculator takes its proposer from make_proposer: the replay, for this engine only.
+            speculator.make_proposer = lambda _: ReplayProposer(prompt, reply, acceptance, config.vocab_size)
+            try:
+                speculative = LLM(path, enable_prefix_caching=False, max_model_len=1024,
+                                  speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+            finally:
+                speculator.make_proposer = make_proposer
+            rates = {"plain": [], "speculative": []}
+            outputs, step_ms = {}, {}
+            with CpuShare() as share:
+                for _ in range(args.rounds):
+                    for name, llm in (("plain", plain), ("speculative", speculative)):
+                        timings = llm.engine.step_timings()
+                        forward, steps = timings.forward, timings.steps
+                        began = time.perf_counter()
+                        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+                        rates[name].append(len(out) / (time.perf_counter() - began))
+                        outputs[name] = out
+                        # The runner's forward per step, the prompt's step included (the same in both).
+                        step_ms.setdefault(name, []).append(1000 * (timings.forward - forward)
+                                                            / (timings.steps - steps))
+            stats = speculative.engine.stats().speculation
+            plain_rate, spec_rate = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
+            print(json.dumps({
+                "hybrid": args.hybrid, "draft_acceptance": acceptance, "batch": 1, "max_tokens": args.max_tokens,
+                "k": args.k, "plain_tok_s": round(plain_rate, 1), "speculative_tok_s": round(spec_rate, 1),
+                "ratio": round(spec_rate / plain_rate, 2), "identical": outputs["plain"] == outputs["speculative"],
+                "plain_forward_ms_per_step": round(statistics.median(step_ms["plain"]), 2),
+                "speculative_forward_ms_per_step": round(statistics.median(step_ms["speculative"]), 2),
+                "acceptance_rate": round(stats.acceptance_rate, 2) if stats.num_draft_tokens else None,
+                "mean_accepted_length": round(stats.mean_accepted_length, 2) if stats.num_verifications else None,
+                "others_cpu_share": None if share.others is None else round(share.others, 2), "cpu_flags": flags,
+            }), flush=True)
+            speculative.engine.close()
 
 
 def main() -> None:
