@@ -245,16 +245,11 @@ class EngineCore:
                         budgeted / 2**30)
 
     def _speculator(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> Speculator | None:
-        """The speculator `config.speculative_config` asks for, or a ValueError when this model cannot
-        roll back a rejected draft (its recurrent-state layers keep no state per position)."""
+        """The speculator `config.speculative_config` asks for (recurrent-state layers included: their
+        slots are rolled back to the last accepted draft, worker/state_rollback.py)."""
         spec = config.speculative_config
         if spec is None:
             return None
-        state = [type(g.spec).__name__ for g in self.kv_config.groups if g.is_state]
-        if state:
-            raise ValueError(f"speculative_config: this model has recurrent-state layers ({', '.join(state)}), whose "
-                             "state cannot yet be rolled back to the last accepted draft; serve it without "
-                             "speculative decoding")
         if spec.method != "draft_model":
             return Speculator(spec)
         return Speculator(spec, self._draft_proposer(config, kv_groups, kv_bytes, chunk_cap))
@@ -278,8 +273,9 @@ class EngineCore:
                              f"max_model_len={self.max_model_len}; lower max_model_len or use a longer draft")
         groups = kv_groups_of(draft.model, config)
         if any(isinstance(spec, LinearStateSpec) for spec, _, _ in groups):
-            raise ValueError("speculative_config.model has recurrent-state layers, whose state cannot yet be "
-                             "rolled back to the last accepted draft; use an attention-only draft model")
+            raise ValueError("speculative_config.model has recurrent-state layers (Mamba2, Gated DeltaNet or KDA): "
+                             "a draft model's state is not rolled back past its rejected drafts; use an "
+                             "attention-only draft model (a hybrid target is fine)")
         draft_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
         try:
             kv_config = plan_kv_cache(groups, draft_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,

@@ -39,6 +39,7 @@ from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs, read_entries
 from blockserve.worker.sampler import SampledTokens, Sampler
 from blockserve.worker.sampling_batch import SamplingBatch, SamplingRow, make_generator
+from blockserve.worker.state_rollback import StateRollback
 
 
 @dataclass
@@ -152,8 +153,11 @@ class ModelRunner:
         self.timings.sample += t4 - t3
         self.timings.steps += 1
         prompt_logprobs = self.prompt_logprobs.take_all(inputs.sample_ids)
+        rollback = None
+        if inputs.chains and any(group.is_state for group in self.kv.config.groups):
+            rollback = StateRollback(inputs.chains, inputs.metadata, self.layer_caches)
         self.last = LaunchedStep(inputs.request_ids, inputs.sample_ids, requests, samples, sampled_ids,
-                                 prompt_logprobs, drafts, self.batch.trim_tables)
+                                 prompt_logprobs, drafts, self.batch.trim_tables, rollback)
         return self.last
 
     def _save_blocks(self, saves: dict[int, list[tuple[int, bytes]]]) -> None:
@@ -241,10 +245,12 @@ class LaunchedStep:
     def __init__(self, request_ids: list[str], sample_ids: list[str], requests: list[CachedRequest],
                  samples: SampledTokens | None, sampled_ids: torch.Tensor | None, prompt_logprobs: dict,
                  drafts: list[list[int] | None] | None = None,
-                 trim_tables: Callable[[CachedRequest], None] | None = None):
+                 trim_tables: Callable[[CachedRequest], None] | None = None,
+                 rollback: StateRollback | None = None):
         self.request_ids, self.sample_ids, self.requests = request_ids, sample_ids, requests
         self.drafts = drafts or [None] * len(requests)  # per sampled request: its draft tokens, if any
         self.trim_tables = trim_tables  # after rejected drafts: InputBatch.trim_tables
+        self.rollback = rollback  # recurrent-state layers: their slots back to the last accepted token
         self.samples = samples  # on their way to the host; None on a tensor-parallel rank > 0
         self.sampled_ids = sampled_ids  # [len(sample_ids)] on the device: the next step's in-flight inputs
         self.prompt_logprobs = prompt_logprobs  # of requests whose prompt completed, read by result()
@@ -306,6 +312,8 @@ class LaunchedStep:
                 request.output_token_ids.extend(emitted)
                 request.num_computed -= width - len(emitted)
                 self.trim_tables(request)
+                if self.rollback is not None:
+                    self.rollback(rid, len(emitted))
             else:
                 request.output_token_ids[slot] = emitted[0]
             if request.grammar is not None:
@@ -315,3 +323,6 @@ class LaunchedStep:
             if host.logprobs[row] is not None:
                 logprobs[rid] = host.logprobs[row:row + len(emitted)]
             row += width
+        if self.rollback is not None:
+            self.rollback.release()
+            self.rollback = None
