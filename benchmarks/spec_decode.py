@@ -73,6 +73,15 @@ TASKS = {
                      "tickets, review the pull requests.\nThursday:",
     "open-chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+CHAT_TASKS = ("open-chat",)  # sent as a user turn through the model's chat template (raw, it ends at once)
+
+
+def task_prompt(llm: LLM, task: str) -> str:
+    """The text sent for `task`: its prompt as written, or for a chat task, rendered by the chat template."""
+    if task not in CHAT_TASKS:
+        return TASKS[task]
+    messages = [{"role": "user", "content": TASKS[task]}]
+    return llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 METHODS = {  # each method's fields
@@ -188,6 +197,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--draft-model", default=None,
                         help="draft_model: the draft's path (default: the bundled model, its own draft)")
     parser.add_argument("--hybrid", choices=["qwen3_next", "granitemoehybrid"], default=None,
@@ -204,8 +214,9 @@ def main() -> None:
         "method": method, "num_speculative_tokens": args.k, **fields[method]}) for method in args.methods}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     flags = cpu_simd_flags()
+    prompts = {task: task_prompt(plain, task) for task in args.tasks}
     for batch, (method, speculative), (task, prompt) in itertools.product(args.batches, speculatives.items(),
-                                                                          TASKS.items()):
+                                                                          prompts.items()):
         rates = {"plain": [], "speculative": []}
         texts = {}
         before = speculative.engine.stats().speculation

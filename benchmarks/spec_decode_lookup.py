@@ -37,7 +37,7 @@ from benchmarks.cpu_share import CpuShare
 from benchmarks.peers.native import HERE
 from benchmarks.peers.native import CpuShare as ProcessCpuShare
 from benchmarks.peers.native import engine_env
-from benchmarks.spec_decode import TASKS
+from benchmarks.spec_decode import TASKS, task_prompt
 from blockserve import LLM, SamplingParams
 from blockserve.bench.common import cpu_simd_flags
 from blockserve.models.loader import default_model_path
@@ -113,7 +113,7 @@ def main() -> None:
     flags = cpu_simd_flags()
     lines = []
     for task in args.tasks:
-        prompt = TASKS[task]
+        prompt = task_prompt(engines["plain"], task)
         cells: dict[str, list[dict]] = {name: [] for name in [*programs, *(f"blockserve_{e}" for e in engines)]}
         for _ in range(args.rounds):
             for name, (program, extra) in programs.items():
