@@ -52,7 +52,7 @@ from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.cached_directory import cached_directory
+from blockserve.cached_directory import cache_root, cached_directory
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
@@ -216,7 +216,7 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
                     ", ".join(f"{count} {kind}" for kind, count in sorted(widened.items())))
     loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
     if quantized_matmul and quantized_max_rows is None:
-        measure_max_rows(loaded.model)
+        measure_max_rows(loaded.model, cache_root(cache_dir))
     return loaded
 
 
@@ -233,10 +233,6 @@ def check_tensor_parallel(source: str | None, tp_size: int) -> None:
         except (OSError, ValueError, KeyError):
             return  # loading reports it
         model_class(config.architectures).check_tensor_parallel(tp_size)
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("BLOCKSERVE_CACHE_DIR") or Path.home() / ".cache" / "blockserve")
 
 
 def gguf_cache_entry(path: Path, root: Path) -> Path:
