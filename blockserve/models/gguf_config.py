@@ -23,25 +23,24 @@ _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden
          "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
          "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
          "vocab_size": "vocab_size"}
-_TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
-               "padding_token_id": "pad_token_id"}
+_TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "padding_token_id": "pad_token_id"}
 # transformers' defaults per family, for keys a file may leave out
 _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                        "bos_token_id": 1, "eos_token_id": 2},
              "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # the attributes only one family's transformers config has (absent from the other's)
-_ONLY = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp", "unk_token_id"),
+_ONLY = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
          "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False, eq=False)
 class GGUFConfig:
     """A Llama or Qwen2 config from GGUF metadata; the attributes of the other family are absent
     (AttributeError), as on transformers' config."""
 
     model_type: str
-    architectures: tuple[str, ...]
+    architectures: list[str]  # lists, as transformers' (a frozen config: not to be changed)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -64,26 +63,26 @@ class GGUFConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     pretraining_tp: int = 1
-    unk_token_id: int | None = None
     # Qwen2 only
     use_sliding_window: bool = False
     sliding_window: int | None = None
     max_window_layers: int = 28
-    layer_types: tuple[str, ...] = field(default=())
+    layer_types: list[str] = field(default_factory=list)
 
     def __getattribute__(self, name: str) -> Any:
         if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()):
             raise AttributeError(f"{object.__getattribute__(self, 'model_type')} config has no {name!r}")
         return object.__getattribute__(self, name)
 
+    def __repr__(self) -> str:
+        return f"GGUFConfig({self.to_dict()})"
+
     def to_dict(self) -> dict:
         """The config's attributes (those its family has), as plain values."""
         absent = _ABSENT[self.model_type]
         values = {name: object.__getattribute__(self, name) for name in self.__dataclass_fields__ if name not in absent}
-        values["architectures"] = list(values["architectures"])
-        if "layer_types" in values:
-            values["layer_types"] = list(values["layer_types"])
-        return values
+        return {name: list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+                for name, value in values.items()}
 
 
 _ABSENT = {family: tuple(name for other, names in _ONLY.items() if other != family for name in names)
@@ -113,6 +112,5 @@ def gguf_config(reader: gguf.GGUFReader, arch: str) -> GGUFConfig:
         values["head_dim"] = rotary.contents() if rotary is not None else \
             values["hidden_size"] // values["num_attention_heads"]
     else:
-        values.pop("unk_token_id", None)
-        values["layer_types"] = ("full_attention",) * values["num_hidden_layers"]
-    return GGUFConfig(model_type=model_type, architectures=(architecture,), **values)
+        values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
+    return GGUFConfig(model_type=model_type, architectures=[architecture], **values)

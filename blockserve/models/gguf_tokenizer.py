@@ -136,6 +136,13 @@ class GGUFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        """{"input_ids": encode(text)} (transformers' call, for one text)."""
+        return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str | None]:
+        return [self.backend_tokenizer.id_to_token(i) for i in token_ids]
+
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
@@ -148,12 +155,13 @@ class GGUFTokenizer:
         return self.chat_template
 
     def apply_chat_template(self, conversation: list, tools: list | None = None, add_generation_prompt: bool = False,
-                            tokenize: bool = True, chat_template: str | None = None, **variables: Any) -> list[int] | str:
+                            tokenize: bool = True, chat_template: str | None = None, return_dict: bool = False,
+                            **variables: Any) -> list[int] | str:
         """The conversation through the chat template (models/chat_template.py), as token ids (no BOS/EOS
         added: the template writes them) or, with tokenize=False, as text. `variables` are the template's;
         the rendering options transformers has beyond these (continue_final_message, documents, return_dict,
-        ...) are refused with a ValueError rather than ignored."""
-        refused = sorted(set(variables) & _RENDERING_OPTIONS)
+        ...; return_dict=True) are refused with a ValueError rather than ignored."""
+        refused = sorted(set(variables) & _RENDERING_OPTIONS) + (["return_dict=True"] if return_dict else [])
         if refused:
             raise ValueError(f"apply_chat_template on a GGUF tokenizer does not take {', '.join(refused)}")
         if not conversation:
@@ -162,7 +170,7 @@ class GGUFTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-_RENDERING_OPTIONS = frozenset(("documents", "continue_final_message", "return_dict", "return_tensors",
+_RENDERING_OPTIONS = frozenset(("documents", "continue_final_message", "return_tensors",
                                 "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
                                 "max_length", "sanitize_control_tokens"))
 
