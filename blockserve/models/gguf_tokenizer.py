@@ -26,6 +26,7 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from blockserve.models import chat_template
+from blockserve.models.gguf_metadata import array_values
 
 # tokenizer.ggml.pre -> the split its merges were learned on (the ones transformers' GGUF loader applies)
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -65,9 +66,9 @@ class GGUFTokenizer:
         def value(key: str, default: Any = None) -> Any:
             return fields[key].contents() if key in fields else default
 
-        tokens: list[str] = value("tokenizer.ggml.tokens")
-        kinds: list[int] = value("tokenizer.ggml.token_type") or []
-        merges: list[str] = value("tokenizer.ggml.merges") or []
+        tokens: list[str] = array_values(reader, "tokenizer.ggml.tokens")
+        kinds: list[int] = array_values(reader, "tokenizer.ggml.token_type") or []
+        merges: list[str] = array_values(reader, "tokenizer.ggml.merges") or []
         spelling = byte_alphabet()
         alphabet = set(spelling.values())
         vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
