@@ -2,8 +2,8 @@
 (models/gguf_config.py, models/gguf_tokenizer.py, models/chat_template.py) equal what transformers
 builds from the same file: every config attribute the models read, the tokenizer's serialisation,
 its ids both ways, and the chat template's rendering (the bundled SmolLM2 model's, and a Qwen2-style
-template with tools and reasoning in a tiny file); `blockserve generate` on such a file never
-imports transformers."""
+template with tools and reasoning in a tiny file); `blockserve generate` and `serve` on such a file
+never import transformers."""
 
 from __future__ import annotations
 
@@ -197,3 +197,46 @@ def test_generate_on_a_gguf_never_imports_transformers(files, tmp_path):
     assert lines[0]["prompt"] == "Hello" and lines[0]["num_generated_tokens"] == 6
     cache = tmp_path / "cache"
     assert not cache.exists() or {p.name for p in cache.iterdir()} <= {"row-crossover"}
+
+
+SERVE = """
+import json, os, sys, threading, time, urllib.request
+from blockserve.cli import main
+
+url = "http://127.0.0.1:" + sys.argv[2]
+
+def probe():
+    try:
+        for _ in range(3000):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        model = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        request = urllib.request.Request(url + "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=300).read())
+        print(json.dumps({"tokens": answer["usage"]["completion_tokens"],
+                          "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers")}))
+    finally:
+        sys.stdout.flush()
+        os._exit(0)
+
+threading.Thread(target=probe, daemon=True).start()
+main(["serve", "--model", sys.argv[1], "--port", sys.argv[2], "--max-model-len", "128", "--kv-cache-memory", "8MiB",
+      "--num-threads", "1"])
+"""
+
+
+def test_serve_on_a_gguf_never_imports_transformers(files, tmp_path):
+    """`blockserve serve --model x.gguf` in a fresh process, up to answering a chat completion
+    (the chat template, the Hermes tool probe, the structured-output compiler's module): transformers
+    is not in sys.modules."""
+    from tests.server_process import free_port
+
+    env = {**os.environ, "BLOCKSERVE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", SERVE, str(files["qwen2"]), str(free_port())], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"tokens": 4, "transformers": []}, done.stderr[-3000:]
