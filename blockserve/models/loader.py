@@ -1,5 +1,5 @@
 """Load a model to serve from a path, end to end: config, weights and tokenizer, from a Hugging Face
-directory or from a GGUF file converted once and cached.
+directory or from a GGUF file (read directly, or converted once and cached).
 
     source      what is loaded
     None        the default model's GGUF (default_model.py), as a .gguf below
@@ -7,12 +7,15 @@ directory or from a GGUF file converted once and cached.
     <x>.gguf    mapped read-only; its linear layers (and embedding) in the 5-bit, K-quant and IQ4
                 formats run from the mapped blocks (gguf_block_linear.py), those in Q4_0 / Q4_1 /
                 Q8_0 from packed blocks (quantized_linear.py), stacked MoE experts in any block
-                format from the mapped blocks (gguf_block_experts.py), none with a float32 copy;
-                the config, tokenizer and float32 copies of the tensors in a float format are
-                written to a Hugging Face directory under the cache once; where no kernel can run,
-                the block formats are dequantised from the file as it loads
+                format from the mapped blocks (gguf_block_experts.py), none with a float32 copy.
+                A Llama (no experts) or Qwen2 with a byte-level BPE vocabulary (native_gguf):
+                config and tokenizer from the metadata (gguf_config.py, gguf_tokenizer.py, no
+                transformers), every tensor from the file, nothing cached. Any other: the config,
+                tokenizer and float32 copies of the tensors in a float format are written by
+                transformers to a Hugging Face directory under the cache once. Where no kernel
+                can run, the block formats are dequantised from the file as it loads
 
-    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF; digest: the first 16 hex digits of the
+    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF (not native_gguf); digest: the first 16 hex digits of the
                                     file's SHA-256, so every copy of one file shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
     <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
@@ -23,7 +26,8 @@ blocks are narrowed too, by whole rows (column-parallel) or whole 32-wide blocks
 
 A cache entry is written in a temporary directory and renamed into place, so one that exists
 is complete. The cache root is the `cache_dir` argument, else $BLOCKSERVE_CACHE_DIR, else
-~/.cache/blockserve. Nothing touches the network: every transformers call is local_files_only.
+~/.cache/blockserve (cached_directory.cache_root). Nothing touches the network: every transformers
+call is local_files_only; transformers is imported only on the paths that use it.
 """
 
 from __future__ import annotations
