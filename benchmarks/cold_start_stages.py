@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.peers.native import CpuShare
+from blockserve.bench.common import environment
 
 # the child: one start, stage by stage; prints one JSON line
 CHILD = r"""
@@ -38,9 +39,9 @@ from blockserve.sampling_params import SamplingParams
 mark("import blockserve engine")
 crossover = [0.0]
 measure = loader.measure_max_rows
-def timed_measure(model):
+def timed_measure(model, *args):
     begin = time.perf_counter()
-    measure(model)
+    measure(model, *args)
     crossover[0] += time.perf_counter() - begin
 loader.measure_max_rows = timed_measure
 loaded = loader.load_model(sys.argv[1] or None, BACKENDS[EngineConfig().attention_backend])
@@ -87,8 +88,8 @@ def main() -> None:
           f"{min(r['other_cpu_share'] for r in runs):.0%}-{max(r['other_cpu_share'] for r in runs):.0%}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "median_stages_s": medians},
-                                              indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"environment": environment(), "args": vars(args), "runs": runs,
+                                               "median_stages_s": medians}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
