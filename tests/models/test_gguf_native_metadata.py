@@ -240,3 +240,13 @@ def test_serve_on_a_gguf_never_imports_transformers(files, tmp_path):
                           text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"tokens": 4, "transformers": []}, done.stderr[-3000:]
+
+
+def test_the_pre_tokenizer_splits_are_transformers():
+    """Each tokenizer.ggml.pre value transformers' GGUF loader splits text for, split alike (a file of
+    any other value gets GPT-2's byte-level split in both)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from blockserve.models.gguf_tokenizer import SPLITS
+
+    assert SPLITS == GGUF_PRE_TOKENIZER_SPLITS
