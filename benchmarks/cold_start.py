@@ -109,8 +109,10 @@ def main() -> None:
     args = parser.parse_args()
     env = environment()
     print_environment(env)
-    bin_dir = None if args.no_peer else Path(subprocess.run(
-        [str(HERE / "build_llama_cpp.sh"), "native"], check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    bin_dir = None
+    if not args.no_peer:
+        built = subprocess.run([str(HERE / "build_llama_cpp.sh"), "native"], check=True, capture_output=True, text=True)
+        bin_dir = Path(built.stdout.strip().splitlines()[-1])
     results = []
     for model in args.model:
         systems = {"llama.cpp": (lambda port: llama_command(bin_dir, model, args.threads, port), engine_env()),

@@ -89,6 +89,7 @@ class GGUFTokenizer:
         backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge.split(" ")) for merge in merges],
                                        dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                                        fuse_unk=False))
+        self.backend_tokenizer = backend
         split = SPLITS.get(value("tokenizer.ggml.pre"))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
             pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -108,14 +109,14 @@ class GGUFTokenizer:
             backend.add_tokens([AddedToken(token, normalized=False, special=False) for token in user])
         self.add_bos_token = bool(value("tokenizer.ggml.add_bos_token", False)) and self.bos_token is not None
         self.add_eos_token = bool(value("tokenizer.ggml.add_eos_token", False)) and self.eos_token is not None
-        single = " ".join([*(["$bos:0"] if self.add_bos_token else []), "$A:0", *(["$eos:0"] if self.add_eos_token else [])])
-        ends = [(self.bos_token, self.bos_token_id)] if self.add_bos_token else []
-        ends += [(self.eos_token, self.eos_token_id)] if self.add_eos_token else []
-        template = single.replace("$bos", self.bos_token or "").replace("$eos", self.eos_token or "")
+        # transformers' update_post_processor: "[bos:0] $A:0 [eos:0]", the pair "... [bos:1] $B:1 [eos:1]"
+        bos, eos = f"{self.bos_token}:0 " if self.add_bos_token else "", f" {self.eos_token}:0" if self.add_eos_token else ""
+        template = f"{bos}$A:0{eos}"
         pair = template + (f" {self.bos_token}:1" if self.add_bos_token else "") + " $B:1" + \
             (f" {self.eos_token}:1" if self.add_eos_token else "")
+        ends = [(self.bos_token, self.bos_token_id)] if self.add_bos_token else []
+        ends += [(self.eos_token, self.eos_token_id)] if self.add_eos_token else []
         backend.post_processor = processors.TemplateProcessing(single=template, pair=pair, special_tokens=ends)
-        self.backend_tokenizer = backend
         self.chat_template: str | None = value("tokenizer.chat_template")
         self._special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
 

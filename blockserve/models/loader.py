@@ -15,8 +15,9 @@ directory or from a GGUF file (read directly, or converted once and cached).
                 transformers to a Hugging Face directory under the cache once. Where no kernel
                 can run, the block formats are dequantised from the file as it loads
 
-    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF (not native_gguf); digest: the first 16 hex digits of the
-                                    file's SHA-256, so every copy of one file shares one entry
+    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF (not native_gguf); digest: the first
+                                    16 hex digits of the file's SHA-256, so every copy of one file
+                                    shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
     <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
 

@@ -1,7 +1,7 @@
 """A GGUF in llama.cpp's Q4_0 / Q4_1 / Q8_0 formats (a tied Q8_0 token_embd) loads with no float32
 copy of any weight: every linear layer is a QuantizedLinear over packed blocks, the embedding is
-looked up from the file's blocks, no cache entry is written (the norms are read from the file), and the greedy tokens equal
-transformers' GGUF loader's, prefills running on tiles dequantised from the blocks. The weights'
+looked up from the file's blocks, no cache entry is written (the norms are read from the file), and
+the greedy tokens equal transformers' GGUF loader's, prefills running on tiles dequantised from the blocks. The weights'
 resident bytes are the packed layout's (measured from the allocations), and the peak RSS of a
 whole load, measured in a fresh process, grows by about the file's tensor bytes, not by the float32
 copies it used to make. A damaged file is refused naming the tensor.

@@ -250,3 +250,32 @@ def test_the_pre_tokenizer_splits_are_transformers():
     from blockserve.models.gguf_tokenizer import SPLITS
 
     assert SPLITS == GGUF_PRE_TOKENIZER_SPLITS
+
+
+@pytest.mark.parametrize("add_bos, add_eos, bos, eos, unk", [
+    (None, None, None, None, None), (True, None, 1, 2, None), (True, True, 1, 2, 0), (None, True, None, 2, None),
+    (False, False, 1, 2, 0), (True, None, None, 2, None)])
+def test_special_tokens_and_ends_as_transformers(tmp_path, add_bos, add_eos, bos, eos, unk):
+    """Files setting or leaving out BOS / EOS / UNK ids and add_bos / add_eos_token: the same added
+    tokens (NORMAL tokens named special become special; "<|endoftext|>", transformers' GPT-2
+    default, is added past the vocabulary) and the same BOS / EOS around an encoding."""
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["t", "1", "2", "t1", "t2", " ", "Ġ", "Ġt"])
+    writer.add_token_types([gguf.TokenType.NORMAL] * 8)
+    writer.add_token_merges(["t 1", "t 2", "Ġ t"])
+    for value, add in ((bos, writer.add_bos_token_id), (eos, writer.add_eos_token_id), (unk, writer.add_unk_token_id),
+                       (add_bos, writer.add_add_bos_token), (add_eos, writer.add_add_eos_token)):
+        if value is not None:
+            add(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = GGUFTokenizer(loader._gguf_reader(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
+    assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    for text in ("t1 t2", "t2t1", ""):
+        assert ours.encode(text) == theirs.encode(text), text
