@@ -286,9 +286,10 @@ class EngineConfig:
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir / kv_offload_memory are tiers of the prefix cache: they need prefix "
                              "caching on")
-        if self.kv_offload_enabled and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload_dir / kv_offload_memory run on one rank: they cannot be combined with "
-                             "tensor_parallel_size > 1")
+        if self.kv_offload_memory is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_memory keeps blocks in one process's memory, and under tensor parallelism "
+                             "each rank's KV is in its own process: use kv_offload_dir (a directory every rank "
+                             "reaches) with tensor_parallel_size > 1")
         resolve_kv_dtypes(self.kv_cache_dtype, self.k_cache_dtype, self.v_cache_dtype)
 
     def kv_spec(self, spec):

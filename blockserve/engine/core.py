@@ -20,7 +20,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
 from blockserve.engine.kv_budget import cuda_kv_budget, fixed_cuda_kv_bytes, graph_probe, profile_step
-from blockserve.engine.kv_offload import build_kv_offload
+from blockserve.engine.kv_offload import build_kv_offload, offload_sizes
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
@@ -206,8 +206,15 @@ class EngineCore:
             groups_off = tuple(dataclasses.replace(g, zero_new_blocks=False) for g in self.kv_config.groups)
             self.kv_config = dataclasses.replace(self.kv_config, groups=groups_off)
             logger.warning("zeroing of new KV blocks is disabled: outputs may be corrupted (C1 tests only)")
+        runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
+        rank_fingerprints = None
+        if self.executor is not None:  # the ranks' runners and second-tier stores first: rank 0's store needs
+            # every rank's fingerprint
+            sizes = offload_sizes(config, self.kv_config) if config.kv_offload_enabled else None
+            self.runner = self.executor.start(*runner_args, dtype=plan.dtype, offload_sizes=sizes)
+            rank_fingerprints = self.executor.rank_fingerprints
         # A second prefix-cache tier (disk, host memory), if asked for: closed with the engine.
-        self.kv_offload = build_kv_offload(config, self.kv_config, model, plan.dtype)
+        self.kv_offload = build_kv_offload(config, self.kv_config, model, plan.dtype, rank_fingerprints)
         self.kv = KVCacheManager(self.kv_config, self.kv_offload)
         if config.enable_prefix_caching and not self.kv.caching_possible:
             logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
@@ -216,11 +223,10 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv, self._speculator(config, kv_groups, kv_bytes,
                                                                                 scheduler_config.chunk_cap))
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
-        runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
-        self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
-                       else self.executor.start(*runner_args))
-        if self.kv_offload is not None:
-            self.runner.offload = self.kv_offload
+        if self.executor is None:
+            self.runner = ModelRunner(self.loaded.model, *runner_args, device=plan.device)
+        if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
+            (self.runner if self.executor is None else self.executor.runner).offload = self.kv_offload
         self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
         if self.executor is None and plan.device.type == "cpu" and config.adaptive_threads:
             self.thread_governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)

@@ -58,6 +58,9 @@ class GGUFConfig:
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
     use_cache: bool = True
+    # llama.cpp's per-dimension divisors of the rotary frequencies (a file's rope_freqs tensor: Llama
+    # 3.1's llama3 scaling); absent (AttributeError) where the file has none, as on transformers' config
+    rope_freq_divisors: list[float] | None = None
     # Llama only
     head_dim: int | None = None
     attention_bias: bool = False
@@ -70,7 +73,8 @@ class GGUFConfig:
     layer_types: list[str] = field(default_factory=list)
 
     def __getattribute__(self, name: str) -> Any:
-        if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()):
+        if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()) or (
+                name == "rope_freq_divisors" and object.__getattribute__(self, name) is None):
             raise AttributeError(f"{object.__getattribute__(self, 'model_type')} config has no {name!r}")
         return object.__getattribute__(self, name)
 
@@ -81,6 +85,8 @@ class GGUFConfig:
         """The config's attributes (those its family has), as plain values."""
         absent = _ABSENT[self.model_type]
         values = {name: object.__getattribute__(self, name) for name in self.__dataclass_fields__ if name not in absent}
+        if values["rope_freq_divisors"] is None:
+            del values["rope_freq_divisors"]
         return {name: list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
                 for name, value in values.items()}
 
@@ -89,9 +95,9 @@ _ABSENT = {family: tuple(name for other, names in _ONLY.items() if other != fami
            for family in _ONLY}
 
 
-def gguf_config(reader: gguf.GGUFReader, arch: str) -> GGUFConfig:
-    """The config of a GGUF file of architecture `arch` (a key of FAMILIES); ValueError naming a
-    missing required key."""
+def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[float] | None = None) -> GGUFConfig:
+    """The config of a GGUF file of architecture `arch` (a key of FAMILIES), with the file's rope_freqs
+    divisors (read by the loader, None where it has none); ValueError naming a missing required key."""
     model_type, architecture = FAMILIES[arch]
     values: dict[str, Any] = dict(_DEFAULTS[model_type])
     for key, name in _KEYS.items():
@@ -113,4 +119,5 @@ def gguf_config(reader: gguf.GGUFReader, arch: str) -> GGUFConfig:
             values["hidden_size"] // values["num_attention_heads"]
     else:
         values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
-    return GGUFConfig(model_type=model_type, architectures=[architecture], **values)
+    return GGUFConfig(model_type=model_type, architectures=[architecture], rope_freq_divisors=rope_freq_divisors,
+                      **values)

@@ -43,7 +43,7 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -200,9 +200,11 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
+    end_of_generation = _gguf_end_of_generation_ids(reader, path)
     native = native_gguf(reader, arch)
     if native:  # the config and tokenizer from the metadata; every tensor from the file
-        config, tokenizer, hf_dir = gguf_config(reader, arch), GGUFTokenizer(reader), None
+        config = gguf_config(reader, arch, _gguf_rope_freq_divisors(reader, arch))
+        tokenizer, hf_dir = GGUFTokenizer(reader), None
     else:
         hf_dir = _converted_gguf(path, cache_root(cache_dir))
     reader.fields.clear()  # the rest is in the cache entry, or already read
@@ -236,7 +238,33 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
     if quantized_matmul and quantized_max_rows is None:
         measure_max_rows(loaded.model, cache_root(cache_dir))
-    return loaded
+    return replace(loaded, eos_token_ids=tuple(dict.fromkeys((*loaded.eos_token_ids, *end_of_generation))))
+
+
+# the token ids llama.cpp ends generation on besides eos (its vocabulary's end-of-generation set):
+# end of turn, end of message, and the fill-in-the-middle pad / repeat / separator tokens
+_GGUF_END_OF_GENERATION = ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+
+
+def _gguf_end_of_generation_ids(reader: gguf.GGUFReader, path: Path) -> tuple[int, ...]:
+    """The ids of the file's tokenizer.ggml.{eot,eom,fim_pad,fim_rep,fim_sep}_token_id, which a
+    request stops on beside eos as llama.cpp's does. An id outside the vocabulary is dropped with a
+    warning naming it (llama.cpp's "bad special token"), never kept."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = None if tokens is None else len(tokens.data)
+    ids = []
+    for kind in _GGUF_END_OF_GENERATION:
+        field = reader.fields.get(f"tokenizer.ggml.{kind}_token_id")
+        if field is None:
+            continue
+        token = int(field.contents())
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            logger.warning("%s: tokenizer.ggml.%s_token_id %d is outside the vocabulary (%s tokens); ignored: "
+                           "requests do not stop on it (fix the file's metadata, or pass stop_token_ids)",
+                           path.name, kind, token, vocab_size)
+            continue
+        ids.append(token)
+    return tuple(dict.fromkeys(ids))
 
 
 def check_tensor_parallel(source: str | None, tp_size: int) -> None:
@@ -430,6 +458,9 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
         values["layer_types"] = _gguf_layer_types(reader, arch, values["num_hidden_layers"])
     elif arch == "exaone4":  # no window (EXAONE 4.0-1.2B): every layer global, with RoPE (not the config's default)
         values.update(sliding_window=None, layer_types=["full_attention"] * values["num_hidden_layers"])
+    divisors = _gguf_rope_freq_divisors(reader, arch)
+    if divisors is not None:  # Llama 3.1+'s and EXAONE 4.0-32B's llama3 scaling, as llama.cpp applies it
+        values["rope_freq_divisors"] = divisors
     long_rope = _gguf_long_rope(reader, arch, values["max_position_embeddings"])
     if long_rope is not None:  # Phi-3's LongRoPE: the factors are tensors
         values["rope_parameters"] = {**long_rope, "rope_theta": values.pop("rope_theta")}
@@ -458,6 +489,20 @@ def _gguf_layer_types(reader: gguf.GGUFReader, arch: str, num_layers: int) -> li
         raise ValueError(f"{arch} GGUF: attention.sliding_window_pattern has {len(sliding)} entries for "
                          f"{num_layers} layers; the file is malformed: convert the model again")
     return ["sliding_attention" if flag else "full_attention" for flag in sliding]
+
+
+def _gguf_rope_freq_divisors(reader: gguf.GGUFReader, arch: str) -> list[float] | None:
+    """The file's `rope_freqs` tensor (llama.cpp's per-dimension divisors of the rotary frequencies,
+    its converter's form of Llama 3.1's "llama3" scaling) as a list, for rotary.inverse_frequencies;
+    None where the file has none or it is all ones (no scaling)."""
+    tensors = [tensor for tensor in reader.tensors if tensor.name.rpartition(".")[0] == "rope_freqs"]
+    if not tensors:
+        return None
+    divisors = gguf.quants.dequantize(tensors[0].data, tensors[0].tensor_type).astype(np.float32).ravel()
+    if not np.all(np.isfinite(divisors)) or np.any(divisors <= 0):
+        raise ValueError(f"{arch} GGUF: rope_freqs holds a value that is not a positive number; "
+                         "the file is corrupt: convert the model again")
+    return None if np.all(divisors == 1) else [float(d) for d in divisors]
 
 
 def _gguf_long_rope(reader: gguf.GGUFReader, arch: str, max_positions: int) -> dict | None:
@@ -594,11 +639,6 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
     """Dequantised tensors under Hugging Face names, those `keep(name, tensor)` takes; stacked
     experts' gate and up joined into one gate_up_proj [E, 2I, H] once both have been read (GPT-OSS's
     into its checkpoint's layout, MXFP4 kept as blocks: gpt_oss_gguf.py)."""
-    for tensor in reader.tensors:
-        if tensor.name.rpartition(".")[0] == "rope_freqs":  # llama.cpp's rope divisors (Llama 3.1+ scaling)
-            if not np.all(gguf.quants.dequantize(tensor.data, tensor.tensor_type) == 1):
-                raise ValueError(f"{arch} GGUF with rope scaling factors (rope_freqs) is not supported; "
-                                 "load the model's Hugging Face directory instead")
     gate_or_up: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
         if not keep(name, tensor):

@@ -20,7 +20,9 @@ def inverse_frequencies(config, params: dict, head_dim: int, device: torch.devic
                         **kwargs) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2], attention scaling) of RoPE parameters `params` (the config's
     rope_parameters, or one layer type's), by transformers' own functions so every scaling type
-    it knows applies; `kwargs` go to them. ValueError for an unknown type or a partial rotary dim."""
+    it knows applies; `kwargs` go to them. A config's `rope_freq_divisors` (a GGUF's rope_freqs
+    tensor: llama.cpp's per-dimension divisors) divide the frequencies after. ValueError for an
+    unknown type, a partial rotary dim, or divisors of another length."""
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":  # imported only here: a default-RoPE model never imports transformers
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -35,6 +37,12 @@ def inverse_frequencies(config, params: dict, head_dim: int, device: torch.devic
     if 2 * inv_freq.numel() != head_dim:
         raise ValueError(f"partial rotary embeddings are not supported "
                          f"(rotary dim {2 * inv_freq.numel()}, head_dim {head_dim})")
+    divisors = getattr(config, "rope_freq_divisors", None)
+    if divisors is not None:
+        if len(divisors) != inv_freq.numel():
+            raise ValueError(f"rope_freq_divisors has {len(divisors)} entries for {inv_freq.numel()} rotary "
+                             "frequencies; the GGUF's rope_freqs does not match the model: convert it again")
+        inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float32, device=device)
     return inv_freq, scaling
 
 

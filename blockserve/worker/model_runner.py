@@ -11,9 +11,10 @@ running the model's forward eagerly (`capture_decode_graphs`, worker/cuda_graphs
 
 Speculative decoding: a request with k draft tokens (`SchedulerOutput.spec_token_ids`) is sampled at
 each of its last k + 1 positions, position i as if drafts[:i] were already its output (penalties,
-min_tokens, its seeded generator's next draw); `result()` keeps the drafts the target's own tokens
-confirm and the target's token after them (spec_decode/acceptance.py), and takes the rejected
-drafts back out of the request's computed count.
+min_tokens, its seeded generator's next draw, its grammar's mask after drafts[:i]); `result()`
+keeps the drafts the target's own tokens confirm and the target's token after them
+(spec_decode/acceptance.py), advances the grammar past those only, and takes the rejected drafts
+back out of the request's computed count.
 """
 
 from __future__ import annotations
@@ -220,9 +221,16 @@ class ModelRunner:
 
 
 def _verification_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
-    """The rows that score a request's k drafts: row i samples as if drafts[:i] were already output."""
+    """The rows that score a request's k drafts: row i samples as if drafts[:i] were already output,
+    under the grammar's mask after drafts[:i] where the request has one (GrammarMatcher.draft_masks:
+    a draft the grammar refuses is outside its position's mask, so it is never accepted)."""
     output = list(row.output_token_ids)
-    return [row] + [dataclasses.replace(row, output_token_ids=output + drafts[:i]) for i in range(1, len(drafts) + 1)]
+    if row.grammar is None:
+        return [row] + [dataclasses.replace(row, output_token_ids=output + drafts[:i])
+                        for i in range(1, len(drafts) + 1)]
+    masks, _ = row.grammar.draft_masks(drafts)
+    return [dataclasses.replace(row, output_token_ids=output + drafts[:i], grammar=mask)
+            for i, mask in enumerate(masks)]
 
 
 class LaunchedStep:

@@ -29,7 +29,8 @@ READ = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediat
         "attention_bias", "mlp_bias", "qkv_bias", "sliding_window", "layer_types", "use_sliding_window",
         "no_rope_layers", "quantization_config", "partial_rotary_factor", "attention_multiplier", "logits_scaling",
         "embedding_multiplier", "residual_multiplier", "final_logit_softcapping", "attn_logit_softcapping",
-        "query_pre_attn_scalar", "num_local_experts", "rope_interleave", "use_bidirectional_attention")
+        "query_pre_attn_scalar", "num_local_experts", "rope_interleave", "use_bidirectional_attention",
+        "rope_freq_divisors")
 MISSING = object()
 
 QWEN_TEMPLATE = """{%- if tools %}<|im_start|>system
