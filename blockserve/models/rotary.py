@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from blockserve.models.placement import Placement
 
@@ -25,6 +24,8 @@ def inverse_frequencies(config, params: dict, head_dim: int, device: torch.devic
     tensor: llama.cpp's per-dimension divisors) divide the frequencies after. ValueError for an
     unknown type, a partial rotary dim, or divisors of another length."""
     rope_type = params.get("rope_type", "default")
+    if rope_type != "default":  # imported only here: a default-RoPE model never imports transformers
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type == "default":  # as transformers' compute_default_rope_parameters
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
         inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
