@@ -271,6 +271,10 @@ class LaunchedStep:
                 self._verify(host, sampled, logprobs)
             else:
                 self._read(host, sampled, logprobs)
+        else:  # a tensor-parallel rank > 0: the accepted count comes with the request's next step
+            for request, drafts in zip(self.requests, self.drafts):
+                if drafts:
+                    request.unverified_drafts = len(drafts)
         prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
         self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
         return self._output

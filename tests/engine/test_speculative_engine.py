@@ -166,7 +166,6 @@ def test_seeded_sampling_is_reproducible_and_logprobs_follow_the_tokens(tiny):
 
 @pytest.mark.parametrize("options, field", [
     ({"async_scheduling": True}, "async_scheduling"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
 ])
 def test_unsupported_combinations_are_refused(options, field):
     with pytest.raises(ValueError, match=field):
