@@ -1,9 +1,9 @@
 """Speculative decoding over 2 gloo ranks: the proposer and the acceptance run on rank 0, the
 verification's k + 1 rows through every rank's forward, and rank 1 takes the accepted count from
 the scheduler's next step (worker/input_batch.py). Greedy tokens equal one rank's without
-speculation, with drafts accepted (so rank 1 really settled verifications), prefix caching on,
-poison and the integrity checks on; under `-m tp_full` also preemption and a draft model (loaded
-whole on rank 0) equal to the target.
+speculation, with drafts accepted (so rank 1 really settled verifications), with prefix caching,
+chunked prefill, poison and the integrity checks on; under `-m tp_full` also under preemption, and
+with a draft model (loaded whole on rank 0) equal to the target.
 
 Each TP=2 engine spawns a rank process that imports torch and loads its shard (~5-10 s here):
 the default suite runs one engine pair, `-m tp_full` the rest.
@@ -26,7 +26,8 @@ from tests.engine.test_tiny_engine import SIZES
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # rank processes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-OPTIONS = dict(num_threads=1, block_size=4, check_integrity=True, poison=True, enable_prefix_caching=True)
+OPTIONS = dict(num_threads=1, block_size=4, check_integrity=True, poison=True, enable_prefix_caching=True,
+               max_num_batched_tokens=16)  # the 30-token prompt in chunks
 # Two KV heads over two ranks: a rank's block holds half the bytes, so half the budget gives each rank
 # the blocks one device has with the whole of it (about 17: the preemption case runs out of them).
 ROOMY, TIGHT = dict(kv_cache_memory="4MiB"), dict(kv_cache_memory=17 * 4096, max_model_len=64)
