@@ -187,7 +187,7 @@ class ModelRunner:
         if not holes:
             return None
         sampled, ids, k = last.sampled_ids, inputs.request_ids, len(holes)
-        if sampled is not None and holes[-1] == k - 1 and ids[:k] == last.sample_ids[:k]:
+        if sampled is not None and holes[-1] == k - 1 and ids[:k] == last.sample_ids[:k] and not any(last.drafts):
             # Steady decode: the first k rows take the last step's first k samples, in the same order.
             def fill_in_order(input_ids: torch.Tensor) -> None:
                 input_ids[:k].copy_(sampled[:k])
@@ -246,8 +246,14 @@ class LaunchedStep:
 
     @functools.cached_property
     def row_of(self) -> dict[str, int]:
-        """Each sampled request's row in the samples."""
-        return {rid: i for i, rid in enumerate(self.sample_ids)}
+        """Each sampled request's row in the samples. A request that verified k drafts owns k + 1 rows
+        and has none: its next input is not known until its accepted count is back."""
+        rows, row = {}, 0
+        for rid, drafts in zip(self.sample_ids, self.drafts):
+            if not drafts:
+                rows[rid] = row
+            row += len(drafts) + 1 if drafts else 1
+        return rows
 
     @property
     def read(self) -> bool:
