@@ -66,6 +66,19 @@ def test_async_speculation_gives_the_plain_greedy_tokens(tiny, launches, scenari
     llm.engine.core.scheduler.assert_idle()
 
 
+def test_async_speculation_with_a_draft_model(tiny, launches):
+    """A draft model (the target itself: its drafts are the target's greedy tokens) drafts only for
+    requests whose tokens are back, and gives the plain tokens."""
+    plain = _tokens(LLM(tiny, **OPTIONS))
+    spec = {"method": "draft_model", "model": tiny, "num_speculative_tokens": 3}
+    llm = LLM(tiny, speculative_config=spec, async_scheduling=True, **OPTIONS)
+    assert _tokens(llm) == plain
+    stats = llm.engine.stats().speculation
+    assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
+    assert not any(drafts for _, drafts in launches)
+    llm.engine.core.scheduler.assert_idle()
+
+
 def test_steps_without_drafts_run_ahead_and_probe_with_backoff(tiny, launches, monkeypatch):
     """A request whose tokens repeat no 5-gram gets no n-gram drafts: its first decode probes for
     drafts (its prefill settled first), then its steps run ahead, settling only to probe again, after
