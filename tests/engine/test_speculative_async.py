@@ -1,6 +1,6 @@
 """Speculation with async scheduling: the greedy tokens of one step at a time without speculation
 (batched with prefix caching, and under preemption, poison and the integrity checks on), drafts
-accepted, and the engine's rule that makes it exact: a step that verified drafts is settled before
+accepted (n-gram lookup and a draft model), and the engine's rule that makes it exact: a step that verified drafts is settled before
 the next step is scheduled (its accepted counts move every later position), while steps without
 drafts run ahead, a token in flight per request."""
 
