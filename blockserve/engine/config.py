@@ -226,12 +226,6 @@ class EngineConfig:
 
         # Given as a JSON string (the command line) or a mapping (LLM(...)): kept parsed and validated.
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("speculative_config cannot be combined with async_scheduling: a step's accepted "
-                             "drafts must be back before the next step is scheduled; drop one of them")
-        if self.speculative_config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config cannot be combined with tensor_parallel_size > 1 yet: run "
-                             "speculation on one rank, or tensor parallelism without it")
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")

@@ -40,6 +40,11 @@ from blockserve.worker.model_runner import LaunchedStep, ModelRunner
 logger = logging.getLogger("blockserve")
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# Async scheduling with speculation: after a step without drafts, the steps run ahead (no drafts: every
+# request has a token in flight) this many times before one waits for its tokens to probe for drafts;
+# doubled after each probe that finds none, back to the first after a step with drafts.
+FIRST_AHEAD_STEPS = 4
+MAX_AHEAD_STEPS = 32  # a probe costs one step's overlap: at most 1 in 33 steps
 T = TypeVar("T")
 
 
@@ -129,6 +134,19 @@ def refuse_unreadable_kv_dtype(layer_name: str, module, spec) -> None:
                              f"use attention_backend 'exact', 'whole_block' or 'flex', or a float kv_cache_dtype")
 
 
+def refuse_state_speculation_under_tp(config: EngineConfig, kv_groups: list) -> None:
+    """Speculation on a model with recurrent-state layers rolls each rank's running state back to the
+    last accepted draft on rank 0 only (ranks above 0 learn the accepted count a step later, when the
+    per-row states are gone): refused with tensor parallelism rather than served wrong."""
+    if config.speculative_config is None or config.tensor_parallel_size == 1:
+        return
+    state = sorted({type(spec).__name__ for spec, _, _ in kv_groups if isinstance(spec, LinearStateSpec)})
+    if state:
+        raise ValueError(f"speculative_config with tensor_parallel_size > 1: this model has recurrent-state "
+                         f"layers ({', '.join(state)}), whose state is rolled back on rank 0 only; serve it "
+                         f"on one rank, or without speculative decoding")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """The engine over `config`; if building it fails once tensor-parallel ranks are up, they
@@ -136,6 +154,9 @@ class EngineCore:
         self.executor = None  # tensor parallel: ranks 1..N-1 and rank 0's shard (distributed/executor.py)
         self.kv_offload = None  # the second prefix-cache tier (engine/kv_offload.py)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling's step ahead
+        self._in_flight_began = 0.0  # when it was launched (perf_counter)
+        # Async scheduling with speculation: steps run ahead since the last with drafts, and how many may.
+        self._ahead_steps = self._ahead_limit = FIRST_AHEAD_STEPS
         try:
             self._build(config, loaded)
         except BaseException:
@@ -167,6 +188,7 @@ class EngineCore:
 
         model = self.loaded.model
         kv_groups = kv_groups_of(model, config)
+        refuse_state_speculation_under_tp(config, kv_groups)
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -317,9 +339,14 @@ class EngineCore:
         if self.runner is None:
             raise RuntimeError("this engine is closed: build a new one")
         began = time.perf_counter()
+        settled = self._settle_for_drafts() if self.config.async_scheduling else None
         scheduler_output = self.scheduler.schedule()
         if self.config.async_scheduling:
+            if settled is not None:
+                self._note_drafts(scheduler_output, probed=settled[1])
             outputs = self._step_ahead(scheduler_output)
+            if settled:
+                outputs = settled[0] + outputs
             stats = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
         else:
             runner_output = _run(lambda: self.runner.execute(scheduler_output), scheduler_output)
@@ -331,9 +358,43 @@ class EngineCore:
             self.kv.check_integrity()
         return outputs, stats
 
+    def _settle_for_drafts(self) -> tuple[list[RequestOutput], bool] | None:
+        """Async scheduling with speculation: a step is scheduled with drafts only where the request's
+        tokens are all back (a draft follows the last token, and the accepted count moves every later
+        position). So before scheduling, wait for the step in flight and apply its tokens when it
+        verified drafts (its accepted counts must be back anyway) or when a probe is due; otherwise
+        run ahead without drafts. Returns (the settled step's outputs, whether it was a probe), or
+        None without speculation. Exact either way: drafts are never scheduled over a token in flight."""
+        speculator = self.scheduler.speculator
+        if speculator is None:
+            return None
+        if self._in_flight is None:
+            return [], False
+        previous = self._in_flight
+        probe = not previous[0].spec_token_ids
+        if probe and self._ahead_steps < self._ahead_limit:
+            self._ahead_steps += 1
+            return [], False
+        self._in_flight = None
+        runner_output = _run(previous[1].result, previous[0])
+        if _decodes_only(previous[0]):  # launched, then waited for at once: one step's time
+            speculator.observe_step(previous[0].total_num_scheduled_tokens,
+                                    time.perf_counter() - self._in_flight_began)
+        outputs, _ = self.scheduler.update_from_output(previous[0], runner_output)
+        return outputs, probe
+
+    def _note_drafts(self, scheduler_output: SchedulerOutput, probed: bool) -> None:
+        """After scheduling a step: with drafts in it, the next step settles it first; a probe that found
+        none lets twice as many steps run ahead before the next."""
+        if scheduler_output.spec_token_ids:
+            self._ahead_steps, self._ahead_limit = 0, FIRST_AHEAD_STEPS
+        elif probed:
+            self._ahead_steps, self._ahead_limit = 0, min(2 * self._ahead_limit, MAX_AHEAD_STEPS)
+
     def _step_ahead(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         """Async scheduling: launch `scheduler_output`, then wait for the step launched before it and
         apply its tokens while the device runs the new one. A failure takes both steps' requests."""
+        began = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         both = (scheduler_output,) if previous is None else (scheduler_output, previous[0])
         launched = _run(lambda: self.runner.launch(scheduler_output), *both)
@@ -343,6 +404,7 @@ class EngineCore:
             outputs, _ = self.scheduler.update_from_output(previous[0], runner_output)
         if not scheduler_output.is_empty:
             self._in_flight = (scheduler_output, launched)
+            self._in_flight_began = began
         return outputs
 
     def abort(self, request_ids) -> list[str]:

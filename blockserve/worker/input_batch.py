@@ -40,6 +40,9 @@ class CachedRequest:
     eos_token_id: int | None = None
     grammar: GrammarMatcher | None = None  # structured outputs: at the output tokens so far
     sampling_row: SamplingRow | None = None  # the runner's, made on the first sampled step
+    # A tensor-parallel rank > 0 after scoring k drafts it does not sample: k, until the scheduler's
+    # computed count (the next step that schedules the request) says how many were accepted.
+    unverified_drafts: int = 0
     # Whether sampling it reads the values of its output tokens so far (a grammar, a penalty), not just
     # their count: then the previous step's tokens must be back first (async scheduling).
     reads_output_ids: bool = dataclasses.field(init=False)
@@ -104,6 +107,8 @@ class InputBatch:
             _append_blocks(self.requests[new.request_id], new.block_ids, writes)
         for cached in out.cached_requests:
             request = self.requests[cached.request_id]
+            if request.unverified_drafts:
+                self._settle_verification(cached.request_id, request, cached.num_computed_tokens)
             if request.num_computed != cached.num_computed_tokens:
                 raise RuntimeError(
                     f"request {cached.request_id}: worker has {request.num_computed} computed tokens, "
@@ -114,6 +119,21 @@ class InputBatch:
         for table, (rows, columns, ids) in zip(self.tables, writes):
             if ids:
                 table[int64_tensor(rows), int64_tensor(columns)] = int64_tensor(ids)
+
+    def _settle_verification(self, request_id: str, request: CachedRequest, num_computed: int) -> None:
+        """A rank that scored a verification without sampling it (tensor parallelism, rank > 0) learns its
+        outcome from the scheduler's computed count: the request emitted its accepted drafts and one token
+        of the target's (their ids unknown here, -1: this rank never samples), the rejected drafts leave
+        its computed count, and its tables forget the blocks the scheduler freed, as rank 0's did."""
+        k, request.unverified_drafts = request.unverified_drafts, 0
+        accepted = num_computed - (request.num_computed - k)
+        if not 0 <= accepted <= k:
+            raise RuntimeError(f"request {request_id}: the scheduler has {num_computed} computed tokens after "
+                               f"verifying {k} drafts, the worker {request.num_computed - k} to "
+                               f"{request.num_computed}")
+        request.output_token_ids.extend([-1] * (accepted + 1))
+        request.num_computed = num_computed
+        self.trim_tables(request)
 
     def trim_tables(self, request: CachedRequest) -> None:
         """After a verification rejected drafts: forget the attention blocks past the request's tokens,

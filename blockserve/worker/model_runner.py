@@ -192,7 +192,7 @@ class ModelRunner:
         if not holes:
             return None
         sampled, ids, k = last.sampled_ids, inputs.request_ids, len(holes)
-        if sampled is not None and holes[-1] == k - 1 and ids[:k] == last.sample_ids[:k]:
+        if sampled is not None and holes[-1] == k - 1 and ids[:k] == last.sample_ids[:k] and not any(last.drafts):
             # Steady decode: the first k rows take the last step's first k samples, in the same order.
             def fill_in_order(input_ids: torch.Tensor) -> None:
                 input_ids[:k].copy_(sampled[:k])
@@ -260,8 +260,14 @@ class LaunchedStep:
 
     @functools.cached_property
     def row_of(self) -> dict[str, int]:
-        """Each sampled request's row in the samples."""
-        return {rid: i for i, rid in enumerate(self.sample_ids)}
+        """Each sampled request's row in the samples. A request that verified k drafts owns k + 1 rows
+        and has none: its next input is not known until its accepted count is back."""
+        rows, row = {}, 0
+        for rid, drafts in zip(self.sample_ids, self.drafts):
+            if not drafts:
+                rows[rid] = row
+            row += len(drafts) + 1 if drafts else 1
+        return rows
 
     @property
     def read(self) -> bool:
@@ -285,6 +291,10 @@ class LaunchedStep:
                 self._verify(host, sampled, logprobs)
             else:
                 self._read(host, sampled, logprobs)
+        else:  # a tensor-parallel rank > 0: the accepted count comes with the request's next step
+            for request, drafts in zip(self.requests, self.drafts):
+                if drafts:
+                    request.unverified_drafts = len(drafts)
         prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
         self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
         return self._output

@@ -14,6 +14,8 @@ import torch
 from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
+from blockserve.engine.config import EngineConfig
+from blockserve.engine.core import kv_groups_of, refuse_state_speculation_under_tp
 from blockserve.kv import LinearStateSpec
 from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
@@ -152,3 +154,15 @@ def test_an_attention_draft_model_serves_a_hybrid_target(family, tmp_path):
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > stats.num_accepted_tokens
     llm.engine.core.scheduler.assert_idle()
+
+
+def test_tensor_parallelism_is_refused_with_recurrent_state(family):
+    """Ranks above 0 learn a verification's accepted count a step late, after the per-row states are
+    gone, so a hybrid with speculation under tensor parallelism is refused before any rank starts."""
+    plain_llm, _ = family
+    config = EngineConfig(tensor_parallel_size=2, speculative_config=NGRAM)
+    groups = kv_groups_of(plain_llm.engine.core.loaded.model, config)
+    with pytest.raises(ValueError, match="recurrent-state layers .*rolled back on rank 0 only"):
+        refuse_state_speculation_under_tp(config, groups)
+    refuse_state_speculation_under_tp(EngineConfig(speculative_config=NGRAM), groups)
+    refuse_state_speculation_under_tp(EngineConfig(tensor_parallel_size=2), groups)
