@@ -34,6 +34,7 @@ SCENARIOS = {
     "no-caching": {"enable_prefix_caching": False},
     "chunked": {"max_num_batched_tokens": 8},
     "preemption": {},  # a cache of a few blocks: see small_cache
+    "async": {"async_scheduling": True},  # a verified step is settled before the next is scheduled
 }
 
 
