@@ -112,7 +112,7 @@ disk.DiskTier.write = write
 """
 
 
-@pytest.mark.slow  # an engine with a rank process and up to a dozen prompts: ~35 s on a busy 2-core machine
+@pytest.mark.slow  # an engine with a rank process and up to a dozen prompts: ~10 s
 @pytest.mark.tp_full
 def test_a_rank_whose_writes_stop_stops_rank_0_offering_writes(llama, tmp_path, monkeypatch, caplog):
     """Rank 1's disk writes fail once a flag file exists (a sitecustomize only its interpreter loads): rank 0
