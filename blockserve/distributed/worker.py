@@ -11,7 +11,7 @@
     gather ◄──────── (ok, fingerprint) | error ── fingerprint of its own shard ("rank r of N")
     every rank's fingerprints ─── broadcast ────► its store: writes its entries of the save orders
     per step: SchedulerOutput ─── broadcast ────► the same forward (collectives inside); no sampling
-    (steps with saves) posts? ◄── group store ─── once, if its store's writes stopped (disk full, failing)
+    read at steps with saves ◄── group store ──── post, once after a step, if its writes stopped (disk full)
     None ──────────── broadcast ────────────────► leave
 
 Started by a launcher with the env:// variables set, or the same way by the engine (`spawn`,
