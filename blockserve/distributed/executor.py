@@ -13,6 +13,8 @@ and checks it sees the directory rank 0 does (a marker file rank 0 writes there)
 fingerprints, so its store (the scheduler's) keys a block by every rank's entry and reads and
 verifies them all before a hit is granted. A step's loads carry one payload per rank: rank 0 keeps
 its own and sends the others (`_for_ranks`); each rank writes its own entries of the save orders.
+A rank whose writes stop (disk full or failing) posts it in the group's store once; rank 0 reads
+that at steps that order saves (at most every WRITES_POLL_S) and stops ordering them.
 
 The KV cache plan uses the smallest KV memory budget of any rank (every rank holds the same
 shapes: its heads are 1/N of the model's, or one replicated KV head), so the capacity is the
@@ -52,6 +54,13 @@ logger = logging.getLogger("blockserve")
 
 _JOIN_S = 10.0  # how long a stopped rank may take to exit before it is killed
 _REPORT_WAIT_S = 3.0  # after a failure rank 0 saw as torch's error: how long a failing rank may take to exit
+WRITES_POLL_S = 1.0  # at steps ordering saves, how often rank 0 asks whether a rank's disk-tier writes stopped
+
+
+def writes_stopped_topic(marker: str) -> str:
+    """Where a rank posts (TensorParallelGroup.post) that its disk-tier writes stopped; `marker` (rank 0's
+    start-up marker file, unique to this engine) keeps engines sharing a launcher's store apart."""
+    return f"kv-writes-stopped/{marker}"
 
 
 def _free_port() -> int:
@@ -84,6 +93,8 @@ class TensorParallelExecutor:
         self._serving = [False]  # the ranks are in their step loop (they leave it on a None step)
         self.runner = None
         self.rank_fingerprints: tuple[bytes, ...] | None = None  # every rank's, with kv_offload_dir
+        self._writes_topic: str | None = None  # where ranks post that their writes stopped (kv_offload_dir)
+        self._writes_polled = float("-inf")  # when rank 0 last read it
         if config.distributed_executor == "spawn":
             self.group = self._start_ranks(config.distributed_startup_timeout_s)
         else:
@@ -177,6 +188,7 @@ class TensorParallelExecutor:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, marker))
         self._raise_failed(reports, "use --kv-offload-dir")
+        self._writes_topic = writes_stopped_topic(marker)
         fingerprints = tuple(fingerprint for _, fingerprint in reports)
         self.group.broadcast_object(fingerprints, timeout=self._startup)
         return fingerprints
@@ -209,6 +221,8 @@ class TensorParallelExecutor:
         try:
             if lost:
                 raise RuntimeError(f"rank {lost[0].rank} exited with status {lost[0].process.returncode}")
+            if scheduler_output.blocks_to_save:
+                self._check_rank_writes()
             own, others = self._for_ranks(scheduler_output)
             self.group.broadcast_object(others)
             return self.runner.execute(own)
@@ -218,6 +232,22 @@ class TensorParallelExecutor:
             logger.error("%s", self._dead)
             self.close()
             raise self._dead from error
+
+    def _check_rank_writes(self) -> None:
+        """At most every WRITES_POLL_S: if a rank posted that its disk-tier writes stopped, turn rank 0's
+        store's writes off (one warning naming the rank): a block is held only once every rank's entry is
+        written, so no save can complete any more, while the blocks every rank holds are still read."""
+        store = self.runner.offload
+        now = time.monotonic()
+        if self._writes_topic is None or store is None or not store.writing:
+            return
+        if now - self._writes_polled < WRITES_POLL_S:
+            return
+        self._writes_polled = now
+        if stopped := self.group.posts(self._writes_topic):
+            rank, why = min(stopped.items())
+            store.stop_writing(f"tensor-parallel rank {rank} can no longer write its entries ({why}), and a block "
+                               "needs every rank's")
 
     def _cause(self, error: Exception) -> str:
         """A rank's own report of what went wrong (the error it exited with), if one has, else rank 0's view."""

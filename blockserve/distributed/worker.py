@@ -11,6 +11,7 @@
     gather ◄──────── (ok, fingerprint) | error ── fingerprint of its own shard ("rank r of N")
     every rank's fingerprints ─── broadcast ────► its store: writes its entries of the save orders
     per step: SchedulerOutput ─── broadcast ────► the same forward (collectives inside); no sampling
+    read at steps with saves ◄── group store ──── post, once after a step, if its writes stopped (disk full)
     None ──────────── broadcast ────────────────► leave
 
 Started by a launcher with the env:// variables set, or the same way by the engine (`spawn`,
@@ -88,16 +89,21 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
         if mismatched:
             return
         runner = ModelRunner(loaded.model, kv_config, max_num_seqs, max_model_len, config.seed, device="cpu")
+        topic = None
         if config.kv_offload_dir is not None:
-            store = runner.offload = _offload_store(group, config, kv_config, loaded.model, startup)
+            store, topic = _offload_store(group, config, kv_config, loaded.model, startup)
             if store is None:
                 return
+            runner.offload = store
         while (step := group.broadcast_object(wait_forever=True)) is not None:
             if step.blocks_to_load:  # one payload per rank after rank 0: this rank's
                 step = dataclasses.replace(step, blocks_to_load={
                     g: [(block, payloads[group.rank - 1]) for block, payloads in loads]
                     for g, loads in step.blocks_to_load.items()})
             runner.execute(step)
+            if topic is not None and not store.writing:  # its writes stopped: rank 0 stops ordering saves
+                group.post(topic, store.stopped_why or "its writes stopped")
+                topic = None
     finally:
         if store is not None:
             store.close()  # writes what is queued
@@ -105,8 +111,10 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
 
 
 def _offload_store(group, config, kv_config, model, startup):
-    """This rank's second-tier store (executor.py's `_share_offload` on rank 0), or None when this rank
-    could not set it up (reported to rank 0, which stops)."""
+    """(this rank's second-tier store, the topic it posts to when its writes stop) (executor.py's
+    `_share_offload` on rank 0), or (None, None) when this rank could not set it up (reported to
+    rank 0, which stops)."""
+    from blockserve.distributed.executor import writes_stopped_topic
     from blockserve.kv.tiers import DiskTier, TieredKVStore
     from blockserve.worker.kv_fingerprint import model_fingerprint
 
@@ -123,9 +131,10 @@ def _offload_store(group, config, kv_config, model, startup):
         report = ("error", _report(error))
     group.gather_objects(report, timeout=startup)
     if report[0] == "error":
-        return None
+        return None, None
     fingerprints = group.broadcast_object(timeout=startup)
-    return TieredKVStore(tiers, fingerprints, queue_bytes, loader_thread=False, rank=group.rank)
+    store = TieredKVStore(tiers, fingerprints, queue_bytes, loader_thread=False, rank=group.rank)
+    return store, writes_stopped_topic(marker)
 
 
 def _tell_the_engine_when_joining():

@@ -13,6 +13,10 @@ Timeouts: every collective inside a step fails after `timeout` (a rank that died
 nothing waits forever; a rank waiting for the next step waits as long as the engine is idle
 (`broadcast_object(..., wait_forever=True)`), and still fails at once when the peer's connection
 closes.
+
+Besides collectives, a rank can leave a short message for rank 0 in the rendezvous's key-value store
+(`post`, `posts`): rank 0 reads it when it chooses, so a rare event (a rank's disk-tier writes
+stopping) costs no collective per step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+_POSTS = "blockserve/posts"  # the store's keys of `post`
 _FOREVER = timedelta(days=365)
 
 
@@ -98,6 +103,20 @@ class TensorParallelGroup:
         if sizes is None:
             return None
         return [pickle.loads(data[: int(n)].numpy().tobytes()) for n, data in zip(sizes, datas)]
+
+    def post(self, topic: str, text: str) -> None:
+        """Leave `text` under `topic` from this rank in the group's store (served by the rendezvous's
+        host: rank 0's process): a message off the steps' path, no collective; `posts(topic)` reads it.
+        One post per rank and topic."""
+        self._store.set(f"{_POSTS}/{topic}/{self.rank}", text.encode())
+        self._store.add(f"{_POSTS}/{topic}", 1)  # after the text: a count above 0 finds it
+
+    def posts(self, topic: str) -> dict[int, str]:
+        """The texts posted under `topic` so far, by rank; while there are none, one round trip to the store."""
+        if self._store.add(f"{_POSTS}/{topic}", 0) == 0:
+            return {}
+        keys = {rank: f"{_POSTS}/{topic}/{rank}" for rank in range(self.size)}
+        return {rank: self._store.get(key).decode() for rank, key in keys.items() if self._store.check([key])}
 
     def barrier(self) -> None:
         self._pg.barrier().wait()

@@ -3,7 +3,9 @@
 both ranks, a restarted engine serves the same prompt from the tier with TP=1's greedy tokens; a damaged
 or missing entry on rank 1 alone makes exactly that block and the ones after it recompute on both ranks,
 with the same tokens; another tensor-parallel size never hits; a rank that does not see rank 0's
-directory is refused at start-up; a hybrid's state checkpoints come back per rank too.
+directory is refused at start-up; a rank whose writes stop (its disk fails) stops rank 0 offering writes,
+with a warning naming it, while what every rank holds is still served; a hybrid's state checkpoints come
+back per rank too.
 
 Each TP=2 engine spawns a rank process (~5-10 s here): the default suite runs one test, `-m tp_full` the
 others.
@@ -11,9 +13,11 @@ others.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from transformers import LlamaConfig
@@ -87,6 +91,73 @@ def test_tp2_serves_a_restart_from_disk_and_a_bad_entry_on_one_rank_recomputes_o
         assert stats.prefix_cache_tier_hits == 56 + 24 + 12
         assert stats.kv_offload.tiers[0].load_failures == 1
     assert not child_pids() - before  # rank 1 has exited
+
+
+FAIL_WRITES_HOOK = """\
+import errno
+import os
+
+from blockserve.kv.tiers import disk
+
+_write = disk.DiskTier.write
+
+
+def write(self, key, payload):
+    if os.path.exists(os.environ["BLOCKSERVE_TEST_FAIL_WRITES"]):
+        raise OSError(errno.EIO, "input/output error (injected)")
+    return _write(self, key, payload)
+
+
+disk.DiskTier.write = write
+"""
+
+
+@pytest.mark.slow  # an engine with a rank process and up to a dozen prompts: ~10 s
+@pytest.mark.tp_full
+def test_a_rank_whose_writes_stop_stops_rank_0_offering_writes(llama, tmp_path, monkeypatch, caplog):
+    """Rank 1's disk writes fail once a flag file exists (a sitecustomize only its interpreter loads): rank 0
+    learns it, warns naming rank 1 and orders no more saves; the blocks both ranks wrote before are still hits."""
+    from blockserve.distributed import executor
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAIL_WRITES_HOOK)
+    flag = tmp_path / "rank1-disk-fails"
+    monkeypatch.setenv("BLOCKSERVE_TEST_FAIL_WRITES", str(flag))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *sys.path]))
+    monkeypatch.setattr(executor, "WRITES_POLL_S", 0.0)  # rank 0 asks at every step that orders saves
+    directory = str(tmp_path / "kv")
+    with LLM(llama, tensor_parallel_size=2, kv_offload_dir=directory, **ENGINE) as llm, \
+            caplog.at_level(logging.WARNING, logger="blockserve"):
+        store = llm.engine.core.kv_offload
+        expected, cached = ask(llm)
+        assert cached == 0
+        hashes = llm.engine.core.kv.new_block_hashes().get(4, PROMPT)
+        keys = [store.key(0, h) for h in hashes[:14]]
+        deadline = time.monotonic() + 60
+        while not all(store.tiers[0].contains(k) for key in keys for k in key):  # rank 1 writes on its own time
+            assert time.monotonic() < deadline, "rank 1 never wrote PROMPT's entries"
+            time.sleep(0.1)
+
+        flag.touch()
+        for i in range(12):  # rank 1's writer fails, it says so after a step, rank 0 reads it at a step with saves
+            llm.generate([[(11 * j + 7 * i) % 500 + 1 for j in range(40)]], GREEDY, use_tqdm=False)
+            if not store.stats().writing:
+                break
+            time.sleep(0.2)
+        assert not store.stats().writing, "rank 0 still offers writes rank 1 can never complete"
+        assert "rank 1" in caplog.text and "injected" in caplog.text
+        assert caplog.text.count("tensor-parallel rank 1") == 1  # warned once
+
+        store.flush()
+        before = store.stats()
+        llm.generate([[(13 * j + 5) % 500 + 1 for j in range(40)]], GREEDY, use_tqdm=False)
+        after = store.stats()
+        assert (after.tiers[0].writes, after.writes_dropped) == (before.tiers[0].writes, before.writes_dropped)
+        assert store.is_idle()  # no save was even claimed
+
+        assert llm.engine.reset_prefix_cache().ok
+        assert ask(llm) == (expected, 56)  # both ranks' entries of PROMPT are still read
 
 
 @pytest.mark.slow  # three engines, one with a rank process: ~15 s

@@ -353,6 +353,24 @@ def test_the_queue_is_bounded_in_bytes_drops_what_does_not_fit_and_never_blocks(
         TieredKVStore([HostMemoryTier(10)], b"model", queue_bytes=0)
 
 
+def test_writes_turned_off_refuse_claims_and_warn_once(tmp_path, caplog):
+    """What rank 0 does when another tensor-parallel rank's writes stop: its own writes go off too."""
+    store = TieredKVStore([DiskTier(str(tmp_path), 10**6)], b"model")
+    try:
+        assert store.claim(KEYS[0])
+        store.submit(KEYS[0], PAYLOAD)
+        store.flush()
+        with caplog.at_level(logging.WARNING, logger="blockserve"):
+            store.stop_writing("rank 1 cannot write")
+            store.stop_writing("rank 2 cannot write")
+        assert caplog.text.count("KV offload:") == 1 and "rank 1 cannot write" in caplog.text
+        assert (store.writing, store.stopped_why) == (False, "rank 1 cannot write")
+        assert not store.claim(KEYS[1]) and not store.has_room(1) and store.is_idle()
+        assert store.load(KEYS[:1]) == [PAYLOAD]
+    finally:
+        store.close()
+
+
 def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, caplog):
     disk = DiskTier(str(tmp_path), 10**6)
 
@@ -371,6 +389,10 @@ def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, capl
             store.flush()
         assert "disk tier is full" in caplog.text
         assert not store.stats().writing and not store.claim(KEYS[2]) and store.is_idle()
+        assert not store.writing and store.stopped_why.startswith("the disk tier is full")
+        with caplog.at_level(logging.WARNING, logger="blockserve"):
+            store.stop_writing("another reason")  # already off: the first reason stays, no second warning
+        assert store.stopped_why.startswith("the disk tier is full") and "another reason" not in caplog.text
         monkeypatch.undo()
         assert store.load(KEYS[:1]) == [PAYLOAD]  # what is there is still read
         assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]

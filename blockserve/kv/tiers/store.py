@@ -19,7 +19,9 @@ under its rank's fingerprint. The store is then built with every rank's fingerpr
 tuple of the ranks' entry keys, a block is held only when every rank's entry is, and a load (on rank
 0, which schedules) reads and verifies every rank's entry, returning them as a tuple (one payload per
 rank), or nothing when any one is missing or damaged, so the ranks never disagree on a hit. Each
-rank's own store writes that rank's entry (`rank`), from its own KV, on its own writer thread.
+rank's own store writes that rank's entry (`rank`), from its own KV, on its own writer thread; a
+block no rank can complete any more is never worth claiming, so rank 0's store is told (`stop_writing`)
+when another rank's writes stop (distributed/executor.py).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class TieredKVStore:
         self._in_flight: set[bytes] = set()  # claimed, not yet written or dropped
         self._writes_dropped = self._bytes_dropped = 0
         self._writing = True
+        self.stopped_why: str | None = None  # why writes were turned off (`stop_writing`)
         self.queue_bytes = queue_bytes
         self._queued_bytes = 0  # payloads submitted and not yet written (under _lock)
         self._queue: queue.Queue = queue.Queue()  # bounded by _queued_bytes
@@ -331,15 +334,26 @@ class TieredKVStore:
                     counters.writes += 1
                     counters.bytes_written += len(payload)
             except TierFull as e:
-                self._stop_writing(f"the {tier.name} tier is full ({e.strerror})")
+                self.stop_writing(f"the {tier.name} tier is full ({e.strerror})")
                 return
             except OSError as e:
-                self._stop_writing(f"the {tier.name} tier failed a write ({e})")
+                self.stop_writing(f"the {tier.name} tier failed a write ({e})")
                 return
 
-    def _stop_writing(self, why: str) -> None:
-        self._writing = False
+    def stop_writing(self, why: str) -> None:
+        """Turn writes off for good, with one warning saying `why` (what stopped them first is kept in
+        `stopped_why`); claims are refused from now on and loads go on."""
+        with self._lock:
+            if not self._writing:
+                return
+            self._writing = False
+            self.stopped_why = why
         logger.warning("KV offload: %s; no more blocks are written, cached entries are still read", why)
+
+    @property
+    def writing(self) -> bool:
+        """Whether writes are on (a tier failing, or `stop_writing`, turns them off for good)."""
+        return self._writing
 
     # -- state ---------------------------------------------------------------------------------
 
