@@ -26,6 +26,7 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from blockserve.models import chat_template
+from blockserve.models.chat_template import NOT_RENDERED
 from blockserve.models.gguf_metadata import array_values
 
 # tokenizer.ggml.pre -> the split its merges were learned on: the ones transformers' GGUF loader applies
@@ -176,18 +177,14 @@ class GGUFTokenizer:
         added: the template writes them) or, with tokenize=False, as text. `variables` are the template's;
         the rendering options transformers has beyond these (continue_final_message, documents, return_dict,
         ...; return_dict=True) are refused with a ValueError rather than ignored."""
-        refused = sorted(set(variables) & _RENDERING_OPTIONS) + (["return_dict=True"] if return_dict else [])
+        refused = sorted(NOT_RENDERED.intersection(variables))
+        refused += ["return_dict=True"] if return_dict else []
         if refused:
             raise ValueError(f"apply_chat_template on a GGUF tokenizer does not take {', '.join(refused)}")
         if not conversation:
             raise ValueError("cannot apply the chat template to an empty conversation")
         text = chat_template_render(self, conversation, tools, add_generation_prompt, chat_template, variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-_RENDERING_OPTIONS = frozenset(("documents", "continue_final_message", "return_tensors",
-                                "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
-                                "max_length", "sanitize_control_tokens"))
 
 
 def chat_template_render(tokenizer: GGUFTokenizer, conversation: list, tools: list | None,
