@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from blockserve.models import chat_template
 from blockserve.models.chat_template import NOT_RENDERED
-from blockserve.models.gguf_metadata import array_values
+from blockserve.models.gguf_metadata import array_values, special_token_id
 
 # tokenizer.ggml.pre -> the split its merges were learned on: the ones transformers' GGUF loader applies
 # (any other value: GPT-2's byte-level split, as there)
@@ -97,7 +97,7 @@ class GGUFTokenizer:
                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         backend.decoder = decoders.ByteLevel()
         names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
-        self._special = {f"{name}_token": tokens[i] if (i := value(f"tokenizer.ggml.{key}")) is not None else None
+        self._special = {f"{name}_token": tokens[i] if (i := special_token_id(reader, key)) is not None else None
                          for name, key in names.items()}
         control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL and set(token) <= alphabet]
         # "<|endoftext|>" too, as transformers' GPT-2 tokenizer class adds it (its default special token):
