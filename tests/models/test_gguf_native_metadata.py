@@ -315,3 +315,26 @@ def test_special_token_ids_outside_the_vocabulary_are_dropped(tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records]
     assert sum("tokenizer.ggml.bos_token_id 1000000 is outside the vocabulary (8 tokens)" in m for m in warned) == 2
     assert any("tokenizer.ggml.unknown_token_id 8 is outside" in m for m in warned)
+
+
+def test_the_loaders_gguf_tokenizer_is_the_front_ends(files, tmp_path):
+    """loader.gguf_tokenizer, which a front end's load_tokenizer uses: the metadata's tokenizer for a
+    file the loader reads natively, None for one whose tokenizer goes through transformers."""
+    from blockserve.engine.config import EngineConfig
+    from blockserve.engine.tokenizer import load_tokenizer
+
+    ours = loader.gguf_tokenizer(files["qwen2"])
+    assert isinstance(ours, GGUFTokenizer)
+    front = load_tokenizer(EngineConfig(model=str(files["qwen2"])))
+    assert isinstance(front, GGUFTokenizer) and front.encode("t10 t2") == ours.encode("t10 t2")
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")  # sentencepiece: transformers builds it
+    writer.add_token_list(["<unk>", "<s>", "</s>", "▁t"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert loader.gguf_tokenizer(path) is None
+    with pytest.raises(ValueError, match="could not read GGUF file"):
+        loader.gguf_tokenizer(tmp_path / "spm.gguf.missing")
