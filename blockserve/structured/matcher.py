@@ -64,10 +64,11 @@ class GrammarMatcher:
 
     def draft_masks(self, drafts: Sequence[int]) -> list[FixedMask]:
         """The k + 1 bitmasks that verify k `drafts` (how many the grammar allows in a row is the
-        scheduler's cut, spec_decode/grammar_cut.py's DraftGrammar.valid_drafts). Position i's mask is the grammar's after drafts[:i], computed on a copy (this matcher does not
-        move). Positions past the first draft the grammar refuses repeat the mask before it: that
-        draft is outside its position's mask, so the masked target never samples it, it is never
-        accepted, and nothing sampled past it is emitted."""
+        scheduler's cut, spec_decode/grammar_cut.py's DraftGrammar.valid_drafts). Position i's mask
+        is the grammar's after drafts[:i], computed on a copy (this matcher does not move). Positions
+        past the first draft the grammar refuses repeat the mask before it: that draft is outside its
+        position's mask, so the masked target never samples it, it is never accepted, and nothing
+        sampled past it is emitted."""
         probe = copy.copy(self)
         probe._matcher = self._matcher.deep_copy()
         masks = []
