@@ -43,6 +43,12 @@ class TritonAttention:
         """Why this backend cannot run on `device` (None: it can)."""
         return triton_paged.unavailable(device)
 
+    @staticmethod
+    def unreadable_kv_dtype(dtype: str, device: torch.device) -> str | None:
+        """Why a dtype of quantized_kv_dtypes cannot be read on `device` (None: it can): fp8 on a
+        GPU older than sm_89. The engine refuses it at start-up (engine/core.py)."""
+        return triton_paged.fp8_unavailable(device) if dtype == "float8_e4m3fn" else None
+
     def __init__(self, scale: float, softcap: float | None = None, sinks: bool = False):
         if softcap is not None:
             raise ValueError(f"attention_backend 'triton' does not soft-cap attention scores (softcap={softcap}); "

@@ -76,6 +76,18 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why the kernel cannot read fp8 (e4m3) codes on `device` (None: it can): CUDA GPUs older than
+    FP8_CAPABILITY cannot convert them."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= FP8_CAPABILITY:
+        return None
+    return (f"the triton kernel reads fp8 (e4m3) codes on GPUs of compute capability {FP8_CAPABILITY[0]}."
+            f"{FP8_CAPABILITY[1]} or newer; {device} is {major}.{minor}: use kv_cache_dtype int8")
+
+
 def _pad(n: int) -> int:
     """n rounded up to a power of two, at least MIN_DOT (a tl.arange's and a tl.dot's width)."""
     return max(MIN_DOT, 1 << max(0, n - 1).bit_length())
@@ -156,12 +168,8 @@ def _codes(cache: torch.Tensor, width: int, side: str) -> tuple[int, torch.Tenso
         raise ValueError(f"the {side} cache's rows hold {kv_quant.head_size(cache)} values, the kernel reads {width}")
     if kv_quant.is_rotated(cache) and width % 4:
         raise ValueError(f"the triton kernel reads 4-bit rows of a head size divisible by 4, got {width}")
-    if (cache.dtype == torch.float8_e4m3fn and cache.device.type == "cuda"
-            and torch.cuda.get_device_capability(cache.device) < FP8_CAPABILITY):
-        major, minor = torch.cuda.get_device_capability(cache.device)
-        raise ValueError(f"the triton kernel reads fp8 (e4m3) codes on GPUs of compute capability "
-                         f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer; {cache.device} is {major}.{minor}: "
-                         "use kv_cache_dtype int8")
+    if cache.dtype == torch.float8_e4m3fn and (why := fp8_unavailable(cache.device)):  # the engine refuses at start-up
+        raise ValueError(why)
     codes = width // 2 if kv_quant.is_rotated(cache) else width
     form = {torch.int8: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}[cache.dtype]
     scales = cache.view(torch.uint8)[..., codes:].view(torch.float16)

@@ -120,18 +120,26 @@ def _run(work: Callable[[], T], *steps: SchedulerOutput) -> T:
         raise RunnerFailed(list(dict.fromkeys(rid for step in steps for rid in step.num_scheduled_tokens))) from e
 
 
-def refuse_unreadable_kv_dtype(layer_name: str, module, spec) -> None:
+def refuse_unreadable_kv_dtype(layer_name: str, module, spec, device: torch.device) -> None:
     """A quantized K/V dtype must be one the layer's attention backend declares it reads and writes
-    (`quantized_kv_dtypes`); otherwise start-up fails naming both, never a silent fallback."""
+    (`quantized_kv_dtypes`) and, where the backend says why one cannot be read on a device
+    (`unreadable_kv_dtype(dtype, device)`), readable on `device`; otherwise start-up fails naming
+    both, never a silent fallback nor a failure at the first step (C7)."""
     if not getattr(spec, "is_quantized", False):
         return
     backend = getattr(module, "backend", None)
     readable = getattr(backend, "quantized_kv_dtypes", ())
     for dtype in dict.fromkeys((spec.dtype, spec.value_dtype)):
-        if dtype in QUANTIZED_KV_DTYPES and dtype not in readable:
-            reader = f"attention backend {backend.name!r}" if backend is not None else type(module).__name__
+        if dtype not in QUANTIZED_KV_DTYPES:
+            continue
+        reader = f"attention backend {backend.name!r}" if backend is not None else type(module).__name__
+        if dtype not in readable:
             raise ValueError(f"kv_cache_dtype {dtype!r} cannot be read by {reader} (layer {layer_name}); "
                              f"use attention_backend 'exact', 'whole_block' or 'flex', or a float kv_cache_dtype")
+        unreadable = getattr(backend, "unreadable_kv_dtype", None)
+        if unreadable is not None and (why := unreadable(dtype, device)):
+            raise ValueError(f"kv_cache_dtype {dtype!r} cannot be read by {reader} on {device} "
+                             f"(layer {layer_name}): {why}")
 
 
 def refuse_state_speculation_under_tp(config: EngineConfig, kv_groups: list) -> None:
@@ -187,7 +195,7 @@ class EngineCore:
         self.max_model_len = max_model_len = resolve_max_model_len(config, loaded.hf_config)
 
         model = self.loaded.model
-        kv_groups = kv_groups_of(model, config)
+        kv_groups = kv_groups_of(model, config, plan.device)
         refuse_state_speculation_under_tp(config, kv_groups)
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
@@ -293,7 +301,7 @@ class EngineCore:
         if draft_len is not None and draft_len < self.max_model_len:
             raise ValueError(f"speculative_config.model: the draft holds {draft_len} positions, fewer than "
                              f"max_model_len={self.max_model_len}; lower max_model_len or use a longer draft")
-        groups = kv_groups_of(draft.model, config)
+        groups = kv_groups_of(draft.model, config, self.device_plan.device)
         if any(isinstance(spec, LinearStateSpec) for spec, _, _ in groups):
             raise ValueError("speculative_config.model has recurrent-state layers (Mamba2, Gated DeltaNet or KDA): "
                              "a draft model's state is not rolled back past its rejected drafts; use an "
@@ -436,16 +444,17 @@ class EngineCore:
             torch.cuda.empty_cache()
 
 
-def kv_groups_of(model: torch.nn.Module, config: EngineConfig) -> list[tuple]:
+def kv_groups_of(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> list[tuple]:
     """The model's KV groups as plan_kv_cache takes them: (spec, layer names, whether its kernel reads
-    unwritten slots) for each set of layers with equal specs (C1)."""
+    unwritten slots) for each set of layers with equal specs (C1); a quantized dtype the layers'
+    backend cannot read on `device` is refused here."""
     kv_layers = model.kv_layers()
     groups: dict[tuple, list[str]] = {}
     for layer_name, spec in model.kv_cache_specs(config.block_size).items():
         spec = config.kv_spec(spec)
         if layer_name not in kv_layers:
             raise ValueError(f"layer {layer_name} has a KV spec but no module declaring reads_unwritten_slots")
-        refuse_unreadable_kv_dtype(layer_name, kv_layers[layer_name], spec)
+        refuse_unreadable_kv_dtype(layer_name, kv_layers[layer_name], spec, device)
         groups.setdefault((spec, kv_layers[layer_name].reads_unwritten_slots), []).append(layer_name)
     return [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()]
 

@@ -15,9 +15,9 @@ from blockserve.engine.config import EngineConfig, parse_bytes
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.external_blocks import unsupported_groups
 from blockserve.kv.tiers import DiskTier, HostMemoryTier, TieredKVStore
-from blockserve.worker.kv_fingerprint import FINGERPRINT_VERSION, model_fingerprint, weights_digest
+from blockserve.worker.kv_fingerprint import model_fingerprint
 
-__all__ = ["FINGERPRINT_VERSION", "build_kv_offload", "model_fingerprint", "offload_sizes", "weights_digest"]
+__all__ = ["build_kv_offload", "offload_sizes"]
 
 
 def _check_model(config: EngineConfig, kv_config: KVCacheConfig) -> int:

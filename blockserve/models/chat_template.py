@@ -10,8 +10,9 @@ importing transformers (a GGUF file's tokenizer, models/gguf_tokenizer.py, and t
                  tools (JSON schemas), add_generation_prompt, the special tokens and the caller's
                  variables, every value rebuilt from plain JSON types
 
-Continuing a final message, documents and assistant-token masks are not rendered here (blockserve's
-callers reserve those names, engine/template_kwargs.py): `render` refuses them.
+Continuing a final message, documents, assistant-token masks and transformers' other rendering
+options (NOT_RENDERED) are not rendered here (blockserve's callers reserve those names,
+engine/template_kwargs.py): `render` refuses them as variables with a ValueError.
 """
 
 from __future__ import annotations
@@ -30,13 +31,19 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _REASONING = ("reasoning_content", "thinking", "reasoning")
+# transformers' apply_chat_template options beyond the template's variables, refused rather than ignored
+NOT_RENDERED = frozenset(("documents", "continue_final_message", "return_tensors", "return_assistant_tokens_mask",
+                          "tokenizer_kwargs", "padding", "truncation", "max_length", "sanitize_control_tokens"))
 
 
 def render(template: str, messages: list, tools: list | None = None, add_generation_prompt: bool = False,
            **variables: Any) -> str:
     """`messages` (dicts, dataclasses or pydantic models) through `template`; `tools`: JSON schemas
     (dicts); `variables`: the special tokens and the caller's template variables. TypeError for a
-    message or tool that is not one; the template's own errors (raise_exception) propagate."""
+    message or tool that is not one; ValueError naming any variable of NOT_RENDERED; the template's own
+    errors (raise_exception) propagate."""
+    if refused := sorted(NOT_RENDERED.intersection(variables)):
+        raise ValueError(f"the chat template rendering does not take {', '.join(refused)}")
     if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
         raise TypeError("tools must be JSON schemas (dicts); functions are not converted here")
     chat = []

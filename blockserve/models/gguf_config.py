@@ -15,6 +15,8 @@ from typing import Any
 
 import gguf
 
+from blockserve.models.gguf_metadata import special_token_id
+
 # GGUF architecture -> (model_type, architecture class name)
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
 # llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
@@ -103,9 +105,9 @@ def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[flo
     for key, name in _KEYS.items():
         if (found := reader.fields.get(f"{arch}.{key}")) is not None:
             values[name] = found.contents()
-    for key, name in _TOKEN_KEYS.items():
-        if (found := reader.fields.get(f"tokenizer.ggml.{key}")) is not None:
-            values[name] = found.contents()
+    for key, name in _TOKEN_KEYS.items():  # an id outside the vocabulary is dropped with a warning
+        if (found := special_token_id(reader, key)) is not None:
+            values[name] = found
     missing = [f"{arch}.{key}" for key, name in _KEYS.items() if name in _REQUIRED and name not in values]
     if missing:
         raise ValueError(f"GGUF file lacks {', '.join(missing)}: it is not a complete {arch} model; convert it again")

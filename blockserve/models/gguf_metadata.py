@@ -10,6 +10,7 @@ array's parts are made when indexed: opening the file costs one pass over its st
 
 from __future__ import annotations
 
+import logging
 import struct
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+logger = logging.getLogger(__name__)
 
 class LazyArrayReader(gguf.GGUFReader):
     """`gguf.GGUFReader` whose fields holding arrays of strings or numbers make their parts on
@@ -83,6 +85,24 @@ def array_values(reader: gguf.GGUFReader, key: str) -> list | None:
     if not isinstance(parts, ArrayParts):
         return field.contents()
     return parts.values()
+
+
+def special_token_id(reader: gguf.GGUFReader, key: str) -> int | None:
+    """The id the file's tokenizer.ggml.`key` (bos_token_id, eos_token_id, unknown_token_id,
+    padding_token_id) names; None where it has none, or where the id is outside the vocabulary
+    (tokenizer.ggml.tokens): dropped with a warning naming it, as llama.cpp drops a "bad special
+    token" and as the loader drops an end-of-generation id outside it."""
+    field = reader.fields.get(f"tokenizer.ggml.{key}")
+    if field is None:
+        return None
+    token = int(field.contents())
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = None if tokens is None else len(tokens.data)
+    if token < 0 or (vocab_size is not None and token >= vocab_size):
+        logger.warning("GGUF tokenizer.ggml.%s %d is outside the vocabulary (%s tokens); ignored: the model has "
+                       "no such special token (fix the file's metadata)", key, token, vocab_size)
+        return None
+    return token
 
 
 class ArrayParts(Sequence):

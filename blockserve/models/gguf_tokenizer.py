@@ -26,7 +26,8 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from blockserve.models import chat_template
-from blockserve.models.gguf_metadata import array_values
+from blockserve.models.chat_template import NOT_RENDERED
+from blockserve.models.gguf_metadata import array_values, special_token_id
 
 # tokenizer.ggml.pre -> the split its merges were learned on: the ones transformers' GGUF loader applies
 # (any other value: GPT-2's byte-level split, as there)
@@ -96,7 +97,7 @@ class GGUFTokenizer:
                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         backend.decoder = decoders.ByteLevel()
         names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
-        self._special = {f"{name}_token": tokens[i] if (i := value(f"tokenizer.ggml.{key}")) is not None else None
+        self._special = {f"{name}_token": tokens[i] if (i := special_token_id(reader, key)) is not None else None
                          for name, key in names.items()}
         control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL and set(token) <= alphabet]
         # "<|endoftext|>" too, as transformers' GPT-2 tokenizer class adds it (its default special token):
@@ -176,18 +177,14 @@ class GGUFTokenizer:
         added: the template writes them) or, with tokenize=False, as text. `variables` are the template's;
         the rendering options transformers has beyond these (continue_final_message, documents, return_dict,
         ...; return_dict=True) are refused with a ValueError rather than ignored."""
-        refused = sorted(set(variables) & _RENDERING_OPTIONS) + (["return_dict=True"] if return_dict else [])
+        refused = sorted(NOT_RENDERED.intersection(variables))
+        refused += ["return_dict=True"] if return_dict else []
         if refused:
             raise ValueError(f"apply_chat_template on a GGUF tokenizer does not take {', '.join(refused)}")
         if not conversation:
             raise ValueError("cannot apply the chat template to an empty conversation")
         text = chat_template_render(self, conversation, tools, add_generation_prompt, chat_template, variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-_RENDERING_OPTIONS = frozenset(("documents", "continue_final_message", "return_tensors",
-                                "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
-                                "max_length", "sanitize_control_tokens"))
 
 
 def chat_template_render(tokenizer: GGUFTokenizer, conversation: list, tools: list | None,

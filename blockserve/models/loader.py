@@ -350,6 +350,14 @@ def _built_model(config, attention_backend_cls: type[PagedAttention], placement:
     return model.eval()
 
 
+def gguf_tokenizer(path: Path) -> GGUFTokenizer | None:
+    """The tokenizer of the GGUF file at `path` where the loader reads it from the file's metadata
+    (native_gguf), as load_model builds it; None where the file's tokenizer goes through transformers
+    (the converted-model cache). ValueError for a file that cannot be read, as load_model's."""
+    reader = _gguf_reader(path)
+    return GGUFTokenizer(reader) if native_gguf(reader, reader.fields["general.architecture"].contents()) else None
+
+
 def native_gguf(reader: gguf.GGUFReader, arch: str) -> bool:
     """Whether a GGUF file's config and tokenizer are read here, without transformers
     (models/gguf_config.py, models/gguf_tokenizer.py): a Llama without experts or a Qwen2, with a

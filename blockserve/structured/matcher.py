@@ -62,16 +62,16 @@ class GrammarMatcher:
             logger.warning("grammar (%s) refused token %d: %s", self.compiled.kind, token,
                            self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "")
 
-    def draft_masks(self, drafts: Sequence[int]) -> tuple[list[FixedMask], int]:
-        """The k + 1 bitmasks that verify k `drafts`, and how many drafts the grammar allows in a row.
-        Position i's mask is the grammar's after drafts[:i], computed on a copy (this matcher does not
-        move). Positions past the first draft the grammar refuses repeat the mask before it: that
-        draft is outside its position's mask, so the masked target never samples it, it is never
-        accepted, and nothing sampled past it is emitted."""
+    def draft_masks(self, drafts: Sequence[int]) -> list[FixedMask]:
+        """The k + 1 bitmasks that verify k `drafts` (how many the grammar allows in a row is the
+        scheduler's cut, spec_decode/grammar_cut.py's DraftGrammar.valid_drafts). Position i's mask
+        is the grammar's after drafts[:i], computed on a copy (this matcher does not move). Positions
+        past the first draft the grammar refuses repeat the mask before it: that draft is outside its
+        position's mask, so the masked target never samples it, it is never accepted, and nothing
+        sampled past it is emitted."""
         probe = copy.copy(self)
         probe._matcher = self._matcher.deep_copy()
         masks = []
-        allowed = len(drafts)
         for i in range(len(drafts) + 1):
             row = torch.empty(self.num_words, dtype=torch.int32)
             probe.fill_bitmask(row)
@@ -80,12 +80,11 @@ class GrammarMatcher:
                 break
             token = drafts[i]
             if not masks[-1].allows(token):
-                allowed = i
                 break
             if not probe._matcher.is_error():
                 probe._matcher.consume_token(token)  # refused despite the mask: in error, so EOS only next
         masks.extend(masks[-1:] * (len(drafts) + 1 - len(masks)))
-        return masks, allowed
+        return masks
 
     @property
     def is_finished(self) -> bool:

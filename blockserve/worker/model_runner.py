@@ -232,7 +232,7 @@ def _verification_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]
     if row.grammar is None:
         return [row] + [dataclasses.replace(row, output_token_ids=output + drafts[:i])
                         for i in range(1, len(drafts) + 1)]
-    masks, _ = row.grammar.draft_masks(drafts)
+    masks = row.grammar.draft_masks(drafts)
     return [dataclasses.replace(row, output_token_ids=output + drafts[:i], grammar=mask)
             for i, mask in enumerate(masks)]
 

@@ -162,7 +162,7 @@ def test_tensor_parallelism_is_refused_with_recurrent_state(family):
     gone, so a hybrid with speculation under tensor parallelism is refused before any rank starts."""
     plain_llm, _ = family
     config = EngineConfig(tensor_parallel_size=2, speculative_config=NGRAM)
-    groups = kv_groups_of(plain_llm.engine.core.loaded.model, config)
+    groups = kv_groups_of(plain_llm.engine.core.loaded.model, config, torch.device("cpu"))
     with pytest.raises(ValueError, match="recurrent-state layers .*rolled back on rank 0 only"):
         refuse_state_speculation_under_tp(config, groups)
     refuse_state_speculation_under_tp(EngineConfig(speculative_config=NGRAM), groups)

@@ -25,6 +25,7 @@ from blockserve import LLM, SamplingParams
 from blockserve.cli import build_parser
 from blockserve.config_args import config_from_namespace
 from blockserve.attention.layer import Attention
+from blockserve.attention.mla import MLA_BACKENDS, MLAttention
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.core import refuse_unreadable_kv_dtype
@@ -145,26 +146,49 @@ def test_quantized_prefix_caching_on_equals_off(model_path, backend, dtype):
     assert cached.engine.core.scheduler.kv.prefix_cache_stats().hits > 0
 
 
-def test_quantized_dtypes_are_refused_where_they_cannot_be_read(monkeypatch):
+def test_quantized_dtypes_are_refused_where_they_cannot_be_read():
     """Start-up names the backend (or layer kind) and the dtype, never a silent fallback. Every
-    attention backend reads every quantized form, so a backend that declares none stands in."""
+    attention backend reads every quantized form; the triton MLA backend declares none."""
+    cpu = torch.device("cpu")
     attn = Attention("layers.0", 4, 2, 64, BACKENDS["triton"](0.125), dtype=torch.float32)
     spec = with_kv_cache_dtype(attn.kv_cache_spec(16), "int8")
     for dtype in ("int8", "fp8", "int4", "k8v4"):  # triton reads them all
-        refuse_unreadable_kv_dtype("layers.0", attn, with_kv_cache_dtype(attn.kv_cache_spec(16), dtype))
-    monkeypatch.setattr(BACKENDS["triton"], "quantized_kv_dtypes", ())
+        refuse_unreadable_kv_dtype("layers.0", attn, with_kv_cache_dtype(attn.kv_cache_spec(16), dtype), cpu)
+    mla = MLAttention("layers.0", 4, 16, 16, MLA_BACKENDS["triton"](0.125), kv_lora_rank=32, qk_rope_head_dim=8,
+                      dtype=torch.float32)
+    assert getattr(mla.backend, "quantized_kv_dtypes", ()) == ()  # its real declaration, nothing patched
+    # (an MLA spec is refused quantized earlier, by with_kv_cache_dtype: an attention spec reaches this check)
     with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
-        refuse_unreadable_kv_dtype("layers.0", attn, spec)
+        refuse_unreadable_kv_dtype("layers.0", mla, spec, cpu)
     refuse_unreadable_kv_dtype("layers.0", Attention("layers.0", 4, 2, 64, BACKENDS["exact"](0.125),
-                                                     dtype=torch.float32), spec)
+                                                     dtype=torch.float32), spec, cpu)
     for dtype in ("int8", "fp8", "int4"):
         with pytest.raises(ValueError, match=f"'{dtype}' is not built for MLA"):
             with_kv_cache_dtype(MLASpec(16, 32, 8), dtype)
     split = with_kv_cache_dtype(attn.kv_cache_spec(16), "k8v4")  # a side the backend cannot read is named
     with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
-        refuse_unreadable_kv_dtype("layers.0", attn, split)
+        refuse_unreadable_kv_dtype("layers.0", mla, split, cpu)
     with pytest.raises(ValueError, match="'float32' with v_cache_dtype 'int4' is not built"):  # the model's K
         with_kv_cache_dtype(attn.kv_cache_spec(16), "int8", k_cache_dtype="auto", v_cache_dtype="int4")
+
+
+def test_fp8_on_a_gpu_older_than_sm89_is_refused_at_start_up(monkeypatch):
+    """The triton kernel converts e4m3 codes on sm_89 and newer only: on an older GPU (its capability
+    stubbed: no GPU here) start-up refuses fp8 naming the device and int8; int8 and int4 pass, and
+    fp8 passes on sm_89 and on the CPU (the interpreter)."""
+    attn = Attention("layers.0", 4, 2, 64, BACKENDS["triton"](0.125), dtype=torch.float32)
+    fp8 = with_kv_cache_dtype(attn.kv_cache_spec(16), "fp8")
+    gpu = torch.device("cuda", 0)
+    capability = {"now": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
+    with pytest.raises(ValueError, match=r"'float8_e4m3fn' cannot be read by attention backend 'triton' on "
+                                         r"cuda:0 .*8\.9 or newer; cuda:0 is 8\.0: use kv_cache_dtype int8"):
+        refuse_unreadable_kv_dtype("layers.0", attn, fp8, gpu)
+    for dtype in ("int8", "int4"):
+        refuse_unreadable_kv_dtype("layers.0", attn, with_kv_cache_dtype(attn.kv_cache_spec(16), dtype), gpu)
+    capability["now"] = (8, 9)
+    refuse_unreadable_kv_dtype("layers.0", attn, fp8, gpu)
+    refuse_unreadable_kv_dtype("layers.0", attn, fp8, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench", "latency"]], ids=" ".join)

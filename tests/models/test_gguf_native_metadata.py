@@ -280,3 +280,61 @@ def test_special_tokens_and_ends_as_transformers(tmp_path, add_bos, add_eos, bos
     assert ours.special_tokens_map == theirs.special_tokens_map
     for text in ("t1 t2", "t2t1", ""):
         assert ours.encode(text) == theirs.encode(text), text
+
+
+def test_special_token_ids_outside_the_vocabulary_are_dropped(tmp_path, caplog):
+    """A BOS / EOS / UNK / PAD id past the vocabulary is dropped with a warning naming its key, by the
+    tokenizer and the config alike (as the loader drops such end-of-generation ids), never an
+    IndexError at load; the ids inside it are kept."""
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in ((writer.add_embedding_length, 64), (writer.add_feed_forward_length, 128),
+                       (writer.add_block_count, 1), (writer.add_head_count, 4)):
+        add(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["t", "1", "2", "t1", "t2", " ", "Ġ", "Ġt"])
+    writer.add_token_types([gguf.TokenType.NORMAL] * 8)
+    writer.add_token_merges(["t 1", "t 2", "Ġ t"])
+    writer.add_bos_token_id(10**6)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(8)
+    writer.add_pad_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level("WARNING"):
+        tokenizer = GGUFTokenizer(loader._gguf_reader(path))
+        config = gguf_config(loader._gguf_reader(path), "llama")
+    assert (tokenizer.bos_token, tokenizer.eos_token_id, tokenizer.unk_token, tokenizer.pad_token_id) == \
+        (None, 2, None, 1)
+    assert tokenizer.encode("t") == [0]  # add_bos_token without a BOS adds nothing
+    # the config as if the file had no BOS id: the family's default (transformers' LlamaConfig's, 1)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 1)
+    warned = [r.getMessage() for r in caplog.records]
+    assert sum("tokenizer.ggml.bos_token_id 1000000 is outside the vocabulary (8 tokens)" in m for m in warned) == 2
+    assert any("tokenizer.ggml.unknown_token_id 8 is outside" in m for m in warned)
+
+
+def test_the_loaders_gguf_tokenizer_is_the_front_ends(files, tmp_path):
+    """loader.gguf_tokenizer, which a front end's load_tokenizer uses: the metadata's tokenizer for a
+    file the loader reads natively, None for one whose tokenizer goes through transformers."""
+    from blockserve.engine.config import EngineConfig
+    from blockserve.engine.tokenizer import load_tokenizer
+
+    ours = loader.gguf_tokenizer(files["qwen2"])
+    assert isinstance(ours, GGUFTokenizer)
+    front = load_tokenizer(EngineConfig(model=str(files["qwen2"])))
+    assert isinstance(front, GGUFTokenizer) and front.encode("t10 t2") == ours.encode("t10 t2")
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")  # sentencepiece: transformers builds it
+    writer.add_token_list(["<unk>", "<s>", "</s>", "▁t"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert loader.gguf_tokenizer(path) is None
+    with pytest.raises(ValueError, match="could not read GGUF file"):
+        loader.gguf_tokenizer(tmp_path / "spm.gguf.missing")
