@@ -271,17 +271,22 @@ def test_fused_decode_writes_the_bytes_the_backend_writes(without_avx512, codes,
 
 
 @needs_native
+@BUILDS
 @pytest.mark.parametrize("codes,v_codes", [(torch.uint8, torch.uint8), (torch.int8, torch.uint8)], ids=["int4", "k8v4"])
-def test_fused_rotated_write_equals_kv_quant_exactly(codes, v_codes):
+@pytest.mark.parametrize("head_dim", [64, 16, 96])  # 96: rotation blocks of 32
+def test_fused_rotated_write_equals_kv_quant_exactly(without_avx512, codes, v_codes, head_dim):
     """With no RoPE (cos 1, sin 0) the fused call's rotated 4-bit rows are kv_quant.encode's bytes
-    exactly: the C++ signs are kv_quant's seeded ones and its butterflies run in the same order; and a
-    wrong sign would also move the output."""
-    attn, ctx, qkv, cos, sin = fused_step(64, codes, v_codes=v_codes)
+    exactly (the C++ signs are kv_quant's seeded ones, its butterflies combine the same sums in the
+    same order), and its output is the PyTorch path's to float32 rounding."""
+    kernel = paged_decode_kernel(without_avx512=without_avx512)
+    attn, ctx, qkv, cos, sin = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
+    ref_attn, ref_ctx, *_ = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
     cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
-    t, hq, hkv, d = qkv.shape[0], 6, 2, 64
+    t, hq, hkv, d = qkv.shape[0], 6, 2, head_dim
+    want = ref_attn(qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:], ref_ctx)
     k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d).clone()
     v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).clone()
-    RotaryDecode(attn)(qkv, cos, sin, ctx)
+    torch.testing.assert_close(RotaryDecode(attn)(qkv, cos, sin, ctx), want, rtol=2e-5, atol=2e-5)
     slots = ctx.metadata[0].slot_mapping
     cache = ctx.layers["layer"]
     for side, x, dtype in ((cache.k_cache, k, codes), (cache.v_cache, v, v_codes)):

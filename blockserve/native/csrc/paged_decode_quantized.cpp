@@ -22,7 +22,6 @@
 // fused step then rotates the queries itself (4-bit keys) and un-rotates its output (4-bit values).
 
 #include "kernels.h"
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -31,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "fast_exp.h"
@@ -122,43 +122,50 @@ inline void quantize_row(const float* x, int8_t* row, int64_t dim) {
 
 // The rotated 4-bit form's rotation R = H diag(s) / sqrt(B) (attention/kv_quant.py): s the seeded sign
 // per channel, H the Walsh-Hadamard transform over each block of B channels (B the largest power of
-// two dividing dim). The signs come from torch's CPU generator seeded as kv_quant.ROTATION_SEED, so
-// they are kv_quant._row_signs' exactly; the butterflies run in kv_quant._hadamard's order, so a
-// rotated vector is the same float32 bits as the PyTorch path's.
-constexpr uint64_t kRotationSeed = 0x5EED;  // kv_quant.ROTATION_SEED
+// two dividing dim). kv_quant draws the signs as torch.randint(0, 2) from a CPU generator seeded with
+// ROTATION_SEED: torch's generator is the standard MT19937 seeded the standard way, and a draw below
+// 2^32 is its next 32-bit output modulo the range, so std::mt19937 gives the same signs without a
+// tensor (tests/attention/test_kv_quant.py compares the rows byte for byte).
+constexpr uint32_t kRotationSeed = 0x5EED;  // kv_quant.ROTATION_SEED
 
 std::vector<float> rotation_signs(int64_t dim) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(kRotationSeed);
-  const at::Tensor bits = at::randint(0, 2, {dim}, gen, at::TensorOptions().dtype(at::kLong));
-  const int64_t* b = bits.data_ptr<int64_t>();
+  std::mt19937 engine(kRotationSeed);
   std::vector<float> signs(dim);
-  for (int64_t d = 0; d < dim; ++d) signs[d] = b[d] ? 1.f : -1.f;  // kv_quant: randint * 2 - 1
+  for (int64_t d = 0; d < dim; ++d) signs[d] = engine() % 2 ? 1.f : -1.f;  // kv_quant: randint(0, 2) * 2 - 1
   return signs;
 }
 
-// x [dim] in place as H x / sqrt(B) over each block of B channels: log2(B) stages of butterflies
-// (a, b) -> (a + b, a - b) on channels h apart, h = 1, 2, 4, ..., then the normalisation.
-void hadamard_(float* __restrict x, int64_t dim) {
-  const int64_t block = dim & -dim;
+// x [dim] in place as H x / sqrt(B) over each block of B channels, `work` [B] scratch. kv_quant._hadamard
+// runs log2(B) stages of butterflies (a, b) -> (a + b, a - b) on channels h = 1, 2, 4, ... apart; here
+// each stage takes adjacent pairs and writes sums to the first half, differences to the second
+// (Pease's form: contiguous, so it vectorises), which combines the same partial sums in the same
+// order, only stored permuted: after log2(B) stages the permutation is the identity again, and
+// every value is the same float32 bits as kv_quant's.
+void hadamard_(float* __restrict x, float* __restrict work, int64_t dim) {
+  const int64_t block = dim & -dim, half = block / 2;
   const float norm = static_cast<float>(std::pow(static_cast<double>(block), -0.5));  // Python's block**-0.5
-  for (int64_t first = 0; first < dim; first += block)
-    for (int64_t h = 1; h < block; h *= 2)
-      for (int64_t i = first; i < first + block; i += 2 * h)
-        for (int64_t j = i; j < i + h; ++j) {
-          const float a = x[j], b = x[j + h];
-          x[j] = a + b;
-          x[j + h] = a - b;
-        }
-  for (int64_t d = 0; d < dim; ++d) x[d] *= norm;
+  for (float* first = x; first < x + dim; first += block) {
+    float* from = first;
+    float* to = work;
+    for (int64_t h = 1; h < block; h *= 2) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = from[2 * i], b = from[2 * i + 1];
+        to[i] = a + b;
+        to[half + i] = a - b;
+      }
+      std::swap(from, to);
+    }
+    for (int64_t d = 0; d < block; ++d) first[d] = from[d] * norm;
+  }
 }
 
-// y = R x (kv_quant.rotate_queries), and x = R^T y in place (kv_quant.unrotate_output).
-void rotate(const float* x, float* y, const float* signs, int64_t dim) {
+// y = R x (kv_quant.rotate_queries), and x = R^T y in place (kv_quant.unrotate_output); `work` [dim].
+void rotate(const float* x, float* y, const float* signs, int64_t dim, float* work) {
   for (int64_t d = 0; d < dim; ++d) y[d] = x[d] * signs[d];
-  hadamard_(y, dim);
+  hadamard_(y, work, dim);
 }
-void unrotate_(float* y, const float* signs, int64_t dim) {
-  hadamard_(y, dim);
+void unrotate_(float* y, const float* signs, int64_t dim, float* work) {
+  hadamard_(y, work, dim);
   for (int64_t d = 0; d < dim; ++d) y[d] *= signs[d];
 }
 
@@ -183,10 +190,10 @@ inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim) {
   std::memcpy(row + dim / 2 + kScaleBytes, &minimum_half, kScaleBytes);
 }
 
-// One head vector x [dim] into a row of `form`: the 4-bit form rotated first (through `scratch` [dim]).
+// One head vector x [dim] into a row of `form`: the 4-bit form rotated first (through `scratch` [2 dim]).
 inline void write_row(int form, const float* x, int8_t* row, int64_t dim, const float* signs, float* scratch) {
   if (form == kInt4) {
-    rotate(x, scratch, signs, dim);
+    rotate(x, scratch, signs, dim, scratch + dim);
     quantize_row_int4(scratch, row, dim);
   } else if (form == kFp8) {
     quantize_row<true>(x, row, dim);
@@ -614,7 +621,7 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
   // left it); 4-bit values give R o, un-rotated once below.
   const bool rotated_keys = fk == kInt4, rotated_values = fv == kInt4;
   const std::vector<float> signs = rotated_keys || rotated_values ? rotation_signs(dim) : std::vector<float>();
-  std::vector<float> scratch(dim), rotated_q(rotated_keys ? n_seqs * q_size : 0);
+  std::vector<float> scratch(2 * dim), rotated_q(rotated_keys ? n_seqs * q_size : 0);
   for (int64_t n = 0; n < n_seqs; ++n) {  // a few KB per sequence: not worth a parallel region
     float* x = qkvp + n * qkv.stride(0);
     rotate_half_heads(x, n_heads + n_kv_heads, dim, cos.data_ptr<float>() + n * cos.stride(0),
@@ -625,7 +632,8 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
                 scratch.data());
     }
     if (rotated_keys)
-      for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * dim, rotated_q.data() + n * q_size + h * dim, signs.data(), dim);
+      for (int64_t h = 0; h < n_heads; ++h)
+        rotate(x + h * dim, rotated_q.data() + n * q_size + h * dim, signs.data(), dim, scratch.data());
   }
   if (rotated_keys)
     decode_all(out, rotated_q.data(), q_size, n_seqs, n_heads, k_cache, v_cache, block_table, key_start, seq_lens,
@@ -635,7 +643,7 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
                static_cast<float>(scale));
   if (rotated_values) {
     float* op = out.data_ptr<float>();
-    for (int64_t head = 0; head < n_seqs * n_heads; ++head) unrotate_(op + head * dim, signs.data(), dim);
+    for (int64_t head = 0; head < n_seqs * n_heads; ++head) unrotate_(op + head * dim, signs.data(), dim, scratch.data());
   }
 }
 
