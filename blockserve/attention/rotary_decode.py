@@ -9,9 +9,9 @@ is a decode, csrc/paged_decode.cpp's rotary_decode_attention does all of it in o
 It is exactly what the reference path computes (fused rotary_, the backend's cache write and
 its native decode kernel), so results do not change. Over the rotated 4-bit form (int4, and k8v4's
 values) the call also does what attention/kv_quant.py does around the kernel: rotates k, v (and q,
-where the keys are rotated) before quantising them, and un-rotates the output once. Anything else (prefill rows, a sliding
-window, attention sinks, a backend without the native kernel, a dtype or device the kernel does not take)
-returns None and the caller runs the reference path.
+where the keys are rotated) before quantising them, and un-rotates the output once. Anything else
+(prefill rows, a sliding window, attention sinks, a backend without the native kernel, a dtype or
+device the kernel does not take) returns None and the caller runs the reference path.
 """
 
 from __future__ import annotations

@@ -223,8 +223,8 @@ def fused_step(head_dim: int, codes: torch.dtype, hq: int = 6, hkv: int = 2, bs:
         table[i, :blocks], order = torch.tensor(order[:blocks]), order[blocks:]
         for p in range(c):
             slot = (table[i, p // bs], p % bs)
-            k_cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), codes).view(torch.uint8)
-            v_cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), v_codes).view(torch.uint8)
+            for cache, form in ((k_cache, codes), (v_cache, v_codes)):
+                cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), form).view(torch.uint8)
     layout = BatchLayout.build([1] * len(computed), computed)
     ctx = ForwardContext({"layer": LayerCache(0, k_cache, v_cache)}, [AttentionMetadata.build(layout, table, bs)])
     qkv = torch.randn(len(computed), (hq + 2 * hkv) * head_dim, generator=gen)

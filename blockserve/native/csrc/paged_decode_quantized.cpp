@@ -643,7 +643,8 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
                static_cast<float>(scale));
   if (rotated_values) {
     float* op = out.data_ptr<float>();
-    for (int64_t head = 0; head < n_seqs * n_heads; ++head) unrotate_(op + head * dim, signs.data(), dim, scratch.data());
+    for (int64_t head = 0; head < n_seqs * n_heads; ++head)
+      unrotate_(op + head * dim, signs.data(), dim, scratch.data());
   }
 }
 
