@@ -8,7 +8,9 @@ kernels already built (the usual start) or, with --include-kernel-build, built i
 the time to /health and the process's peak RSS (VmHWM) at /health.
 
     python -m benchmarks.cold_start [--model FILE.gguf ...] [--threads 2] [--rounds 3]
-        [--include-kernel-build] [--json results/cold_start.json]
+        [--include-kernel-build] [--no-peer] [--json results/cold_start.json]
+
+--no-peer measures blockserve alone (where llama.cpp's peer build is not at hand).
 
 Both get a context of 512 tokens (KV_CACHE_MEMORY). Rounds alternate the two engines; the medians are printed, with the other processes' share of the
 CPUs during each start (the servers' own CPU time, reaped as they exit, is left out). llama.cpp: llama-server from the peer
@@ -102,16 +104,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--include-kernel-build", action="store_true",
                         help="also one blockserve start whose native kernels are built inside it")
+    parser.add_argument("--no-peer", action="store_true", help="blockserve alone: llama.cpp is not built or run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     env = environment()
     print_environment(env)
-    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh"), "native"], check=True, capture_output=True,
-                                  text=True).stdout.strip().splitlines()[-1])
+    bin_dir = None
+    if not args.no_peer:
+        built = subprocess.run([str(HERE / "build_llama_cpp.sh"), "native"], check=True, capture_output=True, text=True)
+        bin_dir = Path(built.stdout.strip().splitlines()[-1])
     results = []
     for model in args.model:
         systems = {"llama.cpp": (lambda port: llama_command(bin_dir, model, args.threads, port), engine_env()),
                    "blockserve": (lambda port: blockserve_command(model, args.threads, port), engine_env())}
+        if args.no_peer:
+            del systems["llama.cpp"]
         for name, (command, system_env) in systems.items():  # warm-up: page cache, blockserve's cache entry
             port = free_port()
             start_to_first_token(command(port), port, system_env)
@@ -141,8 +148,9 @@ def main() -> None:
             print(f"{name:<40} {row['median_first_token_s'][name]:>14.2f} {row['median_healthy_s'][name]:>10.2f} "
                   f"{row['peak_rss_mib_at_health'][name]:>13.0f} "
                   f"{statistics.median(r['other_cpu_share'] for r in rs):>10.0%}")
-        ratio = row["median_first_token_s"]["blockserve"] / row["median_first_token_s"]["llama.cpp"]
-        print(f"blockserve / llama.cpp, first token: {ratio:.1f}x")
+        if not args.no_peer:
+            ratio = row["median_first_token_s"]["blockserve"] / row["median_first_token_s"]["llama.cpp"]
+            print(f"blockserve / llama.cpp, first token: {ratio:.1f}x")
     if args.json:
         write_json(args.json, {"environment": env, "args": vars(args), "results": results})
 

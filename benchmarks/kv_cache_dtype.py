@@ -3,7 +3,7 @@ float32 cache, capacity, and whole-model decode latency beside native llama.cpp'
 one run.
 
     python -m benchmarks.kv_cache_dtype [--quality-tokens 20480] [--contexts 2048 8192] [--batches 1 16]
-        [--needle-contexts 1024 2048 4096 8192] [--threads 2] [--rounds 3] [--skip-llama-cpp]
+        [--needle-contexts 1024 2048 4096 8176] [--threads 2] [--rounds 3] [--skip-llama-cpp]
         [--per-layer-4bit] [--json results/kv_cache_dtype.json]
 
 quality    the model over --quality-tokens tokens of English prose in windows of 1024, prefilled
@@ -59,6 +59,7 @@ DTYPES = ("float16", "int8", "fp8", "int4", "k8v4")  # each against the float32 
 QUALITY_DTYPES = ("int8", "fp8", "int4", "k8v4")  # float16's KL is ~0 (its rounding is 2^-11 relative)
 LLAMA_TYPES = ("f16", "q8_0", "q4_0", "q8_0/q4_0")  # K/V: one type for both, or -ctk / -ctv
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
+NEEDLE_ANSWER = 16  # positions kept after a needle prompt for the answer
 CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three uses of copper.",
                 "Explain photosynthesis in two sentences.", "How do I reverse a list in Python?",
                 "Give me a short packing list for a weekend hike.", "What causes the seasons on Earth?",
@@ -165,7 +166,7 @@ def needles(path: str, contexts: list[int], threads: int) -> dict:
 
     out = {}
     for dtype in ("auto", *QUALITY_DTYPES):
-        llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="512MiB", max_model_len=max(contexts) + 16,
+        llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="512MiB", max_model_len=max(contexts) + NEEDLE_ANSWER,
                   num_threads=threads)
         cases = needle_cases(llm.get_tokenizer(), contexts, NEEDLE_DEPTHS)
         with CpuShare() as share:
@@ -275,7 +276,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    # The bundled model holds 8,192 positions: the longest prompt leaves room for the answer's 16 tokens.
+    ap.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192 - NEEDLE_ANSWER])
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-needle", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")

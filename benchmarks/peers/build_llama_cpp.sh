@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Build native llama.cpp (llama-server, llama-batched-bench, llama-bench, llama-quantize) from the llama-cpp-python sdist on PyPI,
+# Build native llama.cpp (llama-server, llama-batched-bench, llama-bench, llama-quantize, and
+# llama-lookup / llama-speculative for benchmarks/spec_decode_lookup.py) from the llama-cpp-python sdist on PyPI,
 # which carries the whole llama.cpp tree in vendor/llama.cpp. -DGGML_NATIVE=ON: compiled for this CPU,
 # as a user building llama.cpp would. The build is cached outside the repository, keyed by the
 # version and the CPU's flags; a second run prints the directory at once.
 # With the argument `avx2` it builds for AVX2 + FMA + F16C only (no AVX-512), the code a Zen 3 user
 # runs, so the AVX2 paths of both engines can be measured side by side on an AVX-512 machine.
-#   usage: benchmarks/peers/build_llama_cpp.sh [native|avx2]  ->  prints the directory holding the binaries
+# Named targets build only those (benchmarks/spec_decode_lookup.py needs llama-lookup alone).
+#   usage: benchmarks/peers/build_llama_cpp.sh [native|avx2] [TARGET...]  ->  prints the directory holding the binaries
 set -euo pipefail
 VERSION=0.3.36
 ISA=${1:-native}
+shift $(( $# > 0 ? 1 : 0 ))
 case $ISA in
   native) BUILD=build; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
   avx2) BUILD=build-avx2; ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
@@ -19,7 +22,14 @@ esac
 CPU_KEY=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
 ROOT=${BLOCKSERVE_PEERS_CACHE:-$HOME/.cache/blockserve-peers}/llama.cpp-$VERSION-$CPU_KEY
 BIN=$ROOT/$BUILD/bin
-if [[ -x $BIN/llama-server && -x $BIN/llama-batched-bench && -x $BIN/llama-quantize ]]; then echo "$BIN"; exit 0; fi
+TARGETS=("$@")
+(( ${#TARGETS[@]} )) || TARGETS=(llama-server llama-batched-bench llama-bench llama-quantize llama-lookup llama-speculative)
+for target in "${TARGETS[@]}"; do
+  case $target in llama-*) ;; *) echo "not a llama.cpp target: $target" >&2; exit 2 ;; esac
+done
+built=1
+for target in "${TARGETS[@]}"; do [[ -x $BIN/$target ]] || built=0; done
+if (( built )); then echo "$BIN"; exit 0; fi
 mkdir -p "$ROOT"
 if [[ ! -d $ROOT/src ]]; then
   # The sdist's address from PyPI's simple index (pip download would build its metadata first).
@@ -31,5 +41,5 @@ if [[ ! -d $ROOT/src ]]; then
 fi
 cmake -S "$ROOT/src" -B "$ROOT/$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF >&2
-cmake --build "$ROOT/$BUILD" --target llama-server llama-batched-bench llama-bench llama-quantize -j "$(nproc)" >&2
+cmake --build "$ROOT/$BUILD" --target "${TARGETS[@]}" -j "$(nproc)" >&2
 echo "$BIN"

@@ -59,12 +59,23 @@ class StateMetadata:
 
     State tensors are float32 whatever the model's dtype (the layers compute the recurrence in
     float32 and return the model's dtype).
+
+    Speculative decoding: `chains` lists (first decode row, rows) of each request whose step
+    scores drafts; its rows are decodes of one slot that the layers run one after another (row i
+    starts from row i - 1's state, by the decode step's arithmetic), leave the last row's state
+    in the slot and keep every row's state in `row_states[layer name]` (per state component,
+    [num_decodes, *shape]) for the rollback to the last accepted row. `row_captures`: (decode
+    row, checkpoint slot) pairs whose state after that row goes into the checkpoint slot.
     """
 
     layout: BatchLayout
     slots: torch.Tensor  # [B] int64, on the model's device
     captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     slot_ids: list[int] | None = None  # `slots` on the host: what control flow reads (None: read from slots)
+    chains: list[tuple[int, int]] = field(default_factory=list)
+    row_captures: list[tuple[int, int]] = field(default_factory=list)
+    row_states: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # written by the layers
+    decode_plan: tuple | None = None  # the chains' waves, built by the first layer that runs them
 
     def __post_init__(self) -> None:
         if self.slot_ids is None:  # built on the host (the worker passes the list it has)

@@ -30,6 +30,7 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.pointwise import silu
+from blockserve.attention.state_decodes import run_decodes
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -177,17 +178,20 @@ class GatedDeltaNet(nn.Module):
                 conv_bias: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
         cache, meta = ctx.for_layer(self.layer_name)
         conv_states, rec_states = cache.tensors
-        layout, slots = meta.layout, meta.slots
+        layout = meta.layout
         dtype = mixed_qkv.dtype  # the recurrence runs in float32, as its states are stored
         mixed_qkv, g, beta, conv_weight = (t.float() for t in (mixed_qkv, g, beta, conv_weight))
         conv_bias = None if conv_bias is None else conv_bias.float()
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim)
         nd = layout.num_decodes
         if nd:
-            s = slots[:nd]
-            mixed, conv_states[s] = causal_conv1d_step(mixed_qkv[:nd], conv_states[s], conv_weight, conv_bias)
-            q, k, v = self._qkv(mixed)
-            out[:nd], rec_states[s] = recurrent_gated_delta_rule(q, k, v, g[:nd], beta[:nd], rec_states[s])
+            def step(rows, states):
+                mixed, conv = causal_conv1d_step(mixed_qkv[rows], states[0], conv_weight, conv_bias)
+                q, k, v = self._qkv(mixed)
+                o, rec = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], states[1])
+                return o, (conv, rec)
+
+            run_decodes(self.layer_name, meta, (conv_states, rec_states), out, step)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             s, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

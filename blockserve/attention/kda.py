@@ -37,6 +37,7 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext, StateMetadata
 from blockserve.attention.pointwise import silu
+from blockserve.attention.state_decodes import run_decodes
 from blockserve.kv.specs import LinearStateSpec
 
 CHUNK_SIZE = 64
@@ -173,12 +174,13 @@ class KimiDeltaAttention(nn.Module):
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:
-            slots = meta.slots[:nd]
-            ext = torch.cat([conv_states[slots], mixed_qkv[:nd, :, None]], dim=2)  # [nd, C, K]
-            conv_states[slots] = ext[:, :, 1:]
-            q, k, v = self._split(silu((ext * conv_weight).sum(-1)))
-            o, rec_states[slots] = kda_step(q, k, v, g[:nd], beta[:nd], rec_states[slots])
-            out[:nd] = o
+            def step(rows, states):
+                ext = torch.cat([states[0], mixed_qkv[rows, :, None]], dim=2)  # [rows, C, K]
+                q, k, v = self._split(silu((ext * conv_weight).sum(-1)))
+                o, rec = kda_step(q, k, v, g[rows], beta[rows], states[1])
+                return o, (ext[:, :, 1:], rec)
+
+            run_decodes(self.layer_name, meta, (conv_states, rec_states), out, step)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             slot, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

@@ -32,6 +32,7 @@ from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
 from blockserve.attention.pointwise import silu, softplus
+from blockserve.attention.state_decodes import run_decodes
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -149,7 +150,7 @@ class Mamba2(nn.Module):
                 A: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache, meta = ctx.for_layer(self.layer_name)
         conv_states, ssm_states = cache.tensors
-        layout, slots = meta.layout, meta.slots
+        layout = meta.layout
         dtype = xBC.dtype  # the recurrence runs in float32, as its states are stored
         xBC, dt, conv_weight, A, D, dt_bias = (t.float() for t in (xBC, dt, conv_weight, A, D, dt_bias))
         conv_bias = None if conv_bias is None else conv_bias.float()
@@ -157,10 +158,13 @@ class Mamba2(nn.Module):
         out = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:
-            s = slots[:nd]
-            mixed, conv_states[s] = causal_conv1d_step(xBC[:nd], conv_states[s], conv_weight, conv_bias)
-            x, B, C = self._split(mixed)
-            out[:nd], ssm_states[s] = ssd_step(x, dt[:nd], A, B, C, D, ssm_states[s])
+            def step(rows, states):
+                mixed, conv = causal_conv1d_step(xBC[rows], states[0], conv_weight, conv_bias)
+                x, B, C = self._split(mixed)
+                y, ssm = ssd_step(x, dt[rows], A, B, C, D, states[1])
+                return y, (conv, ssm)
+
+            run_decodes(self.layer_name, meta, (conv_states, ssm_states), out, step)
         dt = dt.clamp(*self.dt_limit)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]

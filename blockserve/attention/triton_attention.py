@@ -6,10 +6,16 @@ every row of a step (decodes and prefill chunks) in one launch per layer.
                 [c | k_rope] of cache [N, bs, R + Dr], one KV head shared by all query heads,
                 values c
 
+Quantized caches (kv_quant.py: int8, fp8, rotated 4-bit, and one-byte keys over 4-bit values) are
+written as codes and scales by kv_quant.write and read in place by the kernel; over a 4-bit cache the
+queries are rotated before the kernel and the output un-rotated after it, as the other backends do.
+MLA's latent cache stays plain here (TritonMLA declares no quantized dtype).
+
 Attention sinks (GPT-OSS): with `sinks=True` forward takes each head's sink logit and the kernel adds
-it to the softmax's denominator. The kernel reads only slots its rows may see (masked page loads), so reads_unwritten_slots =
-False: recycled blocks need no zeroing (C1). It reads no host list, so decode steps are captured
-as CUDA graphs. On the CPU it runs in Triton's interpreter, for tests (TRITON_INTERPRET=1).
+it to the softmax's denominator. The kernel reads only slots its rows may see (masked page loads; a
+quantized row's scale too), so reads_unwritten_slots = False: recycled blocks need no zeroing (C1),
+plain or quantized. It reads no host list, so decode steps are captured as CUDA graphs. On the CPU
+it runs in Triton's interpreter, for tests (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from blockserve.attention import triton_paged
+from blockserve.attention import kv_quant, triton_paged
 from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata
 
@@ -29,7 +35,8 @@ class TritonAttention:
     name: ClassVar[str] = "triton"
     reads_unwritten_slots: ClassVar[bool] = False  # page loads are masked to written slots
     captures_decode: ClassVar[bool] = True  # reads no host list
-    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ()  # the kernel reads plain K/V only
+    # read in place (codes widened, scales folded in registers); loads of codes and scales alike are masked
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn", "int4_rotated")
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
@@ -51,9 +58,12 @@ class TritonAttention:
         if (sinks is not None) != self.sinks:
             raise ValueError(f"attention backend built with sinks={self.sinks} but called with"
                              f"{'out' if sinks is None else ''} sink logits")
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        return triton_paged.paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale, sinks=sinks)
+        if kv_quant.is_rotated(k_cache):  # the 4-bit form: R q attends R k (and R v gives R o, un-rotated once)
+            q = kv_quant.rotate_queries(q)
+        kv_quant.write(k_cache.view(-1, *k_cache.shape[2:]), meta.slot_mapping, k)  # codes and scales when quantized
+        kv_quant.write(v_cache.view(-1, *v_cache.shape[2:]), meta.slot_mapping, v)
+        out = triton_paged.paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale, sinks=sinks)
+        return kv_quant.unrotate_output(out) if kv_quant.is_rotated(v_cache) else out
 
 
 class TritonMLA(AbsorbedMLA):

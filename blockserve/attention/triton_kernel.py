@@ -16,6 +16,19 @@ Keys may come in two parts (`q2`/`k2`, dot products added): MLA's absorbed form 
 as [q_lat | q_rope] . [c | k_rope] over the latent cache row, and its values are the row's
 first part (VALUE_IS_K1: the loaded tile is reused, not read twice).
 
+Quantized caches (attention/kv_quant.py; K_CODES / V_CODES, each side on its own: 0 plain, 1
+int8 codes, 2 rotated 4-bit codes two a byte, low nibble first, 3 e4m3 codes read as bytes and
+bitcast): the code pointer is the cache itself (a row's first bytes), the scale pointer a float16
+view of each row's tail
+(scale; 4-bit: then minimum). Codes are read in place and widened in registers; each key's scale is
+folded into its score and each value's into its softmax weight, one multiply per key:
+
+    score  = (q . c_k) * scale_k  (+ minimum_k * sum_d q_d, 4-bit)
+    output = sum_k (p_k * scale_k) c_k  (+ sum_k p_k * minimum_k, 4-bit), all in float32 with fp32 inputs
+
+A 4-bit cache holds rotated vectors: the caller passes rotated queries and un-rotates the output.
+Scale loads are masked as the code loads are, so a poisoned row (NaN scale) is never read.
+
 Sinks (HAS_SINKS, GPT-OSS): head h's learned logit sinks[h] joins each row's softmax denominator
 (as exp2(sink · log2 e - m) in the running maximum's frame) and weighs no value; with key splits,
 COMBINE adds it once, in the frame of the splits' largest log2-sum-exp.
@@ -38,18 +51,19 @@ LOG2E = 1.4426950408889634
 
 
 def _kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, sinks_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, sinks_ptr, ks_ptr, vs_ptr,
     table_ptr, seq_len_ptr, key_start_ptr, query_start_ptr, tile_seq_ptr, tile_row_ptr,
     scale_log2e, window,
     stride_ot, stride_oh, stride_q1t, stride_q1h, stride_q2t, stride_q2h,
     stride_k1p, stride_k1s, stride_k1h, stride_k2p, stride_k2s, stride_k2h,
-    stride_vp, stride_vs, stride_vh, stride_table,
+    stride_vp, stride_vs, stride_vh, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    stride_table,
     G: tl.constexpr, G_BLOCK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     D1: tl.constexpr, D1_PAD: tl.constexpr, D2: tl.constexpr, D2_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_SINKS: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, K_CODES: tl.constexpr = 0, V_CODES: tl.constexpr = 0,
 ):
     """Program (tile, KV head, head block x split): see the module docstring."""
     tile = tl.program_id(0)
@@ -81,6 +95,16 @@ def _kernel(
             q2 = tl.load(q2_ptr + token[:, None] * stride_q2t + head[:, None] * stride_q2h + d2[None, :],
                          mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
         dv = tl.arange(0, DV_PAD)
+        if K_CODES == 2:  # a 4-bit key's minimum adds minimum * sum_d q_d to its score
+            q_sum = tl.sum(q1.to(tl.float32), 1)
+        if K_CODES == 2:  # 4-bit codes: byte d // 2, low nibble for even d
+            k_col, k_shift = d1 // 2, (d1 % 2) * 4
+        else:
+            k_col = d1
+        if V_CODES == 2:
+            v_col, v_shift = dv // 2, (dv % 2) * 4
+        else:
+            v_col = dv
 
         lo = tl.load(key_start_ptr + seq)
         if HAS_WINDOW:
@@ -101,8 +125,18 @@ def _kernel(
             page = tl.load(table_ptr + seq * stride_table + key_pos // PAGE, mask=readable, other=0).to(tl.int64)
             slot = key_pos % PAGE
             k1 = tl.load(k1_ptr + page[:, None] * stride_k1p + slot[:, None] * stride_k1s + kv_head * stride_k1h
-                         + d1[None, :], mask=readable[:, None] & (d1[None, :] < D1), other=0.0)
+                         + k_col[None, :], mask=readable[:, None] & (d1[None, :] < D1), other=0)
+            if K_CODES == 2:
+                k1 = (k1 >> k_shift[None, :]) & 15
+            elif K_CODES == 3:
+                k1 = k1.to(tl.float8e4nv, bitcast=True)
             scores = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=PRECISION)
+            if K_CODES > 0:  # the key's scale (and 4-bit minimum), masked as its codes are
+                k_at = ks_ptr + page * stride_ksp + slot * stride_kss + kv_head * stride_ksh
+                scores = scores * tl.load(k_at, mask=readable, other=0.0).to(tl.float32)[None, :]
+                if K_CODES == 2:
+                    k_min = tl.load(k_at + 1, mask=readable, other=0.0).to(tl.float32)
+                    scores += q_sum[:, None] * k_min[None, :]
             if D2 > 0:
                 k2 = tl.load(k2_ptr + page[:, None] * stride_k2p + slot[:, None] * stride_k2s + kv_head * stride_k2h
                              + d2[None, :], mask=readable[:, None] & (d2[None, :] < D2), other=0.0)
@@ -120,8 +154,19 @@ def _kernel(
                 values = k1
             else:
                 values = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
-                                 + dv[None, :], mask=readable[:, None] & (dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), values.to(q1.dtype), input_precision=PRECISION)
+                                 + v_col[None, :], mask=readable[:, None] & (dv[None, :] < DV), other=0)
+                if V_CODES == 2:
+                    values = (values >> v_shift[None, :]) & 15
+                elif V_CODES == 3:
+                    values = values.to(tl.float8e4nv, bitcast=True)
+            weights = p
+            if V_CODES > 0:  # the value's scale folded into its weight
+                v_at = vs_ptr + page * stride_vsp + slot * stride_vss + kv_head * stride_vsh
+                weights = p * tl.load(v_at, mask=readable, other=0.0).to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(weights.to(q1.dtype), values.to(q1.dtype), input_precision=PRECISION)
+            if V_CODES == 2:  # + sum_k p_k * minimum_k in every column
+                v_min = tl.load(v_at + 1, mask=readable, other=0.0).to(tl.float32)
+                acc += tl.sum(p * v_min[None, :], 1)[:, None]
             m_i = m_new
         if HAS_SINKS and SPLITS == 1:  # with splits, COMBINE adds the sink
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E

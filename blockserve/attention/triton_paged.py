@@ -15,6 +15,10 @@ so any block size works. On CUDA the kernel is compiled by Triton for the device
 in Triton's interpreter (TRITON_INTERPRET=1: slow, for tests). `compile_for` builds it for a GPU
 target without one (ptxas ships with Triton), which is how CI checks that the CUDA build compiles.
 
+Quantized caches (attention/kv_quant.py: int8, e4m3, rotated 4-bit; keys and values each in their
+own form) are read in place: `_codes` passes the cache as its code pointer and a float16 view of its
+rows' tails as the scale pointer, and the kernel dequantises in registers.
+
 No host sync and no host list, so a decode step can be captured as a CUDA graph. Triton is
 imported on the first launch: importing blockserve does not pay for it.
 """
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockserve.attention import kv_quant
 from blockserve.attention.metadata import AttentionMetadata
 
 # The backend is unavailable without Triton, the rest of blockserve is not.
@@ -43,6 +48,7 @@ KEY_TILE = 64  # keys per step of the online softmax (half that for heads wider 
 WIDE_HEAD = 256
 MAX_SPLITS = 16  # key splits per decode row at most (triton_kernel.py's flash-decoding)
 MIN_SPLIT_KEYS = 256  # keys per split at least, counted over the block table's width
+FP8_CAPABILITY = (8, 9)  # Triton converts e4m3 (fp8e4nv) on these GPUs and newer
 
 
 def _kernels():
@@ -139,6 +145,29 @@ def key_splits(meta: AttentionMetadata, rows: int, programs: int, device: torch.
     return 1 << (splits.bit_length() - 1)
 
 
+def _codes(cache: torch.Tensor, width: int, side: str) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """(the kernel's code form: 0 plain, 1 int8, 2 rotated 4-bit, 3 e4m3; the code pointer's tensor;
+    the float16 view [N, bs, H, 1 or 2] of each row's scale (and minimum), None when plain) of a cache
+    [N, bs, H, row] whose rows hold head vectors of `width` values. e4m3 codes go as bytes (the
+    kernel bitcasts them: Triton's interpreter cannot fill a masked float8 load)."""
+    if not kv_quant.is_quantized(cache):
+        return 0, cache, None
+    if kv_quant.head_size(cache) != width:
+        raise ValueError(f"the {side} cache's rows hold {kv_quant.head_size(cache)} values, the kernel reads {width}")
+    if kv_quant.is_rotated(cache) and width % 4:
+        raise ValueError(f"the triton kernel reads 4-bit rows of a head size divisible by 4, got {width}")
+    if (cache.dtype == torch.float8_e4m3fn and cache.device.type == "cuda"
+            and torch.cuda.get_device_capability(cache.device) < FP8_CAPABILITY):
+        major, minor = torch.cuda.get_device_capability(cache.device)
+        raise ValueError(f"the triton kernel reads fp8 (e4m3) codes on GPUs of compute capability "
+                         f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer; {cache.device} is {major}.{minor}: "
+                         "use kv_cache_dtype int8")
+    codes = width // 2 if kv_quant.is_rotated(cache) else width
+    form = {torch.int8: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}[cache.dtype]
+    scales = cache.view(torch.uint8)[..., codes:].view(torch.float16)
+    return form, cache.view(torch.uint8) if form == 3 else cache, scales
+
+
 def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, value_is_k1: bool,
                  splits: int | None, tiles=tile_map, sinks: torch.Tensor | None = None):
     """(grid, positional args, constexpr kwargs, num_warps) of one launch; with key splits the args
@@ -147,6 +176,8 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
     num_kv_heads = k1.shape[2]
     group = q1.shape[1] // num_kv_heads
     head_block = min(1 << (group - 1).bit_length(), MAX_HEAD_BLOCK)
+    if any(t is not None and kv_quant.is_quantized(t) for t in (k1, k2, v)) and (q2 is not None or value_is_k1):
+        raise ValueError("the triton kernel reads quantized caches as one-part keys with their own values, not MLA's")
     if value_is_k1 and out.shape[-1] != k1.shape[-1]:
         raise ValueError(f"values read from k1 need out's width {out.shape[-1]} to be k1's {k1.shape[-1]}")
     d2 = 0 if q2 is None else q2.shape[-1]
@@ -163,20 +194,27 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
         rows = (out.shape[0], out.shape[1], splits)
         parts = (out.new_empty(*rows, _pad(out.shape[-1]), dtype=torch.float32),
                  out.new_empty(rows, dtype=torch.float32))
+    k_codes, k1, k_scales = _codes(k1, q1.shape[-1], "key")
+    v_codes, v, v_scales = (0, v, None) if value_is_k1 else _codes(v, out.shape[-1], "value")
     q2 = q1 if q2 is None else q2
     k2 = k1 if k2 is None else k2
+    k_scales = q1 if k_scales is None else k_scales  # unused when plain
+    v_scales = q1 if v_scales is None else v_scales
     window = meta.sliding_window
-    args = (out, *parts, q1, q2, k1, k2, v, q1 if sinks is None else sinks, meta.block_table, meta.seq_len, meta.key_start, tiles.query_start,
+    args = (out, *parts, q1, q2, k1, k2, v, q1 if sinks is None else sinks, k_scales, v_scales,
+            meta.block_table, meta.seq_len, meta.key_start, tiles.query_start,
             tiles.seq, tiles.first_row, scale * math.log2(math.e), window or 0,
             out.stride(0), out.stride(1), q1.stride(0), q1.stride(1), q2.stride(0), q2.stride(1),
-            *k1.stride()[:3], *k2.stride()[:3], *v.stride()[:3], meta.block_table.stride(0))
+            *k1.stride()[:3], *k2.stride()[:3], *v.stride()[:3], *k_scales.stride()[:3], *v_scales.stride()[:3],
+            meta.block_table.stride(0))
     constexprs = dict(
         G=group, G_BLOCK=head_block, BLOCK_Q=tiles.rows, BLOCK_M=max(MIN_DOT, tiles.rows * head_block),
         BLOCK_N=KEY_TILE if width <= WIDE_HEAD else KEY_TILE // 2, PAGE=meta.block_size,
         D1=q1.shape[-1], D1_PAD=_pad(q1.shape[-1]), D2=d2, D2_PAD=_pad(d2),
         DV=out.shape[-1], DV_PAD=_pad(out.shape[-1]),
         HAS_WINDOW=window is not None, VALUE_IS_K1=value_is_k1,
-        PRECISION="ieee" if q1.dtype == torch.float32 else None, SPLITS=splits, HAS_SINKS=sinks is not None)
+        PRECISION="ieee" if q1.dtype == torch.float32 else None, SPLITS=splits, HAS_SINKS=sinks is not None,
+        K_CODES=k_codes, V_CODES=v_codes)
     return grid, args, constexprs, 4 if width <= WIDE_HEAD else 8  # wide heads: registers for 8 warps
 
 
@@ -186,8 +224,10 @@ def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: to
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, Hq, Dv] = attention of q1 [T, Hq, D1] (and q2 [T, Hq, D2]) over the pages of k1 [N, bs,
     Hkv, D1] (and k2 [N, bs, Hkv, D2]) with values v [N, bs, Hkv, Dv] (or k1's first Dv columns when
-    `value_is_k1`), each head's logit `sinks` [Hq] in the softmax's denominator when given. The step's
-    K/V must already be written. `splits`: key splits per decode row (None: key_splits' choice)."""
+    `value_is_k1`), each head's logit `sinks` [Hq] in the softmax's denominator when given. k1 and v may
+    be quantized caches (kv_quant.py rows, each in its own form; not with q2 or `value_is_k1`): a
+    4-bit one holds rotated vectors, so its queries must come rotated (keys) and its output is rotated
+    (values). The step's K/V must already be written. `splits`: key splits per decode row (None: key_splits' choice)."""
     q1, q2, k1, k2, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q1, q2, k1, k2, v))
     if (why := unavailable(q1.device)) is not None:
         raise RuntimeError(f"attention_backend 'triton' cannot run on {q1.device}: {why}")
@@ -210,7 +250,8 @@ def _combine_args(args, constexprs) -> tuple:
             constexprs["DV_PAD"], constexprs["HAS_SINKS"])
 
 
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32",
+          torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def compile_for(arch: int, out, q1, k1, v, meta: AttentionMetadata, scale: float, *, q2=None, k2=None,

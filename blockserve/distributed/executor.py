@@ -8,6 +8,12 @@ runs each step on every rank; only rank 0 samples.
     ModelRunner.execute: forward ─► logits gathered     launcher setting env://)
     to rank 0 ─► sampler ─► ModelRunnerOutput
 
+A second prefix-cache tier (`kv_offload_dir`): at start-up every rank fingerprints its own shard
+and checks it sees the directory rank 0 does (a marker file rank 0 writes there); rank 0 gathers the
+fingerprints, so its store (the scheduler's) keys a block by every rank's entry and reads and
+verifies them all before a hit is granted. A step's loads carry one payload per rank: rank 0 keeps
+its own and sends the others (`_for_ranks`); each rank writes its own entries of the save orders.
+
 The KV cache plan uses the smallest KV memory budget of any rank (every rank holds the same
 shapes: its heads are 1/N of the model's, or one replicated KV head), so the capacity is the
 minimum over ranks.
@@ -26,9 +32,13 @@ naming the rank, its exit status and the end of its stderr; one that exits while
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
 import socket
 import time
+import uuid
 import weakref
 from datetime import timedelta
 
@@ -73,6 +83,7 @@ class TensorParallelExecutor:
         self._dead: EngineDead | None = None
         self._serving = [False]  # the ranks are in their step loop (they leave it on a None step)
         self.runner = None
+        self.rank_fingerprints: tuple[bytes, ...] | None = None  # every rank's, with kv_offload_dir
         if config.distributed_executor == "spawn":
             self.group = self._start_ranks(config.distributed_startup_timeout_s)
         else:
@@ -121,15 +132,20 @@ class TensorParallelExecutor:
                 raise exited.start_up_failure() from error
             raise
 
-    def start(self, kv_config, max_num_seqs: int, max_model_len: int, seed: int | None):
-        """Every rank builds its ModelRunner over `kv_config` (checking its own KV specs equal rank 0's);
-        returns self, the runner the engine steps."""
+    def start(self, kv_config, max_num_seqs: int, max_model_len: int, seed: int | None, dtype=None,
+              offload_sizes: tuple[int, int] | None = None):
+        """Every rank builds its ModelRunner over `kv_config` (checking its own KV specs equal rank 0's)
+        and, given `offload_sizes` (kv_offload_dir: the writer queue's bytes and the disk cap), its
+        second-tier store; `rank_fingerprints` then holds every rank's fingerprint (of its shard in
+        `dtype`, rank 0's). Returns self, the runner the engine steps."""
         from blockserve.worker.model_runner import ModelRunner
 
         try:
             self.group.broadcast_object((kv_config, max_num_seqs, max_model_len), timeout=self._startup)
             self._raise_failed(self.group.gather_objects(("ok", None), timeout=self._startup), "set up its KV cache")
             self.runner = ModelRunner(self.loaded.model, kv_config, max_num_seqs, max_model_len, seed, device="cpu")
+            if offload_sizes is not None:
+                self.rank_fingerprints = self._share_offload(kv_config, dtype, offload_sizes)
         except BaseException as error:
             exited = self._exited_rank(error)
             self.close()
@@ -138,6 +154,43 @@ class TensorParallelExecutor:
             raise
         self._serving[0] = True
         return self
+
+    def _share_offload(self, kv_config, dtype, sizes: tuple[int, int]) -> tuple[bytes, ...]:
+        """Every rank's fingerprint, once each has checked it sees rank 0's directory and set up its tiers;
+        sent to every rank, whose store then takes the save orders. ValueError naming a rank that cannot."""
+        from blockserve.worker.kv_fingerprint import model_fingerprint
+
+        directory = self.config.kv_offload_dir
+        marker = f".tp-{uuid.uuid4().hex}"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, marker), "wb"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--kv-offload-dir {directory!r} cannot be used: {e.strerror or e}; give a directory "
+                             "this process can create and write") from e
+        try:
+            self.group.broadcast_object((dtype, marker, sizes), timeout=self._startup)
+            own = model_fingerprint(self.loaded.model, self.config, kv_config, dtype, 0, self.size)
+            reports = self.group.gather_objects(("ok", own), timeout=self._startup)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, marker))
+        self._raise_failed(reports, "use --kv-offload-dir")
+        fingerprints = tuple(fingerprint for _, fingerprint in reports)
+        self.group.broadcast_object(fingerprints, timeout=self._startup)
+        return fingerprints
+
+    def _for_ranks(self, scheduler_output):
+        """(rank 0's step, the step sent to the others): a load's payloads are one per rank (rank 0's store
+        reads every rank's entry); rank 0 keeps its own and sends ranks 1..N-1 theirs."""
+        loads = scheduler_output.blocks_to_load
+        if not loads:
+            return scheduler_output, scheduler_output
+        own = {g: [(block, payloads[0]) for block, payloads in group] for g, group in loads.items()}
+        others = {g: [(block, payloads[1:]) for block, payloads in group] for g, group in loads.items()}
+        return (dataclasses.replace(scheduler_output, blocks_to_load=own),
+                dataclasses.replace(scheduler_output, blocks_to_load=others))
 
     @property
     def processes(self) -> tuple:
@@ -156,8 +209,9 @@ class TensorParallelExecutor:
         try:
             if lost:
                 raise RuntimeError(f"rank {lost[0].rank} exited with status {lost[0].process.returncode}")
-            self.group.broadcast_object(scheduler_output)
-            return self.runner.execute(scheduler_output)
+            own, others = self._for_ranks(scheduler_output)
+            self.group.broadcast_object(others)
+            return self.runner.execute(own)
         except Exception as error:
             self._serving[0] = False  # the ranks are mid-step or gone: closing the group ends them
             self._dead = EngineDead(f"tensor-parallel step failed ({self._cause(error)}); the engine has stopped")

@@ -7,6 +7,9 @@
     gather ◄──────── (ok, KV memory) | error ──── report
     (KV config, max_num_seqs, max_model_len) ───► check its KV specs equal rank 0's; build a ModelRunner
     gather ◄──────── ok | error ───────────────── report
+    with kv_offload_dir: (dtype, marker, sizes) ► check rank 0's marker file is in its directory; its tiers
+    gather ◄──────── (ok, fingerprint) | error ── fingerprint of its own shard ("rank r of N")
+    every rank's fingerprints ─── broadcast ────► its store: writes its entries of the save orders
     per step: SchedulerOutput ─── broadcast ────► the same forward (collectives inside); no sampling
     None ──────────── broadcast ────────────────► leave
 
@@ -22,6 +25,7 @@ which fails rank 0's step at once), its traceback's last line on stderr naming t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -50,6 +54,7 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
     from blockserve.worker.model_runner import ModelRunner
 
     startup = timedelta(seconds=startup_timeout_s)
+    store = None
     if joining is not None:
         joining()
     group = TensorParallelGroup(init_method, rank, size, timeout=startup)
@@ -83,10 +88,44 @@ def run_worker(init_method: str = "env://", rank: int | None = None, size: int |
         if mismatched:
             return
         runner = ModelRunner(loaded.model, kv_config, max_num_seqs, max_model_len, config.seed, device="cpu")
+        if config.kv_offload_dir is not None:
+            store = runner.offload = _offload_store(group, config, kv_config, loaded.model, startup)
+            if store is None:
+                return
         while (step := group.broadcast_object(wait_forever=True)) is not None:
+            if step.blocks_to_load:  # one payload per rank after rank 0: this rank's
+                step = dataclasses.replace(step, blocks_to_load={
+                    g: [(block, payloads[group.rank - 1]) for block, payloads in loads]
+                    for g, loads in step.blocks_to_load.items()})
             runner.execute(step)
     finally:
+        if store is not None:
+            store.close()  # writes what is queued
         group.close()
+
+
+def _offload_store(group, config, kv_config, model, startup):
+    """This rank's second-tier store (executor.py's `_share_offload` on rank 0), or None when this rank
+    could not set it up (reported to rank 0, which stops)."""
+    from blockserve.kv.tiers import DiskTier, TieredKVStore
+    from blockserve.worker.kv_fingerprint import model_fingerprint
+
+    dtype, marker, (queue_bytes, disk_bytes) = group.broadcast_object(timeout=startup)
+    tiers = None
+    try:
+        if not os.path.exists(os.path.join(config.kv_offload_dir, marker)):
+            raise ValueError(f"rank {group.rank} does not see rank 0's --kv-offload-dir "
+                             f"{os.path.abspath(config.kv_offload_dir)!r}: every rank reads the others' entries, "
+                             "so they need one directory (a file system they share)")
+        tiers = [DiskTier(config.kv_offload_dir, disk_bytes)]
+        report = ("ok", model_fingerprint(model, config, kv_config, dtype, group.rank, group.size))
+    except Exception as error:
+        report = ("error", _report(error))
+    group.gather_objects(report, timeout=startup)
+    if report[0] == "error":
+        return None
+    fingerprints = group.broadcast_object(timeout=startup)
+    return TieredKVStore(tiers, fingerprints, queue_bytes, loader_thread=False, rank=group.rank)
 
 
 def _tell_the_engine_when_joining():

@@ -226,12 +226,6 @@ class EngineConfig:
 
         # Given as a JSON string (the command line) or a mapping (LLM(...)): kept parsed and validated.
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("speculative_config cannot be combined with async_scheduling: a step's accepted "
-                             "drafts must be back before the next step is scheduled; drop one of them")
-        if self.speculative_config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config cannot be combined with tensor_parallel_size > 1 yet: run "
-                             "speculation on one rank, or tensor parallelism without it")
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of {sorted(BACKENDS)}")
@@ -286,9 +280,10 @@ class EngineConfig:
         if self.kv_offload_enabled and not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir / kv_offload_memory are tiers of the prefix cache: they need prefix "
                              "caching on")
-        if self.kv_offload_enabled and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload_dir / kv_offload_memory run on one rank: they cannot be combined with "
-                             "tensor_parallel_size > 1")
+        if self.kv_offload_memory is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_memory keeps blocks in one process's memory, and under tensor parallelism "
+                             "each rank's KV is in its own process: use kv_offload_dir (a directory every rank "
+                             "reaches) with tensor_parallel_size > 1")
         resolve_kv_dtypes(self.kv_cache_dtype, self.k_cache_dtype, self.v_cache_dtype)
 
     def kv_spec(self, spec):

@@ -20,7 +20,7 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.engine.config import EngineConfig
 from blockserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION, DevicePlan, resolve_device_plan
 from blockserve.engine.kv_budget import cuda_kv_budget, fixed_cuda_kv_bytes, graph_probe, profile_step
-from blockserve.engine.kv_offload import build_kv_offload
+from blockserve.engine.kv_offload import build_kv_offload, offload_sizes
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache
@@ -40,6 +40,11 @@ from blockserve.worker.model_runner import LaunchedStep, ModelRunner
 logger = logging.getLogger("blockserve")
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# Async scheduling with speculation: after a step without drafts, the steps run ahead (no drafts: every
+# request has a token in flight) this many times before one waits for its tokens to probe for drafts;
+# doubled after each probe that finds none, back to the first after a step with drafts.
+FIRST_AHEAD_STEPS = 4
+MAX_AHEAD_STEPS = 32  # a probe costs one step's overlap: at most 1 in 33 steps
 T = TypeVar("T")
 
 
@@ -129,6 +134,19 @@ def refuse_unreadable_kv_dtype(layer_name: str, module, spec) -> None:
                              f"use attention_backend 'exact', 'whole_block' or 'flex', or a float kv_cache_dtype")
 
 
+def refuse_state_speculation_under_tp(config: EngineConfig, kv_groups: list) -> None:
+    """Speculation on a model with recurrent-state layers rolls each rank's running state back to the
+    last accepted draft on rank 0 only (ranks above 0 learn the accepted count a step later, when the
+    per-row states are gone): refused with tensor parallelism rather than served wrong."""
+    if config.speculative_config is None or config.tensor_parallel_size == 1:
+        return
+    state = sorted({type(spec).__name__ for spec, _, _ in kv_groups if isinstance(spec, LinearStateSpec)})
+    if state:
+        raise ValueError(f"speculative_config with tensor_parallel_size > 1: this model has recurrent-state "
+                         f"layers ({', '.join(state)}), whose state is rolled back on rank 0 only; serve it "
+                         f"on one rank, or without speculative decoding")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """The engine over `config`; if building it fails once tensor-parallel ranks are up, they
@@ -136,6 +154,9 @@ class EngineCore:
         self.executor = None  # tensor parallel: ranks 1..N-1 and rank 0's shard (distributed/executor.py)
         self.kv_offload = None  # the second prefix-cache tier (engine/kv_offload.py)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling's step ahead
+        self._in_flight_began = 0.0  # when it was launched (perf_counter)
+        # Async scheduling with speculation: steps run ahead since the last with drafts, and how many may.
+        self._ahead_steps = self._ahead_limit = FIRST_AHEAD_STEPS
         try:
             self._build(config, loaded)
         except BaseException:
@@ -167,6 +188,7 @@ class EngineCore:
 
         model = self.loaded.model
         kv_groups = kv_groups_of(model, config)
+        refuse_state_speculation_under_tp(config, kv_groups)
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -206,8 +228,15 @@ class EngineCore:
             groups_off = tuple(dataclasses.replace(g, zero_new_blocks=False) for g in self.kv_config.groups)
             self.kv_config = dataclasses.replace(self.kv_config, groups=groups_off)
             logger.warning("zeroing of new KV blocks is disabled: outputs may be corrupted (C1 tests only)")
+        runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
+        rank_fingerprints = None
+        if self.executor is not None:  # the ranks' runners and second-tier stores first: rank 0's store needs
+            # every rank's fingerprint
+            sizes = offload_sizes(config, self.kv_config) if config.kv_offload_enabled else None
+            self.runner = self.executor.start(*runner_args, dtype=plan.dtype, offload_sizes=sizes)
+            rank_fingerprints = self.executor.rank_fingerprints
         # A second prefix-cache tier (disk, host memory), if asked for: closed with the engine.
-        self.kv_offload = build_kv_offload(config, self.kv_config, model, plan.dtype)
+        self.kv_offload = build_kv_offload(config, self.kv_config, model, plan.dtype, rank_fingerprints)
         self.kv = KVCacheManager(self.kv_config, self.kv_offload)
         if config.enable_prefix_caching and not self.kv.caching_possible:
             logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
@@ -216,11 +245,10 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv, self._speculator(config, kv_groups, kv_bytes,
                                                                                 scheduler_config.chunk_cap))
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
-        runner_args = (self.kv_config, config.max_num_seqs, max_model_len, config.seed)
-        self.runner = (ModelRunner(self.loaded.model, *runner_args, device=plan.device) if self.executor is None
-                       else self.executor.start(*runner_args))
-        if self.kv_offload is not None:
-            self.runner.offload = self.kv_offload
+        if self.executor is None:
+            self.runner = ModelRunner(self.loaded.model, *runner_args, device=plan.device)
+        if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
+            (self.runner if self.executor is None else self.executor.runner).offload = self.kv_offload
         self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
         if self.executor is None and plan.device.type == "cpu" and config.adaptive_threads:
             self.thread_governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
@@ -239,16 +267,11 @@ class EngineCore:
                         budgeted / 2**30)
 
     def _speculator(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> Speculator | None:
-        """The speculator `config.speculative_config` asks for, or a ValueError when this model cannot
-        roll back a rejected draft (its recurrent-state layers keep no state per position)."""
+        """The speculator `config.speculative_config` asks for (recurrent-state layers included: their
+        slots are rolled back to the last accepted draft, worker/state_rollback.py)."""
         spec = config.speculative_config
         if spec is None:
             return None
-        state = [type(g.spec).__name__ for g in self.kv_config.groups if g.is_state]
-        if state:
-            raise ValueError(f"speculative_config: this model has recurrent-state layers ({', '.join(state)}), whose "
-                             "state cannot yet be rolled back to the last accepted draft; serve it without "
-                             "speculative decoding")
         if spec.method != "draft_model":
             return Speculator(spec)
         return Speculator(spec, self._draft_proposer(config, kv_groups, kv_bytes, chunk_cap))
@@ -272,8 +295,9 @@ class EngineCore:
                              f"max_model_len={self.max_model_len}; lower max_model_len or use a longer draft")
         groups = kv_groups_of(draft.model, config)
         if any(isinstance(spec, LinearStateSpec) for spec, _, _ in groups):
-            raise ValueError("speculative_config.model has recurrent-state layers, whose state cannot yet be "
-                             "rolled back to the last accepted draft; use an attention-only draft model")
+            raise ValueError("speculative_config.model has recurrent-state layers (Mamba2, Gated DeltaNet or KDA): "
+                             "a draft model's state is not rolled back past its rejected drafts; use an "
+                             "attention-only draft model (a hybrid target is fine)")
         draft_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
         try:
             kv_config = plan_kv_cache(groups, draft_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
@@ -315,9 +339,14 @@ class EngineCore:
         if self.runner is None:
             raise RuntimeError("this engine is closed: build a new one")
         began = time.perf_counter()
+        settled = self._settle_for_drafts() if self.config.async_scheduling else None
         scheduler_output = self.scheduler.schedule()
         if self.config.async_scheduling:
+            if settled is not None:
+                self._note_drafts(scheduler_output, probed=settled[1])
             outputs = self._step_ahead(scheduler_output)
+            if settled:
+                outputs = settled[0] + outputs
             stats = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
         else:
             runner_output = _run(lambda: self.runner.execute(scheduler_output), scheduler_output)
@@ -329,9 +358,43 @@ class EngineCore:
             self.kv.check_integrity()
         return outputs, stats
 
+    def _settle_for_drafts(self) -> tuple[list[RequestOutput], bool] | None:
+        """Async scheduling with speculation: a step is scheduled with drafts only where the request's
+        tokens are all back (a draft follows the last token, and the accepted count moves every later
+        position). So before scheduling, wait for the step in flight and apply its tokens when it
+        verified drafts (its accepted counts must be back anyway) or when a probe is due; otherwise
+        run ahead without drafts. Returns (the settled step's outputs, whether it was a probe), or
+        None without speculation. Exact either way: drafts are never scheduled over a token in flight."""
+        speculator = self.scheduler.speculator
+        if speculator is None:
+            return None
+        if self._in_flight is None:
+            return [], False
+        previous = self._in_flight
+        probe = not previous[0].spec_token_ids
+        if probe and self._ahead_steps < self._ahead_limit:
+            self._ahead_steps += 1
+            return [], False
+        self._in_flight = None
+        runner_output = _run(previous[1].result, previous[0])
+        if _decodes_only(previous[0]):  # launched, then waited for at once: one step's time
+            speculator.observe_step(previous[0].total_num_scheduled_tokens,
+                                    time.perf_counter() - self._in_flight_began)
+        outputs, _ = self.scheduler.update_from_output(previous[0], runner_output)
+        return outputs, probe
+
+    def _note_drafts(self, scheduler_output: SchedulerOutput, probed: bool) -> None:
+        """After scheduling a step: with drafts in it, the next step settles it first; a probe that found
+        none lets twice as many steps run ahead before the next."""
+        if scheduler_output.spec_token_ids:
+            self._ahead_steps, self._ahead_limit = 0, FIRST_AHEAD_STEPS
+        elif probed:
+            self._ahead_steps, self._ahead_limit = 0, min(2 * self._ahead_limit, MAX_AHEAD_STEPS)
+
     def _step_ahead(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         """Async scheduling: launch `scheduler_output`, then wait for the step launched before it and
         apply its tokens while the device runs the new one. A failure takes both steps' requests."""
+        began = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         both = (scheduler_output,) if previous is None else (scheduler_output, previous[0])
         launched = _run(lambda: self.runner.launch(scheduler_output), *both)
@@ -341,6 +404,7 @@ class EngineCore:
             outputs, _ = self.scheduler.update_from_output(previous[0], runner_output)
         if not scheduler_output.is_empty:
             self._in_flight = (scheduler_output, launched)
+            self._in_flight_began = began
         return outputs
 
     def abort(self, request_ids) -> list[str]:

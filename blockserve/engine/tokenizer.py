@@ -10,14 +10,20 @@ from blockserve.engine.config import EngineConfig
 
 def load_tokenizer(engine_config: EngineConfig | None = None):
     """The tokenizer of `engine_config`'s model (default: the bundled one), or None if it has
-    none. A GGUF file's comes from the converted-model cache an engine wrote, else from the file."""
-    from transformers import AutoTokenizer
-
+    none. A GGUF file's is read from its metadata where the loader reads it so (loader.native_gguf),
+    else it comes from the converted-model cache an engine wrote, else from the file."""
     from blockserve.models.default_model import default_model_path
-    from blockserve.models.loader import TOKENIZER_FILES, cache_root, gguf_cache_entry
+    from blockserve.models.gguf_tokenizer import GGUFTokenizer
+    from blockserve.models.loader import TOKENIZER_FILES, _gguf_reader, cache_root, gguf_cache_entry, native_gguf
 
     model = None if engine_config is None else engine_config.model
     path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_file():
+        reader = _gguf_reader(path)
+        if native_gguf(reader, reader.fields["general.architecture"].contents()):
+            return GGUFTokenizer(reader)
+    from transformers import AutoTokenizer
+
     folder = path if path.is_dir() else gguf_cache_entry(path, cache_root())
     if any((folder / name).is_file() for name in TOKENIZER_FILES):
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)

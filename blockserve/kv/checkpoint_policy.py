@@ -10,7 +10,9 @@ per scheduled step from what the request's admission found.
        prefill ends exactly on the stride, one stride earlier too, the deepest point the same
        prompt sent again can restore (a hit must leave its last token to compute)
     D  while decoding, each stride boundary, into the request's one decode spare: when it
-       finishes, the spare is the checkpoint its next turn restores
+       finishes, the spare is the checkpoint its next turn restores (a step verifying drafts
+       captures the last boundary among its tokens; if a rejected draft precedes it, the
+       capture is dropped when the step's result trims the request)
     K  optionally every `interval` strides inside the prefill (long documents)
 
 Taking one never splits a step: the kernels capture inside their chunked scans.
@@ -32,8 +34,9 @@ class CapturePlan:
         """The capture positions in (start, end] for a step computing tokens [start, end), and
         whether they are decode-time captures (which go to the decode spare)."""
         stride = self.stride
-        if start >= self.prefill_end:
-            return ([end] if end % stride == 0 else []), True
+        if start >= self.prefill_end:  # a decode, or one with drafts (at most one boundary: the last)
+            last = end // stride * stride
+            return ([last] if last > start else []), True
         wanted = {self.junction, self.prefill_end // stride * stride, (self.prefill_end - 1) // stride * stride}
         if self.interval:
             every = self.interval * stride

@@ -128,9 +128,14 @@ class KVCacheCoordinator:
         return loaded
 
     def trim(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> None:
-        """Attention groups give back the blocks past `num_tokens` tokens (state groups hold one slot)."""
+        """Attention groups give back the blocks past `num_tokens` tokens; state groups (one slot each)
+        drop their captures past the `num_computed_tokens` computed ones (they follow rejected drafts)."""
         for manager in self.attention_managers:
             manager.trim(request_id, num_tokens)
+        if self.state_managers:
+            for manager in self.state_managers:
+                manager.drop_captures(request_id, num_computed_tokens)
+            self.next_cache_at[request_id] = min(m.next_cache_point(request_id) for m in self.managers)
         limits = [m.steady_limits(request_id, num_computed_tokens) for m in self.managers]
         self.steady[request_id] = (min(c for c, _ in limits), min(r for _, r in limits))
 

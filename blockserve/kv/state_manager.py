@@ -139,6 +139,25 @@ class LinearStateManager(FullAttentionManager):
         else:
             del self._capturing[request_id]
 
+    def drop_captures(self, request_id: str, num_tokens: int) -> None:
+        """Speculative decoding: release the captures past the first `num_tokens` tokens (they hold
+        state after rejected drafts, so they are never cached: C4); a dropped decode spare is no spare."""
+        captures = self._capturing.get(request_id)
+        if not captures:
+            return
+        kept = []
+        for ckpt, position in captures:
+            if position <= num_tokens:
+                kept.append((ckpt, position))
+                continue
+            if self._spare.get(request_id) is ckpt:
+                del self._spare[request_id]
+            self.checkpoints.release(ckpt)
+        if kept:
+            self._capturing[request_id] = kept
+        else:
+            del self._capturing[request_id]
+
     def cache_blocks(self, request_id: str, hashes: list[BlockHash], num_tokens: int) -> None:
         pass  # see commit_captures: checkpoints need the attention groups' hashes too
 

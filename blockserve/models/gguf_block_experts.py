@@ -4,7 +4,13 @@ run in place by csrc/moe_experts.cpp (moe_experts_blocks, which reads every expe
 csrc/gguf_blocks.cpp's entry points), with no float32 copy: the experts stay at their file size.
 
 GGUFBlockExperts replaces a model's moe.Experts (same forward) before its weights load;
-`use_block_experts` does that for every layer whose three expert tensors are in a block format.
+GptOssGGUFBlockExperts replaces GPT-OSS's float experts (gpt_oss.GptOssExperts: biases, clamped
+SwiGLU; moe_experts_blocks_gpt_oss) where the file holds them in a block format (Q8_0, K-quants:
+llama-quantize's output for some mixes) rather than MXFP4. `use_block_experts` does that for every
+layer whose three expert tensors are in a block format. Under tensor parallelism each rank keeps its
+share of the intermediate size (moe.Experts' shard): whole rows of gate and up, and of down the
+columns of its share, which must be whole blocks (gguf_block_linear.shard_blocks: refused, with the
+way out, where a share cuts one).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from blockserve.models.gguf_block_linear import KERNEL_FORMATS, Segment, as_tensor, block_shape
+from blockserve.models.gguf_block_linear import KERNEL_FORMATS, Segment, as_tensor, block_shape, shard_blocks
+from blockserve.models.gpt_oss import GptOssExperts
 from blockserve.models.moe import Experts, expert_ops
 
 PARTS = ("gate", "up", "down")  # the names use_block_experts takes: "<layer>.mlp.experts.<part>"
@@ -23,11 +30,13 @@ PARTS = ("gate", "up", "down")  # the names use_block_experts takes: "<layer>.ml
 
 class GGUFBlockExperts(nn.Module):
     """forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H], as moe.Experts, over `gate`, `up`
-    [E, I, row bytes] and `down` [E, H, row bytes] GGUF blocks (format, raw uint8)."""
+    [E, I, row bytes] and `down` [E, H, row bytes] GGUF blocks (format, raw uint8). With `tp`, the
+    blocks are this rank's share of the intermediate size and the output is all-reduced."""
 
     def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor], down: tuple[str, torch.Tensor],
-                 hidden_size: int, intermediate_size: int, what: str = "experts"):
+                 hidden_size: int, intermediate_size: int, what: str = "experts", tp=None):
         super().__init__()
+        self.tp = tp
         self.ops = expert_ops()
         if self.ops is None:
             raise RuntimeError("GGUF block experts need the native extension (AVX2 or AVX-512)")
@@ -57,17 +66,45 @@ class GGUFBlockExperts(nn.Module):
         out = self.ops.moe_experts_blocks(x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
                                           gate.raw, gate.format, up.raw, up.format, down.raw, down.format,
                                           self.intermediate_size)
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def resident_bytes(self) -> int:
         return sum(s.raw.numel() for s in self.block_segments)
 
 
+class GptOssGGUFBlockExperts(GGUFBlockExperts):
+    """GPT-OSS's routed experts (gpt_oss.GptOssExperts' forward) over GGUF blocks: `gate`, `up`
+    [E, I, row bytes] (llama.cpp's split of the checkpoint's interleaved gate|up) and `down`
+    [E, H, row bytes], with the checkpoint's biases as parameters (loaded as GptOssExperts'):
+    gate_up_proj_bias [E, 2I] (gate at even entries, up at odd) and down_proj_bias [E, H];
+    h = (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit), in the kernel."""
+
+    def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor], down: tuple[str, torch.Tensor],
+                 hidden_size: int, intermediate_size: int, alpha: float, limit: float, what: str = "experts"):
+        super().__init__(gate, up, down, hidden_size, intermediate_size, what)
+        if not hasattr(self.ops, "moe_experts_blocks_gpt_oss"):
+            raise RuntimeError("GPT-OSS's GGUF block experts need the native extension's moe_experts_blocks_gpt_oss")
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(self.num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.block_segments
+        out = self.ops.moe_experts_blocks_gpt_oss(
+            x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
+            gate.raw, gate.format, up.raw, up.format, down.raw, down.format,
+            self.gate_up_proj_bias.float().contiguous(), self.down_proj_bias.float().contiguous(),
+            self.alpha, self.limit)
+        return out.to(x.dtype)
+
+
 def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
-    """Replace `model`'s moe.Experts by GGUFBlockExperts where the GGUF holds all three of a layer's
-    expert tensors in block formats, before its weights load. `blocks`: ("<layer>.mlp.experts.<part>",
-    format, raw [E, rows, row bytes]) with part in PARTS. Tensor-parallel experts (sharded by
-    intermediate size) stay float32. Returns the parameter names now held as blocks (not to load):
+    """Replace `model`'s moe.Experts by GGUFBlockExperts, and GPT-OSS's float GptOssExperts by
+    GptOssGGUFBlockExperts, where the GGUF holds all three of a layer's expert tensors in block
+    formats, before its weights load. `blocks`: ("<layer>.mlp.experts.<part>", format, raw [E, rows,
+    row bytes]) with part in PARTS. Tensor-parallel experts keep this rank's share (shard_blocks;
+    ValueError where it cuts a block). Returns the parameter names now held as blocks (not to load):
     "<layer>.mlp.experts.gate_up_proj" and ".down_proj"."""
     modules = dict(model.named_modules())
     pending: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
@@ -75,18 +112,43 @@ def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndar
     for name, format, raw in blocks:
         path, _, part = name.rpartition(".")
         experts = modules.get(path)
-        if not isinstance(experts, Experts) or experts.tp is not None or format not in KERNEL_FORMATS:
+        gpt_oss = isinstance(experts, GptOssExperts) and not experts.mxfp4
+        if not (isinstance(experts, Experts) or gpt_oss) or format not in KERNEL_FORMATS:
             continue
         parts = pending.setdefault(path, {})
         parts[part] = (format, raw)
         if len(parts) < len(PARTS):
             continue
-        num_experts, two_i, hidden = experts.gate_up_proj.shape
-        module = GGUFBlockExperts(*((f, as_tensor(r)) for f, r in (parts[p] for p in PARTS)),
-                                  hidden_size=hidden, intermediate_size=two_i // 2, what=path)
+        if gpt_oss:
+            num_experts, hidden, two_i = experts.gate_up_proj.shape
+            module = GptOssGGUFBlockExperts(*((f, as_tensor(r)) for f, r in (parts[p] for p in PARTS)),
+                                            hidden_size=hidden, intermediate_size=two_i // 2, alpha=experts.alpha,
+                                            limit=experts.limit, what=path)
+        else:
+            num_experts, two_i, hidden = experts.gate_up_proj.shape
+            module = GGUFBlockExperts(*_this_ranks_experts(experts, parts, path), hidden_size=hidden,
+                                      intermediate_size=two_i // 2, what=path, tp=experts.tp)
         if module.num_experts != num_experts:
             raise ValueError(f"{path}: the GGUF holds {module.num_experts} experts, the config {num_experts}")
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, module)
         taken.update((f"{path}.gate_up_proj", f"{path}.down_proj"))
     return taken
+
+
+def _this_ranks_experts(experts: Experts, parts: dict[str, tuple[str, np.ndarray]], path: str):
+    """(format, blocks) of gate, up and down as this rank holds them: all of them without tensor
+    parallelism, else the rows of its intermediate share of gate and up and those columns of down."""
+    if experts.tp is None:
+        return [(f, as_tensor(r)) for f, r in (parts[p] for p in PARTS)]
+    share = experts.shard
+    held = []
+    for part in PARTS:
+        format, raw = parts[part]
+        if raw.ndim != 3 or (part != "down" and raw.shape[1] != share.full):
+            raise ValueError(f"{path}.{part}: {format} blocks of shape {tuple(raw.shape)} do not hold "
+                             f"moe_intermediate_size = {share.full} rows; the GGUF file does not match the model")
+        local = raw[:, share.start:share.start + share.size] if part != "down" else \
+            shard_blocks(raw, format, share, experts.tp.size, f"{path}.down")
+        held.append((format, as_tensor(local)))
+    return held

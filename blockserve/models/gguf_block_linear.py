@@ -19,7 +19,6 @@ GGUFBlockEmbedding looks rows up by dequantising just those rows.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,7 +33,6 @@ from blockserve.models.tiled_gemm import tiled_gemm
 from blockserve.native.extension import quantized_matmul_ops
 from blockserve.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-logger = logging.getLogger(__name__)
 
 # The formats csrc/gguf_blocks.cpp reads; those first in this tuple (NEW_FORMATS) have no other kernel.
 KERNEL_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -170,8 +168,9 @@ def use_block_modules(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndar
     `blocks` is (Hugging Face weight name, GGUF format, raw blocks [rows, bytes], rows in Hugging
     Face order) for every weight in a KERNEL_FORMATS format. A layer whose parts all share one of
     quantized_linear.py's formats is left to it. Tensor parallel: a column-parallel layer keeps its
-    rows, a row-parallel one its columns where they are whole blocks; the vocab-parallel embedding
-    and head stay float32. Returns the weight names now held as blocks (not to be loaded)."""
+    rows, a row-parallel one its columns, which must be whole blocks (shard_blocks: ValueError with
+    the way out otherwise); the vocab-parallel embedding and head stay float32. Returns the weight
+    names now held as blocks (not to be loaded)."""
     modules = dict(model.named_modules())
     pending: dict[str, dict[int, tuple[str, str, np.ndarray]]] = {}
     taken: set[str] = set()
@@ -204,8 +203,6 @@ def use_block_modules(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndar
         if not isinstance(module, nn.Linear):
             continue
         segments = _this_ranks_segments(module, parts)
-        if segments is None:
-            continue
         linear = GGUFBlockLinear(segments, module.in_features, module.bias, activations, what=name,  # the bias
                                  tp=module.tp if isinstance(module, RowParallelLinear) else None)  # loads later
         _replace(model, path, linear)
@@ -214,23 +211,31 @@ def use_block_modules(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndar
 
 
 def _this_ranks_segments(module: nn.Linear, parts: list[tuple[str, str, np.ndarray]]):
-    """(format, blocks) per part of `module`'s weight as this rank holds it, or None where a
-    row-parallel rank's columns do not fall on whole blocks."""
+    """(format, blocks) per part of `module`'s weight as this rank holds it (shard_blocks' ValueError
+    where a row-parallel rank's columns do not fall on whole blocks)."""
     if isinstance(module, ColumnParallelLinear):
         return [(f, as_tensor(raw[s.start:s.start + s.size])) for (_, f, raw), s in zip(parts, module.slices)]
     if isinstance(module, RowParallelLinear):
-        segments = []
-        for _, format, raw in parts:
-            values, nbytes = block_shape(format)
-            start, size = module.in_slice.start, module.in_slice.size
-            if start % values or size % values:
-                logger.info("%s: %d columns per rank are not whole %s blocks: kept as float32", parts[0][0],
-                            size, format)
-                return None
-            blocks = raw.reshape(raw.shape[0], -1, nbytes)[:, start // values:(start + size) // values]
-            segments.append((format, as_tensor(blocks.reshape(raw.shape[0], -1))))
-        return segments
+        return [(format, as_tensor(shard_blocks(raw, format, module.in_slice, module.tp.size, name)))
+                for name, format, raw in parts]
     return [(f, as_tensor(raw)) for _, f, raw in parts]
+
+
+def shard_blocks(raw: np.ndarray, format: str, columns, tp_size: int, what: str) -> np.ndarray:
+    """This rank's `columns` (a Slice of each row's columns.full values) of GGUF blocks raw
+    [..., rows, row bytes]: whole blocks, a view of them. ValueError with the way out where the
+    rank's share starts or ends inside a block (256 values for the K-quants, 32 for the others)."""
+    values, nbytes = block_shape(format)
+    start, size = columns.start, columns.size
+    if raw.shape[-1] != columns.full // values * nbytes or columns.full % values:
+        raise ValueError(f"{what}: {format} rows of {raw.shape[-1]} bytes do not hold {columns.full} values; "
+                         "the GGUF file does not match the model")
+    if start % values or size % values:
+        raise ValueError(f"{what}: {columns.full} columns over {tp_size} ranks are {size} per rank, not whole "
+                         f"{values}-wide {format} GGUF blocks: serve it with --no-quantized-matmul (float32), or "
+                         f"with a --tensor-parallel-size that leaves each rank a multiple of {values} columns")
+    blocks = raw.reshape(*raw.shape[:-1], -1, nbytes)[..., start // values:(start + size) // values, :]
+    return blocks.reshape(*raw.shape[:-1], -1)
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -72,6 +72,19 @@ class LazyArrayReader(gguf.GGUFReader):
         return ArrayParts(self, [*head, item_type, length], kind, values=self._get(start, scalar, count))
 
 
+def array_values(reader: gguf.GGUFReader, key: str) -> list | None:
+    """The array field `key`'s items as Python values (what `field.contents()` returns) without
+    making a view per item: strings decoded straight from the mapped file, numbers in one
+    conversion; None where the file has no such field."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    parts = field.parts
+    if not isinstance(parts, ArrayParts):
+        return field.contents()
+    return parts.values()
+
+
 class ArrayParts(Sequence):
     """The parts list of an array field, as gguf-py lays it out: key length, key, value type, item
     type, item count, then per item its parts (a string: its length, its bytes; a number: a
@@ -93,6 +106,15 @@ class ArrayParts(Sequence):
 
     def __len__(self) -> int:
         return len(self._head) + self._count
+
+    def values(self) -> list:
+        """The items: strings decoded as UTF-8 from the file's bytes, or numbers as Python scalars."""
+        if self._values is not None:
+            return self._values.tolist()
+        data = bytes(memoryview(self._reader.data)[int(self._starts[0]):int(self._starts[-1])])
+        base = int(self._starts[0])
+        bounds = (self._starts - base).tolist()
+        return [data[start + 8:end].decode("utf-8") for start, end in zip(bounds, bounds[1:])]
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):

@@ -7,8 +7,10 @@ llama.cpp's converter splits the checkpoint's interleaved gate|up projection and
     blk.N.ffn_up_exps.weight   [E, I, H]   .bias [E, I]      gate_up_proj rows / bias entries 1::2
     blk.N.ffn_down_exps.weight [E, H, I]   .bias [E, H]      down_proj
 
-A weight in a float or block format arrives here dequantised ([out, in] float32) and leaves as
-transformers' [E, in, out]. One in MXFP4 (the converter's output for the released checkpoints)
+A weight in a float format, or in a block format where the native kernels are off, arrives here
+dequantised ([out, in] float32) and leaves as transformers' [E, in, out] (with the native kernels, a
+layer's experts in block formats run from the file's blocks instead: gguf_block_experts.py's
+GptOssGGUFBlockExperts, and never come here). One in MXFP4 (the converter's output for the released checkpoints)
 stays MXFP4: ggml's 17-byte blocks are regrouped into the checkpoint's `_blocks` / `_scales` tensors
 (mxfp4.py), the same 4.25 bits a weight, never widened.
 """

@@ -1,5 +1,5 @@
 """Load a model to serve from a path, end to end: config, weights and tokenizer, from a Hugging Face
-directory or from a GGUF file converted once and cached.
+directory or from a GGUF file (read directly, or converted once and cached).
 
     source      what is loaded
     None        the default model's GGUF (default_model.py), as a .gguf below
@@ -7,13 +7,17 @@ directory or from a GGUF file converted once and cached.
     <x>.gguf    mapped read-only; its linear layers (and embedding) in the 5-bit, K-quant and IQ4
                 formats run from the mapped blocks (gguf_block_linear.py), those in Q4_0 / Q4_1 /
                 Q8_0 from packed blocks (quantized_linear.py), stacked MoE experts in any block
-                format from the mapped blocks (gguf_block_experts.py), none with a float32 copy;
-                the config, tokenizer and float32 copies of the tensors in a float format are
-                written to a Hugging Face directory under the cache once; where no kernel can run,
-                the block formats are dequantised from the file as it loads
+                format from the mapped blocks (gguf_block_experts.py), none with a float32 copy.
+                A Llama (no experts) or Qwen2 with a byte-level BPE vocabulary (native_gguf):
+                config and tokenizer from the metadata (gguf_config.py, gguf_tokenizer.py, no
+                transformers), every tensor from the file, nothing cached. Any other: the config,
+                tokenizer and float32 copies of the tensors in a float format are written by
+                transformers to a Hugging Face directory under the cache once. Where no kernel
+                can run, the block formats are dequantised from the file as it loads
 
-    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF; digest: the first 16 hex digits of the
-                                    file's SHA-256, so every copy of one file shares one entry
+    <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF (not native_gguf); digest: the first
+                                    16 hex digits of the file's SHA-256, so every copy of one file
+                                    shares one entry
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja
     <cache>/sources/<key>           a file's digest, remembered per (absolute path, size, mtime)
 
@@ -23,7 +27,8 @@ blocks are narrowed too, by whole rows (column-parallel) or whole 32-wide blocks
 
 A cache entry is written in a temporary directory and renamed into place, so one that exists
 is complete. The cache root is the `cache_dir` argument, else $BLOCKSERVE_CACHE_DIR, else
-~/.cache/blockserve. Nothing touches the network: every transformers call is local_files_only.
+~/.cache/blockserve (cached_directory.cache_root). Nothing touches the network: every transformers
+call is local_files_only; transformers is imported only on the paths that use it.
 """
 
 from __future__ import annotations
@@ -38,26 +43,26 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import (AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase,
-                          PreTrainedTokenizerFast)
-from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from blockserve.attention.paged_attention import PagedAttention
-from blockserve.cached_directory import cached_directory
+from blockserve.cached_directory import cache_root, cached_directory
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
 from blockserve.models.gguf_block_experts import use_block_experts
+from blockserve.models.gguf_config import FAMILIES as NATIVE_CONFIG_FAMILIES
+from blockserve.models.gguf_config import gguf_config
 from blockserve.models.gguf_metadata import LazyArrayReader
+from blockserve.models.gguf_tokenizer import GGUFTokenizer, byte_level_gguf
 from blockserve.models.gpt_oss_gguf import GGML_MXFP4, expert_tensors
 from blockserve.models.moe import expert_ops
 from blockserve.models.placement import Placement
@@ -66,6 +71,9 @@ from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, measure_max_
 from blockserve.models.registry import model_class
 from blockserve.models.safetensors_reader import read_tensors
 from blockserve.models.weight_layout import use_input_major_linears
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -190,10 +198,16 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         return _load_hf_dir(path, attention_backend_cls, str(path), placement)
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
-    hf_dir = _converted_gguf(path, cache_root(cache_dir))
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
-    reader.fields.clear()  # the rest is in the cache entry
+    end_of_generation = _gguf_end_of_generation_ids(reader, path)
+    native = native_gguf(reader, arch)
+    if native:  # the config and tokenizer from the metadata; every tensor from the file
+        config = gguf_config(reader, arch, _gguf_rope_freq_divisors(reader, arch))
+        tokenizer, hf_dir = GGUFTokenizer(reader), None
+    else:
+        hf_dir = _converted_gguf(path, cache_root(cache_dir))
+    reader.fields.clear()  # the rest is in the cache entry, or already read
 
     def gguf_weights(model: nn.Module, config: PretrainedConfig,
                      cached: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]]
@@ -206,18 +220,51 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         if quantized_matmul:  # before the weights load: no float32 copy of these is ever made
             taken |= use_quantized_linears(model, _gguf_blocks(reader, arch, config, QUANTIZED_FORMATS),
                                            quantized_max_rows, quantized_activations, measure=False)
-        streamed = _gguf_tensors(reader, arch, config, lambda name, tensor: _block_only(tensor) and name not in taken)
+        streamed = _gguf_tensors(reader, arch, config,
+                                 lambda name, tensor: (native or _block_only(tensor)) and name not in taken)
         return itertools.chain(cached(lambda name: name not in taken), streamed)
 
     widened = Counter(f"{t.tensor_type.name}{' experts' if t.name.split('.')[-2] in _GGUF_EXPERTS else ''}"
                       for t in reader.tensors if t.tensor_type.name != "F32" and not _block_only(t))
     if widened:
-        logger.info("%s: tensors widened to float32 (cached in %s): %s", path.name, hf_dir,
+        logger.info("%s: tensors widened to float32 (%s): %s", path.name,
+                    "read from the file" if native else f"cached in {hf_dir}",
                     ", ".join(f"{count} {kind}" for kind, count in sorted(widened.items())))
-    loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
+    if native:
+        model = _built_model(config, attention_backend_cls, placement,
+                             lambda model: gguf_weights(model, config, lambda keep: iter(())))
+        loaded = LoadedModel(model, tokenizer, config, str(path), _eos_token_ids(None, config))
+    else:
+        loaded = _load_hf_dir(hf_dir, attention_backend_cls, f"{path} (cached in {hf_dir})", placement, gguf_weights)
     if quantized_matmul and quantized_max_rows is None:
-        measure_max_rows(loaded.model)
-    return loaded
+        measure_max_rows(loaded.model, cache_root(cache_dir))
+    return replace(loaded, eos_token_ids=tuple(dict.fromkeys((*loaded.eos_token_ids, *end_of_generation))))
+
+
+# the token ids llama.cpp ends generation on besides eos (its vocabulary's end-of-generation set):
+# end of turn, end of message, and the fill-in-the-middle pad / repeat / separator tokens
+_GGUF_END_OF_GENERATION = ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+
+
+def _gguf_end_of_generation_ids(reader: gguf.GGUFReader, path: Path) -> tuple[int, ...]:
+    """The ids of the file's tokenizer.ggml.{eot,eom,fim_pad,fim_rep,fim_sep}_token_id, which a
+    request stops on beside eos as llama.cpp's does. An id outside the vocabulary is dropped with a
+    warning naming it (llama.cpp's "bad special token"), never kept."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = None if tokens is None else len(tokens.data)
+    ids = []
+    for kind in _GGUF_END_OF_GENERATION:
+        field = reader.fields.get(f"tokenizer.ggml.{kind}_token_id")
+        if field is None:
+            continue
+        token = int(field.contents())
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            logger.warning("%s: tokenizer.ggml.%s_token_id %d is outside the vocabulary (%s tokens); ignored: "
+                           "requests do not stop on it (fix the file's metadata, or pass stop_token_ids)",
+                           path.name, kind, token, vocab_size)
+            continue
+        ids.append(token)
+    return tuple(dict.fromkeys(ids))
 
 
 def check_tensor_parallel(source: str | None, tp_size: int) -> None:
@@ -228,15 +275,13 @@ def check_tensor_parallel(source: str | None, tp_size: int) -> None:
         return
     path = default_model_path() if source is None else Path(source).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
+        from transformers import AutoConfig
+
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError):
             return  # loading reports it
         model_class(config.architectures).check_tensor_parallel(tp_size)
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("BLOCKSERVE_CACHE_DIR") or Path.home() / ".cache" / "blockserve")
 
 
 def gguf_cache_entry(path: Path, root: Path) -> Path:
@@ -276,6 +321,8 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
     """`weights(model, config, read)`: the (name, tensor) pairs to load into the model built, given
     `read(keep)`, the directory's tensors whose names `keep` takes (the others are not read); None:
     the directory's."""
+    from transformers import AutoConfig, AutoTokenizer
+
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; a model directory needs config.json, "
                                 "*.safetensors weights and tokenizer files (as written by save_pretrained)")
@@ -283,24 +330,40 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"could not read {path / 'config.json'}: {error}") from error
-    cls = model_class(config.architectures)
-    cls.check_tensor_parallel(1 if placement.tp is None else placement.tp.size)
-    model = cls(config, attention_backend_cls, placement)
-    model.load_weights(_safetensors(path) if weights is None else
-                       weights(model, config, lambda keep: _safetensors(path, keep)))
-    use_input_major_linears(model)
+    model = _built_model(config, attention_backend_cls, placement,
+                         lambda model: _safetensors(path) if weights is None else
+                         weights(model, config, lambda keep: _safetensors(path, keep)))
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(model.eval(), tokenizer, config, description, _eos_token_ids(path, config))
+    return LoadedModel(model, tokenizer, config, description, _eos_token_ids(path, config))
 
 
-def _eos_token_ids(path: Path, config: PretrainedConfig) -> tuple[int, ...]:
+def _built_model(config, attention_backend_cls: type[PagedAttention], placement: Placement,
+                 weights: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]]) -> nn.Module:
+    """The model of `config` built for `placement`, `weights(model)` loaded into it, in eval mode."""
+    cls = model_class(list(config.architectures))
+    cls.check_tensor_parallel(1 if placement.tp is None else placement.tp.size)
+    model = cls(config, attention_backend_cls, placement)
+    model.load_weights(weights(model))
+    use_input_major_linears(model)
+    return model.eval()
+
+
+def native_gguf(reader: gguf.GGUFReader, arch: str) -> bool:
+    """Whether a GGUF file's config and tokenizer are read here, without transformers
+    (models/gguf_config.py, models/gguf_tokenizer.py): a Llama without experts or a Qwen2, with a
+    byte-level BPE vocabulary. Other files are converted once through transformers into the cache."""
+    experts = reader.fields.get(f"{arch}.expert_count")
+    return arch in NATIVE_CONFIG_FAMILIES and (experts is None or experts.contents() == 0) and byte_level_gguf(reader)
+
+
+def _eos_token_ids(path: Path | None, config: PretrainedConfig) -> tuple[int, ...]:
     """The directory's end-of-sequence ids: generation_config.json's eos_token_id where the file
-    names one, else config.json's (either an id or a list of them)."""
+    names one, else config.json's (either an id or a list of them); `path` None: the config's."""
     eos = getattr(config, "eos_token_id", None)
-    generation = path / "generation_config.json"
-    if generation.is_file():
+    generation = None if path is None else path / "generation_config.json"
+    if generation is not None and generation.is_file():
         try:
             named = json.loads(generation.read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError) as error:
@@ -339,6 +402,8 @@ def _convert_gguf(path: Path, out: Path) -> None:
     float ones). Those in a block format, stacked experts included, are read from the file at every
     load instead (dequantised there only where no kernel takes them), so the entry and its first
     writing hold no float32 copy of them."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     reader = _gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     config = _gguf_config(reader, arch)
@@ -355,6 +420,10 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
     """The config from GGUF metadata, renamed by transformers' GGUF_CONFIG_MAPPING as its own GGUF
     loader does for these architectures (without parsing the vocabulary, which is slow), with the
     routing llama.cpp fixes per architecture (GGUF_CONFIG_DEFAULTS_MAPPING: Qwen3-MoE renormalises)."""
+    from transformers import AutoConfig
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_type = _gguf_model_type(reader, arch)
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, f"GGUF architecture {arch!r}")
     model_class([architecture])  # unsupported: fail before the slow part
@@ -389,6 +458,9 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str) -> PretrainedConfig:
         values["layer_types"] = _gguf_layer_types(reader, arch, values["num_hidden_layers"])
     elif arch == "exaone4":  # no window (EXAONE 4.0-1.2B): every layer global, with RoPE (not the config's default)
         values.update(sliding_window=None, layer_types=["full_attention"] * values["num_hidden_layers"])
+    divisors = _gguf_rope_freq_divisors(reader, arch)
+    if divisors is not None:  # Llama 3.1+'s and EXAONE 4.0-32B's llama3 scaling, as llama.cpp applies it
+        values["rope_freq_divisors"] = divisors
     long_rope = _gguf_long_rope(reader, arch, values["max_position_embeddings"])
     if long_rope is not None:  # Phi-3's LongRoPE: the factors are tensors
         values["rope_parameters"] = {**long_rope, "rope_theta": values.pop("rope_theta")}
@@ -417,6 +489,20 @@ def _gguf_layer_types(reader: gguf.GGUFReader, arch: str, num_layers: int) -> li
         raise ValueError(f"{arch} GGUF: attention.sliding_window_pattern has {len(sliding)} entries for "
                          f"{num_layers} layers; the file is malformed: convert the model again")
     return ["sliding_attention" if flag else "full_attention" for flag in sliding]
+
+
+def _gguf_rope_freq_divisors(reader: gguf.GGUFReader, arch: str) -> list[float] | None:
+    """The file's `rope_freqs` tensor (llama.cpp's per-dimension divisors of the rotary frequencies,
+    its converter's form of Llama 3.1's "llama3" scaling) as a list, for rotary.inverse_frequencies;
+    None where the file has none or it is all ones (no scaling)."""
+    tensors = [tensor for tensor in reader.tensors if tensor.name.rpartition(".")[0] == "rope_freqs"]
+    if not tensors:
+        return None
+    divisors = gguf.quants.dequantize(tensors[0].data, tensors[0].tensor_type).astype(np.float32).ravel()
+    if not np.all(np.isfinite(divisors)) or np.any(divisors <= 0):
+        raise ValueError(f"{arch} GGUF: rope_freqs holds a value that is not a positive number; "
+                         "the file is corrupt: convert the model again")
+    return None if np.all(divisors == 1) else [float(d) for d in divisors]
 
 
 def _gguf_long_rope(reader: gguf.GGUFReader, arch: str, max_positions: int) -> dict | None:
@@ -478,6 +564,8 @@ def _gpt_oss_experts_quantization(reader: gguf.GGUFReader) -> dict | None:
 
 def gguf_architectures() -> frozenset[str]:
     """The `architectures` names a GGUF file can be loaded as (llama.cpp's "llama" with experts: Mixtral)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_types = {_GGUF_MODEL_TYPES.get(arch, arch) for arch in _GGUF_ARCHITECTURES} | {"mixtral"}
     return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t] for t in model_types if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
@@ -551,11 +639,6 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
     """Dequantised tensors under Hugging Face names, those `keep(name, tensor)` takes; stacked
     experts' gate and up joined into one gate_up_proj [E, 2I, H] once both have been read (GPT-OSS's
     into its checkpoint's layout, MXFP4 kept as blocks: gpt_oss_gguf.py)."""
-    for tensor in reader.tensors:
-        if tensor.name.rpartition(".")[0] == "rope_freqs":  # llama.cpp's rope divisors (Llama 3.1+ scaling)
-            if not np.all(gguf.quants.dequantize(tensor.data, tensor.tensor_type) == 1):
-                raise ValueError(f"{arch} GGUF with rope scaling factors (rope_freqs) is not supported; "
-                                 "load the model's Hugging Face directory instead")
     gate_or_up: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
         if not keep(name, tensor):

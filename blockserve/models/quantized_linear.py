@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -251,14 +252,15 @@ def use_quantized_linears(model: nn.Module, blocks: Iterable[tuple[str, str, np.
     return taken
 
 
-def measure_max_rows(model: nn.Module) -> None:
+def measure_max_rows(model: nn.Module, cache: Path | None = None) -> None:
     """Each QuantizedLinear's max_rows set to where the float32 GEMM (over tiles dequantised from the blocks) starts to beat the blocks kernel clearly on
     this CPU (models/row_crossover.py), at most its kernel's MAX_ROWS. Not where they serve every row
     count (int8), and not under tensor parallelism (the GEMM's all-reduce is a collective: ranks
-    timing it on their own would wait on each other): there the build's MAX_ROWS stands."""
+    timing it on their own would wait on each other): there the build's MAX_ROWS stands. `cache`:
+    the cache root the measurement is stored under per machine (None: cached_directory.cache_root())."""
     linears = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     if not linears or linears[0].max_rows == EVERY_ROW or any(linear.sharded for linear in linears):
         return
-    rows = crossover_rows(linears, linears[0].max_rows)
+    rows = crossover_rows(linears, linears[0].max_rows, cache=cache)
     for linear in linears:
         linear.max_rows = rows[shape_of(linear)]

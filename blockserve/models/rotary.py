@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from blockserve.models.placement import Placement
 
@@ -21,8 +20,12 @@ def inverse_frequencies(config, params: dict, head_dim: int, device: torch.devic
                         **kwargs) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2], attention scaling) of RoPE parameters `params` (the config's
     rope_parameters, or one layer type's), by transformers' own functions so every scaling type
-    it knows applies; `kwargs` go to them. ValueError for an unknown type or a partial rotary dim."""
+    it knows applies; `kwargs` go to them. A config's `rope_freq_divisors` (a GGUF's rope_freqs
+    tensor: llama.cpp's per-dimension divisors) divide the frequencies after. ValueError for an
+    unknown type, a partial rotary dim, or divisors of another length."""
     rope_type = params.get("rope_type", "default")
+    if rope_type != "default":  # imported only here: a default-RoPE model never imports transformers
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type == "default":  # as transformers' compute_default_rope_parameters
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
         inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponents), 1.0
@@ -34,6 +37,12 @@ def inverse_frequencies(config, params: dict, head_dim: int, device: torch.devic
     if 2 * inv_freq.numel() != head_dim:
         raise ValueError(f"partial rotary embeddings are not supported "
                          f"(rotary dim {2 * inv_freq.numel()}, head_dim {head_dim})")
+    divisors = getattr(config, "rope_freq_divisors", None)
+    if divisors is not None:
+        if len(divisors) != inv_freq.numel():
+            raise ValueError(f"rope_freq_divisors has {len(divisors)} entries for {inv_freq.numel()} rotary "
+                             "frequencies; the GGUF's rope_freqs does not match the model: convert it again")
+        inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float32, device=device)
     return inv_freq, scaling
 
 

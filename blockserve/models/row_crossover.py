@@ -27,17 +27,35 @@ the fastest of REPEATS alternating sweeps. Results are kept per process (MEASURE
 shapes, the activations, the ceiling and torch's thread count, so engines built alike in
 one process choose alike (the choice moves results only by float rounding: the blocks and the
 GEMM sum in different orders).
+
+A measurement is also kept per machine, one small JSON file per key under the project's cache root
+(cached_directory.cache_root):
+
+    <cache>/row-crossover/<digest>.json   {"key": {...}, "rows": [[out, in, q4_1, max_rows], ...]}
+
+keyed by the CPU's model name and flags, the native build (models' kernels' sources, ISA flags,
+torch: native/extension.build_key), the Python sources that time and choose (this module and
+quantized_linear.py, tiled_gemm.py), the shapes, the activations, the ceiling and the thread count; so a second
+start on the same machine reads it instead of timing again. Files are written whole through a
+renamed temporary (safe to share between processes); one that does not parse, or whose key or rows
+do not fit the request, is ignored with a warning and measured again; a read-only cache is read but
+not written.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+
+from blockserve.cached_directory import cache_root, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -57,22 +75,95 @@ def shape_of(linear) -> Shape:
 
 
 def crossover_rows(linears: Sequence, ceiling: int,
-                   time_call: Callable[[Callable[[], object]], float] | None = None) -> dict[Shape, int]:
+                   time_call: Callable[[Callable[[], object]], float] | None = None,
+                   cache: Path | None = None) -> dict[Shape, int]:
     """Per shape of `linears` (QuantizedLinears in model order, one activations kind): the most rows
     up to `ceiling` the blocks serve no slower than GEMM_MARGIN times the tiled GEMM. `time_call(fn)` -> seconds (a
-    test's fake clock); None: the wall clock, and the result kept for this process."""
+    test's fake clock); None: the wall clock, and the result kept for this process and in the
+    machine's cache under `cache` (None: cache_root())."""
     key = (tuple(shape_of(linear) for linear in linears), linears[0].activations if linears else None,
            ceiling, torch.get_num_threads())
     if time_call is None and key in MEASURED:
         return MEASURED[key]
+    stored = None
+    if time_call is None:
+        stored = _stored_path(cache or cache_root(), machine_key := _machine_key(key))
+        if (rows := _read_stored(stored, machine_key, set(key[0]), ceiling)) is not None:
+            MEASURED[key] = rows
+            return rows
     start = time.perf_counter()
     rows = _measure(linears, ceiling, time_call or _wall_seconds)
-    if time_call is None:
+    if stored is not None:
         MEASURED[key] = rows
+        _write_stored(stored, machine_key, rows)
         logger.info("GGUF blocks serve up to %s rows per layer shape (out, in), the tiled GEMM past that "
                     "(measured in %.2f s at %d threads)", {s[:2]: r for s, r in rows.items()},
                     time.perf_counter() - start, torch.get_num_threads())
     return rows
+
+
+def _machine_key(key: tuple) -> dict:
+    """What a stored measurement is valid for: this process's key plus the machine and the code."""
+    from blockserve.native.extension import build_key
+
+    here = Path(__file__).parent
+    code = hashlib.sha256(b"".join((here / name).read_bytes() for name in ("row_crossover.py", "quantized_linear.py",
+                                                                     "tiled_gemm.py")))
+    return {"cpu": _cpu_identity(), "native_build": build_key(), "code": code.hexdigest()[:16],
+            "shapes": [list(shape) for shape in key[0]], "activations": key[1], "ceiling": key[2], "threads": key[3]}
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and flags (/proc/cpuinfo's first processor), or the platform's name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+        return f"{platform.machine()} {platform.processor()}"
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
+    return f"{model}; {flags}"
+
+
+def _stored_path(root: Path, machine_key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(machine_key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / "row-crossover" / f"{digest}.json"
+
+
+def _read_stored(path: Path, machine_key: dict, shapes: set[Shape], ceiling: int) -> dict[Shape, int] | None:
+    """The rows stored at `path` for `machine_key`; None where there is no file, or (with a warning)
+    where it does not parse or does not fit: a different key, other shapes, a row count no
+    measurement gives."""
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        logger.warning("row crossover cache %s unreadable (%s): measuring again", path, error)
+        return None
+    allowed = {min(ALWAYS, ceiling), *(c for c in CANDIDATES if c <= ceiling)}
+    try:
+        stored = json.loads(text)  # UnicodeDecodeError is a ValueError
+        if stored["key"] != machine_key:
+            raise ValueError("its key is not this machine's and model's")
+        rows = {}
+        for out, inp, q4_1, max_rows in stored["rows"]:
+            if not (type(out) is type(inp) is type(max_rows) is int and type(q4_1) is bool and max_rows in allowed):
+                raise ValueError(f"entry {[out, inp, q4_1, max_rows]} is not a measurement")
+            rows[(out, inp, q4_1)] = max_rows
+        if set(rows) != shapes:
+            raise ValueError("its shapes are not the model's")
+    except (ValueError, KeyError, TypeError) as error:
+        logger.warning("row crossover cache %s ignored (%s): measuring again", path, error)
+        return None
+    return rows
+
+
+def _write_stored(path: Path, machine_key: dict, rows: dict[Shape, int]) -> None:
+    try:
+        write_atomically(path, json.dumps({"key": machine_key, "rows": [[*shape, r] for shape, r in rows.items()]}))
+    except OSError as error:  # a read-only cache still serves what it holds
+        logger.debug("could not store the row crossover in %s: %s", path, error)
 
 
 def _wall_seconds(fn: Callable[[], object]) -> float:

@@ -198,6 +198,12 @@ def _source_names() -> tuple[str, ...]:
     return (*SOURCES, *sorted(p.name for p in _CSRC.glob("*.h")))
 
 
+def build_key() -> str:
+    """The identity of the build the getters load by default (sources, ISA flags, CPU flags, torch):
+    what a result measured on these kernels (models/row_crossover.py) is valid for."""
+    return _build_key(_isa_flags())
+
+
 def _build_key(extra_flags: tuple[str, ...]) -> str:
     """Sources, flags, CPU identity and torch's version: a cached build is reused only where it
     was compiled for."""

@@ -140,7 +140,10 @@ class Scheduler:
             block_ids = None
             if speculator is not None and _may_draft(request):
                 room = _draft_room(request, budget, cap)
-                drafts = speculator.propose(request.request_id, request.token_ids, room, len(running)) if room > 0 else ()
+                structured = request.sampling_params.structured_outputs  # drafts its grammar refuses are cut
+                grammar = structured.compiled if structured is not None else None
+                drafts = speculator.propose(request.request_id, request.token_ids, room, len(running), grammar,
+                                            request.output_token_ids) if room > 0 else ()
                 if drafts and (block_ids := allocate_slots(request, 1 + len(drafts))) is not None:
                     drafts_of[request.request_id] = drafts
                     n = 1 + len(drafts)
@@ -454,6 +457,5 @@ def _draft_room(request: Request, budget: int, cap: int) -> int:
 
 def _may_draft(request: Request) -> bool:
     """Whether a running request's next step may verify drafts: it decodes (one token to compute,
-    none in flight) and has no grammar (a grammar is not rolled back)."""
-    return (not request.num_output_placeholders and len(request.token_ids) - request.num_computed_tokens == 1
-            and request.sampling_params.structured_outputs is None)
+    none in flight)."""
+    return not request.num_output_placeholders and len(request.token_ids) - request.num_computed_tokens == 1

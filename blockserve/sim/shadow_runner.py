@@ -30,6 +30,10 @@ Speculative decoding: a request's draft tokens are written as the content they c
 samples at each draft position and keeps the drafts it agrees with. A rejected draft's slots are
 then marked REJECTED (this request's own finite KV, which a whole-block kernel may read in a block's
 unwritten tail, weighted by zero), so any later read of them as KV, or a prefix hit on them, fails.
+A state group runs through every draft (a capture among them records the drafts' content) and is
+then rolled back, as the worker does: its slot holds the state after the last kept token. A
+checkpoint captured after a rejected draft holds content no sequence has, so caching it fails the
+first restore that reads it.
 
     slot shadow of one block (block_size 4):  [t17][t18][ZERO][ZERO]
                                                written     zeroed, unwritten
@@ -181,7 +185,7 @@ class ShadowRunner:
             start = start_of[rid]
             drafts = out.spec_token_ids.get(rid)
             if drafts is not None:
-                sampled[rid] = self._verify(rid, seq, start, n, drafts, holders)
+                sampled[rid] = self._verify(rid, seq, start, n, drafts, holders, out.state_captures)
                 continue
             if out.scheduled_token_ids[rid] != seq.token_ids[start : start + n]:
                 raise ShadowViolation(f"request {rid}: scheduled tokens differ from the sequence's tokens")
@@ -197,7 +201,8 @@ class ShadowRunner:
                 sampled[rid] = [token]
         return ModelRunnerOutput(sampled)
 
-    def _verify(self, rid: str, seq: _SeqState, start: int, n: int, drafts: list[int], holders) -> list[int]:
+    def _verify(self, rid: str, seq: _SeqState, start: int, n: int, drafts: list[int], holders,
+                captures: dict) -> list[int]:
         """A step that scores `drafts` after the sequence's last token: the drafts' slots are written as
         the content they claim, the target's token is sampled at each position, the agreeing drafts are
         kept, and the rest of the slots are marked REJECTED."""
@@ -207,20 +212,26 @@ class ShadowRunner:
         claimed = _SeqState(seq.token_ids + drafts, seq.tables, seq.cache_salt)
         targets = [claimed.tags[p] % self.vocab_size for p in range(start, start + n)]
         for group_id, group in enumerate(self.config.groups):
-            if group.is_state:
-                raise ShadowViolation(f"request {rid}: drafts scheduled for a model with a state group {group_id}")
-            self._run_attention(group_id, rid, claimed, start, n, holders)
+            if group.is_state:  # the state runs through every draft; captures claim the drafts' content
+                self._run_state(group_id, rid, claimed, start, n, holders, captures.get(group_id, {}).get(rid, ()))
+            else:
+                self._run_attention(group_id, rid, claimed, start, n, holders)
         accepted = num_accepted(drafts, targets)
         self.num_rejected += len(drafts) - accepted
         for group_id, group in enumerate(self.config.groups):
-            table, bs = seq.tables[group_id], group.spec.block_size
+            table = seq.tables[group_id]
+            if group.is_state:  # the worker's rollback: the slot holds the state after the last kept token
+                self.slots[group_id][table[0]] = [claimed.state_tag(start + 1 + accepted)]
+                continue
+            bs = group.spec.block_size
             for p in range(start + 1 + accepted, start + n):
                 self.slots[group_id][table[p // bs]][p % bs] = (REJECTED, rid)
         emitted = targets[:accepted + 1]
         for token in emitted:
             seq.append(token)
         for group, table in zip(self.config.groups, seq.tables):  # as the scheduler's trim_slots frees them
-            del table[-(-len(seq.token_ids) // group.spec.block_size):]
+            if not group.is_state:
+                del table[-(-len(seq.token_ids) // group.spec.block_size):]
         return emitted
 
     # -- one request, one group ------------------------------------------------------------------

@@ -14,6 +14,11 @@ the drafts the rule says pay; the others propose first, and the rule cuts their 
 the rule keeps from drafting tries again after a number of its steps that doubles each
 time (4 up to 256), so a request whose drafts start to match is noticed. A step whose running
 batch reaches `disable_by_batch_size` does not speculate at all.
+
+A request with structured outputs has its drafts cut at the first one its grammar refuses, by a
+grammar matcher of its own kept here at the request's output so far (grammar_cut.py), so no slot is spent on a
+draft that cannot be accepted. (What keeps its output exact is the worker: each verified position
+samples under the grammar's mask after the drafts before it, worker/model_runner.py.)
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blockserve.spec_decode.config import SpeculativeConfig
+from blockserve.spec_decode.grammar_cut import DraftGrammar
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.proposer import Proposer
 from blockserve.spec_decode.stats import SpeculationStats
@@ -69,6 +76,7 @@ class Speculator:
         self._prepared: dict[str, list[int]] | None = None  # this step's batched drafts, handed out by propose
         self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
+        self._grammars: dict[str, DraftGrammar] = {}  # constrained requests': at their output so far
         self._step_rows = 0  # drafted rows this step so far
         k = config.num_speculative_tokens
         self._drafted = [0] * k
@@ -95,25 +103,43 @@ class Speculator:
         self._prepared = self.proposer.propose_batch(asks) if asks else {}
         self._seconds += time.perf_counter() - began
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int, batch_size: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int, batch_size: int,
+                grammar: Any = None, output_token_ids: Sequence[int] = ()) -> list[int]:
         """Drafts for the request's next step: at most min(num_speculative_tokens, max_tokens), and
-        only as many as are expected to pay in a step of `batch_size` requests (see the module)."""
+        only as many as are expected to pay in a step of `batch_size` requests (see the module);
+        with a `grammar` (structured outputs: the request's compiled grammar; `output_token_ids`: its
+        output so far), none past the first the grammar refuses."""
         if self._prepared is not None:
-            return self._prepared.pop(request_id, [])[:max_tokens]
+            drafts = self._prepared.pop(request_id, [])[:max_tokens]
+            kept = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
+            self._step_rows -= len(drafts) - len(kept)
+            return kept
         if self._decide_first:
             n = self._drafts_paying(request_id, max_tokens, batch_size)
             drafts = self._timed_propose(request_id, token_ids, n) if n else []
+            drafts = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
             self._step_rows += len(drafts)
             return drafts
         if self._over_batch_limit(batch_size):
             return []
         books = self._books_of(request_id)
         drafts = self._timed_propose(request_id, token_ids, min(self.config.num_speculative_tokens, max_tokens))
+        drafts = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
         if not drafts:
             return []
         k = self._drafts_to_verify(books, len(drafts), batch_size)
         self._step_rows += k
         return drafts[:k]
+
+    def _grammar_cut(self, request_id: str, drafts: list[int], grammar: Any,
+                     output_token_ids: Sequence[int]) -> list[int]:
+        """`drafts` up to the first one `grammar` refuses after the request's output (all without one)."""
+        if grammar is None or not drafts:
+            return drafts
+        cut = self._grammars.get(request_id)
+        if cut is None or cut.compiled is not grammar:
+            cut = self._grammars[request_id] = DraftGrammar(grammar)
+        return drafts[:cut.valid_drafts(output_token_ids, drafts)]
 
     def _drafts_paying(self, request_id: str, max_tokens: int, batch_size: int) -> int:
         """How many drafts to ask a proposer whose drafts cost work for: those expected to pay."""
@@ -177,6 +203,7 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         """The request ended: drop everything held for it."""
         self._books.pop(request_id, None)
+        self._grammars.pop(request_id, None)
         self.proposer.forget(request_id)
 
     def close(self) -> None:
@@ -188,7 +215,7 @@ class Speculator:
     @property
     def num_requests(self) -> int:
         """Requests something is held for (0 when idle)."""
-        return len(self._books) + self.proposer.num_requests
+        return len(self._books) + len(self._grammars) + self.proposer.num_requests
 
     def stats(self) -> SpeculationStats:
         return SpeculationStats(self._verifications, sum(self._drafted), sum(self._accepted), tuple(self._drafted),

@@ -19,8 +19,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from copy import copy
+
 import llguidance
-import llguidance.hf
 
 from blockserve.errors import InvalidRequest
 from blockserve.sampling_params import StructuredOutputsParams
@@ -116,14 +117,27 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 if self.hf_tokenizer is None:
                     raise InvalidRequest("structured outputs need the model's tokenizer, and this model has none")
-                try:
-                    self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                                   eos_token=self.eos_token_id)
-                except ValueError as e:  # not a fast tokenizer
-                    raise InvalidRequest(f"structured outputs are not available for this tokenizer: {e}") from None
+                self._tokenizer = llguidance_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_token_id)
             return self._tokenizer
 
 
 def _source(spec: StructuredOutputsParams) -> str:
     value = getattr(spec, spec.kind)
     return "\x00".join(value) if spec.kind == "choice" else str(value)
+
+
+def llguidance_tokenizer(tokenizer, vocab_size: int, eos_token_id: int) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from a Rust-backed one (`tokenizer.backend_tokenizer`: a transformers
+    fast tokenizer or a GGUF one, models/gguf_tokenizer.py), serialised with its added tokens and
+    without padding or truncation, as llguidance.hf does (without importing transformers);
+    InvalidRequest for a tokenizer without a Rust backend."""
+    from tokenizers import Tokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise InvalidRequest(f"structured outputs are not available for this tokenizer ({type(tokenizer).__name__}): "
+                             "they need a fast (Rust-backed) tokenizer")
+    backend = copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_id)

@@ -5,13 +5,19 @@ takes a request in (first admission, or re-admission after preemption, replaying
 tokens so far), so its state always equals the tokens the request holds; it is dropped with the
 request (finish, abort, preemption).
 
+Speculative decoding: `draft_masks(drafts)` gives the bitmask of each position that verifies a
+request's drafts (position i's is the grammar's after drafts[:i]), walking a copy of the matcher,
+so the matcher itself never holds a draft: after verification it accepts the emitted tokens only,
+and its state is the accepted prefix's whatever was rejected.
+
 Bitmask layout (llguidance's): int32 words, bit j of word w allows token 32 * w + j.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -56,7 +62,50 @@ class GrammarMatcher:
             logger.warning("grammar (%s) refused token %d: %s", self.compiled.kind, token,
                            self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "")
 
+    def draft_masks(self, drafts: Sequence[int]) -> tuple[list[FixedMask], int]:
+        """The k + 1 bitmasks that verify k `drafts`, and how many drafts the grammar allows in a row.
+        Position i's mask is the grammar's after drafts[:i], computed on a copy (this matcher does not
+        move). Positions past the first draft the grammar refuses repeat the mask before it: that
+        draft is outside its position's mask, so the masked target never samples it, it is never
+        accepted, and nothing sampled past it is emitted."""
+        probe = copy.copy(self)
+        probe._matcher = self._matcher.deep_copy()
+        masks = []
+        allowed = len(drafts)
+        for i in range(len(drafts) + 1):
+            row = torch.empty(self.num_words, dtype=torch.int32)
+            probe.fill_bitmask(row)
+            masks.append(FixedMask(row))
+            if i == len(drafts):
+                break
+            token = drafts[i]
+            if not masks[-1].allows(token):
+                allowed = i
+                break
+            if not probe._matcher.is_error():
+                probe._matcher.consume_token(token)  # refused despite the mask: in error, so EOS only next
+        masks.extend(masks[-1:] * (len(drafts) + 1 - len(masks)))
+        return masks, allowed
+
     @property
     def is_finished(self) -> bool:
         """True once the grammar is complete (only EOS can follow) or stopped."""
         return self._matcher.is_stopped()
+
+
+class FixedMask:
+    """A bitmask computed ahead (one verification position's, `GrammarMatcher.draft_masks`), read
+    by the sampler like a matcher's."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self.num_words = mask.numel()
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        if row.dtype != torch.int32 or row.numel() != self.num_words:
+            raise ValueError(f"the bitmask row must be int32 of {self.num_words} words")
+        row.copy_(self.mask)
+
+    def allows(self, token: int) -> bool:
+        """Whether the mask allows `token`."""
+        return 0 <= token < 32 * self.num_words and bool((int(self.mask[token // 32]) >> (token % 32)) & 1)

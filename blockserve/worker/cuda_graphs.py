@@ -121,8 +121,11 @@ class DecodeGraphs:
         self.max_size = max(sizes)
 
     def covers(self, step: StepInputs) -> bool:
-        """Whether `step` is a decode step a captured graph can run (every row one query token)."""
+        """Whether `step` is a decode step a captured graph can run (every row one query token; no
+        verified drafts where a state group runs them as chains, whose waves the graph does not hold)."""
         layout = step.layout
+        if step.chains and any(isinstance(meta, StateMetadata) for meta in step.metadata):
+            return False
         return 0 < layout.num_seqs == layout.num_decodes <= self.max_size
 
     def run(self, step: StepInputs, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

@@ -40,6 +40,9 @@ class CachedRequest:
     eos_token_id: int | None = None
     grammar: GrammarMatcher | None = None  # structured outputs: at the output tokens so far
     sampling_row: SamplingRow | None = None  # the runner's, made on the first sampled step
+    # A tensor-parallel rank > 0 after scoring k drafts it does not sample: k, until the scheduler's
+    # computed count (the next step that schedules the request) says how many were accepted.
+    unverified_drafts: int = 0
     # Whether sampling it reads the values of its output tokens so far (a grammar, a penalty), not just
     # their count: then the previous step's tokens must be back first (async scheduling).
     reads_output_ids: bool = dataclasses.field(init=False)
@@ -65,6 +68,8 @@ class StepInputs:
     # Per request in batch order, where its tokens start ([len(request_ids) + 1]). The same as
     # layout.query_start but where a verified request's k + 1 tokens are k + 1 decodes in the layout.
     query_start: list[int]
+    # Verified requests (speculative decoding) -> (first row in the layout, rows): k + 1 decode rows each.
+    chains: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def to(self, device: torch.device) -> StepInputs:
         """These inputs on `device`, moved in one copy (itself on the CPU)."""
@@ -102,6 +107,8 @@ class InputBatch:
             _append_blocks(self.requests[new.request_id], new.block_ids, writes)
         for cached in out.cached_requests:
             request = self.requests[cached.request_id]
+            if request.unverified_drafts:
+                self._settle_verification(cached.request_id, request, cached.num_computed_tokens)
             if request.num_computed != cached.num_computed_tokens:
                 raise RuntimeError(
                     f"request {cached.request_id}: worker has {request.num_computed} computed tokens, "
@@ -112,6 +119,21 @@ class InputBatch:
         for table, (rows, columns, ids) in zip(self.tables, writes):
             if ids:
                 table[int64_tensor(rows), int64_tensor(columns)] = int64_tensor(ids)
+
+    def _settle_verification(self, request_id: str, request: CachedRequest, num_computed: int) -> None:
+        """A rank that scored a verification without sampling it (tensor parallelism, rank > 0) learns its
+        outcome from the scheduler's computed count: the request emitted its accepted drafts and one token
+        of the target's (their ids unknown here, -1: this rank never samples), the rejected drafts leave
+        its computed count, and its tables forget the blocks the scheduler freed, as rank 0's did."""
+        k, request.unverified_drafts = request.unverified_drafts, 0
+        accepted = num_computed - (request.num_computed - k)
+        if not 0 <= accepted <= k:
+            raise RuntimeError(f"request {request_id}: the scheduler has {num_computed} computed tokens after "
+                               f"verifying {k} drafts, the worker {request.num_computed - k} to "
+                               f"{request.num_computed}")
+        request.output_token_ids.extend([-1] * (accepted + 1))
+        request.num_computed = num_computed
+        self.trim_tables(request)
 
     def trim_tables(self, request: CachedRequest) -> None:
         """After a verification rejected drafts: forget the attention blocks past the request's tokens,
@@ -141,10 +163,12 @@ class InputBatch:
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
+        chains: dict[str, tuple[int, int]] = {}  # verified request -> (its first row in the layout, its rows)
         if verifying:  # each verified request's k + 1 tokens attend as k + 1 decodes of growing length
             seq_query_lens, computed, row_ids = [], [], []
             for rid, request, n in zip(order, requests, query_lens):
                 if rid in verifying:
+                    chains[rid] = (len(seq_query_lens), n)
                     seq_query_lens += [1] * n
                     computed += range(request.num_computed, request.num_computed + n)
                     row_ids += [request.row] * n
@@ -166,14 +190,24 @@ class InputBatch:
                 slots = table[rows, 0]
                 slot_ids = slots.tolist()
                 inside: dict[int, list[tuple[int, int]]] = {}
+                row_captures: list[tuple[int, int]] = []
                 for rid, captures in out.state_captures.get(group_id, {}).items():
-                    i = order.index(rid)
+                    if rid in chains:  # the state after the chain's row that ends at `position`
+                        first, n = chains[rid]
+                        for position, slot in captures:
+                            row = first + position - layout.seq_lens[first]
+                            if not first <= row < first + n:
+                                raise RuntimeError(f"request {rid}: a state capture at position {position} lies "
+                                                   "outside its verified tokens")
+                            row_captures.append((row, slot))
+                        continue
+                    i = _seq_index(order, chains, rid)
                     for position, slot in captures:
                         if position == layout.seq_lens[i]:
                             end_captures.setdefault(group_id, []).append((slot_ids[i], slot))
                         else:
                             inside.setdefault(i, []).append((position, slot))
-                metadata.append(StateMetadata(layout, slots, inside, slot_ids))
+                metadata.append(StateMetadata(layout, slots, inside, slot_ids, list(chains.values()), row_captures))
                 continue
             window = group.spec.sliding_window if isinstance(group.spec, SlidingWindowSpec) else None
             bs, capacity = group.spec.block_size, table.shape[1]
@@ -192,19 +226,26 @@ class InputBatch:
                 else:
                     logits_indices.append(end - 1)
         return StepInputs(order, input_ids, layout.positions, metadata, layout, sample_ids,
-                          int64_tensor(logits_indices), end_captures, query_start)
+                          int64_tensor(logits_indices), end_captures, query_start, chains)
 
     def _verifying(self, out: SchedulerOutput) -> set[str]:
         """The requests whose step scores a decode and its drafts, to be attended as one decode per
         token: row i is a decode of context length num_computed + i + 1 (its KV and the earlier rows'
         are written before any row attends, as for every decode), so the step runs the decode kernels,
-        not the prefill path, with the same causal result. Not where a state group (recurrent layers)
-        would see the rows as separate sequences."""
+        not the prefill path, with the same causal result.
+        A state group runs a verified request's rows as one chain (`StateMetadata.chains`)."""
         drafts_of = out.spec_token_ids
-        if not drafts_of or any(group.is_state for group in self.kv_config.groups):
+        if not drafts_of:
             return set()
         scheduled = out.num_scheduled_tokens
         return {rid for rid, drafts in drafts_of.items() if drafts and scheduled.get(rid) == len(drafts) + 1}
+
+
+def _seq_index(order: list[str], chains: dict[str, tuple[int, int]], request_id: str) -> int:
+    """Where request `request_id` (not verified) sits in the layout: its place in `order`, moved on by
+    the extra rows of the verified requests before it (they come first, with the decodes)."""
+    i = order.index(request_id)
+    return i + sum(n - 1 for rid, (_, n) in chains.items() if order.index(rid) < i)
 
 
 MIN_STEP_TABLE_WIDTH = 16  # columns: a Triton kernel specialises a row stride divisible by 16

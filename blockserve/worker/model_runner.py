@@ -11,9 +11,10 @@ running the model's forward eagerly (`capture_decode_graphs`, worker/cuda_graphs
 
 Speculative decoding: a request with k draft tokens (`SchedulerOutput.spec_token_ids`) is sampled at
 each of its last k + 1 positions, position i as if drafts[:i] were already its output (penalties,
-min_tokens, its seeded generator's next draw); `result()` keeps the drafts the target's own tokens
-confirm and the target's token after them (spec_decode/acceptance.py), and takes the rejected
-drafts back out of the request's computed count.
+min_tokens, its seeded generator's next draw, its grammar's mask after drafts[:i]); `result()`
+keeps the drafts the target's own tokens confirm and the target's token after them
+(spec_decode/acceptance.py), advances the grammar past those only, and takes the rejected drafts
+back out of the request's computed count.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs, read_entries
 from blockserve.worker.sampler import SampledTokens, Sampler
 from blockserve.worker.sampling_batch import SamplingBatch, SamplingRow, make_generator
+from blockserve.worker.state_rollback import StateRollback
 
 
 @dataclass
@@ -151,8 +153,11 @@ class ModelRunner:
         self.timings.sample += t4 - t3
         self.timings.steps += 1
         prompt_logprobs = self.prompt_logprobs.take_all(inputs.sample_ids)
+        rollback = None
+        if inputs.chains and any(group.is_state for group in self.kv.config.groups):
+            rollback = StateRollback(inputs.chains, inputs.metadata, self.layer_caches)
         self.last = LaunchedStep(inputs.request_ids, inputs.sample_ids, requests, samples, sampled_ids,
-                                 prompt_logprobs, drafts, self.batch.trim_tables)
+                                 prompt_logprobs, drafts, self.batch.trim_tables, rollback)
         return self.last
 
     def _save_blocks(self, saves: dict[int, list[tuple[int, bytes]]]) -> None:
@@ -187,7 +192,7 @@ class ModelRunner:
         if not holes:
             return None
         sampled, ids, k = last.sampled_ids, inputs.request_ids, len(holes)
-        if sampled is not None and holes[-1] == k - 1 and ids[:k] == last.sample_ids[:k]:
+        if sampled is not None and holes[-1] == k - 1 and ids[:k] == last.sample_ids[:k] and not any(last.drafts):
             # Steady decode: the first k rows take the last step's first k samples, in the same order.
             def fill_in_order(input_ids: torch.Tensor) -> None:
                 input_ids[:k].copy_(sampled[:k])
@@ -220,9 +225,16 @@ class ModelRunner:
 
 
 def _verification_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
-    """The rows that score a request's k drafts: row i samples as if drafts[:i] were already output."""
+    """The rows that score a request's k drafts: row i samples as if drafts[:i] were already output,
+    under the grammar's mask after drafts[:i] where the request has one (GrammarMatcher.draft_masks:
+    a draft the grammar refuses is outside its position's mask, so it is never accepted)."""
     output = list(row.output_token_ids)
-    return [row] + [dataclasses.replace(row, output_token_ids=output + drafts[:i]) for i in range(1, len(drafts) + 1)]
+    if row.grammar is None:
+        return [row] + [dataclasses.replace(row, output_token_ids=output + drafts[:i])
+                        for i in range(1, len(drafts) + 1)]
+    masks, _ = row.grammar.draft_masks(drafts)
+    return [dataclasses.replace(row, output_token_ids=output + drafts[:i], grammar=mask)
+            for i, mask in enumerate(masks)]
 
 
 class LaunchedStep:
@@ -233,10 +245,12 @@ class LaunchedStep:
     def __init__(self, request_ids: list[str], sample_ids: list[str], requests: list[CachedRequest],
                  samples: SampledTokens | None, sampled_ids: torch.Tensor | None, prompt_logprobs: dict,
                  drafts: list[list[int] | None] | None = None,
-                 trim_tables: Callable[[CachedRequest], None] | None = None):
+                 trim_tables: Callable[[CachedRequest], None] | None = None,
+                 rollback: StateRollback | None = None):
         self.request_ids, self.sample_ids, self.requests = request_ids, sample_ids, requests
         self.drafts = drafts or [None] * len(requests)  # per sampled request: its draft tokens, if any
         self.trim_tables = trim_tables  # after rejected drafts: InputBatch.trim_tables
+        self.rollback = rollback  # recurrent-state layers: their slots back to the last accepted token
         self.samples = samples  # on their way to the host; None on a tensor-parallel rank > 0
         self.sampled_ids = sampled_ids  # [len(sample_ids)] on the device: the next step's in-flight inputs
         self.prompt_logprobs = prompt_logprobs  # of requests whose prompt completed, read by result()
@@ -246,8 +260,14 @@ class LaunchedStep:
 
     @functools.cached_property
     def row_of(self) -> dict[str, int]:
-        """Each sampled request's row in the samples."""
-        return {rid: i for i, rid in enumerate(self.sample_ids)}
+        """Each sampled request's row in the samples. A request that verified k drafts owns k + 1 rows
+        and has none: its next input is not known until its accepted count is back."""
+        rows, row = {}, 0
+        for rid, drafts in zip(self.sample_ids, self.drafts):
+            if not drafts:
+                rows[rid] = row
+            row += len(drafts) + 1 if drafts else 1
+        return rows
 
     @property
     def read(self) -> bool:
@@ -271,6 +291,10 @@ class LaunchedStep:
                 self._verify(host, sampled, logprobs)
             else:
                 self._read(host, sampled, logprobs)
+        else:  # a tensor-parallel rank > 0: the accepted count comes with the request's next step
+            for request, drafts in zip(self.requests, self.drafts):
+                if drafts:
+                    request.unverified_drafts = len(drafts)
         prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
         self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
         return self._output
@@ -298,6 +322,8 @@ class LaunchedStep:
                 request.output_token_ids.extend(emitted)
                 request.num_computed -= width - len(emitted)
                 self.trim_tables(request)
+                if self.rollback is not None:
+                    self.rollback(rid, len(emitted))
             else:
                 request.output_token_ids[slot] = emitted[0]
             if request.grammar is not None:
@@ -307,3 +333,6 @@ class LaunchedStep:
             if host.logprobs[row] is not None:
                 logprobs[rid] = host.logprobs[row:row + len(emitted)]
             row += width
+        if self.rollback is not None:
+            self.rollback.release()
+            self.rollback = None

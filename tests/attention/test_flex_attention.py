@@ -114,9 +114,10 @@ GEMMA3 = dict(LLAMA, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
 MODELS = {"llama": lambda: LlamaConfig(**LLAMA), "gemma3": lambda: Gemma3TextConfig(**GEMMA3)}
 
 
-def engine_greedy_tokens(path, backends) -> dict[str, list[list[int]]]:
+def engine_greedy_tokens(path, backends, **options) -> dict[str, list[list[int]]]:
     """Per backend, the greedy tokens of batched prompts (two sharing a prefix) through an engine with
-    chunked prefill, prefix caching (hits asserted), poison on and the derived zero flags (asserted)."""
+    chunked prefill, prefix caching (hits asserted), poison on and the derived zero flags (asserted);
+    `options`: more engine options (a kv_cache_dtype)."""
     gen = torch.Generator().manual_seed(3)
     shared = torch.randint(0, 500, (9,), generator=gen).tolist()
     prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (3, 11)]
@@ -125,7 +126,7 @@ def engine_greedy_tokens(path, backends) -> dict[str, list[list[int]]]:
     tokens = {}
     for backend in backends:
         llm = LLM(str(path), block_size=4, attention_backend=backend, max_num_batched_tokens=8, poison=True,
-                  check_integrity=True, kv_cache_memory="1MiB", enable_prefix_caching=True)
+                  check_integrity=True, kv_cache_memory="1MiB", enable_prefix_caching=True, **options)
         assert all(g.zero_new_blocks == BACKENDS[backend].reads_unwritten_slots
                    for g in llm.engine.core.kv_config.groups)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

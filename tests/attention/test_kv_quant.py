@@ -1,6 +1,7 @@
 """The quantized KV caches (attention/kv_quant.py: int8, float8_e4m3fn): quantisation error, zero
 and poison rows, the native decode kernel (both builds) and the fused decode step on their rows,
-and every CPU backend over such a cache against dense attention over its dequantised values."""
+and every CPU backend (triton's kernel in Triton's interpreter) over such a cache against dense
+attention over its dequantised values."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from blockserve.attention.layer import Attention
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS, ExactLengthAttention
 from blockserve.attention.rotary_decode import RotaryDecode
+from blockserve.attention.triton_paged import TRITON_UNAVAILABLE
 from blockserve.models.rotary import apply_rotary
 from blockserve.native.extension import paged_decode_kernel, why_not_native
 
@@ -294,7 +296,8 @@ def test_fused_rotated_write_equals_kv_quant_exactly(without_avx512, codes, v_co
         assert torch.equal(rows.view(torch.uint8), kv_quant.encode(x, dtype).view(torch.uint8))
 
 
-VARIANTS = ["exact", "exact-pytorch", "whole_block", "flex"]
+VARIANTS = ["exact", "exact-pytorch", "whole_block", "flex",
+            pytest.param("triton", marks=pytest.mark.skipif(TRITON_UNAVAILABLE is not None, reason="no Triton"))]
 
 
 @KV_CODES

@@ -1,8 +1,9 @@
 """The `triton` backend on the CPU: its kernel (attention/triton_paged.py) run by Triton's interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1) against the exact-length backend on tiny paged steps
 (prefill, decode, mixed, long contexts, sliding window, prefix hit, stale table entries), its C1
-declaration under poison (it reads no unwritten slot), tiny engines giving the exact backend's
-greedy tokens, and the same kernel compiled for a Hopper GPU (sm_90) out of interpreter mode.
+declaration under poison (it reads no unwritten slot), the same over int8, fp8, rotated 4-bit and
+k8v4 caches read in place, tiny engines giving the exact backend's greedy tokens (plain and
+quantized caches), and the same kernel compiled for a Hopper GPU (sm_90) out of interpreter mode.
 (The MLA flavour's kernel parity and poison tests are tests/attention/test_mla.py's, which run
 every MLA backend.)"""
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from blockserve import LLM
-from blockserve.attention import triton_paged
+from blockserve.attention import kv_quant, triton_paged
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.attention.triton_attention import TritonAttention
@@ -35,7 +36,8 @@ from blockserve.attention.triton_paged import (
 )
 from blockserve.models.random_checkpoint import save_random_model
 from tests.attention.test_flex_attention import MODELS, STEPS, engine_greedy_tokens, forward
-from tests.attention.test_paged_attention import BS, NUM_BLOCKS, D, make_step
+from tests.attention.test_kv_quant import empty_cache
+from tests.attention.test_paged_attention import BS, HKV, NUM_BLOCKS, D, make_step
 from tests.models.conftest import tiny_model  # noqa: F401 a fixture
 
 pytestmark = [pytest.mark.skipif(TRITON_UNAVAILABLE is not None, reason=f"Triton unavailable: {TRITON_UNAVAILABLE}"),
@@ -83,6 +85,81 @@ def test_poison_c1(seqs, window):
     unwritten slot NaN and nothing zeroed, the output is bit-identical to the clean run."""
     assert not TritonAttention.reads_unwritten_slots
     assert torch.equal(forward("triton", seqs, window, fill=float("nan")), forward("triton", seqs, window))
+
+
+# A quantized cache's K and V codes (attention/kv_quant.py): one form for both, or int8 keys over 4-bit values
+QUANTIZED = {"int8": (torch.int8,) * 2, "fp8": (torch.float8_e4m3fn,) * 2, "int4": (torch.uint8,) * 2,
+             "k8v4": (torch.int8, torch.uint8)}
+
+
+def quantized_step(seqs, dtype: str, poison: bool):
+    """make_step's step over caches of `dtype`'s codes: every block but the null one poisoned (poison
+    codes, NaN scales) or zeroed, then the earlier tokens written as codes and scales."""
+    _, _, table, q, k, v, full_k, full_v = make_step(seqs, fill=0.0)
+    caches = []
+    for codes, full in zip(QUANTIZED[dtype], (full_k, full_v)):
+        cache = empty_cache((NUM_BLOCKS, BS, HKV), D, codes)
+        kv_quant.fill_rows(cache, 0, torch.arange(1, NUM_BLOCKS), poison=poison)
+        for row, (computed, _), values in zip(table, seqs, full):
+            pos = torch.arange(computed)
+            kv_quant.write(cache.view(-1, HKV, cache.shape[-1]), row[pos // BS] * BS + pos % BS, values[:computed])
+        caches.append(cache)
+    return *caches, table, q, k, v
+
+
+def exact_pytorch(scale: float):
+    """The exact-length backend on its gathered PyTorch path (no native build needed)."""
+    backend = BACKENDS["exact"](scale)
+    backend.decode_kernel = None
+    return backend
+
+
+@pytest.mark.parametrize("dtype,window", [(d, None) for d in sorted(QUANTIZED)] + [("k8v4", 5)])
+def test_quantized_caches_match_exact(dtype, window):
+    """Over a quantized cache (codes read in place, scales folded in registers, 4-bit queries rotated
+    and output un-rotated) the kernel gives the exact backend's attention over the dequantised cache to
+    float32 rounding, decodes, tiles of several rows and many pages alike; every unwritten slot holds
+    poison codes and NaN scales, and the output is bit-identical to that over a zeroed cache (C1)."""
+    seqs = LONG
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    outs = {}
+    for poison in (True, False):
+        k_cache, v_cache, table, q, k, v = quantized_step(seqs, dtype, poison)
+        meta = lambda: AttentionMetadata.build(layout, table, BS, window)  # noqa: E731 (a fresh one per call)
+        outs[poison] = TritonAttention(1 / math.sqrt(D)).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta())
+        if poison:
+            want = exact_pytorch(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache, meta())
+    assert not outs[True].isnan().any()
+    torch.testing.assert_close(outs[True], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "k8v4"])
+def test_quantized_key_splits_match_exact(dtype):
+    """Decode rows with their keys split over programs read quantized pages as one program does."""
+    seqs = LONG_DECODES
+    k_cache, v_cache, table, q, k, v = quantized_step(seqs, dtype, poison=True)
+    layout = BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs])
+    want = exact_pytorch(1 / math.sqrt(D)).forward(q, k, v, k_cache, v_cache,
+                                                   AttentionMetadata.build(layout, table, BS))
+    got = paged_attention(torch.empty_like(q), q, k_cache, v_cache, AttentionMetadata.build(layout, table, BS),
+                          1 / math.sqrt(D), splits=4)
+    if kv_quant.is_rotated(v_cache):
+        got = kv_quant.unrotate_output(got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_caches_refused_where_not_read():
+    """MLA's two-part keys read plain caches only, and a cache whose rows do not hold the queries' head
+    size is refused, each with a clear error rather than a wrong read."""
+    seqs = STEPS["decode"]
+    k_cache, v_cache, table, q, *_ = quantized_step(seqs, "int8", poison=False)
+    meta = AttentionMetadata.build(BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs]), table, BS)
+    with pytest.raises(ValueError, match="not MLA's"):
+        paged_attention(torch.empty_like(q), q, k_cache, k_cache, meta, 1.0, value_is_k1=True)
+    with pytest.raises(ValueError, match="rows hold 8 values, the kernel reads 16"):
+        wide = torch.cat([q, q], -1)
+        paged_attention(torch.empty_like(wide), wide, k_cache, v_cache, meta, 1.0)
 
 
 LONG_DECODES = [(299, 1), (150, 1), (3, 1)]  # contexts of several key steps each, and one of one
@@ -153,6 +230,16 @@ def test_engine_greedy_tokens_equal_exact(family, tmp_path, tiny_model):
     assert tokens["triton"] == tokens["exact"]
 
 
+@pytest.mark.slow  # two engines, one through Triton's interpreter: 3-6 s a dtype on 2 cores
+@pytest.mark.parametrize("dtype", sorted(QUANTIZED))
+def test_engine_greedy_tokens_equal_exact_on_quantized_caches(dtype, tmp_path):
+    """With a quantized KV cache, poison on and no zeroing for triton's groups (engine_greedy_tokens),
+    attention_backend='triton' gives 'exact''s greedy tokens over the same dtype."""
+    save_random_model(MODELS["llama"](), tmp_path)
+    tokens = engine_greedy_tokens(tmp_path, ("exact", "triton"), kv_cache_dtype=dtype)
+    assert tokens["triton"] == tokens["exact"]
+
+
 # One child process, Triton out of interpreter mode (no GPU needed): the kernel of each launch the GPU
 # check's families make, compiled for sm_90 by Triton's compiler and ptxas; and the CPU's refusal.
 COMPILE_CHILD = textwrap.dedent("""
@@ -180,8 +267,20 @@ COMPILE_CHILD = textwrap.dedent("""
         return compile_for(90, torch.empty_like(q), q, pages[..., :r], pages[..., :r], meta, 0.1, q2=q_rope,
                            k2=pages[..., r:], value_is_k1=True, splits=splits)
 
+    def quantized(k_codes, v_codes, seqs, splits=1):  # llama_1b's widths over quantized caches, bfloat16 queries
+        meta = meta_for(seqs)
+        q = torch.empty(meta.slot_mapping.shape[0], 32, 64, dtype=torch.bfloat16)
+        k, v = (torch.empty(64, 16, 8, 36 if codes == torch.uint8 else 66, dtype=torch.uint8).view(codes)
+                for codes in (k_codes, v_codes))
+        return compile_for(90, torch.empty_like(q), q, k, v, meta, 0.125, splits=splits)
+
     decode, mixed = [(30, 1)] * 4, [(30, 1), (0, 40), (17, 9)]
     kernels = {}
+    # each code form on each side, in decode and prefill tiles and with key splits
+    kernels["int8_decode"] = quantized(torch.int8, torch.int8, decode)
+    kernels["fp8_mixed"] = quantized(torch.float8_e4m3fn, torch.float8_e4m3fn, mixed)
+    kernels["int4_decode_split"] = quantized(torch.uint8, torch.uint8, decode, splits=8)
+    kernels["k8v4_mixed"] = quantized(torch.int8, torch.uint8, mixed)
     for dtype in (torch.bfloat16, torch.float32):
         for name, seqs in (("decode", decode), ("mixed", mixed)):
             key = f"{str(dtype)[6:]}_{name}"
@@ -211,13 +310,14 @@ HOPPER_SHARED_MEMORY = 232448  # bytes of shared memory one block may use on sm_
 
 def test_compiles_for_hopper():
     """The kernels a GPU run launches compile for sm_90 (Triton's compiler and its ptxas, no GPU),
-    each within Hopper's shared memory; and the CPU out of interpreter mode is refused clearly."""
+    quantized caches' included, each within Hopper's shared memory; and the CPU out of interpreter mode
+    is refused clearly."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert "TRITON_INTERPRET=1" in report["refusal"]
-    assert len(report["kernels"]) == 16 + 2 * 2 * 2  # the split variants: attention and combine kernels
+    assert len(report["kernels"]) == 16 + 2 * 2 * 2 + 5  # the split variants: attention and combine kernels
     for name, kernel in report["kernels"].items():
         assert kernel["cubin"] > 0, name
         assert kernel["shared"] <= HOPPER_SHARED_MEMORY, (name, kernel["shared"])

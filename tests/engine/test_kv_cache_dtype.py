@@ -81,8 +81,12 @@ AGAINST_FLOAT16 = {"int8": "1.94x", "fp8": "1.94x", "int4": "3.56x", "k8v4": "2.
 AGAINST_FLOAT32 = {"int8": 3.8, "fp8": 3.8, "int4": 7, "k8v4": 5}
 # k8v4 stores each side as int8 and int4 do: with one backend each below (whole blocks for C1, where
 # zeroing forced off must break; exact reads for C4), its own tensors and zero orders are covered.
+# triton's kernel joins under backend_full: Triton's interpreter takes ~40 s a dtype here (its kernel's poison
+# tests and quantized engines run by default in tests/attention/test_triton_attention.py).
 PER_BACKEND = pytest.mark.parametrize("backend,dtype", [
-    *((b, d) for b in ("exact", "whole_block") for d in ("int8", "fp8", "int4")), ("whole_block", "k8v4")])
+    *((b, d) for b in ("exact", "whole_block") for d in ("int8", "fp8", "int4")), ("whole_block", "k8v4"),
+    *(pytest.param("triton", d, marks=[pytest.mark.slow, pytest.mark.backend_full])
+      for d in ("int8", "fp8", "int4", "k8v4"))])
 
 
 @QUANTIZED
@@ -141,10 +145,14 @@ def test_quantized_prefix_caching_on_equals_off(model_path, backend, dtype):
     assert cached.engine.core.scheduler.kv.prefix_cache_stats().hits > 0
 
 
-def test_quantized_dtypes_are_refused_where_they_cannot_be_read():
-    """Start-up names the backend (or layer kind) and the dtype, never a silent fallback."""
+def test_quantized_dtypes_are_refused_where_they_cannot_be_read(monkeypatch):
+    """Start-up names the backend (or layer kind) and the dtype, never a silent fallback. Every
+    attention backend reads every quantized form, so a backend that declares none stands in."""
     attn = Attention("layers.0", 4, 2, 64, BACKENDS["triton"](0.125), dtype=torch.float32)
     spec = with_kv_cache_dtype(attn.kv_cache_spec(16), "int8")
+    for dtype in ("int8", "fp8", "int4", "k8v4"):  # triton reads them all
+        refuse_unreadable_kv_dtype("layers.0", attn, with_kv_cache_dtype(attn.kv_cache_spec(16), dtype))
+    monkeypatch.setattr(BACKENDS["triton"], "quantized_kv_dtypes", ())
     with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
         refuse_unreadable_kv_dtype("layers.0", attn, spec)
     refuse_unreadable_kv_dtype("layers.0", Attention("layers.0", 4, 2, 64, BACKENDS["exact"](0.125),

@@ -125,7 +125,7 @@ def test_bad_tier_settings_are_refused(llama, tmp_path):
                        (dict(kv_offload_queue="0MiB"), "kv_offload_queue"),
                        (dict(kv_offload_memory="0GiB"), "kv_offload_memory"),
                        (dict(kv_offload_dir="d", enable_prefix_caching=False), "need prefix caching"),
-                       (dict(kv_offload_dir="d", tensor_parallel_size=2), "tensor_parallel_size")):
+                       (dict(kv_offload_memory="1GiB", tensor_parallel_size=2), "use kv_offload_dir")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
     with pytest.raises(ValueError, match="kv_offload_queue.*smaller than one block"):

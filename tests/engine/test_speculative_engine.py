@@ -1,6 +1,6 @@
 """Speculative decoding through the whole engine: the same greedy tokens as without it (batched, with
 prefix caching on and off, chunked prefill, preemption and poison), seeded sampling reproducible,
-acceptance statistics that add up, and the combinations it cannot serve refused at start-up."""
+acceptance statistics that add up, and models it cannot serve refused at start-up."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from blockserve.spec_decode.speculator import Speculator
 from blockserve.spec_decode.step_costs import FlatStepCosts
 from blockserve.worker.input_batch import InputBatch
 from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
-from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 NEW_TOKENS = 24
@@ -162,21 +161,6 @@ def test_seeded_sampling_is_reproducible_and_logprobs_follow_the_tokens(tiny):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert len(a.outputs[0].logprobs) == len(a.outputs[0].token_ids) == NEW_TOKENS
         assert all(t in entry for t, entry in zip(a.outputs[0].token_ids, a.outputs[0].logprobs))
-
-
-@pytest.mark.parametrize("options, field", [
-    ({"async_scheduling": True}, "async_scheduling"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-])
-def test_unsupported_combinations_are_refused(options, field):
-    with pytest.raises(ValueError, match=field):
-        LLM(speculative_config=SPEC, **options)
-
-
-def test_a_model_with_recurrent_state_is_refused(tiny_model):
-    path, _ = tiny_model("qwen3_next")
-    with pytest.raises(ValueError, match="speculative_config: this model has recurrent-state layers"):
-        LLM(str(path), speculative_config=SPEC, kv_cache_memory="4MiB")
 
 
 def test_the_bundled_model_verifies_in_its_native_decode_stack(monkeypatch):

@@ -228,6 +228,45 @@ def test_store_writes_through_its_thread_and_loads_a_verified_prefix(tmp_path):
     assert not store._writer.is_alive()
 
 
+def test_a_tensor_parallel_block_is_one_entry_per_rank_and_held_only_when_every_rank_s_is_intact(tmp_path):
+    """Rank 0's store (the scheduler's) keys a block by both ranks' entries; each rank's store writes its own
+    entry of a save; a load returns both payloads or, when either rank's entry is missing or damaged, stops."""
+    fingerprints = (b"model rank 0 of 2", b"model rank 1 of 2")
+    first = TieredKVStore([DiskTier(str(tmp_path), 10**6)], fingerprints, loader_thread=False)
+    second = TieredKVStore([DiskTier(str(tmp_path), 10**6)], fingerprints, loader_thread=False, rank=1)
+    try:
+        keys = [first.key(0, bytes([i]) * 32) for i in range(4)]
+        assert keys[0] == (entry_key(fingerprints[0], 0, b"\0" * 32), entry_key(fingerprints[1], 0, b"\0" * 32))
+        payloads = [(bytes([i]) * 64, bytes([100 + i]) * 64) for i in range(4)]
+        for key, (own, theirs) in zip(keys, payloads):
+            assert first.claim(key)
+            first.submit(key, own)
+        first.flush()
+        assert first.is_idle()
+        assert first.num_held(keys) == 0 and first.load(keys) == []  # rank 1's entries are not there yet
+        assert first.claim(keys[0])  # rank 0's entry alone: still to be saved
+        first.release(keys[0])
+        for key, (own, theirs) in zip(keys, payloads):
+            second.submit(key, theirs)
+        second.flush()
+        assert first.num_held(keys) == 4 and not first.claim(keys[0])
+        assert first.load(keys) == [tuple(map(bytearray, p)) for p in payloads]
+        disk = first.tiers[0]
+        with open(disk.path(keys[2][1]), "r+b") as f:  # rank 1's entry of the third block, damaged
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\xff")
+        os.unlink(disk.path(keys[3][0]))  # rank 0's of the fourth, gone
+        assert first.num_held(keys) == 3  # the damage shows only when read
+        assert first.load(keys) == [tuple(map(bytearray, p)) for p in payloads[:2]]
+        assert first.num_held(keys) == 2  # the damaged entry was removed
+        assert first.stats().tiers[0].load_failures == 1
+    finally:
+        first.close()
+        second.close()
+    with pytest.raises(ValueError, match="rank 2 has no fingerprint"):
+        TieredKVStore([HostMemoryTier(10)], fingerprints, rank=2)
+
+
 class CountingTier(HostMemoryTier):
     def __init__(self):
         super().__init__(10**6)

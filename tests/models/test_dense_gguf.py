@@ -21,8 +21,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, Olmo2Config,
-                          Phi3Config, SmolLM3Config)
+from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, LlamaConfig,
+                          Olmo2Config, Phi3Config, SmolLM3Config)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.models.loader import load_model
@@ -66,7 +67,9 @@ GGUF_ARCH = {"phi3": gguf.MODEL_ARCH.PHI3, "phi3-longrope": gguf.MODEL_ARCH.PHI3
              "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "glm4": gguf.MODEL_ARCH.GLM4,
              "smollm3": gguf.MODEL_ARCH.SMOLLM3, "exaone4": gguf.MODEL_ARCH.EXAONE4,
              "exaone4-global": gguf.MODEL_ARCH.EXAONE4}
-ROPE_PERMUTED = {"granite", "smollm3"}  # the converter's LlamaModel lineage permutes Q and K rows (weights and biases)
+GGUF_ARCH["llama"] = gguf.MODEL_ARCH.LLAMA  # the rope_freqs test's
+# the converter's LlamaModel lineage permutes Q and K rows (weights and biases)
+ROPE_PERMUTED = {"granite", "smollm3", "llama"}
 NORMS_PLUS_ONE = {"gemma2"}  # llama.cpp's converter stores Gemma's norm weights as 1 + w
 # the config fields a GGUF's metadata carries, beyond the shapes
 CONFIG_KEYS = ("sliding_window", "head_dim", "query_pre_attn_scalar", "attn_logit_softcapping",
@@ -100,8 +103,9 @@ def _gguf_tensors(reference, name: str):
         yield gguf_name, weights
 
 
-def write_gguf(reference, path, name: str) -> None:
-    """A float32 GGUF of `reference` with the metadata llama.cpp's converter writes and a placeholder vocabulary."""
+def write_gguf(reference, path, name: str, edit=None) -> None:
+    """A float32 GGUF of `reference` with the metadata llama.cpp's converter writes and a placeholder
+    vocabulary; `edit(writer)`, where given, adds to it before it is written."""
     config = reference.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[GGUF_ARCH[name]])
@@ -155,6 +159,8 @@ def write_gguf(reference, path, name: str) -> None:
     writer.add_token_merges([])
     for gguf_name, weights in _gguf_tensors(reference, name):
         writer.add_tensor(gguf_name, np.ascontiguousarray(weights))
+    if edit is not None:
+        edit(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -185,6 +191,38 @@ def test_gguf_loads_as_the_safetensors_model(tmp_path, name):
     dir_logits, dir_tokens = run_paged(from_dir.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
     for ours, theirs in zip(gguf_logits, dir_logits):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)  # equal weights; float32 rounding
+    assert gguf_tokens == dir_tokens == greedy_tokens(reference_outputs(reference, prompts, NEW_TOKENS))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+ROPE_FREQS_CONFIGS = {  # EXAONE 4.0-32B's and Llama 3.1's scaling, which the converter writes as rope_freqs
+    "exaone4": lambda: Exaone4Config(**_COMMON, num_hidden_layers=2, head_dim=16, sliding_window=None,
+                                     layer_types=[F, F], rope_parameters=LLAMA3_ROPE),
+    "llama": lambda: LlamaConfig(**_COMMON, num_hidden_layers=2, rope_parameters=LLAMA3_ROPE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_FREQS_CONFIGS))
+def test_rope_freqs_divide_the_rotary_frequencies(tmp_path, name):
+    """llama.cpp's converter writes llama3 scaling as a rope_freqs tensor of per-dimension divisors
+    (and plain RoPE metadata): loaded, the GGUF runs as transformers' llama3 RoPE does."""
+    reference = save_random_model(ROPE_FREQS_CONFIGS[name](), tmp_path / "hf")
+    head_dim = 16
+    plain = 1.0 / LLAMA3_ROPE["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](reference.config, device="cpu")
+    divisors = (plain / scaled).numpy()
+    assert (divisors > 1).any()  # the scaling changes the low frequencies
+    write_gguf(reference, tmp_path / "model.gguf", name,
+               edit=lambda writer: writer.add_tensor("rope_freqs.weight", divisors))
+    from_gguf = load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))
+    from_dir = load_model(str(tmp_path / "hf"), BACKENDS["exact"])
+    assert from_gguf.hf_config.rope_freq_divisors == [float(d) for d in divisors]
+    prompts = paged_prompts()
+    gguf_logits, gguf_tokens = run_paged(from_gguf.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
+    dir_logits, dir_tokens = run_paged(from_dir.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
+    for ours, theirs in zip(gguf_logits, dir_logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)  # divided, not scaled: float32 rounding
     assert gguf_tokens == dir_tokens == greedy_tokens(reference_outputs(reference, prompts, NEW_TOKENS))
 
 

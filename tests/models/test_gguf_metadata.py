@@ -57,3 +57,16 @@ def test_string_lengths_past_the_end_are_refused(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="tokenizer.ggml.tokens"):
         LazyArrayReader(path)
+
+
+def test_array_values_equal_the_fields_contents(tmp_path):
+    """array_values reads a whole array at once (the tokenizer's vocabulary and merges) and gives what
+    gguf-py's contents() gives, for strings (empty and multi-byte ones), numbers, bools and nested arrays."""
+    from blockserve.models.gguf_metadata import array_values
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, ["<s>", "", "héllo", "世界", "a b"])
+    ours, theirs = LazyArrayReader(path), gguf.GGUFReader(path)
+    for name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores", "flags", "nested"):
+        assert array_values(ours, name) == theirs.fields[name].contents(), name
+    assert array_values(ours, "tokenizer.ggml.merges") is None

@@ -10,6 +10,9 @@ by this file's own encoder (gguf-py's dequantiser checks the repack), the rest f
 the real loader it matches the safetensors load of that checkpoint: every parameter equal (the expert
 blocks byte for byte), logits equal up to float32 rounding, greedy tokens equal; the experts stay
 MXFP4 in memory, their bytes the file's. A file with float32 experts loads as the float checkpoint.
+One with experts in other block formats (Q8_0, K-quants: llama-quantize's mixes) runs them from the
+file's blocks (GptOssGGUFBlockExperts, csrc/moe_experts.cpp), no float32 copy made, as the float
+checkpoint of their dequantised values runs and transformers' greedy tokens.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import torch
 from safetensors.torch import load_file
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.models.gpt_oss import GptOssForCausalLM, is_mxfp4
+from blockserve.models.gguf_block_experts import GptOssGGUFBlockExperts
+from blockserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_expert_ops, is_mxfp4
 from blockserve.models.loader import load_model
 from blockserve.models.random_checkpoint import save_random_model
 from tests.models.mxfp4_encoder import decode_mxfp4
 from tests.models.test_gpt_oss import GPT_OSS_CONFIGS, NEW_TOKENS
 from tests.models.test_gpt_oss_mxfp4 import write_mxfp4_checkpoint
+from tests.models.test_moe_gguf_blocks import _blocks
+from tests.parity import greedy_tokens, reference_outputs
 from tests.paged_harness import run_paged
 from tests.scenarios import paged_prompts
 
@@ -78,9 +84,10 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], num_layers: int):
         yield gguf_name(key + ".weight" if leaf == "sinks" else key), array, None
 
 
-def write_gguf(checkpoint, config, path, widen=()) -> int:
+def write_gguf(checkpoint, config, path, widen=(), blocks=None) -> int:
     """The GGUF of the checkpoint directory `checkpoint` (built from `config`) at `path`, the MXFP4
-    tensors named in `widen` written as float32 instead; returns the bytes of its MXFP4 tensors."""
+    tensors named in `widen` written as float32 instead, those named in `blocks` ({GGUF name: (format,
+    raw blocks)}) as those blocks; returns the bytes of its MXFP4 tensors."""
     rope = config.rope_parameters
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
     writer.add_block_count(config.num_hidden_layers)
@@ -113,6 +120,10 @@ def write_gguf(checkpoint, config, path, widen=()) -> int:
                                                 config.num_hidden_layers):
         if raw_dtype is not None and name in widen:
             array, raw_dtype = gguf.quants.dequantize(array, raw_dtype), None
+        if blocks and name in blocks:
+            format, array = blocks[name]
+            writer.add_tensor(name, array, raw_shape=array.shape, raw_dtype=gguf.GGMLQuantizationType[format])
+            continue
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
         mxfp4_bytes += array.nbytes if raw_dtype is not None else 0
     writer.write_header_to_file()
@@ -180,3 +191,47 @@ def test_experts_partly_mxfp4_are_refused(tmp_path):
     write_gguf(tmp_path / "hf", config, tmp_path / "model.gguf", widen=("blk.1.ffn_down_exps.weight",))
     with pytest.raises(ValueError, match="some expert weights MXFP4 and others not"):
         load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))
+
+
+# per layer, the block format of each expert tensor (K-quants need 256-wide rows: hidden and intermediate 256)
+BLOCK_EXPERTS = [{"gate": "Q8_0", "up": "Q8_0", "down": "Q8_0"}, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                 {"gate": "Q6_K", "up": "Q8_0", "down": "Q4_K"}]
+
+
+@pytest.mark.skipif(gpt_oss_expert_ops() is None or not hasattr(gpt_oss_expert_ops(), "moe_experts_blocks_gpt_oss"),
+                    reason="GPT-OSS's block experts need the native extension")
+def test_block_experts_run_from_the_files_blocks(tmp_path):
+    config = GPT_OSS_CONFIGS["gpt_oss"](hidden_size=256, intermediate_size=256)
+    reference = save_random_model(config, tmp_path / "hf")
+    rng, blocks = np.random.default_rng(0), {}
+    E, H, I = config.num_local_experts, config.hidden_size, config.intermediate_size
+    with torch.no_grad():
+        for layer, formats in enumerate(BLOCK_EXPERTS):
+            experts = reference.model.layers[layer].mlp.experts
+            dense = {}
+            for part, format in formats.items():
+                rows, columns = (H, I) if part == "down" else (I, H)
+                raw = _blocks(format, E * rows, columns, rng).reshape(E, rows, -1)
+                blocks[f"blk.{layer}.ffn_{part}_exps.weight"] = (format, raw)
+                dense[part] = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[format]))
+            gate_up = torch.stack((dense["gate"], dense["up"]), dim=2).reshape(E, 2 * I, H)  # gate at even rows
+            experts.gate_up_proj.copy_(gate_up.transpose(1, 2))  # transformers' [E, in, out]
+            experts.down_proj.copy_(dense["down"].transpose(1, 2))
+            experts.gate_up_proj_bias.normal_(0, config.swiglu_limit)  # the clamps cut (the GGUF keeps llama.cpp's 7)
+    reference.save_pretrained(tmp_path / "hf")
+    write_gguf(tmp_path / "hf", config, tmp_path / "model.gguf", blocks=blocks)
+
+    from_gguf = load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))
+    from_dir = load_model(str(tmp_path / "hf"), BACKENDS["exact"])
+    experts = [layer.mlp.experts for layer in from_gguf.model.model.layers]
+    assert all(type(e) is GptOssGGUFBlockExperts for e in experts)
+    assert [[s.format for s in e.block_segments] for e in experts] == [list(f.values()) for f in BLOCK_EXPERTS]
+    assert all(p.dim() < 3 for p in from_gguf.model.parameters()), "a float32 expert stack is resident"
+    cached = load_file(str(next((tmp_path / "cache").glob("gguf-*")) / "model.safetensors"))
+    assert not any(".mlp.experts." in name and not name.endswith("bias") for name in cached)  # no float copy
+    prompts = paged_prompts()
+    gguf_logits, gguf_tokens = run_paged(from_gguf.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
+    dir_logits, dir_tokens = run_paged(from_dir.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
+    for ours, theirs in zip(gguf_logits, dir_logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)  # the same values; float32 sums in another order
+    assert gguf_tokens == dir_tokens == greedy_tokens(reference_outputs(reference, prompts, NEW_TOKENS))

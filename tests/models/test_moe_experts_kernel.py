@@ -2,8 +2,8 @@
 float64, in both builds (-march=native and the AVX2 one): float32 experts with every expert at
 decode size (the one-job path) and with some past kMaxRows tokens (the GEMM path); experts in GGUF
 blocks (Q4_K, Q6_K, Q8_0: the gguf_blocks.cpp entry points) against their dequantised values;
-GPT-OSS's experts (biases, clamped SwiGLU), MXFP4 or float32, against its loop over the (dequantised)
-weights. Also: an expert id out of range is refused, and no pairs give zeros.
+GPT-OSS's experts (biases, clamped SwiGLU), MXFP4, float32 or in GGUF blocks, against its loop over
+the (dequantised) weights. Also: an expert id out of range is refused, and no pairs give zeros.
 """
 
 from __future__ import annotations
@@ -137,6 +137,37 @@ def test_gpt_oss_float32_experts_match_the_loop(build, tokens):
     if tokens:
         gu = x @ gate_up[0] + gate_up_bias[0]
         assert (gu[:, 0::2] > limit).any() and (gu[:, 1::2] < -limit).any()  # the clamps are live
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+@pytest.mark.parametrize("tokens", [0, 3, 40])  # 40 tokens over 4 experts: some past kMaxRows (the GEMM path)
+def test_gpt_oss_block_experts_match_the_loop(build, tokens):
+    """moe_experts_blocks_gpt_oss: GGUF blocks (Q8_0 gate, Q4_K up, Q6_K down), the interleaved
+    gate_up bias and the clamped SwiGLU, against the loop over the dequantised weights."""
+    experts, H, I, alpha = 4, 256, 256, 1.702
+    rng = np.random.default_rng(tokens)
+    formats = {"gate": "Q8_0", "up": "Q4_K", "down": "Q6_K"}
+    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    raw = {p: np.stack([random_blocks(formats[p], *shapes[p], rng) for _ in range(experts)]) for p in formats}
+    dense = {p: torch.from_numpy(np.stack([gguf.quants.dequantize(r, gguf.GGMLQuantizationType[formats[p]])
+                                           for r in raw[p]])) for p in formats}
+    gate_up = torch.stack((dense["gate"], dense["up"]), dim=2).reshape(experts, 2 * I, H)  # gate rows even
+    x = torch.from_numpy(rng.standard_normal((tokens, H)).astype(np.float32))
+    gate_up_bias = torch.from_numpy(rng.standard_normal((experts, 2 * I)).astype(np.float32)) / 8
+    down_bias = torch.from_numpy(rng.standard_normal((experts, H)).astype(np.float32))
+    probe = torch.from_numpy(rng.standard_normal((8, H)).astype(np.float32)) @ gate_up[0].T + gate_up_bias[0]
+    limit = float(probe.abs().median())  # both clamps cut some values
+    weights, ids = _routing(tokens, experts, tokens)
+    out = BUILDS[build].moe_experts_blocks_gpt_oss(x, weights, ids, *(a for p in formats for a in (
+        torch.from_numpy(raw[p]), formats[p])), gate_up_bias, down_bias, alpha, limit)
+    want = _gpt_oss_reference(x, weights, ids, gate_up, gate_up_bias, dense["down"], down_bias, alpha, limit)
+    scale = float(want.abs().max()) if want.numel() else 1.0
+    torch.testing.assert_close(out.double(), want, atol=1e-5 * max(1.0, scale), rtol=1e-4)
+    if tokens:
+        gu = x @ gate_up[0].T + gate_up_bias[0]
+        assert (gu[:, 0::2] > limit).any() and (gu[:, 1::2] < -limit).any()  # the clamps are live
+    if tokens == 40:
+        assert ids.flatten().bincount(minlength=experts).max() > 8  # the GEMM path ran
 
 
 def test_gpt_oss_layers_run_the_native_experts(monkeypatch):

@@ -4,6 +4,7 @@ and the loader's use of it on the real one."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -175,3 +176,51 @@ def test_the_engine_setting_is_checked_and_reaches_the_command_line():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, EngineConfig)
     assert parser.parse_args(["--quantized-max-rows", "16"]).quantized_max_rows == 16
+
+
+def test_a_second_start_reads_the_machines_stored_measurement(monkeypatch, tmp_path):
+    """The wall-clock measurement is stored under the cache root; a new process (MEASURED empty)
+    reads it instead of timing again; other threads (another key) measure anew."""
+    layers = linears_of([8, 12])
+    monkeypatch.setattr(row_crossover, "MEASURED", {})
+    rows = crossover_rows(layers, ceiling=64, cache=tmp_path)
+    stored = list((tmp_path / "row-crossover").glob("*.json"))
+    assert len(stored) == 1 and not list((tmp_path / "row-crossover").glob(".*"))  # no temporary left
+    monkeypatch.setattr(row_crossover, "MEASURED", {})
+
+    def must_not_measure(*args):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(row_crossover, "_measure", must_not_measure)
+    assert crossover_rows(layers, ceiling=64, cache=tmp_path) == rows
+    monkeypatch.setattr(row_crossover, "MEASURED", {})
+    with pytest.raises(AssertionError, match="measured again"):  # another ceiling: another key
+        crossover_rows(layers, ceiling=32, cache=tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "other rows", "other key", "bad value"])
+def test_a_corrupt_stored_measurement_is_ignored_and_measured_again(monkeypatch, tmp_path, caplog, damage):
+    layers = linears_of([8, 12])
+    monkeypatch.setattr(row_crossover, "MEASURED", {})
+    monkeypatch.setattr(row_crossover, "_measure", lambda linears, ceiling, time_call: {
+        shape_of(layers[0]): 16, shape_of(layers[1]): ALWAYS})
+    rows = crossover_rows(layers, ceiling=64, cache=tmp_path)
+    path, = (tmp_path / "row-crossover").glob("*.json")
+    text = path.read_text()
+    stored = json.loads(text)
+    if damage == "truncated":
+        path.write_text(text[:len(text) // 2])
+    elif damage == "not json":
+        path.write_bytes(b"\xff\x00garbage")
+    elif damage == "other rows":
+        path.write_text(json.dumps({**stored, "rows": stored["rows"][:1]}))
+    elif damage == "other key":
+        path.write_text(json.dumps({**stored, "key": {**stored["key"], "threads": 99}}))
+    else:
+        path.write_text(json.dumps({**stored, "rows": [[*r[:3], 5] for r in stored["rows"]]}))
+    monkeypatch.setattr(row_crossover, "MEASURED", {})
+    remeasured = {shape_of(layers[0]): 32, shape_of(layers[1]): 8}
+    monkeypatch.setattr(row_crossover, "_measure", lambda linears, ceiling, time_call: remeasured)
+    with caplog.at_level("WARNING", logger=row_crossover.__name__):
+        assert crossover_rows(layers, ceiling=64, cache=tmp_path) == remeasured != rows
+    assert "ignored" in caplog.text or "unreadable" in caplog.text
+    assert json.loads(path.read_text())["rows"] == [[*shape, r] for shape, r in remeasured.items()]  # rewritten

@@ -3,7 +3,9 @@
 The shadow proposer's drafts are partly right and partly wrong; the runner writes every draft's slots
 as the content it claims and marks rejected ones. So a rejected draft reported computed, read as KV
 or cached (C4), or a block table that disagrees after a rollback, fails the run; and the tokens must
-equal those of the same stream without speculation, with prefix caching on or off.
+equal those of the same stream without speculation, with prefix caching on or off. With a state
+group the slot is rolled back to the last kept token, and a state checkpoint captured after a
+rejected draft must never be cached (its first restore would fail).
 """
 
 from __future__ import annotations
@@ -17,25 +19,25 @@ from blockserve.scheduler.scheduler import Scheduler
 from blockserve.kv import KVCacheManager
 from blockserve.sim import ShadowViolation
 from blockserve.sim.drive import build, run_stream
+from blockserve.sim.shadow_runner import shadow_continuation
 from blockserve.spec_decode.config import SpeculativeConfig
 from tests.sim.conftest import LAYOUTS, kv_config
 from tests.sim.test_shadow_fuzz import MAX_MODEL_LEN, arrivals, streams
 
-ATTENTION_LAYOUTS = sorted(name for name in LAYOUTS if "state" not in name)
 
 
-def run(layout, specs, num_blocks, prefix_caching, budget, chunk, k=None, poison=False):
+def run(layout, specs, num_blocks, prefix_caching, budget, chunk, k=None, poison=False, check=True):
     sched_config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=6, max_num_batched_tokens=budget,
                                    max_prefill_chunk=chunk)
     speculative = None if k is None else SpeculativeConfig(num_speculative_tokens=k)
     scheduler, runner = build(kv_config(layout, num_blocks, prefix_caching, poison=poison), sched_config,
                               LAYOUTS[layout][1], speculative=speculative)
-    result = run_stream(scheduler, runner, arrivals(specs), max_steps=5000)
+    result = run_stream(scheduler, runner, arrivals(specs), check=check, max_steps=5000)
     scheduler.assert_idle()
     return result
 
 
-@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=streams(), num_blocks=st.integers(11, 24), budget=st.integers(4, 32), chunk=st.none() | st.integers(1, 8),
        k=st.integers(1, 5), caching=st.booleans(), poison=st.booleans())
@@ -61,6 +63,33 @@ def test_a_stream_speculates_rejects_and_hits():
     assert result.draft_tokens > 20 and 0 < result.rejected_drafts < result.draft_tokens
     assert result.prefix_hits > 0
     assert all(len(t) == 10 for t in result.tokens.values())
+
+
+def test_a_hybrid_stream_rolls_back_state_and_restores_checkpoints():
+    """State checkpoints are captured while drafts are verified (stride 4: most verifications cross one),
+    some after rejected drafts; the ones kept are restored by later requests sharing the replies."""
+    specs = [dict(rid=f"r{i}", prompt=[5, 6, 7, 8, 9, 10, 11, 12, 13] + [i % 2], max_tokens=12, salt=None,
+                  priority=0, step=3 * i, abort=None) for i in range(8)]
+    result = run("mla+state", specs, 40, True, 16, None, k=3, poison=True)
+    assert result.draft_tokens > 20 and 0 < result.rejected_drafts < result.draft_tokens
+    assert result.state_captures > 0 and result.prefix_hits > 0
+
+
+def test_a_checkpoint_captured_after_a_rejected_draft_is_caught(monkeypatch):
+    """The simulator can fail: a state manager that keeps a decode-time capture that followed a rejected
+    draft caches it once the request gets that far, and a later request whose prompt is the first's
+    prompt and reply restores a state no sequence has."""
+    from blockserve.kv.state_manager import LinearStateManager
+
+    first = [[5, 6, 7, 8, 9, 10, 11, i] for i in range(2)]
+    prompts = first + [p + shadow_continuation(p, 14)[:11] + [99] for p in first]
+    specs = [dict(rid=f"r{i}", prompt=p, max_tokens=14, salt=None, priority=0, step=0 if i < 2 else 60, abort=None)
+             for i, p in enumerate(prompts)]
+    result = run("mla+state", specs, 48, True, 16, None, k=3)  # correct as it is
+    assert result.rejected_drafts > 0 and result.prefix_hits > 0
+    monkeypatch.setattr(LinearStateManager, "drop_captures", lambda self, request_id, num_tokens: None)
+    with pytest.raises(ShadowViolation, match="state slot"):
+        run("mla+state", specs, 48, True, 16, None, k=3, check=False)  # the integrity check would stop it first
 
 
 def test_blocks_kept_after_a_rejection_are_caught(monkeypatch):

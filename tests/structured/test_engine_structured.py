@@ -1,7 +1,7 @@
 """Structured outputs through the offline API on the bundled SmolLM2 (greedy): a batch mixing
 JSON-schema, regex, choice and grammar rows with unconstrained ones; the constrained outputs
 obey their grammar and end with EOS ("stop"); the unconstrained rows get exactly the tokens they
-get alone; preemption (recompute) and async scheduling give the same outputs; abort and finish leave nothing behind;
+get alone; preemption (recompute), async scheduling and speculation give the same outputs; abort and finish leave nothing behind;
 min_tokens yields to the grammar; a bad schema is refused and the engine goes on."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from blockserve.attention.paged_attention import BACKENDS
 from blockserve.errors import InvalidRequest
 from blockserve.models.loader import load_model
 from blockserve.sampling_params import StructuredOutputsParams as Spec
+from blockserve.spec_decode import speculator as speculator_module
+from blockserve.spec_decode.step_costs import FlatStepCosts
 
 pytestmark = pytest.mark.slow  # the real model through the engine
 
@@ -113,6 +115,22 @@ def test_async_scheduling_gives_the_same_outputs(loaded, mixed):
     assert [o.outputs[0].token_ids for o in outs] == [out.token_ids for out in mixed]
     ahead.engine.core.scheduler.assert_idle()
     assert ahead.engine.core.runner.batch.requests == {}
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculation_gives_the_same_outputs(loaded, mixed, method, monkeypatch):
+    """Constrained and unconstrained rows draft; the grammar rows verify under their per-position masks
+    and come out as without drafts (the bundled model verifies in its native decode stack). Every
+    draft is verified, whatever the machine's load."""
+    monkeypatch.setattr(speculator_module, "StepCosts", FlatStepCosts)
+    spec = {"method": method, "num_speculative_tokens": 4}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    drafting = LLM(loaded, max_model_len=512, check_integrity=True, speculative_config=spec)
+    outs = drafting.chat(conversations(), [params(s) for _, s in CASES], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [out.token_ids for out in mixed]
+    assert drafting.engine.stats().speculation.num_accepted_tokens > 0
+    drafting.engine.core.scheduler.assert_idle()
 
 
 def test_min_tokens_yields_to_the_grammar(llm):

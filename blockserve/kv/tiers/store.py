@@ -13,6 +13,13 @@ no tier holds intact: the KV manager grants exactly those, and the tokens past t
 again. Writes run on one thread behind a queue bounded by the bytes it holds, so the step never
 waits for a disk; a save that would overfill it is dropped (counted), and a full disk or a failing
 file system turns writes off (with one warning) while loads go on.
+
+Under tensor parallelism each rank holds its own heads' KV, so a block is one entry per rank, each
+under its rank's fingerprint. The store is then built with every rank's fingerprint: `key` is the
+tuple of the ranks' entry keys, a block is held only when every rank's entry is, and a load (on rank
+0, which schedules) reads and verifies every rank's entry, returning them as a tuple (one payload per
+rank), or nothing when any one is missing or damaged, so the ranks never disagree on a hit. Each
+rank's own store writes that rank's entry (`rank`), from its own KV, on its own writer thread.
 """
 
 from __future__ import annotations
@@ -89,11 +96,32 @@ class _Counters:
         self.load_seconds = 0.0
 
 
-class TieredKVStore:
-    """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format."""
+Key = bytes | tuple[bytes, ...]  # one entry, or one per tensor-parallel rank
+Payload = bytearray | tuple[bytearray, ...]
 
-    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes, queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 loader_thread: bool = True):
+
+def _shards(key: Key) -> tuple[bytes, ...]:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _nbytes(payload: Payload | None) -> int:
+    if payload is None:
+        return 0
+    return sum(len(p) for p in payload) if isinstance(payload, tuple) else len(payload)
+
+
+class TieredKVStore:
+    """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format:
+    one (a single process), or a tuple of every tensor-parallel rank's, in rank order, of which this
+    process writes entry `rank` of each key."""
+
+    def __init__(self, tiers: Sequence[Tier], fingerprint: bytes | tuple[bytes, ...],
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, loader_thread: bool = True, rank: int = 0):
+        if isinstance(fingerprint, tuple) and not 0 <= rank < len(fingerprint):
+            raise ValueError(f"rank {rank} has no fingerprint among the {len(fingerprint)} given")
+        if not isinstance(fingerprint, tuple) and rank != 0:
+            raise ValueError(f"a store of one fingerprint is rank 0's, got rank {rank}")
+        self.rank = rank
         if not tiers:
             raise ValueError("a tiered KV store needs at least one tier")
         if queue_bytes <= 0:
@@ -120,32 +148,43 @@ class TieredKVStore:
             self._loader = threading.Thread(target=self._fetch_loop, name="blockserve-kv-loader", daemon=True)
             self._loader.start()
 
-    def key(self, group_id: int, block_hash: bytes) -> bytes:
+    def key(self, group_id: int, block_hash: bytes) -> Key:
+        """The key of a group's block: its entry's, or a tuple of every rank's entry's (tensor parallel)."""
+        if isinstance(self.fingerprint, tuple):
+            return tuple(entry_key(f, group_id, block_hash) for f in self.fingerprint)
         return entry_key(self.fingerprint, group_id, block_hash)
+
+    def _own(self, key: Key) -> bytes:
+        """The entry of `key` this process writes."""
+        return key[self.rank] if isinstance(key, tuple) else key
+
+    def _held(self, key: Key) -> bool:
+        return all(any(tier.contains(k) for tier in self.tiers) for k in _shards(key))
 
     # -- lookups and loads (the scheduler's thread) --------------------------------------------
 
     def num_held(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, some tier holds (not yet verified: see `load`)."""
         for i, key in enumerate(keys):
-            if not any(tier.contains(key) for tier in self.tiers):
+            if not self._held(key):
                 return i
         return len(keys)
 
     def holds(self, key: bytes) -> bool:
-        """Whether some tier holds `key` (not yet verified)."""
-        return any(tier.contains(key) for tier in self.tiers)
+        """Whether some tier holds `key` (every rank's entry of it; not yet verified)."""
+        return self._held(key)
 
-    def load(self, keys: Sequence[bytes]) -> list[bytearray]:
-        """The verified payloads of `keys`, from the first, up to the first that no tier holds intact;
-        a prefetched key is taken from what its read left, the others are read now."""
+    def load(self, keys: Sequence[Key]) -> list[Payload]:
+        """The verified payloads of `keys`, from the first, up to the first that no tier holds intact
+        (for a tuple key: up to the first one of whose ranks' entries is missing or damaged); a
+        prefetched key is taken from what its read left, the others are read now."""
         payloads = []
         for key in keys:
             with self._lock:
                 fetched = key in self._fetched
                 if fetched:
                     payload = self._fetched.pop(key)
-                    self._fetched_bytes -= len(payload) if payload is not None else 0
+                    self._fetched_bytes -= _nbytes(payload)
             if not fetched:
                 payload = self._read(key)
             if payload is None:
@@ -153,8 +192,19 @@ class TieredKVStore:
             payloads.append(payload)
         return payloads
 
-    def _read(self, key: bytes) -> bytearray | None:
-        """The key's verified payload from the first tier holding it intact (copied into the tiers before
+    def _read(self, key: Key) -> Payload | None:
+        """The key's verified payload; a tuple key's: every rank's, or None as soon as one is not intact."""
+        if not isinstance(key, tuple):
+            return self._read_entry(key)
+        payloads = []
+        for shard in key:
+            if (payload := self._read_entry(shard)) is None:
+                return None
+            payloads.append(payload)
+        return tuple(payloads)
+
+    def _read_entry(self, key: bytes) -> bytearray | None:
+        """The entry's verified payload from the first tier holding it intact (copied into the tiers before
         that one), None if none does."""
         for i, tier in enumerate(self.tiers):
             began = time.perf_counter()
@@ -206,10 +256,9 @@ class TieredKVStore:
             with self._lock:
                 self._fetching.discard(key)
                 self._fetched[key] = payload
-                self._fetched_bytes += len(payload) if payload is not None else 0
+                self._fetched_bytes += _nbytes(payload)
                 while self._fetched_bytes > self.queue_bytes:
-                    dropped = self._fetched.popitem(last=False)[1]
-                    self._fetched_bytes -= len(dropped) if dropped is not None else 0
+                    self._fetched_bytes -= _nbytes(self._fetched.popitem(last=False)[1])
 
     def _fetch_loop(self) -> None:
         while (keys := self._fetch_queue.get()) is not None:
@@ -217,13 +266,14 @@ class TieredKVStore:
 
     # -- saves ---------------------------------------------------------------------------------
 
-    def claim(self, key: bytes) -> bool:
+    def claim(self, key: Key) -> bool:
         """Whether a block of this key should be saved (writes on, not held by every tier, not
-        already on its way); a True is answered by exactly one `submit` or `release`."""
+        already on its way); a True is answered by exactly one `submit` or `release` (on rank 0;
+        under tensor parallelism every rank's store is then given the same save, for its own entry)."""
         with self._lock:
             if not self._writing or key in self._in_flight:
                 return False
-        if all(tier.contains(key) for tier in self.tiers):
+        if all(tier.contains(k) for tier in self.tiers for k in _shards(key)):
             return False
         with self._lock:
             self._in_flight.add(key)
@@ -233,8 +283,9 @@ class TieredKVStore:
         """Whether a save of `nbytes` submitted now would be queued (checked before copying a block out)."""
         return self._writing and self._queued_bytes + nbytes <= self.queue_bytes
 
-    def submit(self, key: bytes, payload: bytes) -> None:
-        """Queue a claimed save; dropped, never waited for, when the queue has no room for it."""
+    def submit(self, key: Key, payload: bytes) -> None:
+        """Queue a claimed save of this process's entry of `key`; dropped, never waited for, when the
+        queue has no room for it."""
         with self._lock:
             if self._queued_bytes + len(payload) > self.queue_bytes:
                 fits = False
@@ -246,7 +297,7 @@ class TieredKVStore:
         else:
             self.release(key, len(payload))
 
-    def release(self, key: bytes, nbytes: int = 0) -> None:
+    def release(self, key: Key, nbytes: int = 0) -> None:
         """Give up a claimed save (of `nbytes`, where known) without writing it."""
         with self._lock:
             self._in_flight.discard(key)
@@ -263,7 +314,7 @@ class TieredKVStore:
                 key, payload = item
                 try:
                     if self._writing:
-                        self._write(key, payload)
+                        self._write(self._own(key), payload)
                 finally:
                     with self._lock:
                         self._in_flight.discard(key)

@@ -82,5 +82,11 @@ at::Tensor moe_experts_mxfp4(at::Tensor x, at::Tensor weights, at::Tensor ids, a
 at::Tensor moe_experts_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up,
                                at::Tensor gate_up_bias, at::Tensor down, at::Tensor down_bias, double alpha,
                                double limit);
+// moe_experts.cpp: GPT-OSS's experts in GGUF blocks (gate, up [E, I, row bytes], down [E, H, row bytes]),
+// the checkpoint's interleaved gate_up_bias [E, 2I] and down_bias [E, H], the clamped SwiGLU.
+at::Tensor moe_experts_blocks_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
+                                      const std::string& gate_format, at::Tensor up, const std::string& up_format,
+                                      at::Tensor down, const std::string& down_format, at::Tensor gate_up_bias,
+                                      at::Tensor down_bias, double alpha, double limit);
 
 }  // namespace blockserve

@@ -70,6 +70,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> [T, H]: GPT-OSS's float32 experts",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 
+  // GPT-OSS's experts in GGUF blocks (moe_experts.cpp)
+  m.def("moe_experts_blocks_gpt_oss", &moe_experts_blocks_gpt_oss,
+        "(x, weights, ids, gate, gate_format, up, up_format, down, down_format, gate_up_bias [E, 2I], "
+        "down_bias [E, H], alpha, limit) -> [T, H]: GPT-OSS's experts over GGUF blocks [E, rows, row bytes]",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<bool>,

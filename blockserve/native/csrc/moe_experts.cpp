@@ -10,6 +10,9 @@
 //                     alpha, limit)
 //   moe_experts_gpt_oss(x, weights, ids, gate_up [E, H, 2I], gate_up_bias,  GPT-OSS's float32 experts,
 //                       down [E, I, H], down_bias, alpha, limit)            input-major (its checkpoint's)
+//   moe_experts_blocks_gpt_oss(x, weights, ids, gate, gate_format, up,     GPT-OSS's experts in GGUF blocks
+//                              up_format, down, down_format, gate_up_bias,  (Q8_0, K-quants, ...: what
+//                              down_bias, alpha, limit)                     llama-quantize writes for some mixes)
 //
 // The (token, slot) pairs are grouped by expert with a counting sort (experts in id order, a
 // token's pairs in token order), each expert's tokens gathered once. float32 experts: those with
@@ -33,6 +36,10 @@
 // (each row dequantised once into a per-task buffer, mxfp4_row.h, and dotted with its expert's
 // tokens); an expert with more takes mxfp4_matmul (its tiled GEMM). Float32 experts, stored
 // input-major, take one addmm per expert picked (torch's GEMM reads [K, N] rows as they lie).
+// GPT-OSS's experts in GGUF blocks (llama.cpp's ffn_gate_exps / ffn_up_exps [E, I, row bytes] apart,
+// ffn_down_exps [E, H, row bytes]) run as moe_experts_blocks does, each expert's rows through
+// gguf_blocks.cpp's entry points, with the checkpoint's interleaved gate_up bias and the clamped
+// SwiGLU above between the projections.
 
 #include "kernels.h"
 
@@ -237,6 +244,22 @@ void mxfp4_experts_matmul(const Groups& g, const at::Tensor& in, const at::Tenso
     }
 }
 
+// in [n, K] @ W^T of one expert's GGUF blocks raw [N, row bytes]: gguf_matmul for a few rows, the
+// dequantised weight and the GEMM for more
+at::Tensor blocks_matmul(const at::Tensor& in, const at::Tensor& raw, const std::string& format, int64_t columns) {
+  if (in.size(0) <= kMaxRows) return gguf_matmul(in, raw, format);
+  return at::mm(in, gguf_dequantize(raw, format, columns).t());
+}
+
+void check_blocks_experts(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, int64_t E,
+                          int64_t I, int64_t H, const char* name) {
+  for (const auto* t : {&gate, &up, &down})
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 3 && t->size(0) == E && t->is_contiguous(),
+                name, ": gate, up and down must be contiguous uint8 [E, rows, row bytes]");
+  TORCH_CHECK(gate.size(1) == I && up.size(1) == I && down.size(1) == H,
+              name, ": gate and up need `intermediate` rows, down H rows");
+}
+
 }  // namespace
 
 at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up, at::Tensor down) {
@@ -288,32 +311,24 @@ at::Tensor moe_experts_blocks(at::Tensor x, at::Tensor weights, at::Tensor ids, 
                               at::Tensor down, const std::string& down_format, int64_t intermediate) {
   check_inputs(x, weights, ids);
   const int64_t E = gate.size(0), H = x.size(1), I = intermediate;
-  for (const auto* t : {&gate, &up, &down})
-    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 3 && t->size(0) == E && t->is_contiguous(),
-                "moe_experts_blocks: gate, up and down must be contiguous uint8 [E, rows, row bytes]");
-  TORCH_CHECK(gate.size(1) == I && up.size(1) == I && down.size(1) == H,
-              "moe_experts_blocks: gate and up need `intermediate` rows, down H rows");
+  check_blocks_experts(gate, up, down, E, I, H, "moe_experts_blocks");
   auto out = at::zeros_like(x);
   const Groups g = group_by_expert(weights, ids, E);
   const int64_t pairs = static_cast<int64_t>(g.token.size());
   if (pairs == 0) return out;
   const auto xs = gathered(x, g);
   auto y = at::empty({pairs, H}, x.options());
-  const auto matmul = [](const at::Tensor& in, const at::Tensor& raw, const std::string& format, int64_t columns) {
-    if (in.size(0) <= kMaxRows) return gguf_matmul(in, raw, format);
-    return at::mm(in, gguf_dequantize(raw, format, columns).t());
-  };
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = g.start[e + 1] - g.start[e];
     if (n == 0) continue;
     const auto xe = xs.narrow(0, g.start[e], n);
-    auto gate_e = matmul(xe, gate[e], gate_format, H);
-    const auto up_e = matmul(xe, up[e], up_format, H);
+    auto gate_e = blocks_matmul(xe, gate[e], gate_format, H);
+    const auto up_e = blocks_matmul(xe, up[e], up_format, H);
     float* gp = gate_e.data_ptr<float>();
     const float* upp = up_e.data_ptr<float>();
 #pragma omp simd
     for (int64_t i = 0; i < n * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
-    y.narrow(0, g.start[e], n).copy_(matmul(gate_e, down[e], down_format, I));
+    y.narrow(0, g.start[e], n).copy_(blocks_matmul(gate_e, down[e], down_format, I));
   }
   add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
   return out;
@@ -365,6 +380,47 @@ at::Tensor moe_experts_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids,
   input_major_experts_matmul(g, gathered(x, g), gate_up, gate_up_bias, gu);
   auto y = at::empty({pairs, H}, x.options());
   input_major_experts_matmul(g, clamped_swiglu(gu, alpha, limit), down, down_bias, y);
+  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor moe_experts_blocks_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
+                                      const std::string& gate_format, at::Tensor up, const std::string& up_format,
+                                      at::Tensor down, const std::string& down_format, at::Tensor gate_up_bias,
+                                      at::Tensor down_bias, double alpha, double limit) {
+  check_inputs(x, weights, ids);
+  const int64_t E = gate.size(0), H = x.size(1), I = gate.size(1);
+  check_blocks_experts(gate, up, down, E, I, H, "moe_experts_blocks_gpt_oss");
+  check_biases(gate_up_bias, down_bias, E, I, H);
+  auto out = at::zeros_like(x);
+  const Groups g = group_by_expert(weights, ids, E);
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  if (pairs == 0) return out;
+  const auto xs = gathered(x, g);
+  auto y = at::empty({pairs, H}, x.options());
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    const auto xe = xs.narrow(0, g.start[e], n);
+    auto gate_e = blocks_matmul(xe, gate[e], gate_format, H);  // [n, I], made here: contiguous
+    const auto up_e = blocks_matmul(xe, up[e], up_format, H);
+    float* gp = gate_e.data_ptr<float>();
+    const float* upp = up_e.data_ptr<float>();
+    const float* bias = gate_up_bias.data_ptr<float>() + e * 2 * I;  // gate at even entries, up at odd
+    for (int64_t r = 0; r < n; ++r) {
+      float* gr = gp + r * I;
+      const float* ur = upp + r * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = std::min(gr[i] + bias[2 * i], l), uv = std::clamp(ur[i] + bias[2 * i + 1], -l, l);
+        gr[i] = (uv + 1.f) * gv / (1.f + std::exp(-a * gv));
+      }
+    }
+    auto y_e = y.narrow(0, g.start[e], n);
+    y_e.copy_(blocks_matmul(gate_e, down[e], down_format, I));
+    y_e.add_(down_bias[e]);
+  }
   add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
   return out;
 }

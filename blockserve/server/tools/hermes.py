@@ -28,10 +28,9 @@ import re
 from collections.abc import Callable
 from functools import lru_cache
 
-from transformers.utils.chat_template_utils import render_jinja_template
-
 from blockserve.engine.llm_engine import LLMEngine
 from blockserve.errors import InvalidRequest
+from blockserve.models.chat_template import render
 from blockserve.sampling_params import StructuredOutputsParams
 from blockserve.server.http.errors import APIError
 from blockserve.server.protocol import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
@@ -72,8 +71,8 @@ def _renders_hermes(template: str) -> bool:
     if OPEN not in template:
         return False
     try:
-        with_tools = render_jinja_template([_PROBE_MESSAGES], tools=[_PROBE_TOOL], chat_template=template)[0][0]
-        without = render_jinja_template([_PROBE_MESSAGES[:1]], chat_template=template)[0][0]
+        with_tools = render(template, _PROBE_MESSAGES, tools=[_PROBE_TOOL])
+        without = render(template, _PROBE_MESSAGES[:1])
     except Exception:  # a template that cannot render the probe cannot be served natively
         return False
     if "probe_tool_7f3a" in without or "probe_result_7f3a" not in with_tools:

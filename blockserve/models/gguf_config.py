@@ -1,0 +1,123 @@
+"""A GGUF file's model config read straight from its metadata, without transformers, for the
+families whose config is a plain renaming of llama.cpp's keys: Llama (without experts) and Qwen2.
+
+`GGUFConfig` carries the attributes the model classes and the engine read, with the values
+transformers' `LlamaConfig` / `Qwen2Config` get from the same file (renamed as its GGUF loader does,
+its defaults where a key is absent); an attribute transformers' class for that family lacks is
+absent here too (`getattr(config, name, default)` sees the same). Every other family keeps
+transformers' config (models/loader.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+
+# GGUF architecture -> (model_type, architecture class name)
+FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+# llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
+_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+         "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+         "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+         "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+         "vocab_size": "vocab_size"}
+_TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "padding_token_id": "pad_token_id"}
+# transformers' defaults per family, for keys a file may leave out
+_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                       "bos_token_id": 1, "eos_token_id": 2},
+             "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}}
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# the attributes only one family's transformers config has (absent from the other's)
+_ONLY = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
+         "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class GGUFConfig:
+    """A Llama or Qwen2 config from GGUF metadata; the attributes of the other family are absent
+    (AttributeError), as on transformers' config."""
+
+    model_type: str
+    architectures: list[str]  # lists, as transformers' (a frozen config: not to be changed)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hidden_act: str = "silu"
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    # llama.cpp's per-dimension divisors of the rotary frequencies (a file's rope_freqs tensor: Llama
+    # 3.1's llama3 scaling); absent (AttributeError) where the file has none, as on transformers' config
+    rope_freq_divisors: list[float] | None = None
+    # Llama only
+    head_dim: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    pretraining_tp: int = 1
+    # Qwen2 only
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: list[str] = field(default_factory=list)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()) or (
+                name == "rope_freq_divisors" and object.__getattribute__(self, name) is None):
+            raise AttributeError(f"{object.__getattribute__(self, 'model_type')} config has no {name!r}")
+        return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        return f"GGUFConfig({self.to_dict()})"
+
+    def to_dict(self) -> dict:
+        """The config's attributes (those its family has), as plain values."""
+        absent = _ABSENT[self.model_type]
+        values = {name: object.__getattribute__(self, name) for name in self.__dataclass_fields__ if name not in absent}
+        if values["rope_freq_divisors"] is None:
+            del values["rope_freq_divisors"]
+        return {name: list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+                for name, value in values.items()}
+
+
+_ABSENT = {family: tuple(name for other, names in _ONLY.items() if other != family for name in names)
+           for family in _ONLY}
+
+
+def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[float] | None = None) -> GGUFConfig:
+    """The config of a GGUF file of architecture `arch` (a key of FAMILIES), with the file's rope_freqs
+    divisors (read by the loader, None where it has none); ValueError naming a missing required key."""
+    model_type, architecture = FAMILIES[arch]
+    values: dict[str, Any] = dict(_DEFAULTS[model_type])
+    for key, name in _KEYS.items():
+        if (found := reader.fields.get(f"{arch}.{key}")) is not None:
+            values[name] = found.contents()
+    for key, name in _TOKEN_KEYS.items():
+        if (found := reader.fields.get(f"tokenizer.ggml.{key}")) is not None:
+            values[name] = found.contents()
+    missing = [f"{arch}.{key}" for key, name in _KEYS.items() if name in _REQUIRED and name not in values]
+    if missing:
+        raise ValueError(f"GGUF file lacks {', '.join(missing)}: it is not a complete {arch} model; convert it again")
+    values.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
+    values.setdefault("num_key_value_heads", values["num_attention_heads"])
+    values["rope_parameters"] = {"rope_theta": values.pop("rope_theta"), "rope_type": "default"}
+    values["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    if model_type == "llama":
+        rotary = reader.fields.get(f"{arch}.rope.dimension_count")
+        values["head_dim"] = rotary.contents() if rotary is not None else \
+            values["hidden_size"] // values["num_attention_heads"]
+    else:
+        values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
+    return GGUFConfig(model_type=model_type, architectures=[architecture], rope_freq_divisors=rope_freq_divisors,
+                      **values)

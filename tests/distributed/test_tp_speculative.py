@@ -1,0 +1,95 @@
+"""Speculative decoding over 2 gloo ranks: the proposer and the acceptance run on rank 0, the
+verification's k + 1 rows through every rank's forward, and rank 1 takes the accepted count from
+the scheduler's next step (worker/input_batch.py). Greedy tokens equal one rank's without
+speculation, with drafts accepted (so rank 1 really settled verifications), with prefix caching,
+chunked prefill, poison and the integrity checks on; under `-m tp_full` also under preemption, and
+with a draft model (loaded whole on rank 0) equal to the target.
+
+Each TP=2 engine spawns a rank process that imports torch and loads its shard (~5-10 s here):
+the default suite runs one engine pair, `-m tp_full` the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from blockserve.engine.llm import LLM
+from blockserve.models.random_checkpoint import save_random_model
+from blockserve.sampling_params import SamplingParams
+from blockserve.spec_decode import speculator as speculator_module
+from blockserve.spec_decode.step_costs import FlatStepCosts
+from tests.distributed.processes import child_pids
+from tests.engine.test_speculative_engine import NEW_TOKENS, SPEC, prompts
+from tests.engine.test_tiny_engine import SIZES
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # rank processes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+OPTIONS = dict(num_threads=1, block_size=4, check_integrity=True, poison=True, enable_prefix_caching=True,
+               max_num_batched_tokens=16)  # the 30-token prompt in chunks
+# Two KV heads over two ranks: a rank's block holds half the bytes, so half the budget gives each rank
+# the blocks one device has with the whole of it (about 17: the preemption case runs out of them).
+ROOMY, TIGHT = dict(kv_cache_memory="4MiB"), dict(kv_cache_memory=17 * 4096, max_model_len=64)
+TIGHT_PER_RANK = dict(kv_cache_memory=17 * 2048, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("llama")
+    save_random_model(LlamaConfig(**SIZES), path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def flat_step_costs(monkeypatch):
+    """Every draft is verified (rank 0's speculator weighs every step alike), whatever the machine's load."""
+    monkeypatch.setattr(speculator_module, "StepCosts", FlatStepCosts)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+def _run_tp2(path: str, spec: dict, plain: list[list[int]], **options):
+    """Generate twice on a TP=2 engine with `spec`, the second time from the prefix cache (asserted
+    hit): each time `plain`'s tokens. Returns the engine's SchedulerStats; no process is left."""
+    before = child_pids()
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, **OPTIONS, **options) as llm:
+        assert _tokens(llm) == plain
+        hits = llm.engine.stats().prefix_cache_hits
+        assert _tokens(llm) == plain
+        stats = llm.engine.stats()
+        assert stats.prefix_cache_hits > hits
+        llm.engine.core.scheduler.assert_idle()
+    assert not child_pids() - before  # closed: rank 1 has exited
+    return stats
+
+
+def test_tp2_ngram_speculation_gives_one_ranks_plain_tokens(tiny):
+    with LLM(tiny, **OPTIONS, **ROOMY) as llm:
+        plain = _tokens(llm)
+    stats = _run_tp2(tiny, SPEC, plain, **ROOMY).speculation
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0  # rank 1 settled accepted drafts
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # ...and rejected ones (random weights)
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+
+
+@pytest.mark.tp_full
+def test_tp2_speculation_under_preemption(tiny):
+    with LLM(tiny, **OPTIONS, **TIGHT) as llm:
+        plain = _tokens(llm)
+    stats = _run_tp2(tiny, SPEC, plain, **TIGHT_PER_RANK)
+    assert stats.num_preemptions > 0
+    assert stats.speculation.num_accepted_tokens > 0
+
+
+@pytest.mark.tp_full
+def test_tp2_with_a_draft_model_on_rank_0(tiny):
+    """The draft (here the target itself, loaded whole) runs on rank 0 only; its drafts are the target's
+    greedy tokens, so nearly all are accepted."""
+    with LLM(tiny, **OPTIONS, **ROOMY) as llm:
+        plain = _tokens(llm)
+    spec = {"method": "draft_model", "model": tiny, "num_speculative_tokens": 3}
+    stats = _run_tp2(tiny, spec, plain, **ROOMY).speculation
+    assert stats.num_accepted_tokens > stats.num_draft_tokens // 2

@@ -1,0 +1,169 @@
+"""Speculative decoding on hybrid models (Gated DeltaNet: Qwen3-Next, Mamba2: Granite 4.0-H, KDA + MLA:
+Kimi Linear): greedy tokens identical with and without speculation, with prefix caching on (state
+checkpoints captured while decoding, some past rejected drafts) and off, chunked prefill,
+preemption and poison. The drafts come from an oracle that knows the greedy reply and spoils it
+after a varying number of right tokens, so every verification keeps some drafts and rolls back
+the rest: a rollback bug (a slot left holding a rejected draft's state, a checkpoint cached
+after one) changes the tokens that follow. N-gram and suffix drafts, and an attention-only draft
+model, run too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from blockserve import LLM, SamplingParams
+from blockserve.engine.config import EngineConfig
+from blockserve.engine.core import kv_groups_of, refuse_state_speculation_under_tp
+from blockserve.kv import LinearStateSpec
+from blockserve.models.random_checkpoint import save_random_model
+from blockserve.spec_decode import speculator as speculator_module
+from blockserve.spec_decode.step_costs import FlatStepCosts
+from tests.engine.test_draft_model_engine import DRAFT_SIZES
+from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8}
+NEW_TOKENS = 20
+BASE = dict(block_size=4, max_model_len=128, kv_cache_memory="8MiB", check_integrity=True, poison=True)
+SCENARIOS = {
+    "caching": {},
+    "no-caching": {"enable_prefix_caching": False},
+    "chunked": {"max_num_batched_tokens": 8},
+    "preemption": {},  # a cache of a few blocks: see small_cache
+    "async": {"async_scheduling": True},  # a verified step is settled before the next is scheduled
+}
+
+
+def small_cache(llm: LLM) -> dict:
+    """Options for a cache of 4 state slots, room for 2 checkpoints and about 20 attention blocks (the
+    four requests need about 40 together): requests are preempted."""
+    specs = llm.engine.core.loaded.model.kv_cache_specs(BASE["block_size"]).values()
+    slot = sum(s.page_size_bytes for s in specs if isinstance(s, LinearStateSpec))
+    block = sum(s.page_size_bytes for s in specs if not isinstance(s, LinearStateSpec))
+    memory = (4 + 1 + 2) * slot + 20 * block + 1
+    return dict(kv_cache_memory=memory, max_num_seqs=4, max_model_len=48, state_checkpoint_share=2 * slot / memory)
+
+
+@pytest.fixture(autouse=True)
+def flat_step_costs(monkeypatch):
+    """Every draft is verified whatever the machine's load."""
+    monkeypatch.setattr(speculator_module, "StepCosts", FlatStepCosts)
+
+
+class OracleProposer:
+    """Drafts the known greedy continuation of a prompt, the first `right` tokens right (`right` varies
+    with the length) and the rest one off; nothing for a prompt it does not know."""
+
+    def __init__(self, replies: dict[tuple[int, ...], list[int]]):
+        self.replies = replies
+
+    def propose(self, request_id, token_ids, max_tokens: int) -> list[int]:
+        for prompt, reply in self.replies.items():
+            done = len(token_ids) - len(prompt)
+            if done >= 0 and tuple(token_ids[:len(prompt)]) == prompt and list(token_ids[len(prompt):]) == reply[:done]:
+                truth = reply[done:done + max_tokens]
+                right = (len(token_ids) * 5) % (len(truth) + 1)
+                return truth[:right] + [(t + 1) % VOCAB for t in truth[right:]]
+        return []
+
+    def forget(self, request_id) -> None:
+        """Holds nothing per request."""
+
+    @property
+    def num_requests(self) -> int:
+        return 0
+
+
+def prompts() -> list[list[int]]:
+    """Repetitive prompts (lookup finds drafts, the random model rejects many) and a plain one."""
+    gen = torch.Generator().manual_seed(5)
+    loop = torch.randint(0, VOCAB, (5,), generator=gen).tolist()
+    return [loop * 5, loop * 3 + [1, 2], torch.randint(0, VOCAB, (11,), generator=gen).tolist(), [3, 4] * 7]
+
+
+def run(llm: LLM, turns: int = 1) -> list[list[int]]:
+    """Greedy tokens of every prompt; with turns > 1, each next prompt repeats the last one and its reply
+    (a second turn restores the state checkpoint its first turn's decoding captured)."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    current, out = prompts(), []
+    for _ in range(turns):
+        replies = [o.outputs[0].token_ids for o in llm.generate(current, params, use_tqdm=False)]
+        out += replies
+        current = [p + r + [7] for p, r in zip(current, replies)]
+    return out
+
+
+# Granite (Mamba2, checkpoint stride 8: decode-time captures past rejected drafts) in the fast run; the
+# other two families (about 4 s more on 2 cores) with the slow ones; tests/attention/test_state_rollback.py
+# checks every layer kind's rollback in the fast run.
+@pytest.fixture(scope="module", params=["granitemoehybrid", pytest.param("qwen3_next", marks=pytest.mark.slow),
+                                        pytest.param("kimi_linear", marks=pytest.mark.slow)])
+def family(request, tiny_model):
+    """(an LLM without speculation, whose loaded model the others share; its greedy tokens over two turns)."""
+    path, _ = tiny_model(request.param)
+    plain = LLM(str(path), **BASE)
+    return plain, run(plain, turns=2)
+
+
+def replies_of(plain: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt of both turns (as `run` builds them) -> its greedy reply."""
+    first, n = prompts(), len(prompts())
+    second = [p + r + [7] for p, r in zip(first, plain[:n])]
+    return {tuple(p): r for p, r in zip(first + second, plain)}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_greedy_tokens_are_identical_with_partly_rejected_drafts(family, scenario, monkeypatch):
+    plain_llm, plain = family
+    monkeypatch.setattr(speculator_module, "make_proposer", lambda config: OracleProposer(replies_of(plain)))
+    options = BASE | (small_cache(plain_llm) if scenario == "preemption" else SCENARIOS[scenario])
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=NGRAM, **options)
+    turns = 2 if scenario == "caching" else 1
+    assert run(llm, turns) == plain[:len(plain) * turns // 2]
+    stats = llm.engine.stats().speculation
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts kept, some rolled back
+    assert 0 < stats.accepted_per_position[0] < stats.drafted_per_position[0]
+    if scenario == "caching" and llm.engine.core.kv_config.checkpoint_stride == 8:  # Granite's; 64 is past these
+        assert llm.engine.core.scheduler.kv.prefix_cache_stats().checkpoint_restores > 0
+    if scenario == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    llm.engine.core.scheduler.assert_idle()
+
+
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_tokens_are_identical_with_lookup_drafts(family, config):
+    plain_llm, plain = family
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=config, **BASE)
+    assert run(llm, 2) == plain
+    assert llm.engine.stats().speculation.num_draft_tokens > 0
+    llm.engine.core.scheduler.assert_idle()
+
+
+def test_an_attention_draft_model_serves_a_hybrid_target(family, tmp_path):
+    """A hybrid target with a small attention-only draft of its vocabulary: the random draft is mostly
+    wrong, so most verifications roll the target's state back."""
+    plain_llm, plain = family
+    draft = tmp_path / "draft"
+    save_random_model(LlamaConfig(**DRAFT_SIZES), draft, seed=5)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=spec, **BASE)
+    assert run(llm) == plain[:len(prompts())]
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > stats.num_accepted_tokens
+    llm.engine.core.scheduler.assert_idle()
+
+
+def test_tensor_parallelism_is_refused_with_recurrent_state(family):
+    """Ranks above 0 learn a verification's accepted count a step late, after the per-row states are
+    gone, so a hybrid with speculation under tensor parallelism is refused before any rank starts."""
+    plain_llm, _ = family
+    config = EngineConfig(tensor_parallel_size=2, speculative_config=NGRAM)
+    groups = kv_groups_of(plain_llm.engine.core.loaded.model, config)
+    with pytest.raises(ValueError, match="recurrent-state layers .*rolled back on rank 0 only"):
+        refuse_state_speculation_under_tp(config, groups)
+    refuse_state_speculation_under_tp(EngineConfig(speculative_config=NGRAM), groups)
+    refuse_state_speculation_under_tp(EngineConfig(tensor_parallel_size=2), groups)
