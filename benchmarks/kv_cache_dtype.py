@@ -4,7 +4,7 @@ one run.
 
     python -m benchmarks.kv_cache_dtype [--quality-tokens 20480] [--contexts 2048 8192] [--batches 1 16]
         [--needle-contexts 1024 2048 4096 8176] [--threads 2] [--rounds 3] [--skip-llama-cpp]
-        [--json results/kv_cache_dtype.json]
+        [--per-layer-4bit] [--json results/kv_cache_dtype.json]
 
 quality    the model over --quality-tokens tokens of English prose in windows of 1024, prefilled
            in chunks of 256 (later chunks read the cache as decodes do), once per KV dtype: mean and
@@ -22,11 +22,14 @@ latency    one decode step of the whole model (the engine's native decode stack)
            them): median of --rounds x 4 steps. llama.cpp: llama-batched-bench -npp C -ntg 16 -npl B
            -pps -fa on -ctk T -ctv T (the prompt prefilled once and shared by the B sequences),
            T_TG / 16. Both at --threads threads, in the same run, with the other processes' CPU share.
+           --per-layer-4bit: int4 and k8v4 also with the fused rotary decode call refused for them
+           (the per-layer path: kv_quant's PyTorch rotation and write around the decode kernel).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -43,6 +46,7 @@ from blockserve.attention import kv_quant
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.metadata import AttentionMetadata, BatchLayout
 from blockserve.attention.paged_attention import BACKENDS
+from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.bench.common import environment
 from blockserve.kv.config import KVCacheConfig, KVCacheGroup
 from blockserve.kv.specs import with_kv_cache_dtype
@@ -225,6 +229,24 @@ def decode_latency_ms(loaded, dtype: str, context: int, batch: int, rounds: int)
     return {"ms": 1e3 * statistics.median(times), "others_cpu_share": share.others}
 
 
+@contextlib.contextmanager
+def per_layer_4bit():
+    """Within it, the fused rotary decode call (and so the native decode stack) refuses rotated 4-bit and
+    split caches, which then take the per-layer path."""
+    fixed = RotaryDecode.fixed
+
+    def refusing(self, cache, dtype):
+        if kv_quant.is_rotated(cache.k_cache) or kv_quant.is_rotated(cache.v_cache):
+            return None
+        return fixed(self, cache, dtype)
+
+    RotaryDecode.fixed = refusing
+    try:
+        yield
+    finally:
+        RotaryDecode.fixed = fixed
+
+
 def llama_bin() -> Path:
     here = Path(__file__).resolve().parent / "peers" / "build_llama_cpp.sh"
     out = subprocess.run([str(here), "native"], check=True, capture_output=True, text=True).stdout
@@ -260,6 +282,7 @@ def main() -> int:
     ap.add_argument("--skip-needle", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--per-layer-4bit", action="store_true", help="int4 and k8v4 also on the per-layer path")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -291,6 +314,10 @@ def main() -> int:
             row = {"context": context, "batch": batch}
             for dtype in DTYPES:
                 row[f"blockserve {dtype}"] = decode_latency_ms(loaded, dtype, context, batch, args.rounds)
+                if args.per_layer_4bit and dtype in ("int4", "k8v4"):
+                    with per_layer_4bit():
+                        row[f"blockserve {dtype} per-layer"] = decode_latency_ms(loaded, dtype, context, batch,
+                                                                                  args.rounds)
             if bin_dir is not None:
                 for kind in LLAMA_TYPES:
                     row[f"llama.cpp {kind}"] = llama_decode_ms(bin_dir, gguf, kind, context, batch, args.threads)

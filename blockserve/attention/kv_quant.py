@@ -35,8 +35,8 @@ folds it into the key's score and the value's weight, one multiply per key inste
 for e4m3, 0xFF for 4-bit; NaN scales and minimum) to NaN. Torch has no index_copy_ / index_fill_
 for float8, so writes and fills go through a uint8 view of the same bytes.
 
-csrc/paged_decode_quantized.cpp writes the one-byte forms' bytes (the same rounding) and reads all
-three in place.
+csrc/paged_decode_quantized.cpp writes all three forms' bytes in the fused decode step (the same
+rounding; the 4-bit form after the same rotation, to the same float32 bits) and reads them in place.
 """
 
 from __future__ import annotations

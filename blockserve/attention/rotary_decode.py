@@ -6,17 +6,18 @@ is a decode, csrc/paged_decode.cpp's rotary_decode_attention does all of it in o
 
     qkv [T, (Hq + 2 Hkv) D] ─► rotate q, k in place ─► write k, v at slot_mapping ─► attend ─► [T, Hq * D]
 
-It is exactly what the reference path computes (fused rotary_, the backend's index_copy_ and
-its native decode kernel), so results do not change. Anything else (prefill rows, a sliding
-window, attention sinks, a backend without the native kernel, a dtype or device the kernel does not take)
-returns None and the caller runs the reference path.
+It is exactly what the reference path computes (fused rotary_, the backend's cache write and
+its native decode kernel), so results do not change. Over the rotated 4-bit form (int4, and k8v4's
+values) the call also does what attention/kv_quant.py does around the kernel: rotates k, v (and q,
+where the keys are rotated) before quantising them, and un-rotates the output once. Anything else
+(prefill rows, a sliding window, attention sinks, a backend without the native kernel, a dtype or
+device the kernel does not take) returns None and the caller runs the reference path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from blockserve.attention import kv_quant
 from blockserve.attention.context import ForwardContext, LayerCache
 from blockserve.attention.layer import Attention
 from blockserve.attention.metadata import AttentionMetadata
@@ -47,10 +48,9 @@ class RotaryDecode:
         `dtype` on the CPU reading `cache`, else None: what does not change from step to step."""
         attn = self.attn
         kernel = self._kernel()
+        k_dtype, v_dtype = cache.k_cache.dtype, cache.v_cache.dtype
         if (kernel is None or attn.sliding_window is not None or cache.k_cache.device.type != "cpu"
-                or kv_quant.is_rotated(cache.k_cache) or kv_quant.is_rotated(cache.v_cache)  # the fused write
-                or cache.k_cache.dtype != cache.v_cache.dtype  # has no rotation: the layer's path writes these
-                or not kernel.reads(dtype, cache.k_cache.dtype, attn.head_dim)):
+                or not kernel.reads(dtype, k_dtype, attn.head_dim, None if v_dtype == k_dtype else v_dtype)):
             return None
         return kernel, cache.k_cache, cache.v_cache
 

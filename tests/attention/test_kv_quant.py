@@ -203,22 +203,30 @@ def test_native_decode_refuses_a_cache_without_scales():
                               table, starts, lens, 0.125)
 
 
-def fused_step(head_dim: int, codes: torch.dtype, hq: int = 6, hkv: int = 2, bs: int = 4, seed: int = 0):
+def fused_step(head_dim: int, codes: torch.dtype, hq: int = 6, hkv: int = 2, bs: int = 4, seed: int = 0,
+               v_codes: torch.dtype | None = None, kernel=None):
+    """A decode step of 5 sequences (one starting a fresh block, partial blocks) over poisoned caches of
+    `codes` keys and `v_codes` values (default: `codes`) with the earlier tokens written; `kernel`: the
+    backend's native decode kernel (default: this CPU's build)."""
+    v_codes = codes if v_codes is None else v_codes
     gen = torch.Generator().manual_seed(seed)
     attn = Attention("layer", hq, hkv, head_dim, ExactLengthAttention(head_dim**-0.5), dtype=torch.float32)
+    if kernel is not None:
+        attn.backend.decode_kernel = kernel
     computed = [0, 3, 4, 9, 30]
     need = [-(-(c + 1) // bs) for c in computed]
     order = (torch.randperm(sum(need), generator=gen) + 1).tolist()
-    k_cache = torch.zeros(sum(need) + 1, bs, hkv, head_dim + 2, dtype=torch.int8).view(codes)
-    kv_quant.fill_rows(k_cache, 0, torch.arange(1, sum(need) + 1), poison=True)
-    v_cache = k_cache.clone()
+    k_cache = empty_cache((sum(need) + 1, bs, hkv), head_dim, codes)
+    v_cache = empty_cache((sum(need) + 1, bs, hkv), head_dim, v_codes)
+    for cache in (k_cache, v_cache):
+        kv_quant.fill_rows(cache, 0, torch.arange(1, sum(need) + 1), poison=True)
     table = torch.zeros(len(computed), max(need), dtype=torch.int64)
     for i, (c, blocks) in enumerate(zip(computed, need)):
         table[i, :blocks], order = torch.tensor(order[:blocks]), order[blocks:]
         for p in range(c):
             slot = (table[i, p // bs], p % bs)
-            k_cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), codes).view(torch.uint8)
-            v_cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), codes).view(torch.uint8)
+            for cache, form in ((k_cache, codes), (v_cache, v_codes)):
+                cache.view(torch.uint8)[slot] = kv_quant.encode(torch.randn(hkv, head_dim, generator=gen), form).view(torch.uint8)
     layout = BatchLayout.build([1] * len(computed), computed)
     ctx = ForwardContext({"layer": LayerCache(0, k_cache, v_cache)}, [AttentionMetadata.build(layout, table, bs)])
     qkv = torch.randn(len(computed), (hq + 2 * hkv) * head_dim, generator=gen)
@@ -226,25 +234,66 @@ def fused_step(head_dim: int, codes: torch.dtype, hq: int = 6, hkv: int = 2, bs:
     return attn, ctx, qkv, angles.cos(), angles.sin()
 
 
+def assert_same_codes(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Two caches' rows: the same bytes but for codes one step apart where the rotary's rounding (FMA
+    or not) moved a value by an ulp (scales may then move by an ulp of float16 too)."""
+    if torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)):
+        return
+    tail = kv_quant.scale_bytes(mine.dtype)
+    if mine.dtype == torch.uint8:
+        codes = lambda c: torch.stack([c[..., :-tail] & 15, c[..., :-tail] >> 4], -1).int()  # noqa: E731
+    else:
+        codes = lambda c: c.view(torch.int8)[..., :-tail].int()  # noqa: E731
+    assert (codes(mine) - codes(theirs)).abs().max() <= 1
+    scales = [c[..., -tail:].view(torch.float16).float() for c in (mine, theirs)]
+    torch.testing.assert_close(scales[0], scales[1], rtol=2e-3, atol=0, equal_nan=True)
+
+
 @needs_native
-@CODES
+@BUILDS
+@KV_CODES
 @pytest.mark.parametrize("head_dim", [64, 8])
-def test_fused_decode_writes_the_bytes_the_backend_writes(codes, head_dim):
+def test_fused_decode_writes_the_bytes_the_backend_writes(without_avx512, codes, v_codes, head_dim):
     """The fused rotary + quantised write + attention equals the backend's PyTorch path: the same
-    int8 bytes in every row (poison where unwritten), the same output to float32 rounding."""
-    attn, ctx, qkv, cos, sin = fused_step(head_dim, codes)
-    ref_attn, ref_ctx, *_ = fused_step(head_dim, codes)
-    ref_attn.backend.decode_kernel = None
+    bytes in every row (poison where unwritten; within a code where the rotary's rounding differs),
+    the same output to float32 rounding. The rotated 4-bit form: k, v (and q over 4-bit keys) rotated
+    in the fused call as kv_quant does, the output un-rotated once."""
+    kernel = paged_decode_kernel(without_avx512=without_avx512)
+    attn, ctx, qkv, cos, sin = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
+    ref_attn, ref_ctx, *_ = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
+    assert RotaryDecode(attn).fixed(ctx.layers["layer"], torch.float32) is not None  # the fused call covers it
     t, d, hq, hkv = qkv.shape[0], head_dim, 6, 2
     qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos[:, None], sin[:, None])
     want = ref_attn(qk[:, :hq].reshape(t, -1), qk[:, hq:].reshape(t, -1), qkv[:, (hq + hkv) * d:], ref_ctx)
     got = RotaryDecode(attn)(qkv, cos, sin, ctx)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     mine, theirs = ctx.layers["layer"], ref_ctx.layers["layer"]
-    assert torch.equal(mine.v_cache.view(torch.uint8), theirs.v_cache.view(torch.uint8))
-    # a rotated key may differ by an ulp (FMA or not), so at most one code step in a few rows
-    mine_k, theirs_k = (c.view(torch.int8)[..., :-2].int() for c in (mine.k_cache, theirs.k_cache))
-    assert (mine_k - theirs_k).abs().max() <= 1
+    assert torch.equal(mine.v_cache.view(torch.uint8), theirs.v_cache.view(torch.uint8))  # v is not RoPE-rotated
+    assert_same_codes(mine.k_cache, theirs.k_cache)
+
+
+@needs_native
+@BUILDS
+@pytest.mark.parametrize("codes,v_codes", [(torch.uint8, torch.uint8), (torch.int8, torch.uint8)], ids=["int4", "k8v4"])
+@pytest.mark.parametrize("head_dim", [64, 16, 96])  # 96: rotation blocks of 32
+def test_fused_rotated_write_equals_kv_quant_exactly(without_avx512, codes, v_codes, head_dim):
+    """With no RoPE (cos 1, sin 0) the fused call's rotated 4-bit rows are kv_quant.encode's bytes
+    exactly (the C++ signs are kv_quant's seeded ones, its butterflies combine the same sums in the
+    same order), and its output is the PyTorch path's to float32 rounding."""
+    kernel = paged_decode_kernel(without_avx512=without_avx512)
+    attn, ctx, qkv, cos, sin = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
+    ref_attn, ref_ctx, *_ = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
+    cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+    t, hq, hkv, d = qkv.shape[0], 6, 2, head_dim
+    want = ref_attn(qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:], ref_ctx)
+    k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d).clone()
+    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).clone()
+    torch.testing.assert_close(RotaryDecode(attn)(qkv, cos, sin, ctx), want, rtol=2e-5, atol=2e-5)
+    slots = ctx.metadata[0].slot_mapping
+    cache = ctx.layers["layer"]
+    for side, x, dtype in ((cache.k_cache, k, codes), (cache.v_cache, v, v_codes)):
+        rows = side.view(-1, hkv, side.shape[-1])[slots]
+        assert torch.equal(rows.view(torch.uint8), kv_quant.encode(x, dtype).view(torch.uint8))
 
 
 VARIANTS = ["exact", "exact-pytorch", "whole_block", "flex",

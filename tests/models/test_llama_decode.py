@@ -13,6 +13,7 @@ from transformers import LlamaConfig
 import blockserve.models.llama as llama
 from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
+from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.models import llama_decode
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import use_quantized_linears
@@ -144,3 +145,38 @@ def test_the_native_stack_refuses_unknown_activations():
         pytest.skip(f"no native kernels: {why_not_native()}")
     with pytest.raises(RuntimeError, match="activations must be float32, int8 or int16, not 'int4'"):
         ops.DecodeStack([], [], [], [], [torch.ones(4)], [1e-6], "int4", 1, 1.0)
+
+
+# k8v4 (int8 keys, the kernel-level tests' too) is slow: two more engines, ~4 s on 2 quiet cores
+@pytest.mark.parametrize("kv_cache_dtype", ["int4", pytest.param("k8v4", marks=pytest.mark.slow)])
+def test_the_native_stack_over_a_rotated_4bit_cache_gives_the_per_layer_paths_results(tmp_path, monkeypatch,
+                                                                                        kv_cache_dtype):
+    """int4 and k8v4 caches (rotated 4-bit keys and values, int8 keys over them): a decode-only step is
+    one native call (DecodeStack, which rotates, quantises and un-rotates in C++) and gives the same
+    greedy tokens and bitwise the same logprobs as the per-layer path (the fused call switched off:
+    kv_quant's PyTorch rotation and write around the backend's decode kernel). Head size 64: the
+    kernel's intrinsics path."""
+    reference = save_random_model(LlamaConfig(**{**CONFIG, "head_dim": 64}), tmp_path)
+    if (ops := quantized_matmul_ops()) is None or not ops.simd_lanes():
+        pytest.skip("the quantized kernel needs native kernels built with AVX-512 or AVX2")
+    blocks = [(name, "Q8_0", gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0))
+              for name, weight in reference.state_dict().items()
+              if name.endswith("proj.weight") and name.startswith("model.layers.")]
+    loaded = load_model(str(tmp_path), BACKENDS["exact"])
+    use_quantized_linears(loaded.model, blocks)
+    stacks = []
+    real_stack = llama_decode.native_stack
+    monkeypatch.setattr(llama_decode, "native_stack", lambda *args: stacks.append(real_stack(*args)) or stacks[-1])
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(RotaryDecode, "fixed", lambda self, cache, dtype: None)
+        llm = LLM(loaded, max_num_batched_tokens=8, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
+        results.append([(o.outputs[0].token_ids,
+                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+        del llm
+    assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran over the 4-bit cache
+    assert results[0] == results[1]

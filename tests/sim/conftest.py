@@ -9,12 +9,17 @@ FULL = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8)
 SLIDING = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, sliding_window=7)
 MLA = MLASpec(block_size=4, kv_lora_rank=16, qk_rope_head_dim=4)
 STATE = LinearStateSpec(shapes=((4, 3), (2, 8, 8)), dtypes=("float32", "float32"))
+# Quantized K/V (attention/kv_quant.py): their blocks are bytes of codes and scales, of other page
+# sizes than float32's, under the same manager; recurrent states stay float32 beside them
+FULL_INT8 = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="int8")
+SLIDING_INT4 = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, sliding_window=7, dtype="int4_rotated")
 
 # name -> (specs, what each group's backend declares about reading unwritten slots)
 LAYOUTS = {
     "full": ((FULL,), (True,)),
     "full+sliding": ((FULL, SLIDING), (True, True)),
     "mla+state": ((MLA, STATE), (True, False)),
+    "int8+int4-sliding+state": ((FULL_INT8, SLIDING_INT4, STATE), (True, True, False)),
 }
 
 

@@ -39,8 +39,9 @@ void rotary_decode_attention(at::Tensor out, at::Tensor qkv, at::Tensor cos, at:
                              at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_table,
                              at::Tensor key_start, at::Tensor seq_lens, int64_t n_heads, double scale);
 
-// paged_decode_quantized.cpp: the same two over an int8 or float8_e4m3fn cache (one-byte codes and a
-// float16 scale per head vector); paged_decode.cpp's entry points call these for such a cache.
+// paged_decode_quantized.cpp: the same two over a quantized cache (attention/kv_quant.py: one-byte codes and
+// a float16 scale, or rotated 4-bit codes; one-byte keys over 4-bit values); paged_decode.cpp's entry points
+// call these for such a cache.
 void paged_decode_attention_quantized(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                       at::Tensor block_table, at::Tensor key_start, at::Tensor seq_lens, double scale);
 void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tensor cos, at::Tensor sin,

@@ -17,8 +17,9 @@
 // float32. Only
 // slots of positions below seq_len are read. Three implementations of one (sequence, KV head):
 // AVX-512 (16 keys at a time) and AVX2 (8) for head sizes 64, 128 and 256, a portable one else.
-// Writes quantise each head vector as kv_quant.encode does, to the same bytes (the one-byte forms;
-// the fused write refuses the 4-bit form, which attention/rotary_decode.py never sends).
+// Writes quantise each head vector as kv_quant.encode does, to the same bytes: the 4-bit form after
+// the same rotation (kv_quant.rotation: the seeded signs, then butterflies in the same order), and the
+// fused step then rotates the queries itself (4-bit keys) and un-rotates its output (4-bit values).
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "fast_exp.h"
@@ -116,6 +118,88 @@ inline void quantize_row(const float* x, int8_t* row, int64_t dim) {
     }
   }
   std::memcpy(row + dim, &scale_half, kScaleBytes);
+}
+
+// The rotated 4-bit form's rotation R = H diag(s) / sqrt(B) (attention/kv_quant.py): s the seeded sign
+// per channel, H the Walsh-Hadamard transform over each block of B channels (B the largest power of
+// two dividing dim). kv_quant draws the signs as torch.randint(0, 2) from a CPU generator seeded with
+// ROTATION_SEED: torch's generator is the standard MT19937 seeded the standard way, and a draw below
+// 2^32 is its next 32-bit output modulo the range, so std::mt19937 gives the same signs without a
+// tensor (tests/attention/test_kv_quant.py compares the rows byte for byte).
+constexpr uint32_t kRotationSeed = 0x5EED;  // kv_quant.ROTATION_SEED
+
+std::vector<float> rotation_signs(int64_t dim) {
+  std::mt19937 engine(kRotationSeed);
+  std::vector<float> signs(dim);
+  for (int64_t d = 0; d < dim; ++d) signs[d] = engine() % 2 ? 1.f : -1.f;  // kv_quant: randint(0, 2) * 2 - 1
+  return signs;
+}
+
+// x [dim] in place as H x / sqrt(B) over each block of B channels, `work` [B] scratch. kv_quant._hadamard
+// runs log2(B) stages of butterflies (a, b) -> (a + b, a - b) on channels h = 1, 2, 4, ... apart; here
+// each stage takes adjacent pairs and writes sums to the first half, differences to the second
+// (Pease's form: contiguous, so it vectorises), which combines the same partial sums in the same
+// order, only stored permuted: after log2(B) stages the permutation is the identity again, and
+// every value is the same float32 bits as kv_quant's.
+void hadamard_(float* __restrict x, float* __restrict work, int64_t dim) {
+  const int64_t block = dim & -dim, half = block / 2;
+  const float norm = static_cast<float>(std::pow(static_cast<double>(block), -0.5));  // Python's block**-0.5
+  for (float* first = x; first < x + dim; first += block) {
+    float* from = first;
+    float* to = work;
+    for (int64_t h = 1; h < block; h *= 2) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = from[2 * i], b = from[2 * i + 1];
+        to[i] = a + b;
+        to[half + i] = a - b;
+      }
+      std::swap(from, to);
+    }
+    for (int64_t d = 0; d < block; ++d) first[d] = from[d] * norm;
+  }
+}
+
+// y = R x (kv_quant.rotate_queries), and x = R^T y in place (kv_quant.unrotate_output); `work` [dim].
+void rotate(const float* x, float* y, const float* signs, int64_t dim, float* work) {
+  for (int64_t d = 0; d < dim; ++d) y[d] = x[d] * signs[d];
+  hadamard_(y, work, dim);
+}
+void unrotate_(float* y, const float* signs, int64_t dim, float* work) {
+  hadamard_(y, work, dim);
+  for (int64_t d = 0; d < dim; ++d) y[d] *= signs[d];
+}
+
+// One rotated head vector y [dim] into a 4-bit row [dim / 2 + 4]: kv_quant._encode_int4's rounding
+// (minimum and scale rounded to float16 first; codes (y - minimum) / scale rounded half-even into
+// [0, 15], two a byte, low nibble first; all 0 where the scale is not positive).
+inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim) {
+  float low = y[0], high = y[0];
+  for (int64_t d = 1; d < dim; ++d) {
+    low = std::min(low, y[d]);
+    high = std::max(high, y[d]);
+  }
+  const at::Half minimum_half(std::clamp(low, -65504.f, 65504.f));
+  const float minimum = static_cast<float>(minimum_half);
+  const at::Half scale_half(std::min((high - minimum) / 15.f, 65504.f));
+  const float scale = static_cast<float>(scale_half);
+  const auto code = [&](float v) {
+    return scale > 0.f ? static_cast<uint8_t>(std::clamp(std::nearbyint((v - minimum) / scale), 0.f, 15.f)) : 0;
+  };
+  for (int64_t d = 0; d < dim; d += 2) row[d / 2] = static_cast<int8_t>(code(y[d]) | (code(y[d + 1]) << 4));
+  std::memcpy(row + dim / 2, &scale_half, kScaleBytes);
+  std::memcpy(row + dim / 2 + kScaleBytes, &minimum_half, kScaleBytes);
+}
+
+// One head vector x [dim] into a row of `form`: the 4-bit form rotated first (through `scratch` [2 dim]).
+inline void write_row(int form, const float* x, int8_t* row, int64_t dim, const float* signs, float* scratch) {
+  if (form == kInt4) {
+    rotate(x, scratch, signs, dim, scratch + dim);
+    quantize_row_int4(scratch, row, dim);
+  } else if (form == kFp8) {
+    quantize_row<true>(x, row, dim);
+  } else {
+    quantize_row<false>(x, row, dim);
+  }
 }
 
 // Requests the rows [lo, hi) of the next block (K and V, the item's head) ahead of their use.
@@ -512,10 +596,8 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
   TORCH_CHECK(qkv.dtype() == at::kFloat && out.dtype() == at::kFloat && cos.dtype() == at::kFloat &&
                   sin.dtype() == at::kFloat,
               name, ": float32 qkv, cos, sin and out expected");
-  TORCH_CHECK(k_cache.dim() == 4, name, ": K and V caches [blocks, block_size, Hkv, D + 2] expected");
-  TORCH_CHECK(k_cache.scalar_type() != at::kByte && v_cache.scalar_type() == k_cache.scalar_type(), name,
-              ": the rotated 4-bit cache is written by attention/kv_quant.py, not by the fused decode step");
-  const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = k_cache.size(3) - kScaleBytes;
+  TORCH_CHECK(k_cache.dim() == 4, name, ": K and V caches [blocks, block_size, Hkv, row] expected");
+  const int64_t n_seqs = qkv.size(0), n_kv_heads = k_cache.size(2), dim = head_size_of(k_cache);
   check_quantized_cache(k_cache, v_cache, block_table, key_start, seq_lens, n_seqs, n_heads, dim, name);
   const int64_t q_size = n_heads * dim, kv_size = n_kv_heads * dim;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size && qkv.stride(1) == 1,
@@ -528,24 +610,42 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
               name, ": an int64 slot per sequence expected");
   float* qkvp = qkv.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = dim + kScaleBytes;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), k_row = k_cache.size(3), v_row = v_cache.size(3);
   for (int64_t n = 0; n < n_seqs; ++n)
     TORCH_CHECK(slots[n] >= 0 && slots[n] < num_slots, name, ": slot ", slots[n], " outside the cache (", num_slots,
                 " slots)");
   int8_t* kc = static_cast<int8_t*>(k_cache.data_ptr());
   int8_t* vc = static_cast<int8_t*>(v_cache.data_ptr());
-  const auto quantize = k_cache.scalar_type() == at::kFloat8_e4m3fn ? quantize_row<true> : quantize_row<false>;
+  const int fk = form_of(k_cache), fv = form_of(v_cache);
+  // 4-bit keys hold R k, so the queries attend as R q (into their own buffer: qkv keeps q as rotary
+  // left it); 4-bit values give R o, un-rotated once below.
+  const bool rotated_keys = fk == kInt4, rotated_values = fv == kInt4;
+  const std::vector<float> signs = rotated_keys || rotated_values ? rotation_signs(dim) : std::vector<float>();
+  std::vector<float> scratch(2 * dim), rotated_q(rotated_keys ? n_seqs * q_size : 0);
   for (int64_t n = 0; n < n_seqs; ++n) {  // a few KB per sequence: not worth a parallel region
     float* x = qkvp + n * qkv.stride(0);
     rotate_half_heads(x, n_heads + n_kv_heads, dim, cos.data_ptr<float>() + n * cos.stride(0),
                       sin.data_ptr<float>() + n * sin.stride(0));
     for (int64_t h = 0; h < n_kv_heads; ++h) {
-      quantize(x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * row, dim);
-      quantize(x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * row, dim);
+      write_row(fk, x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * k_row, dim, signs.data(), scratch.data());
+      write_row(fv, x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * v_row, dim, signs.data(),
+                scratch.data());
     }
+    if (rotated_keys)
+      for (int64_t h = 0; h < n_heads; ++h)
+        rotate(x + h * dim, rotated_q.data() + n * q_size + h * dim, signs.data(), dim, scratch.data());
   }
-  decode_all(out, qkvp, qkv.stride(0), n_seqs, n_heads, k_cache, v_cache, block_table, key_start, seq_lens,
-             static_cast<float>(scale));
+  if (rotated_keys)
+    decode_all(out, rotated_q.data(), q_size, n_seqs, n_heads, k_cache, v_cache, block_table, key_start, seq_lens,
+               static_cast<float>(scale));
+  else
+    decode_all(out, qkvp, qkv.stride(0), n_seqs, n_heads, k_cache, v_cache, block_table, key_start, seq_lens,
+               static_cast<float>(scale));
+  if (rotated_values) {
+    float* op = out.data_ptr<float>();
+    for (int64_t head = 0; head < n_seqs * n_heads; ++head)
+      unrotate_(op + head * dim, signs.data(), dim, scratch.data());
+  }
 }
 
 }  // namespace blockserve
