@@ -9,11 +9,14 @@
 
 Drafts are verified only where they are expected to pay (step_costs.py): the measured cost of the
 rows they add to the step against the tokens the request's acceptance so far says they will add.
-A proposer whose drafts cost a forward each (a draft model, `always_proposes`) is asked for only
-the drafts the rule says pay; the others propose first, and the rule cuts their drafts. A request
-the rule keeps from drafting tries again after a number of its steps that doubles each
-time (4 up to 256), so a request whose drafts start to match is noticed. A step whose running
-batch reaches `disable_by_batch_size` does not speculate at all.
+The rule is applied before the proposer is asked, which is then asked for only the drafts that pay,
+so a step the rule declines costs no proposer time. A request's acceptance is a forgetting average
+of its verifications that starts at a prior and forgets it too, so drafts that keep missing drive
+it towards 0; below MIN_ACCEPTANCE a request does not draft whatever the rows cost. A request the
+rule keeps from drafting probes with one draft after a number of its steps that doubles each time
+(4 up to 256), so a request whose drafts start to match is noticed: an accepted probe raises its
+acceptance and the rule lets it draft again. A step whose running batch reaches
+`disable_by_batch_size` does not speculate at all.
 
 A request with structured outputs has its drafts cut at the first one its grammar refuses, by a
 grammar matcher of its own kept here at the request's output so far (grammar_cut.py), so no slot is spent on a
@@ -40,20 +43,25 @@ FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 256
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance before its own drafts say otherwise...
 PRIOR_WEIGHT = 2.0  # ...worth this many tried positions
+MIN_ACCEPTANCE = 0.1  # below it a request drafts only to probe: a verification's bookkeeping (slots taken
+# and given back, the rejection) costs what the row counts' measured seconds do not resolve
 FORGETTING = 0.8  # weight of a request's earlier verifications against its latest
 
 
 @dataclass
 class _RequestBooks:
-    accepted: float = 0.0  # accepted drafts, recent verifications weighing most
-    tried: float = 0.0  # positions tried: the accepted ones and the first rejected one
+    # Accepted drafts and positions tried (the accepted ones and the first rejected one), recent
+    # verifications weighing most; they start at the prior, which is forgotten like any verification,
+    # so a request whose drafts always miss sees its acceptance fall towards 0.
+    accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    tried: float = PRIOR_WEIGHT
     declined: int = 0  # steps in a row the cost rule kept it from drafting
     backoff: int = FIRST_BACKOFF_STEPS
 
     @property
     def acceptance(self) -> float:
         """The chance that its next draft position is accepted, given the ones before it were."""
-        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+        return self.accepted / self.tried
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
@@ -69,10 +77,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None, costs: StepCosts | None = None):
         self.config = config
         self.proposer = proposer or make_proposer(config)
-        # A proposer that always fills its max_tokens (a draft model) is asked only for the drafts that pay.
-        self._decide_first = getattr(self.proposer, "always_proposes", False)
-        # ...and one that drafts for many requests at once is asked once per step (prepare_step).
-        self.batches = self._decide_first and hasattr(self.proposer, "propose_batch")
+        # A proposer that drafts for many requests at once (a draft model) is asked once per step (prepare_step).
+        self.batches = getattr(self.proposer, "always_proposes", False) and hasattr(self.proposer, "propose_batch")
         self._prepared: dict[str, list[int]] | None = None  # this step's batched drafts, handed out by propose
         self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
@@ -114,22 +120,11 @@ class Speculator:
             kept = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
             self._step_rows -= len(drafts) - len(kept)
             return kept
-        if self._decide_first:
-            n = self._drafts_paying(request_id, max_tokens, batch_size)
-            drafts = self._timed_propose(request_id, token_ids, n) if n else []
-            drafts = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
-            self._step_rows += len(drafts)
-            return drafts
-        if self._over_batch_limit(batch_size):
-            return []
-        books = self._books_of(request_id)
-        drafts = self._timed_propose(request_id, token_ids, min(self.config.num_speculative_tokens, max_tokens))
+        n = self._drafts_paying(request_id, max_tokens, batch_size)  # before asking: a declined step costs no proposer time
+        drafts = self._timed_propose(request_id, token_ids, n) if n else []
         drafts = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
-        if not drafts:
-            return []
-        k = self._drafts_to_verify(books, len(drafts), batch_size)
-        self._step_rows += k
-        return drafts[:k]
+        self._step_rows += len(drafts)
+        return drafts
 
     def _grammar_cut(self, request_id: str, drafts: list[int], grammar: Any,
                      output_token_ids: Sequence[int]) -> list[int]:
@@ -168,9 +163,11 @@ class Speculator:
         return drafts
 
     def _drafts_to_verify(self, books: _RequestBooks, n: int, batch_size: int) -> int:
-        """How many of n drafts to verify: those expected to pay, or all n as a probe once the
-        request's back-off has passed (0: none, counted as skipped)."""
-        k = self.costs.best_drafts(n, books.acceptance, batch_size, batch_size + self._step_rows)
+        """How many of n drafts to verify: those expected to pay (none below MIN_ACCEPTANCE), or one
+        as a probe once the request's back-off has passed (0: none, counted as skipped)."""
+        k = 0
+        if books.acceptance >= MIN_ACCEPTANCE:
+            k = self.costs.best_drafts(n, books.acceptance, batch_size, batch_size + self._step_rows)
         if k:
             books.declined, books.backoff = 0, FIRST_BACKOFF_STEPS
             return k
@@ -178,8 +175,8 @@ class Speculator:
         if books.declined < books.backoff:
             self._skipped += 1
             return 0
-        books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)  # a probe
-        return n
+        books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)
+        return 1  # a probe: one draft, enough to see whether its first position starts to match
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step of decodes (each request's token and its drafts: `rows` in all) took `seconds`."""

@@ -63,7 +63,7 @@ class StepCosts:
         for k in range(1, available + 1):
             expected += acceptance ** k
             cost = self.seconds(rows + k)
-            added = 0.0 if cost is None or base is None else cost - base
+            added = 0.0 if cost is None or base is None else max(cost - base, 0.0)  # (noise: never a saving)
             gain = expected - rate * added
             if gain > best_gain:
                 best, best_gain = k, gain

@@ -83,6 +83,38 @@ def test_suffix_decoding_keeps_the_greedy_tokens_and_learns_across_requests(tiny
     llm.engine.core.scheduler.assert_idle()
 
 
+class AlwaysWrong:
+    """Drafts, after any prefix of a known greedy sequence, tokens one past the right ones: never accepted."""
+
+    def __init__(self, sequences: list[list[int]]):
+        self.sequences = sequences
+
+    def propose(self, request_id, token_ids, max_tokens):
+        sequence = next(s for s in self.sequences if s[:len(token_ids)] == list(token_ids))
+        return [(t + 1) % SIZES["vocab_size"] for t in sequence[len(token_ids):len(token_ids) + max_tokens]]
+
+    def forget(self, request_id):
+        pass
+
+    num_requests = 0
+
+
+def test_drafts_that_never_match_are_switched_off_and_the_tokens_kept(tiny, monkeypatch):
+    """Greedy tokens unchanged, and a request whose drafts all miss verifies a few steps' drafts, then
+    only the occasional one-draft probe, although every draft row is free here (flat step costs)."""
+    options = dict(block_size=4, kv_cache_memory="4MiB", check_integrity=True, poison=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = tokens(LLM(tiny, **options), params)
+    sequences = [p + o for p, o in zip(prompts(), plain)]
+    monkeypatch.setattr(speculator_module, "make_proposer", lambda config: AlwaysWrong(sequences))
+    llm = LLM(tiny, speculative_config=SPEC, **options)
+    assert tokens(llm, params) == plain
+    stats = llm.engine.stats().speculation
+    assert stats.num_accepted_tokens == 0 and 0 < stats.num_verifications <= 8 * len(prompts())
+    assert stats.num_skipped >= (NEW_TOKENS - 1 - 8) * len(prompts())
+    llm.engine.core.scheduler.assert_idle()
+
+
 def test_a_verification_step_attends_as_decodes_and_prompt_logprobs_keep_their_rows(tiny, monkeypatch):
     """Drafts are scored by the decode kernels: each of a request's k + 1 rows is a decode of its own
     length (what makes a verification cost close to one decode step); a prompt chunk in the same step

@@ -92,14 +92,18 @@ def test_a_request_whose_drafts_do_not_pay_pauses_then_probes():
     speculator = measured(Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
                                                        prompt_lookup_max=1)), {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
     tokens = [1, 2, 1, 2, 1]
-    speculator.begin_step()
-    assert speculator.propose("r", tokens, 4, 1) == []  # a draft row costs a whole step: never worth it
-    assert all(speculator.propose("r", tokens, 4, 1) == [] for _ in range(FIRST_BACKOFF_STEPS - 2))
-    assert speculator.propose("r", tokens, 4, 1) == [2, 1]  # the probe, after FIRST_BACKOFF_STEPS declines
-    assert all(speculator.propose("r", tokens, 4, 1) == [] for _ in range(2 * FIRST_BACKOFF_STEPS - 1))
-    assert speculator.propose("r", tokens, 4, 1) == [2, 1]  # the next probe waits twice as long
+
+    def step():
+        speculator.begin_step()
+        return speculator.propose("r", tokens, 4, 1)
+
+    assert step() == []  # a draft row costs a whole step: never worth it
+    assert all(step() == [] for _ in range(FIRST_BACKOFF_STEPS - 2))
+    assert step() == [2]  # the probe (one draft), after FIRST_BACKOFF_STEPS declines
+    assert all(step() == [] for _ in range(2 * FIRST_BACKOFF_STEPS - 1))
+    assert step() == [2]  # the next probe waits twice as long
     assert speculator.stats().num_skipped == 3 * FIRST_BACKOFF_STEPS - 2
-    speculator.record("r", 2, 1)
+    speculator.record("r", 1, 1)
     assert speculator.stats().per_position_acceptance == (1.0, 0.0, 0.0, 0.0)
     assert speculator.stats().mean_accepted_length == 2
     speculator.forget("r")
@@ -159,7 +163,8 @@ def test_a_proposer_whose_drafts_cost_work_is_asked_only_for_drafts_that_pay():
     never = measured(Speculator(config, proposer), {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
     assert all(never.propose("s", [5, 6], 4, 1) == [] for _ in range(FIRST_BACKOFF_STEPS - 1))
     assert proposer.asked == [2]  # declined steps run no draft forward
-    assert never.propose("s", [5, 6], 4, 1) == [6] * 4  # the probe asks for all of them
+    assert never.propose("s", [5, 6], 4, 1) == [6]  # the probe asks for one
+    assert proposer.asked == [2, 1]
 
 
 class BatchedDraftModel(CountingDraftModel):
@@ -180,3 +185,72 @@ def test_a_batched_proposer_drafts_once_per_step_for_every_request():
     assert speculator.propose("a", [1, 2], 3, 2) == [2, 2, 2]
     assert speculator.propose("c", [7], 3, 2) == []  # not among the step's candidates
     assert proposer.asked == [[("a", 3), ("b", 2)]]
+
+
+class ScriptedProposer:
+    """Proposes `drafts` whenever asked (cut to max_tokens) and counts the steps it was asked in."""
+
+    def __init__(self, drafts: list[int]):
+        self.drafts = drafts
+        self.asked_at: list[int] = []
+        self.step = 0
+
+    def propose(self, request_id, token_ids, max_tokens):
+        self.asked_at.append(self.step)
+        return self.drafts[:max_tokens]
+
+    def forget(self, request_id):
+        pass
+
+    num_requests = 0
+
+
+BATCH_16_COSTS = {16: 1.0, 17: 1.002, 32: 1.05, 48: 1.15, 80: 1.4}  # draft rows nearly free: a wide batch
+
+
+def run_steps(speculator: Speculator, proposer: ScriptedProposer, steps: int, accepted) -> list[int]:
+    """`steps` steps of request "r" in a batch of 16, the target accepting accepted(step, drafts) of
+    its drafts; the number of drafts verified each step."""
+    verified = []
+    for step in range(steps):
+        proposer.step = step
+        speculator.begin_step()
+        drafts = speculator.propose("r", [1, 2, 3], 4, 16)
+        if drafts:
+            speculator.record("r", len(drafts), accepted(step, drafts))
+        verified.append(len(drafts))
+    return verified
+
+
+def test_a_proposer_that_is_always_wrong_stops_being_asked_and_is_probed_later():
+    """Even where draft rows cost next to nothing, drafts that never match stop within a few steps
+    (the proposer is not even asked: no proposer time), then one-draft probes come at doubling
+    intervals."""
+    proposer = ScriptedProposer([9, 9, 9, 9])
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1)
+    speculator = measured(Speculator(config, proposer), BATCH_16_COSTS)
+    verified = run_steps(speculator, proposer, 300, lambda step, drafts: 0)
+    drafting = [step for step, n in enumerate(verified) if n]
+    assert drafting[:5] == [0, 1, 2, 3, 4]  # the prior forgotten: below MIN_ACCEPTANCE after five misses
+    assert proposer.asked_at == drafting  # declined steps never reach the proposer
+    probes = drafting[5:]
+    assert probes == [8, 16, 32, 64, 128, 256] and all(verified[step] == 1 for step in probes)  # back-off doubles
+    assert speculator.stats().num_skipped == 300 - len(drafting)
+
+
+def test_a_good_proposer_keeps_drafting():
+    proposer = ScriptedProposer([1, 2, 3, 4])
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1)
+    speculator = measured(Speculator(config, proposer), BATCH_16_COSTS)
+    verified = run_steps(speculator, proposer, 100, lambda step, drafts: len(drafts))
+    assert verified == [4] * 100 and speculator.stats().num_skipped == 0
+
+
+def test_a_request_whose_drafts_start_to_match_drafts_again_after_a_probe():
+    proposer = ScriptedProposer([1, 2, 3, 4])
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1)
+    speculator = measured(Speculator(config, proposer), BATCH_16_COSTS)
+    verified = run_steps(speculator, proposer, 200, lambda step, drafts: 0 if step < 100 else len(drafts))
+    assert not any(verified[20:100]) or max(verified[20:100]) == 1  # probes only while the drafts miss
+    back = [step for step in range(100, 200) if verified[step] == 4]
+    assert back and back == list(range(back[0], 200))  # the first accepted probe, and from then on all four
