@@ -10,9 +10,10 @@ per scheduled step from what the request's admission found.
        prefill ends exactly on the stride, one stride earlier too, the deepest point the same
        prompt sent again can restore (a hit must leave its last token to compute)
     D  while decoding, each stride boundary, into the request's one decode spare: when it
-       finishes, the spare is the checkpoint its next turn restores (a step verifying drafts
-       captures the last boundary among its tokens; if a rejected draft precedes it, the
-       capture is dropped when the step's result trims the request)
+       finishes, the spare is the checkpoint its next turn restores. A step verifying drafts
+       captures every boundary among its tokens, each into a slot of its own: the spare stays
+       cached until the step's result, which drops the captures after a rejected draft and
+       makes the deepest accepted one the spare (`state_manager.LinearStateManager`)
     K  optionally every `interval` strides inside the prefill (long documents)
 
 Taking one never splits a step: the kernels capture inside their chunked scans.
@@ -34,9 +35,8 @@ class CapturePlan:
         """The capture positions in (start, end] for a step computing tokens [start, end), and
         whether they are decode-time captures (which go to the decode spare)."""
         stride = self.stride
-        if start >= self.prefill_end:  # a decode, or one with drafts (at most one boundary: the last)
-            last = end // stride * stride
-            return ([last] if last > start else []), True
+        if start >= self.prefill_end:  # a decode, or one with drafts (every boundary among them)
+            return list(range((start // stride + 1) * stride, end + 1, stride)), True
         wanted = {self.junction, self.prefill_end // stride * stride, (self.prefill_end - 1) // stride * stride}
         if self.interval:
             every = self.interval * stride

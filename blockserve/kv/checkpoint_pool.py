@@ -75,18 +75,19 @@ class CheckpointPool:
 
     # -- capture ---------------------------------------------------------------------------------
 
-    def take_for_capture(self, owner: str, reuse: Checkpoint | None = None) -> Checkpoint | None:
+    def take_for_capture(self, owner: str, reuse: Checkpoint | None = None,
+                         keep: Checkpoint | None = None) -> Checkpoint | None:
         """A slot this step's forward may write for request `owner`: `reuse` if `owner` still
-        owns it and it is not pinned, else a free slot, else the eviction policy's victim (a
-        decode spare among them loses its owner); None if every slot is pinned or capturing
-        (best effort: no checkpoint this time)."""
+        owns it and it is not pinned, else a free slot, else the eviction policy's victim other
+        than `keep` (a decode spare among them loses its owner); None if every other slot is
+        pinned or capturing (best effort: no checkpoint this time)."""
         if reuse is not None and reuse.owner == owner and reuse.ref_cnt == 0:
             self._uncache(reuse)
             return reuse
         if self._free:
             ckpt = self._free.pop()
         else:
-            ckpt = self._victim()
+            ckpt = self._victim(keep)
             if ckpt is None:
                 return None
             self._uncache(ckpt)
@@ -136,8 +137,8 @@ class CheckpointPool:
 
     # -- eviction --------------------------------------------------------------------------------
 
-    def _victim(self) -> Checkpoint | None:
-        candidates = [c for c in self.cached.values() if c.ref_cnt == 0]
+    def _victim(self, keep: Checkpoint | None = None) -> Checkpoint | None:
+        candidates = [c for c in self.cached.values() if c.ref_cnt == 0 and c is not keep]
         if not candidates:
             return None
         if not self._weight:

@@ -143,11 +143,12 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
-    def capture(self, request_id: str, positions: list[int], is_decode: bool) -> None:
-        """Checkpoint every state group at `positions` during this step's forward (best effort)."""
+    def capture(self, request_id: str, positions: list[int], is_decode: bool, verifying: bool = False) -> None:
+        """Checkpoint every state group at `positions` during this step's forward (best effort);
+        `verifying`: the step scores drafts, so its result may drop some of them."""
         first = None
         for manager in self.state_managers:
-            taken = manager.capture(request_id, positions, is_decode)
+            taken = manager.capture(request_id, positions, is_decode, verifying)
             if taken:
                 first = min(p for p, _ in taken) if first is None else min(first, *(p for p, _ in taken))
         if first is not None:

@@ -223,7 +223,8 @@ class KVCacheManager:
         known = len(request.token_ids)
         positions = [p for p in positions if p > known or probe.lookup(hashes[p // self.stride - 1]) is None]
         if positions:
-            self.coordinator.capture(request.request_id, positions, is_decode)
+            # A decode step of several tokens scores drafts: a rejected one may drop its captures.
+            self.coordinator.capture(request.request_id, positions, is_decode, verifying=num_tokens > 1)
 
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """C4: enter the full blocks among the first `num_computed_tokens` (KV written) in the cache."""

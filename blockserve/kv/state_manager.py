@@ -6,7 +6,12 @@
     captures     positions chosen by `checkpoint_policy.CapturePlan`; each gets a checkpoint
                  slot now, is written by this step's forward, and is cached after it (C4)
     decode spare the request's latest decode-time capture: overwritten in place at its next
-                 stride boundary, so a long reply holds one checkpoint, not one per stride
+                 stride boundary, so a long reply holds one checkpoint, not one per stride. A step
+                 verifying drafts captures each boundary among its tokens into a slot of its own
+                 (the spare stays cached: a rejected draft may precede them); its result drops the
+                 captures past the accepted tokens and commits the rest, the deepest becoming the
+                 spare and the old spare released. Only when no other slot can be had does such a
+                 step capture into the spare in place (rejected, the spare is then lost)
 
 The slot ids of checkpoints follow the running slots in the group's tensors.
 """
@@ -36,7 +41,8 @@ class LinearStateManager(FullAttentionManager):
         self.block_size = stride  # the hash chain the checkpoint keys come from
         self._restores: dict[str, Checkpoint] = {}  # admitted this step, slot not yet allocated
         self._pinned: list[Checkpoint] = []  # restores of this step, unpinned when its orders are taken
-        self._capturing: dict[str, list[tuple[Checkpoint, int]]] = {}  # request -> (slot, position)
+        # request -> (slot, position, a decode capture: committed, it becomes the decode spare)
+        self._capturing: dict[str, list[tuple[Checkpoint, int, bool]]] = {}
         self._spare: dict[str, Checkpoint] = {}  # request -> its decode spare
 
     def table_len(self, num_tokens: int) -> int:
@@ -86,22 +92,34 @@ class LinearStateManager(FullAttentionManager):
 
     # -- captures --------------------------------------------------------------------------------
 
-    def capture(self, request_id: str, positions: list[int], is_decode: bool) -> list[tuple[int, int]]:
+    def capture(self, request_id: str, positions: list[int], is_decode: bool,
+                verifying: bool = False) -> list[tuple[int, int]]:
         """Checkpoint slots for `positions` (best effort: those that get one); records the
         capture orders and returns them as (position, slot). A decode capture reuses the
-        request's decode spare."""
+        request's decode spare; one of a step `verifying` drafts takes another slot while
+        there is one, and the spare stays cached until `commit_captures`."""
         pool = self.checkpoints
         taken = []
+        capturing = {p for _, p, _ in self._capturing.get(request_id, ())}
         for position in positions:
-            reuse = self._spare.get(request_id) if is_decode else None
-            ckpt = pool.take_for_capture(request_id, reuse)
+            if position in capturing:
+                continue  # an earlier step's forward writes it already
+            spare = self._spare.get(request_id) if is_decode else None
+            if verifying and is_decode:
+                ckpt = pool.take_for_capture(request_id, keep=spare)
+                if ckpt is None and spare is not None and spare.cached:
+                    ckpt = pool.take_for_capture(request_id, spare)  # no other slot: the spare, in place
+            else:
+                ckpt = pool.take_for_capture(request_id, spare if spare is not None and spare.cached else None)
+                if ckpt is None:
+                    continue  # the old spare, if any, stays the spare
+                if is_decode:
+                    if spare is not None and spare is not ckpt and spare.owner == request_id and spare.cached:
+                        spare.owner = None  # pinned by a restore: it stays cached, owned by nobody
+                    self._spare[request_id] = ckpt
             if ckpt is None:
-                continue  # the old spare, if any, stays the spare
-            if is_decode:
-                if reuse is not None and reuse is not ckpt and reuse.owner == request_id:
-                    reuse.owner = None  # pinned by a restore: it stays cached, owned by nobody
-                self._spare[request_id] = ckpt
-            self._capturing.setdefault(request_id, []).append((ckpt, position))
+                continue
+            self._capturing.setdefault(request_id, []).append((ckpt, position, is_decode))
             taken.append((position, ckpt.slot))
         if taken:
             self._pending.state_captures.setdefault(self.pool.group_id, {})[request_id] = taken
@@ -109,35 +127,54 @@ class LinearStateManager(FullAttentionManager):
 
     def next_cache_point(self, request_id: str) -> float:
         captures = self._capturing.get(request_id)
-        return min(p for _, p in captures) if captures else math.inf
+        return min(p for _, p, _ in captures) if captures else math.inf
 
     def commit_captures(self, request_id: str, hashes_for, num_tokens: int, probes_at) -> None:
-        """Cache the captures at or below `num_tokens` (their forward ran). `hashes_for(size)`
-        is the request's hash chain; `probes_at(position)` names the attention blocks ending there."""
+        """Cache the captures at or below `num_tokens` (their forward ran); a decode capture becomes
+        the request's decode spare and releases the one before it. `hashes_for(size)` is the
+        request's hash chain; `probes_at(position)` names the attention blocks ending there."""
         captures = self._capturing.get(request_id)
         if not captures:
             return
         pool, stride = self.checkpoints, self.block_size
         hashes = hashes_for(stride)
         remaining = []
-        for ckpt, position in captures:
+        for ckpt, position, is_decode in captures:
             if position > num_tokens:
-                remaining.append((ckpt, position))
+                remaining.append((ckpt, position, is_decode))
                 continue
+            if is_decode:
+                self._retire_spare(request_id, ckpt)
             index = position // stride - 1
             parent = 0  # the nearest shallower checkpoint of the chain, or the empty prefix
             for i in range(index - 1, -1, -1):
                 if (shallower := pool.lookup(hashes[i])) is not None:
                     parent = shallower.position
                     break
-            is_spare = self._spare.get(request_id) is ckpt
-            pool.commit(ckpt, hashes[index], position, position - parent, probes_at(position), is_spare)
-            if is_spare and not ckpt.cached:
-                del self._spare[request_id]  # a twin won: the released slot is no spare
+            pool.commit(ckpt, hashes[index], position, position - parent, probes_at(position), is_decode)
+            if is_decode:
+                if ckpt.cached:
+                    self._spare[request_id] = ckpt
+                elif self._spare.get(request_id) is ckpt:
+                    del self._spare[request_id]  # a twin won: the released slot is no spare
         if remaining:
             self._capturing[request_id] = remaining
         else:
             del self._capturing[request_id]
+
+    def _retire_spare(self, request_id: str, successor: Checkpoint) -> None:
+        """`successor`, a decode capture, is about to be committed: the request's spare before it is
+        released (one checkpoint per reply), or left cached to nobody while a restore pins it."""
+        spare = self._spare.get(request_id)
+        if spare is None or spare is successor:
+            return
+        del self._spare[request_id]
+        if spare.owner != request_id or not spare.cached:
+            return  # another request's capture took it, or it is capturing in place for a later position
+        if spare.ref_cnt:
+            spare.owner = None
+        else:
+            self.checkpoints.release(spare)
 
     def drop_captures(self, request_id: str, num_tokens: int) -> None:
         """Speculative decoding: release the captures past the first `num_tokens` tokens (they hold
@@ -146,9 +183,9 @@ class LinearStateManager(FullAttentionManager):
         if not captures:
             return
         kept = []
-        for ckpt, position in captures:
+        for ckpt, position, is_decode in captures:
             if position <= num_tokens:
-                kept.append((ckpt, position))
+                kept.append((ckpt, position, is_decode))
                 continue
             if self._spare.get(request_id) is ckpt:
                 del self._spare[request_id]
@@ -170,18 +207,18 @@ class LinearStateManager(FullAttentionManager):
         super().free(request_id)
         self._restores.pop(request_id, None)
         spare = self._spare.pop(request_id, None)
-        for ckpt, _ in self._capturing.pop(request_id, ()):
+        for ckpt, _, _ in self._capturing.pop(request_id, ()):
             self.checkpoints.release(ckpt)
         if spare is not None and spare.owner == request_id:
             spare.owner = None
 
     def captures_of(self, request_id: str) -> list[Checkpoint]:
         """The request's checkpoints being captured, not yet committed."""
-        return [ckpt for ckpt, _ in self._capturing.get(request_id, ())]
+        return [ckpt for ckpt, _, _ in self._capturing.get(request_id, ())]
 
     def capturing_slots(self) -> set[int]:
         """Checkpoint slots this step's forward writes (captures not yet committed)."""
-        return {c.slot for captures in self._capturing.values() for c, _ in captures}
+        return {c.slot for captures in self._capturing.values() for c, _, _ in captures}
 
     def pins(self) -> Counter[int]:
         """Restores pending this step, per checkpoint slot."""

@@ -351,6 +351,8 @@ class Scheduler:
                                      request.stop_reason, request.num_cached_tokens,
                                      logprobs[:emitted] if logprobs is not None else None))
         if status:
+            if self.kv.enable_caching:  # as a plain decode's last step does: its accepted captures count
+                self.kv.cache_blocks(request, min(request.num_computed_tokens, len(request.token_ids)))
             self._finish(request, status)
             return True
         self.kv.trim_slots(request, len(request.token_ids))

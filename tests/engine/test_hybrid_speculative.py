@@ -134,6 +134,48 @@ def test_greedy_tokens_are_identical_with_partly_rejected_drafts(family, scenari
     llm.engine.core.scheduler.assert_idle()
 
 
+class BoundaryProposer(OracleProposer):
+    """Drafts the known greedy continuation, all of it wrong when the step it is verified in would
+    cross a checkpoint boundary past its first row, all right otherwise."""
+
+    def __init__(self, replies: dict[tuple[int, ...], list[int]], stride: int):
+        super().__init__(replies)
+        self.stride = stride
+
+    def propose(self, request_id, token_ids, max_tokens: int) -> list[int]:
+        for prompt, reply in self.replies.items():
+            done = len(token_ids) - len(prompt)
+            if done >= 0 and tuple(token_ids[:len(prompt)]) == prompt and list(token_ids[len(prompt):]) == reply[:done]:
+                truth = reply[done:done + max_tokens]
+                n = len(token_ids)  # the step's rows end at positions n, ..., n + len(truth)
+                if any(p % self.stride == 0 for p in range(n + 1, n + len(truth) + 1)):
+                    return [(t + 1) % VOCAB for t in truth]
+                return truth
+        return []
+
+
+def test_a_reply_verified_across_its_boundaries_keeps_its_last_checkpoint_for_the_next_turn(family, monkeypatch):
+    """Every verification crossing a stride boundary rejects its drafts (the boundary's capture is
+    dropped) and the others accept all of theirs (one finishes the reply past its last boundary): the
+    next turn still restores the deepest boundary the reply computed, as without speculation."""
+    plain_llm, plain = family
+    stride = plain_llm.engine.core.kv_config.checkpoint_stride
+    if stride != 8:
+        pytest.skip("the replies reach no checkpoint boundary at a stride of 64")
+    monkeypatch.setattr(speculator_module, "make_proposer",
+                        lambda config: BoundaryProposer(replies_of(plain), stride))
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=NGRAM, **BASE)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first = prompts()
+    assert [o.outputs[0].token_ids for o in llm.generate(first, params, use_tqdm=False)] == plain[:len(first)]
+    second = [p + r + [7] for p, r in zip(first, plain)]
+    hits = [o.num_cached_tokens for o in llm.generate(second, params, use_tqdm=False)]
+    assert hits == [(len(p) + NEW_TOKENS - 1) // stride * stride for p in first]  # its last token is not computed
+    stats = llm.engine.stats().speculation
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    llm.engine.core.scheduler.assert_idle()
+
+
 @pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
 def test_greedy_tokens_are_identical_with_lookup_drafts(family, config):
     plain_llm, plain = family

@@ -104,6 +104,80 @@ def test_the_next_turn_restores_the_previous_turns_end_from_the_decode_spare():
     assert 12 not in positions  # one spare for the reply, overwritten at each boundary
 
 
+def verify(manager, req, num_drafts, accepted):
+    """One speculative step: score `num_drafts` drafts after the request's last token, the target
+    accepting the first `accepted`; then trim and cache as the scheduler does with the result."""
+    start, n = req.num_computed_tokens, 1 + num_drafts
+    assert manager.allocate_slots(req, n) is not None
+    manager.plan_captures(req, start, n)
+    manager.take_pending()
+    req.num_computed_tokens = start + 1 + accepted
+    req.token_ids += [800 + len(req.token_ids) + i for i in range(accepted + 1)]  # accepted drafts, then its own
+    manager.trim_slots(req, len(req.token_ids))
+    manager.cache_blocks(req, req.num_computed_tokens)
+    manager.check_integrity()
+
+
+def decoded_to_a_spare_at_12(manager, rid):
+    """A 10-token prompt decoded until its spare holds position 12 (12 tokens computed, 13 known)."""
+    req = new_req(manager, rid, list(range(10)))
+    step(manager, req, 10, manager.get_computed_blocks(req))
+    for t in range(3):
+        req.token_ids.append(900 + t)
+        if t < 2:
+            step(manager, req, 1)
+    assert cached_positions(manager) == [8, 12]
+    return req
+
+
+def cached_positions(manager):
+    return sorted(c.position for c in manager.coordinator.state_managers[0].checkpoints.cached.values())
+
+
+def next_turn_hit(manager, req):
+    history = list(req.token_ids)
+    manager.free(req.request_id)
+    hit, _ = serve(manager, "next", history + [1, 2, 3])
+    manager.assert_idle()
+    return hit.num_tokens
+
+
+def test_a_rejected_draft_before_a_boundary_keeps_the_previous_decode_checkpoint():
+    """Verifying [12, 17) crosses 16, but the first draft is rejected: 16's capture is dropped (C4),
+    and the spare at 12 the reply already had is still cached for the next turn."""
+    manager = manager_with()
+    req = decoded_to_a_spare_at_12(manager, "a")
+    verify(manager, req, num_drafts=4, accepted=0)
+    assert cached_positions(manager) == [8, 12]
+    assert next_turn_hit(manager, req) == 12
+
+
+@pytest.mark.parametrize("accepted, deepest", [(5, 16), (7, 20)])
+def test_every_accepted_boundary_of_a_verification_is_captured(accepted, deepest):
+    """Verifying [12, 20) crosses 16 and 20: the deepest accepted one becomes the reply's one spare."""
+    manager = manager_with()
+    req = decoded_to_a_spare_at_12(manager, "a")
+    verify(manager, req, num_drafts=7, accepted=accepted)
+    assert cached_positions(manager) == [8, deepest]
+    assert next_turn_hit(manager, req) == deepest
+
+
+def test_a_verification_in_a_full_pool_captures_in_place_of_its_spare():
+    """With no other slot to take, a verification captures into its own spare (as a plain decode
+    does): accepted, the spare moves on; rejected, it is lost (best effort, never a wrong hit)."""
+    for accepted, positions in [(4, [16]), (0, [])]:
+        manager = manager_with(num_checkpoints=1)
+        req = new_req(manager, "a", list(range(10)) + [900, 901])
+        step(manager, req, 11, manager.get_computed_blocks(req))
+        step(manager, req, 1)
+        assert cached_positions(manager) == [12]
+        req.token_ids.append(902)
+        verify(manager, req, num_drafts=4, accepted=accepted)
+        assert cached_positions(manager) == positions
+        manager.free("a")
+        manager.assert_idle()
+
+
 def test_a_tiny_pool_degrades_to_fewer_hits_never_a_wrong_one():
     manager = manager_with(num_checkpoints=1)
     for i in range(6):
@@ -183,6 +257,7 @@ def test_capture_plan_positions():
     assert plan.positions(0, 18) == ([8, 16], False)
     assert plan.positions(9, 18) == ([16], False)
     assert plan.positions(18, 19) == ([], True) and plan.positions(19, 20) == ([20], True)
+    assert plan.positions(19, 28) == ([20, 24, 28], True)  # a verification: every boundary among its tokens
     assert CapturePlan(4, 16).positions(0, 16) == ([12, 16], False)
     assert CapturePlan(4, 30, interval=2).positions(0, 30) == ([8, 16, 24, 28], False)
 

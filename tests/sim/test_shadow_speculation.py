@@ -77,12 +77,12 @@ def test_a_hybrid_stream_rolls_back_state_and_restores_checkpoints():
 
 def test_a_checkpoint_captured_after_a_rejected_draft_is_caught(monkeypatch):
     """The simulator can fail: a state manager that keeps a decode-time capture that followed a rejected
-    draft caches it once the request gets that far, and a later request whose prompt is the first's
-    prompt and reply restores a state no sequence has."""
+    draft caches it once the request gets that far (as its reply's last checkpoint, at 20), and a later
+    request whose prompt is the first's prompt and reply restores a state no sequence has."""
     from blockserve.kv.state_manager import LinearStateManager
 
     first = [[5, 6, 7, 8, 9, 10, 11, i] for i in range(2)]
-    prompts = first + [p + shadow_continuation(p, 14)[:11] + [99] for p in first]
+    prompts = first + [p + shadow_continuation(p, 14)[:12] + [99] for p in first]
     specs = [dict(rid=f"r{i}", prompt=p, max_tokens=14, salt=None, priority=0, step=0 if i < 2 else 60, abort=None)
              for i, p in enumerate(prompts)]
     result = run("mla+state", specs, 48, True, 16, None, k=3)  # correct as it is
