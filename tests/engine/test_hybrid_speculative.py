@@ -66,7 +66,7 @@ class OracleProposer:
             done = len(token_ids) - len(prompt)
             if done >= 0 and tuple(token_ids[:len(prompt)]) == prompt and list(token_ids[len(prompt):]) == reply[:done]:
                 truth = reply[done:done + max_tokens]
-                right = (len(token_ids) * 5) % (len(truth) + 1)
+                right = (len(token_ids) * 7 + 3) % (len(truth) + 1)  # 7: prime to every k + 1 <= 6
                 return truth[:right] + [(t + 1) % VOCAB for t in truth[right:]]
         return []
 
