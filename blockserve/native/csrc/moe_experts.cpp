@@ -55,6 +55,7 @@ namespace blockserve {
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // an expert with more tokens than this takes the GEMM
+constexpr int64_t kBlocksGemmRows = 9;  // a GGUF expert with this many tokens takes gguf_gemm
 constexpr int64_t kMxfp4GemmRows = 16;  // an MXFP4 expert with this many tokens takes mxfp4_matmul's GEMM
 
 struct Groups {
@@ -247,8 +248,8 @@ void mxfp4_experts_matmul(const Groups& g, const at::Tensor& in, const at::Tenso
 // in [n, K] @ W^T of one expert's GGUF blocks raw [N, row bytes]: gguf_matmul for a few rows, the
 // dequantised weight and the GEMM for more
 at::Tensor blocks_matmul(const at::Tensor& in, const at::Tensor& raw, const std::string& format, int64_t columns) {
-  if (in.size(0) <= kMaxRows) return gguf_matmul(in, raw, format);
-  return at::mm(in, gguf_dequantize(raw, format, columns).t());
+  if (in.size(0) < kBlocksGemmRows) return gguf_matmul(in, raw, format);
+  return gguf_gemm(in, raw, format);
 }
 
 void check_blocks_experts(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, int64_t E,
