@@ -278,7 +278,6 @@ constexpr int kLanes = 16, kTileRows = 4;  // 16 of the 32 zmm registers accumul
 constexpr int kLanes = 8, kTileRows = 3;  // 12 of the 16 ymm registers accumulate
 #endif
 constexpr int kWeightRows = 4;  // the switch in gguf_matmul takes 1 to 4
-constexpr int64_t kGemmTileBytes = 256 << 10;  // gguf_gemm's dequantised tile: stays in L2
 typedef float Lanes __attribute__((vector_size(4 * kLanes)));
 typedef float UnalignedLanes __attribute__((vector_size(4 * kLanes), aligned(4)));
 
@@ -370,30 +369,6 @@ at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t co
   for_each_range(rows, std::max<int64_t>(1, (1 << 16) / columns), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) f.dequantize_row(w + n * row_bytes, columns, o + n * columns);
   });
-  return out;
-}
-
-at::Tensor gguf_gemm(at::Tensor x, at::Tensor raw, const std::string& format) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_gemm: x must be float32 [M, K]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = raw.size(0);
-  const Format f = checked(raw, format, K);
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  // a tile of whole weight rows, ~kGemmTileBytes of float32 (a multiple of 16 rows, at least 16)
-  const int64_t tile_rows = std::max<int64_t>(16, kGemmTileBytes / (4 * K) / 16 * 16);
-  auto tile = at::empty({std::min(tile_rows, N), K}, at::kFloat);
-  const uint8_t* w = raw.data_ptr<uint8_t>();
-  float* t = tile.data_ptr<float>();
-  const int64_t row_bytes = raw.size(1);
-  for (int64_t n0 = 0; n0 < N; n0 += tile_rows) {
-    const int64_t rows = std::min(tile_rows, N - n0);
-    for_each_range(rows, std::max<int64_t>(1, (1 << 15) / K), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) f.dequantize_row(w + (n0 + r) * row_bytes, K, t + r * K);
-    });
-    auto part = out.narrow(1, n0, rows);
-    at::mm_out(part, x, tile.narrow(0, 0, rows).t());
-  }
   return out;
 }
 

@@ -66,9 +66,6 @@ int64_t half_matmul_lanes();
 std::vector<std::string> gguf_block_formats();
 at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns);
 at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
-// gguf_blocks.cpp: out = x @ W^T for many rows of x: W dequantised a cache-sized tile of rows at a time
-// into one buffer, each tile multiplied by torch's GEMM (no float32 copy of W).
-at::Tensor gguf_gemm(at::Tensor x, at::Tensor raw, const std::string& format);
 
 // mxfp4.cpp: out = x @ W^T, W [N, K] in MXFP4 (Hugging Face's blocks [N, K/32, 16] and e8m0 scales [N, K/32]).
 at::Tensor mxfp4_matmul(at::Tensor x, at::Tensor blocks, at::Tensor scales);

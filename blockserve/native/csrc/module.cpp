@@ -49,9 +49,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_matmul", &gguf_matmul, "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("gguf_gemm", &gguf_gemm,
-        "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N]: L2-sized dequantised tiles and GEMM",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mxfp4_matmul", &mxfp4_matmul,
         "(x [M, K] float32, blocks uint8 [N, K/32, 16], scales uint8 [N, K/32]) -> x @ W^T [M, N], W in MXFP4",
         pybind11::call_guard<pybind11::gil_scoped_release>());
