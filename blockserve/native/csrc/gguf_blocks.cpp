@@ -11,7 +11,9 @@
 //       four output rows at a time are dequantised into a per-task buffer of 4 x K floats (L1/L2)
 //       and multiplied with the M rows of x in register tiles (4 weight rows x 4 rows of x on
 //       AVX-512, 4 x 3 on AVX2), so each weight is dequantised once per call whatever M is and
-//       the weights are read from memory at their file size.
+//       the weights are read from memory at their file size. When x passes 512 KiB, K is taken in
+//       panels of whole blocks sized so x's panel stays in L2 across a task's weight rows, each
+//       panel's sums added to the last's.
 //
 // Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
 // dequantiser unpacks 16 bytes at a time with SSSE3 and widens them at the build's width
@@ -293,8 +295,8 @@ inline float lane_sum(Lanes v) {
 // A panel of `columns` values (a multiple of kLanes): w's rows `columns` apart, x's K apart; the
 // sums are stored, or added to out when `add` (a later panel of the same rows).
 template <int NR, int MR>  // not inlined: GCC's AVX2 code for the inlined 4 x 3 tile ran at half speed
-__attribute__((noinline)) void tile(const float* w, const float* x, int64_t columns, int64_t K, float* out, int64_t out_stride,
-                 bool add) {
+__attribute__((noinline)) void tile(const float* w, const float* x, int64_t columns, int64_t K, float* out,
+                                    int64_t out_stride, bool add) {
   Lanes acc[NR][MR] = {};
   for (int64_t k = 0; k < columns; k += kLanes) {
     Lanes wv[NR];
