@@ -1,7 +1,7 @@
 """csrc/moe_experts.cpp against the Python loop over the experts (moe.Experts, route "loop") in
 float64, in both builds (-march=native and the AVX2 one): float32 experts with every expert at
 decode size (the one-job path) and with some past kMaxRows tokens (the GEMM path); experts in GGUF
-blocks (Q4_K, Q6_K, Q8_0: the gguf_blocks.cpp entry points) against their dequantised values;
+blocks (Q4_K, Q6_K, Q8_0: gguf_matmul at 2 to ~75 tokens an expert) against their dequantised values;
 GPT-OSS's experts (biases, clamped SwiGLU), MXFP4, float32 or in GGUF blocks, against its loop over
 the (dequantised) weights. Also: an expert id out of range is refused, and no pairs give zeros.
 """
@@ -58,7 +58,7 @@ def test_float32_experts_match_the_loop(build, tokens):
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
-@pytest.mark.parametrize("tokens", [3, 40])
+@pytest.mark.parametrize("tokens", [3, 40, 300])  # 2..75 tokens an expert: gguf_matmul's tiles at every size
 def test_block_experts_match_their_dequantised_values(build, tokens):
     rng = np.random.default_rng(tokens)
     H, I = 256, 256
@@ -73,6 +73,8 @@ def test_block_experts_match_their_dequantised_values(build, tokens):
         torch.from_numpy(raw[p]), formats[p])), I)
     want = _reference(x, weights, ids, torch.cat([dense["gate"], dense["up"]], dim=1), dense["down"])
     torch.testing.assert_close(out.double(), want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
+    counts = ids.flatten().bincount(minlength=E)
+    assert counts.max() > {3: 0, 40: 8, 300: 64}[tokens]  # past decode size, and past 64 rows
 
 
 def test_an_expert_id_out_of_range_is_refused():
@@ -140,7 +142,7 @@ def test_gpt_oss_float32_experts_match_the_loop(build, tokens):
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
-@pytest.mark.parametrize("tokens", [0, 3, 40])  # 40 tokens over 4 experts: some past kMaxRows (the GEMM path)
+@pytest.mark.parametrize("tokens", [0, 3, 40, 150])  # up to ~75 tokens an expert
 def test_gpt_oss_block_experts_match_the_loop(build, tokens):
     """moe_experts_blocks_gpt_oss: GGUF blocks (Q8_0 gate, Q4_K up, Q6_K down), the interleaved
     gate_up bias and the clamped SwiGLU, against the loop over the dequantised weights."""
@@ -166,8 +168,8 @@ def test_gpt_oss_block_experts_match_the_loop(build, tokens):
     if tokens:
         gu = x @ gate_up[0].T + gate_up_bias[0]
         assert (gu[:, 0::2] > limit).any() and (gu[:, 1::2] < -limit).any()  # the clamps are live
-    if tokens == 40:
-        assert ids.flatten().bincount(minlength=experts).max() > 8  # the GEMM path ran
+    if tokens >= 40:
+        assert ids.flatten().bincount(minlength=experts).max() > (8 if tokens == 40 else 64)  # many rows an expert
 
 
 def test_gpt_oss_layers_run_the_native_experts(monkeypatch):
