@@ -280,7 +280,9 @@ constexpr int kLanes = 16, kTileRows = 4;  // 16 of the 32 zmm registers accumul
 constexpr int kLanes = 8, kTileRows = 3;  // 12 of the 16 ymm registers accumulate
 #endif
 constexpr int kWeightRows = 4;  // the switch in gguf_matmul takes 1 to 4
-constexpr int64_t kPanelBytes = 512 << 10;  // gguf_matmul's panel of x: L2-resident
+// gguf_matmul takes K in panels of this many columns (whole blocks): 512 KiB of x at 128 rows, L2-resident.
+// Fixed, not sized by the row count, so a row's sums run in the same order whatever rows share the call.
+constexpr int64_t kPanelColumns = 1024;
 typedef float Lanes __attribute__((vector_size(4 * kLanes)));
 typedef float UnalignedLanes __attribute__((vector_size(4 * kLanes), aligned(4)));
 
@@ -395,14 +397,12 @@ at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format) 
   const float* xp = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = raw.size(1);
-  // tasks of kWeightRows output rows at a time, >= ~64 K multiply-adds each. When x is larger than
-  // kPanelBytes, K is taken in panels (whole blocks) whose columns of x fit it, each panel over all
-  // of a task's rows, so x's panel stays in L2 across them (each weight still dequantised once).
+  // tasks of kWeightRows output rows at a time, >= ~64 K multiply-adds each. K is taken in panels of
+  // kPanelColumns (whole blocks), each panel over all of a task's rows, so x's panel stays in L2
+  // across them (each weight still dequantised once); a row's result does not depend on M.
   const int64_t groups = (N + kWeightRows - 1) / kWeightRows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (K * M * kWeightRows));
-  const int64_t panel = M * K * 4 <= kPanelBytes
-                            ? K
-                            : std::min(K, std::max<int64_t>(1, kPanelBytes / (4 * M) / f.elems) * f.elems);
+  const int64_t panel = std::min(K, std::max<int64_t>(1, kPanelColumns / f.elems) * f.elems);
   const int64_t blocks_per_panel = panel / f.elems;
   for_each_range(groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> rows(kWeightRows * panel);

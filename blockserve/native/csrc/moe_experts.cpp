@@ -24,10 +24,10 @@
 // dequantised at a time into a cache-resident buffer and multiplied in register tiles), read from
 // the file's blocks: measured at gpt-oss-20b's shape in Q8_0 at one thread, it beats float32 GEMM
 // over the same values at 1 to 256 tokens on AVX-512 and up to ~32 on AVX2 (0.84-0.88x at 64-128),
-// where dequantising the expert whole and using torch's GEMM (the old path past 8 tokens) or
-// GEMM over L2-sized dequantised panels did not (docs/cpu.md). SiLU(gate) * up is fused into one
+// where dequantising the expert whole for torch's GEMM, or GEMM over L2-sized dequantised panels,
+// did not (docs/cpu.md). SiLU(gate) * up is fused into one
 // pass, and the weighted sum is added per token in expert-id order (the order the Python loop sums
-// in), so a token's result does not depend on the other tokens of the batch.
+// in).
 //
 // GPT-OSS (models/gpt_oss.py): the checkpoint's MXFP4 blocks [E, N, K/32, 16] and scales [E, N, K/32]
 // (mxfp4.cpp's layout), gate_up's rows interleaved (gate at even rows, up at odd), a bias after each
