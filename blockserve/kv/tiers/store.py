@@ -346,8 +346,8 @@ class TieredKVStore:
         with self._lock:
             if not self._writing:
                 return
+            self.stopped_why = why  # before writing turns off: a reader seeing it off finds the reason
             self._writing = False
-            self.stopped_why = why
         logger.warning("KV offload: %s; no more blocks are written, cached entries are still read", why)
 
     @property
