@@ -22,6 +22,7 @@ from blockserve.spec_decode.step_costs import FlatStepCosts
 from tests.distributed.processes import child_pids
 from tests.engine.test_speculative_engine import NEW_TOKENS, SPEC, prompts
 from tests.engine.test_tiny_engine import SIZES
+from tests.models.conftest import STATE_CONFIGS
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # rank processes
 
@@ -93,3 +94,14 @@ def test_tp2_with_a_draft_model_on_rank_0(tiny):
     spec = {"method": "draft_model", "model": tiny, "num_speculative_tokens": 3}
     stats = _run_tp2(tiny, spec, plain, **ROOMY).speculation
     assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
+
+
+@pytest.mark.tp_full
+def test_a_hybrid_is_refused_with_speculation_and_its_ranks_stopped(tmp_path):
+    """Recurrent state is rolled back on rank 0 only, so a TP=2 hybrid with speculation fails to build,
+    naming why, and leaves no rank process behind."""
+    save_random_model(STATE_CONFIGS["qwen3_next"](), tmp_path)
+    before = child_pids()
+    with pytest.raises(ValueError, match="recurrent-state layers .*rolled back on rank 0 only"):
+        LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=SPEC, **OPTIONS, **ROOMY)
+    assert not child_pids() - before

@@ -201,7 +201,8 @@ def test_an_attention_draft_model_serves_a_hybrid_target(family, tmp_path):
 
 def test_tensor_parallelism_is_refused_with_recurrent_state(family):
     """Ranks above 0 learn a verification's accepted count a step late, after the per-row states are
-    gone, so a hybrid with speculation under tensor parallelism is refused before any rank starts."""
+    gone, so the rule refuses a hybrid with speculation under tensor parallelism (the engine applies it
+    when it is built: tests/distributed/test_tp_speculative.py)."""
     plain_llm, _ = family
     config = EngineConfig(tensor_parallel_size=2, speculative_config=NGRAM)
     groups = kv_groups_of(plain_llm.engine.core.loaded.model, config, torch.device("cpu"))
