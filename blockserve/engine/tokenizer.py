@@ -27,3 +27,11 @@ def load_tokenizer(engine_config: EngineConfig | None = None):
     if path.is_file():  # a GGUF file no engine converted yet
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     return None
+
+
+def render_chat_template(template: str, messages: list, tools: list | None = None) -> str:
+    """`template` over `messages` (and `tools`) as the engines render chat templates
+    (models/chat_template.py), for a front end probing a template's text."""
+    from blockserve.models.chat_template import render
+
+    return render(template, messages, tools=tools)

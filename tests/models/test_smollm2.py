@@ -15,7 +15,7 @@ import torch
 from transformers.integrations.gguf import read_gguf_metadata
 
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.models import loader
+from blockserve.models import loader, row_crossover
 from blockserve.models.default_model import default_model_path
 from blockserve.models.loader import load_model
 from blockserve.models.quantized_linear import QuantizedLinear
@@ -52,6 +52,7 @@ def loaded(tmp_path_factory):
     shutil.copyfile(default_model_path(), copy)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader, "_convert_gguf", lambda *args: pytest.fail("the GGUF was converted"))
+        patch.setattr(row_crossover, "MEASURED", {})  # measured here (not taken from an earlier test's load)
         start = time.perf_counter()
         first = load_model(None, BACKENDS["exact"], cache_dir=str(cache_dir))
         first_s = time.perf_counter() - start

@@ -34,8 +34,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer):
-    return smollm2_tokenizer
+def tokenizer(smollm2_gguf_tokenizer):
+    return smollm2_gguf_tokenizer  # transformers' (saved beside the tiny model below)
 
 
 @pytest.fixture(scope="module")

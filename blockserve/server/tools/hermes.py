@@ -29,8 +29,8 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.tokenizer import render_chat_template
 from blockserve.errors import InvalidRequest
-from blockserve.models.chat_template import render
 from blockserve.sampling_params import StructuredOutputsParams
 from blockserve.server.http.errors import APIError
 from blockserve.server.protocol import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
@@ -71,8 +71,8 @@ def _renders_hermes(template: str) -> bool:
     if OPEN not in template:
         return False
     try:
-        with_tools = render(template, _PROBE_MESSAGES, tools=[_PROBE_TOOL])
-        without = render(template, _PROBE_MESSAGES[:1])
+        with_tools = render_chat_template(template, _PROBE_MESSAGES, tools=[_PROBE_TOOL])
+        without = render_chat_template(template, _PROBE_MESSAGES[:1])
     except Exception:  # a template that cannot render the probe cannot be served natively
         return False
     if "probe_tool_7f3a" in without or "probe_result_7f3a" not in with_tools:
