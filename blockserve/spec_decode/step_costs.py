@@ -71,8 +71,8 @@ class StepCosts:
 
 
 class FlatStepCosts(StepCosts):
-    """Every step costs the same whatever its rows, so every draft pays: for drivers whose steps'
-    time means nothing (the shadow simulator)."""
+    """Every step costs the same whatever its rows, so every draft pays while the request's acceptance
+    is above the speculator's floor: for drivers whose steps' time means nothing (the shadow simulator)."""
 
     def observe(self, rows: int, seconds: float) -> None:
         pass
