@@ -10,7 +10,8 @@
 Drafts are verified only where they are expected to pay (step_costs.py): the measured cost of the
 rows they add to the step against the tokens the request's acceptance so far says they will add.
 The rule is applied before the proposer is asked, which is then asked for only the drafts that pay,
-so a step the rule declines costs no proposer time. A request's acceptance is a forgetting average
+so a step the rule declines costs no drafting (a cheap proposer is asked for none, so it follows the
+request; a draft model is not called). A request's acceptance is a forgetting average
 of its verifications that starts at a prior and forgets it too, so drafts that keep missing drive
 it towards 0; below MIN_ACCEPTANCE a request does not draft whatever the rows cost. A request the
 rule keeps from drafting probes with one draft after a number of its steps that doubles each time
@@ -78,7 +79,8 @@ class Speculator:
         self.config = config
         self.proposer = proposer or make_proposer(config)
         # A proposer that drafts for many requests at once (a draft model) is asked once per step (prepare_step).
-        self.batches = getattr(self.proposer, "always_proposes", False) and hasattr(self.proposer, "propose_batch")
+        self._drafting_costs_work = getattr(self.proposer, "always_proposes", False)
+        self.batches = self._drafting_costs_work and hasattr(self.proposer, "propose_batch")
         self._prepared: dict[str, list[int]] | None = None  # this step's batched drafts, handed out by propose
         self.costs = StepCosts() if costs is None else costs
         self._books: dict[str, _RequestBooks] = {}
@@ -120,7 +122,10 @@ class Speculator:
             kept = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
             self._step_rows -= len(drafts) - len(kept)
             return kept
-        n = self._drafts_paying(request_id, max_tokens, batch_size)  # before asking: a declined step costs no proposer time
+        n = self._drafts_paying(request_id, max_tokens, batch_size)  # before asking: a declined step costs no drafting
+        if not n and not self._drafting_costs_work:
+            self._timed_propose(request_id, token_ids, 0)  # asked for none, it still follows the request (suffix:
+            return []  # where its output starts, which joins the cross-request store whole)
         drafts = self._timed_propose(request_id, token_ids, n) if n else []
         drafts = self._grammar_cut(request_id, drafts, grammar, output_token_ids)
         self._step_rows += len(drafts)

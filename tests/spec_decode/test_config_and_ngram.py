@@ -188,7 +188,8 @@ def test_a_batched_proposer_drafts_once_per_step_for_every_request():
 
 
 class ScriptedProposer:
-    """Proposes `drafts` whenever asked (cut to max_tokens) and counts the steps it was asked in."""
+    """Proposes `drafts` whenever asked (cut to max_tokens) and counts the steps it was asked for
+    drafts in (asked for none, it only follows the request)."""
 
     def __init__(self, drafts: list[int]):
         self.drafts = drafts
@@ -196,7 +197,8 @@ class ScriptedProposer:
         self.step = 0
 
     def propose(self, request_id, token_ids, max_tokens):
-        self.asked_at.append(self.step)
+        if max_tokens > 0:
+            self.asked_at.append(self.step)
         return self.drafts[:max_tokens]
 
     def forget(self, request_id):
@@ -224,7 +226,7 @@ def run_steps(speculator: Speculator, proposer: ScriptedProposer, steps: int, ac
 
 def test_a_proposer_that_is_always_wrong_stops_being_asked_and_is_probed_later():
     """Even where draft rows cost next to nothing, drafts that never match stop within a few steps
-    (the proposer is not even asked: no proposer time), then one-draft probes come at doubling
+    (the proposer is asked for none: no drafting time), then one-draft probes come at doubling
     intervals."""
     proposer = ScriptedProposer([9, 9, 9, 9])
     config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1)
@@ -232,7 +234,7 @@ def test_a_proposer_that_is_always_wrong_stops_being_asked_and_is_probed_later()
     verified = run_steps(speculator, proposer, 300, lambda step, drafts: 0)
     drafting = [step for step, n in enumerate(verified) if n]
     assert drafting[:5] == [0, 1, 2, 3, 4]  # the prior forgotten: below MIN_ACCEPTANCE after five misses
-    assert proposer.asked_at == drafting  # declined steps never reach the proposer
+    assert proposer.asked_at == drafting  # declined steps ask the proposer for no drafts
     probes = drafting[5:]
     assert probes == [8, 16, 32, 64, 128, 256] and all(verified[step] == 1 for step in probes)  # back-off doubles
     assert speculator.stats().num_skipped == 300 - len(drafting)

@@ -4,7 +4,7 @@ tokens or the outputs of finished requests, with the cross-request trie bounded.
 from __future__ import annotations
 
 from blockserve.spec_decode.config import SpeculativeConfig
-from blockserve.spec_decode.speculator import make_proposer
+from blockserve.spec_decode.speculator import Speculator, make_proposer
 from blockserve.spec_decode.suffix import SuffixProposer, SuffixTrie
 
 
@@ -59,3 +59,17 @@ def test_the_method_builds_its_proposer():
                                      '"suffix_decoding_max_tree_depth": 8, "suffix_decoding_max_cached_requests": 0}')
     p = make_proposer(config)
     assert isinstance(p, SuffixProposer) and p.max_depth == 8 and p.max_cached_requests == 0
+
+
+def test_a_reply_joins_the_cross_request_store_whole_while_the_cost_rule_declines_drafts():
+    """Until the plain step is measured the cost rule declines every draft; the proposer still follows
+    the request from its first step, so the reply it stores starts at the reply's first token."""
+    config = SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 4, '
+                                     '"suffix_decoding_max_cached_requests": 4}')
+    speculator = Speculator(config)
+    tokens = [1, 2]  # the prompt
+    for token in (10, 11, 12, 13):
+        tokens.append(token)
+        assert speculator.propose("a", tokens, 4, batch_size=1) == []  # declined: nothing measured yet
+    speculator.forget("a")
+    assert list(speculator.proposer._cached.values()) == [[10, 11, 12, 13]]
