@@ -67,6 +67,15 @@ def q8_0_pair(count: int, gen: torch.Generator) -> tuple[GptOssGGUFBlockExperts,
     return blocks, widened
 
 
+def routed_tokens(tokens: int, experts: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random hidden states of `tokens` tokens, each routed to TOP_K of `experts` with softmax weights:
+    (x, weights, ids)."""
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.rand(tokens, experts, generator=gen).topk(TOP_K, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, TOP_K, generator=gen), dim=-1)
+    return x, weights, ids
+
+
 def main_q8_0(args, gen: torch.Generator) -> None:
     blocks, widened = q8_0_pair(args.experts, gen)
     held = {"Q8_0": blocks.resident_bytes(), "float32": widened.gate_up_proj.nbytes + widened.down_proj.nbytes}
@@ -74,9 +83,7 @@ def main_q8_0(args, gen: torch.Generator) -> None:
           f"{args.threads} thread(s); Q8_0 {held['Q8_0'] / 2**20:.0f} MiB, float32 {held['float32'] / 2**20:.0f} MiB")
     print("tokens  experts run  Q8_0 blocks ms  float32 ms  max |diff|  others' CPU share")
     for tokens in args.tokens:
-        x = torch.randn(tokens, HIDDEN, generator=gen)
-        ids = torch.rand(tokens, args.experts, generator=gen).topk(TOP_K, dim=-1).indices
-        weights = torch.softmax(torch.randn(tokens, TOP_K, generator=gen), dim=-1)
+        x, weights, ids = routed_tokens(tokens, args.experts, gen)
         with CpuShare() as share, torch.no_grad():
             times = {name: seconds_per_call(lambda m=module: m(x, weights, ids))
                      for name, module in (("blocks", blocks), ("float32", widened))}
@@ -106,9 +113,7 @@ def main() -> None:
           f"{'float32' if args.float32 else 'MXFP4'}, top-{TOP_K}; {args.threads} thread(s)")
     print("tokens  experts run  native ms  loop ms  others' CPU share")
     for tokens in args.tokens:
-        x = torch.randn(tokens, HIDDEN, generator=gen)
-        ids = torch.rand(tokens, args.experts, generator=gen).topk(TOP_K, dim=-1).indices
-        weights = torch.softmax(torch.randn(tokens, TOP_K, generator=gen), dim=-1)
+        x, weights, ids = routed_tokens(tokens, args.experts, gen)
         times = {}
         with CpuShare() as share, torch.no_grad():
             for route in ("native", "loop"):

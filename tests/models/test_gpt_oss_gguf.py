@@ -168,12 +168,19 @@ def test_mxfp4_gguf_loads_as_the_safetensors_model(tmp_path):
     assert sum(p.nbytes for p in experts.values()) == mxfp4_bytes == sum(written.values())
     cached = load_file(str(next((tmp_path / "cache").glob("gguf-*")) / "model.safetensors"))
     assert not any(".mlp.experts." in name and not name.endswith("bias") for name in cached)  # no float copy
+    _assert_runs_alike(from_gguf, from_dir, atol=1e-5)
+
+
+def _assert_runs_alike(from_gguf, from_dir, atol: float) -> list:
+    """Both loads run the same paged prompts (chunked, staggered) to logits within `atol` and the same
+    greedy tokens; returns those tokens."""
     prompts = paged_prompts()
     gguf_logits, gguf_tokens = run_paged(from_gguf.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
     dir_logits, dir_tokens = run_paged(from_dir.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
     for ours, theirs in zip(gguf_logits, dir_logits):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
     assert gguf_tokens == dir_tokens
+    return gguf_tokens
 
 
 def test_float_experts_gguf_loads_as_the_float_checkpoint(tmp_path):
@@ -230,8 +237,5 @@ def test_block_experts_run_from_the_files_blocks(tmp_path):
     cached = load_file(str(next((tmp_path / "cache").glob("gguf-*")) / "model.safetensors"))
     assert not any(".mlp.experts." in name and not name.endswith("bias") for name in cached)  # no float copy
     prompts = paged_prompts()
-    gguf_logits, gguf_tokens = run_paged(from_gguf.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
-    dir_logits, dir_tokens = run_paged(from_dir.model, prompts, NEW_TOKENS, chunk=6, stagger=True)
-    for ours, theirs in zip(gguf_logits, dir_logits):
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)  # the same values; float32 sums in another order
-    assert gguf_tokens == dir_tokens == greedy_tokens(reference_outputs(reference, prompts, NEW_TOKENS))
+    tokens = _assert_runs_alike(from_gguf, from_dir, atol=1e-4)  # the same values; float32 sums in another order
+    assert tokens == greedy_tokens(reference_outputs(reference, prompts, NEW_TOKENS))
