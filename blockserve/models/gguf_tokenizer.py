@@ -26,7 +26,6 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from blockserve.models import chat_template
-from blockserve.models.chat_template import NOT_RENDERED
 from blockserve.models.gguf_metadata import array_values, special_token_id
 
 # tokenizer.ggml.pre -> the split its merges were learned on: the ones transformers' GGUF loader applies
@@ -177,10 +176,8 @@ class GGUFTokenizer:
         added: the template writes them) or, with tokenize=False, as text. `variables` are the template's;
         the rendering options transformers has beyond these (continue_final_message, documents, return_dict,
         ...; return_dict=True) are refused with a ValueError rather than ignored."""
-        refused = sorted(NOT_RENDERED.intersection(variables))
-        refused += ["return_dict=True"] if return_dict else []
-        if refused:
-            raise ValueError(f"apply_chat_template on a GGUF tokenizer does not take {', '.join(refused)}")
+        if return_dict:  # the options chat_template.render does not render it refuses itself (NOT_RENDERED)
+            raise ValueError("apply_chat_template on a GGUF tokenizer does not take return_dict=True")
         if not conversation:
             raise ValueError("cannot apply the chat template to an empty conversation")
         text = chat_template_render(self, conversation, tools, add_generation_prompt, chat_template, variables)
