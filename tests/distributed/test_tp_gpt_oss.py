@@ -11,8 +11,8 @@ that cuts an MXFP4 block or a GGUF block is refused at build, naming the tensor 
 
 Over two gloo ranks (`-m tp_full`: each engine starts rank processes that load the model, tens of
 seconds here): the engine's greedy tokens at TP=2 equal TP=1's and transformers', on prompts longer
-than the sliding window (8 tokens) prefilled in chunks, from a bfloat16 checkpoint, an MXFP4 one and
-the GGUF of the MXFP4 one.
+than the sliding window (8 tokens) prefilled in chunks, from a bfloat16 checkpoint, an MXFP4 one, the
+GGUF of the MXFP4 one and a GGUF with Q8_0 experts (run from the file's blocks).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from blockserve.sampling_params import SamplingParams
 from tests.distributed.processes import child_pids
 from tests.models.mxfp4_encoder import encode_mxfp4
 from tests.models.test_gpt_oss import GPT_OSS_CONFIGS, WINDOW
-from tests.models.test_gpt_oss_gguf import write_gguf
+from tests.models.test_gpt_oss_gguf import write_block_experts_gguf, write_gguf
 from tests.models.test_gpt_oss_mxfp4 import write_mxfp4_checkpoint
 from tests.models.test_half_weights import float32_reference, save_16bit
 from tests.models.test_moe_gguf_blocks import _blocks
@@ -52,10 +52,19 @@ INTERMEDIATE = 64  # two ranks of 32: one whole MXFP4 block of down's inputs eac
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
-def _rank(rank: int, size: int) -> SimpleNamespace:
+class _Rank(SimpleNamespace):
     """Enough of a TensorParallelGroup to build and run one rank's shard in this process: its
-    all-reduce leaves the rank's partial sum, which the test adds up."""
-    return SimpleNamespace(rank=rank, size=size, is_first=rank == 0, all_reduce=lambda tensor, **_: tensor)
+    all-reduce leaves the rank's partial sum, which the test adds up, and counts the calls."""
+
+    reductions = 0
+
+    def all_reduce(self, tensor: torch.Tensor, **_) -> torch.Tensor:
+        self.reductions += 1
+        return tensor
+
+
+def _rank(rank: int, size: int) -> _Rank:
+    return _Rank(rank=rank, size=size, is_first=rank == 0)
 
 
 def _checkpoint(mxfp4: bool):
@@ -92,8 +101,10 @@ def _assert_ranks_sum_to_one_device(experts: list[nn.Module], whole: nn.Module, 
     weights, ids = torch.rand(7, 2).softmax(-1), torch.stack([torch.randperm(config.num_local_experts)[:2]
                                                              for _ in range(7)])
     want = whole(x, weights, ids)
+    before = [rank_experts.tp.reductions for rank_experts in experts]
     got = sum(rank_experts(x, weights, ids) for rank_experts in experts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [rank_experts.tp.reductions for rank_experts in experts] == [n + 1 for n in before]  # one all-reduce each
 
 
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
@@ -184,6 +195,7 @@ ENGINE = dict(num_threads=1, kv_cache_memory="8MiB", max_model_len=128, max_num_
 
 
 def _bf16(path):
+    """A bfloat16 checkpoint (the engine, tensor-parallel, runs it in float32) and its float32 reference."""
     save_16bit(GPT_OSS_CONFIGS["gpt_oss"](), torch.bfloat16, path)
     return path, float32_reference(path)
 
@@ -201,7 +213,13 @@ def _gguf_mxfp4(path):
     return path / "model.gguf", reference
 
 
-CHECKPOINTS = {"bf16": _bf16, "mxfp4": _mxfp4, "gguf-mxfp4": _gguf_mxfp4}
+def _gguf_q8_0(path):
+    config = GPT_OSS_CONFIGS["gpt_oss"](intermediate_size=INTERMEDIATE)
+    formats = [{"gate": "Q8_0", "up": "Q8_0", "down": "Q8_0"}] * config.num_hidden_layers
+    return path / "model.gguf", write_block_experts_gguf(path, config, formats)
+
+
+CHECKPOINTS = {"bf16": _bf16, "mxfp4": _mxfp4, "gguf-mxfp4": _gguf_mxfp4, "gguf-q8_0": _gguf_q8_0}
 
 
 @pytest.mark.tp_full
@@ -217,6 +235,10 @@ def test_tp2_gives_tp1_and_transformers_tokens(tmp_path, monkeypatch, checkpoint
     before = child_pids()
     for size in (1, 2):
         with LLM(str(path), tensor_parallel_size=size, **ENGINE) as llm:
+            layer = llm.engine.core.loaded.model.model.layers[0]  # rank 0's shard
+            assert layer.self_attn.sinks.shape == (GPT_OSS_CONFIGS["gpt_oss"]().num_attention_heads // size,)
+            assert layer.mlp.experts.gate_up_proj_bias.shape[1] == 2 * INTERMEDIATE // size
+            assert isinstance(layer.mlp.experts, GptOssGGUFBlockExperts) == (checkpoint == "gguf-q8_0")
             tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)])
     assert not child_pids() - before
     assert tokens[1] == tokens[0]
