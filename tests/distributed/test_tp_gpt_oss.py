@@ -175,12 +175,26 @@ def test_q8_0_block_experts_shard_by_intermediate_size_and_refuse_a_cut_block():
     shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
     raw = {part: ("Q8_0", _blocks("Q8_0", experts * rows, cols, rng).reshape(experts, rows, -1))
            for part, (rows, cols) in shapes.items()}
-    biases = {"gate_up_proj_bias": torch.randn(experts, 2 * intermediate), "down_proj_bias": torch.randn(experts, hidden)}
+    biases = {"gate_up_proj_bias": torch.randn(experts, 2 * intermediate),
+              "down_proj_bias": torch.randn(experts, hidden)}
     whole = _block_experts(raw, biases, hidden, intermediate, None)
     config = SimpleNamespace(hidden_size=hidden, num_local_experts=experts)
+    dense = {part: gguf.quants.dequantize(r, gguf.GGMLQuantizationType.Q8_0) for part, (_, r) in raw.items()}
     for size in (2, 4):
         ranks = [_block_experts(raw, biases, hidden, intermediate, _rank(r, size)) for r in range(size)]
-        assert {m.intermediate_size for m in ranks} == {intermediate // size}
+        n = intermediate // size
+        for r, module in enumerate(ranks):
+            share = slice(r * n, (r + 1) * n)
+            assert module.intermediate_size == n
+            for part, segment in zip(("gate", "up", "down"), module.block_segments):
+                held = gguf.quants.dequantize(segment.raw.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                np.testing.assert_array_equal(held, dense[part][..., share] if part == "down" else
+                                              dense[part][:, share])
+            for ours, theirs in zip(_gate_and_up(module.gate_up_proj_bias, 1),
+                                    _gate_and_up(biases["gate_up_proj_bias"], 1)):
+                assert torch.equal(ours, theirs[:, share])
+            assert torch.equal(module.down_proj_bias, biases["down_proj_bias"] if r == 0 else
+                               torch.zeros(experts, hidden))
         _assert_ranks_sum_to_one_device(ranks, whole, config)
     with pytest.raises(ValueError, match="mlp.experts.down: 128 columns over 8 ranks are 16 per rank, not whole "
                                          "32-wide Q8_0 GGUF blocks: serve it with --no-quantized-matmul"):
