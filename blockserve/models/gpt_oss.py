@@ -103,8 +103,8 @@ def intermediate_shard(intermediate_size: int, tp: TensorParallelGroup | None, w
     if mxfp4 and intermediate_size % BLOCK == 0 and intermediate_size % (tp.size * BLOCK):
         whole = [n for n in range(1, intermediate_size // BLOCK + 1) if intermediate_size % (n * BLOCK) == 0]
         raise ValueError(f"{what}: intermediate_size = {intermediate_size} over tensor_parallel_size = {tp.size} "
-                         f"would cut its {BLOCK}-value MXFP4 blocks; tensor_parallel_size "
-                         f"{', '.join(map(str, whole))} keeps them whole")
+                         f"would cut its {BLOCK}-value MXFP4 blocks; the tensor_parallel_size values that keep them "
+                         f"whole: {', '.join(map(str, whole))}")
     return even_slice(intermediate_size, tp, "intermediate_size")
 
 

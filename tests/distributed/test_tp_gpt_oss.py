@@ -143,7 +143,7 @@ def test_a_rank_share_cutting_an_mxfp4_block_is_refused_naming_the_sizes_that_wo
     config.intermediate_size = 96
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj_blocks: intermediate_size = 96 "
                                          r"over tensor_parallel_size = 2 would cut its 32-value MXFP4 blocks; "
-                                         r"tensor_parallel_size 1, 3 keeps them whole"):
+                                         r"the tensor_parallel_size values that keep them whole: 1, 3"):
         GptOssForCausalLM(config, BACKENDS["exact"], Placement(tp=_rank(0, 2)))
     GptOssExperts(2, 64, 96, 1.702, 7.0, mxfp4=True, tp=_rank(2, 3))  # 32 each: whole blocks
 
@@ -250,8 +250,8 @@ def test_tp2_gives_tp1_and_transformers_tokens(tmp_path, monkeypatch, checkpoint
     for size in (1, 2):
         with LLM(str(path), tensor_parallel_size=size, **ENGINE) as llm:
             layer = llm.engine.core.loaded.model.model.layers[0]  # rank 0's shard
-            assert layer.self_attn.sinks.shape == (GPT_OSS_CONFIGS["gpt_oss"]().num_attention_heads // size,)
-            assert layer.mlp.experts.gate_up_proj_bias.shape[1] == 2 * INTERMEDIATE // size
+            assert layer.self_attn.sinks.shape == (reference.config.num_attention_heads // size,)
+            assert layer.mlp.experts.gate_up_proj_bias.shape[1] == 2 * reference.config.intermediate_size // size
             assert isinstance(layer.mlp.experts, GptOssGGUFBlockExperts) == (checkpoint == "gguf-q8_0")
             tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)])
     assert not child_pids() - before
