@@ -46,8 +46,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size="
                              f"{tp_size}); serve it with tensor_parallel_size=1. Families that do: the Llama "
                              "family (Llama, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3), Mixtral, Qwen2-MoE, Qwen3-MoE, "
-                             "Gemma 2, Gemma 3, Granite 3, SmolLM3, GLM-4, EXAONE 4, DeepSeek-V3, Qwen3-Next, "
-                             "Granite 4.0-H and Kimi Linear")
+                             "Gemma 2, Gemma 3, Granite 3, SmolLM3, GLM-4, EXAONE 4, GPT-OSS, DeepSeek-V3, "
+                             "Qwen3-Next, Granite 4.0-H and Kimi Linear")
 
     def __init__(self, hf_config, model: nn.Module, placement: Placement, *, logits_scaling: float = 1.0,
                  final_logit_softcapping: float | None = None):

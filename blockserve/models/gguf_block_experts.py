@@ -8,7 +8,8 @@ GptOssGGUFBlockExperts replaces GPT-OSS's float experts (gpt_oss.GptOssExperts: 
 SwiGLU; moe_experts_blocks_gpt_oss) where the file holds them in a block format (Q8_0, K-quants:
 llama-quantize's output for some mixes) rather than MXFP4. `use_block_experts` does that for every
 layer whose three expert tensors are in a block format. Under tensor parallelism each rank keeps its
-share of the intermediate size (moe.Experts' shard): whole rows of gate and up, and of down the
+share of the intermediate size (moe.Experts' or GptOssExperts' shard): whole rows of gate and up
+(GPT-OSS's gate|up bias: those entries, still interleaved; its down bias on rank 0), and of down the
 columns of its share, which must be whole blocks (gguf_block_linear.shard_blocks: refused, with the
 way out, where a share cuts one).
 """
@@ -22,8 +23,9 @@ import torch
 from torch import nn
 
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS, Segment, as_tensor, block_shape, shard_blocks
-from blockserve.models.gpt_oss import GptOssExperts
+from blockserve.models.gpt_oss import GptOssExperts, expert_biases
 from blockserve.models.moe import Experts, expert_ops
+from blockserve.tensor_parallel.layers import Slice
 
 PARTS = ("gate", "up", "down")  # the names use_block_experts takes: "<layer>.mlp.experts.<part>"
 
@@ -78,16 +80,19 @@ class GptOssGGUFBlockExperts(GGUFBlockExperts):
     [E, I, row bytes] (llama.cpp's split of the checkpoint's interleaved gate|up) and `down`
     [E, H, row bytes], with the checkpoint's biases as parameters (loaded as GptOssExperts'):
     gate_up_proj_bias [E, 2I] (gate at even entries, up at odd) and down_proj_bias [E, H];
-    h = (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit), in the kernel."""
+    h = (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit), in the kernel.
+    With `tp`, the blocks are this rank's `shard` of the intermediate size, the biases its share
+    (gpt_oss.expert_biases: down's on rank 0 only) and the output is all-reduced."""
 
     def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor], down: tuple[str, torch.Tensor],
-                 hidden_size: int, intermediate_size: int, alpha: float, limit: float, what: str = "experts"):
-        super().__init__(gate, up, down, hidden_size, intermediate_size, what)
+                 hidden_size: int, intermediate_size: int, alpha: float, limit: float, what: str = "experts",
+                 tp=None, shard: Slice | None = None):
+        super().__init__(gate, up, down, hidden_size, intermediate_size, what, tp)
         if not hasattr(self.ops, "moe_experts_blocks_gpt_oss"):
             raise RuntimeError("GPT-OSS's GGUF block experts need the native extension's moe_experts_blocks_gpt_oss")
         self.alpha, self.limit = alpha, limit
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size))
-        self.down_proj_bias = nn.Parameter(torch.empty(self.num_experts, hidden_size))
+        self.gate_up_proj_bias, self.down_proj_bias = expert_biases(self.num_experts, intermediate_size, hidden_size,
+                                                                    shard, tp)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.block_segments
@@ -95,8 +100,8 @@ class GptOssGGUFBlockExperts(GGUFBlockExperts):
             x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
             gate.raw, gate.format, up.raw, up.format, down.raw, down.format,
             self.gate_up_proj_bias.float().contiguous(), self.down_proj_bias.float().contiguous(),
-            self.alpha, self.limit)
-        return out.to(x.dtype)
+            self.alpha, self.limit).to(x.dtype)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
@@ -121,9 +126,9 @@ def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndar
             continue
         if gpt_oss:
             num_experts, hidden, two_i = experts.gate_up_proj.shape
-            module = GptOssGGUFBlockExperts(*((f, as_tensor(r)) for f, r in (parts[p] for p in PARTS)),
-                                            hidden_size=hidden, intermediate_size=two_i // 2, alpha=experts.alpha,
-                                            limit=experts.limit, what=path)
+            module = GptOssGGUFBlockExperts(*_this_ranks_experts(experts, parts, path), hidden_size=hidden,
+                                            intermediate_size=two_i // 2, alpha=experts.alpha, limit=experts.limit,
+                                            what=path, tp=experts.tp, shard=experts.shard)
         else:
             num_experts, two_i, hidden = experts.gate_up_proj.shape
             module = GGUFBlockExperts(*_this_ranks_experts(experts, parts, path), hidden_size=hidden,
@@ -136,7 +141,7 @@ def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndar
     return taken
 
 
-def _this_ranks_experts(experts: Experts, parts: dict[str, tuple[str, np.ndarray]], path: str):
+def _this_ranks_experts(experts: Experts | GptOssExperts, parts: dict[str, tuple[str, np.ndarray]], path: str):
     """(format, blocks) of gate, up and down as this rank holds them: all of them without tensor
     parallelism, else the rows of its intermediate share of gate and up and those columns of down."""
     if experts.tp is None:
@@ -147,7 +152,7 @@ def _this_ranks_experts(experts: Experts, parts: dict[str, tuple[str, np.ndarray
         format, raw = parts[part]
         if raw.ndim != 3 or (part != "down" and raw.shape[1] != share.full):
             raise ValueError(f"{path}.{part}: {format} blocks of shape {tuple(raw.shape)} do not hold "
-                             f"moe_intermediate_size = {share.full} rows; the GGUF file does not match the model")
+                             f"{share.full} rows (the intermediate size); the GGUF file does not match the model")
         local = raw[:, share.start:share.start + share.size] if part != "down" else \
             shard_blocks(raw, format, share, experts.tp.size, f"{path}.down")
         held.append((format, as_tensor(local)))

@@ -37,8 +37,9 @@ such a step runs the layers' native calls from one flat loop (llama_decode.py) w
 is a LlamaDecoderLayer (the loop is that layer's forward). Q/K/V and gate/up are fused, one
 matmul each.
 
-Tensor-parallel (placement.tp): q heads, kv heads (replicated when N > num_key_value_heads) and
-the intermediate size sharded by rank, o_proj and down_proj row-parallel, the vocabulary split.
+Tensor-parallel (placement.tp): q heads (with their attention sinks, where a family has them), kv
+heads (replicated when N > num_key_value_heads) and the intermediate size sharded by rank, o_proj
+and down_proj row-parallel, the vocabulary split.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ from blockserve.native.extension import fused_ops
 from blockserve.native.gate import native_reads
 from blockserve.attention.paged_attention import PagedAttention
 from blockserve.attention.rotary_decode import RotaryDecode
-from blockserve.tensor_parallel.layers import local_kv_heads, qkv_linear, row_linear, vocab_embedding
+from blockserve.tensor_parallel.layers import (head_slice, local_kv_heads, qkv_linear, row_linear, shard_on_load,
+                                               vocab_embedding)
 from blockserve.models.base import CausalLM
 from blockserve.models.layers import GatedMLP, RMSNorm, require_activation
 from blockserve.models.llama_decode import decode_layers
@@ -150,9 +152,10 @@ class LlamaAttention(nn.Module):
         backend = backend_cls(scale, sinks=True) if options.sinks else backend_cls(scale)
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads, head_dim,
                               backend, dtype=placement.dtype, sliding_window=options.window)
-        if options.sinks and tp is not None:
-            raise ValueError("attention sinks cannot be sharded over tensor-parallel ranks yet; use one rank")
-        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if options.sinks else None
+        self.sinks = None  # or each of this rank's q heads' sink logit
+        if options.sinks:
+            self.sinks = shard_on_load(nn.Parameter(torch.empty(self.num_heads)),
+                                       None if tp is None else [head_slice(config.num_attention_heads, 1, tp)])
         self.fused = fused_ops()
         # Every dim of every q and k head rotated in rotate_half's layout, straight from the projection:
         # what the native rotary and the one-call decode do.

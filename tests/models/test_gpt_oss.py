@@ -145,8 +145,6 @@ def test_load_weights_names_what_is_wrong(gpt_oss):
     assert_wrong_weights_are_named(gpt_oss[1])
 
 
-def test_refuses_tensor_parallelism_and_bad_layer_types():
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        GptOssForCausalLM.check_tensor_parallel(2)
+def test_refuses_bad_layer_types():
     with pytest.raises(ValueError, match="layer_types"):
         GptOssForCausalLM.validate(GPT_OSS_CONFIGS["gpt_oss"](layer_types=["chunked_attention"] * 3))

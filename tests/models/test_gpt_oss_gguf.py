@@ -205,18 +205,19 @@ BLOCK_EXPERTS = [{"gate": "Q8_0", "up": "Q8_0", "down": "Q8_0"}, {"gate": "Q4_K"
                  {"gate": "Q6_K", "up": "Q8_0", "down": "Q4_K"}]
 
 
-@pytest.mark.skipif(gpt_oss_expert_ops() is None or not hasattr(gpt_oss_expert_ops(), "moe_experts_blocks_gpt_oss"),
-                    reason="GPT-OSS's block experts need the native extension")
-def test_block_experts_run_from_the_files_blocks(tmp_path):
-    config = GPT_OSS_CONFIGS["gpt_oss"](hidden_size=256, intermediate_size=256)
-    reference = save_random_model(config, tmp_path / "hf")
+def write_block_experts_gguf(path, config, formats: list[dict[str, str]]):
+    """A random GPT-OSS of `config` saved at path / "hf", its experts replaced by random blocks of
+    `formats` (per layer, part -> GGUF format) and their gate|up biases made large (the clamps cut:
+    the GGUF keeps llama.cpp's 7); the GGUF of it, those experts written as the blocks, at
+    path / "model.gguf". Returns the transformers reference (the blocks' dequantised values)."""
+    reference = save_random_model(config, path / "hf")
     rng, blocks = np.random.default_rng(0), {}
     E, H, I = config.num_local_experts, config.hidden_size, config.intermediate_size
     with torch.no_grad():
-        for layer, formats in enumerate(BLOCK_EXPERTS):
+        for layer, layer_formats in enumerate(formats):
             experts = reference.model.layers[layer].mlp.experts
             dense = {}
-            for part, format in formats.items():
+            for part, format in layer_formats.items():
                 rows, columns = (H, I) if part == "down" else (I, H)
                 raw = _blocks(format, E * rows, columns, rng).reshape(E, rows, -1)
                 blocks[f"blk.{layer}.ffn_{part}_exps.weight"] = (format, raw)
@@ -224,10 +225,17 @@ def test_block_experts_run_from_the_files_blocks(tmp_path):
             gate_up = torch.stack((dense["gate"], dense["up"]), dim=2).reshape(E, 2 * I, H)  # gate at even rows
             experts.gate_up_proj.copy_(gate_up.transpose(1, 2))  # transformers' [E, in, out]
             experts.down_proj.copy_(dense["down"].transpose(1, 2))
-            experts.gate_up_proj_bias.normal_(0, config.swiglu_limit)  # the clamps cut (the GGUF keeps llama.cpp's 7)
-    reference.save_pretrained(tmp_path / "hf")
-    write_gguf(tmp_path / "hf", config, tmp_path / "model.gguf", blocks=blocks)
+            experts.gate_up_proj_bias.normal_(0, config.swiglu_limit)
+    reference.save_pretrained(path / "hf")
+    write_gguf(path / "hf", config, path / "model.gguf", blocks=blocks)
+    return reference
 
+
+@pytest.mark.skipif(gpt_oss_expert_ops() is None or not hasattr(gpt_oss_expert_ops(), "moe_experts_blocks_gpt_oss"),
+                    reason="GPT-OSS's block experts need the native extension")
+def test_block_experts_run_from_the_files_blocks(tmp_path):
+    config = GPT_OSS_CONFIGS["gpt_oss"](hidden_size=256, intermediate_size=256)
+    reference = write_block_experts_gguf(tmp_path, config, BLOCK_EXPERTS)
     from_gguf = load_model(str(tmp_path / "model.gguf"), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))
     from_dir = load_model(str(tmp_path / "hf"), BACKENDS["exact"])
     experts = [layer.mlp.experts for layer in from_gguf.model.model.layers]

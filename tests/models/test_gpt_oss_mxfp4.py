@@ -31,10 +31,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROJECTIONS = ("gate_up_proj", "down_proj")  # transformers' [E, in, out]; MXFP4 holds [E, out, in]
 
 
-def write_mxfp4_checkpoint(path) -> dict[str, int]:
-    """The random model at `path`, its experts' projections replaced by MXFP4; returns the bytes
-    of each written MXFP4 tensor by name."""
-    config = GPT_OSS_CONFIGS["gpt_oss"]()
+def write_mxfp4_checkpoint(path, config=None) -> dict[str, int]:
+    """The random model of `config` (default: test_gpt_oss.py's) at `path`, its experts' projections
+    replaced by MXFP4; returns the bytes of each written MXFP4 tensor by name."""
+    config = config or GPT_OSS_CONFIGS["gpt_oss"]()
     reference = save_random_model(config, path)
     tensors = {name: t.contiguous() for name, t in reference.state_dict().items()}
     written = {}
