@@ -182,7 +182,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = field(default=None, metadata={
         "help": "speculative decoding, as a JSON object in vLLM's shape, e.g. '{\"method\": \"ngram\", "
                 "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
-                "'{\"method\": \"suffix\"}' or '{\"method\": \"draft_model\", \"model\": \"PATH\"}' "
+                "'{\"method\": \"suffix\"}' or '{\"method\": \"draft_model\", \"model\": \"PATH\"}' or "
+                "'{\"method\": \"mtp\"}' (the checkpoint's multi-token-prediction layer) "
                 "(docs/speculative.md); greedy outputs stay identical and sampling "
                 "keeps the model's distribution",
         "type": str})
