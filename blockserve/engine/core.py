@@ -293,11 +293,8 @@ class EngineCore:
 
     def _mtp_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> MTPProposer:
         """The target checkpoint's multi-token-prediction layer (models/mtp.py) with a KV cache that holds
-        as many tokens as the target's (its budget scaled by their bytes per token) and a runner of its own."""
-        if config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config.method 'mtp' with tensor_parallel_size > 1 is not built (the MTP "
-                             "head reads the target's hidden states on one rank); serve it on one rank, or use "
-                             "ngram, suffix or draft_model")
+        as many tokens as the target's (its budget scaled by their bytes per token) and a runner of its own
+        (one rank only: EngineConfig refuses tensor parallelism with it)."""
         head = load_mtp(self.loaded.model, config.model)
         groups = kv_groups_of(head, config, self.device_plan.device)
         head_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
