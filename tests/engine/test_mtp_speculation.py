@@ -3,8 +3,8 @@ whose safetensors carry an MTP layer named as the released checkpoints name it
 (tests/models/mtp_checkpoint.py):
 
 - greedy tokens identical to a run without speculation (prefix caching on, with the second run's
-  prompts from the cache, and off; chunked prefill; preemption), the acceptance books in stats(),
-  and nothing held afterwards;
+  prompts from the cache, and off; chunked prefill; async scheduling; preemption), the acceptance
+  books in stats(), and nothing held afterwards;
 - the head's drafts (k of them, chained) and their logits equal an independent torch reference of
   the MTP layer computed from the raw weights, given the target's hidden states;
 - after a verification that rejected drafts, the head feeds only the target's states of the tokens
@@ -81,14 +81,15 @@ SCENARIOS = {
     "caching": {},
     "no-caching": {"enable_prefix_caching": False},
     "chunked": {"max_num_batched_tokens": 8},
+    "async": {"async_scheduling": True},  # the target's states recorded at launch, drafts after the step settles
 }
 
 
 @pytest.mark.parametrize("family, scenario", [
     ("deepseek_v3", "caching"), ("qwen3_next", "chunked"),
     *(pytest.param(f, s, marks=pytest.mark.slow) for f, s in [
-        ("deepseek_v3", "no-caching"), ("deepseek_v3", "chunked"), ("qwen3_next", "caching"),
-        ("qwen3_next", "no-caching")])])
+        ("deepseek_v3", "no-caching"), ("deepseek_v3", "chunked"), ("deepseek_v3", "async"), ("qwen3_next", "caching"),
+        ("qwen3_next", "no-caching"), ("qwen3_next", "async")])])
 def test_greedy_tokens_are_those_of_plain_decoding(checkpoints, family, scenario):
     path, _ = checkpoints(family)
     options = OPTIONS | SCENARIOS[scenario]
