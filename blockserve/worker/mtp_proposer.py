@@ -18,7 +18,9 @@ is its own (a KVCacheManager with prefix caching off, zeroed and poisoned like t
 embedding and, for Qwen3-Next, its lm_head are the target's modules. When its cache is full, the
 requests that proposed least recently give their blocks back and feed their rows again later, from
 the first target state still held (the rows before are then not attended: drafts only, never the
-output). Requests enter the head's runner only for the length of one proposal.
+output), as does a request that did not propose for more than MAX_HELD_STATES of its positions (the
+states held per request are bounded by it). Requests enter the head's runner only for the length of
+one proposal.
 """
 
 from __future__ import annotations
@@ -35,12 +37,19 @@ from blockserve.worker.draft_proposer import GREEDY, _step_output
 from blockserve.worker.model_runner import ModelRunner
 
 
+MAX_HELD_STATES = 4096  # per request: a request that does not propose for long (a large batch past
+# disable_by_batch_size, the cost rule's back-off) keeps its latest states only, and its head restarts there
+
+
 class TargetStates:
     """Per request, the target's final hidden states of consecutive positions from `first(request)`:
     those the MTP head has not fed yet, and the last one it fed (a proposal with no new token feeds
-    it again)."""
+    it again); at most `max_rows`, the oldest dropped first."""
 
-    def __init__(self):
+    def __init__(self, max_rows: int = MAX_HELD_STATES):
+        if max_rows < 2:
+            raise ValueError(f"max_rows must be >= 2 (the last fed state and a new one), got {max_rows}")
+        self.max_rows = max_rows
         self._first: dict[str, int] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
 
@@ -56,6 +65,11 @@ class TargetStates:
                 continue
             self._truncate(rid, first - held)
             self._rows[rid].append(rows)
+        for rid in request_ids:
+            excess = self._count(rid) - self.max_rows
+            if excess > 0:
+                rows = torch.cat(self._rows[rid])[excess:]
+                self._first[rid], self._rows[rid] = self._first[rid] + excess, [rows]
 
     def first(self, request_id: str) -> int | None:
         return self._first.get(request_id)
