@@ -85,4 +85,3 @@ def load_mtp(target: CausalLM, source: str | None) -> MultiTokenPredictor:
         use_half_weights(layer)
     use_input_major_linears(layer)
     return MultiTokenPredictor(layer.eval(), target)
-

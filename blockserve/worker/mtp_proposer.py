@@ -179,7 +179,7 @@ class MTPProposer:
             if self._allocate(request, last + 1 - request.fed + max_tokens - 1, batch):
                 batch[request_id] = (request, token_ids, max_tokens)
             else:
-                self.forget(request_id)
+                self._release(request_id)  # its target states stay: it feeds its rows when there is room
         if not batch:
             return {}
         return self._decode(batch)
