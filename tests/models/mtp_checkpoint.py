@@ -150,3 +150,24 @@ def save_with_mtp(family: str, path: Path, with_mtp_weights: bool = True) -> MTP
             tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         save_file(tensors, file, metadata={"format": "pt"})
     return MTPReference(family, target, block, weights)
+
+
+def make_self_predicting(path: Path) -> None:
+    """Rewrite a `save_with_mtp("deepseek_v3", path)` checkpoint so that its MTP layer drafts the target's
+    own greedy tokens: every decoder layer (the target's and the MTP block) adds nothing (o_proj and
+    every down projection zero), so the target's next token is f(its current token), f(x) = argmax
+    lm_head(norm(embed(x))); the MTP layer passes the embedding half through (eh_proj = [I | 0], enorm =
+    the target's final norm) to the target's lm_head (shared_head.head), so it predicts f(x[t+1]) =
+    x[t+2], and likewise f(d) after a draft d."""
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(file)
+    for name, tensor in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    layer = next(n for n in tensors if n.endswith(".eh_proj.weight")).removesuffix("eh_proj.weight")
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors[f"{layer}eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    tensors[f"{layer}enorm.weight"] = tensors["model.norm.weight"].clone()
+    tensors[f"{layer}shared_head.norm.weight"] = torch.ones(hidden)
+    tensors[f"{layer}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
