@@ -89,6 +89,9 @@ class ForwardContext:
     # What the model settles once over these caches and reuses every step (e.g. models/llama_decode.py's
     # plan). The model runner passes one dict for as long as its caches live; a fresh one is correct, only slower.
     memo: dict = field(default_factory=dict)
+    # [T, hidden] states the model takes with the step's tokens, in batch order: a multi-token-prediction
+    # head's target hidden states (models/mtp.py); None for every other model.
+    hidden_inputs: torch.Tensor | None = None
 
     def for_layer(self, layer_name: str):
         """(the layer's cache, its group's metadata for this step)."""

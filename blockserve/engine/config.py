@@ -182,7 +182,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = field(default=None, metadata={
         "help": "speculative decoding, as a JSON object in vLLM's shape, e.g. '{\"method\": \"ngram\", "
                 "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
-                "'{\"method\": \"suffix\"}' or '{\"method\": \"draft_model\", \"model\": \"PATH\"}' "
+                "'{\"method\": \"suffix\"}' or '{\"method\": \"draft_model\", \"model\": \"PATH\"}' or "
+                "'{\"method\": \"mtp\"}' (the checkpoint's multi-token-prediction layer) "
                 "(docs/speculative.md); greedy outputs stay identical and sampling "
                 "keeps the model's distribution",
         "type": str})
@@ -273,6 +274,11 @@ class EngineConfig:
             raise ValueError("cuda_graph_sizes asks for CUDA graphs and enforce_eager forbids them: give one")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling runs on one device: it cannot be combined with tensor_parallel_size > 1")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config.method 'mtp' with tensor_parallel_size > 1 is not built (the MTP "
+                             "head reads the target's hidden states on one rank); serve it on one rank, or use "
+                             "ngram, suffix or draft_model")
         parse_bytes(self.kv_offload_size, "kv_offload_size")
         parse_bytes(self.kv_offload_queue, "kv_offload_queue")
         if self.kv_offload_memory is not None:

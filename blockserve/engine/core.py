@@ -27,6 +27,7 @@ from blockserve.kv.capacity import plan_kv_cache
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.specs import QUANTIZED_KV_DTYPES, LinearStateSpec
 from blockserve.models.loader import LoadedModel, load_model
+from blockserve.models.mtp import load_mtp
 from blockserve.models.weight_memory import weight_memory_report
 from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
@@ -35,6 +36,7 @@ from blockserve.scheduler.scheduler import Scheduler
 from blockserve.spec_decode.speculator import Speculator
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from blockserve.worker.draft_proposer import DraftModelProposer, check_draft_vocabulary
+from blockserve.worker.mtp_proposer import MTPProposer
 from blockserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("blockserve")
@@ -255,6 +257,9 @@ class EngineCore:
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
         if self.executor is None:
             self.runner = ModelRunner(self.loaded.model, *runner_args, device=plan.device)
+            proposer = getattr(self.scheduler.speculator, "proposer", None)
+            if isinstance(proposer, MTPProposer):  # the MTP head drafts from the target's hidden states
+                self.runner.hidden_outputs = proposer.record
         if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
             (self.runner if self.executor is None else self.executor.runner).offload = self.kv_offload
         self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
@@ -280,9 +285,30 @@ class EngineCore:
         spec = config.speculative_config
         if spec is None:
             return None
-        if spec.method != "draft_model":
-            return Speculator(spec)
-        return Speculator(spec, self._draft_proposer(config, kv_groups, kv_bytes, chunk_cap))
+        if spec.method == "draft_model":
+            return Speculator(spec, self._draft_proposer(config, kv_groups, kv_bytes, chunk_cap))
+        if spec.method == "mtp":
+            return Speculator(spec, self._mtp_proposer(config, kv_groups, kv_bytes, chunk_cap))
+        return Speculator(spec)
+
+    def _mtp_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> MTPProposer:
+        """The target checkpoint's multi-token-prediction layer (models/mtp.py) with a KV cache that holds
+        as many tokens as the target's (its budget scaled by their bytes per token) and a runner of its own
+        (one rank only: EngineConfig refuses tensor parallelism with it)."""
+        head = load_mtp(self.loaded.model, config.model)
+        groups = kv_groups_of(head, config, self.device_plan.device)
+        head_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
+        try:
+            kv_config = plan_kv_cache(groups, head_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
+                                      enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.method 'mtp': {e}") from e
+        runner = ModelRunner(head, kv_config, config.max_num_seqs, self.max_model_len, config.seed,
+                             device=self.device_plan.device)
+        kv = KVCacheManager(kv_config)
+        logger.info("MTP head of %s, its KV cache:\n%s\n%s", self.loaded.source, kv.capacity_report(),
+                    weight_memory_report(head))
+        return MTPProposer(runner, kv, chunk_cap)
 
     def _draft_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int,
                         chunk_cap: int) -> DraftModelProposer:

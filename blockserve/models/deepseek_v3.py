@@ -10,9 +10,14 @@ token. Each head's last `qk_rope_head_dim` dims carry RoPE (interleaved pairs wh
 `rope_interleave`, as the checkpoints are laid out). The softmax scale is qk_head_dim^-0.5,
 times mscale^2 under YaRN. Routing: sigmoid scores, bias-corrected, group-limited top-k.
 
-Not supported: DeepSeek-V3's fp8 checkpoints (`weight_scale_inv`) — dequantise to bf16/fp32
-first — and its multi-token-prediction layer, whose weights (layers past num_hidden_layers) are
-ignored as transformers ignores them.
+Multi-token prediction (`num_nextn_predict_layers`; models/mtp.py): the checkpoint's layer
+`model.layers.{num_hidden_layers}` is loaded only for speculative_config method "mtp" (it drafts,
+DeepseekV3MTPLayer); otherwise it is ignored, as transformers ignores it.
+
+    emb(x[t+1]), h[t] ─► eh_proj([enorm(emb) | hnorm(h)]) ─► decoder block ─► h'   (chained)
+                                                  h' ─► shared_head.norm ─► shared_head.head ─► logits
+
+Not supported: DeepSeek-V3's fp8 checkpoints (`weight_scale_inv`) — dequantise to bf16/fp32 first.
 
 Tensor-parallel (placement.tp): MLA heads sharded, the latent cache whole on every rank
 (mla_block.py); the MLPs and every expert sharded by intermediate size (moe.py); the vocabulary split.
@@ -35,6 +40,8 @@ from blockserve.models.moe import DeepseekMoE
 from blockserve.models.placement import Placement
 from blockserve.models.rotary import RotaryEmbedding
 from blockserve.models.weights import GATE_UP, SWIGLU_EXPERTS, CheckpointLayout
+
+MTP_FIELD = "num_nextn_predict_layers"
 
 
 def yarn_softmax_scale(config) -> float:
@@ -62,6 +69,30 @@ class DeepseekV3DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
+    """The first multi-token-prediction layer (checkpoint `model.layers.{num_hidden_layers}.*`, its
+    `embed_tokens` copy left out: the target's is used). `forward(emb, hidden, cos, sin, ctx)`: the
+    embeddings of the tokens after the target's hidden states -> the chained states, which
+    `logits` turns into the next token's logits."""
+
+    def __init__(self, config, attention_backend_cls: type[PagedAttention], placement: Placement):
+        super().__init__(config, config.num_hidden_layers, attention_backend_cls, placement)
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.shared_head.head = nn.Linear(hidden, config.vocab_size, bias=False)
+
+    def forward(self, emb, hidden, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+        return super().forward(x, cos, sin, ctx)
+
+    def logits(self, chained: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(chained)).float()
 
 
 class DeepseekV3Model(nn.Module):
@@ -92,3 +123,17 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
         require_activation(hf_config, "silu", "DeepSeek-V3")
         super().__init__(hf_config, DeepseekV3Model(hf_config, attention_backend_cls, placement), placement)
+        self.attention_backend_cls = attention_backend_cls  # for the MTP layer, built on demand (mtp_layer)
+
+    def mtp_layer(self) -> tuple[nn.Module, str, CheckpointLayout]:
+        """The first multi-token-prediction layer, on the meta device, with the checkpoint prefix of its
+        weights and their layout; ValueError naming num_nextn_predict_layers where the config has none."""
+        count = getattr(self.config, MTP_FIELD, None) or 0
+        if count < 1:
+            raise ValueError(f"speculative_config.method 'mtp': this DeepSeek-V3 checkpoint has no multi-token-"
+                             f"prediction layer (config.json {MTP_FIELD} is {count}); use a checkpoint that "
+                             "ships one, or another method (ngram, suffix, draft_model)")
+        with torch.device("meta"):
+            layer = DeepseekV3MTPLayer(self.config, self.attention_backend_cls, self.placement)
+        layout = CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore=(r"^embed_tokens\.",))
+        return layer, f"model.layers.{self.config.num_hidden_layers}.", layout

@@ -32,6 +32,14 @@ heads, k / v by KV heads (replicated when N > num_key_value_heads), o_proj row-p
 the router and the shared expert's gate whole, experts and the shared expert sharded by
 intermediate size. linear_num_key_heads, num_attention_heads and the intermediate sizes must
 divide by N.
+
+Multi-token prediction (`mtp.*` weights; models/mtp.py): loaded only for speculative_config method
+"mtp" (skipped otherwise), as Qwen3NextMTPLayer: one gated full-attention layer with the sparse MoE,
+
+    emb(x[t+1]), h[t] ─► fc([pre_fc_norm_embedding(emb) | pre_fc_norm_hidden(h)]) ─► layer ─► norm ─► h'
+                                                                 h' ─► the target's lm_head ─► logits
+
+h' (after `mtp.norm`) is also the state a further draft chains from.
 """
 
 from __future__ import annotations
@@ -137,9 +145,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
 class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, backend_cls: type[PagedAttention], rotary_dim: int,
-                 placement: Placement):
+                 placement: Placement, layer_type: str | None = None):
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
+        self.layer_type = layer_type or config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
             self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_idx, placement)
         elif self.layer_type == "full_attention":
@@ -148,10 +156,13 @@ class Qwen3NextDecoderLayer(nn.Module):
             raise ValueError(f"layer {layer_idx}: unknown layer type {self.layer_type!r} "
                              "(expected 'linear_attention' or 'full_attention')")
         tp = placement.tp
+        # A layer of the stack follows Qwen's sparse-step rule; one given its type (the MTP head's) is sparse
+        # wherever the model has experts.
+        sparse = sparse_layer(config, layer_idx) if layer_type is None else config.num_experts > 0
         self.mlp = (SparseMoe(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, normalize=config.norm_topk_prob,
                               shared_intermediate_size=config.shared_expert_intermediate_size, tp=tp)
-                    if sparse_layer(config, layer_idx) else
+                    if sparse else
                     GatedMLP(config.hidden_size, config.intermediate_size, tp=tp))
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -165,11 +176,38 @@ class Qwen3NextDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def rotary_dim_of(config) -> int:
+    """The leading dims of each attention head that carry RoPE (partial_rotary_factor of head_dim)."""
+    return int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+
+
+class Qwen3NextMTPLayer(nn.Module):
+    """The multi-token-prediction head (checkpoint `mtp.*`): `forward(emb, hidden, cos, sin, ctx)`, the
+    embeddings of the tokens after the target's hidden states -> the chained states (after `norm`),
+    which `logits` turns into the next token's logits through the target's lm_head."""
+
+    def __init__(self, config, backend_cls: type[PagedAttention], placement: Placement):
+        super().__init__()
+        hidden = config.hidden_size
+        self.pre_fc_norm_embedding = OffsetRMSNorm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(hidden, config.rms_norm_eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([Qwen3NextDecoderLayer(config, config.num_hidden_layers, backend_cls,
+                                                           rotary_dim_of(config), placement, "full_attention")])
+        self.norm = OffsetRMSNorm(hidden, config.rms_norm_eps)
+
+    def forward(self, emb, hidden, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.norm(self.layers[0](x, cos, sin, ctx))
+
+    def logits(self, chained: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        return target.compute_logits(chained)
+
+
 class Qwen3NextModel(nn.Module):
     def __init__(self, config, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
-        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        rotary_dim = int(config.head_dim * factor)
+        rotary_dim = rotary_dim_of(config)
         self.rotary = RotaryEmbedding(config, rotary_dim, placement)  # computed here, not loaded
         with torch.device("meta"):  # weights: materialised by load_weights
             self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, placement.tp)
@@ -189,7 +227,7 @@ class Qwen3NextForCausalLM(CausalLM):
     """`Qwen3NextForCausalLM(hf_config, attention_backend_cls[, placement])`; call `load_weights` before
     use. Experts load per expert (`mlp.experts.N.gate_proj.weight`, as Qwen's checkpoints) or already
     stacked (`mlp.experts.gate_up_proj`, transformers' state_dict); multi-token-prediction weights
-    (`mtp.*`) are skipped."""
+    (`mtp.*`) are skipped (`mtp_layer` builds their head for speculative decoding)."""
 
     checkpoint = CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore=(r"^mtp\.",))
     supports_tensor_parallel = True
@@ -197,3 +235,11 @@ class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, hf_config, attention_backend_cls: type[PagedAttention], placement: Placement = Placement()):
         require_activation(hf_config, "silu", "Qwen3-Next")
         super().__init__(hf_config, Qwen3NextModel(hf_config, attention_backend_cls, placement), placement)
+        self.attention_backend_cls = attention_backend_cls  # for the MTP head, built on demand (mtp_layer)
+
+    def mtp_layer(self) -> tuple[nn.Module, str, CheckpointLayout]:
+        """The multi-token-prediction head on the meta device, with the checkpoint prefix of its weights
+        (`mtp.`; only its first layer is read) and their layout."""
+        with torch.device("meta"):
+            layer = Qwen3NextMTPLayer(self.config, self.attention_backend_cls, self.placement)
+        return layer, "mtp.", CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore=(r"^layers\.[1-9]",))

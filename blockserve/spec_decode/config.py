@@ -4,8 +4,11 @@
 
     {"method": "draft_model", "model": "path/to/small-model", "num_speculative_tokens": 4}
 
+    {"method": "mtp", "num_speculative_tokens": 2}
+
 Every error names the field and what to give instead. Methods other than n-gram prompt lookup,
-suffix decoding and a draft model (eagle, mtp, ...) are refused by name: they are not built.
+suffix decoding, a draft model and the checkpoint's multi-token-prediction layer (eagle, medusa,
+...) are refused by name: they are not built.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix", "draft_model")
-NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ngram_gpu")
+METHODS = ("ngram", "suffix", "draft_model", "mtp")
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "ngram_gpu")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both ends of the window
 # Each method's own fields (vLLM's names and defaults); giving one to the other method is refused.
@@ -39,6 +42,10 @@ class SpeculativeConfig:
 
     `draft_model`: `model` (a model directory or .gguf file with the target's vocabulary) decodes
     the drafts greedily (worker/draft_proposer.py); it takes none of the other methods' fields.
+
+    `mtp`: the target checkpoint's own multi-token-prediction layer (DeepSeek-V3, Qwen3-Next) decodes
+    the drafts greedily from the target's hidden states (worker/mtp_proposer.py); it takes no
+    other method's fields.
 
     `disable_by_batch_size`: no proposals in a step with at least this many running requests
     (None: no limit). Below it, drafts are verified only where the measured cost of the rows they
@@ -76,7 +83,8 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max}); give min <= max")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
-        other = {"ngram": SUFFIX_FIELDS, "suffix": NGRAM_FIELDS, "draft_model": NGRAM_FIELDS | SUFFIX_FIELDS}
+        other = {"ngram": SUFFIX_FIELDS, "suffix": NGRAM_FIELDS, "draft_model": NGRAM_FIELDS | SUFFIX_FIELDS,
+                 "mtp": NGRAM_FIELDS | SUFFIX_FIELDS}
         for name, default in other[self.method].items():
             if getattr(self, name) != default:
                 raise ValueError(f"speculative_config.{name} is not a field of the {self.method!r} method; leave it out")

@@ -9,6 +9,11 @@ checkpoints), then sampling.
 On CUDA a decode step of at most the largest captured batch replays a CUDA graph instead of
 running the model's forward eagerly (`capture_decode_graphs`, worker/cuda_graphs.py).
 
+Multi-token prediction (worker/mtp_proposer.py): `hidden_outputs`, where set, is handed every step's
+final hidden states after the forward (the target's, for its MTP layer; the MTP head's own, for its
+chained drafts); `hidden_inputs`, where set, supplies the states a model takes with its tokens
+(ForwardContext.hidden_inputs: the MTP head's).
+
 Speculative decoding: a request with k draft tokens (`SchedulerOutput.spec_token_ids`) is sampled at
 each of its last k + 1 positions, position i as if drafts[:i] were already its output (penalties,
 min_tokens, its seeded generator's next draw, its grammar's mask after drafts[:i]); `result()`
@@ -77,6 +82,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_decode_graphs)
         self.last: LaunchedStep | None = None  # the latest step launched: its samples feed in-flight inputs
         self.offload: TieredKVStore | None = None  # the second tier the save orders go to (kv/tiers/)
+        # (request ids, query starts) in batch order -> the rows ForwardContext.hidden_inputs carries
+        self.hidden_inputs: Callable[[list[str], list[int]], torch.Tensor] | None = None
+        # (request ids, query starts, each one's first position, hidden [T, H]) after each forward
+        self.hidden_outputs: Callable[[list[str], list[int], list[int], torch.Tensor], None] | None = None
 
     def capture_decode_graphs(self, sizes, capture: Capture | None = None) -> None:
         """Capture the model's decode step at each batch size in `sizes` (the caller has checked
@@ -123,9 +132,15 @@ class ModelRunner:
             inputs = inputs.to(self.device)
             if fill is not None:
                 fill(inputs.input_ids)
+            given = None if self.hidden_inputs is None else self.hidden_inputs(inputs.request_ids, inputs.query_start)
             hidden = self.model(inputs.input_ids, inputs.positions,
-                                ForwardContext(self.layer_caches, inputs.metadata, self.memo))
+                                ForwardContext(self.layer_caches, inputs.metadata, self.memo, given))
             logits_indices = inputs.logits_indices
+        if self.hidden_outputs is not None:
+            starts = inputs.query_start
+            firsts = [self.batch.requests[rid].num_computed - (end - start)
+                      for rid, start, end in zip(inputs.request_ids, starts, starts[1:])]
+            self.hidden_outputs(inputs.request_ids, starts, firsts, hidden)
         for group_id, pairs in inputs.end_captures.items():
             self.kv.copy_slots(group_id, pairs)
         logits = self.model.compute_logits(hidden[logits_indices]) if inputs.sample_ids else None

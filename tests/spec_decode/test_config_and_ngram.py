@@ -32,6 +32,9 @@ def test_the_json_shape_parses():
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "suffix_decoding_min_token_prob"),
     ('{"method": "draft_model"}', "model"), ('{"method": "draft_model", "model": ""}', "model"),
     ('{"method": "draft_model", "model": "d", "prompt_lookup_max": 3}', "prompt_lookup_max"),
+    ('{"method": "mtp", "model": "d"}', "model"), ('{"method": "mtp", "prompt_lookup_min": 2}', "prompt_lookup_min"),
+    ('{"method": "mtp", "suffix_decoding_min_token_prob": 0.5}', "suffix_decoding_min_token_prob"),
+    ('{"method": "mtp", "num_speculative_tokens": 17}', "num_speculative_tokens"),
 ])
 def test_bad_configs_are_refused_naming_the_field(value, field):
     with pytest.raises(ValueError, match=field):
