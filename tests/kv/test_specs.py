@@ -119,5 +119,5 @@ def test_keys_and_values_in_their_own_dtypes():
         with_kv_cache_dtype(base, "auto", k_cache_dtype="float16", v_cache_dtype="int4")
     with pytest.raises(ValueError, match="unknown v_cache_dtype 'k8v4'"):
         with_kv_cache_dtype(base, "auto", v_cache_dtype="k8v4")
-    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
+    with pytest.raises(ValueError, match="K as 'int8' and V as 'int4', but an MLA layer's latent row is its keys"):
         with_kv_cache_dtype(MLASpec(16, 32, 8), "k8v4")
