@@ -1,7 +1,7 @@
 """MLA's quantized latent caches (attention/latent_quant.py: int8, fp8): the round trip's error,
-one scale per part against one per row, zero and poison rows, and every MLA backend (triton's kernel
-in Triton's interpreter) over such a cache against the same backend over the dequantised cache,
-with poisoned unwritten rows (C1)."""
+one scale per part against one per row, zero and poison rows (and the worker's tensors' fills), and
+every MLA backend (triton's kernel in Triton's interpreter) over such a cache against the same
+backend over the dequantised cache, with poisoned unwritten rows (C1)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from blockserve import LLM, SamplingParams
 from blockserve.attention import kv_quant, latent_quant
 from blockserve.attention.mla import MLA_BACKENDS
 from blockserve.attention.triton_paged import TRITON_UNAVAILABLE
+from blockserve.kv.config import KVCacheConfig, KVCacheGroup
+from blockserve.kv.specs import MLASpec
+from blockserve.worker.kv_tensors import KVCacheTensors
 from tests.attention.test_mla import DN, SCALE, make_step
 from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
 
@@ -150,3 +153,20 @@ def test_backend_over_quantized_cache_equals_dequantised(backend, codes):
         assert outs[True].isnan().any()
     else:
         assert torch.equal(outs[True], outs[False])
+
+
+@CODES
+def test_worker_tensors_zero_and_poison_quantized_latent_blocks(codes):
+    """The engine's KV tensors for a quantized MLA group: rows of R + DR codes and two scales; poison
+    mode makes every block but the null one decode to NaN (scales included), and a zero order makes a
+    block decode to zeros, in every layer."""
+    spec = MLASpec(4, R, DR, {torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3fn"}[codes])
+    group = KVCacheGroup(spec, 6, True, ("layers.0", "layers.1"))
+    kv = KVCacheTensors(KVCacheConfig((group,), poison_freed_blocks=True), device="cpu")
+    (tensor,), = kv.tensors
+    assert tensor.dtype == codes and tensor.shape == (2, 7, 4, spec.row_bytes) and spec.row_bytes == R + DR + 4
+    values = latent_quant.decode(tensor, R, torch.float32)  # [layers, blocks + scratch, bs, R + DR]
+    assert (values[:, 0] == 0).all() and values[:, 1:6].isnan().all()
+    kv.zero_blocks(0, [2, 4])
+    values = latent_quant.decode(tensor, R, torch.float32)
+    assert (values[:, [2, 4]] == 0).all() and values[:, [1, 3, 5]].isnan().all()

@@ -10,7 +10,8 @@ from tests.kv.conftest import full, mla, sliding, state
 def test_page_sizes():
     assert FullAttentionSpec(16, 8, 128, "bfloat16").page_size_bytes == 2 * 16 * 8 * 128 * 2
     assert SlidingWindowSpec(16, 8, 128, "float32", sliding_window=4096).page_size_bytes == 2 * 16 * 8 * 128 * 4
-    assert MLASpec(64, 512, 64, "float8_e4m3fn").page_size_bytes == 64 * (512 + 64) * 1
+    assert MLASpec(64, 512, 64, "bfloat16").page_size_bytes == 64 * (512 + 64) * 2
+    assert MLASpec(64, 512, 64, "float8_e4m3fn").page_size_bytes == 64 * (512 + 64 + 4)  # codes, two scales
     spec = LinearStateSpec(shapes=((4, 3), (2, 5, 7)), dtypes=("float16", "float32"))
     assert spec.page_size_bytes == 4 * 3 * 2 + 2 * 5 * 7 * 4
 
