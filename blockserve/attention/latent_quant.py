@@ -67,8 +67,10 @@ def decode(rows: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
     if not is_quantized(rows):
         return rows.to(dtype)
     scale = scales(rows).float()
-    codes = rows[..., :-SCALES_BYTES].float()
-    return torch.cat([codes[..., :rank] * scale[..., :1], codes[..., rank:] * scale[..., 1:]], dim=-1).to(dtype)
+    values = rows[..., :-SCALES_BYTES].float()  # a new tensor: each part scaled in place, no concatenation
+    values[..., :rank] *= scale[..., :1]
+    values[..., rank:] *= scale[..., 1:]
+    return values.to(dtype)
 
 
 def scales(rows: torch.Tensor) -> torch.Tensor:
@@ -81,7 +83,3 @@ def fill_rows(cache: torch.Tensor, dim: int, index: torch.Tensor, poison: bool) 
     (decoding to 0), or the poison codes and NaN scales; plain rows 0 or NaN."""
     kv_quant.fill_rows(cache, dim, index, poison, tail=SCALES_BYTES)
 
-
-def head_size(cache: torch.Tensor) -> int:
-    """The values R + Dr a row of `cache` holds."""
-    return cache.shape[-1] - (SCALES_BYTES if is_quantized(cache) else 0)

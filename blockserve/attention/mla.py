@@ -182,7 +182,8 @@ MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLeng
 class MLAttention(nn.Module):
     """The MLA layer a model instantiates for layer `layer_name`: it owns no weights, only the
     paged latent cache's read/write, rows of kv_lora_rank + qk_rope_head_dim in `dtype` (the
-    model's; the engine's kv_cache_dtype may store them quantized instead). The model passes kv_b_proj's weight, split here per head.
+    model's; the engine's kv_cache_dtype may store them quantized instead). The model passes
+    kv_b_proj's weight, split here per head.
 
     forward(q [T, H, Dn + Dr] (rope applied), latent [T, R] (normalised), k_rope [T, Dr] (rope
     applied), kv_b_weight [H * (Dn + Dv), R], ctx) -> [T, H * Dv]
