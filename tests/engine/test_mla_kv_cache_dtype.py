@@ -168,7 +168,7 @@ def test_quantized_latents_stay_close_to_the_float32_cache(deepseek):
     assert kl["float16"] < kl["int8"] < kl["float8_e4m3fn"]
 
 
-@pytest.mark.slow
+@pytest.mark.model_quality
 def test_full_attention_caches_are_as_sensitive_on_a_random_llama(tmp_path):
     """The BOUNDS' context: the same teacher-forced measure of full attention's int8 and fp8 caches on
     tests/engine/test_kv_cache_dtype.py's random Llama (head size 64) gives KL of the same order, so
