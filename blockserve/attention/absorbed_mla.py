@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from blockserve.attention import latent_quant
 from blockserve.attention.metadata import AttentionMetadata
 
 
@@ -32,14 +33,15 @@ class AbsorbedMLA:
 
     def forward(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, cache, meta: AttentionMetadata) -> torch.Tensor:
         """q_nope [T, H, Dn], q_rope [T, H, Dr], latent [T, R], k_rope [T, Dr], w_uk [H, Dn, R],
-        w_uv [H, Dv, R], cache [num_pages, bs, R + Dr] -> [T, H, Dv]."""
-        rows_in = torch.cat([latent, k_rope], dim=-1).to(cache.dtype)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, rows_in)
+        w_uv [H, Dv, R], cache [num_pages, bs, row] -> [T, H, Dv]. The rows are written quantized when
+        the cache is (latent_quant.py)."""
+        latent_quant.write(cache.view(-1, cache.shape[-1]), meta.slot_mapping, latent, k_rope)
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         out_lat = self._attend_latent(q_lat, q_rope, cache, meta)
         return torch.einsum("thr,hvr->thv", out_lat, w_uv)
 
     def _attend_latent(self, q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
-        """q_lat [T, H, R], q_rope [T, H, Dr] over the latent rows of cache [N, bs, R + Dr] -> [T, H, R]."""
+        """q_lat [T, H, R], q_rope [T, H, Dr] over the latent rows of cache [N, bs, row] (plain or
+        quantized) -> [T, H, R]."""
         raise NotImplementedError

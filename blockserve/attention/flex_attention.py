@@ -45,7 +45,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from blockserve.attention import kv_quant
+from blockserve.attention import kv_quant, latent_quant
 from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata, int64_tensor
 
@@ -303,11 +303,11 @@ class FlexMLA(AbsorbedMLA):
     name: ClassVar[str] = "flex"
     reads_unwritten_slots: ClassVar[bool] = True
     captures_decode: ClassVar[bool] = True  # reads no host list (see the module docstring)
-    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # dequantised as pages are read
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # pages dequantised as read
 
     def _attend_latent(self, q_lat, q_rope, cache, meta: AttentionMetadata) -> torch.Tensor:
         mask = _derived_mask(meta, cache.shape[0], q_lat.device)
-        rows = _kv(cache, mask.pages).to(q_lat.dtype)  # [1, 1, L, R + Dr]
-        query = torch.cat([q_lat, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, T, R + Dr]
         rank = q_lat.shape[-1]
+        rows = latent_quant.decode(_kv(cache, mask.pages), rank, q_lat.dtype)  # [1, 1, L, R + Dr]
+        query = torch.cat([q_lat, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, T, R + Dr]
         return _attend(query, rows, rows[..., :rank], mask.block_mask, self.scale)[0].transpose(0, 1)

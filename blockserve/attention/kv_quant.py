@@ -138,15 +138,22 @@ def encode(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         return x.to(cache_dtype)
     if cache_dtype == torch.uint8:
         return _encode_int4(x)
+    codes, scale = quantize(x, cache_dtype)
+    rows = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=cache_dtype, device=x.device)
+    rows.view(torch.uint8)[..., :-SCALE_BYTES] = codes
+    rows[..., -SCALE_BYTES:].view(torch.float16).copy_(scale)
+    return rows
+
+
+def quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] as one-byte codes of `cache_dtype` (int8 or e4m3), as their bytes [..., D] uint8, and
+    its float16 scale [..., 1]: x_d ~= code_d * scale (the module docstring's one-byte form)."""
     x, top = x.float(), CODE_MAX[cache_dtype]
     scale = (x.abs().amax(-1, keepdim=True) / top).clamp_(max=FLOAT16_MAX).to(torch.float16)
     wide = scale.float()
     ratio = torch.where(wide > 0, x / wide, 0.0).clamp_(-top, top)
     codes = ratio.round_().to(torch.int8) if cache_dtype == torch.int8 else ratio.to(cache_dtype)
-    rows = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=cache_dtype, device=x.device)
-    rows.view(torch.uint8)[..., :-SCALE_BYTES] = codes.view(torch.uint8)
-    rows[..., -SCALE_BYTES:].view(torch.float16).copy_(scale)
-    return rows
+    return codes.view(torch.uint8), scale
 
 
 def write(flat_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -176,13 +183,14 @@ def decode(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
 
 
-def fill_rows(cache: torch.Tensor, dim: int, index: torch.Tensor, poison: bool) -> None:
+def fill_rows(cache: torch.Tensor, dim: int, index: torch.Tensor, poison: bool, tail: int | None = None) -> None:
     """Zero (or poison) the rows of `cache` at `index` along `dim`. Quantized rows get codes 0 and
-    scales 0 (decoding to 0) or the poison codes and NaN scales; plain ones 0 or NaN."""
+    scales 0 (decoding to 0) or the poison codes and NaN scales; plain ones 0 or NaN. `tail`: the
+    bytes of float16 scales closing each row (None: a head vector's, `scale_bytes`)."""
     if not is_quantized(cache):
         cache.index_fill_(dim, index, float("nan") if poison else 0.0)
         return
-    tail = scale_bytes(cache.dtype)
+    tail = scale_bytes(cache.dtype) if tail is None else tail
     cache[..., :-tail].view(torch.uint8).index_fill_(dim, index, POISON_BYTE[cache.dtype] if poison else 0)
     cache[..., -tail:].view(torch.float16).index_fill_(dim, index, float("nan") if poison else 0.0)
 

@@ -5,6 +5,12 @@ one MLASpec group, one tensor row per token:
 
     cache [num_blocks, block_size, R + Dr]     row = [ c (kv_lora_rank R) | k_rope (Dr) ]
 
+or, with an int8 / fp8 kv_cache_dtype, each part as one-byte codes with its own float16 scale
+(latent_quant.py: rows of R + Dr + 4 bytes). Every backend writes the codes in the step that writes
+the latent and attends the dequantised rows (a fresh prompt too, so a prefix hit and a cold prompt
+attend the same values); the triton kernel reads the codes in place, the others dequantise the rows
+they gather.
+
 kv_b_proj's rows for head h are W_UK_h [Dn, R] then W_UV_h [Dv, R]: k_nope_h = W_UK_h c and
 v_h = W_UV_h c. A query head is [q_nope_h (Dn) | q_rope_h (Dr)].
 
@@ -39,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.attention import latent_quant
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.flex_attention import FlexMLA
 from blockserve.attention.layer import backend_graph_blocker, dtype_name
@@ -49,25 +56,29 @@ from blockserve.kv.specs import MLASpec
 
 class MLABackend:
     """forward(q_nope [T, H, Dn], q_rope [T, H, Dr], latent [T, R], k_rope [T, Dr], w_uk [H, Dn, R],
-    w_uv [H, Dv, R], cache [N, bs, R + Dr], meta) -> [T, H, Dv]. Writes the step's rows first."""
+    w_uv [H, Dv, R], cache [N, bs, row], meta) -> [T, H, Dv]. Writes the step's rows first (quantized
+    when the cache is: latent_quant.py), then attends the rows as stored, dequantised once gathered."""
 
     name: ClassVar[str]
     reads_unwritten_slots: ClassVar[bool]
     captures_decode: ClassVar[bool] = False  # they build their gathers from the host lists
+    # the quantized latent dtypes (kv/specs.py MLA_QUANTIZED_DTYPES) read: gathered rows are dequantised
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")
 
     def __init__(self, scale: float):
         self.scale = scale
 
     def forward(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, cache, meta: AttentionMetadata) -> torch.Tensor:
         rank = latent.shape[-1]
-        flat = cache.view(-1, cache.shape[-1])
-        flat[meta.slot_mapping] = torch.cat([latent, k_rope], dim=-1)
+        rows_in = latent_quant.write(cache.view(-1, cache.shape[-1]), meta.slot_mapping, latent, k_rope)
+        if latent_quant.is_quantized(cache):  # attend what the cache holds, cold or warm
+            latent, k_rope = latent_quant.decode(rows_in, rank, q_nope.dtype).split([rank, k_rope.shape[-1]], -1)
         layout = meta.layout
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
         nd = layout.num_decodes
         if nd:
             index, mask = self._derived(meta, "decode", lambda host: self._decode_indices(host, nd))
-            rows = self._read(cache, index)  # [nd, L, R + Dr]
+            rows = latent_quant.decode(self._read(cache, index), rank, q_nope.dtype)  # [nd, L, R + Dr]
             q_lat = torch.einsum("thd,hdr->thr", q_nope[:nd], w_uk)
             scores = torch.bmm(torch.cat([q_lat, q_rope[:nd]], dim=-1), rows.transpose(1, 2)) * self.scale
             probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)  # [nd, H, L]
@@ -82,7 +93,7 @@ class MLABackend:
                 out[start:end] = attn.transpose(0, 1)
                 continue
             index, mask = self._derived(meta, i, lambda host: self._prefill_indices(host, i, end - start))
-            rows = self._read(cache, index)[0]
+            rows = latent_quant.decode(self._read(cache, index)[0], rank, q_nope.dtype)
             k, v = _expand(rows[:, :rank], rows[:, rank:], w_uk, w_uv)
             probs = (q @ k.transpose(1, 2) * self.scale).masked_fill_(~mask, float("-inf")).softmax(dim=-1)
             out[start:end] = (probs @ v).transpose(0, 1)
@@ -111,7 +122,7 @@ class MLABackend:
         raise NotImplementedError
 
     def _read(self, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The rows [N, L, R + Dr] that `index` names."""
+        """The rows [N, L, row] that `index` names, as stored."""
         raise NotImplementedError
 
 
@@ -171,7 +182,8 @@ MLA_BACKENDS: dict[str, type[MLABackend]] = {cls.name: cls for cls in (ExactLeng
 class MLAttention(nn.Module):
     """The MLA layer a model instantiates for layer `layer_name`: it owns no weights, only the
     paged latent cache's read/write, rows of kv_lora_rank + qk_rope_head_dim in `dtype` (the
-    model's). The model passes kv_b_proj's weight, split here per head.
+    model's; the engine's kv_cache_dtype may store them quantized instead). The model passes
+    kv_b_proj's weight, split here per head.
 
     forward(q [T, H, Dn + Dr] (rope applied), latent [T, R] (normalised), k_rope [T, Dr] (rope
     applied), kv_b_weight [H * (Dn + Dv), R], ctx) -> [T, H * Dv]

@@ -9,7 +9,8 @@ every row of a step (decodes and prefill chunks) in one launch per layer.
 Quantized caches (kv_quant.py: int8, fp8, rotated 4-bit, and one-byte keys over 4-bit values) are
 written as codes and scales by kv_quant.write and read in place by the kernel; over a 4-bit cache the
 queries are rotated before the kernel and the output un-rotated after it, as the other backends do.
-MLA's latent cache stays plain here (TritonMLA declares no quantized dtype).
+MLA's int8 and fp8 latent caches (latent_quant.py) are read in place the same way, each row's latent
+and rope key with its own scale.
 
 Attention sinks (GPT-OSS): with `sinks=True` forward takes each head's sink logit and the kernel adds
 it to the softmax's denominator. The kernel reads only slots its rows may see (masked page loads; a
@@ -24,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from blockserve.attention import kv_quant, triton_paged
+from blockserve.attention import kv_quant, latent_quant, triton_paged
 from blockserve.attention.absorbed_mla import AbsorbedMLA
 from blockserve.attention.metadata import AttentionMetadata
 
@@ -74,15 +75,19 @@ class TritonAttention:
 
 class TritonMLA(AbsorbedMLA):
     """The MLA backend `triton`: the absorbed form (absorbed_mla.py) as one kernel launch whose keys
-    come in two parts, [c | k_rope], and whose values are the first (read once)."""
+    come in two parts, [c | k_rope], and whose values are the first (read once). A quantized latent
+    cache (latent_quant.py) is read in place: each part's codes, with its own scale."""
 
     name: ClassVar[str] = "triton"
     reads_unwritten_slots: ClassVar[bool] = False
     captures_decode: ClassVar[bool] = True
+    quantized_kv_dtypes: ClassVar[tuple[str, ...]] = ("int8", "float8_e4m3fn")  # scale loads masked as the codes'
+    unreadable_kv_dtype = staticmethod(TritonAttention.unreadable_kv_dtype)
 
     def _attend_latent(self, q_lat, q_rope, cache, meta: AttentionMetadata) -> torch.Tensor:
-        rank = q_lat.shape[-1]
-        pages = cache[:, :, None]  # [N, bs, 1, R + Dr]: one KV head
-        latent = pages[..., :rank]
+        rank, rope = q_lat.shape[-1], q_rope.shape[-1]
+        pages = cache[:, :, None]  # [N, bs, 1, row]: one KV head
+        latent, k_rope = pages[..., :rank], pages[..., rank:rank + rope]
+        scales = latent_quant.scales(pages) if latent_quant.is_quantized(cache) else None
         return triton_paged.paged_attention(q_lat.new_empty(q_lat.shape), q_lat, latent, latent, meta, self.scale,
-                                            q2=q_rope, k2=pages[..., rank:], value_is_k1=True)
+                                            q2=q_rope, k2=k_rope, value_is_k1=True, key_scales=scales)

@@ -14,7 +14,9 @@ of G_BLOCK query heads that share one KV head, as the rows of one matrix:
 
 Keys may come in two parts (`q2`/`k2`, dot products added): MLA's absorbed form scores a head
 as [q_lat | q_rope] . [c | k_rope] over the latent cache row, and its values are the row's
-first part (VALUE_IS_K1: the loaded tile is reused, not read twice).
+first part (VALUE_IS_K1: the loaded tile is reused, not read twice). A quantized latent row
+(attention/latent_quant.py) gives each part its own scale, side by side (K2_CODES: k2's form,
+its scale the one after k1's); its values share k1's codes and scale (V_CODES = K_CODES).
 
 Quantized caches (attention/kv_quant.py; K_CODES / V_CODES, each side on its own: 0 plain, 1
 int8 codes, 2 rotated 4-bit codes two a byte, low nibble first, 3 e4m3 codes read as bytes and
@@ -63,7 +65,7 @@ def _kernel(
     D1: tl.constexpr, D1_PAD: tl.constexpr, D2: tl.constexpr, D2_PAD: tl.constexpr,
     DV: tl.constexpr, DV_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, VALUE_IS_K1: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_SINKS: tl.constexpr = False, K_CODES: tl.constexpr = 0, V_CODES: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False, K_CODES: tl.constexpr = 0, V_CODES: tl.constexpr = 0, K2_CODES: tl.constexpr = 0,
 ):
     """Program (tile, KV head, head block x split): see the module docstring."""
     tile = tl.program_id(0)
@@ -139,8 +141,14 @@ def _kernel(
                     scores += q_sum[:, None] * k_min[None, :]
             if D2 > 0:
                 k2 = tl.load(k2_ptr + page[:, None] * stride_k2p + slot[:, None] * stride_k2s + kv_head * stride_k2h
-                             + d2[None, :], mask=readable[:, None] & (d2[None, :] < D2), other=0.0)
-                scores += tl.dot(q2, tl.trans(k2.to(q2.dtype)), input_precision=PRECISION)
+                             + d2[None, :], mask=readable[:, None] & (d2[None, :] < D2), other=0)
+                if K2_CODES == 3:
+                    k2 = k2.to(tl.float8e4nv, bitcast=True)
+                scores2 = tl.dot(q2, tl.trans(k2.to(q2.dtype)), input_precision=PRECISION)
+                if K2_CODES > 0:  # the second part's own scale, beside the first's
+                    k2_at = ks_ptr + page * stride_ksp + slot * stride_kss + kv_head * stride_ksh + 1
+                    scores2 = scores2 * tl.load(k2_at, mask=readable, other=0.0).to(tl.float32)[None, :]
+                scores += scores2
             visible = row_ok[:, None] & readable[None, :] & (key_pos[None, :] <= pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (key_pos[None, :] > pos[:, None] - window)

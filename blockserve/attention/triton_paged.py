@@ -17,7 +17,8 @@ target without one (ptxas ships with Triton), which is how CI checks that the CU
 
 Quantized caches (attention/kv_quant.py: int8, e4m3, rotated 4-bit; keys and values each in their
 own form) are read in place: `_codes` passes the cache as its code pointer and a float16 view of its
-rows' tails as the scale pointer, and the kernel dequantises in registers.
+rows' tails as the scale pointer, and the kernel dequantises in registers. MLA's quantized latent rows
+(attention/latent_quant.py) likewise: both parts' codes in place, their two scales from one view.
 
 No host sync and no host list, so a decode step can be captured as a CUDA graph. Triton is
 imported on the first launch: importing blockserve does not pay for it.
@@ -176,16 +177,37 @@ def _codes(cache: torch.Tensor, width: int, side: str) -> tuple[int, torch.Tenso
     return form, cache.view(torch.uint8) if form == 3 else cache, scales
 
 
+def _latent_codes(k1: torch.Tensor, k2: torch.Tensor, key_scales: torch.Tensor, value_is_k1: bool):
+    """(the kernel's code form, k1's and k2's code tensors) of a quantized MLA latent cache: int8 or
+    e4m3 codes in both parts (e4m3 as bytes), each part's scale in `key_scales` [N, bs, H, 2]."""
+    if k2 is None or not value_is_k1:
+        raise ValueError("key_scales are those of MLA's quantized latent rows: give k2 and value_is_k1 with them")
+    if k1.dtype != k2.dtype or k1.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"a quantized latent cache holds int8 or e4m3 codes in both parts, got {k1.dtype} and "
+                         f"{k2.dtype}")
+    if key_scales.dtype != torch.float16 or key_scales.shape[-1] != 2:
+        raise ValueError(f"key_scales must be each row's two float16 scales [..., 2], got {key_scales.dtype} "
+                         f"{tuple(key_scales.shape)}")
+    if k1.dtype == torch.float8_e4m3fn:
+        if why := fp8_unavailable(k1.device):  # the engine refuses at start-up
+            raise ValueError(why)
+        return 3, k1.view(torch.uint8), k2.view(torch.uint8)
+    return 1, k1, k2
+
+
 def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, value_is_k1: bool,
-                 splits: int | None, tiles=tile_map, sinks: torch.Tensor | None = None):
+                 splits: int | None, tiles=tile_map, sinks: torch.Tensor | None = None,
+                 key_scales: torch.Tensor | None = None):
     """(grid, positional args, constexpr kwargs, num_warps) of one launch; with key splits the args
     name the partial results' buffers, which `paged_attention` combines. Caches are [pages, bs,
     heads, dim]. `splits`: None for key_splits' choice."""
     num_kv_heads = k1.shape[2]
     group = q1.shape[1] // num_kv_heads
     head_block = min(1 << (group - 1).bit_length(), MAX_HEAD_BLOCK)
-    if any(t is not None and kv_quant.is_quantized(t) for t in (k1, k2, v)) and (q2 is not None or value_is_k1):
-        raise ValueError("the triton kernel reads quantized caches as one-part keys with their own values, not MLA's")
+    if (key_scales is None and any(t is not None and kv_quant.is_quantized(t) for t in (k1, k2, v))
+            and (q2 is not None or value_is_k1)):
+        raise ValueError("the triton kernel reads quantized caches as one-part keys with their own values, or as "
+                         "MLA's latent rows with their key_scales")
     if value_is_k1 and out.shape[-1] != k1.shape[-1]:
         raise ValueError(f"values read from k1 need out's width {out.shape[-1]} to be k1's {k1.shape[-1]}")
     d2 = 0 if q2 is None else q2.shape[-1]
@@ -202,8 +224,13 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
         rows = (out.shape[0], out.shape[1], splits)
         parts = (out.new_empty(*rows, _pad(out.shape[-1]), dtype=torch.float32),
                  out.new_empty(rows, dtype=torch.float32))
-    k_codes, k1, k_scales = _codes(k1, q1.shape[-1], "key")
-    v_codes, v, v_scales = (0, v, None) if value_is_k1 else _codes(v, out.shape[-1], "value")
+    k2_codes = 0
+    if key_scales is not None:  # MLA's quantized latent: both parts coded, values share k1's codes and scale
+        k_codes, k1, k2 = _latent_codes(k1, k2, key_scales, value_is_k1)
+        k2_codes, v_codes, k_scales, v_scales = k_codes, k_codes, key_scales, key_scales
+    else:
+        k_codes, k1, k_scales = _codes(k1, q1.shape[-1], "key")
+        v_codes, v, v_scales = (0, v, None) if value_is_k1 else _codes(v, out.shape[-1], "value")
     q2 = q1 if q2 is None else q2
     k2 = k1 if k2 is None else k2
     k_scales = q1 if k_scales is None else k_scales  # unused when plain
@@ -222,20 +249,22 @@ def _launch_args(out, q1, q2, k1, k2, v, meta: AttentionMetadata, scale: float, 
         DV=out.shape[-1], DV_PAD=_pad(out.shape[-1]),
         HAS_WINDOW=window is not None, VALUE_IS_K1=value_is_k1,
         PRECISION="ieee" if q1.dtype == torch.float32 else None, SPLITS=splits, HAS_SINKS=sinks is not None,
-        K_CODES=k_codes, V_CODES=v_codes)
+        K_CODES=k_codes, V_CODES=v_codes, K2_CODES=k2_codes)
     return grid, args, constexprs, 4 if width <= WIDE_HEAD else 8  # wide heads: registers for 8 warps
 
 
 def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                     scale: float, *, q2: torch.Tensor | None = None, k2: torch.Tensor | None = None,
                     value_is_k1: bool = False, splits: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, key_scales: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, Hq, Dv] = attention of q1 [T, Hq, D1] (and q2 [T, Hq, D2]) over the pages of k1 [N, bs,
     Hkv, D1] (and k2 [N, bs, Hkv, D2]) with values v [N, bs, Hkv, Dv] (or k1's first Dv columns when
     `value_is_k1`), each head's logit `sinks` [Hq] in the softmax's denominator when given. k1 and v may
     be quantized caches (kv_quant.py rows, each in its own form; not with q2 or `value_is_k1`): a
     4-bit one holds rotated vectors, so its queries must come rotated (keys) and its output is rotated
-    (values). The step's K/V must already be written. `splits`: key splits per decode row (None: key_splits' choice)."""
+    (values). MLA's quantized latent rows (latent_quant.py) come as their int8 or e4m3 code views k1 and
+    k2 (value_is_k1) with `key_scales` [N, bs, Hkv, 2], each row's two parts' float16 scales. The
+    step's K/V must already be written. `splits`: key splits per decode row (None: key_splits' choice)."""
     q1, q2, k1, k2, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q1, q2, k1, k2, v))
     if (why := unavailable(q1.device)) is not None:
         raise RuntimeError(f"attention_backend 'triton' cannot run on {q1.device}: {why}")
@@ -243,7 +272,7 @@ def paged_attention(out: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor, v: to
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
     grid, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, splits,
-                                                     sinks=sinks)
+                                                     sinks=sinks, key_scales=key_scales)
     kernels.KERNEL[grid](*args, **constexprs, num_warps=num_warps)
     if constexprs["SPLITS"] > 1:
         kernels.COMBINE[out.shape[:2]](*_combine_args(args, constexprs))
@@ -263,7 +292,7 @@ _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
 
 
 def compile_for(arch: int, out, q1, k1, v, meta: AttentionMetadata, scale: float, *, q2=None, k2=None,
-                value_is_k1: bool = False, splits: int = 1) -> list:
+                value_is_k1: bool = False, splits: int = 1, key_scales=None) -> list:
     """The kernels the launch `paged_attention(out, q1, k1, v, meta, ..., splits=splits)` would run
     (the attention kernel, and with key splits the combine kernel), compiled ahead of time for an
     NVIDIA GPU of compute capability `arch` (90: Hopper) on a machine with none (the tensors may be
@@ -273,7 +302,7 @@ def compile_for(arch: int, out, q1, k1, v, meta: AttentionMetadata, scale: float
     if kernels.interpreting():
         raise RuntimeError("compiling needs Triton out of interpreter mode (TRITON_INTERPRET=1 is set)")
     _, args, constexprs, num_warps = _launch_args(out, q1, q2, k1, k2, v, meta, scale, value_is_k1, splits,
-                                                  tiles=TileMap.build)
+                                                  tiles=TileMap.build, key_scales=key_scales)
     compiled = [_compile(kernels.KERNEL, args, constexprs, num_warps, arch)]
     if splits > 1:
         compiled.append(_compile(kernels.COMBINE, _combine_args(args, constexprs), {}, 4, arch))

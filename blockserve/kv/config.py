@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -124,7 +123,7 @@ class KVCacheConfig:
             else:
                 what = f"{usable} blocks x {spec.block_size} = {usable * spec.block_size} tokens"
                 if getattr(spec, "is_quantized", False):  # what the same memory holds, against float16 K/V
-                    float16_page = dataclasses.replace(spec, dtype="float16", v_dtype=None).page_size_bytes
+                    float16_page = spec.with_dtype("float16").page_size_bytes
                     per_gib = 2**30 / group.bytes_per_block * spec.block_size
                     what += (f" of {spec.dtype_name} ({per_gib:,.0f} tokens per GiB, "
                              f"{float16_page / spec.page_size_bytes:.2f}x float16)")

@@ -37,6 +37,9 @@ DTYPE_BYTES = {
 QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn", "int4_rotated")
 KV_SCALE_BYTES = 2
 INT4_SCALE_BYTES = 4  # scale and minimum, float16 each
+# MLA latents take the one-byte forms; each row's two parts (latent, rope key) keep their own scale.
+MLA_QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
+MLA_SCALES_BYTES = 2 * KV_SCALE_BYTES
 
 # The engine's kv_cache_dtype choices: "auto" keeps each layer's own dtype (the model's); "fp8" is
 # e4m3 (the stored dtype float8_e4m3fn); "int4" the rotated 4-bit form (stored as "int4_rotated");
@@ -146,6 +149,10 @@ class FullAttentionSpec:
         """The most blocks a request of `num_tokens` tokens ever holds at once."""
         return cdiv(num_tokens, self.block_size)
 
+    def with_dtype(self, dtype: str):
+        """This layer with K and V both stored as `dtype`."""
+        return dataclasses.replace(self, dtype=dtype, v_dtype=None)
+
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
@@ -171,7 +178,10 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 @dataclass(frozen=True)
 class MLASpec:
-    """Multi-head latent attention: one compressed latent (kv_lora_rank) plus the rope key per token."""
+    """Multi-head latent attention: one compressed latent (kv_lora_rank) plus the rope key per token,
+    one row that is the keys and the values both. A quantized dtype (MLA_QUANTIZED_DTYPES) stores the
+    row's two parts as one-byte codes followed by a float16 scale for each (attention/latent_quant.py),
+    inside the block."""
 
     block_size: int
     kv_lora_rank: int
@@ -186,10 +196,40 @@ class MLASpec:
             block_size=self.block_size, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim
         )
         dtype_bytes(self.dtype)
+        if self.dtype in QUANTIZED_KV_DTYPES and self.dtype not in MLA_QUANTIZED_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_dtype_name(self.dtype)!r} is not built for MLA layers' latent "
+                             f"cache; its quantized forms are "
+                             f"{', '.join(kv_dtype_name(d) for d in MLA_QUANTIZED_DTYPES)}")
+        if self.is_quantized and (self.kv_lora_rank + self.qk_rope_head_dim) % 2:
+            raise ValueError(f"a quantized MLA latent row keeps float16 scales at an even byte: kv_lora_rank + "
+                             f"qk_rope_head_dim ({self.kv_lora_rank} + {self.qk_rope_head_dim}) must be even")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row as stored: its values, plus the two parts' scales when quantized."""
+        values = (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes(self.dtype)
+        return values + (MLA_SCALES_BYTES if self.is_quantized else 0)
 
     @property
     def page_size_bytes(self) -> int:
-        return self.block_size * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes(self.dtype)
+        return self.block_size * self.row_bytes
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype in MLA_QUANTIZED_DTYPES
+
+    @property
+    def value_dtype(self) -> str:
+        """The values' storage: the latent's own (the row is keys and values both)."""
+        return self.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return kv_dtype_name(self.dtype)
+
+    def with_dtype(self, dtype: str) -> MLASpec:
+        """This layer with its latent rows stored as `dtype`."""
+        return dataclasses.replace(self, dtype=dtype)
 
     def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int | None = None) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -266,17 +306,26 @@ def resolve_kv_dtypes(kv_cache_dtype: str, k_cache_dtype: str | None = None,
 def with_kv_cache_dtype(spec, kv_cache_dtype: str, k_cache_dtype: str | None = None,
                         v_cache_dtype: str | None = None):
     """The spec with its K and V stored as the settings choose (resolve_kv_dtypes; full and
-    sliding-window attention; MLA latents and recurrent states keep the model's dtype). "auto" keeps
-    that side's dtype. A quantized dtype is refused for MLA latents, which have no quantized form,
-    and a K/V split outside SPLIT_KV_DTYPES is refused naming both."""
+    sliding-window attention). "auto" keeps that side's dtype. MLA latents take a quantized choice
+    (MLA_QUANTIZED_DTYPES) and keep the model's dtype otherwise; as their row is the keys and the
+    values both, K and V must then choose alike. Recurrent states keep theirs. An unbuilt choice
+    (int4 latents, a K/V split outside SPLIT_KV_DTYPES) is refused naming both."""
     k, v = resolve_kv_dtypes(kv_cache_dtype, k_cache_dtype, v_cache_dtype)
     if isinstance(spec, MLASpec):
-        for name in dict.fromkeys((k, v)):
-            if _STORED_AS.get(name, name) in QUANTIZED_KV_DTYPES:
-                raise ValueError(f"kv_cache_dtype {name!r} is not built for MLA layers' latent cache; "
-                                 f"use auto, float16 or bfloat16 for this model")
+        return _mla_with_kv_cache_dtype(spec, k, v)
     if not isinstance(spec, FullAttentionSpec):
         return spec
     k_stored = spec.dtype if k == "auto" else _STORED_AS.get(k, k)
     v_stored = spec.value_dtype if v == "auto" else _STORED_AS.get(v, v)
     return dataclasses.replace(spec, dtype=k_stored, v_dtype=None if v_stored == k_stored else v_stored)
+
+
+def _mla_with_kv_cache_dtype(spec: MLASpec, k: str, v: str) -> MLASpec:
+    quantized = [name for name in dict.fromkeys((k, v)) if _STORED_AS.get(name, name) in QUANTIZED_KV_DTYPES]
+    if not quantized:
+        return spec
+    if k != v:
+        raise ValueError(f"kv_cache_dtype / k_cache_dtype / v_cache_dtype store K as {k!r} and V as {v!r}, but an "
+                         f"MLA layer's latent row is its keys and values both: give this model one kv_cache_dtype "
+                         f"({', '.join(map(kv_dtype_name, MLA_QUANTIZED_DTYPES))} or a float dtype)")
+    return spec.with_dtype(_STORED_AS.get(k, k))  # MLASpec refuses a quantized form it has not

@@ -6,6 +6,7 @@ holding all the group's layers, so a zero order is one indexed fill per tensor.
                      K and V in different dtypes (spec.v_dtype): two tensors, K's then V's,
                      [layers, num_blocks, block_size, kv_heads, row] each
     MLA group        [layers, num_blocks, block_size, kv_lora_rank + rope_dim]
+                     (quantized: codes, then the two parts' float16 scales, attention/latent_quant.py)
     state group      one tensor per state component: [layers, num_slots, *shape], the running
                      slots followed by the checkpoint slots
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from blockserve.attention import kv_quant
+from blockserve.attention import kv_quant, latent_quant
 from blockserve.attention.context import LayerCache, MLACache, StateCache
 from blockserve.attention.metadata import to_device
 from blockserve.kv.config import KVCacheConfig
@@ -53,7 +54,7 @@ class KVCacheTensors:
                            for s, d in zip(spec.shapes, spec.dtypes)]
                 block_dim = 1
             elif isinstance(spec, MLASpec):
-                width = spec.kv_lora_rank + spec.qk_rope_head_dim
+                width = spec.row_bytes // TORCH_DTYPES[spec.dtype].itemsize
                 tensors = [torch.zeros(layers, n, spec.block_size, width, dtype=TORCH_DTYPES[spec.dtype], device=device)]
                 block_dim = 1
             elif spec.v_dtype is not None:
@@ -142,8 +143,9 @@ class KVCacheTensors:
             raise ValueError(f"group {group_id}: the null block must never be zeroed or poisoned")
         tensors = self.tensors[group_id]
         index = to_device(torch.tensor(block_ids, dtype=torch.int64), tensors[0].device)
+        fill = latent_quant.fill_rows if isinstance(self.config.groups[group_id].spec, MLASpec) else kv_quant.fill_rows
         for tensor in tensors:
-            kv_quant.fill_rows(tensor, self.block_dims[group_id], index, poison)
+            fill(tensor, self.block_dims[group_id], index, poison)
 
     def layer_caches(self) -> dict[str, LayerCache | MLACache | StateCache]:
         """Each layer's views of its group's tensors, by layer name."""

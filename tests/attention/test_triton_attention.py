@@ -150,12 +150,13 @@ def test_quantized_key_splits_match_exact(dtype):
 
 
 def test_quantized_caches_refused_where_not_read():
-    """MLA's two-part keys read plain caches only, and a cache whose rows do not hold the queries' head
-    size is refused, each with a clear error rather than a wrong read."""
+    """MLA's two-part keys read a quantized cache only as latent rows with their scales, and a cache
+    whose rows do not hold the queries' head size is refused, each with a clear error rather than a
+    wrong read."""
     seqs = STEPS["decode"]
     k_cache, v_cache, table, q, *_ = quantized_step(seqs, "int8", poison=False)
     meta = AttentionMetadata.build(BatchLayout.build([n for _, n in seqs], [c for c, _ in seqs]), table, BS)
-    with pytest.raises(ValueError, match="not MLA's"):
+    with pytest.raises(ValueError, match="one-part keys with their own values, or as MLA's latent rows"):
         paged_attention(torch.empty_like(q), q, k_cache, k_cache, meta, 1.0, value_is_k1=True)
     with pytest.raises(ValueError, match="rows hold 8 values, the kernel reads 16"):
         wide = torch.cat([q, q], -1)
@@ -274,6 +275,16 @@ COMPILE_CHILD = textwrap.dedent("""
                 for codes in (k_codes, v_codes))
         return compile_for(90, torch.empty_like(q), q, k, v, meta, 0.125, splits=splits)
 
+    def mla_quantized(codes, seqs):  # DeepSeek-V3's widths over a one-byte latent cache, bfloat16 queries
+        meta = meta_for(seqs)
+        t = meta.slot_mapping.shape[0]
+        q, q_rope = torch.empty(t, 128, 512, dtype=torch.bfloat16), torch.empty(t, 128, 64, dtype=torch.bfloat16)
+        pages = torch.empty(64, 16, 1, 512 + 64 + 4, dtype=torch.uint8)
+        scales = pages[..., -4:].view(torch.float16)
+        pages = pages.view(codes)
+        return compile_for(90, torch.empty_like(q), q, pages[..., :512], pages[..., :512], meta, 0.1, q2=q_rope,
+                           k2=pages[..., 512:576], value_is_k1=True, key_scales=scales)
+
     decode, mixed = [(30, 1)] * 4, [(30, 1), (0, 40), (17, 9)]
     kernels = {}
     # each code form on each side, in decode and prefill tiles and with key splits
@@ -281,6 +292,7 @@ COMPILE_CHILD = textwrap.dedent("""
     kernels["fp8_mixed"] = quantized(torch.float8_e4m3fn, torch.float8_e4m3fn, mixed)
     kernels["int4_decode_split"] = quantized(torch.uint8, torch.uint8, decode, splits=8)
     kernels["k8v4_mixed"] = quantized(torch.int8, torch.uint8, mixed)
+    kernels["mla_fp8_mixed"] = mla_quantized(torch.float8_e4m3fn, mixed)  # both parts' codes bitcast, two scales
     for dtype in (torch.bfloat16, torch.float32):
         for name, seqs in (("decode", decode), ("mixed", mixed)):
             key = f"{str(dtype)[6:]}_{name}"
@@ -317,7 +329,7 @@ def test_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert "TRITON_INTERPRET=1" in report["refusal"]
-    assert len(report["kernels"]) == 16 + 2 * 2 * 2 + 5  # the split variants: attention and combine kernels
+    assert len(report["kernels"]) == 16 + 2 * 2 * 2 + 5 + 1  # the split variants: attention and combine kernels
     for name, kernel in report["kernels"].items():
         assert kernel["cubin"] > 0, name
         assert kernel["shared"] <= HOPPER_SHARED_MEMORY, (name, kernel["shared"])

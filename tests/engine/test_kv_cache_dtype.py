@@ -12,7 +12,7 @@ float32 blocks (the rotated 4-bit form 7x, k8v4's int8 keys with 4-bit values 5x
 through every CPU backend, survive recycled poisoned blocks (C1:
 identical epoch to epoch with the derived zeroing; broken on a whole-block reader without it), and
 give the same tokens with prefix caching on and off (C4). A dtype a backend or layer kind cannot
-read is refused at start-up.
+read is refused at start-up (MLA latents take int8 and fp8: tests/engine/test_mla_kv_cache_dtype.py).
 """
 
 from __future__ import annotations
@@ -148,25 +148,27 @@ def test_quantized_prefix_caching_on_equals_off(model_path, backend, dtype):
 
 def test_quantized_dtypes_are_refused_where_they_cannot_be_read():
     """Start-up names the backend (or layer kind) and the dtype, never a silent fallback. Every
-    attention backend reads every quantized form; the triton MLA backend declares none."""
+    attention backend reads every quantized form; the triton MLA backend reads the one-byte latent
+    forms only (int4 and k8v4 are refused for MLA specs earlier, by with_kv_cache_dtype:
+    tests/engine/test_mla_kv_cache_dtype.py)."""
     cpu = torch.device("cpu")
     attn = Attention("layers.0", 4, 2, 64, BACKENDS["triton"](0.125), dtype=torch.float32)
-    spec = with_kv_cache_dtype(attn.kv_cache_spec(16), "int8")
     for dtype in ("int8", "fp8", "int4", "k8v4"):  # triton reads them all
         refuse_unreadable_kv_dtype("layers.0", attn, with_kv_cache_dtype(attn.kv_cache_spec(16), dtype), cpu)
     mla = MLAttention("layers.0", 4, 16, 16, MLA_BACKENDS["triton"](0.125), kv_lora_rank=32, qk_rope_head_dim=8,
                       dtype=torch.float32)
-    assert getattr(mla.backend, "quantized_kv_dtypes", ()) == ()  # its real declaration, nothing patched
-    # (an MLA spec is refused quantized earlier, by with_kv_cache_dtype: an attention spec reaches this check)
-    with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
-        refuse_unreadable_kv_dtype("layers.0", mla, spec, cpu)
+    assert mla.backend.quantized_kv_dtypes == ("int8", "float8_e4m3fn")  # its real declaration, nothing patched
+    for dtype in ("int8", "fp8"):
+        refuse_unreadable_kv_dtype("layers.0", mla, with_kv_cache_dtype(mla.kv_cache_spec(16), dtype), cpu)
+    with pytest.raises(ValueError, match="'int4_rotated' cannot be read by attention backend 'triton'"):
+        refuse_unreadable_kv_dtype("layers.0", mla, with_kv_cache_dtype(attn.kv_cache_spec(16), "int4"), cpu)
     refuse_unreadable_kv_dtype("layers.0", Attention("layers.0", 4, 2, 64, BACKENDS["exact"](0.125),
-                                                     dtype=torch.float32), spec, cpu)
-    for dtype in ("int8", "fp8", "int4"):
-        with pytest.raises(ValueError, match=f"'{dtype}' is not built for MLA"):
-            with_kv_cache_dtype(MLASpec(16, 32, 8), dtype)
+                                                     dtype=torch.float32),
+                               with_kv_cache_dtype(attn.kv_cache_spec(16), "int8"), cpu)
+    with pytest.raises(ValueError, match="'int4' is not built for MLA"):
+        with_kv_cache_dtype(MLASpec(16, 32, 8), "int4")
     split = with_kv_cache_dtype(attn.kv_cache_spec(16), "k8v4")  # a side the backend cannot read is named
-    with pytest.raises(ValueError, match="'int8' cannot be read by attention backend 'triton'"):
+    with pytest.raises(ValueError, match="'int4_rotated' cannot be read by attention backend 'triton'"):
         refuse_unreadable_kv_dtype("layers.0", mla, split, cpu)
     with pytest.raises(ValueError, match="'float32' with v_cache_dtype 'int4' is not built"):  # the model's K
         with_kv_cache_dtype(attn.kv_cache_spec(16), "int8", k_cache_dtype="auto", v_cache_dtype="int4")
@@ -236,10 +238,10 @@ def test_hybrid_int8_caching_on_equals_off(tiny_model, family):
     assert hits > 0
 
 
-def test_int8_is_refused_for_a_model_with_mla_layers(tiny_model):
+def test_int4_is_refused_for_a_model_with_mla_layers(tiny_model):
     path, _ = tiny_model("kimi_linear")
-    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
-        LLM(str(path), kv_cache_dtype="int8", kv_cache_memory="16MiB", max_model_len=192)
+    with pytest.raises(ValueError, match="'int4' is not built for MLA"):
+        LLM(str(path), kv_cache_dtype="int4", kv_cache_memory="16MiB", max_model_len=192)
 
 
 @pytest.mark.model_quality

@@ -10,7 +10,8 @@ from tests.kv.conftest import full, mla, sliding, state
 def test_page_sizes():
     assert FullAttentionSpec(16, 8, 128, "bfloat16").page_size_bytes == 2 * 16 * 8 * 128 * 2
     assert SlidingWindowSpec(16, 8, 128, "float32", sliding_window=4096).page_size_bytes == 2 * 16 * 8 * 128 * 4
-    assert MLASpec(64, 512, 64, "float8_e4m3fn").page_size_bytes == 64 * (512 + 64) * 1
+    assert MLASpec(64, 512, 64, "bfloat16").page_size_bytes == 64 * (512 + 64) * 2
+    assert MLASpec(64, 512, 64, "float8_e4m3fn").page_size_bytes == 64 * (512 + 64 + 4)  # codes, two scales
     spec = LinearStateSpec(shapes=((4, 3), (2, 5, 7)), dtypes=("float16", "float32"))
     assert spec.page_size_bytes == 4 * 3 * 2 + 2 * 5 * 7 * 4
 
@@ -119,5 +120,5 @@ def test_keys_and_values_in_their_own_dtypes():
         with_kv_cache_dtype(base, "auto", k_cache_dtype="float16", v_cache_dtype="int4")
     with pytest.raises(ValueError, match="unknown v_cache_dtype 'k8v4'"):
         with_kv_cache_dtype(base, "auto", v_cache_dtype="k8v4")
-    with pytest.raises(ValueError, match="'int8' is not built for MLA"):
+    with pytest.raises(ValueError, match="K as 'int8' and V as 'int4', but an MLA layer's latent row is its keys"):
         with_kv_cache_dtype(MLASpec(16, 32, 8), "k8v4")
