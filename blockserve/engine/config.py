@@ -124,7 +124,7 @@ class EngineConfig:
         "help": "schedule and launch each step before the previous one's tokens are back, so the host's work "
                 "overlaps the device's (CUDA; on the CPU the forward runs in the launch, so it cannot pay there). "
                 "A request that a stop token ends computes one more token, which is dropped"})
-    # MLA latents and recurrent states keep the model's dtype.
+    # Recurrent states keep the model's dtype; MLA latents take the float dtypes, int8 and fp8 (kv/specs.py).
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "K/V storage of attention layers (auto: the model's dtype; float16 halves KV memory "
                 "and reads; int8 and fp8 (e4m3): one-byte codes and a float16 scale per head vector, about half "

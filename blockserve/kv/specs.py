@@ -306,9 +306,9 @@ def resolve_kv_dtypes(kv_cache_dtype: str, k_cache_dtype: str | None = None,
 def with_kv_cache_dtype(spec, kv_cache_dtype: str, k_cache_dtype: str | None = None,
                         v_cache_dtype: str | None = None):
     """The spec with its K and V stored as the settings choose (resolve_kv_dtypes; full and
-    sliding-window attention). "auto" keeps that side's dtype. MLA latents take a quantized choice
-    (MLA_QUANTIZED_DTYPES) and keep the model's dtype otherwise; as their row is the keys and the
-    values both, K and V must then choose alike. Recurrent states keep theirs. An unbuilt choice
+    sliding-window attention). "auto" keeps that side's dtype. MLA latents take a float choice or a
+    quantized one (MLA_QUANTIZED_DTYPES); as their row is the keys and the values both, K and V
+    must then choose alike. Recurrent states keep theirs. An unbuilt choice
     (int4 latents, a K/V split outside SPLIT_KV_DTYPES) is refused naming both."""
     k, v = resolve_kv_dtypes(kv_cache_dtype, k_cache_dtype, v_cache_dtype)
     if isinstance(spec, MLASpec):
@@ -321,8 +321,7 @@ def with_kv_cache_dtype(spec, kv_cache_dtype: str, k_cache_dtype: str | None = N
 
 
 def _mla_with_kv_cache_dtype(spec: MLASpec, k: str, v: str) -> MLASpec:
-    quantized = [name for name in dict.fromkeys((k, v)) if _STORED_AS.get(name, name) in QUANTIZED_KV_DTYPES]
-    if not quantized:
+    if k == v == "auto":
         return spec
     if k != v:
         raise ValueError(f"kv_cache_dtype / k_cache_dtype / v_cache_dtype store K as {k!r} and V as {v!r}, but an "

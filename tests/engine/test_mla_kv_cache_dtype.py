@@ -60,6 +60,26 @@ def test_latent_cache_holds_codes_and_scales(deepseek, dtype):
     assert f"of {dtype} (" in report and "1.85x float16" in report
 
 
+SLOW = [pytest.mark.slow, pytest.mark.backend_full]
+
+
+@pytest.mark.parametrize("backend", ["whole_block", *(pytest.param(b, marks=SLOW) for b in ("exact", "flex"))])
+def test_float16_and_bfloat16_latents_are_stored_as_asked(deepseek, backend):
+    """A float kv_cache_dtype is honoured for the latent rows too: half the float32 row, twice the
+    tokens in the same memory, and through recycled poisoned blocks every epoch gives the unpoisoned
+    engine's tokens (their closeness to the float32 cache is test_quantized_latents_stay_close_to_the_float32_cache's)."""
+    full = LLM(deepseek, block_size=BS, kv_cache_memory="1MiB")
+    for dtype in ("float16", "bfloat16"):
+        llm = LLM(deepseek, block_size=BS, kv_cache_memory="1MiB", kv_cache_dtype=dtype)
+        (tensor,), = llm.engine.core.runner.kv.tensors
+        assert tensor.dtype == getattr(torch, dtype) and tensor.shape[-1] == ROW_VALUES
+        assert blocks(llm) >= 2 * blocks(full) - 1
+        options = dict(small_cache("auto"), kv_cache_dtype=dtype, attention_backend=backend,
+                       kv_cache_memory=18 * MLA_LAYERS * BS * ROW_VALUES * 2)
+        want = epochs(LLM(deepseek, **options), 1)
+        assert epochs(LLM(deepseek, poison=True, **options), 2) == want * 2
+
+
 def test_recurrent_states_stay_float32_beside_an_int8_latent_cache(tiny_model):
     path, _ = tiny_model("kimi_linear")
     llm = LLM(str(path), kv_cache_dtype="int8", kv_cache_memory="16MiB", max_model_len=192)
@@ -80,7 +100,6 @@ def epochs(llm: LLM, count: int) -> list[list[list[int]]]:
             for _ in range(count)]
 
 
-SLOW = [pytest.mark.slow, pytest.mark.backend_full]
 PER_BACKEND = pytest.mark.parametrize("backend,dtype", [
     ("whole_block", "int8"),
     *(pytest.param(b, d, marks=SLOW) for b, d in (("whole_block", "fp8"), ("exact", "int8"), ("exact", "fp8"),
@@ -199,7 +218,7 @@ def test_unbuilt_latent_dtypes_are_refused_naming_them(deepseek):
     spec = MLASpec(16, 32, 16)
     assert with_kv_cache_dtype(spec, "fp8") == MLASpec(16, 32, 16, "float8_e4m3fn")
     assert with_kv_cache_dtype(spec, "int8").page_size_bytes == 16 * (48 + 4)
-    assert with_kv_cache_dtype(spec, "float16") == spec  # float choices keep the model's dtype
+    assert with_kv_cache_dtype(spec, "float16") == MLASpec(16, 32, 16, "float16")
     with pytest.raises(ValueError, match="'int4' is not built for MLA layers' latent cache; its quantized forms "
                                          "are int8, fp8"):
         with_kv_cache_dtype(spec, "int4")
