@@ -62,7 +62,7 @@ from blockserve.models.gguf_block_experts import use_block_experts
 from blockserve.models.gguf_config import FAMILIES as NATIVE_CONFIG_FAMILIES
 from blockserve.models.gguf_config import gguf_config
 from blockserve.models.gguf_metadata import LazyArrayReader
-from blockserve.models.gguf_tokenizer import GGUFTokenizer, byte_level_gguf
+from blockserve.models.gguf_tokenizer import GGUFTokenizer, native_vocabulary
 from blockserve.models.gpt_oss_gguf import GGML_MXFP4, expert_tensors
 from blockserve.models.moe import expert_ops
 from blockserve.models.placement import Placement
@@ -363,7 +363,7 @@ def native_gguf(reader: gguf.GGUFReader, arch: str) -> bool:
     (models/gguf_config.py, models/gguf_tokenizer.py): a Llama without experts or a Qwen2, with a
     byte-level BPE vocabulary. Other files are converted once through transformers into the cache."""
     experts = reader.fields.get(f"{arch}.expert_count")
-    return arch in NATIVE_CONFIG_FAMILIES and (experts is None or experts.contents() == 0) and byte_level_gguf(reader)
+    return arch in NATIVE_CONFIG_FAMILIES and (experts is None or experts.contents() == 0) and native_vocabulary(reader)
 
 
 def _eos_token_ids(path: Path | None, config: PretrainedConfig) -> tuple[int, ...]:

@@ -327,14 +327,15 @@ def test_the_loaders_gguf_tokenizer_is_the_front_ends(files, tmp_path):
     assert isinstance(ours, GGUFTokenizer)
     front = load_tokenizer(EngineConfig(model=str(files["qwen2"])))
     assert isinstance(front, GGUFTokenizer) and front.encode("t10 t2") == ours.encode("t10 t2")
-    path = tmp_path / "spm.gguf"
+    path = tmp_path / "unigram.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tokenizer_model("llama")  # sentencepiece: transformers builds it
+    writer.add_tokenizer_model("t5")  # unigram: transformers builds it
     writer.add_token_list(["<unk>", "<s>", "</s>", "▁t"])
+    writer.add_token_scores([0.0, 0.0, 0.0, -1.0])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     assert loader.gguf_tokenizer(path) is None
     with pytest.raises(ValueError, match="could not read GGUF file"):
-        loader.gguf_tokenizer(tmp_path / "spm.gguf.missing")
+        loader.gguf_tokenizer(tmp_path / "unigram.gguf.missing")
