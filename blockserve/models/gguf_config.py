@@ -1,10 +1,12 @@
 """A GGUF file's model config read straight from its metadata, without transformers, for the
-families whose config is a plain renaming of llama.cpp's keys: Llama (without experts) and Qwen2.
+families whose config is a plain renaming of llama.cpp's keys: Llama (without experts), Mistral,
+Qwen2 and Qwen3.
 
 `GGUFConfig` carries the attributes the model classes and the engine read, with the values
-transformers' `LlamaConfig` / `Qwen2Config` get from the same file (renamed as its GGUF loader does,
-its defaults where a key is absent); an attribute transformers' class for that family lacks is
-absent here too (`getattr(config, name, default)` sees the same). Every other family keeps
+transformers' `LlamaConfig` / `MistralConfig` / `Qwen2Config` / `Qwen3Config` get from the same file
+(renamed as its GGUF loader does, its defaults where a key is absent: Qwen3's head_dim is its 128,
+Mistral's sliding_window its 4096, as there); an attribute transformers' class for that family lacks
+is absent here too (`getattr(config, name, default)` sees the same). Every other family keeps
 transformers' config (models/loader.py).
 """
 
@@ -18,7 +20,8 @@ import gguf
 from blockserve.models.gguf_metadata import special_token_id
 
 # GGUF architecture -> (model_type, architecture class name)
-FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
+            "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 # llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
 _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
          "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
@@ -29,17 +32,25 @@ _TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "
 # transformers' defaults per family, for keys a file may leave out
 _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                        "bos_token_id": 1, "eos_token_id": 2},
-             "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}}
+             "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                         "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
+             "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+             "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128}}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# the attributes only one family's transformers config has (absent from the other's)
-_ONLY = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
-         "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
+# the attributes beyond the common ones that each family's transformers config has
+_HAS = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
+        "mistral": ("head_dim", "sliding_window"),
+        "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+        "qwen3": ("head_dim", "attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
+                  "layer_types")}
+# llama.cpp's rope.dimension_count read as head_dim (transformers' mapping for these; Qwen3 keeps its default)
+_ROTARY_HEAD_DIM = ("llama", "mistral")
 
 
 @dataclass(frozen=True, repr=False, eq=False)
 class GGUFConfig:
-    """A Llama or Qwen2 config from GGUF metadata; the attributes of the other family are absent
-    (AttributeError), as on transformers' config."""
+    """A config of one of FAMILIES from GGUF metadata; the attributes its family's transformers
+    config lacks are absent (AttributeError), as there."""
 
     model_type: str
     architectures: list[str]  # lists, as transformers' (a frozen config: not to be changed)
@@ -63,12 +74,11 @@ class GGUFConfig:
     # llama.cpp's per-dimension divisors of the rotary frequencies (a file's rope_freqs tensor: Llama
     # 3.1's llama3 scaling); absent (AttributeError) where the file has none, as on transformers' config
     rope_freq_divisors: list[float] | None = None
-    # Llama only
+    # per family (_HAS)
     head_dim: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
     pretraining_tp: int = 1
-    # Qwen2 only
     use_sliding_window: bool = False
     sliding_window: int | None = None
     max_window_layers: int = 28
@@ -93,8 +103,8 @@ class GGUFConfig:
                 for name, value in values.items()}
 
 
-_ABSENT = {family: tuple(name for other, names in _ONLY.items() if other != family for name in names)
-           for family in _ONLY}
+_OPTIONAL = {name for names in _HAS.values() for name in names}
+_ABSENT = {family: tuple(sorted(_OPTIONAL - set(names))) for family, names in _HAS.items()}
 
 
 def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[float] | None = None) -> GGUFConfig:
@@ -115,11 +125,11 @@ def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[flo
     values.setdefault("num_key_value_heads", values["num_attention_heads"])
     values["rope_parameters"] = {"rope_theta": values.pop("rope_theta"), "rope_type": "default"}
     values["tie_word_embeddings"] = all(tensor.name != "output.weight" for tensor in reader.tensors)
-    if model_type == "llama":
+    if model_type in _ROTARY_HEAD_DIM:
         rotary = reader.fields.get(f"{arch}.rope.dimension_count")
         values["head_dim"] = rotary.contents() if rotary is not None else \
             values["hidden_size"] // values["num_attention_heads"]
-    else:
+    if "layer_types" in _HAS[model_type]:
         values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
     return GGUFConfig(model_type=model_type, architectures=[architecture], rope_freq_divisors=rope_freq_divisors,
                       **values)
