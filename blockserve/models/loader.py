@@ -8,9 +8,10 @@ directory or from a GGUF file (read directly, or converted once and cached).
                 formats run from the mapped blocks (gguf_block_linear.py), those in Q4_0 / Q4_1 /
                 Q8_0 from packed blocks (quantized_linear.py), stacked MoE experts in any block
                 format from the mapped blocks (gguf_block_experts.py), none with a float32 copy.
-                A Llama (no experts) or Qwen2 with a byte-level BPE vocabulary (native_gguf):
-                config and tokenizer from the metadata (gguf_config.py, gguf_tokenizer.py, no
-                transformers), every tensor from the file, nothing cached. Any other: the config,
+                A Llama (no experts), Mistral, Qwen2 or Qwen3 with a byte-level BPE vocabulary
+                or a SentencePiece one (native_gguf): config and tokenizer from the metadata
+                (gguf_config.py, gguf_tokenizer.py, gguf_sentencepiece.py, no transformers),
+                every tensor from the file, nothing cached. Any other: the config,
                 tokenizer and float32 copies of the tensors in a float format are written by
                 transformers to a Hugging Face directory under the cache once. Where no kernel
                 can run, the block formats are dequantised from the file as it loads
@@ -360,8 +361,9 @@ def gguf_tokenizer(path: Path) -> GGUFTokenizer | None:
 
 def native_gguf(reader: gguf.GGUFReader, arch: str) -> bool:
     """Whether a GGUF file's config and tokenizer are read here, without transformers
-    (models/gguf_config.py, models/gguf_tokenizer.py): a Llama without experts or a Qwen2, with a
-    byte-level BPE vocabulary. Other files are converted once through transformers into the cache."""
+    (models/gguf_config.py, models/gguf_tokenizer.py): a Llama without experts, a Mistral, a Qwen2 or
+    a Qwen3, with a vocabulary GGUFTokenizer builds (byte-level BPE; SentencePiece but Gemma's).
+    Other files are converted once through transformers into the cache."""
     experts = reader.fields.get(f"{arch}.expert_count")
     return arch in NATIVE_CONFIG_FAMILIES and (experts is None or experts.contents() == 0) and native_vocabulary(reader)
 

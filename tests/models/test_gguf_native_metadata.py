@@ -1,9 +1,10 @@
-"""A GGUF Llama / Qwen2 file's config and tokenizer read from its metadata without transformers
-(models/gguf_config.py, models/gguf_tokenizer.py, models/chat_template.py) equal what transformers
-builds from the same file: every config attribute the models read, the tokenizer's serialisation,
-its ids both ways, and the chat template's rendering (the bundled SmolLM2 model's, and a Qwen2-style
-template with tools and reasoning in a tiny file); `blockserve generate` and `serve` on such a file
-never import transformers."""
+"""A GGUF Llama / Mistral / Qwen2 / Qwen3 file's config and tokenizer (byte-level BPE or SentencePiece)
+read from its metadata without transformers (models/gguf_config.py, models/gguf_tokenizer.py,
+models/gguf_sentencepiece.py, models/chat_template.py) equal what transformers builds from the same
+file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
+the chat template's rendering (the bundled SmolLM2 model's, and a Qwen2-style template with tools and
+reasoning in a tiny file); `blockserve generate` (on a Llama with a SentencePiece vocabulary) and
+`serve` (on a Qwen2) never import transformers."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from blockserve.models import loader
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_config import GGUFConfig, gguf_config
 from blockserve.models.gguf_tokenizer import GGUFTokenizer
+from tests.models.test_gguf_sentencepiece import add_spm_vocabulary
 from tests.models.test_kquant_gguf import write_kquant_gguf
 
 # what the model classes, the engine and the loader read of a config (directly or by getattr)
@@ -68,17 +70,31 @@ TEXTS = ["Hello, world!", "  leading spaces\n\nnew lines\t tabs", "<|im_start|>u
          "1234567 numbers 3.14159", "", "t1t2 t10<|endoftext|>t4<think>x"]
 
 
-def write_qwen2_with_template(path) -> None:
-    """The tiny Qwen2 K-quant file with a vocabulary of real control tokens and QWEN_TEMPLATE."""
-    write_kquant_gguf(path, "qwen2")
-    reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(path.with_suffix(".tmp"), "qwen2")
+def rewrite_gguf(source, path, arch: str, add_vocabulary) -> None:
+    """`source`'s hyperparameters (renamed to `arch`'s keys) and tensors written to `path` as an `arch`
+    file, its vocabulary replaced by what `add_vocabulary(writer)` adds."""
+    reader = gguf.GGUFReader(source)
+    source_arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(path, arch)
     for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "general.architecture")) or field.name.startswith("tokenizer."):
+        if field.name.startswith(("GGUF.", "general.architecture", "tokenizer.")):
             continue
         kind = field.types[0]
-        writer.add_key_value(field.name, field.contents(), kind,
+        name = f"{arch}.{field.name.removeprefix(source_arch + '.')}" if field.name.startswith(source_arch + ".") \
+            else field.name
+        writer.add_key_value(name, field.contents(), kind,
                              sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    add_vocabulary(writer)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_qwen_vocabulary(writer: gguf.GGUFWriter) -> None:
+    """A byte-level vocabulary of 512 real control tokens, merges and QWEN_TEMPLATE."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
     pieces = ["t", "0", "1", "2", "t1", "t2", "t10"]
     tokens = specials + pieces + [f"w{i}" for i in range(len(specials) + len(pieces), 512)]
@@ -93,24 +109,28 @@ def write_qwen2_with_template(path) -> None:
     writer.add_bos_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_chat_template(QWEN_TEMPLATE)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    path.with_suffix(".tmp").replace(path)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf")
     write_kquant_gguf(folder / "llama.gguf", "llama")
-    write_qwen2_with_template(folder / "qwen2.gguf")
-    return {"smollm2": default_model_path(), "llama": folder / "llama.gguf", "qwen2": folder / "qwen2.gguf"}
+    write_kquant_gguf(folder / "qwen2-plain.gguf", "qwen2")
+    rewrite_gguf(folder / "qwen2-plain.gguf", folder / "qwen2.gguf", "qwen2", add_qwen_vocabulary)
+    # Llama 2's kind: a SentencePiece vocabulary (scores, byte tokens) of the model's 512 rows
+    rewrite_gguf(folder / "llama.gguf", folder / "llama-spm.gguf", "llama", lambda w: add_spm_vocabulary(w, 512))
+    # config and tokenizer only (the tensors are Llama's): Mistral's file with a SentencePiece vocabulary,
+    # Qwen3's with a byte-level one
+    rewrite_gguf(folder / "llama.gguf", folder / "mistral.gguf", "mistral",
+                 lambda w: add_spm_vocabulary(w, 512, add_bos_token=True, eos_token_id=510))
+    rewrite_gguf(folder / "llama.gguf", folder / "qwen3.gguf", "qwen3", add_qwen_vocabulary)
+    return {"smollm2": default_model_path(), **{name: folder / f"{name}.gguf" for name in NATIVE_FILES[1:]}}
 
 
-@pytest.mark.parametrize("name", ["smollm2", "llama", "qwen2"])
+NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3")
+
+
+@pytest.mark.parametrize("name", NATIVE_FILES)
 def test_config_equals_transformers(files, name):
     reader = loader._gguf_reader(files[name])
     arch = reader.fields["general.architecture"].contents()
@@ -139,7 +159,7 @@ def tokenizers(files, request):
     return both
 
 
-@pytest.mark.parametrize("name", ["smollm2", "llama", "qwen2"])
+@pytest.mark.parametrize("name", NATIVE_FILES)
 def test_tokenizer_equals_transformers(tokenizers, name):
     ours, theirs = tokenizers(name)
     assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
@@ -181,16 +201,16 @@ def test_chat_template_renders_as_transformers(tokenizers, name):
 
 
 def test_generate_on_a_gguf_never_imports_transformers(files, tmp_path):
-    """`blockserve generate --model x.gguf` in a fresh process: transformers is not in sys.modules at
-    the end, nothing is written to the cache but the row crossover, and the text is transformers'
-    tokenizer's decoding of the tokens."""
+    """`blockserve generate --model x.gguf` on a Llama with a SentencePiece vocabulary in a fresh
+    process: transformers is not in sys.modules at the end, and nothing is written to the cache but
+    the row crossover."""
     code = ("import sys, json\nfrom blockserve.cli import main\n"
             "rc = main(['generate', '--model', sys.argv[1], '--max-tokens', '6', '--max-model-len', '128',"
             " '--kv-cache-memory', '8MiB', '--num-threads', '1', '--jsonl', 'Hello'])\n"
             "print(json.dumps({'rc': rc, 'transformers': sorted(m for m in sys.modules if m.split('.')[0] == "
             "'transformers')}))")
     env = {**os.environ, "BLOCKSERVE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(files["qwen2"])], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", code, str(files["llama-spm"])], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
