@@ -1,13 +1,17 @@
 """A GGUF file's model config read straight from its metadata, without transformers, for the
 families whose config is a plain renaming of llama.cpp's keys: Llama (without experts), Mistral,
-Qwen2 and Qwen3.
+Qwen2, Qwen3 and Phi-3.
 
 `GGUFConfig` carries the attributes the model classes and the engine read, with the values
-transformers' `LlamaConfig` / `MistralConfig` / `Qwen2Config` / `Qwen3Config` get from the same file
-(renamed as its GGUF loader does, its defaults where a key is absent: Qwen3's head_dim is its 128,
-Mistral's sliding_window its 4096, as there); an attribute transformers' class for that family lacks
-is absent here too (`getattr(config, name, default)` sees the same). Every other family keeps
-transformers' config (models/loader.py).
+transformers' `LlamaConfig` / `MistralConfig` / `Qwen2Config` / `Qwen3Config` / `Phi3Config` get from
+the same file (renamed as its GGUF loader does, its defaults where a key is absent: Qwen3's head_dim is
+its 128, Mistral's sliding_window its 4096, Phi-3's eos and pad ids its 32000, as there); an attribute
+transformers' class for that family lacks is absent here too (`getattr(config, name, default)` sees
+the same). Phi-3 as the loader reads it for transformers: the sliding window (0: none), a partial
+rotary factor from rope.dimension_count; a Phi-3 with LongRoPE (rope_factors_long / _short tensors:
+Phi-3.5-mini, Phi-4-mini), whose rotary frequencies transformers' functions compute from its config,
+is not read here (native_config). Every other family, and a Llama or Mistral with experts (Mixtral),
+keeps transformers' config (models/loader.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from blockserve.models.gguf_metadata import special_token_id
 
 # GGUF architecture -> (model_type, architecture class name)
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
-            "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+            "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+            "phi3": ("phi3", "Phi3ForCausalLM")}
 # llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
 _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
          "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
@@ -35,14 +40,20 @@ _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "r
              "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                          "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
              "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-             "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128}}
+             "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+             "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                      "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000}}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # the attributes beyond the common ones that each family's transformers config has
 _HAS = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
         "mistral": ("head_dim", "sliding_window"),
         "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
         "qwen3": ("head_dim", "attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
-                  "layer_types")}
+                  "layer_types"),
+        "phi3": ("sliding_window", "original_max_position_embeddings", "embd_pdrop", "resid_pdrop",
+                 "partial_rotary_factor")}
+# attributes absent (as on transformers' config) where their value is None
+_ABSENT_IF_NONE = ("rope_freq_divisors", "partial_rotary_factor")
 # llama.cpp's rope.dimension_count read as head_dim (transformers' mapping for these; Qwen3 keeps its default)
 _ROTARY_HEAD_DIM = ("llama", "mistral")
 
@@ -83,10 +94,14 @@ class GGUFConfig:
     sliding_window: int | None = None
     max_window_layers: int = 28
     layer_types: list[str] = field(default_factory=list)
+    original_max_position_embeddings: int = 4096
+    embd_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    partial_rotary_factor: float | None = None
 
     def __getattribute__(self, name: str) -> Any:
         if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()) or (
-                name == "rope_freq_divisors" and object.__getattribute__(self, name) is None):
+                name in _ABSENT_IF_NONE and object.__getattribute__(self, name) is None):
             raise AttributeError(f"{object.__getattribute__(self, 'model_type')} config has no {name!r}")
         return object.__getattribute__(self, name)
 
@@ -97,8 +112,9 @@ class GGUFConfig:
         """The config's attributes (those its family has), as plain values."""
         absent = _ABSENT[self.model_type]
         values = {name: object.__getattribute__(self, name) for name in self.__dataclass_fields__ if name not in absent}
-        if values["rope_freq_divisors"] is None:
-            del values["rope_freq_divisors"]
+        for name in _ABSENT_IF_NONE:
+            if name in values and values[name] is None:
+                del values[name]
         return {name: list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
                 for name, value in values.items()}
 
@@ -107,9 +123,21 @@ _OPTIONAL = {name for names in _HAS.values() for name in names}
 _ABSENT = {family: tuple(sorted(_OPTIONAL - set(names))) for family, names in _HAS.items()}
 
 
+def native_config(reader: gguf.GGUFReader, arch: str) -> bool:
+    """Whether gguf_config reads the config of this GGUF file of architecture `arch`: a family of
+    FAMILIES, without experts, without LongRoPE factor tensors."""
+    experts = reader.fields.get(f"{arch}.expert_count")
+    return arch in FAMILIES and (experts is None or experts.contents() == 0) and \
+        not any(tensor.name.startswith("rope_factors_") for tensor in reader.tensors)
+
+
 def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[float] | None = None) -> GGUFConfig:
-    """The config of a GGUF file of architecture `arch` (a key of FAMILIES), with the file's rope_freqs
-    divisors (read by the loader, None where it has none); ValueError naming a missing required key."""
+    """The config of a GGUF file of architecture `arch`, with the file's rope_freqs divisors (read by
+    the loader, None where it has none); ValueError naming a missing required key, or for a file
+    native_config does not take."""
+    if not native_config(reader, arch):
+        raise ValueError(f"the config of this {arch} GGUF is read through transformers (experts, LongRoPE or "
+                         f"another family than {', '.join(FAMILIES)}): load it with models.loader.load_model")
     model_type, architecture = FAMILIES[arch]
     values: dict[str, Any] = dict(_DEFAULTS[model_type])
     for key, name in _KEYS.items():
@@ -131,5 +159,22 @@ def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[flo
             values["hidden_size"] // values["num_attention_heads"]
     if "layer_types" in _HAS[model_type]:
         values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
+    if model_type == "phi3":
+        _phi3(reader, arch, values)
     return GGUFConfig(model_type=model_type, architectures=[architecture], rope_freq_divisors=rope_freq_divisors,
                       **values)
+
+
+def _phi3(reader: gguf.GGUFReader, arch: str, values: dict) -> None:
+    """Phi-3's window and partial rotary factor into `values`, as transformers' Phi3Config takes them
+    from the loader (rope_parameters always holds the factor, 1.0 where none is given; the attribute
+    only where one is)."""
+    window = reader.fields.get(f"{arch}.attention.sliding_window")
+    if window is not None and window.contents():  # 0: the converter's "no window" (Phi-4)
+        values["sliding_window"] = window.contents()
+    head_dim = values["hidden_size"] // values["num_attention_heads"]
+    rotary = reader.fields.get(f"{arch}.rope.dimension_count")
+    factor = 1.0
+    if rotary is not None and rotary.contents() != head_dim:  # Phi-4-mini
+        factor = values["partial_rotary_factor"] = rotary.contents() / head_dim
+    values["rope_parameters"]["partial_rotary_factor"] = factor

@@ -1,4 +1,4 @@
-"""A GGUF Llama / Mistral / Qwen2 / Qwen3 file's config and tokenizer (byte-level BPE or SentencePiece)
+"""A GGUF Llama / Mistral / Qwen2 / Qwen3 / Phi-3 file's config and tokenizer (byte-level BPE or SentencePiece)
 read from its metadata without transformers (models/gguf_config.py, models/gguf_tokenizer.py,
 models/gguf_sentencepiece.py, models/chat_template.py) equal what transformers builds from the same
 file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
@@ -21,6 +21,9 @@ from blockserve.models import loader
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_config import GGUFConfig, gguf_config
 from blockserve.models.gguf_tokenizer import GGUFTokenizer
+from blockserve.models.random_checkpoint import save_random_model
+from tests.models.test_dense_gguf import DENSE_GGUF_CONFIGS
+from tests.models.test_dense_gguf import write_gguf as write_dense_gguf
 from tests.models.test_gguf_sentencepiece import add_spm_vocabulary
 from tests.models.test_kquant_gguf import write_kquant_gguf
 
@@ -124,10 +127,17 @@ def files(tmp_path_factory):
     rewrite_gguf(folder / "llama.gguf", folder / "mistral.gguf", "mistral",
                  lambda w: add_spm_vocabulary(w, 512, add_bos_token=True, eos_token_id=510))
     rewrite_gguf(folder / "llama.gguf", folder / "qwen3.gguf", "qwen3", add_qwen_vocabulary)
-    return {"smollm2": default_model_path(), **{name: folder / f"{name}.gguf" for name in NATIVE_FILES[1:]}}
+    # Phi-3 as llama.cpp's converter writes it (sliding window; Phi-4-mini's partial rotary LongRoPE),
+    # and with Phi-3's SentencePiece vocabulary
+    for name in ("phi3", "phi3-longrope"):
+        write_dense_gguf(save_random_model(DENSE_GGUF_CONFIGS[name](), folder / f"{name}-hf"), folder / f"{name}.gguf",
+                         name)
+    rewrite_gguf(folder / "phi3.gguf", folder / "phi3-spm.gguf", "phi3", lambda w: add_spm_vocabulary(w, 512))
+    return {"smollm2": default_model_path(), "phi3-longrope": folder / "phi3-longrope.gguf",
+            **{name: folder / f"{name}.gguf" for name in NATIVE_FILES[1:]}}
 
 
-NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3")
+NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm")
 
 
 @pytest.mark.parametrize("name", NATIVE_FILES)
@@ -142,6 +152,22 @@ def test_config_equals_transformers(files, name):
     assert {k: v for k, v in ours.to_dict().items()} == {k: getattr(theirs, k) for k in ours.to_dict()}
     with pytest.raises(AttributeError):
         ours.hidden_size = 1  # frozen
+
+
+def test_configs_left_to_transformers(files, tmp_path):
+    """A Phi-3 with LongRoPE (its rotary frequencies computed by transformers' functions from the
+    config) and a Llama with experts (Mixtral) keep transformers' config: native_gguf says no, and
+    gguf_config refuses them by name rather than giving a partial config."""
+    reader = loader._gguf_reader(files["phi3-longrope"])
+    assert not loader.native_gguf(reader, "phi3")
+    with pytest.raises(ValueError, match="read through transformers"):
+        gguf_config(reader, "phi3")
+    rewrite_gguf(files["llama"], tmp_path / "experts.gguf", "llama",
+                 lambda w: (add_spm_vocabulary(w, 512), w.add_expert_count(4)))
+    reader = loader._gguf_reader(tmp_path / "experts.gguf")
+    assert not loader.native_gguf(reader, "llama")
+    with pytest.raises(ValueError, match="read through transformers"):
+        gguf_config(reader, "llama")
 
 
 @pytest.fixture(scope="module")
