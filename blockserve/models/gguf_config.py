@@ -1,11 +1,11 @@
 """A GGUF file's model config read straight from its metadata, without transformers, for the
 families whose config is a plain renaming of llama.cpp's keys: Llama (without experts), Mistral,
-Qwen2, Qwen3 and Phi-3.
+Qwen2, Qwen3, Qwen3-MoE and Phi-3.
 
 `GGUFConfig` carries the attributes the model classes and the engine read, with the values
-transformers' `LlamaConfig` / `MistralConfig` / `Qwen2Config` / `Qwen3Config` / `Phi3Config` get from
-the same file (renamed as its GGUF loader does, its defaults where a key is absent: Qwen3's head_dim is
-its 128, Mistral's sliding_window its 4096, Phi-3's eos and pad ids its 32000, as there); an attribute
+transformers' config class of that family gets from the same file (renamed as its GGUF loader does,
+its defaults where a key is absent: Qwen3's head_dim is its 128, Mistral's sliding_window its 4096,
+Phi-3's eos and pad ids its 32000, Qwen3-MoE's routing renormalised as llama.cpp's, as there); an attribute
 transformers' class for that family lacks is absent here too (`getattr(config, name, default)` sees
 the same). Phi-3 as the loader reads it for transformers: the sliding window (0: none), a partial
 rotary factor from rope.dimension_count; a Phi-3 with LongRoPE (rope_factors_long / _short tensors:
@@ -26,13 +26,19 @@ from blockserve.models.gguf_metadata import special_token_id
 # GGUF architecture -> (model_type, architecture class name)
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
             "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-            "phi3": ("phi3", "Phi3ForCausalLM")}
+            "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
+# the families with experts (a Llama or Mistral with experts is a Mixtral: not read here)
+_EXPERT_FAMILIES = ("qwen3moe",)
 # llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
 _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
          "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
          "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
          "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
          "vocab_size": "vocab_size"}
+# and per family, beyond those
+_FAMILY_KEYS = {"qwen3_moe": {"attention.key_length": "head_dim", "expert_count": "num_experts",
+                              "expert_used_count": "num_experts_per_tok",
+                              "expert_feed_forward_length": "moe_intermediate_size"}}
 _TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "padding_token_id": "pad_token_id"}
 # transformers' defaults per family, for keys a file may leave out
 _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -41,6 +47,9 @@ _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "r
                          "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
              "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
              "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+             "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                           "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
+                           "moe_intermediate_size": 768, "norm_topk_prob": True},
              "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                       "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000}}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -50,10 +59,14 @@ _HAS = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
         "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
         "qwen3": ("head_dim", "attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
                   "layer_types"),
+        "qwen3_moe": ("head_dim", "attention_bias", "use_sliding_window", "sliding_window", "num_experts",
+                      "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                      "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"),
         "phi3": ("sliding_window", "original_max_position_embeddings", "embd_pdrop", "resid_pdrop",
                  "partial_rotary_factor")}
-# attributes absent (as on transformers' config) where their value is None
-_ABSENT_IF_NONE = ("rope_freq_divisors", "partial_rotary_factor")
+# attributes absent (as on transformers' config) where their value is None (Qwen3-MoE's head_dim: where
+# the file has no attention.key_length)
+_ABSENT_IF_NONE = ("rope_freq_divisors", "partial_rotary_factor", "head_dim")
 # llama.cpp's rope.dimension_count read as head_dim (transformers' mapping for these; Qwen3 keeps its default)
 _ROTARY_HEAD_DIM = ("llama", "mistral")
 
@@ -98,6 +111,15 @@ class GGUFConfig:
     embd_pdrop: float = 0.0
     resid_pdrop: float = 0.0
     partial_rotary_factor: float | None = None
+    num_experts: int = 0
+    num_local_experts: int = 0  # transformers' name of num_experts (its attribute_map)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __getattribute__(self, name: str) -> Any:
         if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()) or (
@@ -127,7 +149,7 @@ def native_config(reader: gguf.GGUFReader, arch: str) -> bool:
     """Whether gguf_config reads the config of this GGUF file of architecture `arch`: a family of
     FAMILIES, without experts, without LongRoPE factor tensors."""
     experts = reader.fields.get(f"{arch}.expert_count")
-    return arch in FAMILIES and (experts is None or experts.contents() == 0) and \
+    return arch in FAMILIES and (arch in _EXPERT_FAMILIES or experts is None or experts.contents() == 0) and \
         not any(tensor.name.startswith("rope_factors_") for tensor in reader.tensors)
 
 
@@ -140,7 +162,7 @@ def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[flo
                          f"another family than {', '.join(FAMILIES)}): load it with models.loader.load_model")
     model_type, architecture = FAMILIES[arch]
     values: dict[str, Any] = dict(_DEFAULTS[model_type])
-    for key, name in _KEYS.items():
+    for key, name in {**_KEYS, **_FAMILY_KEYS.get(model_type, {})}.items():
         if (found := reader.fields.get(f"{arch}.{key}")) is not None:
             values[name] = found.contents()
     for key, name in _TOKEN_KEYS.items():  # an id outside the vocabulary is dropped with a warning
@@ -161,6 +183,8 @@ def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[flo
         values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
     if model_type == "phi3":
         _phi3(reader, arch, values)
+    if "num_local_experts" in _HAS[model_type]:
+        values["num_local_experts"] = values["num_experts"]
     return GGUFConfig(model_type=model_type, architectures=[architecture], rope_freq_divisors=rope_freq_divisors,
                       **values)
 

@@ -1,4 +1,4 @@
-"""A GGUF Llama / Mistral / Qwen2 / Qwen3 / Phi-3 file's config and tokenizer (byte-level BPE or SentencePiece)
+"""A GGUF Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer (byte-level BPE or SentencePiece)
 read from its metadata without transformers (models/gguf_config.py, models/gguf_tokenizer.py,
 models/gguf_sentencepiece.py, models/chat_template.py) equal what transformers builds from the same
 file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
@@ -26,6 +26,7 @@ from tests.models.test_dense_gguf import DENSE_GGUF_CONFIGS
 from tests.models.test_dense_gguf import write_gguf as write_dense_gguf
 from tests.models.test_gguf_sentencepiece import add_spm_vocabulary
 from tests.models.test_kquant_gguf import write_kquant_gguf
+from tests.models.test_moe_gguf_blocks import write_qwen3_moe_gguf
 
 # what the model classes, the engine and the loader read of a config (directly or by getattr)
 READ = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -35,7 +36,8 @@ READ = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediat
         "no_rope_layers", "quantization_config", "partial_rotary_factor", "attention_multiplier", "logits_scaling",
         "embedding_multiplier", "residual_multiplier", "final_logit_softcapping", "attn_logit_softcapping",
         "query_pre_attn_scalar", "num_local_experts", "rope_interleave", "use_bidirectional_attention",
-        "rope_freq_divisors")
+        "rope_freq_divisors", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size")
 MISSING = object()
 
 QWEN_TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -133,11 +135,12 @@ def files(tmp_path_factory):
         write_dense_gguf(save_random_model(DENSE_GGUF_CONFIGS[name](), folder / f"{name}-hf"), folder / f"{name}.gguf",
                          name)
     rewrite_gguf(folder / "phi3.gguf", folder / "phi3-spm.gguf", "phi3", lambda w: add_spm_vocabulary(w, 512))
+    write_qwen3_moe_gguf(folder / "qwen3moe.gguf")
     return {"smollm2": default_model_path(), "phi3-longrope": folder / "phi3-longrope.gguf",
             **{name: folder / f"{name}.gguf" for name in NATIVE_FILES[1:]}}
 
 
-NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm")
+NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm", "qwen3moe")
 
 
 @pytest.mark.parametrize("name", NATIVE_FILES)
