@@ -1,6 +1,6 @@
 """A GGUF file's model config read straight from its metadata, without transformers, for the
-families whose config is a plain renaming of llama.cpp's keys: Llama (without experts), Mistral,
-Qwen2, Qwen3, Qwen3-MoE and Phi-3.
+families whose config is a plain renaming of llama.cpp's keys: Llama, Mixtral (a Llama with
+experts), Mistral, Qwen2, Qwen3, Qwen3-MoE and Phi-3.
 
 `GGUFConfig` carries the attributes the model classes and the engine read, with the values
 transformers' config class of that family gets from the same file (renamed as its GGUF loader does,
@@ -10,8 +10,7 @@ transformers' class for that family lacks is absent here too (`getattr(config, n
 the same). Phi-3 as the loader reads it for transformers: the sliding window (0: none), a partial
 rotary factor from rope.dimension_count; a Phi-3 with LongRoPE (rope_factors_long / _short tensors:
 Phi-3.5-mini, Phi-4-mini), whose rotary frequencies transformers' functions compute from its config,
-is not read here (native_config). Every other family, and a Llama or Mistral with experts (Mixtral),
-keeps transformers' config (models/loader.py).
+is not read here (native_config). Every other family keeps transformers' config (models/loader.py).
 """
 
 from __future__ import annotations
@@ -23,12 +22,13 @@ import gguf
 
 from blockserve.models.gguf_metadata import special_token_id
 
-# GGUF architecture -> (model_type, architecture class name)
-FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
-            "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-            "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
-# the families with experts (a Llama or Mistral with experts is a Mixtral: not read here)
-_EXPERT_FAMILIES = ("qwen3moe",)
+# GGUF architecture -> model_type (llama.cpp writes Mixtral as "llama" with experts: _family)
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+            "phi3": "phi3"}
+_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "phi3": "Phi3ForCausalLM"}
+_EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
 # llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
 _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
          "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
@@ -36,7 +36,8 @@ _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden
          "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
          "vocab_size": "vocab_size"}
 # and per family, beyond those
-_FAMILY_KEYS = {"qwen3_moe": {"attention.key_length": "head_dim", "expert_count": "num_experts",
+_FAMILY_KEYS = {"mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+                "qwen3_moe": {"attention.key_length": "head_dim", "expert_count": "num_experts",
                               "expert_used_count": "num_experts_per_tok",
                               "expert_feed_forward_length": "moe_intermediate_size"}}
 _TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "padding_token_id": "pad_token_id"}
@@ -47,6 +48,8 @@ _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "r
                          "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
              "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
              "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+             "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                         "bos_token_id": 1, "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
              "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                            "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
                            "moe_intermediate_size": 768, "norm_topk_prob": True},
@@ -59,6 +62,8 @@ _HAS = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
         "qwen2": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
         "qwen3": ("head_dim", "attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
                   "layer_types"),
+        "mixtral": ("head_dim", "sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok",
+                    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"),
         "qwen3_moe": ("head_dim", "attention_bias", "use_sliding_window", "sliding_window", "num_experts",
                       "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                       "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"),
@@ -68,7 +73,7 @@ _HAS = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
 # the file has no attention.key_length)
 _ABSENT_IF_NONE = ("rope_freq_divisors", "partial_rotary_factor", "head_dim")
 # llama.cpp's rope.dimension_count read as head_dim (transformers' mapping for these; Qwen3 keeps its default)
-_ROTARY_HEAD_DIM = ("llama", "mistral")
+_ROTARY_HEAD_DIM = ("llama", "mistral", "mixtral")
 
 
 @dataclass(frozen=True, repr=False, eq=False)
@@ -120,6 +125,7 @@ class GGUFConfig:
     mlp_only_layers: list[int] = field(default_factory=list)
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
 
     def __getattribute__(self, name: str) -> Any:
         if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()) or (
@@ -145,22 +151,34 @@ _OPTIONAL = {name for names in _HAS.values() for name in names}
 _ABSENT = {family: tuple(sorted(_OPTIONAL - set(names))) for family, names in _HAS.items()}
 
 
-def native_config(reader: gguf.GGUFReader, arch: str) -> bool:
-    """Whether gguf_config reads the config of this GGUF file of architecture `arch`: a family of
-    FAMILIES, without experts, without LongRoPE factor tensors."""
+def _family(reader: gguf.GGUFReader, arch: str) -> str | None:
+    """The model_type gguf_config reads this GGUF file of architecture `arch` as; None where it is
+    left to transformers: another architecture, experts in a family without them, LongRoPE factor
+    tensors, a Mixtral without rope.dimension_count (transformers' head_dim is then None)."""
     experts = reader.fields.get(f"{arch}.expert_count")
-    return arch in FAMILIES and (arch in _EXPERT_FAMILIES or experts is None or experts.contents() == 0) and \
-        not any(tensor.name.startswith("rope_factors_") for tensor in reader.tensors)
+    model_type = FAMILIES.get(arch)
+    if arch == "llama" and experts is not None and experts.contents() > 0:
+        model_type = "mixtral" if f"{arch}.rope.dimension_count" in reader.fields else None
+    elif experts is not None and experts.contents() > 0 and model_type not in _EXPERT_FAMILIES:
+        model_type = None
+    if any(tensor.name.startswith("rope_factors_") for tensor in reader.tensors):
+        model_type = None
+    return model_type
+
+
+def native_config(reader: gguf.GGUFReader, arch: str) -> bool:
+    """Whether gguf_config reads the config of this GGUF file of architecture `arch` (_family)."""
+    return _family(reader, arch) is not None
 
 
 def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[float] | None = None) -> GGUFConfig:
     """The config of a GGUF file of architecture `arch`, with the file's rope_freqs divisors (read by
     the loader, None where it has none); ValueError naming a missing required key, or for a file
     native_config does not take."""
-    if not native_config(reader, arch):
+    model_type = _family(reader, arch)
+    if model_type is None:
         raise ValueError(f"the config of this {arch} GGUF is read through transformers (experts, LongRoPE or "
-                         f"another family than {', '.join(FAMILIES)}): load it with models.loader.load_model")
-    model_type, architecture = FAMILIES[arch]
+                         f"another family than {', '.join(_CLASSES)}): load it with models.loader.load_model")
     values: dict[str, Any] = dict(_DEFAULTS[model_type])
     for key, name in {**_KEYS, **_FAMILY_KEYS.get(model_type, {})}.items():
         if (found := reader.fields.get(f"{arch}.{key}")) is not None:
@@ -183,10 +201,10 @@ def gguf_config(reader: gguf.GGUFReader, arch: str, rope_freq_divisors: list[flo
         values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
     if model_type == "phi3":
         _phi3(reader, arch, values)
-    if "num_local_experts" in _HAS[model_type]:
-        values["num_local_experts"] = values["num_experts"]
-    return GGUFConfig(model_type=model_type, architectures=[architecture], rope_freq_divisors=rope_freq_divisors,
-                      **values)
+    if "num_local_experts" in _HAS[model_type]:  # one value, both names (transformers' attribute_map)
+        values["num_experts"] = values["num_local_experts"] = values.get("num_experts", values.get("num_local_experts"))
+    return GGUFConfig(model_type=model_type, architectures=[_CLASSES[model_type]],
+                      rope_freq_divisors=rope_freq_divisors, **values)
 
 
 def _phi3(reader: gguf.GGUFReader, arch: str, values: dict) -> None:

@@ -1,4 +1,4 @@
-"""A GGUF Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer (byte-level BPE or SentencePiece)
+"""A GGUF Llama / Mixtral / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer (byte-level BPE or SentencePiece)
 read from its metadata without transformers (models/gguf_config.py, models/gguf_tokenizer.py,
 models/gguf_sentencepiece.py, models/chat_template.py) equal what transformers builds from the same
 file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
@@ -26,6 +26,8 @@ from tests.models.test_dense_gguf import DENSE_GGUF_CONFIGS
 from tests.models.test_dense_gguf import write_gguf as write_dense_gguf
 from tests.models.test_gguf_sentencepiece import add_spm_vocabulary
 from tests.models.test_kquant_gguf import write_kquant_gguf
+from tests.models.test_moe_families import MOE_CONFIGS
+from tests.models.test_moe_gguf import write_gguf as write_moe_gguf
 from tests.models.test_moe_gguf_blocks import write_qwen3_moe_gguf
 
 # what the model classes, the engine and the loader read of a config (directly or by getattr)
@@ -136,11 +138,14 @@ def files(tmp_path_factory):
                          name)
     rewrite_gguf(folder / "phi3.gguf", folder / "phi3-spm.gguf", "phi3", lambda w: add_spm_vocabulary(w, 512))
     write_qwen3_moe_gguf(folder / "qwen3moe.gguf")
+    write_moe_gguf(save_random_model(MOE_CONFIGS["mixtral"](), folder / "mixtral-hf"), folder / "mixtral-plain.gguf",
+                   "llama")
+    rewrite_gguf(folder / "mixtral-plain.gguf", folder / "mixtral.gguf", "llama", lambda w: add_spm_vocabulary(w, 512))
     return {"smollm2": default_model_path(), "phi3-longrope": folder / "phi3-longrope.gguf",
             **{name: folder / f"{name}.gguf" for name in NATIVE_FILES[1:]}}
 
 
-NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm", "qwen3moe")
+NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm", "qwen3moe", "mixtral")
 
 
 @pytest.mark.parametrize("name", NATIVE_FILES)
@@ -159,18 +164,18 @@ def test_config_equals_transformers(files, name):
 
 def test_configs_left_to_transformers(files, tmp_path):
     """A Phi-3 with LongRoPE (its rotary frequencies computed by transformers' functions from the
-    config) and a Llama with experts (Mixtral) keep transformers' config: native_gguf says no, and
-    gguf_config refuses them by name rather than giving a partial config."""
+    config) and a Qwen2 with experts (a Qwen2-MoE written as "qwen2") keep transformers' config:
+    native_gguf says no, and gguf_config refuses them by name rather than giving a partial config."""
     reader = loader._gguf_reader(files["phi3-longrope"])
     assert not loader.native_gguf(reader, "phi3")
     with pytest.raises(ValueError, match="read through transformers"):
         gguf_config(reader, "phi3")
-    rewrite_gguf(files["llama"], tmp_path / "experts.gguf", "llama",
-                 lambda w: (add_spm_vocabulary(w, 512), w.add_expert_count(4)))
+    rewrite_gguf(files["qwen2"], tmp_path / "experts.gguf", "qwen2",
+                 lambda w: (add_qwen_vocabulary(w), w.add_expert_count(4)))
     reader = loader._gguf_reader(tmp_path / "experts.gguf")
-    assert not loader.native_gguf(reader, "llama")
+    assert not loader.native_gguf(reader, "qwen2")
     with pytest.raises(ValueError, match="read through transformers"):
-        gguf_config(reader, "llama")
+        gguf_config(reader, "qwen2")
 
 
 @pytest.fixture(scope="module")
