@@ -1,7 +1,7 @@
-"""A GGUF Llama / Mixtral / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer (byte-level BPE or SentencePiece)
-read from its metadata without transformers (models/gguf_config.py, models/gguf_tokenizer.py,
-models/gguf_sentencepiece.py, models/chat_template.py) equal what transformers builds from the same
-file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
+"""A GGUF Llama / Mixtral / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer
+(byte-level BPE or SentencePiece) read from its metadata without transformers (models/gguf_config.py,
+models/gguf_tokenizer.py, models/gguf_sentencepiece.py, models/chat_template.py) equal what
+transformers builds from the same file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
 the chat template's rendering (the bundled SmolLM2 model's, and a Qwen2-style template with tools and
 reasoning in a tiny file); `blockserve generate` (on a Llama with a SentencePiece vocabulary) and
 `serve` (on a Qwen2) never import transformers."""
@@ -244,8 +244,8 @@ def test_generate_on_a_gguf_never_imports_transformers(files, tmp_path):
             "print(json.dumps({'rc': rc, 'transformers': sorted(m for m in sys.modules if m.split('.')[0] == "
             "'transformers')}))")
     env = {**os.environ, "BLOCKSERVE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(files["llama-spm"])], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", code, str(files["llama-spm"])], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
     assert lines[-1] == {"rc": 0, "transformers": []}
