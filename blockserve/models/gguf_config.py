@@ -1,11 +1,12 @@
 """A GGUF file's model config read straight from its metadata, without transformers, for the
 families whose config is a plain renaming of llama.cpp's keys: Llama, Mixtral (a Llama with
-experts), Mistral, Qwen2, Qwen3, Qwen3-MoE and Phi-3.
+experts), Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE and Phi-3.
 
 `GGUFConfig` carries the attributes the model classes and the engine read, with the values
 transformers' config class of that family gets from the same file (renamed as its GGUF loader does,
 its defaults where a key is absent: Qwen3's head_dim is its 128, Mistral's sliding_window its 4096,
-Phi-3's eos and pad ids its 32000, Qwen3-MoE's routing renormalised as llama.cpp's, as there); an attribute
+Phi-3's eos and pad ids its 32000, Qwen2-MoE's sliding_window its 0, Qwen3-MoE's routing renormalised
+as llama.cpp's, as there); an attribute
 transformers' class for that family lacks is absent here too (`getattr(config, name, default)` sees
 the same). Phi-3 as the loader reads it for transformers: the sliding window (0: none), a partial
 rotary factor from rope.dimension_count; a Phi-3 with LongRoPE (rope_factors_long / _short tensors:
@@ -23,12 +24,12 @@ import gguf
 from blockserve.models.gguf_metadata import special_token_id
 
 # GGUF architecture -> model_type (llama.cpp writes Mixtral as "llama" with experts: _family)
-FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-            "phi3": "phi3"}
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
+            "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "phi3": "Phi3ForCausalLM"}
-_EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
+_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 # llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
 _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
          "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
@@ -37,6 +38,9 @@ _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden
          "vocab_size": "vocab_size"}
 # and per family, beyond those
 _FAMILY_KEYS = {"mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+                "qwen2_moe": {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                              "expert_feed_forward_length": "moe_intermediate_size",
+                              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
                 "qwen3_moe": {"attention.key_length": "head_dim", "expert_count": "num_experts",
                               "expert_used_count": "num_experts_per_tok",
                               "expert_feed_forward_length": "moe_intermediate_size"}}
@@ -50,6 +54,9 @@ _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "r
              "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
              "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                          "bos_token_id": 1, "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
+             "qwen2_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                           "intermediate_size": 5632, "sliding_window": 0, "num_experts": 60, "num_experts_per_tok": 4,
+                           "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "qkv_bias": True},
              "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                            "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
                            "moe_intermediate_size": 768, "norm_topk_prob": True},
@@ -64,6 +71,10 @@ _HAS = {"llama": ("head_dim", "attention_bias", "mlp_bias", "pretraining_tp"),
                   "layer_types"),
         "mixtral": ("head_dim", "sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok",
                     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"),
+        "qwen2_moe": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "num_experts",
+                      "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
+                      "router_aux_loss_coef", "qkv_bias"),
         "qwen3_moe": ("head_dim", "attention_bias", "use_sliding_window", "sliding_window", "num_experts",
                       "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                       "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"),
@@ -126,6 +137,8 @@ class GGUFConfig:
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     router_jitter_noise: float = 0.0
+    shared_expert_intermediate_size: int = 0
+    qkv_bias: bool = False
 
     def __getattribute__(self, name: str) -> Any:
         if name in _ABSENT.get(object.__getattribute__(self, "model_type"), ()) or (

@@ -1,4 +1,4 @@
-"""A GGUF Llama / Mixtral / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer
+"""A GGUF Llama / Mixtral / Mistral / Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer
 (byte-level BPE or SentencePiece) read from its metadata without transformers (models/gguf_config.py,
 models/gguf_tokenizer.py, models/gguf_sentencepiece.py, models/chat_template.py) equal what
 transformers builds from the same file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
@@ -141,11 +141,15 @@ def files(tmp_path_factory):
     write_moe_gguf(save_random_model(MOE_CONFIGS["mixtral"](), folder / "mixtral-hf"), folder / "mixtral-plain.gguf",
                    "llama")
     rewrite_gguf(folder / "mixtral-plain.gguf", folder / "mixtral.gguf", "llama", lambda w: add_spm_vocabulary(w, 512))
+    qwen2_moe = MOE_CONFIGS["qwen2_moe"]()
+    qwen2_moe.mlp_only_layers, qwen2_moe.decoder_sparse_step = [], 1  # llama.cpp's graph: every layer MoE
+    write_moe_gguf(save_random_model(qwen2_moe, folder / "qwen2moe-hf"), folder / "qwen2moe.gguf", "qwen2moe")
     return {"smollm2": default_model_path(), "phi3-longrope": folder / "phi3-longrope.gguf",
             **{name: folder / f"{name}.gguf" for name in NATIVE_FILES[1:]}}
 
 
-NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm", "qwen3moe", "mixtral")
+NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm", "qwen3moe", "mixtral",
+                "qwen2moe")
 
 
 @pytest.mark.parametrize("name", NATIVE_FILES)
