@@ -6,12 +6,12 @@ experts), Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE and Phi-3.
 transformers' config class of that family gets from the same file (renamed as its GGUF loader does,
 its defaults where a key is absent: Qwen3's head_dim is its 128, Mistral's sliding_window its 4096,
 Phi-3's eos and pad ids its 32000, Qwen2-MoE's sliding_window its 0, Qwen3-MoE's routing renormalised
-as llama.cpp's, as there); an attribute
-transformers' class for that family lacks is absent here too (`getattr(config, name, default)` sees
-the same). Phi-3 as the loader reads it for transformers: the sliding window (0: none), a partial
-rotary factor from rope.dimension_count; a Phi-3 with LongRoPE (rope_factors_long / _short tensors:
-Phi-3.5-mini, Phi-4-mini), whose rotary frequencies transformers' functions compute from its config,
-is not read here (native_config). Every other family keeps transformers' config (models/loader.py).
+as llama.cpp's, as there); an attribute transformers' class for that family lacks is absent here too
+(`getattr(config, name, default)` sees the same). Phi-3 as the loader reads it for transformers: the
+sliding window (0: none), a partial rotary factor from rope.dimension_count; a Phi-3 with LongRoPE
+(rope_factors_long / _short tensors: Phi-3.5-mini, Phi-4-mini), whose rotary frequencies
+transformers' functions compute from its config, is not read here (native_config). Every other
+family keeps transformers' config (models/loader.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from blockserve.models.gguf_metadata import special_token_id
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
             "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "phi3": "Phi3ForCausalLM"}
+            "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 _EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 # llama.cpp's keys under "<arch>." -> the config's names (transformers' GGUF loader's renaming)
 _KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
@@ -51,12 +51,14 @@ _DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "r
              "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                          "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
              "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-             "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+             "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                       "head_dim": 128},
              "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                          "bos_token_id": 1, "eos_token_id": 2, "num_local_experts": 8, "num_experts_per_tok": 2},
              "qwen2_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-                           "intermediate_size": 5632, "sliding_window": 0, "num_experts": 60, "num_experts_per_tok": 4,
-                           "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "qkv_bias": True},
+                           "intermediate_size": 5632, "sliding_window": 0, "num_experts": 60,
+                           "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                           "shared_expert_intermediate_size": 5632, "qkv_bias": True},
              "qwen3_moe": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                            "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
                            "moe_intermediate_size": 768, "norm_topk_prob": True},
