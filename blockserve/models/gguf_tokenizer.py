@@ -1,21 +1,28 @@
-"""A GGUF file's byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2": Llama 3, Qwen2, SmolLM2 ...)
-built from its vocabulary with the `tokenizers` library directly, without transformers, as
-transformers' GGUF loader builds it:
+"""A GGUF file's tokenizer built from its vocabulary with the `tokenizers` library directly, without
+transformers, as transformers' GGUF loader builds it. Byte-level BPE (`tokenizer.ggml.model` "gpt2":
+Llama 3, Qwen2, Qwen3, SmolLM2 ...):
 
     model          BPE over the file's tokens (spelled in the byte alphabet where a token is not)
                    and merges; no dropout, no unknown token, no affixes
     pre-tokenizer  the split of tokenizer.ggml.pre where transformers knows one (Llama 3, Qwen2),
                    then byte-level; otherwise byte-level with GPT-2's split
-    added tokens   the file's control tokens and its bos/eos/unk/pad tokens as special (control
-                   tokens spelled in the byte alphabet only), and "<|endoftext|>" (transformers' GPT-2
-                   default), its user-defined tokens as plain added tokens, matched whole
-    ends           BOS / EOS added per tokenizer.ggml.add_bos_token / add_eos_token (default: none)
+    defaults       "<|endoftext|>" (transformers' GPT-2 default special token)
+
+SentencePiece ("llama": Llama 2, Mistral, Phi-3): models/gguf_sentencepiece.py (BPE with byte
+fallback, Metaspace), its defaults "<s>", "</s>", "<unk>". Both then:
+
+    added tokens   the defaults (new ids past the vocabulary where the file lacks them), the file's
+                   control tokens (byte-level: those spelled in the byte alphabet only) and its
+                   bos/eos/unk/pad tokens as special, its user-defined tokens as plain added tokens,
+                   matched whole
+    ends           BOS / EOS added per tokenizer.ggml.add_bos_token / add_eos_token (default: none,
+                   SentencePiece: BOS)
 
 `GGUFTokenizer` offers what the engine, the server and the structured-output compiler call:
 encode, decode, get_vocab, the special tokens, `backend_tokenizer`, and the chat template
 (tokenizer.chat_template) through apply_chat_template / get_chat_template, rendered by
-models/chat_template.py as transformers renders it. Other tokenizer models (SentencePiece's
-"llama", "t5", ...) are left to transformers (models/loader.py).
+models/chat_template.py as transformers renders it. Other vocabularies (Gemma's SentencePiece, "t5",
+...) are left to transformers (models/loader.py).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from blockserve.models import chat_template
 from blockserve.models.gguf_metadata import array_values, special_token_id
+from blockserve.models.gguf_sentencepiece import DEFAULTS as SENTENCEPIECE_DEFAULTS
+from blockserve.models.gguf_sentencepiece import SENTENCEPIECE_ARCHITECTURES, sentencepiece_backend
 
 # tokenizer.ggml.pre -> the split its merges were learned on: the ones transformers' GGUF loader applies
 # (any other value: GPT-2's byte-level split, as there)
@@ -64,16 +73,41 @@ def byte_alphabet() -> dict[int, str]:
     return spelling
 
 
-def byte_level_gguf(reader: gguf.GGUFReader) -> bool:
-    """Whether the file's tokenizer is byte-level BPE (built here) with its vocabulary present."""
+def native_vocabulary(reader: gguf.GGUFReader) -> bool:
+    """Whether GGUFTokenizer builds the file's tokenizer: byte-level BPE, or SentencePiece of an
+    architecture gguf_sentencepiece.py builds, with its vocabulary present."""
     model = reader.fields.get("tokenizer.ggml.model")
-    return model is not None and model.contents() == "gpt2" and "tokenizer.ggml.tokens" in reader.fields
+    if model is None or "tokenizer.ggml.tokens" not in reader.fields:
+        return False
+    return model.contents() == "gpt2" or (
+        model.contents() == "llama" and reader.fields["general.architecture"].contents() in SENTENCEPIECE_ARCHITECTURES)
+
+
+def byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+    """The `tokenizers` model of a byte-level BPE GGUF vocabulary (see the module docstring)."""
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+             for index, token in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge.split(" ")) for merge in merges],
+                                   dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False))
+    split = SPLITS.get(pre)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 class GGUFTokenizer:
-    """A byte-level BPE tokenizer from GGUF metadata (see the module docstring)."""
+    """A GGUF file's tokenizer from its metadata (see the module docstring); ValueError for a
+    vocabulary it does not build (native_vocabulary)."""
 
     def __init__(self, reader: gguf.GGUFReader):
+        if not native_vocabulary(reader):
+            raise ValueError("GGUF tokenizer.ggml.model is neither byte-level BPE (gpt2) nor a SentencePiece "
+                             f"vocabulary of {', '.join(SENTENCEPIECE_ARCHITECTURES)}: load it through transformers")
         fields = reader.fields
 
         def value(key: str, default: Any = None) -> Any:
@@ -81,33 +115,37 @@ class GGUFTokenizer:
 
         tokens: list[str] = array_values(reader, "tokenizer.ggml.tokens")
         kinds: list[int] = array_values(reader, "tokenizer.ggml.token_type") or []
-        merges: list[str] = array_values(reader, "tokenizer.ggml.merges") or []
-        spelling = byte_alphabet()
-        alphabet = set(spelling.values())
-        vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-                 for index, token in enumerate(tokens)}
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge.split(" ")) for merge in merges],
-                                       dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                                       fuse_unk=False))
+        merges: list[str] | None = array_values(reader, "tokenizer.ggml.merges")
+        byte_level = value("tokenizer.ggml.model") == "gpt2"
+        if byte_level:
+            backend = byte_level_backend(tokens, merges or [], value("tokenizer.ggml.pre"))
+            alphabet = set(byte_alphabet().values())
+            # a control token outside the byte alphabet is a mislabel (transformers skips it too)
+            control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL and set(token) <= alphabet]
+            defaults = (_GPT2_DEFAULT,)
+        else:
+            backend = sentencepiece_backend(value("general.architecture"), tokens,
+                                            array_values(reader, "tokenizer.ggml.scores"), merges)
+            control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL]
+            defaults = SENTENCEPIECE_DEFAULTS
         self.backend_tokenizer = backend
-        split = SPLITS.get(value("tokenizer.ggml.pre"))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
-            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
         names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
         self._special = {f"{name}_token": tokens[i] if (i := special_token_id(reader, key)) is not None else None
                          for name, key in names.items()}
-        control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL and set(token) <= alphabet]
-        # "<|endoftext|>" too, as transformers' GPT-2 tokenizer class adds it (its default special token):
-        # a new id past the file's vocabulary where the file lacks it
-        named = [token for token in (*self._special.values(), _GPT2_DEFAULT)
-                 if token is not None and token not in control]
-        backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in [*named, *control]])
+        # as transformers adds them: its tokenizer class's default special tokens (new ids past the
+        # vocabulary where the file lacks them), the control tokens, the user-defined tokens (plain), then
+        # the file's bos/eos/unk/pad (special even where the file calls them normal)
+        backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in defaults])
+        if control:
+            backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in control])
+        vocab = backend.get_vocab(with_added_tokens=True)
         user = [token for token, kind in zip(tokens, kinds) if kind == _USER_DEFINED and token in vocab]
         if user:
             backend.add_tokens([AddedToken(token, normalized=False, special=False) for token in user])
-        self.add_bos_token = bool(value("tokenizer.ggml.add_bos_token", False)) and self.bos_token is not None
+        named = [token for token in self._special.values() if token is not None]
+        backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in named])
+        # transformers adds BOS to a SentencePiece vocabulary whose file does not say (llama.cpp does too)
+        self.add_bos_token = bool(value("tokenizer.ggml.add_bos_token", not byte_level)) and self.bos_token is not None
         self.add_eos_token = bool(value("tokenizer.ggml.add_eos_token", False)) and self.eos_token is not None
         # transformers' update_post_processor: "[bos:0] $A:0 [eos:0]", the pair "... [bos:1] $B:1 [eos:1]"
         bos, eos = f"{self.bos_token}:0 " if self.add_bos_token else "", f" {self.eos_token}:0" if self.add_eos_token else ""

@@ -8,11 +8,13 @@ directory or from a GGUF file (read directly, or converted once and cached).
                 formats run from the mapped blocks (gguf_block_linear.py), those in Q4_0 / Q4_1 /
                 Q8_0 from packed blocks (quantized_linear.py), stacked MoE experts in any block
                 format from the mapped blocks (gguf_block_experts.py), none with a float32 copy.
-                A Llama (no experts) or Qwen2 with a byte-level BPE vocabulary (native_gguf):
-                config and tokenizer from the metadata (gguf_config.py, gguf_tokenizer.py, no
-                transformers), every tensor from the file, nothing cached. Any other: the config,
-                tokenizer and float32 copies of the tensors in a float format are written by
-                transformers to a Hugging Face directory under the cache once. Where no kernel
+                A Llama, Mixtral, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE or Phi-3 (no
+                LongRoPE) with a byte-level BPE vocabulary or a SentencePiece one (native_gguf):
+                config and tokenizer from the metadata (gguf_config.py, gguf_tokenizer.py,
+                gguf_sentencepiece.py, no transformers), every tensor from the file, nothing
+                cached. Any other: the config, tokenizer and float32 copies of the tensors in a
+                float format are written by transformers to a Hugging Face directory under the
+                cache once. Where no kernel
                 can run, the block formats are dequantised from the file as it loads
 
     <cache>/gguf-<stem>-<digest>-f32unblocked/   a converted GGUF (not native_gguf); digest: the first
@@ -59,10 +61,9 @@ from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS as BLOCK_FORMATS
 from blockserve.models.gguf_block_linear import block_ops, check_blocks, use_block_modules
 from blockserve.models.gguf_block_experts import use_block_experts
-from blockserve.models.gguf_config import FAMILIES as NATIVE_CONFIG_FAMILIES
-from blockserve.models.gguf_config import gguf_config
+from blockserve.models.gguf_config import gguf_config, native_config
 from blockserve.models.gguf_metadata import LazyArrayReader
-from blockserve.models.gguf_tokenizer import GGUFTokenizer, byte_level_gguf
+from blockserve.models.gguf_tokenizer import GGUFTokenizer, native_vocabulary
 from blockserve.models.gpt_oss_gguf import GGML_MXFP4, expert_tensors
 from blockserve.models.moe import expert_ops
 from blockserve.models.placement import Placement
@@ -360,10 +361,11 @@ def gguf_tokenizer(path: Path) -> GGUFTokenizer | None:
 
 def native_gguf(reader: gguf.GGUFReader, arch: str) -> bool:
     """Whether a GGUF file's config and tokenizer are read here, without transformers
-    (models/gguf_config.py, models/gguf_tokenizer.py): a Llama without experts or a Qwen2, with a
-    byte-level BPE vocabulary. Other files are converted once through transformers into the cache."""
-    experts = reader.fields.get(f"{arch}.expert_count")
-    return arch in NATIVE_CONFIG_FAMILIES and (experts is None or experts.contents() == 0) and byte_level_gguf(reader)
+    (models/gguf_config.py, models/gguf_tokenizer.py): a family native_config takes (Llama, Mixtral,
+    Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3 without LongRoPE), with a vocabulary
+    GGUFTokenizer builds (byte-level BPE; SentencePiece but Gemma's). Other files are converted once
+    through transformers into the cache."""
+    return native_config(reader, arch) and native_vocabulary(reader)
 
 
 def _eos_token_ids(path: Path | None, config: PretrainedConfig) -> tuple[int, ...]:

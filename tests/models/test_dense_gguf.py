@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, LlamaConfig,
-                          Olmo2Config, Phi3Config, SmolLM3Config)
+                          Olmo2Config, Phi3Config, Qwen3Config, SmolLM3Config)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from blockserve.attention.paged_attention import BACKENDS
@@ -58,6 +58,8 @@ DENSE_GGUF_CONFIGS = {
     # EXAONE 4.0-1.2B's shape: no window, every layer global with RoPE
     "exaone4-global": lambda: Exaone4Config(**_COMMON, num_hidden_layers=2, head_dim=16, sliding_window=None,
                                             layer_types=[F, F]),
+    # config and tokenizer read without transformers (gguf_config.py); head_dim its default, as in the file
+    "qwen3": lambda: Qwen3Config(**_COMMON, num_hidden_layers=2),
 }
 ORIGINAL = 64
 LONG_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ORIGINAL,
@@ -66,7 +68,7 @@ LONG_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_posit
 GGUF_ARCH = {"phi3": gguf.MODEL_ARCH.PHI3, "phi3-longrope": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
              "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "glm4": gguf.MODEL_ARCH.GLM4,
              "smollm3": gguf.MODEL_ARCH.SMOLLM3, "exaone4": gguf.MODEL_ARCH.EXAONE4,
-             "exaone4-global": gguf.MODEL_ARCH.EXAONE4}
+             "exaone4-global": gguf.MODEL_ARCH.EXAONE4, "qwen3": gguf.MODEL_ARCH.QWEN3}
 GGUF_ARCH["llama"] = gguf.MODEL_ARCH.LLAMA  # the rope_freqs test's
 # the converter's LlamaModel lineage permutes Q and K rows (weights and biases)
 ROPE_PERMUTED = {"granite", "smollm3", "llama"}

@@ -1,9 +1,10 @@
-"""A GGUF Llama / Qwen2 file's config and tokenizer read from its metadata without transformers
-(models/gguf_config.py, models/gguf_tokenizer.py, models/chat_template.py) equal what transformers
-builds from the same file: every config attribute the models read, the tokenizer's serialisation,
-its ids both ways, and the chat template's rendering (the bundled SmolLM2 model's, and a Qwen2-style
-template with tools and reasoning in a tiny file); `blockserve generate` and `serve` on such a file
-never import transformers."""
+"""A GGUF Llama / Mixtral / Mistral / Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE / Phi-3 file's config and tokenizer
+(byte-level BPE or SentencePiece) read from its metadata without transformers (models/gguf_config.py,
+models/gguf_tokenizer.py, models/gguf_sentencepiece.py, models/chat_template.py) equal what
+transformers builds from the same file: every config attribute the models read, the tokenizer's serialisation, its ids both ways, and
+the chat template's rendering (the bundled SmolLM2 model's, and a Qwen2-style template with tools and
+reasoning in a tiny file); `blockserve generate` (on a Llama with a SentencePiece vocabulary) and
+`serve` (on a Qwen2) never import transformers."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ from blockserve.models import loader
 from blockserve.models.default_model import default_model_path
 from blockserve.models.gguf_config import GGUFConfig, gguf_config
 from blockserve.models.gguf_tokenizer import GGUFTokenizer
+from blockserve.models.random_checkpoint import save_random_model
+from tests.models.test_dense_gguf import DENSE_GGUF_CONFIGS
+from tests.models.test_dense_gguf import write_gguf as write_dense_gguf
+from tests.models.test_gguf_sentencepiece import add_spm_vocabulary
 from tests.models.test_kquant_gguf import write_kquant_gguf
+from tests.models.test_moe_families import MOE_CONFIGS
+from tests.models.test_moe_gguf import write_gguf as write_moe_gguf
+from tests.models.test_moe_gguf_blocks import write_qwen3_moe_gguf
 
 # what the model classes, the engine and the loader read of a config (directly or by getattr)
 READ = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -30,7 +38,8 @@ READ = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediat
         "no_rope_layers", "quantization_config", "partial_rotary_factor", "attention_multiplier", "logits_scaling",
         "embedding_multiplier", "residual_multiplier", "final_logit_softcapping", "attn_logit_softcapping",
         "query_pre_attn_scalar", "num_local_experts", "rope_interleave", "use_bidirectional_attention",
-        "rope_freq_divisors")
+        "rope_freq_divisors", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size")
 MISSING = object()
 
 QWEN_TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -68,17 +77,31 @@ TEXTS = ["Hello, world!", "  leading spaces\n\nnew lines\t tabs", "<|im_start|>u
          "1234567 numbers 3.14159", "", "t1t2 t10<|endoftext|>t4<think>x"]
 
 
-def write_qwen2_with_template(path) -> None:
-    """The tiny Qwen2 K-quant file with a vocabulary of real control tokens and QWEN_TEMPLATE."""
-    write_kquant_gguf(path, "qwen2")
-    reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(path.with_suffix(".tmp"), "qwen2")
+def rewrite_gguf(source, path, arch: str, add_vocabulary) -> None:
+    """`source`'s hyperparameters (renamed to `arch`'s keys) and tensors written to `path` as an `arch`
+    file, its vocabulary replaced by what `add_vocabulary(writer)` adds."""
+    reader = gguf.GGUFReader(source)
+    source_arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(path, arch)
     for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "general.architecture")) or field.name.startswith("tokenizer."):
+        if field.name.startswith(("GGUF.", "general.architecture", "tokenizer.")):
             continue
         kind = field.types[0]
-        writer.add_key_value(field.name, field.contents(), kind,
+        name = f"{arch}.{field.name.removeprefix(source_arch + '.')}" if field.name.startswith(source_arch + ".") \
+            else field.name
+        writer.add_key_value(name, field.contents(), kind,
                              sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    add_vocabulary(writer)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_qwen_vocabulary(writer: gguf.GGUFWriter) -> None:
+    """A byte-level vocabulary of 512 real control tokens, merges and QWEN_TEMPLATE."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]
     pieces = ["t", "0", "1", "2", "t1", "t2", "t10"]
     tokens = specials + pieces + [f"w{i}" for i in range(len(specials) + len(pieces), 512)]
@@ -93,24 +116,43 @@ def write_qwen2_with_template(path) -> None:
     writer.add_bos_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_chat_template(QWEN_TEMPLATE)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    path.with_suffix(".tmp").replace(path)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf")
     write_kquant_gguf(folder / "llama.gguf", "llama")
-    write_qwen2_with_template(folder / "qwen2.gguf")
-    return {"smollm2": default_model_path(), "llama": folder / "llama.gguf", "qwen2": folder / "qwen2.gguf"}
+    write_kquant_gguf(folder / "qwen2-plain.gguf", "qwen2")
+    rewrite_gguf(folder / "qwen2-plain.gguf", folder / "qwen2.gguf", "qwen2", add_qwen_vocabulary)
+    # Llama 2's kind: a SentencePiece vocabulary (scores, byte tokens) of the model's 512 rows
+    rewrite_gguf(folder / "llama.gguf", folder / "llama-spm.gguf", "llama", lambda w: add_spm_vocabulary(w, 512))
+    # config and tokenizer only (the tensors are Llama's): Mistral's file with a SentencePiece vocabulary,
+    # Qwen3's with a byte-level one
+    rewrite_gguf(folder / "llama.gguf", folder / "mistral.gguf", "mistral",
+                 lambda w: add_spm_vocabulary(w, 512, add_bos_token=True, eos_token_id=510))
+    rewrite_gguf(folder / "llama.gguf", folder / "qwen3.gguf", "qwen3", add_qwen_vocabulary)
+    # Phi-3 as llama.cpp's converter writes it (sliding window; Phi-4-mini's partial rotary LongRoPE),
+    # and with Phi-3's SentencePiece vocabulary
+    for name in ("phi3", "phi3-longrope"):
+        write_dense_gguf(save_random_model(DENSE_GGUF_CONFIGS[name](), folder / f"{name}-hf"), folder / f"{name}.gguf",
+                         name)
+    rewrite_gguf(folder / "phi3.gguf", folder / "phi3-spm.gguf", "phi3", lambda w: add_spm_vocabulary(w, 512))
+    write_qwen3_moe_gguf(folder / "qwen3moe.gguf")
+    write_moe_gguf(save_random_model(MOE_CONFIGS["mixtral"](), folder / "mixtral-hf"), folder / "mixtral-plain.gguf",
+                   "llama")
+    rewrite_gguf(folder / "mixtral-plain.gguf", folder / "mixtral.gguf", "llama", lambda w: add_spm_vocabulary(w, 512))
+    qwen2_moe = MOE_CONFIGS["qwen2_moe"]()
+    qwen2_moe.mlp_only_layers, qwen2_moe.decoder_sparse_step = [], 1  # llama.cpp's graph: every layer MoE
+    write_moe_gguf(save_random_model(qwen2_moe, folder / "qwen2moe-hf"), folder / "qwen2moe.gguf", "qwen2moe")
+    return {"smollm2": default_model_path(), "phi3-longrope": folder / "phi3-longrope.gguf",
+            **{name: folder / f"{name}.gguf" for name in NATIVE_FILES[1:]}}
 
 
-@pytest.mark.parametrize("name", ["smollm2", "llama", "qwen2"])
+NATIVE_FILES = ("smollm2", "llama", "qwen2", "llama-spm", "mistral", "qwen3", "phi3", "phi3-spm", "qwen3moe", "mixtral",
+                "qwen2moe")
+
+
+@pytest.mark.parametrize("name", NATIVE_FILES)
 def test_config_equals_transformers(files, name):
     reader = loader._gguf_reader(files[name])
     arch = reader.fields["general.architecture"].contents()
@@ -122,6 +164,22 @@ def test_config_equals_transformers(files, name):
     assert {k: v for k, v in ours.to_dict().items()} == {k: getattr(theirs, k) for k in ours.to_dict()}
     with pytest.raises(AttributeError):
         ours.hidden_size = 1  # frozen
+
+
+def test_configs_left_to_transformers(files, tmp_path):
+    """A Phi-3 with LongRoPE (its rotary frequencies computed by transformers' functions from the
+    config) and a Qwen2 with experts (a Qwen2-MoE written as "qwen2") keep transformers' config:
+    native_gguf says no, and gguf_config refuses them by name rather than giving a partial config."""
+    reader = loader._gguf_reader(files["phi3-longrope"])
+    assert not loader.native_gguf(reader, "phi3")
+    with pytest.raises(ValueError, match="read through transformers"):
+        gguf_config(reader, "phi3")
+    rewrite_gguf(files["qwen2"], tmp_path / "experts.gguf", "qwen2",
+                 lambda w: (add_qwen_vocabulary(w), w.add_expert_count(4)))
+    reader = loader._gguf_reader(tmp_path / "experts.gguf")
+    assert not loader.native_gguf(reader, "qwen2")
+    with pytest.raises(ValueError, match="read through transformers"):
+        gguf_config(reader, "qwen2")
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +197,7 @@ def tokenizers(files, request):
     return both
 
 
-@pytest.mark.parametrize("name", ["smollm2", "llama", "qwen2"])
+@pytest.mark.parametrize("name", NATIVE_FILES)
 def test_tokenizer_equals_transformers(tokenizers, name):
     ours, theirs = tokenizers(name)
     assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
@@ -181,17 +239,17 @@ def test_chat_template_renders_as_transformers(tokenizers, name):
 
 
 def test_generate_on_a_gguf_never_imports_transformers(files, tmp_path):
-    """`blockserve generate --model x.gguf` in a fresh process: transformers is not in sys.modules at
-    the end, nothing is written to the cache but the row crossover, and the text is transformers'
-    tokenizer's decoding of the tokens."""
+    """`blockserve generate --model x.gguf` on a Llama with a SentencePiece vocabulary in a fresh
+    process: transformers is not in sys.modules at the end, and nothing is written to the cache but
+    the row crossover."""
     code = ("import sys, json\nfrom blockserve.cli import main\n"
             "rc = main(['generate', '--model', sys.argv[1], '--max-tokens', '6', '--max-model-len', '128',"
             " '--kv-cache-memory', '8MiB', '--num-threads', '1', '--jsonl', 'Hello'])\n"
             "print(json.dumps({'rc': rc, 'transformers': sorted(m for m in sys.modules if m.split('.')[0] == "
             "'transformers')}))")
     env = {**os.environ, "BLOCKSERVE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(files["qwen2"])], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", code, str(files["llama-spm"])], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
     assert lines[-1] == {"rc": 0, "transformers": []}
@@ -327,14 +385,15 @@ def test_the_loaders_gguf_tokenizer_is_the_front_ends(files, tmp_path):
     assert isinstance(ours, GGUFTokenizer)
     front = load_tokenizer(EngineConfig(model=str(files["qwen2"])))
     assert isinstance(front, GGUFTokenizer) and front.encode("t10 t2") == ours.encode("t10 t2")
-    path = tmp_path / "spm.gguf"
+    path = tmp_path / "unigram.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tokenizer_model("llama")  # sentencepiece: transformers builds it
+    writer.add_tokenizer_model("t5")  # unigram: transformers builds it
     writer.add_token_list(["<unk>", "<s>", "</s>", "▁t"])
+    writer.add_token_scores([0.0, 0.0, 0.0, -1.0])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     assert loader.gguf_tokenizer(path) is None
     with pytest.raises(ValueError, match="could not read GGUF file"):
-        loader.gguf_tokenizer(tmp_path / "spm.gguf.missing")
+        loader.gguf_tokenizer(tmp_path / "unigram.gguf.missing")
