@@ -112,6 +112,64 @@ def test_two_disk_tiers_share_a_directory(tmp_path):
     assert a.num_bytes == 2 * size and a.num_entries == 2
 
 
+def test_the_directory_s_cap_is_the_smallest_of_the_engines_using_it(tmp_path):
+    """An engine with a smaller cap brings the directory down to it, for every engine, until it closes."""
+    size = len(encode(KEYS[0], PAYLOAD))
+    large = DiskTier(str(tmp_path), 4 * size)
+    for key in KEYS[:4]:
+        large.write(key, PAYLOAD)
+    small = DiskTier(str(tmp_path), 2 * size)  # its start-up scan evicts down to its cap
+    assert large.num_bytes == 2 * size and [large.contains(k) for k in KEYS[:4]] == [False, False, True, True]
+    large.write(KEYS[4], PAYLOAD)  # the large engine's writes keep to the small cap too
+    assert large.num_bytes <= 2 * size and large.contains(KEYS[4]) and large.directory_cap == 2 * size
+    assert not large.write(KEYS[5], PAYLOAD * 3)  # fits the large cap, not the directory's
+    small.close()
+    small.close()  # idempotent
+    for key in KEYS[5:8]:
+        large.write(key, PAYLOAD)
+    assert large.num_bytes == 4 * size and large.directory_cap == 4 * size
+    assert os.listdir(tmp_path / ".engines") == [os.path.basename(large._registration_path)]
+    large.close()
+    assert os.listdir(tmp_path / ".engines") == []
+
+
+def test_the_cap_of_an_engine_that_died_stops_counting_at_the_next_scan(tmp_path):
+    size = len(encode(KEYS[0], PAYLOAD))
+    dead = subprocess.run([sys.executable, "-c", "import os, sys\nfrom blockserve.kv.tiers import DiskTier\n"
+                           f"DiskTier(sys.argv[1], {size})\nos._exit(0)", str(tmp_path)], check=True)
+    assert dead.returncode == 0 and len(os.listdir(tmp_path / ".engines")) == 1  # left behind, unlocked
+    tier = DiskTier(str(tmp_path), 3 * size)  # its start-up scan finds the dead engine's file
+    assert tier.directory_cap == 3 * size and len(os.listdir(tmp_path / ".engines")) == 1
+    for key in KEYS[:3]:
+        tier.write(key, PAYLOAD)
+    assert tier.num_entries == 3
+    tier.close()
+
+
+def test_an_entry_removed_while_it_is_read_is_read_whole_or_missed(tmp_path, monkeypatch):
+    """Another engine's eviction never turns a read into an error: an entry removed after its reader
+    opened it is read whole (the open file keeps it), one removed before is a miss."""
+    tier, other = DiskTier(str(tmp_path), 10**6), DiskTier(str(tmp_path), 10**6)
+    tier.write(KEYS[0], PAYLOAD)
+    tier.write(KEYS[1], PAYLOAD)
+    opened = open
+
+    def open_then_evicted(path, *args, **kwargs):
+        f = opened(path, *args, **kwargs)
+        os.unlink(path)  # as another engine's eviction would, between the open and the read
+        return f
+
+    monkeypatch.setattr("builtins.open", open_then_evicted)
+    assert tier.read(KEYS[0]) == PAYLOAD
+    monkeypatch.undo()
+    assert not tier.contains(KEYS[0]) and other.read(KEYS[0]) is None  # gone now: a miss
+    assert other.contains(KEYS[1])
+    os.unlink(tier.path(KEYS[1]))  # between the lookup and the read
+    assert other.read(KEYS[1]) is None
+    tier.close()
+    other.close()
+
+
 WRITER = """
 import sys
 from blockserve.kv.tiers import DiskTier, entry_key

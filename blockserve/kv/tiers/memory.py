@@ -46,6 +46,12 @@ class HostMemoryTier:
             self._bytes += len(payload)
         return True
 
+    def close(self) -> None:
+        """Let go of the entries."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
     @property
     def num_bytes(self) -> int:
         return self._bytes

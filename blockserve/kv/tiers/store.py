@@ -52,6 +52,7 @@ class Tier(Protocol):
     def contains(self, key: bytes) -> bool: ...
     def read(self, key: bytes) -> bytearray | None: ...  # verified, or CorruptEntry
     def write(self, key: bytes, payload: bytes) -> bool: ...
+    def close(self) -> None: ...  # idempotent
 
     @property
     def num_bytes(self) -> int: ...
@@ -369,7 +370,8 @@ class TieredKVStore:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop and join the writer (and the loader). Idempotent."""
+        """Write what is queued, then stop and join the writer (and the loader), and close the tiers.
+        Idempotent."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
@@ -379,6 +381,8 @@ class TieredKVStore:
         with self._lock:
             self._fetched.clear()
             self._fetched_bytes = 0
+        for tier in self.tiers:
+            tier.close()
 
     def is_idle(self) -> bool:
         """No save claimed and still unwritten (C2: every claim is answered)."""
