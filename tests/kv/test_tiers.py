@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from blockserve.kv.tiers import CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore, TierUnusable, entry_key
+from blockserve.kv.tiers import (CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore, TierUnusable, WriterCounts,
+                                 entry_key)
 from blockserve.kv.tiers.disk import STALE_WRITE_SECONDS
 from blockserve.kv.tiers.entry import HEADER_BYTES, decode, encode
 
@@ -323,6 +324,46 @@ def test_a_tensor_parallel_block_is_one_entry_per_rank_and_held_only_when_every_
         second.close()
     with pytest.raises(ValueError, match="rank 2 has no fingerprint"):
         TieredKVStore([HostMemoryTier(10)], fingerprints, rank=2)
+
+
+def test_a_rank_s_writer_reports_its_counts_and_rank_0_s_stats_add_them(tmp_path, monkeypatch):
+    """Rank 1's writer hands `report` its counts while they change (at most every REPORT_EVERY_S, and
+    once idle); rank 0's stats add what its `peers` return to its own writes and drops."""
+    monkeypatch.setattr("blockserve.kv.tiers.store.REPORT_EVERY_S", 0.05)
+    fingerprints = (b"model rank 0 of 2", b"model rank 1 of 2")
+    reports: list[WriterCounts] = []
+    first = TieredKVStore([DiskTier(str(tmp_path), 10**6)], fingerprints, loader_thread=False)
+    second = TieredKVStore([DiskTier(str(tmp_path), 10**6)], fingerprints, loader_thread=False, rank=1,
+                           report=reports.append)
+    try:
+        keys = [first.key(0, bytes([i]) * 32) for i in range(3)]
+        for key in keys:
+            assert first.claim(key)
+            second.submit(key, b"b" * 40)
+        first.submit(keys[0], b"a" * 64)
+        first.release(keys[1], 64)  # dropped (as for want of room in the queue)
+        first.release(keys[2], 32)
+        first.flush()
+        second.flush()
+        deadline = time.monotonic() + 10
+        while not reports or reports[-1].writes != (3,):  # the writer reports once it is idle
+            assert time.monotonic() < deadline, reports
+            time.sleep(0.01)
+        assert reports[-1] == WriterCounts((3,), (120,), (0,), 0, 0) == second.writer_counts()
+        time.sleep(0.2)
+        assert len({r.writes for r in reports}) == len(reports)  # only changes are reported
+        first.peers = lambda: reports[-1:]
+        disk = first.stats().tiers[0]
+        assert (disk.writes, disk.bytes_written, disk.write_failures) == (1 + 3, 64 + 120, 0)
+        assert first.writer_counts().writes == (1,)
+        assert (first.stats().writes_dropped, first.stats().bytes_dropped) == (2, 96)
+        first.peers = lambda: [WriterCounts((5,), (200,), (1,), 3, 300)]
+        stats = first.stats()
+        assert (stats.tiers[0].writes, stats.tiers[0].write_failures, stats.writes_dropped) == (6, 1, 5)
+        assert stats.tiers[0].entries == 4  # the directory's: rank 0's one entry and rank 1's three
+    finally:
+        first.close()
+        second.close()
 
 
 class CountingTier(HostMemoryTier):
