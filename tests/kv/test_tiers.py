@@ -481,7 +481,7 @@ def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, capl
         store.claim(KEYS[0])
         store.submit(KEYS[0], PAYLOAD)
         store.flush()
-        monkeypatch.setattr("blockserve.kv.tiers.disk.open", no_space, raising=False)
+        monkeypatch.setattr("blockserve.kv.tiers.disk.os.writev", no_space)  # the temporary file exists by then
         with caplog.at_level(logging.WARNING, logger="blockserve"):
             store.claim(KEYS[1])
             store.submit(KEYS[1], PAYLOAD)

@@ -55,7 +55,7 @@ class Tier(Protocol):
 
     def contains(self, key: bytes) -> bool: ...
     def read(self, key: bytes) -> bytearray | None: ...  # verified, or CorruptEntry
-    def write(self, key: bytes, payload: bytes) -> bool: ...
+    def write(self, key: bytes, payload: bytes) -> bool: ...  # False: not written (held already, or too large)
     def close(self) -> None: ...  # idempotent
 
     @property
@@ -363,9 +363,7 @@ class TieredKVStore:
 
     def _write(self, key: bytes, payload: bytes) -> None:
         for tier, counters in zip(self.tiers, self._counters):
-            if tier.contains(key):
-                continue
-            try:
+            try:  # a tier holding the key already writes nothing (and says so)
                 if tier.write(key, payload):
                     counters.writes += 1
                     counters.bytes_written += len(payload)
