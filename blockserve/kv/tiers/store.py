@@ -44,7 +44,7 @@ from blockserve.kv.tiers.entry import CorruptEntry, entry_key
 
 logger = logging.getLogger("blockserve")
 
-WRITER_NICENESS = 10  # added to the writer thread's nice value
+WRITER_NICENESS = 10  # added to the writer thread's nice value where SCHED_IDLE is missing
 DEFAULT_QUEUE_BYTES = 256 << 20  # payloads waiting for the writer: 366 blocks of the bundled model
 REPORT_EVERY_S = 1.0  # how often at most a writer hands its changed counts to `report`
 _IDLE = object()  # the writer's queue had nothing for REPORT_EVERY_S
@@ -450,8 +450,15 @@ class TieredKVStore:
 
 
 def _lower_priority() -> None:
-    """Make the calling thread yield the CPU to the engine's (Linux: threads have their own nice value),
-    so that checksums and writes take idle time first when the cores are busy."""
+    """Make the calling thread run on CPU time the engine's threads leave: Linux's SCHED_IDLE (the thread's
+    own policy), else nice +WRITER_NICENESS. A niced thread still takes its weight's share (about a tenth
+    at +10) of the CPU time the scheduler gives this process, which on cores other processes keep busy
+    comes out of the step's thread; an idle-policy one takes next to none while the step's thread runs."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+        return
+    except (AttributeError, OSError):
+        pass
     with contextlib.suppress(AttributeError, OSError):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))
