@@ -12,11 +12,14 @@ token hit rate, TTFT p50/p90 over turns 2+:
 
 then one more turn per conversation: on the warm unbounded engine that ran the trace, and right after
 a restart, cold (a new engine, no tier) and disk-warm (a new engine on the disk tier's directory); and decode ITL
-of a batch whose prompts the writer is saving, tier off vs on. Every run is greedy: the answers of
-all runs must be equal (checked).
+of a batch whose prompts the writer is saving, tier off vs on, alternating over --itl-rounds rounds: per
+round each one's p50 and their ratio, and the ratio over the gaps of steps that ended with the writer
+still busy (against tier off's same gaps); the medians of those ratios over the rounds, with the other
+processes' CPU share per run. Every run is greedy: the answers of all runs must be equal (checked).
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --json results/kv_offload.json
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --model hybrid --json results/kv_offload_hybrid.json
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --itl-only --num-threads 1 --json results/kv_offload_itl.json
 """
 
 from __future__ import annotations
@@ -106,49 +109,95 @@ def summary(per_turn: list[dict]) -> dict:
             "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p90_ms": percentile(ttfts, 90) * 1e3}
 
 
-def decode_itl(llm: LLM, prompts: list[list[int]], tokens: int) -> list[float]:
-    """Seconds between successive tokens of each request of one batch (its decode steps)."""
+def decode_itl(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list[float], list[bool]]:
+    """Seconds between successive tokens of each request of one batch (its decode steps), in a fixed
+    order (the same for every engine: greedy, one batch), and whether the tier's writer had saves
+    unwritten at the step's end."""
     engine = llm.engine
+    store = engine.core.kv_offload
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"itl-{i}", prompt, params)
-    last, gaps = {}, []
+    last, gaps, writing = {}, [], []
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            now = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        busy = store is not None and not store.is_idle()
+        for output in sorted(outputs, key=lambda o: o.request_id):
             if output.outputs[0].token_ids:
                 if output.request_id in last:
                     gaps.append(now - last[output.request_id])
+                    writing.append(busy)
                 last[output.request_id] = now
-    return gaps
+    return gaps, writing
+
+
+OFF, ON = "tier off", "disk tier, writer saving the prompts"
 
 
 def measure_itl(args, loaded, engine: dict) -> dict:
     """Decode ITL of a batch of fresh prompts, tier off and with the writer saving them (a new directory
-    each time), in alternating rounds so that both see the same load on a shared machine."""
+    each time), in alternating rounds so that both see the same load on a shared machine: per round each
+    one's p50, and their ratio; the median of those ratios, and the same over the gaps of steps that
+    ended with the writer still busy (against tier off's same gaps)."""
     vocab = loaded.hf_config.vocab_size
     rng = random.Random(1)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.document)] for _ in range(args.itl_batch)]
-    gaps, shares = {"tier off": [], "disk tier, writer saving the prompts": []}, {}
+    rounds = []
     for _ in range(args.itl_rounds):
-        for name in gaps:
+        measured = {}
+        for name in (OFF, ON):
             with tempfile.TemporaryDirectory() as directory:
-                extra = {"kv_offload_dir": directory} if name != "tier off" else {}
+                extra = {"kv_offload_dir": directory} if name == ON else {}
                 with LLM(loaded, **engine, **extra) as llm:
                     share = CpuShare()
                     with share:
-                        gaps[name] += decode_itl(llm, prompts, 64)
-                shares.setdefault(name, []).append(share.others)
-    return {name: {"itl_p50_ms": percentile(g, 50) * 1e3, "itl_p90_ms": percentile(g, 90) * 1e3,
-                   "gaps": len(g), "others_cpu_share": None if None in shares[name] else max(shares[name])}
-            for name, g in gaps.items()}
+                        gaps, writing = decode_itl(llm, prompts, 64)
+                measured[name] = {"gaps": gaps, "writing": writing, "others_cpu_share": share.others}
+        off, on = measured[OFF]["gaps"], measured[ON]["gaps"]
+        busy = [i for i, w in enumerate(measured[ON]["writing"]) if w and i < len(off)]
+        result = {name: {"itl_p50_ms": percentile(m["gaps"], 50) * 1e3, "itl_p90_ms": percentile(m["gaps"], 90) * 1e3,
+                         "others_cpu_share": m["others_cpu_share"]} for name, m in measured.items()}
+        result["p50_ratio"] = percentile(on, 50) / percentile(off, 50)
+        result["gaps"], result["gaps_writer_busy"] = len(on), len(busy)
+        if busy:
+            result["p50_ratio_writer_busy"] = (percentile([on[i] for i in busy], 50)
+                                               / percentile([off[i] for i in busy], 50))
+        rounds.append(result)
+        print(f"round {len(rounds)}: ITL p50 off {result[OFF]['itl_p50_ms']:.1f} ms, on {result[ON]['itl_p50_ms']:.1f} "
+              f"ms ({result['p50_ratio']:.3f}x); writer busy over {len(busy)} of {len(on)} gaps"
+              + (f" ({result['p50_ratio_writer_busy']:.3f}x there)" if busy else "")
+              + f"; others' CPU share {_share(result[OFF]['others_cpu_share'])} / {_share(result[ON]['others_cpu_share'])}",
+              flush=True)
+    busy_ratios = [r["p50_ratio_writer_busy"] for r in rounds if "p50_ratio_writer_busy" in r]
+    summary = {
+        "rounds": len(rounds),
+        "p50_ratio_median": percentile([r["p50_ratio"] for r in rounds], 50),
+        "p50_ratio_writer_busy_median": percentile(busy_ratios, 50) if busy_ratios else None,
+        "gaps_writer_busy_share": sum(r["gaps_writer_busy"] for r in rounds) / sum(r["gaps"] for r in rounds),
+    }
+    for name in (OFF, ON):
+        summary[name] = {key: percentile([r[name][key] for r in rounds], 50) for key in ("itl_p50_ms", "itl_p90_ms")}
+        shares = [r[name]["others_cpu_share"] for r in rounds]
+        summary[name]["others_cpu_share"] = None if None in shares else [min(shares), max(shares)]
+    return {"summary": summary, "per_round": rounds}
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
 
 
 def print_itl(itl: dict) -> None:
-    for name, value in itl.items():
-        others = "n/a" if value["others_cpu_share"] is None else f"up to {value['others_cpu_share']:.0%}"
-        print(f"decode ITL, {name}: p50 {value['itl_p50_ms']:.1f} ms, p90 {value['itl_p90_ms']:.1f} ms over "
-              f"{value['gaps']} gaps (others' CPU share {others})")
+    s = itl["summary"]
+    for name in (OFF, ON):
+        shares = s[name]["others_cpu_share"]
+        others = "n/a" if shares is None else f"{shares[0]:.0%}-{shares[1]:.0%}"
+        print(f"decode ITL, {name}: median over {s['rounds']} rounds of p50 {s[name]['itl_p50_ms']:.1f} ms, of p90 "
+              f"{s[name]['itl_p90_ms']:.1f} ms (others' CPU share {others})")
+    busy = s["p50_ratio_writer_busy_median"]
+    print(f"decode ITL p50, writer saving / tier off: median of the rounds' ratios {s['p50_ratio_median']:.3f}x; over "
+          f"the gaps the writer was busy ({s['gaps_writer_busy_share']:.0%} of them): "
+          + ("n/a" if busy is None else f"{busy:.3f}x"))
 
 
 def main(argv=None) -> int:
@@ -161,7 +210,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device-ratio", type=float, default=8.0,
                         help="all final histories / the device KV budget")
     parser.add_argument("--itl-batch", type=int, default=4)
-    parser.add_argument("--itl-rounds", type=int, default=3, help="alternating rounds of the ITL runs, off and on")
+    parser.add_argument("--itl-rounds", type=int, default=8, help="alternating rounds of the ITL runs, off and on")
     parser.add_argument("--itl-only", action="store_true", help="measure decode ITL only (no trace)")
     parser.add_argument("--model", choices=("bundled", "hybrid"), default="bundled",
                         help="bundled: SmolLM2-135M; hybrid: a tiny random Qwen3-Next (benchmarks.multiturn's), whose "
@@ -257,10 +306,7 @@ def measure(args, env: dict, loaded) -> int:
             / runs["next turn: warm engine (unbounded device)"]["ttft_p50_ms"],
         "TTFT p50 after a restart, cold / disk-warm":
             runs["next turn: restarted, cold"]["ttft_p50_ms"] / runs["next turn: restarted, disk-warm"]["ttft_p50_ms"],
-        "decode ITL p50, writer saving / tier off":
-            itl["disk tier, writer saving the prompts"]["itl_p50_ms"] / itl["tier off"]["itl_p50_ms"],
-        "decode ITL p90, writer saving / tier off":
-            itl["disk tier, writer saving the prompts"]["itl_p90_ms"] / itl["tier off"]["itl_p90_ms"],
+        "decode ITL p50, writer saving / tier off (median of the rounds' ratios)": itl["summary"]["p50_ratio_median"],
     }
     print_itl(itl)
     for name, value in ratios.items():

@@ -14,7 +14,10 @@ fingerprints, so its store (the scheduler's) keys a block by every rank's entry 
 verifies them all before a hit is granted. A step's loads carry one payload per rank: rank 0 keeps
 its own and sends the others (`_for_ranks`); each rank writes its own entries of the save orders.
 A rank whose writes stop (disk full or failing) posts it in the group's store once; rank 0 reads
-that at steps that order saves (at most every WRITES_POLL_S) and stops ordering them.
+that at steps that order saves (at most every WRITES_POLL_S) and stops ordering them. Each rank's
+writer also posts its counts (writes, bytes, failed and dropped ones) there, at most once a second
+while they change, and rank 0's store adds them to its stats (`rank_writer_counts`, read from the
+group's store at most every WRITES_POLL_S): no collective.
 
 The KV cache plan uses the smallest KV memory budget of any rank (every rank holds the same
 shapes: its heads are 1/N of the model's, or one replicated KV head), so the capacity is the
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -61,6 +65,23 @@ def writes_stopped_topic(marker: str) -> str:
     """Where a rank posts (TensorParallelGroup.post) that its disk-tier writes stopped; `marker` (rank 0's
     start-up marker file, unique to this engine) keeps engines sharing a launcher's store apart."""
     return f"kv-writes-stopped/{marker}"
+
+
+def writer_counts_topic(marker: str) -> str:
+    """Where a rank posts its disk-tier writer's counts (as `counts_text` writes them)."""
+    return f"kv-writer-counts/{marker}"
+
+
+def counts_text(counts) -> str:
+    """A rank's WriterCounts, as posted."""
+    return json.dumps(dataclasses.asdict(counts))
+
+
+def _counts_from_text(text: str):
+    from blockserve.kv.tiers import WriterCounts
+
+    fields = json.loads(text)
+    return WriterCounts(**{name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()})
 
 
 def _free_port() -> int:
@@ -95,6 +116,9 @@ class TensorParallelExecutor:
         self.rank_fingerprints: tuple[bytes, ...] | None = None  # every rank's, with kv_offload_dir
         self._writes_topic: str | None = None  # where ranks post that their writes stopped (kv_offload_dir)
         self._writes_polled = float("-inf")  # when rank 0 last read it
+        self._counts_topic: str | None = None  # where ranks post their writers' counts (kv_offload_dir)
+        self._counts_polled = float("-inf")
+        self._rank_counts: list = []  # ranks 1..N-1's WriterCounts, as last read
         if config.distributed_executor == "spawn":
             self.group = self._start_ranks(config.distributed_startup_timeout_s)
         else:
@@ -189,6 +213,7 @@ class TensorParallelExecutor:
                 os.unlink(os.path.join(directory, marker))
         self._raise_failed(reports, "use --kv-offload-dir")
         self._writes_topic = writes_stopped_topic(marker)
+        self._counts_topic = writer_counts_topic(marker)
         fingerprints = tuple(fingerprint for _, fingerprint in reports)
         self.group.broadcast_object(fingerprints, timeout=self._startup)
         return fingerprints
@@ -248,6 +273,16 @@ class TensorParallelExecutor:
             rank, why = min(stopped.items())
             store.stop_writing(f"tensor-parallel rank {rank} can no longer write its entries ({why}), and a block "
                                "needs every rank's")
+
+    def rank_writer_counts(self) -> list:
+        """Ranks 1..N-1's disk-tier WriterCounts as each last posted them (within about a second of its
+        writes), read from the group's store at most every WRITES_POLL_S (rank 0's store's `peers`)."""
+        now = time.monotonic()
+        if self._counts_topic is not None and self._finalizer.alive and now - self._counts_polled >= WRITES_POLL_S:
+            self._counts_polled = now
+            posted = self.group.posts(self._counts_topic)
+            self._rank_counts = [_counts_from_text(text) for _, text in sorted(posted.items())]
+        return self._rank_counts
 
     def _cause(self, error: Exception) -> str:
         """A rank's own report of what went wrong (the error it exited with), if one has, else rank 0's view."""

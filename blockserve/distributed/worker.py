@@ -12,6 +12,7 @@
     every rank's fingerprints ─── broadcast ────► its store: writes its entries of the save orders
     per step: SchedulerOutput ─── broadcast ────► the same forward (collectives inside); no sampling
     read at steps with saves ◄── group store ──── post, once after a step, if its writes stopped (disk full)
+    read by stats() ◄─────────── group store ──── post its writer's counts, at most once a second (writer thread)
     None ──────────── broadcast ────────────────► leave
 
 Started by a launcher with the env:// variables set, or the same way by the engine (`spawn`,
@@ -114,7 +115,7 @@ def _offload_store(group, config, kv_config, model, startup):
     """(this rank's second-tier store, the topic it posts to when its writes stop) (executor.py's
     `_share_offload` on rank 0), or (None, None) when this rank could not set it up (reported to
     rank 0, which stops)."""
-    from blockserve.distributed.executor import writes_stopped_topic
+    from blockserve.distributed.executor import counts_text, writer_counts_topic, writes_stopped_topic
     from blockserve.kv.tiers import DiskTier, TieredKVStore
     from blockserve.worker.kv_fingerprint import model_fingerprint
 
@@ -133,7 +134,9 @@ def _offload_store(group, config, kv_config, model, startup):
     if report[0] == "error":
         return None, None
     fingerprints = group.broadcast_object(timeout=startup)
-    store = TieredKVStore(tiers, fingerprints, queue_bytes, loader_thread=False, rank=group.rank)
+    counts = writer_counts_topic(marker)
+    store = TieredKVStore(tiers, fingerprints, queue_bytes, loader_thread=False, rank=group.rank,
+                          report=lambda c: group.post(counts, counts_text(c)))
     return store, writes_stopped_topic(marker)
 
 

@@ -262,6 +262,8 @@ class EngineCore:
                 self.runner.hidden_outputs = proposer.record
         if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
             (self.runner if self.executor is None else self.executor.runner).offload = self.kv_offload
+            if self.executor is not None:  # and the other ranks' writes in its stats
+                self.kv_offload.peers = self.executor.rank_writer_counts
         self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
         if self.executor is None and plan.device.type == "cpu" and config.adaptive_threads:
             self.thread_governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)

@@ -22,6 +22,7 @@ stopping) costs no collective per step.
 from __future__ import annotations
 
 import pickle
+import threading
 from datetime import timedelta
 
 import torch
@@ -50,6 +51,7 @@ class TensorParallelGroup:
         store.set_timeout(timeout)
         self.timeout = timeout
         self._store = store  # kept alive: rank 0's process serves it
+        self._posting = threading.Lock()  # posts come from several threads (a rank's step loop and its writer)
         self._pg = dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
 
     @property
@@ -107,16 +109,18 @@ class TensorParallelGroup:
     def post(self, topic: str, text: str) -> None:
         """Leave `text` under `topic` from this rank in the group's store (served by the rendezvous's
         host: rank 0's process): a message off the steps' path, no collective; `posts(topic)` reads it.
-        One post per rank and topic."""
-        self._store.set(f"{_POSTS}/{topic}/{self.rank}", text.encode())
-        self._store.add(f"{_POSTS}/{topic}", 1)  # after the text: a count above 0 finds it
+        A rank's later post under a topic replaces its earlier one. Safe from any thread."""
+        with self._posting:
+            self._store.set(f"{_POSTS}/{topic}/{self.rank}", text.encode())
+            self._store.add(f"{_POSTS}/{topic}", 1)  # after the text: a count above 0 finds it
 
     def posts(self, topic: str) -> dict[int, str]:
         """The texts posted under `topic` so far, by rank; while there are none, one round trip to the store."""
-        if self._store.add(f"{_POSTS}/{topic}", 0) == 0:
-            return {}
-        keys = {rank: f"{_POSTS}/{topic}/{rank}" for rank in range(self.size)}
-        return {rank: self._store.get(key).decode() for rank, key in keys.items() if self._store.check([key])}
+        with self._posting:
+            if self._store.add(f"{_POSTS}/{topic}", 0) == 0:
+                return {}
+            keys = {rank: f"{_POSTS}/{topic}/{rank}" for rank in range(self.size)}
+            return {rank: self._store.get(key).decode() for rank, key in keys.items() if self._store.check([key])}
 
     def barrier(self) -> None:
         self._pg.barrier().wait()

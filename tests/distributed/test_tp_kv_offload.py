@@ -2,7 +2,8 @@
 2 KV heads are sharded (each rank's entry of a block holds other bytes): a prompt's blocks are written by
 both ranks, a restarted engine serves the same prompt from the tier with TP=1's greedy tokens; a damaged
 or missing entry on rank 1 alone makes exactly that block and the ones after it recompute on both ranks,
-with the same tokens; another tensor-parallel size never hits; a rank that does not see rank 0's
+with the same tokens; rank 0's stats count rank 1's writes (and its failed one) too; another
+tensor-parallel size never hits; a rank that does not see rank 0's
 directory is refused at start-up; a rank whose writes stop (its disk fails) stops rank 0 offering writes,
 with a warning naming it, while what every rank holds is still served; a hybrid's state checkpoints come
 back per rank too.
@@ -64,6 +65,15 @@ def test_tp2_serves_a_restart_from_disk_and_a_bad_entry_on_one_rank_recomputes_o
     directory = str(tmp_path / "kv")
     with LLM(llama, tensor_parallel_size=2, kv_offload_dir=directory, **ENGINE) as cold:
         assert ask(cold) == (expected, 0)
+        store = cold.engine.core.kv_offload
+        store.flush()
+        own = store.writer_counts()
+        deadline = time.monotonic() + 30
+        while (disk := cold.engine.stats().kv_offload.tiers[0]).writes < 2 * own.writes[0]:  # rank 1 reports
+            assert time.monotonic() < deadline, "rank 0's stats never counted rank 1's writes"
+            time.sleep(0.2)
+        assert (disk.writes, disk.bytes_written) == (2 * own.writes[0], 2 * own.bytes_written[0])
+        assert disk.writes == len(entries(directory)) and disk.write_failures == 0
     written = entries(directory)  # closing wrote both ranks' queues
     assert len(written) >= 2 * 14 and len(written) % 2 == 0
 
@@ -150,11 +160,14 @@ def test_a_rank_whose_writes_stop_stops_rank_0_offering_writes(llama, tmp_path, 
         assert caplog.text.count("tensor-parallel rank 1") == 1  # warned once
 
         store.flush()
-        before = store.stats()
+        before = store.writer_counts()
         llm.generate([[(13 * j + 5) % 500 + 1 for j in range(40)]], GREEDY, use_tqdm=False)
-        after = store.stats()
-        assert (after.tiers[0].writes, after.writes_dropped) == (before.tiers[0].writes, before.writes_dropped)
+        assert store.writer_counts() == before
         assert store.is_idle()  # no save was even claimed
+        deadline = time.monotonic() + 30
+        while llm.engine.stats().kv_offload.tiers[0].write_failures == 0:  # rank 1's failed write, as it reports it
+            assert time.monotonic() < deadline, "rank 0's stats never counted rank 1's failed write"
+            time.sleep(0.2)
 
         assert llm.engine.reset_prefix_cache().ok
         assert ask(llm) == (expected, 56)  # both ranks' entries of PROMPT are still read

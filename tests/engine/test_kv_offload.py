@@ -50,6 +50,11 @@ def ask(llm: LLM, prompts, salt: str | None = None, params: SamplingParams = GRE
     return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outputs]
 
 
+def held_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory)
+               for name in names if name.endswith(".kv"))
+
+
 def writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name in ("blockserve-kv-writer", "blockserve-kv-loader")]
 
@@ -195,11 +200,20 @@ def test_two_engines_share_a_directory_and_a_tiny_cap_only_limits_hits(llama, tm
     shared = dict(kv_offload_dir=str(tmp_path / "shared"), kv_offload_size="100KiB", **ENGINE)
     with LLM(llama, **shared) as a, LLM(llama, **shared) as b:
         assert ask(a, turns[:1]) == [(expected[0], 0)] and ask(b, turns[1:]) == [(expected[1], 0)]
-        held = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(tmp_path / "shared")
-                   for name in names if name.endswith(".kv"))
+        held = held_bytes(tmp_path / "shared")
         assert 72 * 1024 < held <= 100 * 1024
         assert a.engine.stats().kv_offload.tiers[0].bytes_held == held  # every engine reports the directory
         assert [tokens for tokens, _ in ask(a, turns)] == expected  # partly evicted: still the same answers
+    # Different caps: the directory keeps to the smallest of the engines using it, while they run.
+    mixed = tmp_path / "mixed"
+    with LLM(llama, kv_offload_dir=str(mixed), kv_offload_size="100KiB", **ENGINE) as a:
+        with LLM(llama, kv_offload_dir=str(mixed), kv_offload_size="40KiB", **ENGINE) as b:
+            assert ask(a, turns[:1]) == [(expected[0], 0)]
+            assert held_bytes(mixed) <= 40 * 1024
+            assert [tokens for tokens, _ in ask(b, turns[:1])] == expected[:1]
+        assert ask(a, turns[1:]) == [(expected[1], 0)]
+        assert 72 * 1024 < held_bytes(mixed) <= 100 * 1024  # b has closed: a's cap
+    assert os.listdir(mixed / ".engines") == []
     with LLM(llama, kv_offload_dir=str(tmp_path / "small"), kv_offload_size="5KiB", **ENGINE) as small:
         answers = ask(small, turns + turns)
         tier = small.engine.stats().kv_offload.tiers[0]

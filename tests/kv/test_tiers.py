@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from blockserve.kv.tiers import CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore, TierUnusable, entry_key
+from blockserve.kv.tiers import (CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore, TierUnusable, WriterCounts,
+                                 entry_key)
 from blockserve.kv.tiers.disk import STALE_WRITE_SECONDS
 from blockserve.kv.tiers.entry import HEADER_BYTES, decode, encode
 
@@ -112,6 +113,64 @@ def test_two_disk_tiers_share_a_directory(tmp_path):
     assert a.num_bytes == 2 * size and a.num_entries == 2
 
 
+def test_the_directory_s_cap_is_the_smallest_of_the_engines_using_it(tmp_path):
+    """An engine with a smaller cap brings the directory down to it, for every engine, until it closes."""
+    size = len(encode(KEYS[0], PAYLOAD))
+    large = DiskTier(str(tmp_path), 4 * size)
+    for key in KEYS[:4]:
+        large.write(key, PAYLOAD)
+    small = DiskTier(str(tmp_path), 2 * size)  # its start-up scan evicts down to its cap
+    assert large.num_bytes == 2 * size and [large.contains(k) for k in KEYS[:4]] == [False, False, True, True]
+    large.write(KEYS[4], PAYLOAD)  # the large engine's writes keep to the small cap too
+    assert large.num_bytes <= 2 * size and large.contains(KEYS[4]) and large.directory_cap == 2 * size
+    assert not large.write(KEYS[5], PAYLOAD * 3)  # fits the large cap, not the directory's
+    small.close()
+    small.close()  # idempotent
+    for key in KEYS[5:8]:
+        large.write(key, PAYLOAD)
+    assert large.num_bytes == 4 * size and large.directory_cap == 4 * size
+    assert os.listdir(tmp_path / ".engines") == [os.path.basename(large._registration_path)]
+    large.close()
+    assert os.listdir(tmp_path / ".engines") == []
+
+
+def test_the_cap_of_an_engine_that_died_stops_counting_at_the_next_scan(tmp_path):
+    size = len(encode(KEYS[0], PAYLOAD))
+    dead = subprocess.run([sys.executable, "-c", "import os, sys\nfrom blockserve.kv.tiers import DiskTier\n"
+                           f"DiskTier(sys.argv[1], {size})\nos._exit(0)", str(tmp_path)], check=True)
+    assert dead.returncode == 0 and len(os.listdir(tmp_path / ".engines")) == 1  # left behind, unlocked
+    tier = DiskTier(str(tmp_path), 3 * size)  # its start-up scan finds the dead engine's file
+    assert tier.directory_cap == 3 * size and len(os.listdir(tmp_path / ".engines")) == 1
+    for key in KEYS[:3]:
+        tier.write(key, PAYLOAD)
+    assert tier.num_entries == 3
+    tier.close()
+
+
+def test_an_entry_removed_while_it_is_read_is_read_whole_or_missed(tmp_path, monkeypatch):
+    """Another engine's eviction never turns a read into an error: an entry removed after its reader
+    opened it is read whole (the open file keeps it), one removed before is a miss."""
+    tier, other = DiskTier(str(tmp_path), 10**6), DiskTier(str(tmp_path), 10**6)
+    tier.write(KEYS[0], PAYLOAD)
+    tier.write(KEYS[1], PAYLOAD)
+    opened = open
+
+    def open_then_evicted(path, *args, **kwargs):
+        f = opened(path, *args, **kwargs)
+        os.unlink(path)  # as another engine's eviction would, between the open and the read
+        return f
+
+    monkeypatch.setattr("builtins.open", open_then_evicted)
+    assert tier.read(KEYS[0]) == PAYLOAD
+    monkeypatch.undo()
+    assert not tier.contains(KEYS[0]) and other.read(KEYS[0]) is None  # gone now: a miss
+    assert other.contains(KEYS[1])
+    os.unlink(tier.path(KEYS[1]))  # between the lookup and the read
+    assert other.read(KEYS[1]) is None
+    tier.close()
+    other.close()
+
+
 WRITER = """
 import sys
 from blockserve.kv.tiers import DiskTier, entry_key
@@ -206,9 +265,9 @@ def test_store_writes_through_its_thread_and_loads_a_verified_prefix(tmp_path):
             store.submit(key, PAYLOAD)
         store.flush()
         assert store.is_idle() and not store.claim(KEYS[0])  # held by every tier
-        # The writer yields the CPU to the engine's threads.
-        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        assert os.getpriority(os.PRIO_PROCESS, store._writer.native_id) == min(19, base + 10)
+        # The writer runs on CPU time the engine's threads leave.
+        assert os.sched_getscheduler(store._writer.native_id) == os.SCHED_IDLE
+        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
         assert store.num_held(KEYS[:6]) == 4
         with open(disk.path(KEYS[2]), "r+b") as f:
             f.seek(-1, os.SEEK_END)
@@ -265,6 +324,46 @@ def test_a_tensor_parallel_block_is_one_entry_per_rank_and_held_only_when_every_
         second.close()
     with pytest.raises(ValueError, match="rank 2 has no fingerprint"):
         TieredKVStore([HostMemoryTier(10)], fingerprints, rank=2)
+
+
+def test_a_rank_s_writer_reports_its_counts_and_rank_0_s_stats_add_them(tmp_path, monkeypatch):
+    """Rank 1's writer hands `report` its counts while they change (at most every REPORT_EVERY_S, and
+    once idle); rank 0's stats add what its `peers` return to its own writes and drops."""
+    monkeypatch.setattr("blockserve.kv.tiers.store.REPORT_EVERY_S", 0.05)
+    fingerprints = (b"model rank 0 of 2", b"model rank 1 of 2")
+    reports: list[WriterCounts] = []
+    first = TieredKVStore([DiskTier(str(tmp_path), 10**6)], fingerprints, loader_thread=False)
+    second = TieredKVStore([DiskTier(str(tmp_path), 10**6)], fingerprints, loader_thread=False, rank=1,
+                           report=reports.append)
+    try:
+        keys = [first.key(0, bytes([i]) * 32) for i in range(3)]
+        for key in keys:
+            assert first.claim(key)
+            second.submit(key, b"b" * 40)
+        first.submit(keys[0], b"a" * 64)
+        first.release(keys[1], 64)  # dropped (as for want of room in the queue)
+        first.release(keys[2], 32)
+        first.flush()
+        second.flush()
+        deadline = time.monotonic() + 10
+        while not reports or reports[-1].writes != (3,):  # the writer reports once it is idle
+            assert time.monotonic() < deadline, reports
+            time.sleep(0.01)
+        assert reports[-1] == WriterCounts((3,), (120,), (0,), 0, 0) == second.writer_counts()
+        time.sleep(0.2)
+        assert len({r.writes for r in reports}) == len(reports)  # only changes are reported
+        first.peers = lambda: reports[-1:]
+        disk = first.stats().tiers[0]
+        assert (disk.writes, disk.bytes_written, disk.write_failures) == (1 + 3, 64 + 120, 0)
+        assert first.writer_counts().writes == (1,)
+        assert (first.stats().writes_dropped, first.stats().bytes_dropped) == (2, 96)
+        first.peers = lambda: [WriterCounts((5,), (200,), (1,), 3, 300)]
+        stats = first.stats()
+        assert (stats.tiers[0].writes, stats.tiers[0].write_failures, stats.writes_dropped) == (6, 1, 5)
+        assert stats.tiers[0].entries == 4  # the directory's: rank 0's one entry and rank 1's three
+    finally:
+        first.close()
+        second.close()
 
 
 class CountingTier(HostMemoryTier):
@@ -382,7 +481,7 @@ def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, capl
         store.claim(KEYS[0])
         store.submit(KEYS[0], PAYLOAD)
         store.flush()
-        monkeypatch.setattr("blockserve.kv.tiers.disk.open", no_space, raising=False)
+        monkeypatch.setattr("blockserve.kv.tiers.disk.os.writev", no_space)  # the temporary file exists by then
         with caplog.at_level(logging.WARNING, logger="blockserve"):
             store.claim(KEYS[1])
             store.submit(KEYS[1], PAYLOAD)

@@ -40,5 +40,6 @@ def test_a_restarted_server_answers_from_its_disk_tier(tmp_path):
         assert hits and float(hits.group(1)) == cached // 16
         assert re.search(r"blockserve_kv_tier_writes_dropped_bytes_total\{[^}]*\} 0", metrics)
         assert re.search(r"blockserve_kv_tier_queue_bytes\{[^}]*\} ", metrics)
+        assert re.search(r"blockserve_kv_tier_write_failures_total\{[^}]*\} 0", metrics)
         tier_tokens = re.search(r"blockserve_prefix_cache_tier_hits_total\{[^}]*\} (\S+)", metrics)
         assert tier_tokens and float(tier_tokens.group(1)) == cached

@@ -7,7 +7,7 @@
 from blockserve.kv.tiers.disk import DiskTier, TierUnusable
 from blockserve.kv.tiers.entry import CorruptEntry, entry_key
 from blockserve.kv.tiers.memory import HostMemoryTier
-from blockserve.kv.tiers.store import OffloadStats, TieredKVStore, TierStats
+from blockserve.kv.tiers.store import OffloadStats, TieredKVStore, TierStats, WriterCounts
 
 __all__ = ["CorruptEntry", "DiskTier", "HostMemoryTier", "OffloadStats", "TierStats", "TierUnusable",
-           "TieredKVStore", "entry_key"]
+           "TieredKVStore", "WriterCounts", "entry_key"]

@@ -34,17 +34,23 @@ class HostMemoryTier:
         return bytearray(payload)
 
     def write(self, key: bytes, payload: bytes) -> bool:
+        """Hold `payload` under `key` (False, and nothing changes, if it is larger than the tier or held already)."""
         if len(payload) > self.capacity_bytes:
             return False
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= len(old)
+            if key in self._entries:
+                return False
             while self._entries and self._bytes + len(payload) > self.capacity_bytes:
                 self._bytes -= len(self._entries.popitem(last=False)[1])
             self._entries[key] = bytes(payload)
             self._bytes += len(payload)
         return True
+
+    def close(self) -> None:
+        """Let go of the entries."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
 
     @property
     def num_bytes(self) -> int:

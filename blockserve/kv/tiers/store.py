@@ -21,7 +21,9 @@ tuple of the ranks' entry keys, a block is held only when every rank's entry is,
 rank), or nothing when any one is missing or damaged, so the ranks never disagree on a hit. Each
 rank's own store writes that rank's entry (`rank`), from its own KV, on its own writer thread; a
 block no rank can complete any more is never worth claiming, so rank 0's store is told (`stop_writing`)
-when another rank's writes stop (distributed/executor.py).
+when another rank's writes stop (distributed/executor.py). A rank's writer hands its counts
+(`WriterCounts`) to `report` at most once a second while they change, and rank 0's `stats()` adds
+the other ranks' counts as `peers` last returned them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,8 +44,10 @@ from blockserve.kv.tiers.entry import CorruptEntry, entry_key
 
 logger = logging.getLogger("blockserve")
 
-WRITER_NICENESS = 10  # added to the writer thread's nice value
+WRITER_NICENESS = 10  # added to the writer thread's nice value where SCHED_IDLE is missing
 DEFAULT_QUEUE_BYTES = 256 << 20  # payloads waiting for the writer: 366 blocks of the bundled model
+REPORT_EVERY_S = 1.0  # how often at most a writer hands its changed counts to `report`
+_IDLE = object()  # the writer's queue had nothing for REPORT_EVERY_S
 
 
 class Tier(Protocol):
@@ -51,7 +55,8 @@ class Tier(Protocol):
 
     def contains(self, key: bytes) -> bool: ...
     def read(self, key: bytes) -> bytearray | None: ...  # verified, or CorruptEntry
-    def write(self, key: bytes, payload: bytes) -> bool: ...
+    def write(self, key: bytes, payload: bytes) -> bool: ...  # False: not written (held already, or too large)
+    def close(self) -> None: ...  # idempotent
 
     @property
     def num_bytes(self) -> int: ...
@@ -64,7 +69,8 @@ class Tier(Protocol):
 class TierStats:
     """One tier, cumulative since start-up: blocks served intact (`hits`), blocks whose read
     failed its check or found the entry gone (`load_failures`), the bytes and seconds of the reads,
-    blocks and bytes written, and what it holds now."""
+    blocks and bytes written and writes that failed (every rank's, under tensor parallelism), and
+    what it holds now."""
 
     name: str
     hits: int
@@ -73,6 +79,7 @@ class TierStats:
     load_seconds: float
     writes: int
     bytes_written: int
+    write_failures: int
     entries: int
     bytes_held: int
 
@@ -80,7 +87,8 @@ class TierStats:
 @dataclass(frozen=True)
 class OffloadStats:
     """The tiers in lookup order; the saves (and their bytes) dropped because the writer's queue had
-    no room for them; the bytes queued now and the queue's bound; whether writes are on."""
+    no room for them (every rank's); the bytes queued now and the queue's bound (this process's
+    writer: rank 0's under tensor parallelism); whether writes are on."""
 
     tiers: tuple[TierStats, ...]
     writes_dropped: int
@@ -90,11 +98,25 @@ class OffloadStats:
     writing: bool
 
 
+@dataclass(frozen=True)
+class WriterCounts:
+    """One process's writes, cumulative: per tier (in lookup order) the blocks and bytes written and
+    the writes that failed; the saves (and bytes) dropped for want of room in its queue."""
+
+    writes: tuple[int, ...]
+    bytes_written: tuple[int, ...]
+    write_failures: tuple[int, ...]
+    writes_dropped: int
+    bytes_dropped: int
+
+
 class _Counters:
-    __slots__ = ("hits", "load_failures", "bytes_loaded", "load_seconds", "writes", "bytes_written")
+    __slots__ = ("hits", "load_failures", "bytes_loaded", "load_seconds", "writes", "bytes_written",
+                 "write_failures")
 
     def __init__(self):
         self.hits = self.load_failures = self.bytes_loaded = self.writes = self.bytes_written = 0
+        self.write_failures = 0
         self.load_seconds = 0.0
 
 
@@ -115,10 +137,12 @@ def _nbytes(payload: Payload | None) -> int:
 class TieredKVStore:
     """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format:
     one (a single process), or a tuple of every tensor-parallel rank's, in rank order, of which this
-    process writes entry `rank` of each key."""
+    process writes entry `rank` of each key. `report`, if given, is called on the writer's thread with
+    the writer's counts, at most every REPORT_EVERY_S while they change."""
 
     def __init__(self, tiers: Sequence[Tier], fingerprint: bytes | tuple[bytes, ...],
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES, loader_thread: bool = True, rank: int = 0):
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, loader_thread: bool = True, rank: int = 0,
+                 report: Callable[[WriterCounts], None] | None = None):
         if isinstance(fingerprint, tuple) and not 0 <= rank < len(fingerprint):
             raise ValueError(f"rank {rank} has no fingerprint among the {len(fingerprint)} given")
         if not isinstance(fingerprint, tuple) and rank != 0:
@@ -139,6 +163,9 @@ class TieredKVStore:
         self.queue_bytes = queue_bytes
         self._queued_bytes = 0  # payloads submitted and not yet written (under _lock)
         self._queue: queue.Queue = queue.Queue()  # bounded by _queued_bytes
+        self._report = report
+        self._reported: WriterCounts | None = None  # what `report` was last given (the writer's thread)
+        self.peers: Callable[[], Sequence[WriterCounts]] | None = None  # rank 0's: the other ranks' counts
         self._writer = threading.Thread(target=self._write_loop, name="blockserve-kv-writer", daemon=True)
         self._writer.start()
         # Reads started by `prefetch` (under _lock): key -> verified payload, or None (no tier holds it intact).
@@ -309,8 +336,17 @@ class TieredKVStore:
 
     def _write_loop(self) -> None:
         _lower_priority()
+        reported_at = time.monotonic()
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=None if self._report is None else REPORT_EVERY_S)
+            except queue.Empty:  # idle for a while (only with `report`): report what changed
+                item = _IDLE
+            if self._report is not None and time.monotonic() - reported_at >= REPORT_EVERY_S:
+                reported_at = time.monotonic()
+                self._send_report()
+            if item is _IDLE:
+                continue
             try:
                 if item is None:
                     return
@@ -327,18 +363,32 @@ class TieredKVStore:
 
     def _write(self, key: bytes, payload: bytes) -> None:
         for tier, counters in zip(self.tiers, self._counters):
-            if tier.contains(key):
-                continue
-            try:
+            try:  # a tier holding the key already writes nothing (and says so)
                 if tier.write(key, payload):
                     counters.writes += 1
                     counters.bytes_written += len(payload)
             except TierFull as e:
+                counters.write_failures += 1
                 self.stop_writing(f"the {tier.name} tier is full ({e.strerror})")
                 return
             except OSError as e:
+                counters.write_failures += 1
                 self.stop_writing(f"the {tier.name} tier failed a write ({e})")
                 return
+
+    def _send_report(self) -> None:
+        """Hand `report` the writer's counts if they changed since it was last called (the writer's thread)."""
+        counts = self.writer_counts()
+        if counts == self._reported:
+            return
+        try:
+            self._report(counts)
+        except Exception as e:  # noqa: BLE001 (whoever reads them is gone or unreachable: they stay as last sent)
+            logger.warning("KV offload: could not report this rank's writes (%s); its counts stay as last reported",
+                           e)
+            self._report = None
+            return
+        self._reported = counts
 
     def stop_writing(self, why: str) -> None:
         """Turn writes off for good, with one warning saying `why` (what stopped them first is kept in
@@ -357,19 +407,30 @@ class TieredKVStore:
 
     # -- state ---------------------------------------------------------------------------------
 
+    def writer_counts(self) -> WriterCounts:
+        """This process's writes (under tensor parallelism: this rank's alone)."""
+        return WriterCounts(tuple(c.writes for c in self._counters), tuple(c.bytes_written for c in self._counters),
+                            tuple(c.write_failures for c in self._counters), self._writes_dropped,
+                            self._bytes_dropped)
+
     def stats(self) -> OffloadStats:
-        tiers = tuple(TierStats(t.name, c.hits, c.load_failures, c.bytes_loaded, c.load_seconds, c.writes,
-                                c.bytes_written, t.num_entries, t.num_bytes)
-                      for t, c in zip(self.tiers, self._counters))
-        return OffloadStats(tiers, self._writes_dropped, self._bytes_dropped, self._queued_bytes, self.queue_bytes,
-                            self._writing)
+        """The tiers' counters; writes (and failed and dropped ones) are this process's and, on rank 0 under
+        tensor parallelism, every other rank's as it last reported them (`peers`: within about a second)."""
+        counts = [self.writer_counts(), *(self.peers() if self.peers is not None else ())]
+        tiers = tuple(TierStats(t.name, c.hits, c.load_failures, c.bytes_loaded, c.load_seconds,
+                                sum(n.writes[i] for n in counts), sum(n.bytes_written[i] for n in counts),
+                                sum(n.write_failures[i] for n in counts), t.num_entries, t.num_bytes)
+                      for i, (t, c) in enumerate(zip(self.tiers, self._counters)))
+        return OffloadStats(tiers, sum(n.writes_dropped for n in counts), sum(n.bytes_dropped for n in counts),
+                            self._queued_bytes, self.queue_bytes, self._writing)
 
     def flush(self) -> None:
         """Wait until every save queued so far is written (tests, benchmarks)."""
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop and join the writer (and the loader). Idempotent."""
+        """Write what is queued, then stop and join the writer (and the loader), and close the tiers.
+        Idempotent."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
@@ -379,6 +440,8 @@ class TieredKVStore:
         with self._lock:
             self._fetched.clear()
             self._fetched_bytes = 0
+        for tier in self.tiers:
+            tier.close()
 
     def is_idle(self) -> bool:
         """No save claimed and still unwritten (C2: every claim is answered)."""
@@ -387,8 +450,15 @@ class TieredKVStore:
 
 
 def _lower_priority() -> None:
-    """Make the calling thread yield the CPU to the engine's (Linux: threads have their own nice value),
-    so that checksums and writes take idle time first when the cores are busy."""
+    """Make the calling thread run on CPU time the engine's threads leave: Linux's SCHED_IDLE (the thread's
+    own policy), else nice +WRITER_NICENESS. A niced thread still takes its weight's share (about a tenth
+    at +10) of the CPU time the scheduler gives this process, which on cores other processes keep busy
+    comes out of the step's thread; an idle-policy one takes next to none while the step's thread runs."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+        return
+    except (AttributeError, OSError):
+        pass
     with contextlib.suppress(AttributeError, OSError):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))

@@ -17,6 +17,8 @@ rejections are observed as they happen.
     blockserve_prefix_cache_tier_hits_total                 counter, prompt tokens (of the hits) a second tier supplied
     blockserve_kv_tier_hits_total{tier} / _load_failures_total{tier}   counter, blocks read intact / failing their check
     blockserve_kv_tier_loaded_bytes_total{tier} / _load_seconds_total{tier} / _written_bytes_total{tier}  counter
+    blockserve_kv_tier_writes_total{tier} / _write_failures_total{tier}  counter, blocks written / writes that failed
+                                                            (writes and drops: every tensor-parallel rank's)
     blockserve_kv_tier_bytes{tier} / _entries{tier}         gauge, what the tier holds
     blockserve_kv_tier_writes_dropped_total / _writes_dropped_bytes_total  counter, saves the writer's queue had no room for
     blockserve_kv_tier_queue_bytes                          gauge, bytes waiting for the writer
@@ -123,8 +125,14 @@ class _EngineStatsCollector(Collector):
              lambda t: t.bytes_loaded),
             ("blockserve_kv_tier_load_seconds", "Seconds spent reading and verifying a second tier's blocks.",
              CounterMetricFamily, lambda t: t.load_seconds),
-            ("blockserve_kv_tier_written_bytes", "Bytes written to a second tier.", CounterMetricFamily,
-             lambda t: t.bytes_written),
+            ("blockserve_kv_tier_writes", "Blocks written to a second tier (under tensor parallelism one entry per "
+             "rank, every rank's counted, the other ranks' as they last reported, within about a second).",
+             CounterMetricFamily, lambda t: t.writes),
+            ("blockserve_kv_tier_written_bytes", "Bytes written to a second tier (every tensor-parallel rank's).",
+             CounterMetricFamily, lambda t: t.bytes_written),
+            ("blockserve_kv_tier_write_failures", "Writes to a second tier that failed (a full disk or a failing file "
+             "system; they turn writes off), every tensor-parallel rank's.", CounterMetricFamily,
+             lambda t: t.write_failures),
             ("blockserve_kv_tier_bytes", "Bytes a second tier holds.", GaugeMetricFamily, lambda t: t.bytes_held),
             ("blockserve_kv_tier_entries", "Blocks a second tier holds.", GaugeMetricFamily, lambda t: t.entries),
         ):
@@ -135,11 +143,11 @@ class _EngineStatsCollector(Collector):
         offload = s.kv_offload
         for name, doc, family, value in (
             ("blockserve_kv_tier_writes_dropped", "Blocks not saved to the second tier because its writer's queue "
-             "had no room for them.", CounterMetricFamily, offload.writes_dropped),
+             "had no room for them (every tensor-parallel rank's).", CounterMetricFamily, offload.writes_dropped),
             ("blockserve_kv_tier_writes_dropped_bytes", "Bytes of the blocks not saved because the writer's queue had "
-             "no room for them.", CounterMetricFamily, offload.bytes_dropped),
-            ("blockserve_kv_tier_queue_bytes", "Bytes of blocks waiting for the second tier's writer.",
-             GaugeMetricFamily, offload.queued_bytes),
+             "no room for them (every tensor-parallel rank's).", CounterMetricFamily, offload.bytes_dropped),
+            ("blockserve_kv_tier_queue_bytes", "Bytes of blocks waiting for the second tier's writer (rank 0's "
+             "under tensor parallelism).", GaugeMetricFamily, offload.queued_bytes),
         ):
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self._model], value)
