@@ -87,6 +87,12 @@ class LyingTier:
     num_bytes = property(lambda self: self.tier.num_bytes)
     num_entries = property(lambda self: self.tier.num_entries)
 
+    def usage(self):
+        return self.tier.usage()
+
+    def close(self):
+        self.tier.close()
+
 
 def run(layout, specs, num_blocks, policy, budget, chunk, store=None):
     sched_config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=6, max_num_batched_tokens=budget,

@@ -263,7 +263,8 @@ class DiskTier:
         except OSError:
             return self._bytes, self._entries
         try:
-            return self._load_usage(fd) or (self._bytes, self._entries)
+            usage = self._load_usage(fd)
+            return (self._bytes, self._entries) if usage is None else usage[:2]
         finally:
             os.close(fd)
 
@@ -276,6 +277,11 @@ class DiskTier:
     @property
     def num_entries(self) -> int:
         return self._peek()[1]
+
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes) of the directory, read once (`stats()` asks every step)."""
+        num_bytes, entries = self._peek()
+        return entries, num_bytes
 
 
 def _write_file(path: str, head: bytes, payload) -> None:

@@ -59,3 +59,7 @@ class HostMemoryTier:
     @property
     def num_entries(self) -> int:
         return len(self._entries)
+
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes) held."""
+        return len(self._entries), self._bytes

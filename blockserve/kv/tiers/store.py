@@ -64,6 +64,8 @@ class Tier(Protocol):
     @property
     def num_entries(self) -> int: ...
 
+    def usage(self) -> tuple[int, int]: ...  # (num_entries, num_bytes) at once
+
 
 @dataclass(frozen=True)
 class TierStats:
@@ -419,7 +421,7 @@ class TieredKVStore:
         counts = [self.writer_counts(), *(self.peers() if self.peers is not None else ())]
         tiers = tuple(TierStats(t.name, c.hits, c.load_failures, c.bytes_loaded, c.load_seconds,
                                 sum(n.writes[i] for n in counts), sum(n.bytes_written[i] for n in counts),
-                                sum(n.write_failures[i] for n in counts), t.num_entries, t.num_bytes)
+                                sum(n.write_failures[i] for n in counts), *t.usage())
                       for i, (t, c) in enumerate(zip(self.tiers, self._counters)))
         return OffloadStats(tiers, sum(n.writes_dropped for n in counts), sum(n.bytes_dropped for n in counts),
                             self._queued_bytes, self.queue_bytes, self._writing)
