@@ -71,7 +71,7 @@ class MLABackend:
     def forward(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, cache, meta: AttentionMetadata) -> torch.Tensor:
         rank = latent.shape[-1]
         rows_in = latent_quant.write(cache.view(-1, cache.shape[-1]), meta.slot_mapping, latent, k_rope)
-        if latent_quant.is_quantized(cache):  # attend what the cache holds, cold or warm
+        if cache.dtype != q_nope.dtype:  # attend what the cache holds, cold or warm (quantized or narrower)
             latent, k_rope = latent_quant.decode(rows_in, rank, q_nope.dtype).split([rank, k_rope.shape[-1]], -1)
         layout = meta.layout
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])

@@ -129,9 +129,11 @@ class PagedAttention:
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         k_rows = kv_quant.write(k_flat, meta.slot_mapping, k)  # slots are distinct within a step
         v_rows = kv_quant.write(v_flat, meta.slot_mapping, v)
-        if kv_quant.is_quantized(k_cache):  # attend what the cache holds, cold or warm
+        # Attend what the cache holds, cold or warm (C4: a prefix hit reads these rows): a quantized or
+        # narrower cache's rows, not the step's own unrounded k and v.
+        if k_cache.dtype != q.dtype:
             k = kv_quant.decode(k_rows, q.dtype)
-        if kv_quant.is_quantized(v_cache):
+        if v_cache.dtype != q.dtype:
             v = kv_quant.decode(v_rows, q.dtype)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         layout = meta.layout
