@@ -79,6 +79,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list] = field(default_factory=dict)  # per request, one entry per sampled token
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # requests whose prompt completed (prompt_logprobs.py)
+    # A runner that keeps them (a sampling draft's, ModelRunner.keep_distributions): per request sampling one
+    # token, the distribution [V] it was drawn from
+    distributions: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
