@@ -42,13 +42,13 @@ class DraftSampling:
     num_prompt_tokens: int
     eos_token_id: int | None = None
 
-    def draft_params(self, grammar: bool) -> SamplingParams:
+    def draft_params(self) -> SamplingParams:
         """The parameters a draft samples under: the request's temperature, filters, penalties, logit_bias and
         min_tokens (so its distribution is comparable with the target's); no logprobs; a seed derived from
-        the request's (its own stream, independent of the draws that verify it), and the request's grammar
-        only with `grammar`."""
+        the request's (its own stream, independent of the draws that verify it). Its grammar is not among
+        them: a draft's runner takes a matcher already at the request's output (worker/draft_grammar.py)."""
         seed = self.params.seed
         if seed is not None:
             seed = int.from_bytes(hashlib.sha256(f"draft:{seed}".encode()).digest()[:8], "little") >> 1
         return dataclasses.replace(self.params, logprobs=None, prompt_logprobs=None, seed=seed,
-                                   structured_outputs=self.params.structured_outputs if grammar else None)
+                                   structured_outputs=None)

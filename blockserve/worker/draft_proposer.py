@@ -32,6 +32,8 @@ from blockserve.kv.pending import PendingWork
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from blockserve.spec_decode.proposer import DraftSampling
+from blockserve.structured.matcher import GrammarMatcher
+from blockserve.worker.draft_grammar import OutputGrammars
 from blockserve.worker.model_runner import ModelRunner
 from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE
 
@@ -82,6 +84,7 @@ class DraftModelProposer:
         self._requests: OrderedDict[str, _DraftRequest] = OrderedDict()  # least recently proposed first
         self._nothing_new = [[] for _ in kv.config.groups]
         self._distributions: dict[str, torch.Tensor] = {}  # the latest sampled drafts' [k, V], until taken
+        self._grammars = OutputGrammars()  # constrained requests' matchers, at their output
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
                 sampling: DraftSampling | None = None) -> list[int]:
@@ -162,7 +165,8 @@ class DraftModelProposer:
                     room -= len(step[rid])
                 if not step:
                     break
-                new = [_admission(rid, batch[rid][1], batch[rid][3], self.kv.block_ids(rid), position[rid])
+                new = [_admission(rid, batch[rid][1], batch[rid][3], self.kv.block_ids(rid), position[rid],
+                                  self._grammars.fork(rid, batch[rid][1], batch[rid][3]))
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, position[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
@@ -189,6 +193,7 @@ class DraftModelProposer:
         """The request ended (or gives its draft blocks back): free them (and the seeded generator its
         drafts drew from)."""
         self._distributions.pop(request_id, None)
+        self._grammars.forget(request_id)
         if self._requests.pop(request_id, None) is not None:
             self.kv.free(request_id)
         if request_id in self.runner.generators:
@@ -201,7 +206,7 @@ class DraftModelProposer:
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(set(self._requests).union(self._distributions, self._grammars))
 
     def close(self) -> None:
         """Let go of the draft model and its KV tensors (the engine is closing)."""
@@ -211,14 +216,15 @@ class DraftModelProposer:
 
 
 def _admission(request_id: str, token_ids: Sequence[int], sampling: DraftSampling | None, block_ids,
-               num_computed: int, grammar: bool = False) -> NewRequestData:
+               num_computed: int, grammar: GrammarMatcher | None) -> NewRequestData:
     """The request as the draft's runner takes it in: greedy over all its tokens without a DraftSampling,
-    else its prompt, output and the parameters its drafts sample under (with its grammar if `grammar`)."""
+    else its prompt, output and the parameters its drafts sample under, and `grammar` (a matcher at its
+    output, which the runner advances over each draft) where it is constrained."""
     if sampling is None:
         return NewRequestData(request_id, list(token_ids), [], GREEDY, block_ids, num_computed)
     split = sampling.num_prompt_tokens
-    return NewRequestData(request_id, list(token_ids[:split]), list(token_ids[split:]),
-                          sampling.draft_params(grammar), block_ids, num_computed, sampling.eos_token_id)
+    return NewRequestData(request_id, list(token_ids[:split]), list(token_ids[split:]), sampling.draft_params(),
+                          block_ids, num_computed, sampling.eos_token_id, grammar)
 
 
 def _step_output(new: list[NewRequestData], cached: list[CachedRequestData], token_ids: dict[str, list[int]],

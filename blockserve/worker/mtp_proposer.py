@@ -36,6 +36,8 @@ from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.pending import PendingWork
 from blockserve.scheduler.output import CachedRequestData, NewRequestData
 from blockserve.spec_decode.proposer import DraftSampling
+from blockserve.structured.matcher import GrammarMatcher
+from blockserve.worker.draft_grammar import OutputGrammars
 from blockserve.worker.draft_proposer import GREEDY, _step_output
 from blockserve.worker.model_runner import ModelRunner
 from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE
@@ -97,6 +99,9 @@ class TargetStates:
     def __len__(self) -> int:
         return len(self._first)
 
+    def request_ids(self):
+        return self._first.keys()
+
     def _count(self, request_id: str) -> int:
         return sum(rows.shape[0] for rows in self._rows.get(request_id, ()))
 
@@ -151,6 +156,7 @@ class MTPProposer:
         self._inputs: dict[str, torch.Tensor] = {}  # this forward's hidden inputs per request
         self._chained: dict[str, torch.Tensor] = {}  # each request's last output state
         self._distributions: dict[str, torch.Tensor] = {}  # the latest sampled drafts' [k, V], until taken
+        self._grammars = OutputGrammars()  # constrained requests' matchers, at their output
         runner.hidden_inputs = self._hidden_inputs
         runner.hidden_outputs = self._hidden_outputs
         runner.keep_distributions = True  # a sampled draft's distribution goes to its verification
@@ -237,7 +243,8 @@ class MTPProposer:
                     room -= len(step[rid])
                 if not step:
                     break
-                new = [_admission(rid, *batch[rid], self.kv.block_ids(rid), row[rid])
+                new = [_admission(rid, *batch[rid], self.kv.block_ids(rid), row[rid],
+                                  self._grammars.fork(rid, batch[rid][1], batch[rid][3]))
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, row[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
@@ -284,6 +291,7 @@ class MTPProposer:
         self._release(request_id)
         self.states.forget(request_id)
         self._distributions.pop(request_id, None)
+        self._grammars.forget(request_id)
         if request_id in self.runner.generators:
             self.runner.execute(_step_output([], [], {}, PendingWork(), finished={request_id}))
 
@@ -294,7 +302,7 @@ class MTPProposer:
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests) + len(self.states)
+        return len(set(self._requests).union(self._distributions, self._grammars, self.states.request_ids()))
 
     def close(self) -> None:
         """Let go of the head and its KV tensors (the engine is closing)."""
@@ -304,13 +312,15 @@ class MTPProposer:
 
 
 def _admission(request_id: str, request: _HeadRequest, token_ids: Sequence[int], max_tokens: int,
-               sampling: DraftSampling | None, block_ids, num_computed: int) -> NewRequestData:
+               sampling: DraftSampling | None, block_ids, num_computed: int,
+               grammar: GrammarMatcher | None) -> NewRequestData:
     """The request as the head's runner takes it in, its rows' tokens (the request's from request.start + 1):
     greedy without a DraftSampling, else split into prompt and output where the request's are (a head that
     starts inside the output sees that output from there on: its penalties then count only those tokens,
-    which changes its drafts' distributions, not what verification emits)."""
+    which changes its drafts' distributions, not what verification emits), with `grammar` (a matcher at the
+    request's whole output, which the runner advances over each draft) where it is constrained."""
     if sampling is None:
         return NewRequestData(request_id, list(request.token_ids), [], GREEDY, block_ids, num_computed)
     split = max(sampling.num_prompt_tokens - request.start - 1, 0)
     return NewRequestData(request_id, list(request.token_ids[:split]), list(request.token_ids[split:]),
-                          sampling.draft_params(grammar=False), block_ids, num_computed, sampling.eos_token_id)
+                          sampling.draft_params(), block_ids, num_computed, sampling.eos_token_id, grammar)
