@@ -260,9 +260,10 @@ def _verification_rows(row: SamplingRow, drafts: list[int],
     `distributions` (the [k', V] the drafts were drawn from, k' >= k), row i < k verifies draft i by
     rejection sampling (SamplingRow.draft); without, row i's own sample is compared with draft i."""
     output = list(row.output_token_ids)
-    masks = row.grammar.draft_masks(drafts) if row.grammar is not None else [row.grammar] * (len(drafts) + 1)
+    masks = row.grammar.draft_masks(drafts) if row.grammar is not None else [None] * (len(drafts) + 1)
+    sampled = [] if distributions is None else list(zip(drafts, distributions))
     return [dataclasses.replace(row, output_token_ids=output + drafts[:i], grammar=mask,
-                                draft=None if distributions is None or i == len(drafts) else (drafts[i], distributions[i]))
+                                draft=sampled[i] if i < len(sampled) else None)
             for i, mask in enumerate(masks)]
 
 
@@ -325,8 +326,8 @@ class LaunchedStep:
                 if drafts:
                     request.unverified_drafts = len(drafts)
         prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
-        kept = None if self.samples is None else self.samples.distributions
-        distributions = {} if kept is None or any(self.drafts) else {rid: kept[i] for i, rid in enumerate(self.sample_ids)}
+        kept = None if self.samples is None or any(self.drafts) else self.samples.distributions
+        distributions = {} if kept is None else {rid: kept[i] for i, rid in enumerate(self.sample_ids)}
         self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs, distributions)
         return self._output
 

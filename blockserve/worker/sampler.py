@@ -290,7 +290,7 @@ def _inverse_cdf(z: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _draw(weights: torch.Tensor, uniforms: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """Per row of weights [M, V] (>= 0), the first token at which their cumulative sum passes u times
     its total; a row whose total is NaN gets its `fallback` token."""
-    cdf = weights.double().cumsum_(dim=-1)
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
