@@ -145,7 +145,7 @@ def test_sampled_drafts_of_a_head_that_predicts_the_target_are_accepted(tmp_path
     target's own sample would accept about sum p^2); seeded runs repeat."""
     save_with_mtp("deepseek_v3", tmp_path)
     make_self_predicting(tmp_path)
-    prompts = state_model_prompts(4)
+    prompts = state_model_prompts(2)
     llm = LLM(str(tmp_path), speculative_config=mtp(), **OPTIONS)
     params = SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, seed=2, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
