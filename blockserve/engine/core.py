@@ -255,11 +255,14 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv, self._speculator(config, kv_groups, kv_bytes,
                                                                                 scheduler_config.chunk_cap))
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
+        proposer = getattr(self.scheduler.speculator, "proposer", None)
         if self.executor is None:
             self.runner = ModelRunner(self.loaded.model, *runner_args, device=plan.device)
-            proposer = getattr(self.scheduler.speculator, "proposer", None)
             if isinstance(proposer, MTPProposer):  # the MTP head drafts from the target's hidden states
                 self.runner.hidden_outputs = proposer.record
+        if isinstance(proposer, (DraftModelProposer, MTPProposer)):  # sampled drafts: verified by rejection sampling
+            (self.runner if self.executor is None else self.executor.runner).draft_distributions = \
+                proposer.take_distributions
         if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
             (self.runner if self.executor is None else self.executor.runner).offload = self.kv_offload
             if self.executor is not None:  # and the other ranks' writes in its stats

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from blockserve.kv.tiers.store import OffloadStats
 from blockserve.sampling_params import SamplingParams
@@ -29,6 +30,9 @@ class NewRequestData:
     block_ids: list[list[int]]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    # A grammar matcher already at the output's end, which the worker takes as the request's (a draft's runner:
+    # a fork of its proposer's); None: built from sampling_params.structured_outputs where it has one
+    grammar: Any = None
 
 
 @dataclass(slots=True)
@@ -79,6 +83,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list] = field(default_factory=dict)  # per request, one entry per sampled token
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # requests whose prompt completed (prompt_logprobs.py)
+    # A runner that keeps them (a sampling draft's, ModelRunner.keep_distributions): per request sampling one
+    # token, the distribution [V] it was drawn from
+    distributions: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ from blockserve.scheduler.output import (
 )
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.request_queue import FCFSQueue, PriorityQueue
+from blockserve.spec_decode.proposer import DraftSampling
 from blockserve.spec_decode.speculator import Speculator
 
 
@@ -121,7 +122,10 @@ class Scheduler:
         if speculator is not None:
             speculator.begin_step()
             if speculator.batches:  # drafts for every request that may verify some, in one batch
-                speculator.prepare_step([(request.request_id, request.token_ids, room) for request in running
+                speculator.prepare_step([(request.request_id, request.token_ids, room,
+                                          DraftSampling(request.sampling_params, request.num_prompt_tokens,
+                                                        request.eos_token_id))
+                                         for request in running
                                          if _may_draft(request) and (room := _draft_room(request, budget, cap)) > 0],
                                         len(running))
 

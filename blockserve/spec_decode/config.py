@@ -41,11 +41,12 @@ class SpeculativeConfig:
     least suffix_decoding_min_token_prob of the continuations seen.
 
     `draft_model`: `model` (a model directory or .gguf file with the target's vocabulary) decodes
-    the drafts greedily (worker/draft_proposer.py); it takes none of the other methods' fields.
+    the drafts, greedy or sampled as the request samples (worker/draft_proposer.py); it takes none of
+    the other methods' fields.
 
     `mtp`: the target checkpoint's own multi-token-prediction layer (DeepSeek-V3, Qwen3-Next) decodes
-    the drafts greedily from the target's hidden states (worker/mtp_proposer.py); it takes no
-    other method's fields.
+    the drafts, greedy or sampled, from the target's hidden states (worker/mtp_proposer.py); it takes
+    no other method's fields.
 
     `disable_by_batch_size`: no proposals in a step with at least this many running requests
     (None: no limit). Below it, drafts are verified only where the measured cost of the rows they

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+from blockserve.sampling_params import SamplingParams
 
 
 class Proposer(Protocol):
@@ -15,7 +20,8 @@ class Proposer(Protocol):
     call and each costs it work (a draft model's forward), so the speculator decides how many pay
     before asking rather than after; such a proposer may also define `propose_batch(asks)` (asks:
     (request id, tokens, max_tokens) each; returns drafts by request id), then the speculator asks it
-    once per step for all requests. `close()`, where defined, releases what it holds."""
+    once per step for all requests; an ask may carry a fourth element, the request's DraftSampling
+    (None: draft greedily). `close()`, where defined, releases what it holds."""
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """At most `max_tokens` draft tokens (possibly none)."""
@@ -25,3 +31,24 @@ class Proposer(Protocol):
 
     @property
     def num_requests(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """How a request samples its tokens, for a proposer that samples its drafts as the target samples them
+    (a draft model, an MTP head): its parameters, and where its output starts among its tokens."""
+
+    params: SamplingParams
+    num_prompt_tokens: int
+    eos_token_id: int | None = None
+
+    def draft_params(self) -> SamplingParams:
+        """The parameters a draft samples under: the request's temperature, filters, penalties, logit_bias and
+        min_tokens (so its distribution is comparable with the target's); no logprobs; a seed derived from
+        the request's (its own stream, independent of the draws that verify it). Its grammar is not among
+        them: a draft's runner takes a matcher already at the request's output (worker/draft_grammar.py)."""
+        seed = self.params.seed
+        if seed is not None:
+            seed = int.from_bytes(hashlib.sha256(f"draft:{seed}".encode()).digest()[:8], "little") >> 1
+        return dataclasses.replace(self.params, logprobs=None, prompt_logprobs=None, seed=seed,
+                                   structured_outputs=None)

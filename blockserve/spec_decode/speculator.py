@@ -97,15 +97,15 @@ class Speculator:
         self._step_rows = 0
         self._prepared = None
 
-    def prepare_step(self, candidates: Sequence[tuple[str, Sequence[int], int]], batch_size: int) -> None:
+    def prepare_step(self, candidates: Sequence[tuple], batch_size: int) -> None:
         """For a proposer that drafts in batches (`batches`): draft at once for every request the step
-        may verify, given as (request id, its tokens, the most drafts it has room for), each asked for
-        the drafts that pay; `propose` then hands them out."""
+        may verify, given as (request id, its tokens, the most drafts it has room for[, its
+        DraftSampling]), each asked for the drafts that pay; `propose` then hands them out."""
         asks = []
-        for request_id, token_ids, max_tokens in candidates:
+        for request_id, token_ids, max_tokens, *sampling in candidates:
             n = self._drafts_paying(request_id, max_tokens, batch_size)
             if n:
-                asks.append((request_id, token_ids, n))
+                asks.append((request_id, token_ids, n, *sampling))
                 self._step_rows += n
         began = time.perf_counter()
         self._prepared = self.proposer.propose_batch(asks) if asks else {}

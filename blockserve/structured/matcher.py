@@ -8,7 +8,8 @@ request (finish, abort, preemption).
 Speculative decoding: `draft_masks(drafts)` gives the bitmask of each position that verifies a
 request's drafts (position i's is the grammar's after drafts[:i]), walking a copy of the matcher,
 so the matcher itself never holds a draft: after verification it accepts the emitted tokens only,
-and its state is the accepted prefix's whatever was rejected.
+and its state is the accepted prefix's whatever was rejected. A draft model drafts under a `fork()`
+of a matcher its proposer keeps at the request's output (worker/draft_grammar.py).
 
 Bitmask layout (llguidance's): int32 words, bit j of word w allows token 32 * w + j.
 """
@@ -69,8 +70,7 @@ class GrammarMatcher:
         past the first draft the grammar refuses repeat the mask before it: that draft is outside its
         position's mask, so the masked target never samples it, it is never accepted, and nothing
         sampled past it is emitted."""
-        probe = copy.copy(self)
-        probe._matcher = self._matcher.deep_copy()
+        probe = self.fork()
         masks = []
         for i in range(len(drafts) + 1):
             row = torch.empty(self.num_words, dtype=torch.int32)
@@ -85,6 +85,20 @@ class GrammarMatcher:
                 probe._matcher.consume_token(token)  # refused despite the mask: in error, so EOS only next
         masks.extend(masks[-1:] * (len(drafts) + 1 - len(masks)))
         return masks
+
+    def fork(self) -> GrammarMatcher:
+        """A copy at this matcher's state that moves on its own (a draft model drafting under the grammar)."""
+        forked = copy.copy(self)
+        forked._matcher = self._matcher.deep_copy()
+        return forked
+
+    def advance_to(self, output_token_ids: Sequence[int]) -> None:
+        """Accept the tokens of `output_token_ids` past the `num_accepted` taken already (an output only grows)."""
+        if len(output_token_ids) < self.num_accepted:
+            raise ValueError(f"the output has {len(output_token_ids)} tokens, but the grammar took "
+                             f"{self.num_accepted}: an output only grows")
+        for token in output_token_ids[self.num_accepted:]:
+            self.accept(token)
 
     @property
     def is_finished(self) -> bool:

@@ -1,5 +1,8 @@
-"""Draft-model speculation: a small model with the target's vocabulary decodes the drafts greedily,
-on its own paged KV cache, through the engine's own model runner.
+"""Draft-model speculation: a small model with the target's vocabulary decodes the drafts, on its own
+paged KV cache, through the engine's own model runner: greedily for a greedy request, else drawn under
+the request's own sampling parameters (spec_decode/proposer.py's DraftSampling), each with the
+distribution it was drawn from, which the target's verification takes (`take_distributions`) to accept
+it by rejection sampling (worker/sampler.py).
 
     propose_batch([(request, token_ids, k), ...]):   (propose: one request)
         valid = the tokens its cache holds that are still the request's (its fed drafts the target
@@ -22,11 +25,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import torch
+
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.pending import PendingWork
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from blockserve.spec_decode.proposer import DraftSampling
+from blockserve.structured.matcher import GrammarMatcher
+from blockserve.worker.draft_grammar import OutputGrammars
 from blockserve.worker.model_runner import ModelRunner
+from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -59,8 +68,8 @@ def check_draft_vocabulary(target_hf_config, target_tokenizer, draft_hf_config, 
 
 
 class DraftModelProposer:
-    """Greedy drafts from `runner`'s model over the blocks of `kv` (a KVCacheManager of its own,
-    prefix caching off). `max_chunk`: the most tokens one forward feeds."""
+    """Drafts from `runner`'s model over the blocks of `kv` (a KVCacheManager of its own, prefix caching
+    off). `max_chunk`: the most tokens one forward feeds."""
 
     always_proposes = True  # k drafts for every call, one forward each
 
@@ -71,18 +80,24 @@ class DraftModelProposer:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self.runner, self.kv, self.max_chunk = runner, kv, max_chunk
+        runner.keep_distributions = True  # a sampled draft's distribution goes to its verification
         self._requests: OrderedDict[str, _DraftRequest] = OrderedDict()  # least recently proposed first
         self._nothing_new = [[] for _ in kv.config.groups]
+        self._distributions: dict[str, torch.Tensor] = {}  # the latest sampled drafts' [k, V], until taken
+        self._grammars = OutputGrammars()  # constrained requests' matchers, at their output
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        return self.propose_batch([(request_id, token_ids, max_tokens)]).get(request_id, [])
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                sampling: DraftSampling | None = None) -> list[int]:
+        return self.propose_batch([(request_id, token_ids, max_tokens, sampling)]).get(request_id, [])
 
-    def propose_batch(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
-        """Drafts for several requests at once, (request id, its tokens, how many drafts) each: their
-        forwards batched, as the target batches its requests. A request whose blocks do not fit
-        even in an emptied draft cache gets none."""
-        batch: dict[str, tuple[_DraftRequest, Sequence[int], int]] = {}
-        for request_id, token_ids, max_tokens in asks:
+    def propose_batch(self, asks: Sequence[tuple]) -> dict[str, list[int]]:
+        """Drafts for several requests at once, (request id, its tokens, how many drafts[, its
+        DraftSampling]) each: their forwards batched, as the target batches its requests. Without a
+        DraftSampling (or None) a request's drafts are greedy. A request whose blocks do not fit even in
+        an emptied draft cache gets none."""
+        batch: dict[str, tuple[_DraftRequest, Sequence[int], int, DraftSampling | None]] = {}
+        for request_id, token_ids, max_tokens, *rest in asks:
+            self._distributions.pop(request_id, None)
             if max_tokens <= 0 or not token_ids:
                 continue
             request = self._requests.pop(request_id, None)
@@ -102,13 +117,13 @@ class DraftModelProposer:
                 self.kv.trim_slots(request, valid)
             request.token_ids = token_ids
             if self._allocate(request, len(token_ids) - valid + max_tokens - 1, batch):
-                batch[request_id] = (request, token_ids, max_tokens)
+                batch[request_id] = (request, token_ids, max_tokens, rest[0] if rest else None)
             else:
                 self.forget(request_id)
         if not batch:
             return {}
         drafts = self._decode(batch)
-        for request_id, (request, token_ids, _) in batch.items():
+        for request_id, (request, token_ids, *_) in batch.items():
             request.known, request.fed_drafts = len(token_ids), drafts[request_id][:-1]
         return drafts
 
@@ -122,18 +137,23 @@ class DraftModelProposer:
             self.forget(oldest)
         return True
 
-    def _decode(self, batch: dict[str, tuple[_DraftRequest, Sequence[int], int]]) -> dict[str, list[int]]:
-        """Feed each request's tokens past those its cache holds (re-admitting it to the runner at
-        that many computed tokens), then decode its drafts greedily; at most `max_chunk` tokens per
-        forward. The requests leave the runner before this returns."""
-        position = {rid: request.num_computed_tokens for rid, (request, _, _) in batch.items()}
+    def _decode(self, batch: dict[str, tuple[_DraftRequest, Sequence[int], int, DraftSampling | None]]
+                ) -> dict[str, list[int]]:
+        """Feed each request's tokens past those its cache holds (re-admitting it to the runner at that
+        many computed tokens), then decode its drafts (greedy, or drawn under its DraftSampling: then
+        their distributions are kept for `take_distributions`); at most `max_chunk` tokens per forward.
+        The requests leave the runner before this returns."""
+        position = {rid: request.num_computed_tokens for rid, (request, *_) in batch.items()}
         drafts: dict[str, list[int]] = {rid: [] for rid in batch}
+        drawn_from: dict[str, list[torch.Tensor]] = {rid: [] for rid, (*_, sampling) in batch.items()
+                                                     if sampling is not None
+                                                     and sampling.params.temperature >= GREEDY_TEMPERATURE}
         admitted: set[str] = set()
         try:
             while True:
                 step: dict[str, list[int]] = {}
                 room = self.max_chunk
-                for rid, (_, token_ids, k) in batch.items():
+                for rid, (_, token_ids, k, _) in batch.items():
                     if room == 0:
                         break
                     if position[rid] < len(token_ids):
@@ -145,25 +165,39 @@ class DraftModelProposer:
                     room -= len(step[rid])
                 if not step:
                     break
-                new = [NewRequestData(rid, list(batch[rid][1]), [], GREEDY, self.kv.block_ids(rid), position[rid])
+                new = [_admission(rid, batch[rid][1], batch[rid][3], self.kv.block_ids(rid), position[rid],
+                                  self._grammars.fork(rid, batch[rid][1], batch[rid][3]))
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, position[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
-                sampled = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending())).sampled_token_ids
+                output = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending()))
                 for rid, token_ids in step.items():
                     position[rid] += len(token_ids)
-                    drafts[rid] += sampled[rid]
+                    drafts[rid] += output.sampled_token_ids[rid]
+                    if rid in drawn_from and output.sampled_token_ids[rid]:
+                        drawn_from[rid].append(output.distributions[rid])
         finally:
             if admitted:
                 self.runner.execute(_step_output([], [], {}, PendingWork(), preempted=admitted))
-        for rid, (request, _, _) in batch.items():
+        for rid, (request, *_) in batch.items():
             request.num_computed_tokens = position[rid]
+        self._distributions.update((rid, torch.stack(rows)) for rid, rows in drawn_from.items())
         return drafts
 
+    def take_distributions(self, request_id: str) -> torch.Tensor | None:
+        """The distributions [k, V] the request's latest drafts were drawn from (None: they were greedy,
+        or already taken); the target runner's draft_distributions."""
+        return self._distributions.pop(request_id, None)
+
     def forget(self, request_id: str) -> None:
-        """The request ended (or gives its draft blocks back): free them."""
+        """The request ended (or gives its draft blocks back): free them (and the seeded generator its
+        drafts drew from)."""
+        self._distributions.pop(request_id, None)
+        self._grammars.forget(request_id)
         if self._requests.pop(request_id, None) is not None:
             self.kv.free(request_id)
+        if request_id in self.runner.generators:
+            self.runner.execute(_step_output([], [], {}, PendingWork(), finished={request_id}))
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Positions of the request the draft's cache holds (0 for a request it holds nothing for)."""
@@ -172,7 +206,7 @@ class DraftModelProposer:
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(set(self._requests).union(self._distributions, self._grammars))
 
     def close(self) -> None:
         """Let go of the draft model and its KV tensors (the engine is closing)."""
@@ -181,11 +215,24 @@ class DraftModelProposer:
         self.runner = None
 
 
+def _admission(request_id: str, token_ids: Sequence[int], sampling: DraftSampling | None, block_ids,
+               num_computed: int, grammar: GrammarMatcher | None) -> NewRequestData:
+    """The request as the draft's runner takes it in: greedy over all its tokens without a DraftSampling,
+    else its prompt, output and the parameters its drafts sample under, and `grammar` (a matcher at its
+    output, which the runner advances over each draft) where it is constrained."""
+    if sampling is None:
+        return NewRequestData(request_id, list(token_ids), [], GREEDY, block_ids, num_computed)
+    split = sampling.num_prompt_tokens
+    return NewRequestData(request_id, list(token_ids[:split]), list(token_ids[split:]), sampling.draft_params(),
+                          block_ids, num_computed, sampling.eos_token_id, grammar)
+
+
 def _step_output(new: list[NewRequestData], cached: list[CachedRequestData], token_ids: dict[str, list[int]],
-                 pending: PendingWork, preempted: set[str] = frozenset()) -> SchedulerOutput:
+                 pending: PendingWork, preempted: set[str] = frozenset(), finished: set[str] = frozenset()
+                 ) -> SchedulerOutput:
     return SchedulerOutput(
         new_requests=new, cached_requests=cached,
         num_scheduled_tokens={rid: len(ids) for rid, ids in token_ids.items()}, scheduled_token_ids=token_ids,
         total_num_scheduled_tokens=sum(len(ids) for ids in token_ids.values()),
         blocks_to_zero=pending.blocks_to_zero, blocks_to_poison=pending.blocks_to_poison,
-        finished_request_ids=set(), preempted_request_ids=set(preempted), state_copies=pending.state_copies)
+        finished_request_ids=set(finished), preempted_request_ids=set(preempted), state_copies=pending.state_copies)

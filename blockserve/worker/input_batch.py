@@ -291,7 +291,10 @@ def _on_device(step: StepInputs, device: torch.device) -> StepInputs:
 
 
 def _grammar(new) -> GrammarMatcher | None:
-    """A new (or re-admitted) request's grammar matcher, advanced past its output tokens so far."""
+    """A new (or re-admitted) request's grammar matcher, advanced past its output tokens so far (the one it
+    comes with, if any)."""
+    if new.grammar is not None:
+        return new.grammar
     spec = new.sampling_params.structured_outputs
     if spec is None:
         return None

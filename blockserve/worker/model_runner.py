@@ -43,7 +43,7 @@ from blockserve.worker.input_batch import CachedRequest, InputBatch, StepInputs
 from blockserve.worker.kv_tensors import KVCacheTensors
 from blockserve.worker.prompt_logprobs import PromptLogprobs, read_entries
 from blockserve.worker.sampler import SampledTokens, Sampler
-from blockserve.worker.sampling_batch import SamplingBatch, SamplingRow, make_generator
+from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE, SamplingBatch, SamplingRow, make_generator
 from blockserve.worker.state_rollback import StateRollback
 
 
@@ -86,6 +86,10 @@ class ModelRunner:
         self.hidden_inputs: Callable[[list[str], list[int]], torch.Tensor] | None = None
         # (request ids, query starts, each one's first position, hidden [T, H]) after each forward
         self.hidden_outputs: Callable[[list[str], list[int], list[int], torch.Tensor], None] | None = None
+        # Speculation with a proposer that samples its drafts: (request id) -> the distributions [k', V] its
+        # drafts were drawn from (k' >= its drafts), or None where they were not sampled
+        self.draft_distributions: Callable[[str], torch.Tensor | None] | None = None
+        self.keep_distributions = False  # a sampling draft's runner: each sample's distribution in its output
 
     def capture_decode_graphs(self, sizes, capture: Capture | None = None) -> None:
         """Capture the model's decode step at each batch size in `sizes` (the caller has checked
@@ -156,8 +160,9 @@ class ModelRunner:
             rows = [request.sampling_row or self._sampling_row(rid, request)
                     for rid, request in zip(inputs.sample_ids, requests)]
             if drafts_of:
-                rows = [r for row, d in zip(rows, drafts) for r in (_verification_rows(row, d) if d else (row,))]
-            samples = self.sampler.sample(logits, SamplingBatch.build(rows, self.device))
+                rows = [r for rid, row, d in zip(inputs.sample_ids, rows, drafts)
+                        for r in (_verification_rows(row, d, self._distributions_of(rid, row)) if d else (row,))]
+            samples = self.sampler.sample(logits, SamplingBatch.build(rows, self.device), self.keep_distributions)
             sampled_ids, samples = samples.token_ids, samples.to_host_async()
         for request, d in zip(requests, drafts):  # counted now, the id written by result() (a rank > 0: rank 0
             if d is None:  # samples); a verified request's tokens are appended by result(), one or more
@@ -225,6 +230,14 @@ class ModelRunner:
 
         return fill
 
+    def _distributions_of(self, request_id: str, row: SamplingRow) -> torch.Tensor | None:
+        """The distributions the request's drafts were drawn from, where they were sampled (the request
+        samples too: a greedy one verifies by equality with the target's argmax)."""
+        if self.draft_distributions is None:
+            return None
+        distributions = self.draft_distributions(request_id)
+        return distributions if row.params.temperature >= GREEDY_TEMPERATURE else None
+
     def _sampling_row(self, request_id: str, request: CachedRequest) -> SamplingRow:
         """The request's SamplingRow, made on its first sampled step and kept with it (its token
         lists are the request's own, so the row follows them); a seeded request's generator
@@ -239,16 +252,18 @@ class ModelRunner:
         return request.sampling_row
 
 
-def _verification_rows(row: SamplingRow, drafts: list[int]) -> list[SamplingRow]:
+def _verification_rows(row: SamplingRow, drafts: list[int],
+                       distributions: torch.Tensor | None = None) -> list[SamplingRow]:
     """The rows that score a request's k drafts: row i samples as if drafts[:i] were already output,
     under the grammar's mask after drafts[:i] where the request has one (GrammarMatcher.draft_masks:
-    a draft the grammar refuses is outside its position's mask, so it is never accepted)."""
+    a draft the grammar refuses is outside its position's mask, so it is never accepted). With
+    `distributions` (the [k', V] the drafts were drawn from, k' >= k), row i < k verifies draft i by
+    rejection sampling (SamplingRow.draft); without, row i's own sample is compared with draft i."""
     output = list(row.output_token_ids)
-    if row.grammar is None:
-        return [row] + [dataclasses.replace(row, output_token_ids=output + drafts[:i])
-                        for i in range(1, len(drafts) + 1)]
-    masks = row.grammar.draft_masks(drafts)
-    return [dataclasses.replace(row, output_token_ids=output + drafts[:i], grammar=mask)
+    masks = row.grammar.draft_masks(drafts) if row.grammar is not None else [None] * (len(drafts) + 1)
+    sampled = [] if distributions is None else list(zip(drafts, distributions))
+    return [dataclasses.replace(row, output_token_ids=output + drafts[:i], grammar=mask,
+                                draft=sampled[i] if i < len(sampled) else None)
             for i, mask in enumerate(masks)]
 
 
@@ -311,7 +326,9 @@ class LaunchedStep:
                 if drafts:
                     request.unverified_drafts = len(drafts)
         prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
-        self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        kept = None if self.samples is None or any(self.drafts) else self.samples.distributions
+        distributions = {} if kept is None else {rid: kept[i] for i, rid in enumerate(self.sample_ids)}
+        self._output = ModelRunnerOutput(sampled, logprobs, prompt_logprobs, distributions)
         return self._output
 
     def _read(self, host, sampled: dict, logprobs: dict) -> None:

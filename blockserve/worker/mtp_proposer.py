@@ -1,5 +1,7 @@
-"""Multi-token-prediction speculation: the checkpoint's MTP layer (models/mtp.py) drafts greedily from
-the target's own final hidden states, on a paged KV cache of its own, through a ModelRunner of its own.
+"""Multi-token-prediction speculation: the checkpoint's MTP layer (models/mtp.py) drafts from the target's
+own final hidden states, on a paged KV cache of its own, through a ModelRunner of its own: greedily for
+a greedy request, else drawn under the request's sampling parameters with the distribution each was
+drawn from, as a draft model's (worker/draft_proposer.py).
 
     target step   the target's runner hands every computed position's hidden state to `record`
                   (TargetStates: per request, those the head has not taken yet)
@@ -33,8 +35,12 @@ import torch
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.pending import PendingWork
 from blockserve.scheduler.output import CachedRequestData, NewRequestData
+from blockserve.spec_decode.proposer import DraftSampling
+from blockserve.structured.matcher import GrammarMatcher
+from blockserve.worker.draft_grammar import OutputGrammars
 from blockserve.worker.draft_proposer import GREEDY, _step_output
 from blockserve.worker.model_runner import ModelRunner
+from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE
 
 
 MAX_HELD_STATES = 4096  # per request: a request that does not propose for long (a large batch past
@@ -93,6 +99,9 @@ class TargetStates:
     def __len__(self) -> int:
         return len(self._first)
 
+    def request_ids(self):
+        return self._first.keys()
+
     def _count(self, request_id: str) -> int:
         return sum(rows.shape[0] for rows in self._rows.get(request_id, ()))
 
@@ -128,7 +137,7 @@ class _HeadRequest:
 
 
 class MTPProposer:
-    """Greedy drafts from `runner`'s MultiTokenPredictor over the blocks of `kv` (prefix caching off),
+    """Drafts from `runner`'s MultiTokenPredictor over the blocks of `kv` (prefix caching off),
     fed the target states `record` receives (set it as the target runner's hidden_outputs).
     `max_chunk`: the most rows one forward feeds."""
 
@@ -146,22 +155,28 @@ class MTPProposer:
         self._nothing_new = [[] for _ in kv.config.groups]
         self._inputs: dict[str, torch.Tensor] = {}  # this forward's hidden inputs per request
         self._chained: dict[str, torch.Tensor] = {}  # each request's last output state
+        self._distributions: dict[str, torch.Tensor] = {}  # the latest sampled drafts' [k, V], until taken
+        self._grammars = OutputGrammars()  # constrained requests' matchers, at their output
         runner.hidden_inputs = self._hidden_inputs
         runner.hidden_outputs = self._hidden_outputs
+        runner.keep_distributions = True  # a sampled draft's distribution goes to its verification
 
     def record(self, request_ids: list[str], query_start: list[int], firsts: list[int], hidden: torch.Tensor) -> None:
         """The target runner's hidden_outputs: see TargetStates.record."""
         self.states.record(request_ids, query_start, firsts, hidden)
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        return self.propose_batch([(request_id, token_ids, max_tokens)]).get(request_id, [])
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                sampling: DraftSampling | None = None) -> list[int]:
+        return self.propose_batch([(request_id, token_ids, max_tokens, sampling)]).get(request_id, [])
 
-    def propose_batch(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
-        """Drafts for several requests at once, (request id, its tokens, how many drafts) each, their
-        forwards batched. A request without the target's state of its last token but one gets none
-        (the target has not computed it), as does one whose rows do not fit an emptied cache."""
-        batch: dict[str, tuple[_HeadRequest, Sequence[int], int]] = {}
-        for request_id, token_ids, max_tokens in asks:
+    def propose_batch(self, asks: Sequence[tuple]) -> dict[str, list[int]]:
+        """Drafts for several requests at once, (request id, its tokens, how many drafts[, its
+        DraftSampling]) each, their forwards batched (greedy without a DraftSampling). A request without
+        the target's state of its last token but one gets none (the target has not computed it), as
+        does one whose rows do not fit an emptied cache."""
+        batch: dict[str, tuple[_HeadRequest, Sequence[int], int, DraftSampling | None]] = {}
+        for request_id, token_ids, max_tokens, *rest in asks:
+            self._distributions.pop(request_id, None)
             last = len(token_ids) - 2  # the position whose state drafts the token after token_ids
             first = self.states.first(request_id)
             if max_tokens <= 0 or first is None or last < first or self.states.end(request_id) <= last:
@@ -177,7 +192,7 @@ class MTPProposer:
             self._requests[request_id] = request
             request.token_ids = token_ids[request.start + 1:]
             if self._allocate(request, last + 1 - request.fed + max_tokens - 1, batch):
-                batch[request_id] = (request, token_ids, max_tokens)
+                batch[request_id] = (request, token_ids, max_tokens, rest[0] if rest else None)
             else:
                 self._release(request_id)  # its target states stay: it feeds its rows when there is room
         if not batch:
@@ -194,20 +209,25 @@ class MTPProposer:
             self._release(oldest)
         return True
 
-    def _decode(self, batch: dict[str, tuple[_HeadRequest, Sequence[int], int]]) -> dict[str, list[int]]:
+    def _decode(self, batch: dict[str, tuple[_HeadRequest, Sequence[int], int, DraftSampling | None]]
+                ) -> dict[str, list[int]]:
         """Feed each request's rows from the target's states (re-admitting it to the runner at the rows
-        its cache holds), then chain its drafts; at most `max_chunk` rows per forward. The requests
-        leave the runner, and their cache's chained rows are dropped, before this returns."""
-        row = {rid: request.num_computed_tokens for rid, (request, _, _) in batch.items()}
-        feed_end = {rid: len(token_ids) - 1 - request.start for rid, (request, token_ids, _) in batch.items()}
+        its cache holds), then chain its drafts (greedy, or drawn under its DraftSampling: then their
+        distributions are kept for `take_distributions`); at most `max_chunk` rows per forward. The
+        requests leave the runner, and their cache's chained rows are dropped, before this returns."""
+        row = {rid: request.num_computed_tokens for rid, (request, *_) in batch.items()}
+        feed_end = {rid: len(token_ids) - 1 - request.start for rid, (request, token_ids, *_) in batch.items()}
         drafts: dict[str, list[int]] = {rid: [] for rid in batch}
+        drawn_from: dict[str, list[torch.Tensor]] = {rid: [] for rid, (*_, sampling) in batch.items()
+                                                     if sampling is not None
+                                                     and sampling.params.temperature >= GREEDY_TEMPERATURE}
         admitted: set[str] = set()
         try:
             while True:
                 step: dict[str, list[int]] = {}
                 self._inputs.clear()
                 room = self.max_chunk
-                for rid, (request, _, k) in batch.items():
+                for rid, (request, _, k, _) in batch.items():
                     if room == 0:
                         break
                     if row[rid] < feed_end[rid]:
@@ -223,23 +243,32 @@ class MTPProposer:
                     room -= len(step[rid])
                 if not step:
                     break
-                new = [NewRequestData(rid, list(batch[rid][0].token_ids), [], GREEDY, self.kv.block_ids(rid), row[rid])
+                new = [_admission(rid, *batch[rid], self.kv.block_ids(rid), row[rid],
+                                  self._grammars.fork(rid, batch[rid][1], batch[rid][3]))
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, row[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
-                sampled = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending())).sampled_token_ids
+                output = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending()))
                 for rid, token_ids in step.items():
                     row[rid] += len(token_ids)
-                    drafts[rid] += sampled[rid]
+                    drafts[rid] += output.sampled_token_ids[rid]
+                    if rid in drawn_from and output.sampled_token_ids[rid]:
+                        drawn_from[rid].append(output.distributions[rid])
         finally:
             self._inputs.clear()
             self._chained.clear()
             if admitted:
                 self.runner.execute(_step_output([], [], {}, PendingWork(), preempted=admitted))
-        for rid, (request, _, _) in batch.items():
+        for rid, (request, *_) in batch.items():
             request.num_computed_tokens = min(row[rid], feed_end[rid])  # the chained rows are not kept
             self.kv.trim_slots(request, request.num_computed_tokens)
+        self._distributions.update((rid, torch.stack(rows)) for rid, rows in drawn_from.items())
         return drafts
+
+    def take_distributions(self, request_id: str) -> torch.Tensor | None:
+        """The distributions [k, V] the request's latest drafts were drawn from (None: they were greedy,
+        or already taken); the target runner's draft_distributions."""
+        return self._distributions.pop(request_id, None)
 
     def _hidden_inputs(self, request_ids: list[str], query_start: list[int]) -> torch.Tensor:
         """The head runner's hidden_inputs: this forward's rows' states, in its batch order."""
@@ -257,9 +286,14 @@ class MTPProposer:
             self.kv.free(request_id)
 
     def forget(self, request_id: str) -> None:
-        """The request ended: free its blocks and the target states held for it."""
+        """The request ended: free its blocks, the target states held for it and the seeded generator its
+        drafts drew from."""
         self._release(request_id)
         self.states.forget(request_id)
+        self._distributions.pop(request_id, None)
+        self._grammars.forget(request_id)
+        if request_id in self.runner.generators:
+            self.runner.execute(_step_output([], [], {}, PendingWork(), finished={request_id}))
 
     def num_cached_rows(self, request_id: str) -> int:
         """Rows of the request the head's cache holds (0 for a request it holds nothing for)."""
@@ -268,10 +302,25 @@ class MTPProposer:
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests) + len(self.states)
+        return len(set(self._requests).union(self._distributions, self._grammars, self.states.request_ids()))
 
     def close(self) -> None:
         """Let go of the head and its KV tensors (the engine is closing)."""
         for request_id in list(self._requests):
             self.forget(request_id)
         self.runner = None
+
+
+def _admission(request_id: str, request: _HeadRequest, token_ids: Sequence[int], max_tokens: int,
+               sampling: DraftSampling | None, block_ids, num_computed: int,
+               grammar: GrammarMatcher | None) -> NewRequestData:
+    """The request as the head's runner takes it in, its rows' tokens (the request's from request.start + 1):
+    greedy without a DraftSampling, else split into prompt and output where the request's are (a head that
+    starts inside the output sees that output from there on: its penalties then count only those tokens,
+    which changes its drafts' distributions, not what verification emits), with `grammar` (a matcher at the
+    request's whole output, which the runner advances over each draft) where it is constrained."""
+    if sampling is None:
+        return NewRequestData(request_id, list(request.token_ids), [], GREEDY, block_ids, num_computed)
+    split = max(sampling.num_prompt_tokens - request.start - 1, 0)
+    return NewRequestData(request_id, list(request.token_ids[:split]), list(request.token_ids[split:]),
+                          sampling.draft_params(), block_ids, num_computed, sampling.eos_token_id, grammar)

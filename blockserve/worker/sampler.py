@@ -28,6 +28,12 @@
   and the draw are one native call (csrc/sample.cpp: selection by histograms, no sort, no OpenMP
   region); elsewhere the PyTorch ops below, with the same thresholds and the same draw up to float
   rounding.
+- Sampled drafts (speculative decoding, SamplingBatch.drafts): a row verifying a draft x drawn from
+  q emits x with probability min(1, p(x) / q(x)), p being the distribution the row samples from
+  (after every stage above), else a draw from max(0, p - q) normalised: its token is distributed as
+  p. p is computed by the PyTorch filters; the acceptance draws one more uniform number per row.
+  `keep_distributions` (a sampling draft's runner) draws every sampled row from the PyTorch
+  filters' distribution and returns it with the tokens.
 - Logprobs are the log-softmax of the logits after penalties and before temperature and the
   filters (the sampled token's, and the top n = params.logprobs). This differs from vLLM v1's
   default ("raw_logprobs"), which is taken before penalties too; with no penalty set they agree.
@@ -46,7 +52,7 @@ import torch
 
 from blockserve.native.extension import fused_ops
 from blockserve.native.gate import native_reads
-from blockserve.worker.sampling_batch import Penalties, SamplingBatch, TokenConstraint, canonical_device
+from blockserve.worker.sampling_batch import DraftRows, Penalties, SamplingBatch, TokenConstraint, canonical_device
 
 _TOP_P_FIRST_K = 256  # top-p first looks for each row's nucleus among this many tokens
 
@@ -91,6 +97,7 @@ class SampledTokens:
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None  # set by to_host_async on CUDA: the host copies are done
+    distributions: torch.Tensor | None = None  # [N, V] what each row drew from (keep_distributions), on the device
 
     def to_host_async(self) -> SampledTokens:
         """These samples copied to pinned host memory without waiting for the device (on CUDA; on the
@@ -132,8 +139,9 @@ class Sampler:
         """The samples as lists: `sample(...).host()`."""
         return self.sample(logits, batch).host()
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
-        """The samples as tensors on the device, without waiting for it."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, keep_distributions: bool = False) -> SampledTokens:
+        """The samples as tensors on the device, without waiting for it; with `keep_distributions`, also
+        the distribution each row's token was drawn from (a sampling draft's, for its verification)."""
         if batch.device != self.device:
             raise ValueError(f"the SamplingBatch was built for {batch.device}, the sampler is on {self.device}")
         _check_logits(logits, batch)
@@ -162,28 +170,94 @@ class Sampler:
                 for row, ids in batch.blocked:
                     if not _allows_only(allowed[grammar_of[row]], ids):
                         logits[row, list(ids)] = float("-inf")
-        if batch.num_sampled == batch.num_rows:
-            tokens = self._sample(logits, batch)
+        uniforms = self._uniforms(batch) if batch.num_sampled else None
+        distributions = None
+        if keep_distributions:
+            tokens, distributions = self._sample_keeping(logits, batch, uniforms)
+        elif batch.num_sampled == batch.num_rows:
+            tokens = self._sample(logits, batch, uniforms)
         else:
             tokens = self._argmax(logits)
             if batch.num_sampled:
-                tokens[batch.sampled_rows] = self._sample(logits[batch.sampled_rows], batch)
-        return _with_logprobs(SampledTokens(tokens.long()), logits, batch)
+                tokens[batch.sampled_rows] = self._sample(logits[batch.sampled_rows], batch, uniforms)
+        if batch.drafts is not None:
+            tokens = self._judge_drafts(logits, batch, tokens.long(), uniforms)
+        return _with_logprobs(SampledTokens(tokens.long(), distributions=distributions), logits, batch)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Tokens for the sampled rows (logits [M, V], already penalised). The PyTorch filters work
-        in place on z, a fresh tensor."""
-        uniforms = self._uniforms(batch)
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor) -> torch.Tensor:
+        """Tokens for the sampled rows (logits [M, V], already penalised)."""
         if self.native is not None and native_reads(logits) and logits.stride(-1) == 1:
             return self.native.sample_rows(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, uniforms)
-        z = logits / batch.temperature.unsqueeze(1)
+        return _inverse_cdf(self._filtered(logits, batch), uniforms)
+
+    def _filtered(self, logits: torch.Tensor, batch: SamplingBatch, among: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled rows' logits [M, V] over their temperature, the filters' dropped tokens at -inf (`among`:
+        the rows' indices among the sampled rows, when `logits` holds only some). The filters work in place
+        on z, a fresh tensor."""
+        def pick(values):
+            return values if among is None else values[among]
+
+        z = logits / pick(batch.temperature).unsqueeze(1)
         if batch.top_k is not None:
-            z = _top_k(z, batch.top_k, batch.max_top_k)
+            z = _top_k(z, pick(batch.top_k), batch.max_top_k)
         if batch.top_p is not None:
-            z = _top_p(z, batch.top_p, self.reads_back)
+            z = _top_p(z, pick(batch.top_p), self.reads_back)
         if batch.min_p is not None:
-            z = _min_p(z, batch.min_p)
-        return _inverse_cdf(z, uniforms)
+            z = _min_p(z, pick(batch.min_p))
+        return z
+
+    def _sample_keeping(self, logits: torch.Tensor, batch: SamplingBatch,
+                        uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's token and the distribution [N, V] it was drawn from (a greedy row's: all mass on
+        its argmax). The sampled rows draw from exactly that distribution, by inverse CDF."""
+        tokens = self._argmax(logits)
+        distributions = torch.zeros_like(logits).scatter_(1, tokens.long().unsqueeze(1), 1.0)
+        if batch.num_sampled:
+            rows = batch.sampled_rows
+            probs = torch.softmax(self._filtered(logits if rows is None else logits[rows], batch), dim=-1)
+            drawn = _draw(probs, uniforms, tokens if rows is None else tokens[rows])
+            if rows is None:
+                tokens, distributions = drawn, probs
+            else:
+                tokens[rows], distributions[rows] = drawn.to(tokens.dtype), probs
+        return tokens, distributions
+
+    def _judge_drafts(self, logits: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor,
+                      uniforms: torch.Tensor) -> torch.Tensor:
+        """Rejection sampling of the sampled drafts (Leviathan et al. 2023; Chen et al. 2023): at a row
+        whose target distribution is p and whose draft x was drawn from q, the row's token is x with
+        probability min(1, p(x) / q(x)), else a draw from max(0, p - q) normalised (from p where that is
+        all 0, which happens only where p = q up to rounding). Either way the token is distributed
+        as p. The row's own uniform draws the residual; the acceptance draws one more."""
+        drafts = batch.drafts
+        p = torch.softmax(self._filtered(logits[drafts.rows], batch, drafts.sampled_index), dim=-1)
+        q = drafts.distributions
+        if q.shape != p.shape:
+            raise ValueError(f"the draft distributions have shape {tuple(q.shape)}, the target's {tuple(p.shape)}: "
+                             "a draft must share the target's vocabulary")
+        x = drafts.tokens.unsqueeze(1)
+        accepted = self._acceptance_uniforms(drafts) * q.gather(1, x).squeeze(1).double() \
+            < p.gather(1, x).squeeze(1).double()
+        residual = (p - q).clamp_(min=0)
+        residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+        recovered = _draw(residual, uniforms[drafts.sampled_index], tokens[drafts.rows])
+        tokens[drafts.rows] = torch.where(accepted, drafts.tokens, recovered)
+        return tokens
+
+    def _acceptance_uniforms(self, drafts: DraftRows) -> torch.Tensor:
+        """One number in [0, 1) per draft row, float64: a seeded request's from its own generator (after
+        the step's draws for its rows), the others' in one block from the sampler's."""
+        uniforms = torch.empty(len(drafts.generators), dtype=torch.float64, device=self.device)
+        shared = [i for i, generator in enumerate(drafts.generators) if generator is None]
+        if len(shared) == len(drafts.generators):
+            return uniforms.uniform_(generator=self.generator)
+        if shared:
+            block = torch.empty(len(shared), dtype=torch.float64, device=self.device)
+            uniforms[torch.tensor(shared, device=self.device)] = block.uniform_(generator=self.generator)
+        for i, generator in enumerate(drafts.generators):
+            if generator is not None:
+                uniforms[i : i + 1].uniform_(generator=generator)
+        return uniforms
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Per-row argmax of x [N, V], ties to the lowest index (NaN wins, as in torch): the native
@@ -210,11 +284,17 @@ class Sampler:
 def _inverse_cdf(z: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row of z [M, V] (filtered tokens at -inf), the first token at which the cumulative
     softmax passes u times its total; a row holding a NaN, or no finite z, gets argmax's answer."""
-    cdf = torch.softmax(z, dim=-1).double().cumsum_(dim=-1)
+    return _draw(torch.softmax(z, dim=-1), uniforms, z.max(dim=-1).indices)
+
+
+def _draw(weights: torch.Tensor, uniforms: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Per row of weights [M, V] (>= 0), the first token at which their cumulative sum passes u times
+    its total; a row whose total is NaN gets its `fallback` token."""
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     target = torch.minimum(uniforms.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return torch.where(total.squeeze(1).isnan(), z.max(dim=-1).indices, tokens)
+    return torch.where(total.squeeze(1).isnan(), fallback, tokens)
 
 
 def _apply_grammars(logits: torch.Tensor, grammars: tuple[tuple[int, TokenConstraint], ...]) -> np.ndarray:

@@ -49,6 +49,10 @@ class SamplingRow:
     generator: torch.Generator | None = None
     eos_token_id: int | None = None  # blocked, with the stop token ids, until min_tokens are out
     grammar: TokenConstraint | None = None  # structured outputs: the tokens allowed next
+    # Speculative decoding with a sampled draft: (the draft token this row verifies, the distribution [V]
+    # the draft was drawn from). The row then emits the draft with probability min(1, p/q) at it, else a
+    # token of the residual max(0, p - q) normalised (worker/sampler.py); None: an ordinary row.
+    draft: tuple[int, torch.Tensor] | None = None
     # True when only the temperature and the filters matter: no seed or generator, logprobs, penalty,
     # bias, grammar or min_tokens. The runner keeps a request's row for its life, so this is worked out once.
     plain: bool = field(init=False, repr=False, compare=False)
@@ -57,7 +61,7 @@ class SamplingRow:
         p = self.params
         object.__setattr__(self, "plain", p.seed is None and self.generator is None and p.logprobs is None
                            and not has_penalty(p) and not p.logit_bias and self.grammar is None
-                           and p.min_tokens == 0)
+                           and p.min_tokens == 0 and self.draft is None)
 
     def blocked_ids(self) -> tuple[int, ...]:
         """Tokens that may not be sampled yet: they would stop the request before min_tokens."""
@@ -78,6 +82,17 @@ class Penalties:
     seen_ids: torch.Tensor  # [P, L] prompt + output token ids (repetition rows only), padded with -1
     output_ids: torch.Tensor  # [P, L'] output token ids, padded with -1
     max_token: int  # the largest id in seen_ids and output_ids (-1: none), read before they leave the host
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """The rows of a batch that verify a sampled draft (SamplingRow.draft), D of them."""
+
+    rows: torch.Tensor  # [D] long: their rows in the batch
+    sampled_index: torch.Tensor  # [D] long: their index among the sampled rows
+    tokens: torch.Tensor  # [D] long: the draft tokens
+    distributions: torch.Tensor  # [D, V] float: the distributions the drafts were drawn from
+    generators: tuple[torch.Generator | None, ...]  # [D] a seeded request's generator, else None
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class SamplingBatch:
     # The largest token id logit_bias names (-1: none), checked against the vocabulary on the host:
     # reading the tensor would wait for the device.
     max_bias_token: int = -1
+    drafts: DraftRows | None = None  # rows that verify sampled drafts; None: none
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingBatch:
@@ -162,6 +178,7 @@ class SamplingBatch:
             grammars=tuple((i, rows[i].grammar) for i in special if rows[i].grammar is not None),
             logit_bias=_build_logit_bias(rows, special),
             max_bias_token=max((t for i in special for t, _ in rows[i].params.logit_bias), default=-1),
+            drafts=_build_drafts(rows, special, sampled, device),
         )
         return batch if device == host else batch.to(device)
 
@@ -171,9 +188,15 @@ class SamplingBatch:
         tensors = {name: getattr(self, name) for name in _TENSOR_FIELDS}
         if self.penalties is not None:  # (dataclasses.asdict would deep-copy the tensors)
             tensors["penalties"] = {f.name: getattr(self.penalties, f.name) for f in dataclasses.fields(Penalties)}
+        drafts = self.drafts
+        if drafts is not None:  # (their distributions are on the device already: the draft's runner made them there)
+            tensors["drafts"] = (drafts.rows, drafts.sampled_index, drafts.tokens)
         moved = to_device(tensors, device)
         if self.penalties is not None:
             moved["penalties"] = Penalties(**moved["penalties"])
+        if drafts is not None:
+            rows, sampled_index, tokens = moved["drafts"]
+            moved["drafts"] = DraftRows(rows, sampled_index, tokens, drafts.distributions, drafts.generators)
         return dataclasses.replace(self, device=device, **moved)
 
 
@@ -186,6 +209,24 @@ def canonical_device(device: torch.device | str) -> torch.device:
     if isinstance(device, torch.device) and (device.index is None) == (device.type == "cpu"):
         return device  # already canonical (asked every step: no tensor made to find out)
     return torch.empty(0, device=device).device
+
+
+def _build_drafts(rows: Sequence[SamplingRow], special: list[int], sampled: list[int],
+                  device: torch.device) -> DraftRows | None:
+    """The rows verifying sampled drafts; a greedy one is refused (a greedy request verifies its drafts by
+    equality with the target's argmax: the runner gives it no draft distribution)."""
+    chosen = [i for i in special if rows[i].draft is not None]
+    if not chosen:
+        return None
+    among = {i: j for j, i in enumerate(sampled)}
+    greedy = [i for i in chosen if i not in among]
+    if greedy:
+        raise ValueError(f"row {greedy[0]} verifies a sampled draft but is greedy (temperature "
+                         f"{rows[greedy[0]].params.temperature}): give drafts a distribution only at temperature > 0")
+    distributions = torch.stack([rows[i].draft[1] for i in chosen]).to(device=device, dtype=torch.float32)
+    return DraftRows(int64_tensor(chosen), int64_tensor([among[i] for i in chosen]),
+                     int64_tensor([rows[i].draft[0] for i in chosen]), distributions,
+                     tuple(rows[i].generator for i in chosen))
 
 
 def _build_logit_bias(rows: Sequence[SamplingRow], special: list[int]):

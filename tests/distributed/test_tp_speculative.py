@@ -97,6 +97,22 @@ def test_tp2_with_a_draft_model_on_rank_0(tiny):
 
 
 @pytest.mark.tp_full
+def test_tp2_verifies_sampled_drafts_on_rank_0(tiny):
+    """At temperature 0.8 the draft (the target itself) samples its drafts on rank 0 and hands their
+    distributions to rank 0's verification, which accepts nearly all of them; seeded runs repeat (without
+    prefix hits, which would change how the step's token budget splits into drafts: one draw per row)."""
+    params = SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, seed=4, ignore_eos=True)
+    spec = {"method": "draft_model", "model": tiny, "num_speculative_tokens": 3}
+    options = OPTIONS | ROOMY | {"enable_prefix_caching": False}
+    with LLM(tiny, tensor_parallel_size=2, speculative_config=spec, **options) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)] == first
+        stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 2 * len(prompts())
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+
+
+@pytest.mark.tp_full
 def test_a_hybrid_is_refused_with_speculation_and_its_ranks_stopped(tmp_path):
     """Recurrent state is rolled back on rank 0 only, so a TP=2 hybrid with speculation fails to build,
     naming why, and leaves no rank process behind."""

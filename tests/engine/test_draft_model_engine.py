@@ -142,6 +142,28 @@ def test_sampled_requests_are_reproducible_with_a_draft(models):
     assert llm.engine.stats().speculation.num_draft_tokens > 0
 
 
+def test_sampled_drafts_from_the_target_itself_are_accepted_with_the_target_logprobs(models):
+    """At temperature 0.8 the target as its own draft samples q = p (up to rounding), so rejection sampling
+    accepts nearly every draft (comparing the target's own sample with a draft would accept about
+    sum p^2 of them); the logprobs of the emitted tokens are the target's, as a plain run scores them."""
+    target, _ = models
+    llm = LLM(target, speculative_config=spec(target), **OPTIONS)
+    params = SamplingParams(temperature=0.8, top_k=50, max_tokens=NEW_TOKENS, seed=5, logprobs=0, ignore_eos=True)
+    outputs = llm.generate(prompts(), params, use_tqdm=False)
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 2 * len(prompts())
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in outputs]
+    assert_nothing_held(llm)
+    scorer = LLM(target, **OPTIONS)
+    for prompt, output in zip(prompts(), outputs):
+        ids = output.outputs[0].token_ids
+        scored = scorer.generate([prompt + ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        for token, entry, reference in zip(ids, output.outputs[0].logprobs, scored[0].prompt_logprobs[len(prompt):]):
+            assert entry[token].logprob == pytest.approx(reference[token].logprob, abs=1e-4)
+
+
 def test_drafts_that_cannot_serve_the_target_are_refused(models, tmp_path, tiny_model):
     target, _ = models
     other_vocab = tmp_path / "vocab"

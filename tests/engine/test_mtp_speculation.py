@@ -139,6 +139,23 @@ def test_a_head_that_drafts_the_target_s_own_tokens_has_them_accepted(tmp_path):
     assert_nothing_held(llm)
 
 
+def test_sampled_drafts_of_a_head_that_predicts_the_target_are_accepted(tmp_path):
+    """At temperature 0.8 the self-predicting head samples its drafts from the target's own distribution
+    of the token after next, so rejection sampling accepts nearly all of them (comparing with the
+    target's own sample would accept about sum p^2); seeded runs repeat."""
+    save_with_mtp("deepseek_v3", tmp_path)
+    make_self_predicting(tmp_path)
+    prompts = state_model_prompts(2)
+    llm = LLM(str(tmp_path), speculative_config=mtp(), **OPTIONS)
+    params = SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, seed=2, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == first
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens >= len(prompts) * (NEW_TOKENS // (K + 1))
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    assert_nothing_held(llm)
+
+
 def head_logits(proposer) -> list[torch.Tensor]:
     """Every logits row the head computes from now on, in order."""
     seen = []

@@ -6,6 +6,7 @@ worker's grammar is exactly the accepted prefix's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -150,3 +151,53 @@ def test_grammar_refused_drafts_never_reach_the_output(tiny, plain, tokenizer, m
     else:
         assert stats.num_accepted_tokens < stats.num_draft_tokens
     assert checked_grammars
+
+
+def test_a_draft_model_drafts_under_the_grammar(tiny, plain, tokenizer, tmp_path, checked_grammars):
+    """A random draft model (another seed) drafts tokens the grammars refuse when left to itself; under
+    the request's grammar every draft it proposes is allowed after the output and the drafts before it
+    (up to an EOS the grammar allows), and the outputs are those of a run without drafts. The target as
+    its own draft then drafts exactly its constrained tokens: nearly all accepted, runs of k."""
+    draft = tmp_path / "draft"
+    save_random_model(LlamaConfig(**SIZES | {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id}),
+                      draft, seed=11)
+    tokenizer.save_pretrained(draft)
+    llm = LLM(tiny, speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+              **OPTIONS)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    proposed, propose_batch = [], proposer.propose_batch
+
+    def recording(asks):  # each ask's tokens as they were (the request's list grows), the drafts before handed out
+        drafts = propose_batch(asks)
+        proposed.append(([(rid, list(token_ids), k, sampling) for rid, token_ids, k, sampling in asks], dict(drafts)))
+        return drafts
+
+    proposer.propose_batch = recording
+    assert outputs(llm) == plain
+    asks = [(ask, drafts[ask[0]]) for batch, drafts in proposed for ask in batch if drafts.get(ask[0])]
+    assert len(asks) > len(PROMPTS)
+    for (rid, token_ids, k, sampling), drafts in asks:
+        assert _allowed_in_a_row(sampling.params.structured_outputs.compiled, token_ids[sampling.num_prompt_tokens:],
+                                 drafts)
+    refused_when_free = 0
+    for (rid, token_ids, k, sampling), drafts in asks[:len(PROMPTS) * 2]:  # the first ones (each feeds its prompt)
+        output = token_ids[sampling.num_prompt_tokens:]
+        free = dataclasses.replace(sampling, params=dataclasses.replace(sampling.params, structured_outputs=None))
+        free_drafts = propose_batch([("free", token_ids, k, free)])["free"]
+        proposer.forget("free")
+        refused_when_free += not _allowed_in_a_row(sampling.params.structured_outputs.compiled, output, free_drafts)
+    assert refused_when_free > len(PROMPTS)
+    assert proposer.num_requests == 0
+
+    itself = LLM(tiny, speculative_config={"method": "draft_model", "model": tiny, "num_speculative_tokens": 3},
+                 **OPTIONS)
+    assert outputs(itself) == plain
+    stats = itself.engine.stats().speculation
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    assert stats.mean_accepted_length > 3
+
+
+def _allowed_in_a_row(compiled, output: list[int], drafts: list[int]) -> bool:
+    """Whether the grammar's mask allows each draft after the output and the drafts before it."""
+    masks = GrammarMatcher(compiled, output).draft_masks(drafts)
+    return all(mask.allows(draft) for mask, draft in zip(masks, drafts))
