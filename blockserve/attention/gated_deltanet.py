@@ -30,7 +30,7 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.pointwise import silu
-from blockserve.attention.state_decodes import run_decodes
+from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -60,15 +60,6 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bi
         return y, window[length:].T
     check_captures(capture, start, length)
     return y, window[length:].T, [window[p - start:p - start + width - 1].T for p in capture]
-
-
-def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """One token per sequence: x [B, C], state [B, C, K - 1] -> (y [B, C], new state)."""
-    window = torch.cat([state, x[..., None]], dim=-1)  # [B, C, K]
-    y = (window * weight).sum(-1)
-    if bias is not None:
-        y = y + bias
-    return y, window[..., 1:]
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
@@ -185,13 +176,11 @@ class GatedDeltaNet(nn.Module):
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim)
         nd = layout.num_decodes
         if nd:
-            def step(rows, states):
-                mixed, conv = causal_conv1d_step(mixed_qkv[rows], states[0], conv_weight, conv_bias)
-                q, k, v = self._qkv(mixed)
-                o, rec = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], states[1])
-                return o, (conv, rec)
+            def features(mixed, rows):
+                return *self._qkv(mixed), g[rows], beta[rows]
 
-            run_decodes(self.layer_name, meta, (conv_states, rec_states), out, step)
+            run_decodes(self.layer_name, meta, (conv_states, rec_states), out,
+                        StateDecode(mixed_qkv, conv_weight, conv_bias, features, recurrent_gated_delta_rule))
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             s, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

@@ -37,7 +37,7 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext, StateMetadata
 from blockserve.attention.pointwise import silu
-from blockserve.attention.state_decodes import run_decodes
+from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
 
 CHUNK_SIZE = 64
@@ -174,13 +174,11 @@ class KimiDeltaAttention(nn.Module):
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:
-            def step(rows, states):
-                ext = torch.cat([states[0], mixed_qkv[rows, :, None]], dim=2)  # [rows, C, K]
-                q, k, v = self._split(silu((ext * conv_weight).sum(-1)))
-                o, rec = kda_step(q, k, v, g[rows], beta[rows], states[1])
-                return o, (ext[:, :, 1:], rec)
+            def features(mixed, rows):
+                return *self._split(silu(mixed)), g[rows], beta[rows]
 
-            run_decodes(self.layer_name, meta, (conv_states, rec_states), out, step)
+            run_decodes(self.layer_name, meta, (conv_states, rec_states), out,
+                        StateDecode(mixed_qkv, conv_weight, None, features, kda_step))
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             slot, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

@@ -30,9 +30,9 @@ from torch import nn
 
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
-from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
+from blockserve.attention.gated_deltanet import causal_conv1d
 from blockserve.attention.pointwise import silu, softplus
-from blockserve.attention.state_decodes import run_decodes
+from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
 
 
@@ -158,13 +158,15 @@ class Mamba2(nn.Module):
         out = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:
-            def step(rows, states):
-                mixed, conv = causal_conv1d_step(xBC[rows], states[0], conv_weight, conv_bias)
+            def features(mixed, rows):
                 x, B, C = self._split(mixed)
-                y, ssm = ssd_step(x, dt[rows], A, B, C, D, states[1])
-                return y, (conv, ssm)
+                return x, dt[rows], B, C
 
-            run_decodes(self.layer_name, meta, (conv_states, ssm_states), out, step)
+            def recur(x, dt_rows, B, C, state):
+                return ssd_step(x, dt_rows, A, B, C, D, state)
+
+            run_decodes(self.layer_name, meta, (conv_states, ssm_states), out,
+                        StateDecode(xBC, conv_weight, conv_bias, features, recur))
         dt = dt.clamp(*self.dt_limit)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
