@@ -32,6 +32,7 @@ from blockserve.attention.context import ForwardContext
 from blockserve.attention.pointwise import silu
 from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
+from blockserve.native.extension import state_recurrence_ops
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -179,8 +180,10 @@ class GatedDeltaNet(nn.Module):
             def features(mixed, rows):
                 return *self._qkv(mixed), g[rows], beta[rows]
 
+            native = state_recurrence_ops() if out.device.type == "cpu" else None
             run_decodes(self.layer_name, meta, (conv_states, rec_states), out,
-                        StateDecode(mixed_qkv, conv_weight, conv_bias, features, recurrent_gated_delta_rule))
+                        StateDecode(mixed_qkv, conv_weight, conv_bias, features, recurrent_gated_delta_rule,
+                                    None if native is None else native.delta_rule_rows))
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             s, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

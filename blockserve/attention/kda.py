@@ -39,6 +39,7 @@ from blockserve.attention.context import ForwardContext, StateMetadata
 from blockserve.attention.pointwise import silu
 from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
+from blockserve.native.extension import state_recurrence_ops
 
 CHUNK_SIZE = 64
 
@@ -177,8 +178,10 @@ class KimiDeltaAttention(nn.Module):
             def features(mixed, rows):
                 return *self._split(silu(mixed)), g[rows], beta[rows]
 
+            native = state_recurrence_ops() if out.device.type == "cpu" else None
             run_decodes(self.layer_name, meta, (conv_states, rec_states), out,
-                        StateDecode(mixed_qkv, conv_weight, None, features, kda_step))
+                        StateDecode(mixed_qkv, conv_weight, None, features, kda_step,
+                                    None if native is None else native.delta_rule_rows))
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             slot, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

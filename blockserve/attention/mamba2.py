@@ -34,6 +34,7 @@ from blockserve.attention.gated_deltanet import causal_conv1d
 from blockserve.attention.pointwise import silu, softplus
 from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
+from blockserve.native.extension import state_recurrence_ops
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +166,12 @@ class Mamba2(nn.Module):
             def recur(x, dt_rows, B, C, state):
                 return ssd_step(x, dt_rows, A, B, C, D, state)
 
+            def rows(x, dt_rows, B, C, *table_source_out_after):
+                native.ssd_rows(x, dt_rows, A, B, C, D, *table_source_out_after)
+
+            native = state_recurrence_ops() if out.device.type == "cpu" else None
             run_decodes(self.layer_name, meta, (conv_states, ssm_states), out,
-                        StateDecode(xBC, conv_weight, conv_bias, features, recur))
+                        StateDecode(xBC, conv_weight, conv_bias, features, recur, None if native is None else rows))
         dt = dt.clamp(*self.dt_limit)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]

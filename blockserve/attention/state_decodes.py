@@ -39,6 +39,11 @@ class StateDecode:
     features(conv outputs [n, C] before the activation, the rows they belong to: a slice or an
         int64 tensor of step rows) -> the recurrence's per-row inputs, each [n, ...].
     recur(*per-row inputs, recurrent states [n, *shape]) -> (outputs [n, ...], new states).
+    rows: None, or the same recurrence over all rows in one call (a native kernel):
+        rows(*per-row inputs, state table [num_slots, *shape], source int64 [n], out [n, ...],
+        after [n, *shape]) writes row p's output to out[p] and its state to after[p], starting
+        from after[source[p]] (an earlier row) or table[-source[p] - 1] (a slot). When given, plain
+        decodes and chains both run it, so both keep one arithmetic.
     """
 
     conv_input: torch.Tensor
@@ -46,6 +51,7 @@ class StateDecode:
     conv_bias: torch.Tensor | None
     features: Callable[[torch.Tensor, slice | torch.Tensor], tuple[torch.Tensor, ...]]
     recur: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rows: Callable[..., None] | None = None
 
 
 def conv_output(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -63,10 +69,11 @@ def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
 class ChainPlan(NamedTuple):
     """The decode rows of a step with chains, laid out wave after wave (the same for every state layer)."""
 
-    order: torch.Tensor  # [num_decodes] the decode row at each position of the layout
-    inverse: torch.Tensor  # [num_decodes] each decode row's position in the layout
+    order: torch.Tensor | None  # [num_decodes] the decode row at each position of the layout; None: the rows' own order
+    inverse: torch.Tensor | None  # [num_decodes] each decode row's position in the layout
     waves: list[tuple[int, int, int]]  # (start, end, rows of the next wave) per wave
     first_rows: torch.Tensor  # each sequence's first decode row, longest sequences first
+    source: torch.Tensor  # per position: the position of its sequence's previous row, or -1 - its slot
     chain_pos: list[int]  # each layout position's row index within its sequence
     sequence: list[int]  # each layout position's sequence (its index in first_rows)
     last: torch.Tensor  # the last decode row of each sequence
@@ -85,23 +92,33 @@ def run_decodes(layer_name: str, meta: StateMetadata, states: Sequence[torch.Ten
     if not meta.chains:
         mixed, conv_states[slots] = causal_conv1d_step(decode.conv_input[:nd], conv_states[slots],
                                                        decode.conv_weight, decode.conv_bias)
-        out[:nd], rec_states[slots] = decode.recur(*decode.features(mixed, slice(0, nd)), rec_states[slots])
+        features = decode.features(mixed, slice(0, nd))
+        if decode.rows is None:
+            out[:nd], rec_states[slots] = decode.recur(*features, rec_states[slots])
+        else:
+            after = rec_states.new_empty(nd, *rec_states.shape[1:])
+            decode.rows(*(f.contiguous() for f in features), rec_states, -1 - slots, out[:nd], after)
+            rec_states[slots] = after
         return
     if meta.decode_plan is None:
-        meta.decode_plan = _plan(meta.chains, meta.row_captures, nd)
+        meta.decode_plan = _plan(meta.chains, meta.row_captures, slots)
     plan: ChainPlan = meta.decode_plan
     windows = _windows(plan, conv_states, slots, decode.conv_input[:nd], decode.conv_weight.shape[1])
-    features = decode.features(conv_output(windows, decode.conv_weight, decode.conv_bias), plan.order)
+    rows = slice(0, nd) if plan.order is None else plan.order
+    features = decode.features(conv_output(windows, decode.conv_weight, decode.conv_bias), rows)
     rec_after = rec_states.new_empty(nd, *rec_states.shape[1:])
-    state = rec_states[slots[plan.first_rows]]
-    outs = []
-    for start, end, following in plan.waves:
-        o, new = decode.recur(*(f[start:end] for f in features), state)
-        outs.append(o)
-        rec_after[start:end] = new
-        state = new[:following]
-    out[plan.order] = torch.cat(outs)
-    after = [windows[plan.inverse, :, 1:], rec_after[plan.inverse]]  # per decode row
+    y = out[:nd] if plan.order is None else out.new_empty(nd, *out.shape[1:])
+    if decode.rows is None:
+        state = rec_states[slots[plan.first_rows]]
+        for start, end, following in plan.waves:
+            y[start:end], rec_after[start:end] = decode.recur(*(f[start:end] for f in features), state)
+            state = rec_after[start:start + following]
+    else:
+        decode.rows(*(f.contiguous() for f in features), rec_states, plan.source, y, rec_after)
+    after = [windows[:, :, 1:], rec_after]  # per decode row
+    if plan.order is not None:
+        out[plan.order] = y
+        after = [a[plan.inverse] for a in after]
     for t, a in zip(states, after):
         t[slots[plan.last]] = a[plan.last]
     if plan.capture_rows is not None:
@@ -133,8 +150,9 @@ def _conv_index(plan: ChainPlan, num_decodes: int, width: int) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.int64)
 
 
-def _plan(chains: list[tuple[int, int]], row_captures: list[tuple[int, int]], num_decodes: int) -> ChainPlan:
-    """The wave layout of `num_decodes` decode rows of which `chains` (first row, rows) are chains."""
+def _plan(chains: list[tuple[int, int]], row_captures: list[tuple[int, int]], slots: torch.Tensor) -> ChainPlan:
+    """The wave layout of the decode rows (in `slots`) of which `chains` (first row, rows) are chains."""
+    num_decodes = slots.shape[0]
     length = [1] * num_decodes  # per sequence's first row; 0 for a chain's later rows
     for first, rows in chains:
         if first < 0 or rows < 1 or first + rows > num_decodes:
@@ -144,22 +162,28 @@ def _plan(chains: list[tuple[int, int]], row_captures: list[tuple[int, int]], nu
         for row in range(first + 1, first + rows):
             length[row] = 0
     firsts = sorted((row for row in range(num_decodes) if length[row]), key=lambda row: -length[row])
-    order, chain_pos, sequence, waves = [], [], [], []
+    order, chain_pos, sequence, waves, previous = [], [], [], [], []
     for j in range(length[firsts[0]]):
         start = len(order)
         for seq, first in enumerate(firsts):
             if length[first] <= j:
                 break
+            previous.append(waves[-1][0] + seq if j else -1)
             order.append(first + j)
             chain_pos.append(j)
             sequence.append(seq)
         waves.append((start, len(order), sum(length[first] > j + 1 for first in firsts)))
     order_t = torch.tensor(order, dtype=torch.int64)
+    source = torch.tensor(previous, dtype=torch.int64)
+    source = torch.where(source >= 0, source, -1 - slots[order_t])
     inverse = torch.empty_like(order_t)
     inverse[order_t] = torch.arange(num_decodes)
+    if order == list(range(num_decodes)):
+        order_t = inverse = None
     last = torch.tensor(sorted(first + length[first] - 1 for first in firsts), dtype=torch.int64)
     capture_rows = capture_slots = None
     if row_captures:
         capture_rows = torch.tensor([r for r, _ in row_captures], dtype=torch.int64)
         capture_slots = torch.tensor([s for _, s in row_captures], dtype=torch.int64)
-    return ChainPlan(order_t, inverse, waves, torch.tensor(firsts, dtype=torch.int64), chain_pos, sequence, last, capture_rows, capture_slots, {})
+    return ChainPlan(order_t, inverse, waves, torch.tensor(firsts, dtype=torch.int64), source, chain_pos, sequence,
+                     last, capture_rows, capture_slots, {})
