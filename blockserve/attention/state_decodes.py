@@ -174,7 +174,7 @@ def _plan(chains: list[tuple[int, int]], row_captures: list[tuple[int, int]], sl
             sequence.append(seq)
         waves.append((start, len(order), sum(length[first] > j + 1 for first in firsts)))
     order_t = torch.tensor(order, dtype=torch.int64)
-    source = torch.tensor(previous, dtype=torch.int64)
+    source = torch.tensor(previous, dtype=torch.int64, device=slots.device)
     source = torch.where(source >= 0, source, -1 - slots[order_t])
     inverse = torch.empty_like(order_t)
     inverse[order_t] = torch.arange(num_decodes)
