@@ -13,7 +13,8 @@ L2-normalised, q scaled by Dk^-1/2 and q/k heads repeated to the Hv value heads:
     S  += k_t (beta_t (v_t - S^T k_t))^T      delta rule: write only the correction
     o_t = S^T q_t
 
-Decodes (one query token) run the single step above, batched. Prefill chunks run the chunked
+Decodes (one query token) run the single step above, batched (`attention/state_decodes.py`: on the
+CPU one native call over all decode rows, `native/csrc/state_recurrence.cpp`). Prefill chunks run the chunked
 form (the UT transform of the DeltaNet paper, as transformers' torch fallback computes it),
 one sequence at a time, starting from the state in the slot: zero for a fresh prompt, the
 previous chunk's state for a continuing one. Both write their final states back to the slot.

@@ -12,6 +12,8 @@ L2-normalised and q scaled by Dk^-0.5, a state S [Dk, Dv] evolves token by token
     o_t = S^T q_t
 
     recurrent form   the loop above; decode runs one step for all decoding sequences at once
+                     (`attention/state_decodes.py`; on the CPU one native call,
+                     `native/csrc/state_recurrence.cpp`)
     chunked form     the same function, C tokens at a time (prefill): within a chunk the
                      delta-rule corrections are one unit-lower-triangular solve, and the state
                      is carried across chunks (see `kda_chunked`); chunks end on multiples of

@@ -13,7 +13,8 @@ dt_bias) and A = -exp(A_log) < 0:
     h   = exp(dt A) h + dt x B^T        decay, then write      [H, P, N]
     y   = h C + D x                     read, plus the skip     [H, P]
 
-Decodes (one query token) run that step, batched. Prefill chunks run the chunked SSD scan
+Decodes (one query token) run that step, batched (`attention/state_decodes.py`: on the CPU one
+native call over all decode rows, `native/csrc/state_recurrence.cpp`). Prefill chunks run the chunked SSD scan
 (as transformers' torch fallback computes it: quadratic within a chunk, a recurrence over
 chunk states between them), one sequence at a time, from the state in the slot. The chunks
 end on multiples of `chunk_size` in absolute position (a continuing prefill's first chunk is

@@ -1,5 +1,6 @@
 """Native CPU kernels (csrc/): paged decode attention, fused layer ops, matmuls over GGUF
-quantized weights and a Llama decode stack, compiled on first use for the machine they run on.
+quantized weights, a Llama decode stack and the state layers' decode recurrences, compiled on
+first use for the machine they run on.
 
 All of them are one extension module (csrc/module.cpp binds kernels.h's entry points), so one
 kernel may call another's directly. The build needs a C++ compiler and ninja
