@@ -13,7 +13,8 @@ L2-normalised, q scaled by Dk^-1/2 and q/k heads repeated to the Hv value heads:
     S  += k_t (beta_t (v_t - S^T k_t))^T      delta rule: write only the correction
     o_t = S^T q_t
 
-Decodes (one query token) run the single step above, batched. Prefill chunks run the chunked
+Decodes (one query token) run the single step above, batched (`attention/state_decodes.py`: on the
+CPU one native call over all decode rows, `native/csrc/state_recurrence.cpp`). Prefill chunks run the chunked
 form (the UT transform of the DeltaNet paper, as transformers' torch fallback computes it),
 one sequence at a time, starting from the state in the slot: zero for a fresh prompt, the
 previous chunk's state for a continuing one. Both write their final states back to the slot.
@@ -30,8 +31,9 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
 from blockserve.attention.pointwise import silu
-from blockserve.attention.state_decodes import run_decodes
+from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
+from blockserve.native.extension import state_recurrence_ops
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -60,15 +62,6 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bi
         return y, window[length:].T
     check_captures(capture, start, length)
     return y, window[length:].T, [window[p - start:p - start + width - 1].T for p in capture]
-
-
-def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """One token per sequence: x [B, C], state [B, C, K - 1] -> (y [B, C], new state)."""
-    window = torch.cat([state, x[..., None]], dim=-1)  # [B, C, K]
-    y = (window * weight).sum(-1)
-    if bias is not None:
-        y = y + bias
-    return y, window[..., 1:]
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
@@ -185,13 +178,13 @@ class GatedDeltaNet(nn.Module):
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim)
         nd = layout.num_decodes
         if nd:
-            def step(rows, states):
-                mixed, conv = causal_conv1d_step(mixed_qkv[rows], states[0], conv_weight, conv_bias)
-                q, k, v = self._qkv(mixed)
-                o, rec = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], states[1])
-                return o, (conv, rec)
+            def features(mixed, rows):
+                return *self._qkv(mixed), g[rows], beta[rows]
 
-            run_decodes(self.layer_name, meta, (conv_states, rec_states), out, step)
+            native = state_recurrence_ops() if out.device.type == "cpu" else None
+            run_decodes(self.layer_name, meta, (conv_states, rec_states), out,
+                        StateDecode(mixed_qkv, conv_weight, conv_bias, features, recurrent_gated_delta_rule,
+                                    None if native is None else native.delta_rule_rows))
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             s, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

@@ -12,6 +12,8 @@ L2-normalised and q scaled by Dk^-0.5, a state S [Dk, Dv] evolves token by token
     o_t = S^T q_t
 
     recurrent form   the loop above; decode runs one step for all decoding sequences at once
+                     (`attention/state_decodes.py`; on the CPU one native call,
+                     `native/csrc/state_recurrence.cpp`)
     chunked form     the same function, C tokens at a time (prefill): within a chunk the
                      delta-rule corrections are one unit-lower-triangular solve, and the state
                      is carried across chunks (see `kda_chunked`); chunks end on multiples of
@@ -37,8 +39,9 @@ from torch import nn
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext, StateMetadata
 from blockserve.attention.pointwise import silu
-from blockserve.attention.state_decodes import run_decodes
+from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
+from blockserve.native.extension import state_recurrence_ops
 
 CHUNK_SIZE = 64
 
@@ -174,13 +177,13 @@ class KimiDeltaAttention(nn.Module):
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:
-            def step(rows, states):
-                ext = torch.cat([states[0], mixed_qkv[rows, :, None]], dim=2)  # [rows, C, K]
-                q, k, v = self._split(silu((ext * conv_weight).sum(-1)))
-                o, rec = kda_step(q, k, v, g[rows], beta[rows], states[1])
-                return o, (ext[:, :, 1:], rec)
+            def features(mixed, rows):
+                return *self._split(silu(mixed)), g[rows], beta[rows]
 
-            run_decodes(self.layer_name, meta, (conv_states, rec_states), out, step)
+            native = state_recurrence_ops() if out.device.type == "cpu" else None
+            run_decodes(self.layer_name, meta, (conv_states, rec_states), out,
+                        StateDecode(mixed_qkv, conv_weight, None, features, kda_step,
+                                    None if native is None else native.delta_rule_rows))
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]
             slot, first = meta.slot_ids[i], layout.seq_lens[i] - (end - start)

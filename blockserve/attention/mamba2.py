@@ -13,7 +13,8 @@ dt_bias) and A = -exp(A_log) < 0:
     h   = exp(dt A) h + dt x B^T        decay, then write      [H, P, N]
     y   = h C + D x                     read, plus the skip     [H, P]
 
-Decodes (one query token) run that step, batched. Prefill chunks run the chunked SSD scan
+Decodes (one query token) run that step, batched (`attention/state_decodes.py`: on the CPU one
+native call over all decode rows, `native/csrc/state_recurrence.cpp`). Prefill chunks run the chunked SSD scan
 (as transformers' torch fallback computes it: quadratic within a chunk, a recurrence over
 chunk states between them), one sequence at a time, from the state in the slot. The chunks
 end on multiples of `chunk_size` in absolute position (a continuing prefill's first chunk is
@@ -30,10 +31,11 @@ from torch import nn
 
 from blockserve.attention.chunk_grid import capture_targets, check_captures
 from blockserve.attention.context import ForwardContext
-from blockserve.attention.gated_deltanet import causal_conv1d, causal_conv1d_step
+from blockserve.attention.gated_deltanet import causal_conv1d
 from blockserve.attention.pointwise import silu, softplus
-from blockserve.attention.state_decodes import run_decodes
+from blockserve.attention.state_decodes import StateDecode, run_decodes
 from blockserve.kv.specs import LinearStateSpec
+from blockserve.native.extension import state_recurrence_ops
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -158,13 +160,19 @@ class Mamba2(nn.Module):
         out = xBC.new_empty(xBC.shape[0], self.num_heads, self.head_dim)
         nd = layout.num_decodes
         if nd:
-            def step(rows, states):
-                mixed, conv = causal_conv1d_step(xBC[rows], states[0], conv_weight, conv_bias)
+            def features(mixed, rows):
                 x, B, C = self._split(mixed)
-                y, ssm = ssd_step(x, dt[rows], A, B, C, D, states[1])
-                return y, (conv, ssm)
+                return x, dt[rows], B, C
 
-            run_decodes(self.layer_name, meta, (conv_states, ssm_states), out, step)
+            def recur(x, dt_rows, B, C, state):
+                return ssd_step(x, dt_rows, A, B, C, D, state)
+
+            def rows(x, dt_rows, B, C, *table_source_out_after):
+                native.ssd_rows(x, dt_rows, A, B, C, D, *table_source_out_after)
+
+            native = state_recurrence_ops() if out.device.type == "cpu" else None
+            run_decodes(self.layer_name, meta, (conv_states, ssm_states), out,
+                        StateDecode(xBC, conv_weight, conv_bias, features, recur, None if native is None else rows))
         dt = dt.clamp(*self.dt_limit)
         for i in range(nd, layout.num_seqs):
             start, end = layout.query_start[i], layout.query_start[i + 1]

@@ -1,5 +1,6 @@
 """Native CPU kernels (csrc/): paged decode attention, fused layer ops, matmuls over GGUF
-quantized weights and a Llama decode stack, compiled on first use for the machine they run on.
+quantized weights, a Llama decode stack and the state layers' decode recurrences, compiled on
+first use for the machine they run on.
 
 All of them are one extension module (csrc/module.cpp binds kernels.h's entry points), so one
 kernel may call another's directly. The build needs a C++ compiler and ninja
@@ -36,7 +37,7 @@ ISA_ENV = "BLOCKSERVE_NATIVE_ISA"  # native (default) | avx2
 # The module's translation units: the bindings, then one file per kernel (kernels.h, decode_stack.h).
 SOURCES = ("module.cpp", "fused_ops.cpp", "paged_decode.cpp", "quantized_matmul.cpp", "decode_stack.cpp", "argmax.cpp",
            "sample.cpp", "paged_decode_quantized.cpp", "half_matmul.cpp", "gguf_blocks.cpp", "mxfp4.cpp",
-           "moe_experts.cpp")
+           "moe_experts.cpp", "state_recurrence.cpp")
 AVX2_ONLY = ("-mno-avx512f",)  # the build a CPU without AVX-512 gets (how tests cover it on one with it)
 
 
@@ -118,6 +119,12 @@ def half_matmul_ops(without_avx512: bool = False):
 def mxfp4_ops(without_avx512: bool = False):
     """The native module, for csrc/mxfp4.cpp's mxfp4_matmul, or None when native kernels are disabled
     or cannot be built. without_avx512: the -mno-avx512f build (the AVX2 path)."""
+    return _native(AVX2_ONLY if without_avx512 else ())
+
+
+def state_recurrence_ops(without_avx512: bool = False):
+    """The native module, for csrc/state_recurrence.cpp's delta_rule_rows and ssd_rows, or None when
+    native kernels are disabled or cannot be built. without_avx512: the -mno-avx512f build (the AVX2 path)."""
     return _native(AVX2_ONLY if without_avx512 else ())
 
 

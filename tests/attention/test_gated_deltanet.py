@@ -11,12 +11,12 @@ from blockserve.attention.context import ForwardContext, StateCache, StateMetada
 from blockserve.attention.gated_deltanet import (
     GatedDeltaNet,
     causal_conv1d,
-    causal_conv1d_step,
     chunk_gated_delta_rule,
     l2norm,
     recurrent_gated_delta_rule,
 )
 from blockserve.attention.metadata import BatchLayout
+from blockserve.attention.state_decodes import causal_conv1d_step
 from tests.attention.resume_checks import CUTS, assert_conv_captures, assert_resumes_exactly, exact
 
 H, DK, DV = 4, 16, 8

@@ -22,6 +22,16 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 // argmax.cpp: greedy sampling's per-row argmax, as torch's max(dim).indices.
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// state_recurrence.cpp: the state layers' per-token recurrences over a step's decode rows; row p starts
+// from table[-source[p] - 1] (a state slot) or after[source[p]] (an earlier row), writes its state to
+// after[p] and its output to out[p].
+void delta_rule_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                     const at::Tensor& beta, const at::Tensor& table, const at::Tensor& source, at::Tensor out,
+                     at::Tensor after);
+void ssd_rows(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+              const at::Tensor& C, const at::Tensor& D, const at::Tensor& table, const at::Tensor& source,
+              at::Tensor out, at::Tensor after);
+
 // sample.cpp: one token per row from the tempered softmax after top-k, top-p and min-p (inverse CDF).
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const std::optional<at::Tensor>& top_k,
                        const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p,

@@ -12,6 +12,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate the first `heads` heads of each row of qkv in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
   m.def("argmax_rows", &argmax_rows, "x [N, V] float32 -> int64 [N]: each row's first maximum (its first NaN)");
+  m.def("delta_rule_rows", &delta_rule_rows,
+        "(q, k [n, H, Dk], v [n, H, Dv], g [n, H] or [n, H, Dk] (log decay), beta [n, H], state table [S, H, Dk, "
+        "Dv], source int64 [n], out [n, H, Dv], after [n, H, Dk, Dv]): the gated delta rule, row p from "
+        "table[-source[p] - 1] or after[source[p]]");
+  m.def("ssd_rows", &ssd_rows,
+        "(x [n, H, P], dt [n, H], A [H], B, C [n, H, N], D [H], state table [S, H, P, N], source int64 [n], out "
+        "[n, H, P], after [n, H, P, N]): Mamba2's SSD step, row p from table[-source[p] - 1] or after[source[p]]");
   m.def("sample_rows", &sample_rows,
         "(logits [M, V] float32, temperature [M] float32, top_k [M] int64 | None, top_p [M] float32 | None, min_p "
         "[M] float32 | None, uniforms [M] float64 in [0, 1)) -> int64 [M]: each row's token, drawn by inverse CDF "
