@@ -288,9 +288,21 @@ typedef float UnalignedLanes __attribute__((vector_size(4 * kLanes), aligned(4))
 
 inline Lanes load_lanes(const float* p) { return *reinterpret_cast<const UnalignedLanes*>(p); }
 
+// The lanes' sum by halving, in the same order in every tile: the build's -fassociative-math would
+// otherwise let each tile shape reassociate it (and the add of a previous panel's sum) its own way,
+// and a row's result would depend on how many rows share its call. The empty asm hides the sum's
+// value, so it is added to a panel's running sum whole.
 inline float lane_sum(Lanes v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
+#if defined(__AVX512F__)
+  const __m512 all = reinterpret_cast<__m512&>(v);
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(all), _mm512_extractf32x8_ps(all, 1));
+#else
+  const __m256 eight = reinterpret_cast<__m256&>(v);
+#endif
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  float s = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+  asm("" : "+x"(s));
   return s;
 }
 

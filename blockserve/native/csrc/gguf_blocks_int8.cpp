@@ -10,10 +10,12 @@
 //   rounding of x differs from gguf_matmul.
 //
 // Where a format's sub-block scales cover 16 values (Q2_K, Q3_K, Q6_K), they are integers folded into
-// the integer sum (the pair products multiplied by them in madd), and Q2_K's 16-value mins take the
-// sums of x's levels per 16 values. Signed levels (Q4_0, Q5_0, Q8_0, Q3_K, Q6_K, IQ4_NL, IQ4_XS)
-// multiply as |q| times x's levels with q's sign (u8 x s8 products). Every integer sum is exact; a
-// block's sum is converted to float32 once (exact below 2^24 and within one rounding above).
+// the integer sum (the pair products multiplied by them in madd). Levels stored with an offset
+// (Q4_0: q - 8, Q5_0: q - 16, Q3_K: q - 4, Q6_K: q - 32) multiply as the unsigned q, the offset
+// (times the sub-block scale) times the sum of x's levels per 16 values taken off in integers; Q2_K's
+// 16-value mins take those sums too. Other signed levels (Q8_0, IQ4_NL, IQ4_XS) multiply as |q| times
+// x's levels with q's sign (u8 x s8 products). Every integer sum is exact; a block's sum is
+// converted to float32 once (exact below 2^24 and within one rounding above).
 //
 // Per output row the blocks are first unpacked into chunks of 256 columns (the levels as bytes, the
 // factors as floats: one K-quant super-block, or eight 32-value blocks), kept in L1 while every row
@@ -46,6 +48,7 @@ struct alignas(32) Chunk {
   int8_t q[kChunk];               // signed formats: the levels, whose signs move onto x's
   int16_t sub[kChunkBlocks][16];  // 16-value sub-blocks: the integer scale of each pair product
                                   // (words 0-7: the block's first 16 values, 8-15: the rest)
+  int16_t offset[2 * kChunkBlocks];  // offset formats: each 16 values' offset times their sub-block scale
   int16_t mins[2 * kChunkBlocks]; // Q2_K: each 16-value sub-block's integer min
   float scale[kChunkBlocks];      // a_b: each block's factor of its integer dot
   float constant[kChunkBlocks];   // c_b: each block's factor of s_b * sum(r_b) (Q2_K: of s_b * the mins' dot)
@@ -101,18 +104,24 @@ inline __m128i non_linear(__m128i nibbles) {
 
 // Each format: Elems values in Bytes per block; unpack_block writes the block at `b` into chunk
 // `c` from block `i` of 32 values on (a 32-value format: block i; a super-block: blocks 0-7).
-// Signed: levels of either sign (Q); SubScales: 16-value integer scales (sub); Constant: a
-// constant term (c_b); SubMins: Q2_K's 16-value integer mins.
+// Signed: levels of either sign (q); SubScales: 16-value integer scales (sub); Offset: levels
+// stored as q + offset (offset); Constant: a constant term (c_b); SubMins: Q2_K's 16-value mins.
 struct Traits {
-  static constexpr bool Signed = false, SubScales = false, Constant = false, SubMins = false;
+  static constexpr bool Signed = false, SubScales = false, Offset = false, Constant = false, SubMins = false;
 };
+
+inline void store_offsets(Chunk& c, int i, int first, int second) {
+  c.offset[2 * i] = int16_t(first);
+  c.offset[2 * i + 1] = int16_t(second);
+}
 
 struct Q4_0 : Traits {
   static constexpr int Elems = 32, Bytes = 18;
-  static constexpr bool Signed = true;
+  static constexpr bool Offset = true;
   static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    const __m128i qs = load16(b + 2), eight = _mm_set1_epi8(8);
-    store_signed(c, i, pair(_mm_sub_epi8(low_nibbles(qs), eight), _mm_sub_epi8(high_nibbles(qs), eight)));
+    const __m128i qs = load16(b + 2);
+    store_unsigned(c, i, pair(low_nibbles(qs), high_nibbles(qs)));
+    store_offsets(c, i, 8, 8);
     c.scale[i] = half(b);
   }
 };
@@ -148,9 +157,10 @@ inline __m256i five_bits(const uint8_t* qh, const uint8_t* qs) {
 
 struct Q5_0 : Traits {
   static constexpr int Elems = 32, Bytes = 22;
-  static constexpr bool Signed = true;
+  static constexpr bool Offset = true;
   static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    store_signed(c, i, _mm256_sub_epi8(five_bits(b + 2, b + 6), _mm256_set1_epi8(16)));
+    store_unsigned(c, i, five_bits(b + 2, b + 6));
+    store_offsets(c, i, 16, 16);
     c.scale[i] = half(b);
   }
 };
@@ -197,7 +207,7 @@ struct Q2_K : Traits {  // scales[16] (low nibble: scale, high: min) | qs[64] | 
 
 struct Q3_K : Traits {  // hmask[32] | qs[64] | scales[12] | d
   static constexpr int Elems = 256, Bytes = 110;
-  static constexpr bool Signed = true, SubScales = true;
+  static constexpr bool SubScales = true, Offset = true;
   static void unpack_block(const uint8_t* b, int, Chunk& c) {
     const uint8_t* s = b + 96;
     const float d = half(b + 108);
@@ -207,10 +217,11 @@ struct Q3_K : Traits {  // hmask[32] | qs[64] | scales[12] | d
     const __m256i hmask = load32(b), four = _mm256_set1_epi8(4);
     for (int part = 0; part < 2; ++part) {
       const __m256i qs = load32(b + 32 + 32 * part);
-      for (int shift = 0; shift < 4; ++shift) {  // block i: 2 bits of qs, less 4 where bit i of hmask is clear
+      for (int shift = 0; shift < 4; ++shift) {  // block i: 2 bits of qs, plus 4 where bit i of hmask is set, less 4
         const int i = 4 * part + shift;
-        store_signed(c, i, _mm256_sub_epi8(two_bits(qs, shift), _mm256_andnot_si256(has_bit(hmask, i), four)));
+        store_unsigned(c, i, _mm256_or_si256(two_bits(qs, shift), _mm256_and_si256(has_bit(hmask, i), four)));
         store_sub_scales(c, i, scales[2 * i], scales[2 * i + 1]);
+        store_offsets(c, i, 4 * scales[2 * i], 4 * scales[2 * i + 1]);
         c.scale[i] = d;
       }
     }
@@ -256,19 +267,20 @@ struct Q5_K : Traits {  // d | dmin | scales[12] | qh[32] | qs[128]
 
 struct Q6_K : Traits {  // ql[128] | qh[64] | scales[16] int8 | d
   static constexpr int Elems = 256, Bytes = 210;
-  static constexpr bool Signed = true, SubScales = true;
+  static constexpr bool SubScales = true, Offset = true;
   static void unpack_block(const uint8_t* b, int, Chunk& c) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half(b + 208);
     for (int part = 0; part < 2; ++part) {
       const __m256i qh = load32(b + 128 + 32 * part);
-      for (int group = 0; group < 4; ++group) {  // block i: 4 bits of ql, 2 of qh, less 32
+      for (int group = 0; group < 4; ++group) {  // block i: 4 bits of ql, 2 of qh (less 32)
         const int i = 4 * part + group;
         const __m256i ql = load32(b + 64 * part + 32 * (group % 2));
         const __m256i low = group / 2 ? high_nibbles256(ql) : low_nibbles256(ql);
         const __m256i level = _mm256_or_si256(low, _mm256_slli_epi16(two_bits(qh, group), 4));
-        store_signed(c, i, _mm256_sub_epi8(level, _mm256_set1_epi8(32)));
+        store_unsigned(c, i, level);
         store_sub_scales(c, i, scales[2 * i], scales[2 * i + 1]);
+        store_offsets(c, i, 32 * scales[2 * i], 32 * scales[2 * i + 1]);
         c.scale[i] = d;
       }
     }
@@ -291,18 +303,18 @@ struct IQ4_XS : Traits {  // d | scales_h (uint16) | scales_l[4] | qs[128]
   }
 };
 
-// A row of K values (K a multiple of F::Elems) as chunks; the last chunk's blocks past K are zero.
+// A row of K values (K a multiple of F::Elems) as chunks. A 32-value format's partial last chunk
+// has zero factors past K (its levels there are not read).
 template <typename F>
 void unpack_row(const uint8_t* row, int64_t K, Chunk* chunks) {
   constexpr int kPerChunk = kChunk / F::Elems;  // blocks per chunk
   const int64_t blocks = K / F::Elems;
   for (int64_t b = 0; b < blocks; ++b) F::unpack_block(row + b * F::Bytes, int(b % kPerChunk), chunks[b / kPerChunk]);
-  if (const int filled = int(K % kChunk / kBlock)) {  // a 32-value format's partial last chunk
+  if (const int filled = int(K % kChunk / kBlock)) {
     Chunk& last = chunks[K / kChunk];
-    std::memset(last.u + kBlock * filled, 0, kBlock * (kChunkBlocks - filled));
-    std::memset(last.q + kBlock * filled, 0, kBlock * (kChunkBlocks - filled));
     std::fill(last.scale + filled, last.scale + kChunkBlocks, 0.f);
     std::fill(last.constant + filled, last.constant + kChunkBlocks, 0.f);
+    std::fill(last.offset + 2 * filled, last.offset + 2 * kChunkBlocks, int16_t(0));
   }
 }
 
@@ -311,7 +323,7 @@ struct Levels {
   int64_t blocks;               // per row (a multiple of 8)
   std::vector<int8_t> r;        // [M, blocks * 32]
   std::vector<float> s, sum;    // [M, blocks]: s_b and s_b * sum(r_b)
-  std::vector<int16_t> sum16;   // [M, 2 * blocks]: the sums of each 16 levels (Q2_K's mins)
+  std::vector<int16_t> sum16;   // [M, 2 * blocks]: the sums of each 16 levels (offsets, Q2_K's mins)
 };
 
 Levels rounded(const float* x, int64_t M, int64_t K, bool sums_of_16) {
@@ -321,10 +333,12 @@ Levels rounded(const float* x, int64_t M, int64_t K, bool sums_of_16) {
   for (int64_t m = 0; m < M; ++m)
     quantize_blocks(x + m * K, K / kBlock, l.r.data() + m * blocks * kBlock, l.s.data() + m * blocks,
                     l.sum.data() + m * blocks);
-  for (size_t h = 0; h < l.sum16.size(); ++h) {
-    int sum = 0;
-    for (int j = 0; j < 16; ++j) sum += l.r[16 * h + j];
-    l.sum16[h] = int16_t(sum);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (size_t b = 0; b < l.sum16.size() / 2; ++b) {  // sad: sums of 8 bytes, of r + 128
+    const __m256i eights = _mm256_sad_epu8(_mm256_xor_si256(load32(reinterpret_cast<const uint8_t*>(l.r.data()) + kBlock * b), flip),
+                                           _mm256_setzero_si256());
+    l.sum16[2 * b] = int16_t(_mm256_extract_epi64(eights, 0) + _mm256_extract_epi64(eights, 1) - 16 * 128);
+    l.sum16[2 * b + 1] = int16_t(_mm256_extract_epi64(eights, 2) + _mm256_extract_epi64(eights, 3) - 16 * 128);
   }
   return l;
 }
@@ -353,47 +367,67 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One output row (its chunks) dotted with row m of x.
+// acc + a chunk dotted with x's levels r (scales s, level sums sum and sum16) over its first n blocks.
 template <typename F>
-float row_dot(const Chunk* chunks, int64_t count, const Levels& l, int64_t m) {
+inline __m256 chunk_dot(const Chunk& c, const int8_t* r, const float* s, const float* sum, const int16_t* sum16,
+                        int n, __m256 acc) {
+  __m256i p[kChunkBlocks];
+  for (int i = 0; i < kChunkBlocks; ++i) {
+    if (i >= n) {
+      p[i] = _mm256_setzero_si256();
+      continue;
+    }
+    const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.u + kBlock * i));
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kBlock * i));
+    if constexpr (F::Signed) v = _mm256_sign_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(c.q + kBlock * i)));
+    if constexpr (F::SubScales)
+      p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_load_si256(reinterpret_cast<const __m256i*>(c.sub[i])));
+    else
+      p[i] = dot_u8s8(u, v);
+  }
+  const __m256 vs = _mm256_loadu_ps(s);
+  __m256i dots = sum_each(p);
+  __m256i sums16;  // per block: a * sum(r, first 16) + b * sum(r, last 16) with madd
+  if constexpr (F::Offset || F::SubMins) sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16));
+  if constexpr (F::Offset)
+    dots = _mm256_sub_epi32(dots, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(c.offset)), sums16));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(_mm256_load_ps(c.scale), vs), acc);
+  if constexpr (F::Constant) acc = _mm256_fmadd_ps(_mm256_load_ps(c.constant), _mm256_loadu_ps(sum), acc);
+  if constexpr (F::SubMins) {
+    const __m256i mins = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(c.mins)), sums16);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_load_ps(c.constant), vs), acc);
+  }
+  return acc;
+}
+
+// One output row (its chunks, the last `tail` blocks long: 0 for whole) dotted with row m of x.
+template <typename F>
+float row_dot(const Chunk* chunks, int64_t count, int tail, const Levels& l, int64_t m) {
   const int8_t* r = l.r.data() + m * l.blocks * kBlock;
   const float* s = l.s.data() + m * l.blocks;
   const float* sum = l.sum.data() + m * l.blocks;
-  const int16_t* sum16 = F::SubMins ? l.sum16.data() + 2 * m * l.blocks : nullptr;
+  const int16_t* sum16 = F::Offset || F::SubMins ? l.sum16.data() + 2 * m * l.blocks : nullptr;
+  const int64_t whole = tail ? count - 1 : count;
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t k = 0; k < count; ++k, r += kChunk, s += kChunkBlocks, sum += kChunkBlocks) {
-    const Chunk& c = chunks[k];
-    __m256i p[kChunkBlocks];
-    for (int i = 0; i < kChunkBlocks; ++i) {
-      const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.u + kBlock * i));
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kBlock * i));
-      if constexpr (F::Signed) v = _mm256_sign_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(c.q + kBlock * i)));
-      if constexpr (F::SubScales)
-        p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_load_si256(reinterpret_cast<const __m256i*>(c.sub[i])));
-      else
-        p[i] = dot_u8s8(u, v);
-    }
-    const __m256 vs = _mm256_loadu_ps(s);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each(p)), _mm256_mul_ps(_mm256_load_ps(c.scale), vs), acc);
-    if constexpr (F::Constant) acc = _mm256_fmadd_ps(_mm256_load_ps(c.constant), _mm256_loadu_ps(sum), acc);
-    if constexpr (F::SubMins) {  // per block: min_a * sum(r, first 16) + min_b * sum(r, last 16)
-      const __m256i mins = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(c.mins)),
-                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16 + 2 * kChunkBlocks * k)));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_load_ps(c.constant), vs), acc);
-    }
-  }
+  for (int64_t k = 0; k < whole; ++k)
+    acc = chunk_dot<F>(chunks[k], r + kChunk * k, s + kChunkBlocks * k, sum + kChunkBlocks * k,
+                       sum16 ? sum16 + 2 * kChunkBlocks * k : nullptr, kChunkBlocks, acc);
+  if (tail)
+    acc = chunk_dot<F>(chunks[whole], r + kChunk * whole, s + kChunkBlocks * whole, sum + kChunkBlocks * whole,
+                       sum16 ? sum16 + 2 * kChunkBlocks * whole : nullptr, tail, acc);
   return sum_lanes(acc);
 }
 
 template <typename F>
 void matmul(const Levels& l, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, int64_t N, float* out) {
   const int64_t count = (K + kChunk - 1) / kChunk;
+  const int tail = int(K % kChunk / kBlock);
   // tasks of >= ~64 K multiply-adds
   for_each_range(N, std::max<int64_t>(1, (1 << 16) / (K * M)), [&](int64_t begin, int64_t end) {
     std::vector<Chunk> chunks(count);
     for (int64_t n = begin; n < end; ++n) {
       unpack_row<F>(w + n * row_bytes, K, chunks.data());
-      for (int64_t m = 0; m < M; ++m) out[m * N + n] = row_dot<F>(chunks.data(), count, l, m);
+      for (int64_t m = 0; m < M; ++m) out[m * N + n] = row_dot<F>(chunks.data(), count, tail, l, m);
     }
   });
 }
@@ -406,7 +440,7 @@ struct Format {
 
 template <typename F>
 constexpr Format format_of() {
-  return {F::Elems, F::Bytes, F::SubMins, &matmul<F>};
+  return {F::Elems, F::Bytes, F::Offset || F::SubMins, &matmul<F>};
 }
 
 Format format_named(const std::string& name) {
