@@ -2,17 +2,21 @@
 build, on a layer shape of the bundled model's (random blocks with finite scales), at --threads:
 
     blocks   gguf_matmul: four weight rows dequantised at a time into register tiles (decode)
+    int8     gguf_matmul_int8 (--quantized-activations int8): x rounded to int8 per block of 32,
+             integer dots with the blocks' levels (csrc/gguf_blocks_int8.cpp)
     tiles    GGUFBlockLinear's many-row path: tiles dequantised from the blocks into torch's GEMM
     float32  a resident float32 copy of the dequantised weights (column-major nn.Linear): what the
              many-row path would run on with a float32 copy
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.gguf_blocks [--rows 1 8 16 64 512] [--formats Q4_K Q6_K] [--threads 2]
+        [--variants blocks int8]
 
 Each cell is the fastest of --rounds calls, the variants interleaved in every round. At one thread
 a call is timed by this thread's CPU time (time.thread_time), so the time the process waits while
 other processes hold the CPU (a shared machine) is not counted; at more threads by the wall clock.
 `blocks` is timed up to --blocks-max-rows rows. Prints one line per (build, format,
-rows) and the other processes' CPU share while it measured.
+rows), each variant's time over blocks' (or tiles' past --blocks-max-rows), and the other
+processes' CPU share while it measured.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from blockserve.models.weight_layout import column_major
 from blockserve.native.extension import quantized_matmul_ops
 
 SHAPES = {"Q5_0": (1536, 576), "Q4_K": (576, 1536), "Q6_K": (576, 1536), "Q8_0": (1536, 576), "Q2_K": (576, 1536),
-          "Q3_K": (576, 1536), "Q5_K": (576, 1536), "Q4_1": (1536, 576)}
+          "Q3_K": (576, 1536), "Q5_K": (576, 1536), "Q4_1": (1536, 576), "Q4_0": (1536, 576), "Q5_1": (1536, 576),
+          "IQ4_NL": (1536, 576), "IQ4_XS": (576, 1536)}
 DEFAULT_FORMATS = ("Q5_0", "Q4_K", "Q6_K", "Q8_0")
-VARIANTS = ("blocks", "tiles", "float32")
+VARIANTS = ("blocks", "int8", "tiles", "float32")
 
 
 def blocks(format: str, rows: int, columns: int, rng: np.random.Generator) -> torch.Tensor:
@@ -62,6 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--blocks-max-rows", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -75,14 +81,16 @@ def main() -> None:
                 for m in args.rows:
                     x = torch.randn(m, k)
                     fns = {"blocks": lambda: ops.gguf_matmul(x, raw, format),
+                           "int8": lambda: ops.gguf_matmul_int8(x, raw, format),
                            "tiles": lambda: tiled_gemm(x, n, k, lambda s, c: ops.gguf_dequantize(raw[s:s + c], format, k)),
                            "float32": lambda: torch.nn.functional.linear(x, weight)}
-                    if m > args.blocks_max_rows:
-                        del fns["blocks"]
+                    fns = {v: fn for v, fn in fns.items() if v in args.variants
+                           and (v != "blocks" or m <= args.blocks_max_rows)}
                     ms = fastest_ms(fns, args.rounds, time.thread_time if args.threads == 1 else time.perf_counter)
-                    cells = "  ".join(f"{v} {ms[v]:8.3f}" if v in ms else f"{v} {'-':>8}" for v in VARIANTS)
-                    print(f"{build:6} {args.threads}t {format:5} {n}x{k} rows {m:4}: {cells} ms  float32/tiles "
-                          f"{ms['float32'] / ms['tiles']:.2f}x", flush=True)
+                    cells = "  ".join(f"{v} {ms[v]:8.3f}" if v in ms else f"{v} {'-':>8}" for v in args.variants)
+                    base = "blocks" if "blocks" in ms else "tiles" if "tiles" in ms else None
+                    ratios = "  ".join(f"{v}/{base} {ms[v] / ms[base]:.2f}x" for v in ms if base and v != base)
+                    print(f"{build:6} {args.threads}t {format:6} {n}x{k} rows {m:4}: {cells} ms  {ratios}", flush=True)
     print(f"others' CPU share: {share.others:.0%}" if share.others is not None else "others' CPU share: unknown")
 
 

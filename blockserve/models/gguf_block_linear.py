@@ -12,8 +12,11 @@ in its own format):
     more rows          tiles of dequantised weights (tiled_gemm.py), each multiplied by torch's
                        GEMM and dropped (prefill: compute-bound, so the GEMM pays)
 
-With int8 / int16 activations (--quantized-activations), x is first rounded per block of 32 as
-quantized_linear's integer kernels round it, so every layer of a model computes the same function.
+With int8 activations (--quantized-activations int8) every row count runs gguf_matmul_int8
+(csrc/gguf_blocks_int8.cpp): x rounded per block of 32 to int8 levels as quantized_linear's integer
+kernels round it, integer dots with the blocks' levels (every format above), so a row's result is the
+same bits whatever shares its call. With int16, x is rounded the same way (32767 levels) and the
+float paths above multiply it, so every layer of a model computes the same function.
 GGUFBlockEmbedding looks rows up by dequantising just those rows.
 """
 
@@ -89,6 +92,7 @@ class GGUFBlockLinear(nn.Module):
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
         self.levels = LEVELS.get(activations)
         self.activations = activations
+        self.integer_kernel = activations == "int8"  # False: round x, then the float paths (for comparisons)
         self.tp = tp
         for i, segment in enumerate(self.segments):  # buffers: moved and counted with the module
             self.register_buffer(f"blocks_{i}", segment.raw, persistent=False)
@@ -96,9 +100,12 @@ class GGUFBlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).float().contiguous()
-        if self.levels is not None:
-            x = round_per_block(x, self.levels)
-        outs = [self._segment(x, s) for s in self.segments]
+        if self.integer_kernel:
+            outs = [self.ops.gguf_matmul_int8(x, s.raw, s.format) for s in self.segments]
+        else:
+            if self.levels is not None:
+                x = round_per_block(x, self.levels)
+            outs = [self._segment(x, s) for s in self.segments]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.tp is not None:
             out = self.tp.all_reduce(out)

@@ -36,8 +36,8 @@ DISABLE_ENV = "BLOCKSERVE_NATIVE_KERNELS"
 ISA_ENV = "BLOCKSERVE_NATIVE_ISA"  # native (default) | avx2
 # The module's translation units: the bindings, then one file per kernel (kernels.h, decode_stack.h).
 SOURCES = ("module.cpp", "fused_ops.cpp", "paged_decode.cpp", "quantized_matmul.cpp", "decode_stack.cpp", "argmax.cpp",
-           "sample.cpp", "paged_decode_quantized.cpp", "half_matmul.cpp", "gguf_blocks.cpp", "mxfp4.cpp",
-           "moe_experts.cpp", "state_recurrence.cpp")
+           "sample.cpp", "paged_decode_quantized.cpp", "half_matmul.cpp", "gguf_blocks.cpp", "gguf_blocks_int8.cpp",
+           "mxfp4.cpp", "moe_experts.cpp", "state_recurrence.cpp")
 AVX2_ONLY = ("-mno-avx512f",)  # the build a CPU without AVX-512 gets (how tests cover it on one with it)
 
 

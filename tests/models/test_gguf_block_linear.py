@@ -99,6 +99,21 @@ def test_panels_of_k_when_x_outgrows_the_cache(build, format, rows, columns):
     assert_matmul(ops.gguf_matmul(x, torch.from_numpy(raw), format), x, dequantized(format, raw))
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(build):
+    """gguf_matmul sums a row's products in one order whether the row is alone, beside a few others
+    (each register tile shape) or in a 300-row call, over one panel of K or several."""
+    ops, rng = BUILDS[build], np.random.default_rng(6)
+    for format, columns in (("Q8_0", 96), ("Q4_K", 2048)):
+        raw = torch.from_numpy(random_blocks(format, 9, columns, rng))
+        x = torch.randn(300, columns)
+        together = ops.gguf_matmul(x, raw, format)
+        for m in (1, 2, 3, 5):
+            assert torch.equal(ops.gguf_matmul(x[:m], raw, format), together[:m]), (format, m)
+        for m in (0, 150, 299):
+            assert torch.equal(ops.gguf_matmul(x[m:m + 1], raw, format), together[m:m + 1]), (format, m)
+
+
 @pytest.mark.parametrize("format", ("Q4_K", "Q6_K", "Q5_0"))
 def test_the_linear_layer_across_row_counts_segments_and_tiles(format, monkeypatch):
     rng = np.random.default_rng(1)

@@ -288,9 +288,31 @@ typedef float UnalignedLanes __attribute__((vector_size(4 * kLanes), aligned(4))
 
 inline Lanes load_lanes(const float* p) { return *reinterpret_cast<const UnalignedLanes*>(p); }
 
+// acc + w * x rounded once, in every tile: left to contraction, GCC's tuning for some CPUs (Zen) keeps
+// a tile's lone running sum as a multiply then an add, which rounds twice.
+inline Lanes fused_multiply_add(Lanes w, Lanes x, Lanes acc) {
+#if defined(__AVX512F__)
+  return (Lanes)_mm512_fmadd_ps((__m512)w, (__m512)x, (__m512)acc);
+#else
+  return (Lanes)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc);
+#endif
+}
+
+// The lanes' sum by halving, in the same order in every tile: the build's -fassociative-math would
+// otherwise let each tile shape reassociate it (and the add of a previous panel's sum) its own way,
+// and a row's result would depend on how many rows share its call (as with fused_multiply_add). The
+// empty asm hides the sum's value, so it is added to a panel's running sum whole.
 inline float lane_sum(Lanes v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
+#if defined(__AVX512F__)
+  const __m512 all = reinterpret_cast<__m512&>(v);
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(all), _mm512_extractf32x8_ps(all, 1));
+#else
+  const __m256 eight = reinterpret_cast<__m256&>(v);
+#endif
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  float s = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+  asm("" : "+x"(s));
   return s;
 }
 
@@ -305,7 +327,7 @@ __attribute__((noinline)) void tile(const float* w, const float* x, int64_t colu
     for (int n = 0; n < NR; ++n) wv[n] = load_lanes(w + n * columns + k);
     for (int m = 0; m < MR; ++m) {
       const Lanes xv = load_lanes(x + m * K + k);
-      for (int n = 0; n < NR; ++n) acc[n][m] += wv[n] * xv;
+      for (int n = 0; n < NR; ++n) acc[n][m] = fused_multiply_add(wv[n], xv, acc[n][m]);
     }
   }
   for (int n = 0; n < NR; ++n)

@@ -77,6 +77,8 @@ int64_t half_matmul_lanes();
 std::vector<std::string> gguf_block_formats();
 at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns);
 at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
+// gguf_blocks_int8.cpp: gguf_matmul with x rounded to int8 per block of 32 (integer dots; the same formats).
+at::Tensor gguf_matmul_int8(at::Tensor x, at::Tensor raw, const std::string& format);
 
 // mxfp4.cpp: out = x @ W^T, W [N, K] in MXFP4 (Hugging Face's blocks [N, K/32, 16] and e8m0 scales [N, K/32]).
 at::Tensor mxfp4_matmul(at::Tensor x, at::Tensor blocks, at::Tensor scales);

@@ -56,6 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_matmul", &gguf_matmul, "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_matmul_int8", &gguf_matmul_int8,
+        "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N] with x rounded to int8 per block "
+        "of 32 (integer dots)", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mxfp4_matmul", &mxfp4_matmul,
         "(x [M, K] float32, blocks uint8 [N, K/32, 16], scales uint8 [N, K/32]) -> x @ W^T [M, N], W in MXFP4",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -19,6 +19,7 @@
 
 #include "kernels.h"
 
+#include "block_levels.h"
 #include "task_pool.h"
 
 #include <algorithm>
@@ -331,8 +332,6 @@ void run(const Problem& p) {
 #if BLOCKSERVE_LANES
 constexpr int64_t kIntRows = 4;  // rows of x per pass over a group's weights (registers)
 
-template <typename Level> constexpr float kLevels = sizeof(Level) == 1 ? 127.f : 32767.f;
-
 template <typename Level>
 struct IntProblem {
   const Level* r;      // [M, K] x rounded per block
@@ -342,46 +341,6 @@ struct IntProblem {
   float* out;          // [M, N]
   int64_t M, K, N;
 };
-
-// x rows -> levels, scales and s * sum(levels) per block of 32 (AVX2: also what AVX-512 CPUs run).
-template <typename Level>
-void quantize_rows(const float* x, int64_t M, int64_t K, Level* r, float* s, float* xsum) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < M * K / kBlock; ++b, x += kBlock) {
-    __m256 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
-    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_max_ss(t, _mm_movehdup_ps(t));
-    const float amax = _mm_cvtss_f32(t);
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? kLevels<Level> / amax : 0.f);
-    __m256i q[4];
-    for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // rounds to nearest even
-    if constexpr (sizeof(Level) == 1) {
-      // packs interleave the 128-bit halves: dwords come out as 0-3 of q0, q1, q2, q3, then 4-7 of each
-      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + b * kBlock),
-                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    } else {
-      // words come out as 0-3 of q0, 0-3 of q1, 4-7 of q0, 4-7 of q1: qwords in the order 0, 2, 1, 3
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + b * kBlock + 16 * h),
-                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xd8));
-    }
-    // A NaN in the block would vanish from amax (max_ps drops it) and from the levels: make the
-    // scale NaN so the outputs are NaN, as x @ W^T's would be (an infinity gives inf or NaN by itself).
-    __m256 nan = _mm256_setzero_ps();
-    for (int k = 0; k < 4; ++k) nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
-    s[b] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / kLevels<Level>;
-    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
-    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4e));
-    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xb1));
-    xsum[b] = s[b] * static_cast<float>(_mm_cvtsi128_si32(sum4));
-  }
-}
 
 // Eight int32 lanes summing to u . v (u unsigned, v signed bytes; no adjacent pair of products
 // may leave int16, which holds for 4-bit weights and for |int8 weights| . int8 levels in -127..127).
@@ -527,7 +486,7 @@ at::Tensor quantized_matmul_levels(at::Tensor x, const at::Tensor& packed, int64
   if (M == 0) return out;
   std::vector<Level> levels(M * K);
   std::vector<float> scales(M * K / kBlock), sums(M * K / kBlock);
-  quantize_rows(x.data_ptr<float>(), M, K, levels.data(), scales.data(), sums.data());
+  quantize_blocks(x.data_ptr<float>(), M * K / kBlock, levels.data(), scales.data(), sums.data());
   const IntProblem<Level> p{levels.data(), scales.data(), sums.data(), packed.data_ptr<uint8_t>(),
                             out.data_ptr<float>(), M, K, N};
   if (q4_1) run_int<true>(p); else run_int<false>(p);
