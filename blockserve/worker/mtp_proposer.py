@@ -25,7 +25,7 @@ one proposal.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import torch
@@ -44,69 +44,91 @@ MAX_HELD_STATES = 4096  # per request: a request that does not propose for long 
 class TargetStates:
     """Per request, the target's final hidden states of consecutive positions from `first(request)`:
     those the MTP head has not fed yet, and the last one it fed (a proposal with no new token feeds
-    it again); at most `max_rows`, the oldest dropped first."""
+    it again); at most `max_rows`, the oldest dropped first. Each request's rows are held as the
+    chunks its steps recorded, with their count kept alongside: a step costs the rows it records,
+    whatever is held."""
 
     def __init__(self, max_rows: int = MAX_HELD_STATES):
         if max_rows < 2:
             raise ValueError(f"max_rows must be >= 2 (the last fed state and a new one), got {max_rows}")
         self.max_rows = max_rows
         self._first: dict[str, int] = {}
-        self._rows: dict[str, list[torch.Tensor]] = {}
+        self._count: dict[str, int] = {}
+        self._chunks: dict[str, deque[torch.Tensor]] = {}
 
     def record(self, request_ids: list[str], query_start: list[int], firsts: list[int], hidden: torch.Tensor) -> None:
         """A target step's hidden states [T, H]: request i's rows query_start[i]:query_start[i + 1], from
         position firsts[i]. They replace what is held from that position on (rejected drafts' rows,
         or the rows of a recomputation); a request whose rows would leave a gap starts over from them."""
         for rid, start, end, first in zip(request_ids, query_start, query_start[1:], firsts):
-            rows = hidden[start:end].clone()
+            rows = hidden[max(start, end - self.max_rows):end].clone()
+            first += end - start - rows.shape[0]  # those before the last max_rows would be dropped at once
             held = self._first.get(rid)
-            if held is None or not held <= first <= held + self._count(rid):
-                self._first[rid], self._rows[rid] = first, [rows]
-                continue
-            self._truncate(rid, first - held)
-            self._rows[rid].append(rows)
-        for rid in request_ids:
-            excess = self._count(rid) - self.max_rows
-            if excess > 0:
-                rows = torch.cat(self._rows[rid])[excess:]
-                self._first[rid], self._rows[rid] = self._first[rid] + excess, [rows]
+            if held is None or not held <= first <= held + self._count[rid]:
+                self._first[rid], self._count[rid], self._chunks[rid] = first, 0, deque()
+            else:
+                self._truncate(rid, first - held)
+            if rows.shape[0]:
+                self._chunks[rid].append(rows)
+                self._count[rid] += rows.shape[0]
+            self._drop_oldest(rid, self._count[rid] - self.max_rows)
 
     def first(self, request_id: str) -> int | None:
         return self._first.get(request_id)
 
     def end(self, request_id: str) -> int:
         """One past the last position held (first(request) if none)."""
-        return self._first.get(request_id, 0) + self._count(request_id)
+        return self._first.get(request_id, 0) + self._count.get(request_id, 0)
+
+    def num_chunks(self, request_id: str) -> int:
+        """How many tensors hold the request's rows."""
+        return len(self._chunks.get(request_id, ()))
 
     def take(self, request_id: str, begin: int, end: int) -> torch.Tensor:
         """The states of positions [begin, end), all held; those before end - 1 are dropped."""
+        chunks = self._chunks[request_id]
+        rows = torch.cat(tuple(chunks)) if len(chunks) > 1 else chunks[0]
         first = self._first[request_id]
-        rows = torch.cat(self._rows[request_id]) if len(self._rows[request_id]) > 1 else self._rows[request_id][0]
         taken = rows[begin - first:end - first]
-        self._first[request_id], self._rows[request_id] = end - 1, [rows[end - 1 - first:]]
+        self._first[request_id] = end - 1
+        self._count[request_id] -= end - 1 - first
+        self._chunks[request_id] = deque([rows[end - 1 - first:]])
         return taken
 
     def forget(self, request_id: str) -> None:
         self._first.pop(request_id, None)
-        self._rows.pop(request_id, None)
+        self._count.pop(request_id, None)
+        self._chunks.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._first.clear()
+        self._count.clear()
+        self._chunks.clear()
 
     def __len__(self) -> int:
         return len(self._first)
 
-    def _count(self, request_id: str) -> int:
-        return sum(rows.shape[0] for rows in self._rows.get(request_id, ()))
+    def _drop_oldest(self, request_id: str, excess: int) -> None:
+        """Drop the request's first `excess` rows: whole leading chunks, then part of one."""
+        if excess <= 0:
+            return
+        chunks = self._chunks[request_id]
+        self._first[request_id] += excess
+        self._count[request_id] -= excess
+        while excess >= chunks[0].shape[0]:
+            excess -= chunks.popleft().shape[0]
+        if excess:
+            chunks[0] = chunks[0][excess:]
 
     def _truncate(self, request_id: str, keep: int) -> None:
-        kept, total = [], 0
-        for rows in self._rows[request_id]:
-            if total + rows.shape[0] > keep:
-                rows = rows[:keep - total]
-            if rows.shape[0]:
-                kept.append(rows)
-            total += rows.shape[0]
-            if total >= keep:
-                break
-        self._rows[request_id] = kept
+        """Keep the request's first `keep` rows: drop whole trailing chunks, then part of one."""
+        chunks = self._chunks[request_id]
+        count = self._count[request_id]
+        while chunks and count - chunks[-1].shape[0] >= keep:
+            count -= chunks.pop().shape[0]
+        if count > keep:
+            chunks[-1] = chunks[-1][:chunks[-1].shape[0] - (count - keep)]
+        self._count[request_id] = keep
 
 
 class _HeadRequest:
