@@ -18,8 +18,9 @@ is its own (a KVCacheManager with prefix caching off, zeroed and poisoned like t
 embedding and, for Qwen3-Next, its lm_head are the target's modules. When its cache is full, the
 requests that proposed least recently give their blocks back and feed their rows again later, from
 the first target state still held (the rows before are then not attended: drafts only, never the
-output), as does a request that did not propose for more than MAX_HELD_STATES of its positions (the
-states held per request are bounded by it). Requests enter the head's runner only for the length of
+output), as does a request whose target states outgrew MAX_HELD_STATES before it proposed (a prompt
+longer than that, or a request not proposing for that many positions): the states held per request
+are bounded by it. Requests enter the head's runner only for the length of
 one proposal.
 """
 
@@ -37,8 +38,10 @@ from blockserve.worker.draft_proposer import GREEDY, _step_output
 from blockserve.worker.model_runner import ModelRunner
 
 
-MAX_HELD_STATES = 4096  # per request: a request that does not propose for long (a large batch past
-# disable_by_batch_size, the cost rule's back-off) keeps its latest states only, and its head restarts there
+MAX_HELD_STATES = 512  # per request, on the target's device and outside the KV plan (hidden_size values
+# each): what a request that is drafting holds is only what it has not fed (a step's rows); one that does not
+# propose for long (a prompt longer than this, a batch past disable_by_batch_size) keeps its latest states
+# only, and its head restarts there, attending those positions only (its drafts, never the output, change)
 
 
 class TargetStates:
@@ -163,7 +166,7 @@ class MTPProposer:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self.runner, self.kv, self.max_chunk = runner, kv, max_chunk
-        self.states = TargetStates()
+        self.states = TargetStates(MAX_HELD_STATES)
         self._requests: OrderedDict[str, _HeadRequest] = OrderedDict()  # least recently proposed first
         self._nothing_new = [[] for _ in kv.config.groups]
         self._inputs: dict[str, torch.Tensor] = {}  # this forward's hidden inputs per request

@@ -27,6 +27,7 @@ from blockserve.engine.config import EngineConfig
 from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.step_costs import FlatStepCosts
+from blockserve.worker import mtp_proposer
 from tests.engine.test_config_args import engine_parser
 from tests.engine.test_hybrid_speculative import small_cache
 from tests.engine.test_tiny_engine import SIZES
@@ -104,6 +105,22 @@ def test_greedy_tokens_are_those_of_plain_decoding(checkpoints, family, scenario
     assert len(stats.drafted_per_position) == K and stats.drafted_per_position[K - 1] > 0
     assert stats.num_draft_tokens == sum(stats.drafted_per_position)
     assert stats.num_accepted_tokens == sum(stats.accepted_per_position) <= stats.num_draft_tokens
+    assert_nothing_held(llm)
+
+
+def test_prompts_past_the_held_states_cap_keep_their_greedy_tokens_and_get_drafts(checkpoints, monkeypatch):
+    """A prompt longer than the states held per request: its head restarts from the latest states held
+    (its first drafts attend those positions only), and what is held stays within the cap."""
+    monkeypatch.setattr(mtp_proposer, "MAX_HELD_STATES", 4)
+    path, _ = checkpoints("qwen3_next")
+    prompts = [p for p in state_model_prompts(6) if len(p) > 4][:3]
+    assert prompts
+    plain = tokens(LLM(path, **OPTIONS), prompts)
+    llm = LLM(path, speculative_config=mtp(), **OPTIONS)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    assert proposer.states.max_rows == 4
+    assert tokens(llm, prompts) == plain
+    assert llm.engine.stats().speculation.num_draft_tokens > 0
     assert_nothing_held(llm)
 
 
