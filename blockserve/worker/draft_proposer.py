@@ -161,9 +161,11 @@ class DraftModelProposer:
         return drafts
 
     def forget(self, request_id: str) -> None:
-        """The request ended (or gives its draft blocks back): free them."""
+        """The request ended (or gives its draft blocks back): free them, their poison orders applied at
+        once (C2: nothing pending once every request finished)."""
         if self._requests.pop(request_id, None) is not None:
             self.kv.free(request_id)
+            apply_pending(self.runner, self.kv)
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Positions of the request the draft's cache holds (0 for a request it holds nothing for)."""
@@ -179,6 +181,12 @@ class DraftModelProposer:
         for request_id in list(self._requests):
             self.forget(request_id)
         self.runner = None
+
+
+def apply_pending(runner: ModelRunner, kv: KVCacheManager) -> None:
+    """Hand `kv`'s zero and poison orders to `runner` in a step that runs no request."""
+    if not kv.pending_is_empty():
+        runner.execute(_step_output([], [], {}, kv.take_pending()))
 
 
 def _step_output(new: list[NewRequestData], cached: list[CachedRequestData], token_ids: dict[str, list[int]],

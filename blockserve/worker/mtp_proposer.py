@@ -34,7 +34,7 @@ import torch
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.pending import PendingWork
 from blockserve.scheduler.output import CachedRequestData, NewRequestData
-from blockserve.worker.draft_proposer import GREEDY, _step_output
+from blockserve.worker.draft_proposer import GREEDY, _step_output, apply_pending
 from blockserve.worker.model_runner import ModelRunner
 
 
@@ -282,9 +282,11 @@ class MTPProposer:
             self.kv.free(request_id)
 
     def forget(self, request_id: str) -> None:
-        """The request ended: free its blocks and the target states held for it."""
+        """The request ended: free its blocks (their poison orders applied at once, C2) and the target
+        states held for it."""
         self._release(request_id)
         self.states.forget(request_id)
+        apply_pending(self.runner, self.kv)
 
     def num_cached_rows(self, request_id: str) -> int:
         """Rows of the request the head's cache holds (0 for a request it holds nothing for)."""

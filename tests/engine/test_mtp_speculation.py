@@ -76,7 +76,7 @@ def assert_nothing_held(llm: LLM) -> None:
     assert proposer.num_requests == 0
     assert proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
     assert not proposer.runner.batch.requests
-    llm.engine.core.scheduler.assert_idle()
+    llm.engine.core.scheduler.assert_idle()  # the head's KV manager included: idle, nothing pending
 
 
 SCENARIOS = {
@@ -121,6 +121,26 @@ def test_prompts_past_the_held_states_cap_keep_their_greedy_tokens_and_get_draft
     assert proposer.states.max_rows == 4
     assert tokens(llm, prompts) == plain
     assert llm.engine.stats().speculation.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_an_aborted_request_leaves_nothing_in_the_head_s_cache_not_even_pending_orders(checkpoints):
+    """The head's blocks freed at an abort or a finish are poisoned at once (C2): nothing is pending for
+    its runner once every request is done."""
+    path, _ = checkpoints("qwen3_next")
+    llm = LLM(path, speculative_config=mtp(), **OPTIONS)
+    engine = llm.engine
+    prompts = state_model_prompts(3)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    proposer = engine.core.scheduler.speculator.proposer
+    while proposer.num_cached_rows("1") == 0:
+        engine.step()
+    engine.abort_request(["1"])
+    assert proposer.kv.pending_is_empty()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert proposer.kv.pending_is_empty()
     assert_nothing_held(llm)
 
 
