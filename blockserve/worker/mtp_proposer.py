@@ -298,7 +298,9 @@ class MTPProposer:
         return len(self._requests) + len(self.states)
 
     def close(self) -> None:
-        """Let go of the head and its KV tensors (the engine is closing)."""
+        """Let go of the head, its KV tensors and every target state held (the engine is closing; it
+        unsets the target runner's hidden_outputs)."""
         for request_id in list(self._requests):
             self.forget(request_id)
+        self.states.clear()
         self.runner = None

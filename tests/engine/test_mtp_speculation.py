@@ -144,6 +144,22 @@ def test_an_aborted_request_leaves_nothing_in_the_head_s_cache_not_even_pending_
     assert_nothing_held(llm)
 
 
+def test_close_drops_every_target_state_and_the_target_runner_s_hook(checkpoints):
+    """Closing mid-run: the target states of a request that has not proposed yet (its prompt half
+    prefilled) go too, and the target's runner no longer hands its states to the proposer."""
+    path, _ = checkpoints("qwen3_next")
+    llm = LLM(path, speculative_config=mtp(), **OPTIONS | {"max_num_batched_tokens": 4})
+    engine = llm.engine
+    engine.add_request("0", state_model_prompts(1)[0], GREEDY)
+    engine.step()
+    proposer, runner = engine.core.scheduler.speculator.proposer, engine.core.runner
+    assert proposer.states.first("0") is not None and proposer.num_cached_rows("0") == 0
+    assert runner.hidden_outputs == proposer.record
+    engine.close()
+    assert proposer.num_requests == 0 and len(proposer.states) == 0
+    assert runner.hidden_outputs is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preempted_requests_keep_their_greedy_tokens(checkpoints, family):
