@@ -149,13 +149,13 @@ class DraftModelProposer:
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, position[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
-                sampled = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending())).sampled_token_ids
+                sampled = self.runner.execute(proposer_step(new, cached, step, self.kv.take_pending())).sampled_token_ids
                 for rid, token_ids in step.items():
                     position[rid] += len(token_ids)
                     drafts[rid] += sampled[rid]
         finally:
             if admitted:
-                self.runner.execute(_step_output([], [], {}, PendingWork(), preempted=admitted))
+                self.runner.execute(proposer_step([], [], {}, PendingWork(), preempted=admitted))
         for rid, (request, _, _) in batch.items():
             request.num_computed_tokens = position[rid]
         return drafts
@@ -186,11 +186,13 @@ class DraftModelProposer:
 def apply_pending(runner: ModelRunner, kv: KVCacheManager) -> None:
     """Hand `kv`'s zero and poison orders to `runner` in a step that runs no request."""
     if not kv.pending_is_empty():
-        runner.execute(_step_output([], [], {}, kv.take_pending()))
+        runner.execute(proposer_step([], [], {}, kv.take_pending()))
 
 
-def _step_output(new: list[NewRequestData], cached: list[CachedRequestData], token_ids: dict[str, list[int]],
-                 pending: PendingWork, preempted: set[str] = frozenset()) -> SchedulerOutput:
+def proposer_step(new: list[NewRequestData], cached: list[CachedRequestData], token_ids: dict[str, list[int]],
+                  pending: PendingWork, preempted: set[str] = frozenset()) -> SchedulerOutput:
+    """A step for a proposer's own runner: `token_ids` per request (`new` admitted, `cached` running),
+    `pending`'s zero, poison and state-copy orders, `preempted` leaving the runner."""
     return SchedulerOutput(
         new_requests=new, cached_requests=cached,
         num_scheduled_tokens={rid: len(ids) for rid, ids in token_ids.items()}, scheduled_token_ids=token_ids,

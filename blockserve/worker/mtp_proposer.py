@@ -34,7 +34,7 @@ import torch
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.pending import PendingWork
 from blockserve.scheduler.output import CachedRequestData, NewRequestData
-from blockserve.worker.draft_proposer import GREEDY, _step_output, apply_pending
+from blockserve.worker.draft_proposer import GREEDY, proposer_step, apply_pending
 from blockserve.worker.model_runner import ModelRunner
 
 
@@ -252,7 +252,7 @@ class MTPProposer:
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, row[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
-                sampled = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending())).sampled_token_ids
+                sampled = self.runner.execute(proposer_step(new, cached, step, self.kv.take_pending())).sampled_token_ids
                 for rid, token_ids in step.items():
                     row[rid] += len(token_ids)
                     drafts[rid] += sampled[rid]
@@ -260,7 +260,7 @@ class MTPProposer:
             self._inputs.clear()
             self._chained.clear()
             if admitted:
-                self.runner.execute(_step_output([], [], {}, PendingWork(), preempted=admitted))
+                self.runner.execute(proposer_step([], [], {}, PendingWork(), preempted=admitted))
         for rid, (request, _, _) in batch.items():
             request.num_computed_tokens = min(row[rid], feed_end[rid])  # the chained rows are not kept
             self.kv.trim_slots(request, request.num_computed_tokens)
