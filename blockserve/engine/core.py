@@ -468,6 +468,8 @@ class EngineCore:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.speculator is not None:
             scheduler.speculator.close()
+        if isinstance(getattr(self, "runner", None), ModelRunner):
+            self.runner.hidden_outputs = None  # the MTP proposer's, which would keep it and its states alive
         plan = getattr(self, "device_plan", None)
         self.runner = self.loaded = self._in_flight = None
         if plan is not None and plan.is_cuda:

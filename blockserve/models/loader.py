@@ -332,8 +332,8 @@ def _load_hf_dir(path: Path, attention_backend_cls: type[PagedAttention], descri
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"could not read {path / 'config.json'}: {error}") from error
     model = _built_model(config, attention_backend_cls, placement,
-                         lambda model: _safetensors(path) if weights is None else
-                         weights(model, config, lambda keep: _safetensors(path, keep)))
+                         lambda model: read_model_safetensors(path) if weights is None else
+                         weights(model, config, lambda keep: read_model_safetensors(path, keep)))
     tokenizer = None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -385,7 +385,9 @@ def _eos_token_ids(path: Path | None, config: PretrainedConfig) -> tuple[int, ..
     return tuple(dict.fromkeys(ids))
 
 
-def _safetensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def read_model_safetensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the model directory `path`'s safetensors (those `keep`
+    accepts, where given), one file and one tensor at a time."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

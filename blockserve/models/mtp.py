@@ -25,7 +25,7 @@ from torch import nn
 from blockserve.attention.context import ForwardContext
 from blockserve.models.base import CausalLM
 from blockserve.models.half_linear import use_half_weights
-from blockserve.models.loader import _safetensors
+from blockserve.models.loader import read_model_safetensors
 from blockserve.models.weight_layout import use_input_major_linears
 from blockserve.models.weights import load_checkpoint
 
@@ -74,7 +74,8 @@ def load_mtp(target: CausalLM, source: str | None) -> MultiTokenPredictor:
     if path is None or not path.is_dir():
         raise ValueError(f"speculative_config.method 'mtp': the MTP layer is read from a model directory's "
                          f"safetensors ({prefix}*), but the model is {source!r}; serve the model directory")
-    named = ((name[len(prefix):], tensor) for name, tensor in _safetensors(path, lambda n: n.startswith(prefix)))
+    named = ((name[len(prefix):], tensor)
+             for name, tensor in read_model_safetensors(path, lambda n: n.startswith(prefix)))
     first = next(named, None)
     if first is None:
         raise ValueError(f"speculative_config.method 'mtp': {path} has no {prefix}* weights (the multi-token-"

@@ -440,6 +440,10 @@ class Scheduler:
         assert self.kv.pending_is_empty(), "KV zero or poison orders were never drained"
         assert self.speculator is None or not self.speculator.num_requests, "speculation state outlives its requests"
         self.kv.assert_idle()
+        proposer_kv = getattr(self.speculator.proposer, "kv", None) if self.speculator is not None else None
+        if proposer_kv is not None:  # a draft model's or an MTP head's own cache
+            assert proposer_kv.pending_is_empty(), "the proposer's KV zero or poison orders were never drained"
+            proposer_kv.assert_idle()
 
 
 def _starts(out: SchedulerOutput) -> dict[str, int]:

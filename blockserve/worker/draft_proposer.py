@@ -170,7 +170,7 @@ class DraftModelProposer:
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, position[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
-                output = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending()))
+                output = self.runner.execute(proposer_step(new, cached, step, self.kv.take_pending()))
                 for rid, token_ids in step.items():
                     position[rid] += len(token_ids)
                     drafts[rid] += output.sampled_token_ids[rid]
@@ -178,7 +178,7 @@ class DraftModelProposer:
                         drawn_from[rid].append(output.distributions[rid])
         finally:
             if admitted:
-                self.runner.execute(_step_output([], [], {}, PendingWork(), preempted=admitted))
+                self.runner.execute(proposer_step([], [], {}, PendingWork(), preempted=admitted))
         for rid, (request, *_) in batch.items():
             request.num_computed_tokens = position[rid]
         self._distributions.update((rid, torch.stack(rows)) for rid, rows in drawn_from.items())
@@ -190,14 +190,14 @@ class DraftModelProposer:
         return self._distributions.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
-        """The request ended (or gives its draft blocks back): free them (and the seeded generator its
-        drafts drew from)."""
+        """The request ended (or gives its draft blocks back): free them, their poison orders applied at
+        once (C2: nothing pending once every request finished), and the seeded generator its drafts
+        drew from."""
         self._distributions.pop(request_id, None)
         self._grammars.forget(request_id)
         if self._requests.pop(request_id, None) is not None:
             self.kv.free(request_id)
-        if request_id in self.runner.generators:
-            self.runner.execute(_step_output([], [], {}, PendingWork(), finished={request_id}))
+        apply_pending(self.runner, self.kv, finished={request_id} & self.runner.generators.keys())
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Positions of the request the draft's cache holds (0 for a request it holds nothing for)."""
@@ -227,9 +227,18 @@ def _admission(request_id: str, token_ids: Sequence[int], sampling: DraftSamplin
                           block_ids, num_computed, sampling.eos_token_id, grammar)
 
 
-def _step_output(new: list[NewRequestData], cached: list[CachedRequestData], token_ids: dict[str, list[int]],
-                 pending: PendingWork, preempted: set[str] = frozenset(), finished: set[str] = frozenset()
-                 ) -> SchedulerOutput:
+def apply_pending(runner: ModelRunner, kv: KVCacheManager, finished: set[str] = frozenset()) -> None:
+    """Hand `kv`'s zero and poison orders to `runner`, and `finished` requests' leave (their seeded
+    generators), in a step that runs no request; no step when there is neither."""
+    if finished or not kv.pending_is_empty():
+        runner.execute(proposer_step([], [], {}, kv.take_pending(), finished=finished))
+
+
+def proposer_step(new: list[NewRequestData], cached: list[CachedRequestData], token_ids: dict[str, list[int]],
+                  pending: PendingWork, preempted: set[str] = frozenset(), finished: set[str] = frozenset()
+                  ) -> SchedulerOutput:
+    """A step for a proposer's own runner: `token_ids` per request (`new` admitted, `cached` running),
+    `pending`'s zero, poison and state-copy orders, `preempted` leaving the runner and `finished` ending."""
     return SchedulerOutput(
         new_requests=new, cached_requests=cached,
         num_scheduled_tokens={rid: len(ids) for rid, ids in token_ids.items()}, scheduled_token_ids=token_ids,

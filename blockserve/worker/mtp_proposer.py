@@ -20,14 +20,15 @@ is its own (a KVCacheManager with prefix caching off, zeroed and poisoned like t
 embedding and, for Qwen3-Next, its lm_head are the target's modules. When its cache is full, the
 requests that proposed least recently give their blocks back and feed their rows again later, from
 the first target state still held (the rows before are then not attended: drafts only, never the
-output), as does a request that did not propose for more than MAX_HELD_STATES of its positions (the
-states held per request are bounded by it). Requests enter the head's runner only for the length of
+output), as does a request whose target states outgrew MAX_HELD_STATES before it proposed (a prompt
+longer than that, or a request not proposing for that many positions): the states held per request
+are bounded by it. Requests enter the head's runner only for the length of
 one proposal.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import torch
@@ -38,63 +39,80 @@ from blockserve.scheduler.output import CachedRequestData, NewRequestData
 from blockserve.spec_decode.proposer import DraftSampling
 from blockserve.structured.matcher import GrammarMatcher
 from blockserve.worker.draft_grammar import OutputGrammars
-from blockserve.worker.draft_proposer import GREEDY, _step_output
+from blockserve.worker.draft_proposer import GREEDY, apply_pending, proposer_step
 from blockserve.worker.model_runner import ModelRunner
 from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE
 
 
-MAX_HELD_STATES = 4096  # per request: a request that does not propose for long (a large batch past
-# disable_by_batch_size, the cost rule's back-off) keeps its latest states only, and its head restarts there
+MAX_HELD_STATES = 512  # per request, on the target's device and outside the KV plan (hidden_size values
+# each): what a request that is drafting holds is only what it has not fed (a step's rows); one that does not
+# propose for long (a prompt longer than this, a batch past disable_by_batch_size) keeps its latest states
+# only, and its head restarts there, attending those positions only (its drafts, never the output, change)
 
 
 class TargetStates:
     """Per request, the target's final hidden states of consecutive positions from `first(request)`:
     those the MTP head has not fed yet, and the last one it fed (a proposal with no new token feeds
-    it again); at most `max_rows`, the oldest dropped first."""
+    it again); at most `max_rows`, the oldest dropped first. Each request's rows are held as the
+    chunks its steps recorded, with their count kept alongside: a step costs the rows it records,
+    whatever is held."""
 
     def __init__(self, max_rows: int = MAX_HELD_STATES):
         if max_rows < 2:
             raise ValueError(f"max_rows must be >= 2 (the last fed state and a new one), got {max_rows}")
         self.max_rows = max_rows
         self._first: dict[str, int] = {}
-        self._rows: dict[str, list[torch.Tensor]] = {}
+        self._count: dict[str, int] = {}
+        self._chunks: dict[str, deque[torch.Tensor]] = {}
 
     def record(self, request_ids: list[str], query_start: list[int], firsts: list[int], hidden: torch.Tensor) -> None:
         """A target step's hidden states [T, H]: request i's rows query_start[i]:query_start[i + 1], from
         position firsts[i]. They replace what is held from that position on (rejected drafts' rows,
         or the rows of a recomputation); a request whose rows would leave a gap starts over from them."""
         for rid, start, end, first in zip(request_ids, query_start, query_start[1:], firsts):
-            rows = hidden[start:end].clone()
+            rows = hidden[max(start, end - self.max_rows):end].clone()
+            first += end - start - rows.shape[0]  # those before the last max_rows would be dropped at once
             held = self._first.get(rid)
-            if held is None or not held <= first <= held + self._count(rid):
-                self._first[rid], self._rows[rid] = first, [rows]
-                continue
-            self._truncate(rid, first - held)
-            self._rows[rid].append(rows)
-        for rid in request_ids:
-            excess = self._count(rid) - self.max_rows
-            if excess > 0:
-                rows = torch.cat(self._rows[rid])[excess:]
-                self._first[rid], self._rows[rid] = self._first[rid] + excess, [rows]
+            if held is None or not held <= first <= held + self._count[rid]:
+                self._first[rid], self._count[rid], self._chunks[rid] = first, 0, deque()
+            else:
+                self._truncate(rid, first - held)
+            if rows.shape[0]:
+                self._chunks[rid].append(rows)
+                self._count[rid] += rows.shape[0]
+            self._drop_oldest(rid, self._count[rid] - self.max_rows)
 
     def first(self, request_id: str) -> int | None:
         return self._first.get(request_id)
 
     def end(self, request_id: str) -> int:
         """One past the last position held (first(request) if none)."""
-        return self._first.get(request_id, 0) + self._count(request_id)
+        return self._first.get(request_id, 0) + self._count.get(request_id, 0)
+
+    def num_chunks(self, request_id: str) -> int:
+        """How many tensors hold the request's rows."""
+        return len(self._chunks.get(request_id, ()))
 
     def take(self, request_id: str, begin: int, end: int) -> torch.Tensor:
         """The states of positions [begin, end), all held; those before end - 1 are dropped."""
+        chunks = self._chunks[request_id]
+        rows = torch.cat(tuple(chunks)) if len(chunks) > 1 else chunks[0]
         first = self._first[request_id]
-        rows = torch.cat(self._rows[request_id]) if len(self._rows[request_id]) > 1 else self._rows[request_id][0]
         taken = rows[begin - first:end - first]
-        self._first[request_id], self._rows[request_id] = end - 1, [rows[end - 1 - first:]]
+        self._first[request_id] = end - 1
+        self._count[request_id] -= end - 1 - first
+        self._chunks[request_id] = deque([rows[end - 1 - first:]])
         return taken
 
     def forget(self, request_id: str) -> None:
         self._first.pop(request_id, None)
-        self._rows.pop(request_id, None)
+        self._count.pop(request_id, None)
+        self._chunks.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._first.clear()
+        self._count.clear()
+        self._chunks.clear()
 
     def __len__(self) -> int:
         return len(self._first)
@@ -102,20 +120,27 @@ class TargetStates:
     def request_ids(self):
         return self._first.keys()
 
-    def _count(self, request_id: str) -> int:
-        return sum(rows.shape[0] for rows in self._rows.get(request_id, ()))
+    def _drop_oldest(self, request_id: str, excess: int) -> None:
+        """Drop the request's first `excess` rows: whole leading chunks, then part of one."""
+        if excess <= 0:
+            return
+        chunks = self._chunks[request_id]
+        self._first[request_id] += excess
+        self._count[request_id] -= excess
+        while excess >= chunks[0].shape[0]:
+            excess -= chunks.popleft().shape[0]
+        if excess:
+            chunks[0] = chunks[0][excess:]
 
     def _truncate(self, request_id: str, keep: int) -> None:
-        kept, total = [], 0
-        for rows in self._rows[request_id]:
-            if total + rows.shape[0] > keep:
-                rows = rows[:keep - total]
-            if rows.shape[0]:
-                kept.append(rows)
-            total += rows.shape[0]
-            if total >= keep:
-                break
-        self._rows[request_id] = kept
+        """Keep the request's first `keep` rows: drop whole trailing chunks, then part of one."""
+        chunks = self._chunks[request_id]
+        count = self._count[request_id]
+        while chunks and count - chunks[-1].shape[0] >= keep:
+            count -= chunks.pop().shape[0]
+        if count > keep:
+            chunks[-1] = chunks[-1][:chunks[-1].shape[0] - (count - keep)]
+        self._count[request_id] = keep
 
 
 class _HeadRequest:
@@ -150,7 +175,7 @@ class MTPProposer:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self.runner, self.kv, self.max_chunk = runner, kv, max_chunk
-        self.states = TargetStates()
+        self.states = TargetStates(MAX_HELD_STATES)
         self._requests: OrderedDict[str, _HeadRequest] = OrderedDict()  # least recently proposed first
         self._nothing_new = [[] for _ in kv.config.groups]
         self._inputs: dict[str, torch.Tensor] = {}  # this forward's hidden inputs per request
@@ -248,7 +273,7 @@ class MTPProposer:
                        for rid in step if rid not in admitted]
                 cached = [CachedRequestData(rid, self._nothing_new, row[rid]) for rid in step if rid in admitted]
                 admitted.update(step)
-                output = self.runner.execute(_step_output(new, cached, step, self.kv.take_pending()))
+                output = self.runner.execute(proposer_step(new, cached, step, self.kv.take_pending()))
                 for rid, token_ids in step.items():
                     row[rid] += len(token_ids)
                     drafts[rid] += output.sampled_token_ids[rid]
@@ -258,7 +283,7 @@ class MTPProposer:
             self._inputs.clear()
             self._chained.clear()
             if admitted:
-                self.runner.execute(_step_output([], [], {}, PendingWork(), preempted=admitted))
+                self.runner.execute(proposer_step([], [], {}, PendingWork(), preempted=admitted))
         for rid, (request, *_) in batch.items():
             request.num_computed_tokens = min(row[rid], feed_end[rid])  # the chained rows are not kept
             self.kv.trim_slots(request, request.num_computed_tokens)
@@ -286,14 +311,13 @@ class MTPProposer:
             self.kv.free(request_id)
 
     def forget(self, request_id: str) -> None:
-        """The request ended: free its blocks, the target states held for it and the seeded generator its
-        drafts drew from."""
+        """The request ended: free its blocks (their poison orders applied at once, C2), the target
+        states held for it and the seeded generator its drafts drew from."""
         self._release(request_id)
         self.states.forget(request_id)
         self._distributions.pop(request_id, None)
         self._grammars.forget(request_id)
-        if request_id in self.runner.generators:
-            self.runner.execute(_step_output([], [], {}, PendingWork(), finished={request_id}))
+        apply_pending(self.runner, self.kv, finished={request_id} & self.runner.generators.keys())
 
     def num_cached_rows(self, request_id: str) -> int:
         """Rows of the request the head's cache holds (0 for a request it holds nothing for)."""
@@ -305,9 +329,11 @@ class MTPProposer:
         return len(set(self._requests).union(self._distributions, self._grammars, self.states.request_ids()))
 
     def close(self) -> None:
-        """Let go of the head and its KV tensors (the engine is closing)."""
+        """Let go of the head, its KV tensors and every target state held (the engine is closing; it
+        unsets the target runner's hidden_outputs)."""
         for request_id in list(self._requests):
             self.forget(request_id)
+        self.states.clear()
         self.runner = None
 
 

@@ -95,7 +95,7 @@ def test_an_aborted_request_gives_its_draft_blocks_back(models):
     proposer = engine.core.scheduler.speculator.proposer
     assert proposer.num_requests == 3 and max(proposer.kv.usage()) > 0
     engine.abort_request(["1"])
-    assert proposer.num_requests == 2
+    assert proposer.num_requests == 2 and proposer.kv.pending_is_empty()  # its blocks poisoned at once
     got = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

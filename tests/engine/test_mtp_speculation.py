@@ -27,6 +27,7 @@ from blockserve.engine.config import EngineConfig
 from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.step_costs import FlatStepCosts
+from blockserve.worker import mtp_proposer
 from tests.engine.test_config_args import engine_parser
 from tests.engine.test_hybrid_speculative import small_cache
 from tests.engine.test_tiny_engine import SIZES
@@ -75,7 +76,7 @@ def assert_nothing_held(llm: LLM) -> None:
     assert proposer.num_requests == 0
     assert proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
     assert not proposer.runner.batch.requests
-    llm.engine.core.scheduler.assert_idle()
+    llm.engine.core.scheduler.assert_idle()  # the head's KV manager included: idle, nothing pending
 
 
 SCENARIOS = {
@@ -105,6 +106,58 @@ def test_greedy_tokens_are_those_of_plain_decoding(checkpoints, family, scenario
     assert stats.num_draft_tokens == sum(stats.drafted_per_position)
     assert stats.num_accepted_tokens == sum(stats.accepted_per_position) <= stats.num_draft_tokens
     assert_nothing_held(llm)
+
+
+def test_prompts_past_the_held_states_cap_keep_their_greedy_tokens_and_get_drafts(checkpoints, monkeypatch):
+    """A prompt longer than the states held per request: its head restarts from the latest states held
+    (its first drafts attend those positions only), and what is held stays within the cap."""
+    monkeypatch.setattr(mtp_proposer, "MAX_HELD_STATES", 4)
+    path, _ = checkpoints("qwen3_next")
+    prompts = [p for p in state_model_prompts(6) if len(p) > 4][:3]
+    assert prompts
+    plain = tokens(LLM(path, **OPTIONS), prompts)
+    llm = LLM(path, speculative_config=mtp(), **OPTIONS)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    assert proposer.states.max_rows == 4
+    assert tokens(llm, prompts) == plain
+    assert llm.engine.stats().speculation.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_an_aborted_request_leaves_nothing_in_the_head_s_cache_not_even_pending_orders(checkpoints):
+    """The head's blocks freed at an abort or a finish are poisoned at once (C2): nothing is pending for
+    its runner once every request is done."""
+    path, _ = checkpoints("qwen3_next")
+    llm = LLM(path, speculative_config=mtp(), **OPTIONS)
+    engine = llm.engine
+    prompts = state_model_prompts(3)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    proposer = engine.core.scheduler.speculator.proposer
+    while proposer.num_cached_rows("1") == 0:
+        engine.step()
+    engine.abort_request(["1"])
+    assert proposer.kv.pending_is_empty()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert proposer.kv.pending_is_empty()
+    assert_nothing_held(llm)
+
+
+def test_close_drops_every_target_state_and_the_target_runner_s_hook(checkpoints):
+    """Closing mid-run: the target states of a request that has not proposed yet (its prompt half
+    prefilled) go too, and the target's runner no longer hands its states to the proposer."""
+    path, _ = checkpoints("qwen3_next")
+    llm = LLM(path, speculative_config=mtp(), **OPTIONS | {"max_num_batched_tokens": 4})
+    engine = llm.engine
+    engine.add_request("0", state_model_prompts(1)[0], GREEDY)
+    engine.step()
+    proposer, runner = engine.core.scheduler.speculator.proposer, engine.core.runner
+    assert proposer.states.first("0") is not None and proposer.num_cached_rows("0") == 0
+    assert runner.hidden_outputs == proposer.record
+    engine.close()
+    assert proposer.num_requests == 0 and len(proposer.states) == 0
+    assert runner.hidden_outputs is None
 
 
 @pytest.mark.slow
