@@ -115,7 +115,8 @@ def main() -> None:
     print_environment(env)
     bin_dir = None
     if not args.no_peer:
-        built = subprocess.run([str(HERE / "build_llama_cpp.sh"), "native"], check=True, capture_output=True, text=True)
+        built = subprocess.run([str(HERE / "build_llama_cpp.sh"), "native", "llama-server"], check=True,
+                               capture_output=True, text=True)
         bin_dir = Path(built.stdout.strip().splitlines()[-1])
     results = []
     for model in args.model:

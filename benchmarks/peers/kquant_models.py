@@ -9,7 +9,8 @@ llama-quantize keeps every tensor in the K-quant the type names instead of falli
 quant. The tokenizer is the bundled SmolLM2-135M's (its vocab is 49152), read from its GGUF by
 transformers. The checkpoint is written by transformers as float16 safetensors (seed 0), converted by
 llama.cpp's own convert_hf_to_gguf.py (from the tree that benchmarks/peers/build_llama_cpp.sh unpacks)
-and quantized by its llama-quantize. Files already written are kept.
+and quantized by its llama-quantize. The converter imports `sentencepiece` (llama.cpp's requirements): a
+folder that holds it may be named in PYTHONPATH, which the converter inherits. Files already written are kept.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def main() -> int:
     if not (checkpoint / "model.safetensors").is_file() and not f16.is_file():
         write_checkpoint(checkpoint, args.layers)
     if not f16.is_file():
-        env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}  # the converter's own gguf package
+        # the converter's own gguf package first
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
         subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f16",
                         "--outfile", str(f16)], check=True, env=env)
     for kind in args.types:

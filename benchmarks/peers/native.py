@@ -89,8 +89,9 @@ def main() -> int:
     if inherited := [k for k in OPENMP_VARIABLES if k in os.environ]:
         print(f"note: {', '.join(inherited)} not passed to the engines (each runs with its own defaults)")
     env["isa"] = args.isa
-    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh"), args.isa], check=True, capture_output=True,
-                                  text=True).stdout.strip().splitlines()[-1])
+    targets = ["llama-batched-bench", *([] if args.skip_server else ["llama-server"])]
+    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh"), args.isa, *targets], check=True,
+                                  capture_output=True, text=True).stdout.strip().splitlines()[-1])
     model = str(args.model or default_model_path())
     print(f"llama.cpp binaries: {bin_dir}; model {model}")
     configs = {blockserve_name(flags): flags for flags in args.blockserve_flags}
