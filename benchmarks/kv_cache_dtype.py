@@ -259,7 +259,8 @@ def median_of(rounds: list[dict]) -> dict:
 
 def llama_bin() -> Path:
     here = Path(__file__).resolve().parent / "peers" / "build_llama_cpp.sh"
-    out = subprocess.run([str(here), "native", "llama-batched-bench"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([str(here), "native", "llama-batched-bench"], check=True, capture_output=True,
+                         text=True).stdout
     return Path(out.strip().splitlines()[-1])
 
 
