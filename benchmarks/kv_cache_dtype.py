@@ -340,10 +340,16 @@ def main() -> int:
             cells = "  ".join(f"{k} {v['ms']:.1f} ms ({v['others_cpu_share'] or 0:.0%} others)"
                               for k, v in row.items() if isinstance(v, dict))
             print(f"decode step, context {context}, batch {batch}: {cells}", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+            save(results, args.json)
+    save(results, args.json)
     return 0
+
+
+def save(results: dict, path: Path | None) -> None:
+    """The results so far, rewritten after every latency cell: a run cut short keeps what it measured."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
