@@ -325,28 +325,33 @@ def main() -> int:
     for context in [] if args.skip_latency else args.contexts:
         for batch in args.batches:
             runs: dict[str, list[dict]] = {}
-            for _ in range(args.rounds):
+            row: dict = {"context": context, "batch": batch}
+            results["latency"].append(row)
+
+            def record(name: str, run: dict) -> None:
+                runs.setdefault(name, []).append(run)
+                row[name] = median_of(runs[name])
+                save(results, args.json)
+
+            for r in range(args.rounds):
                 for dtype in DTYPES:
-                    runs.setdefault(f"blockserve {dtype}", []).append(decode_latency_ms(loaded, dtype, context, batch))
+                    record(f"blockserve {dtype}", decode_latency_ms(loaded, dtype, context, batch))
                     if args.per_layer_4bit and dtype in ("int4", "k8v4"):
                         with per_layer_4bit():
-                            runs.setdefault(f"blockserve {dtype} per-layer", []).append(
-                                decode_latency_ms(loaded, dtype, context, batch))
+                            record(f"blockserve {dtype} per-layer", decode_latency_ms(loaded, dtype, context, batch))
                 for kind in [] if bin_dir is None else args.llama_types:
-                    runs.setdefault(f"llama.cpp {kind}", []).append(
-                        llama_decode_ms(bin_dir, gguf, kind, context, batch, args.threads))
-            row = {"context": context, "batch": batch, **{name: median_of(r) for name, r in runs.items()}}
-            results["latency"].append(row)
-            cells = "  ".join(f"{k} {v['ms']:.1f} ms ({v['others_cpu_share'] or 0:.0%} others)"
-                              for k, v in row.items() if isinstance(v, dict))
-            print(f"decode step, context {context}, batch {batch}: {cells}", flush=True)
-            save(results, args.json)
+                    record(f"llama.cpp {kind}", llama_decode_ms(bin_dir, gguf, kind, context, batch, args.threads))
+                cells = "  ".join(f"{k} {v['ms']:.1f} ms ({v['others_cpu_share'] or 0:.0%} others)"
+                                  for k, v in row.items() if isinstance(v, dict))
+                print(f"decode step, context {context}, batch {batch}, medians of {r + 1} round(s): {cells}",
+                      flush=True)
     save(results, args.json)
     return 0
 
 
 def save(results: dict, path: Path | None) -> None:
-    """The results so far, rewritten after every latency cell: a run cut short keeps what it measured."""
+    """The results so far, rewritten after every run of a latency cell: a run cut short keeps what it
+    measured (each cell's "rounds" say how many ran)."""
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=2))
