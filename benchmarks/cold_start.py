@@ -8,13 +8,15 @@ kernels already built (the usual start) or, with --include-kernel-build, built i
 the time to /health and the process's peak RSS (VmHWM) at /health.
 
     python -m benchmarks.cold_start [--model FILE.gguf ...] [--threads 2] [--rounds 3]
-        [--include-kernel-build] [--no-peer] [--json results/cold_start.json]
+        [--kv-cache-memory 32MiB] [--include-kernel-build] [--no-peer] [--json results/cold_start.json]
 
 --no-peer measures blockserve alone (where llama.cpp's peer build is not at hand).
 
-Both get a context of 512 tokens (KV_CACHE_MEMORY). Rounds alternate the two engines; the medians are printed, with the other processes' share of the
-CPUs during each start (the servers' own CPU time, reaped as they exit, is left out). llama.cpp: llama-server from the peer
-build (benchmarks/peers/build_llama_cpp.sh), -np 1; blockserve: `blockserve serve`.
+Both get a context of 512 tokens (blockserve's cache: --kv-cache-memory, which must hold 512 tokens of the
+model's float32 K/V: 32MiB holds SmolLM2-135M's). Rounds alternate the two
+engines; the medians are printed, with the other processes' share of the CPUs during each start (the servers' own CPU
+time, reaped as they exit, is left out). llama.cpp: llama-server from the peer build
+(benchmarks/peers/build_llama_cpp.sh), -np 1; blockserve: `blockserve serve`.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ def llama_command(bin_dir: Path, model: str, threads: int, port: int) -> list[st
             str(threads), "--host", "127.0.0.1", "--port", str(port)]
 
 
-def blockserve_command(model: str, threads: int, port: int) -> list[str]:
+def blockserve_command(model: str, threads: int, port: int, kv_cache_memory: str) -> list[str]:
     return [*BLOCKSERVE, "serve", "--model", model, "--num-threads", str(threads), "--max-model-len", "512",
-            "--kv-cache-memory", KV_CACHE_MEMORY, "--host", "127.0.0.1", "--port", str(port)]
+            "--kv-cache-memory", kv_cache_memory, "--host", "127.0.0.1", "--port", str(port)]
 
 
 def _get(url: str) -> bytes | None:
@@ -102,6 +104,8 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=[str(default_model_path())])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-memory", default=KV_CACHE_MEMORY,
+                        help="blockserve's KV cache: 512 tokens of the model (float32) fit in it")
     parser.add_argument("--include-kernel-build", action="store_true",
                         help="also one blockserve start whose native kernels are built inside it")
     parser.add_argument("--no-peer", action="store_true", help="blockserve alone: llama.cpp is not built or run")
@@ -111,12 +115,14 @@ def main() -> None:
     print_environment(env)
     bin_dir = None
     if not args.no_peer:
-        built = subprocess.run([str(HERE / "build_llama_cpp.sh"), "native"], check=True, capture_output=True, text=True)
+        built = subprocess.run([str(HERE / "build_llama_cpp.sh"), "native", "llama-server"], check=True,
+                               capture_output=True, text=True)
         bin_dir = Path(built.stdout.strip().splitlines()[-1])
     results = []
     for model in args.model:
         systems = {"llama.cpp": (lambda port: llama_command(bin_dir, model, args.threads, port), engine_env()),
-                   "blockserve": (lambda port: blockserve_command(model, args.threads, port), engine_env())}
+                   "blockserve": (lambda port: blockserve_command(model, args.threads, port, args.kv_cache_memory),
+                                  engine_env())}
         if args.no_peer:
             del systems["llama.cpp"]
         for name, (command, system_env) in systems.items():  # warm-up: page cache, blockserve's cache entry
@@ -133,8 +139,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as build_dir:
                 port = free_port()
                 with CpuShare() as share:
-                    run = start_to_first_token(blockserve_command(model, args.threads, port), port,
-                                               {**engine_env(), "TORCH_EXTENSIONS_DIR": build_dir})
+                    command = blockserve_command(model, args.threads, port, args.kv_cache_memory)
+                    run = start_to_first_token(command, port, {**engine_env(), "TORCH_EXTENSIONS_DIR": build_dir})
                 runs["blockserve, kernels built in the start"] = [{**run, "other_cpu_share": share.others_share}]
         row = {"model": model, "threads": args.threads, "runs": runs,
                "median_first_token_s": {n: statistics.median(r["first_token_s"] for r in rs) for n, rs in runs.items()},

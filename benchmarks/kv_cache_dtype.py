@@ -4,7 +4,7 @@ one run.
 
     python -m benchmarks.kv_cache_dtype [--quality-tokens 20480] [--contexts 2048 8192] [--batches 1 16]
         [--needle-contexts 1024 2048 4096 8176] [--threads 2] [--rounds 3] [--skip-llama-cpp]
-        [--per-layer-4bit] [--json results/kv_cache_dtype.json]
+        [--llama-types f16 q8_0 q4_0 q8_0/q4_0] [--per-layer-4bit] [--json results/kv_cache_dtype.json]
 
 quality    the model over --quality-tokens tokens of English prose in windows of 1024, prefilled
            in chunks of 256 (later chunks read the cache as decodes do), once per KV dtype: mean and
@@ -19,9 +19,11 @@ needle     needle-in-a-haystack retrieval (blockserve/bench/needle.py): a 5-digi
 capacity   tokens per GiB of K/V from each layout's bytes per token (30 layers, 3 KV heads of 64).
 latency    one decode step of the whole model (the engine's native decode stack) with B sequences
            of C cached tokens each, the cache filled with random codes (timing does not depend on
-           them): median of --rounds x 4 steps. llama.cpp: llama-batched-bench -npp C -ntg 16 -npl B
-           -pps -fa on -ctk T -ctv T (the prompt prefilled once and shared by the B sequences),
-           T_TG / 16. Both at --threads threads, in the same run, with the other processes' CPU share.
+           them): the median of 4 steps after a warm-up. llama.cpp: llama-batched-bench -npp C -ntg 16
+           -npl B -pps -fa on -ctk T -ctv T (the prompt prefilled once and shared by the B sequences),
+           T_TG / 16, for each --llama-types T (K/V, or K and V apart). Both at --threads threads; each
+           round runs every blockserve dtype, then every llama.cpp type; medians over --rounds, each
+           with the other processes' CPU share.
            --per-layer-4bit: int4 and k8v4 also with the fused rotary decode call refused for them
            (the per-layer path: kv_quant's PyTorch rotation and write around the decode kernel).
 """
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cpu_share import CpuShare
+from benchmarks.peers.native import CpuShare as ProcessCpuShare
 from blockserve import LLM, SamplingParams
 from blockserve.attention import kv_quant
 from blockserve.attention.context import ForwardContext
@@ -209,18 +212,18 @@ def fill_random(run: PagedRun) -> None:
                 layer.copy_(torch.randn(layer.shape, generator=gen).to(layer.dtype))
 
 
-def decode_latency_ms(loaded, dtype: str, context: int, batch: int, rounds: int) -> dict:
+def decode_latency_ms(loaded, dtype: str, context: int, batch: int) -> dict:
     steps = 4
-    per_seq = -(-(context + rounds * steps + 1) // BLOCK)
+    per_seq = -(-(context + steps + 1) // BLOCK)
     run = PagedRun(loaded.model, dtype, batch * per_seq + 1)
     fill_random(run)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
     times = []
     with CpuShare() as share:
-        position = context - rounds * steps - 1  # the last step attends `context` tokens (within the model's positions)
+        position = context - steps - 1  # the last step attends `context` tokens (within the model's positions)
         run.step(tables, [position] * batch, [[1]] * batch)  # warm-up (builds the decode plan)
         position += 1
-        for _ in range(rounds * steps):
+        for _ in range(steps):
             start = time.perf_counter()
             run.step(tables, [position] * batch, [[1]] * batch)
             times.append(time.perf_counter() - start)
@@ -247,9 +250,17 @@ def per_layer_4bit():
         RotaryDecode.fixed = fixed
 
 
+def median_of(rounds: list[dict]) -> dict:
+    """One cell's rounds: the median time and the median of the other processes' CPU share."""
+    shares = [r["others_cpu_share"] for r in rounds if r["others_cpu_share"] is not None]
+    return {"ms": statistics.median(r["ms"] for r in rounds),
+            "others_cpu_share": statistics.median(shares) if shares else None, "rounds": rounds}
+
+
 def llama_bin() -> Path:
     here = Path(__file__).resolve().parent / "peers" / "build_llama_cpp.sh"
-    out = subprocess.run([str(here), "native"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([str(here), "native", "llama-batched-bench"], check=True, capture_output=True,
+                         text=True).stdout
     return Path(out.strip().splitlines()[-1])
 
 
@@ -259,14 +270,14 @@ def llama_decode_ms(bin_dir: Path, model: str, kind: str, context: int, batch: i
            "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(generated), "-npl", str(batch), "-pps", "-kvu",
            "-fa", "on", "-ctk", kind.partition("/")[0], "-ctv", kind.partition("/")[2] or kind, "-t", str(threads),
            "-tb", str(threads)]
-    with CpuShare() as share:
+    with ProcessCpuShare() as share:  # llama.cpp's own CPU time (a reaped child's) is not the others'
         proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
     if proc.returncode != 0 or not rows:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
     fields = [float(x) for x in rows[-1].strip("| ").split("|")]
     t_tg, tg = fields[6], fields[1]
-    return {"ms": 1e3 * t_tg / tg, "others_cpu_share": share.others, "command": " ".join(cmd)}
+    return {"ms": 1e3 * t_tg / tg, "others_cpu_share": share.others_share, "command": " ".join(cmd)}
 
 
 def main() -> int:
@@ -282,6 +293,8 @@ def main() -> int:
     ap.add_argument("--skip-needle", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--llama-types", nargs="+", default=list(LLAMA_TYPES), choices=LLAMA_TYPES,
+                    help="llama.cpp's cache types in the latency cells (K/V, or K and V apart)")
     ap.add_argument("--per-layer-4bit", action="store_true", help="int4 and k8v4 also on the per-layer path")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -311,24 +324,37 @@ def main() -> int:
     results["latency"] = []
     for context in [] if args.skip_latency else args.contexts:
         for batch in args.batches:
-            row = {"context": context, "batch": batch}
-            for dtype in DTYPES:
-                row[f"blockserve {dtype}"] = decode_latency_ms(loaded, dtype, context, batch, args.rounds)
-                if args.per_layer_4bit and dtype in ("int4", "k8v4"):
-                    with per_layer_4bit():
-                        row[f"blockserve {dtype} per-layer"] = decode_latency_ms(loaded, dtype, context, batch,
-                                                                                  args.rounds)
-            if bin_dir is not None:
-                for kind in LLAMA_TYPES:
-                    row[f"llama.cpp {kind}"] = llama_decode_ms(bin_dir, gguf, kind, context, batch, args.threads)
+            runs: dict[str, list[dict]] = {}
+            row: dict = {"context": context, "batch": batch}
             results["latency"].append(row)
-            cells = "  ".join(f"{k} {v['ms']:.1f} ms ({v['others_cpu_share'] or 0:.0%} others)"
-                              for k, v in row.items() if isinstance(v, dict))
-            print(f"decode step, context {context}, batch {batch}: {cells}", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+
+            def record(name: str, run: dict) -> None:
+                runs.setdefault(name, []).append(run)
+                row[name] = median_of(runs[name])
+                save(results, args.json)
+
+            for r in range(args.rounds):
+                for dtype in DTYPES:
+                    record(f"blockserve {dtype}", decode_latency_ms(loaded, dtype, context, batch))
+                    if args.per_layer_4bit and dtype in ("int4", "k8v4"):
+                        with per_layer_4bit():
+                            record(f"blockserve {dtype} per-layer", decode_latency_ms(loaded, dtype, context, batch))
+                for kind in [] if bin_dir is None else args.llama_types:
+                    record(f"llama.cpp {kind}", llama_decode_ms(bin_dir, gguf, kind, context, batch, args.threads))
+                cells = "  ".join(f"{k} {v['ms']:.1f} ms ({v['others_cpu_share'] or 0:.0%} others)"
+                                  for k, v in row.items() if isinstance(v, dict))
+                print(f"decode step, context {context}, batch {batch}, medians of {r + 1} round(s): {cells}",
+                      flush=True)
+    save(results, args.json)
     return 0
+
+
+def save(results: dict, path: Path | None) -> None:
+    """The results so far, rewritten after every run of a latency cell: a run cut short keeps what it
+    measured (each cell's "rounds" say how many ran)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ inter-token latency and streaming servers at 1 / 16 / 64 clients, at each thread
 
     make bench-peers-native                  (1 thread and all cores; results/peers_native.json)
     python -m benchmarks.peers.native --threads 1 2 [--rounds 2] [--clients 1 16 64] [--skip-server]
-        [--input-len 112] [--max-tokens 128] [--batch 64] [--blockserve-flags '...'] [--isa avx2] [--json PATH]
-        [--model FILE.gguf]
+        [--input-len 112] [--max-tokens 128] [--batch 64] [--skip-offline] [--isa avx2] [--json PATH]
+        [--blockserve-flags '' '--quantized-activations int8' ...] [--model FILE.gguf]
 
 llama.cpp is built once by benchmarks/peers/build_llama_cpp.sh (from the llama-cpp-python sdist's
 vendor/llama.cpp, -DGGML_NATIVE=ON, cached outside the repository). Both systems load the same
@@ -23,7 +23,9 @@ run as a user would:
               back incomplete UTF-8 sends some chunks of 2+ tokens) and TPOT p50 (per token)
     memory    each server's peak RSS (VmHWM) once it answers /health: the model loaded, nothing served
 
-Cells run interleaved (llama.cpp, then blockserve, per round) and report medians over --rounds.
+Each --blockserve-flags value is one blockserve configuration ('' its defaults), measured beside the
+same llama.cpp runs. Cells run interleaved (llama.cpp, then each blockserve configuration, per round)
+and report medians over --rounds, each configuration's ratio to llama.cpp's median.
 blockserve's offline run also measures the fp32 roofline (GEMM peak, bandwidth) after its workload
 and reports its computed work's share of the compute bound.
 
@@ -71,8 +73,9 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=float, default=2.0,
                     help="requests per server run = clients x this (at least 4)")
     ap.add_argument("--skip-server", action="store_true", help="offline and batch-1 cells only")
-    ap.add_argument("--blockserve-flags", default="", help="engine flags for every blockserve command, e.g. "
-                    "'--quantized-activations int8' (default: none, blockserve's defaults)")
+    ap.add_argument("--skip-offline", action="store_true", help="batch-1 and server cells only")
+    ap.add_argument("--blockserve-flags", nargs="+", default=[""], help="engine flags for the blockserve commands, "
+                    "one configuration each, e.g. '' '--quantized-activations int8' (default: blockserve's defaults)")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="native: each engine built for this CPU; avx2: both held to AVX2 (see above)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -86,34 +89,41 @@ def main() -> int:
     if inherited := [k for k in OPENMP_VARIABLES if k in os.environ]:
         print(f"note: {', '.join(inherited)} not passed to the engines (each runs with its own defaults)")
     env["isa"] = args.isa
-    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh"), args.isa], check=True, capture_output=True,
-                                  text=True).stdout.strip().splitlines()[-1])
+    targets = ["llama-batched-bench", *([] if args.skip_server else ["llama-server"])]
+    bin_dir = Path(subprocess.run([str(HERE / "build_llama_cpp.sh"), args.isa, *targets], check=True,
+                                  capture_output=True, text=True).stdout.strip().splitlines()[-1])
     model = str(args.model or default_model_path())
     print(f"llama.cpp binaries: {bin_dir}; model {model}")
+    configs = {blockserve_name(flags): flags for flags in args.blockserve_flags}
+    if len(configs) != len(args.blockserve_flags):
+        ap.error("--blockserve-flags: each configuration once")
+    systems = ["llama.cpp", *configs]
     results = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()}, "llama_cpp": str(bin_dir),
-               "tables": []}
+               "systems": systems, "tables": []}
     for threads in args.threads:
         table = {"threads": threads, "cells": {}}
         results["tables"].append(table)
         cells = table["cells"]
         for r in range(args.rounds):
-            for name, (llama, ours) in offline_cells(bin_dir, model, args, threads).items():
-                cells.setdefault(name, {"llama.cpp": [], "blockserve": []})
-                cells[name]["llama.cpp"].append(llama())
-                cells[name]["blockserve"].append(ours())
-                print(f"[{threads} thr, round {r + 1}] {name}: llama.cpp {cells[name]['llama.cpp'][-1]['value']:.2f}, "
-                      f"blockserve {cells[name]['blockserve'][-1]['value']:.2f}", flush=True)
+            for name, runs in offline_cells(bin_dir, model, args, threads, configs).items():
+                cells.setdefault(name, {system: [] for system in systems})
+                for system, run in runs.items():
+                    cells[name][system].append(run())
+                print(f"[{threads} thr, round {r + 1}] {name}: " + ", ".join(
+                    f"{system} {cells[name][system][-1]['value']:.2f}" for system in systems), flush=True)
                 save(results, args.json)
             if not args.skip_server:
-                for system, start in (("llama.cpp", start_llama_server), ("blockserve", start_blockserve)):
-                    with Server(start(bin_dir, model, threads, args)) as server:
-                        cells.setdefault("peak RSS after load, MiB", {"llama.cpp": [], "blockserve": []})
+                for system in systems:
+                    start = start_llama_server(bin_dir, model, threads, args) if system == "llama.cpp" else \
+                        start_blockserve(model, threads, configs[system])
+                    with Server(start) as server:
+                        cells.setdefault("peak RSS after load, MiB", {s: [] for s in systems})
                         cells["peak RSS after load, MiB"][system].append({"value": server.peak_rss_mib,
                                                                           "others_cpu_share": float("nan")})
                         print(f"[{threads} thr, round {r + 1}] {system} server: peak RSS after load "
                               f"{server.peak_rss_mib:.0f} MiB", flush=True)
                         for clients in args.clients:
-                            cells.setdefault(f"server {clients} clients", {"llama.cpp": [], "blockserve": []})
+                            cells.setdefault(f"server {clients} clients", {s: [] for s in systems})
                             try:
                                 run = serve_load(server, clients, args)
                             except RuntimeError as error:  # kept as a failed cell; the other cells still count
@@ -218,27 +228,32 @@ def batched_bench(bin_dir: Path, model: str, args, threads: int, batch: int) -> 
             "command": " ".join(cmd)}
 
 
-def blockserve_bench(kind: str, args, threads: int, extra: list[str]) -> dict:
+def blockserve_name(flags: str) -> str:
+    """A blockserve configuration's name in the tables: 'blockserve' plus its flags."""
+    return " ".join(["blockserve", *flags.split()])
+
+
+def blockserve_bench(kind: str, args, threads: int, extra: list[str], flags: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out_json = Path(d) / "out.json"
         cmd = [*BLOCKSERVE, "bench", kind, "--random-input-len", str(args.input_len), "--max-tokens",
                str(args.max_tokens), "--num-threads", str(threads), "--no-progress", "--output-json", str(out_json),
-               *(["--model", str(args.model)] if args.model else []), *extra, *args.blockserve_flags.split()]
+               *(["--model", str(args.model)] if args.model else []), *extra, *flags.split()]
         _, share = run_process(cmd)
         record = json.loads(out_json.read_text())
     return {"record": record, "others_cpu_share": share.others_share, "command": " ".join(cmd)}
 
 
-def offline_cells(bin_dir: Path, model: str, args, threads: int) -> dict:
-    """Cell name -> (llama.cpp run, blockserve run); each run returns a dict with `value`."""
+def offline_cells(bin_dir: Path, model: str, args, threads: int, configs: dict[str, str]) -> dict:
+    """Cell name -> {system: its run}, llama.cpp first; each run returns a dict with `value`."""
     def llama_offline():
         r = batched_bench(bin_dir, model, args, threads, args.batch)
         return {**r, "value": r["generated_tok_s"]}
 
-    def ours_offline():
+    def ours_offline(flags: str):
         # with the fp32 roofline measured after the run (in its process): the share of the compute bound
         # its computed work reached (prefix-cache hits are not counted as work)
-        r = blockserve_bench("throughput", args, threads, ["--num-prompts", str(args.batch)])
+        r = blockserve_bench("throughput", args, threads, ["--num-prompts", str(args.batch)], flags)
         return {**r, "value": r["record"]["generated_tokens_per_s"],
                 "fraction_of_compute_roofline": r["record"]["fraction_of_compute_roofline"]}
 
@@ -246,12 +261,17 @@ def offline_cells(bin_dir: Path, model: str, args, threads: int) -> dict:
         r = batched_bench(bin_dir, model, args, threads, 1)
         return {**r, "value": r["itl_ms"]}
 
-    def ours_itl():
-        r = blockserve_bench("latency", args, threads, ["--batch-sizes", "1", "--num-iters", "3", "--no-roofline"])
+    def ours_itl(flags: str):
+        r = blockserve_bench("latency", args, threads, ["--batch-sizes", "1", "--num-iters", "3", "--no-roofline"],
+                             flags)
         return {**r, "value": r["record"]["batch_sizes"][0]["itl_ms"]["median"]}
 
-    return {f"offline batch {args.batch}, generated tok/s": (llama_offline, ours_offline),
-            "batch-1 inter-token latency, ms": (llama_itl, ours_itl)}
+    def cell(llama, ours) -> dict:
+        return {"llama.cpp": llama, **{name: (lambda flags=flags: ours(flags)) for name, flags in configs.items()}}
+
+    cells = {} if args.skip_offline else {f"offline batch {args.batch}, generated tok/s": cell(llama_offline,
+                                                                                                ours_offline)}
+    return {**cells, "batch-1 inter-token latency, ms": cell(llama_itl, ours_itl)}
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -275,10 +295,10 @@ def start_llama_server(bin_dir: Path, model: str, threads: int, args) -> tuple[l
             "--threads-http", str(slots + 4), "--host", "127.0.0.1", "--port", str(port)], port
 
 
-def start_blockserve(bin_dir: Path, model: str, threads: int, args) -> tuple[list[str], int]:
+def start_blockserve(model: str, threads: int, flags: str) -> tuple[list[str], int]:
     port = free_port()
     return [*BLOCKSERVE, "serve", "--model", model, "--num-threads", str(threads), "--host", "127.0.0.1",
-            "--port", str(port), *args.blockserve_flags.split()], port
+            "--port", str(port), *flags.split()], port
 
 
 class Server:
@@ -356,12 +376,17 @@ def _serve_load(server: Server, clients: int, args, seed: int) -> dict:
 
 
 def report(results: dict) -> None:
-    """Medians per cell, with blockserve's ratio (higher is better for blockserve, whatever the unit)."""
+    """Medians per cell, with each blockserve configuration's ratio to llama.cpp (higher is better for
+    blockserve, whatever the unit)."""
+    systems = results.get("systems", ["llama.cpp", "blockserve"])
+    ours = systems[1:]
     for table in results["tables"]:
         isa = "AVX2 builds" if results["environment"]["isa"] == "avx2" else "native builds"
         print(f"\n== {table['threads']} thread(s), {isa}: median of {results['args']['rounds']} round(s); "
-              f"others' CPU share in brackets ==")
-        print(f"{'cell':<42} {'llama.cpp':>22} {'blockserve':>22} {'blockserve x':>13}")
+              f"others' CPU share in brackets; x: blockserve's lead (llama.cpp / blockserve where "
+              f"lower is better, blockserve / llama.cpp otherwise) ==")
+        for i, system in enumerate(systems):
+            print(f"  [{i}] {system}")
         table["medians"] = {}
         for name, all_runs in table["cells"].items():
             runs = {s: [r for r in v if "value" in r] for s, v in all_runs.items()}
@@ -372,24 +397,22 @@ def report(results: dict) -> None:
             lower_is_better = name.startswith(("batch-1", "peak RSS"))
             med = {s: statistics.median(r["value"] for r in v) for s, v in runs.items()}
             share = {s: statistics.median(r["others_cpu_share"] for r in v) for s, v in runs.items()}
-            ratio = med["llama.cpp"] / med["blockserve"] if lower_is_better else med["blockserve"] / med["llama.cpp"]
-            entry = {"llama.cpp": med["llama.cpp"], "blockserve": med["blockserve"], "blockserve_ratio": ratio,
-                     "others_cpu_share": share}
-            line = (f"{name:<42} {med['llama.cpp']:14.2f} [{share['llama.cpp']:4.0%}] "
-                    f"{med['blockserve']:14.2f} [{share['blockserve']:4.0%}] {ratio:12.2f}x")
+            ratio = {s: med["llama.cpp"] / med[s] if lower_is_better else med[s] / med["llama.cpp"] for s in ours}
+            entry = {**{s: med[s] for s in systems}, "blockserve_ratio": ratio, "others_cpu_share": share}
+            line = f"{name:<42} " + "  ".join(
+                f"[{i}] {med[s]:.2f} [{share[s]:.0%}]" + (f" {ratio[s]:.2f}x" if s in ratio else "")
+                for i, s in enumerate(systems))
             if name.startswith("offline"):
-                entry["blockserve_fraction_of_fp32_compute_roofline"] = roof = statistics.median(
-                    r["fraction_of_compute_roofline"] for r in runs["blockserve"])
-                line += f"\n{'':<4}blockserve at {roof:.1%} of the fp32 compute roofline (GEMM peak measured in its run)"
+                entry["blockserve_fraction_of_fp32_compute_roofline"] = roof = {s: statistics.median(
+                    r["fraction_of_compute_roofline"] for r in runs[s]) for s in ours}
+                line += "\n    fp32 compute roofline share: " + ", ".join(f"[{i + 1}] {roof[s]:.1%}"
+                                                                          for i, s in enumerate(ours))
             if name.startswith("server"):
                 for key in ("ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms"):
                     entry[key] = {s: statistics.median(r[key] for r in v) for s, v in runs.items()}
-                ttft, itl, tpot = entry["ttft_p50_ms"], entry["itl_p50_ms"], entry["tpot_p50_ms"]
-                line += (f"\n{'':<4}TTFT p50 ms: llama.cpp {ttft['llama.cpp']:.0f}, blockserve {ttft['blockserve']:.0f} "
-                         f"({ttft['llama.cpp'] / ttft['blockserve']:.2f}x better);  ITL p50 ms: llama.cpp "
-                         f"{itl['llama.cpp']:.1f}, blockserve {itl['blockserve']:.1f} "
-                         f"({itl['llama.cpp'] / itl['blockserve']:.2f}x);  TPOT p50 ms: llama.cpp "
-                         f"{tpot['llama.cpp']:.1f}, blockserve {tpot['blockserve']:.1f}")
+                line += "\n    TTFT / ITL / TPOT p50 ms: " + ", ".join(
+                    f"[{i}] {entry['ttft_p50_ms'][s]:.0f} / {entry['itl_p50_ms'][s]:.1f} / {entry['tpot_p50_ms'][s]:.1f}"
+                    for i, s in enumerate(systems))
             table["medians"][name] = entry
             print(line)
 
