@@ -33,6 +33,7 @@ from blockserve.scheduler.config import SchedulerConfig
 from blockserve.scheduler.output import RequestOutput, SchedulerOutput, SchedulerStats
 from blockserve.scheduler.request import Request, RequestStatus
 from blockserve.scheduler.scheduler import Scheduler
+from blockserve.spec_decode.proposer import draft_seed
 from blockserve.spec_decode.speculator import Speculator
 from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from blockserve.worker.draft_proposer import DraftModelProposer, check_draft_vocabulary
@@ -308,7 +309,7 @@ class EngineCore:
                                       enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
         except ValueError as e:
             raise ValueError(f"speculative_config.method 'mtp': {e}") from e
-        runner = ModelRunner(head, kv_config, config.max_num_seqs, self.max_model_len, config.seed,
+        runner = ModelRunner(head, kv_config, config.max_num_seqs, self.max_model_len, draft_seed(config.seed),
                              device=self.device_plan.device)
         kv = KVCacheManager(kv_config)
         logger.info("MTP head of %s, its KV cache:\n%s\n%s", self.loaded.source, kv.capacity_report(),
@@ -343,7 +344,7 @@ class EngineCore:
                                       enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from e
-        runner = ModelRunner(draft.model, kv_config, config.max_num_seqs, self.max_model_len, config.seed,
+        runner = ModelRunner(draft.model, kv_config, config.max_num_seqs, self.max_model_len, draft_seed(config.seed),
                              device=self.device_plan.device)
         kv = KVCacheManager(kv_config)
         logger.info("draft model %s, its KV cache:\n%s\n%s", draft.source, kv.capacity_report(),

@@ -47,8 +47,14 @@ class DraftSampling:
         min_tokens (so its distribution is comparable with the target's); no logprobs; a seed derived from
         the request's (its own stream, independent of the draws that verify it). Its grammar is not among
         them: a draft's runner takes a matcher already at the request's output (worker/draft_grammar.py)."""
-        seed = self.params.seed
-        if seed is not None:
-            seed = int.from_bytes(hashlib.sha256(f"draft:{seed}".encode()).digest()[:8], "little") >> 1
-        return dataclasses.replace(self.params, logprobs=None, prompt_logprobs=None, seed=seed,
+        return dataclasses.replace(self.params, logprobs=None, prompt_logprobs=None, seed=draft_seed(self.params.seed),
                                    structured_outputs=None)
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The seed a draft's random stream takes from the target's (a request's, or the engine's for its
+    proposer runner): a different stream, so no number that verifies a draft also drew one (rejection
+    sampling needs the two independent). None stays None."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.sha256(f"draft:{seed}".encode()).digest()[:8], "little") >> 1

@@ -142,6 +142,16 @@ def test_sampled_requests_are_reproducible_with_a_draft(models):
     assert llm.engine.stats().speculation.num_draft_tokens > 0
 
 
+def test_the_draft_runner_draws_from_another_stream_than_the_target(models):
+    """Unseeded requests share their runner's generator: with the engine's seed given to both runners,
+    a draft would be drawn with the very numbers that verify the target's earlier rows, which makes
+    rejection sampling's tokens correlated across steps. The draft's runner takes a derived seed."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), seed=0, **OPTIONS)
+    drafting = llm.engine.core.scheduler.speculator.proposer.runner.sampler.generator
+    assert drafting.initial_seed() != llm.engine.core.runner.sampler.generator.initial_seed()
+
+
 def test_sampled_drafts_from_the_target_itself_are_accepted_with_the_target_logprobs(models):
     """At temperature 0.8 the target as its own draft samples q = p (up to rounding), so rejection sampling
     accepts nearly every draft (comparing the target's own sample with a draft would accept about

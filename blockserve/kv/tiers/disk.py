@@ -308,7 +308,10 @@ def _write_file(path: str, head: bytes, payload) -> None:
 def _live_engine_cap(path: str) -> int | None:
     """The cap in an engine's registration file, or None (and the file removed) if no engine holds it."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDWR)  # NFS emulates flock with fcntl locks: an exclusive one needs write access
+        except PermissionError:  # another user's engine: its lock can still be tested on a local disk
+            fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
