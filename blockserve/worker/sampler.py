@@ -141,7 +141,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, keep_distributions: bool = False) -> SampledTokens:
         """The samples as tensors on the device, without waiting for it; with `keep_distributions`, also
-        the distribution each row's token was drawn from (a sampling draft's, for its verification)."""
+        the distribution each row's token was drawn from (a sampling draft's, for its verification) when
+        any row samples (None for an all-greedy batch, whose drafts no verification weighs)."""
         if batch.device != self.device:
             raise ValueError(f"the SamplingBatch was built for {batch.device}, the sampler is on {self.device}")
         _check_logits(logits, batch)
@@ -172,7 +173,7 @@ class Sampler:
                         logits[row, list(ids)] = float("-inf")
         uniforms = self._uniforms(batch) if batch.num_sampled else None
         distributions = None
-        if keep_distributions:
+        if keep_distributions and batch.num_sampled:  # greedy drafts' distributions are never read
             tokens, distributions = self._sample_keeping(logits, batch, uniforms)
         elif batch.num_sampled == batch.num_rows:
             tokens = self._sample(logits, batch, uniforms)
