@@ -127,7 +127,7 @@ class PagedAttention:
             q = kv_quant.rotate_queries(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_rows = kv_quant.write(k_flat, meta.slot_mapping, k)  # slots are distinct within a step
+        k_rows = kv_quant.write(k_flat, meta.slot_mapping, k, q)  # slots are distinct within a step
         v_rows = kv_quant.write(v_flat, meta.slot_mapping, v)
         if kv_quant.is_quantized(k_cache):  # attend what the cache holds, cold or warm
             k = kv_quant.decode(k_rows, q.dtype)
