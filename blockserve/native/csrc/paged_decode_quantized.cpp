@@ -201,21 +201,26 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
     along[j] = dot;
   }
   for (int move = 0; move < kSteerMoves; ++move) {
-    double best = HUGE_VAL;
-    int64_t at = -1;
-    for (int side = 0; side < 2; ++side) {  // up (+1) then down (-1), as kv_quant concatenates them
-      for (int64_t d = 0; d < dim; ++d) {
-        if (side == 0 ? codes[d] >= 15 : codes[d] == 0) continue;
-        double g = ridge * err[d];
-        for (int64_t j = 0; j < group; ++j) g += static_cast<double>(q[j * dim + d]) * along[j];
-        const double slope = 2.0 * s * g;
-        const double gain = side == 0 ? curvature[d] + slope : curvature[d] - slope;
-        if (gain < best) {
-          best = gain;
-          at = side * dim + d;
-        }
+    // one pass: each channel's slope once, its up (+1) and down (-1) moves each against the best of
+    // their side; up wins a tie, as the first of kv_quant's concatenated (up, then down) gains
+    double best_up = HUGE_VAL, best_down = HUGE_VAL;
+    int64_t up_at = -1, down_at = -1;
+    for (int64_t d = 0; d < dim; ++d) {
+      double g = ridge * err[d];
+      for (int64_t j = 0; j < group; ++j) g += static_cast<double>(q[j * dim + d]) * along[j];
+      const double slope = 2.0 * s * g;
+      if (codes[d] < 15 && curvature[d] + slope < best_up) {
+        best_up = curvature[d] + slope;
+        up_at = d;
+      }
+      if (codes[d] > 0 && curvature[d] - slope < best_down) {
+        best_down = curvature[d] - slope;
+        down_at = d;
       }
     }
+    const bool up = best_up <= best_down;
+    const double best = up ? best_up : best_down;
+    const int64_t at = up ? up_at : dim + down_at;
     if (!(best < 0.0)) break;
     const int64_t channel = at % dim;
     const double step = at < dim ? s : -s;
