@@ -18,8 +18,9 @@
 // slots of positions below seq_len are read. Three implementations of one (sequence, KV head):
 // AVX-512 (16 keys at a time) and AVX2 (8) for head sizes 64, 128 and 256, a portable one else.
 // Writes quantise each head vector as kv_quant.encode does, to the same bytes: the 4-bit form after
-// the same rotation (kv_quant.rotation: the seeded signs, then butterflies in the same order), and the
-// fused step then rotates the queries itself (4-bit keys) and un-rotates its output (4-bit values).
+// the same rotation (kv_quant.rotation: the seeded signs, then butterflies in the same order), 4-bit
+// keys steered off the token's rotated queries (steer_codes), and the fused step rotates the queries
+// itself (4-bit keys) and un-rotates its output (4-bit values).
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
