@@ -146,7 +146,8 @@ def test_int4_keys_steered_off_their_queries(kind):
     for name, r in (("plain", plain_rows), ("steered", rows)):
         e = kv_quant.decode(r, torch.float32) - y
         assert (e.abs() <= 1.5 * scale * 1.01).all()
-        own, fresh = (torch.einsum("thgd,thd->thg", qq.view(256, 2, 3, 64), e).pow(2).mean().sqrt() for qq in (q, later))
+        own, fresh = (torch.einsum("thgd,thd->thg", qq.view(256, 2, 3, 64), e).pow(2).mean().sqrt()
+                      for qq in (q, later))
         errors[name] = (own, fresh, e.pow(2).mean())
     (own, fresh, mse), (own0, fresh0, mse0) = errors["steered"], errors["plain"]
     assert own < 0.3 * own0 and fresh < 0.9 * fresh0 and mse < 1.1 * mse0
