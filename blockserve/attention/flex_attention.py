@@ -285,7 +285,7 @@ class FlexAttention:
             q = kv_quant.rotate_queries(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        kv_quant.write(k_flat, meta.slot_mapping, k)
+        kv_quant.write(k_flat, meta.slot_mapping, k, q)
         kv_quant.write(v_flat, meta.slot_mapping, v)
         mask = _derived_mask(meta, k_cache.shape[0], q.device)
         keys = kv_quant.decode(_kv(k_cache, mask.pages), q.dtype)

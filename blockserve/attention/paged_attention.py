@@ -127,7 +127,7 @@ class PagedAttention:
             q = kv_quant.rotate_queries(q)
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        k_rows = kv_quant.write(k_flat, meta.slot_mapping, k)  # slots are distinct within a step
+        k_rows = kv_quant.write(k_flat, meta.slot_mapping, k, q)  # slots are distinct within a step
         v_rows = kv_quant.write(v_flat, meta.slot_mapping, v)
         # Attend what the cache holds, cold or warm (C4: a prefix hit reads these rows): a quantized or
         # narrower cache's rows, not the step's own unrounded k and v.

@@ -67,7 +67,7 @@ class TritonAttention:
                              f"{'out' if sinks is None else ''} sink logits")
         if kv_quant.is_rotated(k_cache):  # the 4-bit form: R q attends R k (and R v gives R o, un-rotated once)
             q = kv_quant.rotate_queries(q)
-        kv_quant.write(k_cache.view(-1, *k_cache.shape[2:]), meta.slot_mapping, k)  # codes and scales when quantized
+        kv_quant.write(k_cache.view(-1, *k_cache.shape[2:]), meta.slot_mapping, k, q)  # codes and scales when quantized
         kv_quant.write(v_cache.view(-1, *v_cache.shape[2:]), meta.slot_mapping, v)
         out = triton_paged.paged_attention(q.new_empty(q.shape), q, k_cache, v_cache, meta, self.scale, sinks=sinks)
         return kv_quant.unrotate_output(out) if kv_quant.is_rotated(v_cache) else out

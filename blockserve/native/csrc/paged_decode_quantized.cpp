@@ -18,8 +18,9 @@
 // slots of positions below seq_len are read. Three implementations of one (sequence, KV head):
 // AVX-512 (16 keys at a time) and AVX2 (8) for head sizes 64, 128 and 256, a portable one else.
 // Writes quantise each head vector as kv_quant.encode does, to the same bytes: the 4-bit form after
-// the same rotation (kv_quant.rotation: the seeded signs, then butterflies in the same order), and the
-// fused step then rotates the queries itself (4-bit keys) and un-rotates its output (4-bit values).
+// the same rotation (kv_quant.rotation: the seeded signs, then butterflies in the same order), 4-bit
+// keys steered off the token's rotated queries (steer_codes), and the fused step rotates the queries
+// itself (4-bit keys) and un-rotates its output (4-bit values).
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
@@ -169,10 +170,74 @@ void unrotate_(float* y, const float* signs, int64_t dim, float* work) {
   for (int64_t d = 0; d < dim; ++d) y[d] *= signs[d];
 }
 
+// kv_quant.STEER_MOVES and STEER_RIDGE.
+constexpr int kSteerMoves = 4;
+constexpr double kSteerRidge = 4.0;
+
+// kv_quant._steer_codes for one row: codes [dim] (nearest rounding of the rotated y [dim] to
+// scale * c + minimum, scale > 0) after up to kSteerMoves single-code moves of one step, each the move
+// that lowers J = sum_j (q_j . e)^2 + ridge |e|^2 most, e = scale * c + minimum - y, q_j the row's
+// `group` rotated queries [group, dim]; float64, moves compared up then down, channel by channel, the
+// first of equal ones taken. `work` [2 dim + group].
+void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, const float* q, int64_t group,
+                 int64_t dim, double* work) {
+  double* err = work;
+  double* curvature = work + dim;
+  double* along = work + 2 * dim;
+  const double s = scale;
+  double total = 0.0;
+  for (int64_t d = 0; d < dim; ++d) {
+    const double product = codes[d] * s;  // exact in float64: fused or not, the same sum as kv_quant's
+    err[d] = product + static_cast<double>(minimum) - static_cast<double>(y[d]);
+    double weight = 0.0;
+    for (int64_t j = 0; j < group; ++j) weight += static_cast<double>(q[j * dim + d]) * q[j * dim + d];
+    curvature[d] = weight;
+    total += weight;
+  }
+  const double ridge = kSteerRidge * total / static_cast<double>(group * dim);
+  for (int64_t d = 0; d < dim; ++d) curvature[d] = s * s * (curvature[d] + ridge);
+  for (int64_t j = 0; j < group; ++j) {
+    double dot = 0.0;
+    for (int64_t d = 0; d < dim; ++d) dot += static_cast<double>(q[j * dim + d]) * err[d];
+    along[j] = dot;
+  }
+  for (int move = 0; move < kSteerMoves; ++move) {
+    // one pass: each channel's slope once, its up (+1) and down (-1) moves each against the best of
+    // their side; up wins a tie, as the first of kv_quant's concatenated (up, then down) gains
+    double best_up = HUGE_VAL, best_down = HUGE_VAL;
+    int64_t up_at = -1, down_at = -1;
+    for (int64_t d = 0; d < dim; ++d) {
+      double g = ridge * err[d];
+      for (int64_t j = 0; j < group; ++j) g += static_cast<double>(q[j * dim + d]) * along[j];
+      const double slope = 2.0 * s * g;
+      if (codes[d] < 15 && curvature[d] + slope < best_up) {
+        best_up = curvature[d] + slope;
+        up_at = d;
+      }
+      if (codes[d] > 0 && curvature[d] - slope < best_down) {
+        best_down = curvature[d] - slope;
+        down_at = d;
+      }
+    }
+    const bool up = best_up <= best_down;
+    const double best = up ? best_up : best_down;
+    const int64_t at = up ? up_at : dim + down_at;
+    if (!(best < 0.0)) break;
+    const int64_t channel = at % dim;
+    const double step = at < dim ? s : -s;
+    codes[channel] = static_cast<uint8_t>(at < dim ? codes[channel] + 1 : codes[channel] - 1);
+    err[channel] += step;
+    for (int64_t j = 0; j < group; ++j) along[j] += static_cast<double>(q[j * dim + channel]) * step;
+  }
+}
+
 // One rotated head vector y [dim] into a 4-bit row [dim / 2 + 4]: kv_quant._encode_int4's rounding
 // (minimum and scale rounded to float16 first; codes (y - minimum) / scale rounded half-even into
-// [0, 15], two a byte, low nibble first; all 0 where the scale is not positive).
-inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim) {
+// [0, 15], two a byte, low nibble first; all 0 where the scale is not positive), then, for a key
+// with its `group` rotated queries q [group, dim] (none: q null), steered off them (steer_codes).
+// `work` [dim] bytes and [2 dim + group] doubles.
+inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim, const float* q, int64_t group,
+                              uint8_t* codes, double* work) {
   float low = y[0], high = y[0];
   for (int64_t d = 1; d < dim; ++d) {
     low = std::min(low, y[d]);
@@ -182,19 +247,30 @@ inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim) {
   const float minimum = static_cast<float>(minimum_half);
   const at::Half scale_half(std::min((high - minimum) / 15.f, 65504.f));
   const float scale = static_cast<float>(scale_half);
-  const auto code = [&](float v) {
-    return scale > 0.f ? static_cast<uint8_t>(std::clamp(std::nearbyint((v - minimum) / scale), 0.f, 15.f)) : 0;
-  };
-  for (int64_t d = 0; d < dim; d += 2) row[d / 2] = static_cast<int8_t>(code(y[d]) | (code(y[d + 1]) << 4));
+  for (int64_t d = 0; d < dim; ++d)
+    codes[d] = scale > 0.f ? static_cast<uint8_t>(std::clamp(std::nearbyint((y[d] - minimum) / scale), 0.f, 15.f)) : 0;
+  if (q != nullptr && scale > 0.f) steer_codes(codes, y, scale, minimum, q, group, dim, work);
+  for (int64_t d = 0; d < dim; d += 2) row[d / 2] = static_cast<int8_t>(codes[d] | (codes[d + 1] << 4));
   std::memcpy(row + dim / 2, &scale_half, kScaleBytes);
   std::memcpy(row + dim / 2 + kScaleBytes, &minimum_half, kScaleBytes);
 }
 
-// One head vector x [dim] into a row of `form`: the 4-bit form rotated first (through `scratch` [2 dim]).
-inline void write_row(int form, const float* x, int8_t* row, int64_t dim, const float* signs, float* scratch) {
+// Scratch for write_row: the rotated vector and the rotation's work [2 dim], and quantize_row_int4's.
+struct RowScratch {
+  RowScratch(int64_t dim, int64_t group) : rotated(2 * dim), codes(dim), work(2 * dim + group) {}
+  std::vector<float> rotated;
+  std::vector<uint8_t> codes;
+  std::vector<double> work;
+};
+
+// One head vector x [dim] into a row of `form`: the 4-bit form rotated first, a key's steered off its
+// `group` rotated queries q (null for values).
+inline void write_row(int form, const float* x, int8_t* row, int64_t dim, const float* signs, RowScratch& scratch,
+                      const float* q = nullptr, int64_t group = 0) {
   if (form == kInt4) {
-    rotate(x, scratch, signs, dim, scratch + dim);
-    quantize_row_int4(scratch, row, dim);
+    float* y = scratch.rotated.data();
+    rotate(x, y, signs, dim, y + dim);
+    quantize_row_int4(y, row, dim, q, group, scratch.codes.data(), scratch.work.data());
   } else if (form == kFp8) {
     quantize_row<true>(x, row, dim);
   } else {
@@ -621,19 +697,23 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
   // left it); 4-bit values give R o, un-rotated once below.
   const bool rotated_keys = fk == kInt4, rotated_values = fv == kInt4;
   const std::vector<float> signs = rotated_keys || rotated_values ? rotation_signs(dim) : std::vector<float>();
-  std::vector<float> scratch(2 * dim), rotated_q(rotated_keys ? n_seqs * q_size : 0);
+  // 4-bit keys are steered off the token's rotated queries (kv_quant.encode), so those come first.
+  const int64_t group = n_heads / n_kv_heads;
+  RowScratch scratch(dim, group);
+  std::vector<float> rotated_q(rotated_keys ? n_seqs * q_size : 0);
   for (int64_t n = 0; n < n_seqs; ++n) {  // a few KB per sequence: not worth a parallel region
     float* x = qkvp + n * qkv.stride(0);
     rotate_half_heads(x, n_heads + n_kv_heads, dim, cos.data_ptr<float>() + n * cos.stride(0),
                       sin.data_ptr<float>() + n * sin.stride(0));
-    for (int64_t h = 0; h < n_kv_heads; ++h) {
-      write_row(fk, x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * k_row, dim, signs.data(), scratch.data());
-      write_row(fv, x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * v_row, dim, signs.data(),
-                scratch.data());
-    }
+    float* q = rotated_keys ? rotated_q.data() + n * q_size : nullptr;
     if (rotated_keys)
-      for (int64_t h = 0; h < n_heads; ++h)
-        rotate(x + h * dim, rotated_q.data() + n * q_size + h * dim, signs.data(), dim, scratch.data());
+      for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * dim, q + h * dim, signs.data(), dim, scratch.rotated.data());
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      write_row(fk, x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * k_row, dim, signs.data(), scratch,
+                rotated_keys ? q + h * group * dim : nullptr, group);
+      write_row(fv, x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * v_row, dim, signs.data(),
+                scratch);
+    }
   }
   if (rotated_keys)
     decode_all(out, rotated_q.data(), q_size, n_seqs, n_heads, k_cache, v_cache, block_table, key_start, seq_lens,
@@ -644,7 +724,7 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
   if (rotated_values) {
     float* op = out.data_ptr<float>();
     for (int64_t head = 0; head < n_seqs * n_heads; ++head)
-      unrotate_(op + head * dim, signs.data(), dim, scratch.data());
+      unrotate_(op + head * dim, signs.data(), dim, scratch.rotated.data());
   }
 }
 
