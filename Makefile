@@ -33,7 +33,7 @@ test: install
 # Every test but the slow ones (a -m replaces pyproject's, so it leaves out the full matrices too).
 .PHONY: test-fast
 test-fast: install
-	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not tp_full and not backend_full and not model_quality"
+	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not tp_full and not backend_full and not model_quality and not peer_source"
 
 # Developer benchmarks (benchmarks/README.md: the question each answers); `blockserve bench ...`
 # (blockserve/bench/) measures the installed engine. Each writes its raw figures under results/.

@@ -114,7 +114,6 @@ def decode_itl(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list[fl
     order (the same for every engine: greedy, one batch), and whether the tier's writer had saves
     unwritten at the step's end."""
     engine = llm.engine
-    store = engine.core.kv_offload
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"itl-{i}", prompt, params)
@@ -122,7 +121,7 @@ def decode_itl(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list[fl
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
-        busy = store is not None and not store.is_idle()
+        busy = engine.offload_writer_busy()
         for output in sorted(outputs, key=lambda o: o.request_id):
             if output.outputs[0].token_ids:
                 if output.request_id in last:

@@ -62,7 +62,7 @@ def main() -> None:
     llm = LLM(enable_prefix_caching=False, speculative_config={
         "method": "draft_model", "model": args.draft_model or str(default_model_path()),
         "num_speculative_tokens": args.k})
-    speculator = llm.engine.core.scheduler.speculator
+    speculator = llm.engine.speculator
     speculator.costs = FlatStepCosts()
     switch = {"greedy": False}
     draft_greedily(speculator.proposer, switch)

@@ -340,6 +340,17 @@ class LLMEngine:
         requests hold blocks."""
         return self.core.kv.reset_prefix_cache()
 
+    @property
+    def speculator(self):
+        """The scheduler's Speculator (spec_decode/speculator.py: its proposer and step-cost rule), None
+        without a speculative_config."""
+        return self.core.scheduler.speculator
+
+    def offload_writer_busy(self) -> bool:
+        """Whether the second prefix-cache tier's writer has saves still to write (False without a tier)."""
+        store = self.core.kv_offload
+        return store is not None and not store.is_idle()
+
     def step_timings(self) -> RunnerTimings:
         """The model runner's cumulative time per phase (zero, prepare, forward, sample) and steps."""
         return self.core.runner.timings

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from blockserve.models import loader
 from blockserve.models.gguf_tokenizer import GGUFTokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.peer_source
 
 PEERS = Path(os.environ.get("BLOCKSERVE_PEERS_CACHE", Path.home() / ".cache" / "blockserve-peers"))
 SOURCES = sorted(PEERS.glob("llama.cpp-*/src/models"))

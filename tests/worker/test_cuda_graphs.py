@@ -160,8 +160,9 @@ def test_moe_families_capture_in_bfloat16(family, request, tiny_model):
     assert [tokens for tokens, _ in generate(llm)] == [tokens for tokens, _ in eager]
 
 
-@pytest.mark.slow  # the Triton kernel in its interpreter, ~40 s
-@pytest.mark.parametrize("family", DENSE + ("deepseek_v3", "kimi_linear"))
+@pytest.mark.slow  # the Triton kernel in its interpreter, ~10 s a family
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", *(pytest.param(f, marks=pytest.mark.backend_full)
+                                                                  for f in ("gemma3", "kimi_linear"))])
 def test_triton_decode_steps_replay_equal_eager(family, request, tiny_model):
     """The triton backend's kernel (run by Triton's interpreter) reads only the step's tensors: full,
     sliding and MLA layers replayed in padded buckets give the eager engine's tokens and logprobs.
@@ -174,8 +175,8 @@ def test_triton_decode_steps_replay_equal_eager(family, request, tiny_model):
     assert set(capture.replays) == set(SIZES)
 
 
-@pytest.mark.slow  # the Triton kernel in its interpreter, ~30 s
-@pytest.mark.parametrize("family", ("llama", "deepseek_v3"))
+@pytest.mark.slow  # the Triton kernel in its interpreter, ~15 s a family
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("llama", marks=pytest.mark.backend_full)])
 def test_triton_key_splits_in_replayed_steps_equal_unsplit_eager(family, request, tiny_model, monkeypatch):
     """Decode steps whose keys are split over programs (as on a GPU with idle multiprocessors; forced
     here) and combined, replayed from captured graphs: the unsplit eager engine's tokens and logprobs."""
@@ -194,7 +195,8 @@ def test_triton_key_splits_in_replayed_steps_equal_unsplit_eager(family, request
     assert max(splits) > 1
 
 
-@pytest.mark.slow  # traces the compiled flex call, ~20 s
+@pytest.mark.slow  # traces the compiled flex call, ~15 s
+@pytest.mark.backend_full
 def test_the_cuda_flex_call_traces_as_one_graph(request, tiny_model, monkeypatch):
     """On CUDA flex_attention is compiled (fullgraph, dynamic shapes): its block mask and mask_mod,
     built from the step's tensors (a captured step's too), must trace without a graph break, and
