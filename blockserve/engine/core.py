@@ -298,29 +298,18 @@ class EngineCore:
         return Speculator(spec)
 
     def _mtp_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> MTPProposer:
-        """The target checkpoint's multi-token-prediction layer (models/mtp.py) with a KV cache that holds
-        as many tokens as the target's (its budget scaled by their bytes per token) and a runner of its own
-        (one rank only: EngineConfig refuses tensor parallelism with it)."""
+        """The target checkpoint's multi-token-prediction layer (models/mtp.py) with a KV cache and a runner
+        of its own (`_proposer_cache`; one rank only: EngineConfig refuses tensor parallelism with it)."""
         head = load_mtp(self.loaded.model, config.model)
         groups = kv_groups_of(head, config, self.device_plan.device)
-        head_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
-        try:
-            kv_config = plan_kv_cache(groups, head_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
-                                      enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
-        except ValueError as e:
-            raise ValueError(f"speculative_config.method 'mtp': {e}") from e
-        runner = ModelRunner(head, kv_config, config.max_num_seqs, self.max_model_len, draft_seed(config.seed),
-                             device=self.device_plan.device)
-        kv = KVCacheManager(kv_config)
-        logger.info("MTP head of %s, its KV cache:\n%s\n%s", self.loaded.source, kv.capacity_report(),
-                    weight_memory_report(head))
+        runner, kv = self._proposer_cache(config, head, groups, kv_groups, kv_bytes, chunk_cap,
+                                          "speculative_config.method 'mtp'", f"MTP head of {self.loaded.source}")
         return MTPProposer(runner, kv, chunk_cap)
 
     def _draft_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int,
                         chunk_cap: int) -> DraftModelProposer:
         """speculative_config.model loaded like the target (device, dtype, attention backend, quantized
-        kernels), checked against its vocabulary, with a KV cache that holds as many tokens as the
-        target's (its budget scaled by their bytes per token) and a runner of its own."""
+        kernels), checked against its vocabulary, with a KV cache and a runner of its own (`_proposer_cache`)."""
         path = config.speculative_config.model
         try:
             draft = load_model(path, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul,
@@ -338,18 +327,28 @@ class EngineCore:
             raise ValueError("speculative_config.model has recurrent-state layers (Mamba2, Gated DeltaNet or KDA): "
                              "a draft model's state is not rolled back past its rejected drafts; use an "
                              "attention-only draft model (a hybrid target is fine)")
-        draft_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
+        runner, kv = self._proposer_cache(config, draft.model, groups, kv_groups, kv_bytes, chunk_cap,
+                                          "speculative_config.model", f"draft model {draft.source}")
+        return DraftModelProposer(runner, kv, chunk_cap)
+
+    def _proposer_cache(self, config: EngineConfig, model: torch.nn.Module, groups: list, kv_groups: list,
+                        kv_bytes: int, chunk_cap: int, field: str, name: str) -> tuple[ModelRunner, KVCacheManager]:
+        """A proposer's model `model` (KV groups `groups`) on a KV cache of its own, which holds as many
+        tokens as the target's (the target's budget `kv_bytes` scaled by their KV bytes per token, on top
+        of it), prefix caching off, zeroed and poisoned like the target's; and a ModelRunner of its own,
+        seeded apart from the target's. A budget that cannot hold one request is refused naming `field`;
+        `name` heads the start-up report of its cache and weights."""
+        budget = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
         try:
-            kv_config = plan_kv_cache(groups, draft_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
+            kv_config = plan_kv_cache(groups, budget, self.max_model_len, config.max_num_seqs, chunk_cap,
                                       enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
         except ValueError as e:
-            raise ValueError(f"speculative_config.model: {e}") from e
-        runner = ModelRunner(draft.model, kv_config, config.max_num_seqs, self.max_model_len, draft_seed(config.seed),
+            raise ValueError(f"{field}: {e}") from e
+        runner = ModelRunner(model, kv_config, config.max_num_seqs, self.max_model_len, draft_seed(config.seed),
                              device=self.device_plan.device)
         kv = KVCacheManager(kv_config)
-        logger.info("draft model %s, its KV cache:\n%s\n%s", draft.source, kv.capacity_report(),
-                    weight_memory_report(draft.model))
-        return DraftModelProposer(runner, kv, chunk_cap)
+        logger.info("%s, its KV cache:\n%s\n%s", name, kv.capacity_report(), weight_memory_report(model))
+        return runner, kv
 
     def _decode_graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
         """CUDA: the batch sizes to capture decode steps at; none with enforce_eager, or when some layer

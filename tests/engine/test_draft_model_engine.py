@@ -123,7 +123,7 @@ def test_the_draft_cache_keeps_only_the_drafts_the_target_kept(models, monkeypat
     fed.clear()
     again = proposer.propose("a", kept, 3)
     assert [ids["a"] for ids in fed if ids][0] == [wrong, 7, 8]
-    assert proposer.num_cached_tokens("a") == len(kept) + 2  # kept, and the drafts fed back but the last
+    assert proposer.num_cached_rows("a") == len(kept) + 2  # kept, and the drafts fed back but the last
     assert proposer.propose("b", kept, 3) == again
     proposer.forget("a")
     proposer.forget("b")
@@ -196,9 +196,9 @@ def test_a_full_draft_cache_takes_blocks_from_the_least_recent_proposer(models):
     proposer = llm.engine.core.scheduler.speculator.proposer
     long_prompts = {rid: [(7 * i + offset) % 500 for i in range(50)] for rid, offset in zip("abc", (1, 2, 3))}
     proposed = {rid: proposer.propose(rid, prompt, 3) for rid, prompt in long_prompts.items()}
-    assert proposer.num_requests == 2 and proposer.num_cached_tokens("a") == 0
+    assert proposer.num_requests == 2 and proposer.num_cached_rows("a") == 0
     assert proposer.propose("a", long_prompts["a"], 3) == proposed["a"]  # fed again from scratch
-    assert proposer.num_cached_tokens("a") == 50 + 2 and proposer.num_cached_tokens("b") == 0
+    assert proposer.num_cached_rows("a") == 50 + 2 and proposer.num_cached_rows("b") == 0
     for rid in "abc":
         proposer.forget(rid)
     assert_nothing_held(llm)
