@@ -189,7 +189,7 @@ def test_drafts_that_cannot_serve_the_target_are_refused(models, tmp_path, tiny_
 
 
 def test_a_full_draft_cache_takes_blocks_from_the_least_recent_proposer(models):
-    """The draft's cache holds as many tokens as the target's (here about 130): a third long request
+    """The draft's cache holds as many tokens as the target's (here about 100): a third long request
     takes the blocks of the one that proposed least recently, which re-feeds its tokens later."""
     target, draft = models
     llm = LLM(target, speculative_config=spec(draft), block_size=4, **SMALL_CACHE)
@@ -202,3 +202,28 @@ def test_a_full_draft_cache_takes_blocks_from_the_least_recent_proposer(models):
     for rid in "abc":
         proposer.forget(rid)
     assert_nothing_held(llm)
+
+
+def test_the_draft_s_kv_cache_is_drawn_from_the_target_s_budget(models):
+    """One budget holds both caches, each as many tokens; one that holds only the target's is refused."""
+    target, draft = models
+    core = LLM(target, speculative_config=spec(draft), **OPTIONS).engine.core
+    caches = (core.kv_config, core.scheduler.speculator.proposer.kv.config)
+    assert sum(g.num_slots * g.bytes_per_block for c in caches for g in c.groups) <= 4 * 2**20
+    assert [c.groups[0].num_blocks for c in caches] == [caches[0].groups[0].num_blocks] * 2
+    assert caches[0].groups[0].num_blocks < LLM(target, **OPTIONS).engine.core.kv_config.groups[0].num_blocks
+    just_the_target = (64 // 4 + 1) * caches[0].groups[0].bytes_per_block  # 16 blocks and the null block
+    LLM(target, block_size=4, max_model_len=64, kv_cache_memory=just_the_target)
+    with pytest.raises(ValueError, match="speculative_config.model: the draft model's KV cache is drawn from the "
+                                         "target's budget: .* cannot hold even one request"):
+        LLM(target, speculative_config=spec(draft), block_size=4, max_model_len=64, kv_cache_memory=just_the_target)
+
+
+def test_the_draft_s_cache_books_are_checked_after_every_step(models):
+    """C3 over the draft's own cache too: a block held by no request (planted) fails the next step."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), **OPTIONS)
+    pool = llm.engine.core.scheduler.speculator.proposer.kv.coordinator.pools[0]
+    pool.get_new_blocks(1)
+    with pytest.raises(AssertionError, match="has ref_cnt 1 but 0 holders"):
+        tokens(llm)
