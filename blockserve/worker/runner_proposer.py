@@ -20,6 +20,7 @@ blocks' poison orders applied at once (C2).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -38,7 +39,7 @@ from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE
 GREEDY = SamplingParams(temperature=0.0)
 
 
-class RunnerProposer:
+class RunnerProposer(ABC):
     """Drafts from `runner`'s model over the blocks of `kv` (prefix caching off: its cache holds drafts
     the target may reject). `max_chunk`: the most tokens one forward feeds. Subclasses say which
     request record a proposal uses (`_prepare`) and what feeds each forward's rows besides tokens
@@ -63,10 +64,10 @@ class RunnerProposer:
 
     # -- what a subclass defines -----------------------------------------------------------------
 
+    @abstractmethod
     def _prepare(self, request_id: str, token_ids: Sequence[int]):
         """The request's record, its `token_ids` the tokens its rows feed, its `num_computed_tokens` the
         rows its cache still holds (trimmed to them); None if it cannot propose now."""
-        raise NotImplementedError
 
     def _prompt_offset(self, request) -> int:
         """The request's position of the record's first token."""
