@@ -248,8 +248,9 @@ class EngineCore:
             self.kv_config = plan_kv_cache(kv_groups, *plan_args, **plan_options)
         else:
             try:
-                self.kv_config, proposer_kv_config = plan_with_proposer(kv_groups, proposer_model.kv_groups,
-                                                                        *plan_args, **plan_options)
+                self.kv_config, proposer_kv_config = plan_with_proposer(
+                    kv_groups, proposer_model.kv_groups, *plan_args,
+                    proposer_caching=proposer_model.proposer.caches_prefixes, **plan_options)
             except ValueError as e:
                 raise ValueError(f"{proposer_model.field}: the {proposer_model.kind}'s KV cache is drawn from the "
                                  f"target's budget: {e}") from e
@@ -310,8 +311,8 @@ class EngineCore:
         """The speculator `config.speculative_config` asks for (recurrent-state layers included: their
         slots are rolled back to the last accepted draft, worker/state_rollback.py). A draft model or MTP
         head drafts on a KV cache of its own (`proposer_kv_config`, planned with the target's from one
-        budget, prefix caching off, zeroed and poisoned like the target's) through a ModelRunner of its
-        own, seeded apart from the target's."""
+        budget, zeroed and poisoned like the target's; a draft model's prefix-cached where the target's
+        is, an MTP head's never) through a ModelRunner of its own, seeded apart from the target's."""
         spec = config.speculative_config
         if spec is None:
             return None

@@ -82,14 +82,16 @@ def plan_with_proposer(
     max_num_seqs: int,
     max_chunk_tokens: int | None = None,
     checkpoint_share: float = 0.0,
+    proposer_caching: bool = False,
     **config_options,
 ) -> tuple[KVCacheConfig, KVCacheConfig]:
     """One budget for a model's groups and its proposer's: `plan_kv_cache` over both together (so the
     attention groups of both run out together, and one request of max_model_len fits in each), split
-    into the model's KVCacheConfig (with `config_options`) and the proposer's, which has prefix caching
-    off (its cache holds drafts the target may reject) and the model's poison setting."""
+    into the model's KVCacheConfig (with `config_options`) and the proposer's, which has the model's
+    poison setting and prefix caching only with `proposer_caching` and the model's on."""
     together = plan_kv_cache([*groups, *proposer_groups], memory_bytes, max_model_len, max_num_seqs,
                              max_chunk_tokens, checkpoint_share, **config_options)
     own, proposer = together.groups[:len(groups)], together.groups[len(groups):]
+    caching = proposer_caching and together.enable_prefix_caching
     return (dataclasses.replace(together, groups=own),
-            KVCacheConfig(proposer, enable_prefix_caching=False, poison_freed_blocks=together.poison_freed_blocks))
+            KVCacheConfig(proposer, enable_prefix_caching=caching, poison_freed_blocks=together.poison_freed_blocks))

@@ -36,11 +36,13 @@ class Proposer(Protocol):
 @dataclass(frozen=True)
 class DraftSampling:
     """How a request samples its tokens, for a proposer that samples its drafts as the target samples them
-    (a draft model, an MTP head): its parameters, and where its output starts among its tokens."""
+    (a draft model, an MTP head): its parameters, and where its output starts among its tokens; and its
+    `cache_salt`, which keys a proposer's own prefix cache as it keys the target's (C6)."""
 
     params: SamplingParams
     num_prompt_tokens: int
     eos_token_id: int | None = None
+    cache_salt: str | None = None
 
     def draft_params(self) -> SamplingParams:
         """The parameters a draft samples under: the request's temperature, filters, penalties, logit_bias and

@@ -16,13 +16,18 @@ worker/runner_proposer.py's.
 Each request owns blocks in the draft's KVCacheManager (zeroed and poisoned like the target's) for
 as long as it is running; `forget` frees them. When the draft's cache is full, the requests that
 proposed least recently give their draft blocks back (they re-feed their tokens when they next
-propose).
+propose). With prefix caching on, the draft's cache is prefix-cached as the target's is: a new record
+(a request's first proposal, or one that gave its blocks back) starts from the longest hit of its
+tokens under the request's salted hash chain (C6), and after each proposal the full blocks of the
+request's own tokens, written by its forwards, are cached (C4); blocks holding its drafts never are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from blockserve.kv.manager import ComputedBlocks
+from blockserve.spec_decode.proposer import DraftSampling
 from blockserve.worker.runner_proposer import RunnerProposer
 
 
@@ -55,16 +60,19 @@ def check_draft_vocabulary(target_hf_config, target_tokenizer, draft_hf_config, 
 
 class DraftModelProposer(RunnerProposer):
     """Drafts from `runner`'s model over the blocks of `kv` (a KVCacheManager of its own, prefix caching
-    off). `max_chunk`: the most tokens one forward feeds."""
+    on or off). `max_chunk`: the most tokens one forward feeds."""
 
-    def _prepare(self, request_id: str, token_ids: Sequence[int]) -> _DraftRequest:
+    caches_prefixes = True  # its KV at a position depends on the request's tokens up to it, as the target's
+
+    def _prepare(self, request_id: str, token_ids: Sequence[int], sampling: DraftSampling | None) -> _DraftRequest:
         """The request's record over `token_ids`, its cache trimmed to the positions still its tokens
-        (a request whose tokens shrank starts over)."""
+        (a request whose tokens shrank starts over), its hash chain salted with the request's salt."""
         request = self._requests.get(request_id)
         if request is None or len(token_ids) < request.known:
             if request is not None:
                 self.kv.free(request_id)
-            request = _DraftRequest(request_id, self.kv.new_block_hashes())
+            request = _DraftRequest(request_id, self.kv.new_block_hashes(None if sampling is None
+                                                                           else sampling.cache_salt))
         valid = request.known
         for draft, token in zip(request.fed_drafts, token_ids[request.known:]):
             if draft != token:
@@ -77,13 +85,23 @@ class DraftModelProposer(RunnerProposer):
         request.token_ids = token_ids
         return request
 
+    def _prefix_hit(self, request: _DraftRequest) -> ComputedBlocks | None:
+        """A new record's longest prefix-cache hit (none with caching off): its first `known` tokens."""
+        if request.num_computed_tokens or not self.kv.caching_possible:
+            return None
+        hit = self.kv.get_computed_blocks(request)
+        request.known = hit.num_tokens
+        return hit
+
     def propose_batch(self, asks: Sequence[tuple]) -> dict[str, list[int]]:
         """RunnerProposer.propose_batch; each request's cache then holds its tokens and its drafts but the
-        last, which the next proposal keeps as far as the target accepted them."""
+        last, which the next proposal keeps as far as the target accepted them, and the full blocks of
+        its tokens enter the prefix cache (C4: their forwards ran)."""
         drafts = super().propose_batch(asks)
         for request_id, proposed in drafts.items():
             request = self._requests[request_id]
             request.known, request.fed_drafts = len(request.token_ids), proposed[:-1]
+            self.kv.cache_blocks(request, request.known)
         return drafts
 
 

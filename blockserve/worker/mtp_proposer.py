@@ -176,7 +176,7 @@ class MTPProposer(RunnerProposer):
         """The target runner's hidden_outputs: see TargetStates.record."""
         self.states.record(request_ids, query_start, firsts, hidden)
 
-    def _prepare(self, request_id: str, token_ids: Sequence[int]) -> _HeadRequest | None:
+    def _prepare(self, request_id: str, token_ids: Sequence[int], sampling) -> _HeadRequest | None:
         """The request's record over its rows up to the target's state of its last token but one; None
         without that state (the target has not computed it). Its cache is trimmed to the rows before that
         position, and a record whose rows would leave a gap before the first target state held starts

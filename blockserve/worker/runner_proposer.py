@@ -1,9 +1,10 @@
 """What the draft-model and MTP proposers share: drafting through a ModelRunner of their own over a
-KVCacheManager of their own (prefix caching off), a step's requests batched.
+KVCacheManager of their own, a step's requests batched.
 
     propose_batch([(request, token_ids, k[, DraftSampling]), ...]):
         _prepare  the subclass's request record (kv.manager.KVRequest) with `token_ids` set to the
                   tokens its rows feed; None: it gets no drafts
+        hit       a new record's prefix-cache hit, where the subclass looks one up (`_prefix_hit`)
         allocate  blocks for its rows to feed and k - 1 drafts; while they do not fit, the requests
                   that proposed least recently (not this step's) give theirs back (`_release`)
         decode    per forward, every request with tokens left to feed (in chunks, at most
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from blockserve.kv.manager import KVCacheManager
+from blockserve.kv.manager import ComputedBlocks, KVCacheManager
 from blockserve.kv.pending import PendingWork
 from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -40,18 +41,18 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 class RunnerProposer(ABC):
-    """Drafts from `runner`'s model over the blocks of `kv` (prefix caching off: its cache holds drafts
-    the target may reject). `max_chunk`: the most tokens one forward feeds. Subclasses say which
-    request record a proposal uses (`_prepare`) and what feeds each forward's rows besides tokens
-    (`_feed`, `_chain`)."""
+    """Drafts from `runner`'s model over the blocks of `kv`. `max_chunk`: the most tokens one forward
+    feeds. Subclasses say which request record a proposal uses (`_prepare`, `_prefix_hit`) and what
+    feeds each forward's rows besides tokens (`_feed`, `_chain`)."""
 
     always_proposes = True  # k drafts for every call, one forward each
     keeps_draft_rows = True  # whether its cache keeps the rows of the drafts it fed back
+    caches_prefixes = False  # whether `kv` may have prefix caching on
     what = "the draft model"  # in errors
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_chunk: int):
-        if kv.enable_caching:
-            raise ValueError(f"{self.what}'s KV cache holds drafts the target may reject: build it with "
+        if kv.enable_caching and not self.caches_prefixes:
+            raise ValueError(f"{self.what}'s KV cache holds rows the target may reject: build it with "
                              "prefix caching off")
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
@@ -65,9 +66,13 @@ class RunnerProposer(ABC):
     # -- what a subclass defines -----------------------------------------------------------------
 
     @abstractmethod
-    def _prepare(self, request_id: str, token_ids: Sequence[int]):
+    def _prepare(self, request_id: str, token_ids: Sequence[int], sampling: DraftSampling | None):
         """The request's record, its `token_ids` the tokens its rows feed, its `num_computed_tokens` the
         rows its cache still holds (trimmed to them); None if it cannot propose now."""
+
+    def _prefix_hit(self, request) -> ComputedBlocks | None:
+        """A record's prefix-cache hit, taken if its blocks are allocated (None: none looked up)."""
+        return None
 
     def _prompt_offset(self, request) -> int:
         """The request's position of the record's first token."""
@@ -98,24 +103,29 @@ class RunnerProposer(ABC):
             self._distributions.pop(request_id, None)
             if max_tokens <= 0 or not token_ids:
                 continue
-            request = self._prepare(request_id, token_ids)
+            sampling = rest[0] if rest else None
+            request = self._prepare(request_id, token_ids, sampling)
             if request is None:
                 continue
             self._requests.pop(request_id, None)
             self._requests[request_id] = request  # the most recent proposer
-            to_feed = len(request.token_ids) - request.num_computed_tokens
-            if self._allocate(request, to_feed + max_tokens - 1, batch):
-                batch[request_id] = (request, token_ids, max_tokens, rest[0] if rest else None)
+            hit = self._prefix_hit(request)
+            cached = 0 if hit is None else hit.num_tokens
+            to_feed = len(request.token_ids) - request.num_computed_tokens - cached
+            if self._allocate(request, to_feed + max_tokens - 1, batch, hit):
+                request.num_computed_tokens += cached
+                batch[request_id] = (request, token_ids, max_tokens, sampling)
             else:
                 self._release(request_id)
         if not batch:
             return {}
         return self._decode(batch)
 
-    def _allocate(self, request, num_tokens: int, keep) -> bool:
-        """Blocks for `num_tokens` more tokens, taken back from the least recently proposing requests
-        (not those in `keep`) while they do not fit; False if that cannot make room."""
-        while self.kv.allocate_slots(request, num_tokens) is None:
+    def _allocate(self, request, num_tokens: int, keep, hit: ComputedBlocks | None = None) -> bool:
+        """Blocks for `num_tokens` more tokens after the prefix-cache hit `hit`, taken back from the least
+        recently proposing requests (not those in `keep`) while they do not fit (which frees blocks, never
+        evicts the hit's); False if that cannot make room."""
+        while self.kv.allocate_slots(request, num_tokens, hit) is None:
             oldest = next((rid for rid in self._requests if rid != request.request_id and rid not in keep), None)
             if oldest is None:
                 return False

@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 from blockserve import LLM, SamplingParams
 from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
+from blockserve.spec_decode.proposer import DraftSampling
 from blockserve.spec_decode.step_costs import FlatStepCosts
 from tests.engine.test_speculative_engine import NEW_TOKENS, prompts
 from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
@@ -57,7 +58,9 @@ def test_a_draft_equal_to_the_target_has_its_drafts_accepted(models):
     plain = tokens(LLM(target, **OPTIONS))
     llm = LLM(target, speculative_config=spec(target), **OPTIONS)
     assert tokens(llm) == plain
-    assert tokens(llm) == plain  # the target's prompts from its prefix cache, the draft's fed again
+    draft_hits = llm.engine.core.scheduler.speculator.proposer.kv.prefix_cache_stats().hits
+    assert tokens(llm) == plain  # the target's prompts from its prefix cache, and the draft's from its own
+    assert llm.engine.core.scheduler.speculator.proposer.kv.prefix_cache_stats().hits > draft_hits
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > 2 * len(prompts())
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
@@ -127,6 +130,25 @@ def test_the_draft_cache_keeps_only_the_drafts_the_target_kept(models, monkeypat
     assert proposer.propose("b", kept, 3) == again
     proposer.forget("a")
     proposer.forget("b")
+    assert_nothing_held(llm)
+
+
+def test_the_draft_s_prefix_cache_is_keyed_by_the_request_s_salt(models):
+    """A prompt's draft blocks are hit by a later request of the same cache_salt, never another's (C6)."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), **OPTIONS)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    prompt = prompts()[2]
+
+    def propose(request_id: str, salt: str) -> list[int]:
+        return proposer.propose(request_id, prompt, 3, DraftSampling(GREEDY, len(prompt), cache_salt=salt))
+
+    first = propose("a", "tenant-1")
+    assert propose("b", "tenant-2") == first and proposer.kv.prefix_cache_stats().hits == 0
+    assert propose("c", "tenant-1") == first
+    assert proposer.kv.prefix_cache_stats().hits == (len(prompt) - 1) // 4 * 4  # whole blocks, one token left
+    for request_id in "abc":
+        proposer.forget(request_id)
     assert_nothing_held(llm)
 
 

@@ -68,6 +68,10 @@ def test_a_proposer_s_cache_is_drawn_from_the_model_s_budget():
     assert not proposer.enable_prefix_caching and proposer.poison_freed_blocks
     for config in (model, proposer):
         assert KVCacheManager(config).never_fits(256) is None
+    caching = lambda **o: plan_with_proposer(target, draft, 4 * MIB, 256, 4, proposer_caching=True,  # noqa: E731
+                                             **o)[1].enable_prefix_caching
+    assert caching(**options)
+    assert not caching(**options | dict(enable_prefix_caching=False))  # only where the model's is on
 
 
 def test_a_budget_that_holds_the_model_alone_but_not_its_proposer_is_refused():
