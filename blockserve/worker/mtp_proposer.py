@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from blockserve.kv.manager import KVCacheManager
+from blockserve.spec_decode.proposer import DraftSampling
 from blockserve.worker.model_runner import ModelRunner
 from blockserve.worker.runner_proposer import RunnerProposer
 
@@ -176,7 +177,8 @@ class MTPProposer(RunnerProposer):
         """The target runner's hidden_outputs: see TargetStates.record."""
         self.states.record(request_ids, query_start, firsts, hidden)
 
-    def _prepare(self, request_id: str, token_ids: Sequence[int], sampling) -> _HeadRequest | None:
+    def _prepare(self, request_id: str, token_ids: Sequence[int],
+                 sampling: DraftSampling | None) -> _HeadRequest | None:
         """The request's record over its rows up to the target's state of its last token but one; None
         without that state (the target has not computed it). Its cache is trimmed to the rows before that
         position, and a record whose rows would leave a gap before the first target state held starts
