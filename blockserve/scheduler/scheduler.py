@@ -255,6 +255,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.pop()
         self.kv.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.preempted(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -21,7 +21,8 @@ class Proposer(Protocol):
     before asking rather than after; such a proposer may also define `propose_batch(asks)` (asks:
     (request id, tokens, max_tokens) each; returns drafts by request id), then the speculator asks it
     once per step for all requests; an ask may carry a fourth element, the request's DraftSampling
-    (None: draft greedily). `close()`, where defined, releases what it holds."""
+    (None: draft greedily). `release(request_id)`, where defined, gives back what a preempted request
+    holds in the proposer's own KV cache; `close()`, where defined, releases what it holds."""
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """At most `max_tokens` draft tokens (possibly none)."""

@@ -6,7 +6,7 @@ KVCacheManager of their own, a step's requests batched.
                   tokens its rows feed; None: it gets no drafts
         hit       a new record's prefix-cache hit, where the subclass looks one up (`_prefix_hit`)
         allocate  blocks for its rows to feed and k - 1 drafts; while they do not fit, the requests
-                  that proposed least recently (not this step's) give theirs back (`_release`)
+                  that proposed least recently (not this step's) give theirs back (`release`)
         decode    per forward, every request with tokens left to feed (in chunks, at most
                   `max_chunk` tokens in all), then one draft per forward each until it has k
                   (greedy, or drawn under its DraftSampling with the distribution kept for
@@ -116,7 +116,7 @@ class RunnerProposer(ABC):
                 request.num_computed_tokens += cached
                 batch[request_id] = (request, token_ids, max_tokens, sampling)
             else:
-                self._release(request_id)
+                self.release(request_id)
         if not batch:
             return {}
         return self._decode(batch)
@@ -129,7 +129,7 @@ class RunnerProposer(ABC):
             oldest = next((rid for rid in self._requests if rid != request.request_id and rid not in keep), None)
             if oldest is None:
                 return False
-            self._release(oldest)
+            self.release(oldest)
         return True
 
     def _decode(self, batch: dict[str, tuple]) -> dict[str, list[int]]:
@@ -203,15 +203,16 @@ class RunnerProposer(ABC):
         or already taken); the target runner's draft_distributions."""
         return self._distributions.pop(request_id, None)
 
-    def _release(self, request_id: str) -> None:
-        """Give the request's blocks back (it feeds its rows again when it next proposes)."""
+    def release(self, request_id: str) -> None:
+        """Give the request's blocks back (its cache full, or the target preempted it): it feeds its rows
+        again when it next proposes (from a prefix hit where its cache has one)."""
         if self._requests.pop(request_id, None) is not None:
             self.kv.free(request_id)
 
     def forget(self, request_id: str) -> None:
         """The request ended: free its blocks (their poison orders applied at once, C2: nothing pending
         once every request finished), its grammar's matcher and the seeded generator its drafts drew from."""
-        self._release(request_id)
+        self.release(request_id)
         self._distributions.pop(request_id, None)
         self._grammars.forget(request_id)
         apply_pending(self.runner, self.kv, finished={request_id} & self.runner.generators.keys())

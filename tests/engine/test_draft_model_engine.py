@@ -70,20 +70,25 @@ def test_a_draft_equal_to_the_target_has_its_drafts_accepted(models):
 @pytest.mark.parametrize("scenario", [{}, {"max_num_batched_tokens": 8}, SMALL_CACHE],
                          ids=["prefix-caching", "chunked", "preemption"])
 def test_a_random_draft_keeps_the_greedy_tokens(models, scenario):
-    """The tokens of a run without the draft, the draft's forwards batched across a step's requests."""
+    """The tokens of a run without the draft, the draft's forwards batched across a step's requests; a
+    preempted request gives its draft blocks back with the target's."""
     target, draft = models
     options = OPTIONS | scenario
     plain = tokens(LLM(target, **options))
     llm = LLM(target, speculative_config=spec(draft, 4), **options)
-    runner = llm.engine.core.scheduler.speculator.proposer.runner
-    execute, batch_sizes = runner.execute, []
+    speculator = llm.engine.core.scheduler.speculator
+    runner, preempted = speculator.proposer.runner, speculator.preempted
+    execute, batch_sizes, draft_rows = runner.execute, [], []  # draft_rows: (before, after) each preemption
     runner.execute = lambda out: batch_sizes.append(len(out.num_scheduled_tokens)) or execute(out)
+    rows = speculator.proposer.num_cached_rows
+    speculator.preempted = lambda rid: draft_rows.append((rows(rid), preempted(rid) or rows(rid)))
     assert tokens(llm) == plain
     assert max(batch_sizes) > 1  # the step's requests draft in one batch
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     if scenario is SMALL_CACHE:
         assert llm.engine.core.scheduler.num_preemptions > 0
+        assert any(before for before, _ in draft_rows) and all(after == 0 for _, after in draft_rows)
     assert_nothing_held(llm)
 
 
