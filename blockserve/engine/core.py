@@ -12,7 +12,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -23,7 +23,8 @@ from blockserve.engine.kv_budget import cuda_kv_budget, fixed_cuda_kv_bytes, gra
 from blockserve.engine.kv_offload import build_kv_offload, offload_sizes
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
-from blockserve.kv.capacity import plan_kv_cache
+from blockserve.kv.capacity import plan_kv_cache, plan_with_proposer
+from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.manager import KVCacheManager
 from blockserve.kv.specs import QUANTIZED_KV_DTYPES, LinearStateSpec
 from blockserve.models.loader import LoadedModel, load_model
@@ -39,6 +40,7 @@ from blockserve.worker.cuda_graphs import default_graph_sizes, graph_blockers
 from blockserve.worker.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from blockserve.worker.mtp_proposer import MTPProposer
 from blockserve.worker.model_runner import LaunchedStep, ModelRunner
+from blockserve.worker.runner_proposer import RunnerProposer
 
 logger = logging.getLogger("blockserve")
 
@@ -158,6 +160,17 @@ def refuse_state_speculation_under_tp(config: EngineConfig, kv_groups: list) -> 
                          f"on one rank, or without speculative decoding")
 
 
+class ProposerModel(NamedTuple):
+    """A draft model or MTP head, loaded, before its KV cache is planned."""
+
+    proposer: type  # DraftModelProposer or MTPProposer
+    model: torch.nn.Module
+    kv_groups: list  # as kv_groups_of gives them
+    field: str  # the option that asked for it, in errors
+    kind: str  # "draft model", "MTP head"
+    name: str  # heads its start-up report
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """The engine over `config`; if building it fails once tensor-parallel ranks are up, they
@@ -223,18 +236,24 @@ class EngineCore:
             kv_bytes = self.kv_budget.kv_bytes
         else:
             kv_bytes = config.kv_cache_bytes()
-        self.kv_config = plan_kv_cache(
-            kv_groups,
-            kv_bytes,
-            max_model_len,
-            config.max_num_seqs,
-            scheduler_config.chunk_cap,
-            checkpoint_share=config.state_checkpoint_share,
-            enable_prefix_caching=config.enable_prefix_caching,
-            poison_freed_blocks=config.poison_enabled,
-            checkpoint_interval=config.state_checkpoint_interval,
-            checkpoint_savings_weight=config.state_checkpoint_savings_weight,
-        )
+        proposer_model = self._proposer_model(config)  # a draft model or MTP head: its KV from the same budget
+        plan_args = (kv_bytes, max_model_len, config.max_num_seqs, scheduler_config.chunk_cap)
+        plan_options = dict(checkpoint_share=config.state_checkpoint_share,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            poison_freed_blocks=config.poison_enabled,
+                            checkpoint_interval=config.state_checkpoint_interval,
+                            checkpoint_savings_weight=config.state_checkpoint_savings_weight)
+        proposer_kv_config = None
+        if proposer_model is None:
+            self.kv_config = plan_kv_cache(kv_groups, *plan_args, **plan_options)
+        else:
+            try:
+                self.kv_config, proposer_kv_config = plan_with_proposer(
+                    kv_groups, proposer_model.kv_groups, *plan_args,
+                    proposer_caching=proposer_model.proposer.caches_prefixes, **plan_options)
+            except ValueError as e:
+                raise ValueError(f"{proposer_model.field}: the {proposer_model.kind}'s KV cache is drawn from the "
+                                 f"target's budget: {e}") from e
         if config.unsafe_disable_zeroing:
             groups_off = tuple(dataclasses.replace(g, zero_new_blocks=False) for g in self.kv_config.groups)
             self.kv_config = dataclasses.replace(self.kv_config, groups=groups_off)
@@ -253,15 +272,17 @@ class EngineCore:
             logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
                            "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
                            config.state_checkpoint_share)
-        self.scheduler = Scheduler(scheduler_config, self.kv, self._speculator(config, kv_groups, kv_bytes,
-                                                                                scheduler_config.chunk_cap))
+        speculator = self._speculator(config, proposer_model, proposer_kv_config, scheduler_config.chunk_cap)
+        self.scheduler = Scheduler(scheduler_config, self.kv, speculator)
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
         proposer = getattr(self.scheduler.speculator, "proposer", None)
+        # A draft model's or MTP head's own cache (C3 checks it beside the target's).
+        self.proposer_kv = proposer.kv if isinstance(proposer, RunnerProposer) else None
         if self.executor is None:
             self.runner = ModelRunner(self.loaded.model, *runner_args, device=plan.device)
             if isinstance(proposer, MTPProposer):  # the MTP head drafts from the target's hidden states
                 self.runner.hidden_outputs = proposer.record
-        if isinstance(proposer, (DraftModelProposer, MTPProposer)):  # sampled drafts: verified by rejection sampling
+        if isinstance(proposer, RunnerProposer):  # sampled drafts: verified by rejection sampling
             (self.runner if self.executor is None else self.executor.runner).draft_distributions = \
                 proposer.take_distributions
         if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
@@ -285,42 +306,41 @@ class EngineCore:
                         "budgeted)", sorted(set(graph_sizes)), time.perf_counter() - began, held / 2**30,
                         budgeted / 2**30)
 
-    def _speculator(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> Speculator | None:
+    def _speculator(self, config: EngineConfig, proposer_model: ProposerModel | None,
+                    proposer_kv_config: KVCacheConfig | None, chunk_cap: int) -> Speculator | None:
         """The speculator `config.speculative_config` asks for (recurrent-state layers included: their
-        slots are rolled back to the last accepted draft, worker/state_rollback.py)."""
+        slots are rolled back to the last accepted draft, worker/state_rollback.py). A draft model or MTP
+        head drafts on a KV cache of its own (`proposer_kv_config`, planned with the target's from one
+        budget, zeroed and poisoned like the target's; a draft model's prefix-cached where the target's
+        is, an MTP head's never) through a ModelRunner of its own, seeded apart from the target's."""
         spec = config.speculative_config
         if spec is None:
             return None
-        if spec.method == "draft_model":
-            return Speculator(spec, self._draft_proposer(config, kv_groups, kv_bytes, chunk_cap))
-        if spec.method == "mtp":
-            return Speculator(spec, self._mtp_proposer(config, kv_groups, kv_bytes, chunk_cap))
-        return Speculator(spec)
+        if proposer_model is None:
+            return Speculator(spec)
+        model = proposer_model.model
+        runner = ModelRunner(model, proposer_kv_config, config.max_num_seqs, self.max_model_len,
+                             draft_seed(config.seed), device=self.device_plan.device)
+        kv = KVCacheManager(proposer_kv_config)
+        logger.info("%s, its KV cache (from the target's budget):\n%s\n%s", proposer_model.name,
+                    kv.capacity_report(), weight_memory_report(model))
+        return Speculator(spec, proposer_model.proposer(runner, kv, chunk_cap))
 
-    def _mtp_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int, chunk_cap: int) -> MTPProposer:
-        """The target checkpoint's multi-token-prediction layer (models/mtp.py) with a KV cache that holds
-        as many tokens as the target's (its budget scaled by their bytes per token) and a runner of its own
-        (one rank only: EngineConfig refuses tensor parallelism with it)."""
-        head = load_mtp(self.loaded.model, config.model)
-        groups = kv_groups_of(head, config, self.device_plan.device)
-        head_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
-        try:
-            kv_config = plan_kv_cache(groups, head_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
-                                      enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
-        except ValueError as e:
-            raise ValueError(f"speculative_config.method 'mtp': {e}") from e
-        runner = ModelRunner(head, kv_config, config.max_num_seqs, self.max_model_len, draft_seed(config.seed),
-                             device=self.device_plan.device)
-        kv = KVCacheManager(kv_config)
-        logger.info("MTP head of %s, its KV cache:\n%s\n%s", self.loaded.source, kv.capacity_report(),
-                    weight_memory_report(head))
-        return MTPProposer(runner, kv, chunk_cap)
+    def _proposer_model(self, config: EngineConfig) -> ProposerModel | None:
+        """The draft model or MTP head `config.speculative_config` asks for, loaded (None for the other
+        methods)."""
+        spec = config.speculative_config
+        if spec is None or spec.method not in ("draft_model", "mtp"):
+            return None
+        if spec.method == "mtp":  # one rank only: EngineConfig refuses tensor parallelism with it
+            head = load_mtp(self.loaded.model, config.model)
+            return ProposerModel(MTPProposer, head, kv_groups_of(head, config, self.device_plan.device),
+                                 "speculative_config.method 'mtp'", "MTP head", f"MTP head of {self.loaded.source}")
+        return self._draft_model(config)
 
-    def _draft_proposer(self, config: EngineConfig, kv_groups: list, kv_bytes: int,
-                        chunk_cap: int) -> DraftModelProposer:
+    def _draft_model(self, config: EngineConfig) -> ProposerModel:
         """speculative_config.model loaded like the target (device, dtype, attention backend, quantized
-        kernels), checked against its vocabulary, with a KV cache that holds as many tokens as the
-        target's (its budget scaled by their bytes per token) and a runner of its own."""
+        kernels), checked against its vocabulary, its positions and its layers."""
         path = config.speculative_config.model
         try:
             draft = load_model(path, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul,
@@ -338,18 +358,8 @@ class EngineCore:
             raise ValueError("speculative_config.model has recurrent-state layers (Mamba2, Gated DeltaNet or KDA): "
                              "a draft model's state is not rolled back past its rejected drafts; use an "
                              "attention-only draft model (a hybrid target is fine)")
-        draft_bytes = int(kv_bytes * _bytes_per_token(groups) / _bytes_per_token(kv_groups)) + 1
-        try:
-            kv_config = plan_kv_cache(groups, draft_bytes, self.max_model_len, config.max_num_seqs, chunk_cap,
-                                      enable_prefix_caching=False, poison_freed_blocks=config.poison_enabled)
-        except ValueError as e:
-            raise ValueError(f"speculative_config.model: {e}") from e
-        runner = ModelRunner(draft.model, kv_config, config.max_num_seqs, self.max_model_len, draft_seed(config.seed),
-                             device=self.device_plan.device)
-        kv = KVCacheManager(kv_config)
-        logger.info("draft model %s, its KV cache:\n%s\n%s", draft.source, kv.capacity_report(),
-                    weight_memory_report(draft.model))
-        return DraftModelProposer(runner, kv, chunk_cap)
+        return ProposerModel(DraftModelProposer, draft.model, groups, "speculative_config.model", "draft model",
+                             f"draft model {draft.source}")
 
     def _decode_graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
         """CUDA: the batch sizes to capture decode steps at; none with enforce_eager, or when some layer
@@ -395,8 +405,14 @@ class EngineCore:
             if speculator is not None and _decodes_only(scheduler_output):  # what speculation weighs its drafts by
                 speculator.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - began)
         if self.check_integrity:
-            self.kv.check_integrity()
+            self.check_kv_integrity()
         return outputs, stats
+
+    def check_kv_integrity(self) -> None:
+        """C3: AssertionError unless the KV cache's books balance, and a draft model's or MTP head's own."""
+        self.kv.check_integrity()
+        if self.proposer_kv is not None:
+            self.proposer_kv.check_integrity()
 
     def _settle_for_drafts(self) -> tuple[list[RequestOutput], bool] | None:
         """Async scheduling with speculation: a step is scheduled with drafts only where the request's
@@ -491,12 +507,6 @@ def kv_groups_of(model: torch.nn.Module, config: EngineConfig, device: torch.dev
         refuse_unreadable_kv_dtype(layer_name, kv_layers[layer_name], spec, device)
         groups.setdefault((spec, kv_layers[layer_name].reads_unwritten_slots), []).append(layer_name)
     return [(spec, tuple(layers), reads) for (spec, reads), layers in groups.items()]
-
-
-def _bytes_per_token(kv_groups: list[tuple]) -> float:
-    """KV bytes one token takes in every attention group of `kv_groups` together."""
-    return sum(spec.page_size_bytes * len(layers) / spec.block_size
-               for spec, layers, _ in kv_groups if not isinstance(spec, LinearStateSpec))
 
 
 def _decodes_only(out: SchedulerOutput) -> bool:

@@ -232,7 +232,7 @@ class LLMEngine:
         parent_ids = list(dict.fromkeys(self._children[c].parent for c in failure.request_ids if c in self._children))
         self.abort_request(parent_ids)
         try:
-            self.core.kv.check_integrity()
+            self.core.check_kv_integrity()
         except AssertionError as e:
             self._broken = f"the KV cache's books no longer balance after a failed step: {e}"
             return StepFailed(parent_ids, failure.__cause__, self._broken)

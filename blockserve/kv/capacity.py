@@ -10,9 +10,15 @@ window, however long the request).
     budget ─► state slots: (max_num_seqs + 1) x slot bytes
            ├► checkpoints: n = share x budget / sum of slot bytes over state groups
            └► attention: k = rest / sum(need_g x bytes_per_token_g); tokens_g = k x need_g
+
+A proposer's model (a draft model, an MTP head) draws its own cache from the same budget
+(`plan_with_proposer`): its groups are planned beside the target's, so both hold as many tokens of
+one request and run out together.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from blockserve.kv.config import KVCacheConfig, KVCacheGroup
 from blockserve.kv.specs import KVCacheSpec, LinearStateSpec, zero_new_blocks
@@ -66,3 +72,26 @@ def plan_kv_cache(
         built.append(KVCacheGroup(spec, count, zero_new_blocks(spec, reads_unwritten), tuple(layers),
                                   num_checkpoints if is_state else 0))
     return KVCacheConfig(tuple(built), **config_options)
+
+
+def plan_with_proposer(
+    groups: list[tuple[KVCacheSpec, tuple[str, ...], bool]],
+    proposer_groups: list[tuple[KVCacheSpec, tuple[str, ...], bool]],
+    memory_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_chunk_tokens: int | None = None,
+    checkpoint_share: float = 0.0,
+    proposer_caching: bool = False,
+    **config_options,
+) -> tuple[KVCacheConfig, KVCacheConfig]:
+    """One budget for a model's groups and its proposer's: `plan_kv_cache` over both together (so the
+    attention groups of both run out together, and one request of max_model_len fits in each), split
+    into the model's KVCacheConfig (with `config_options`) and the proposer's, which has the model's
+    poison setting and prefix caching only with `proposer_caching` and the model's on."""
+    together = plan_kv_cache([*groups, *proposer_groups], memory_bytes, max_model_len, max_num_seqs,
+                             max_chunk_tokens, checkpoint_share, **config_options)
+    own, proposer = together.groups[:len(groups)], together.groups[len(groups):]
+    caching = proposer_caching and together.enable_prefix_caching
+    return (dataclasses.replace(together, groups=own),
+            KVCacheConfig(proposer, enable_prefix_caching=caching, poison_freed_blocks=together.poison_freed_blocks))

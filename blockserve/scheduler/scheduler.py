@@ -124,7 +124,7 @@ class Scheduler:
             if speculator.batches:  # drafts for every request that may verify some, in one batch
                 speculator.prepare_step([(request.request_id, request.token_ids, room,
                                           DraftSampling(request.sampling_params, request.num_prompt_tokens,
-                                                        request.eos_token_id))
+                                                        request.eos_token_id, request.cache_salt))
                                          for request in running
                                          if _may_draft(request) and (room := _draft_room(request, budget, cap)) > 0],
                                         len(running))
@@ -255,6 +255,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.pop()
         self.kv.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.preempted(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -21,7 +21,8 @@ class Proposer(Protocol):
     before asking rather than after; such a proposer may also define `propose_batch(asks)` (asks:
     (request id, tokens, max_tokens) each; returns drafts by request id), then the speculator asks it
     once per step for all requests; an ask may carry a fourth element, the request's DraftSampling
-    (None: draft greedily). `close()`, where defined, releases what it holds."""
+    (None: draft greedily). `release(request_id)`, where defined, gives back what a preempted request
+    holds in the proposer's own KV cache; `close()`, where defined, releases what it holds."""
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """At most `max_tokens` draft tokens (possibly none)."""
@@ -36,11 +37,13 @@ class Proposer(Protocol):
 @dataclass(frozen=True)
 class DraftSampling:
     """How a request samples its tokens, for a proposer that samples its drafts as the target samples them
-    (a draft model, an MTP head): its parameters, and where its output starts among its tokens."""
+    (a draft model, an MTP head): its parameters, and where its output starts among its tokens; and its
+    `cache_salt`, which keys a proposer's own prefix cache as it keys the target's (C6)."""
 
     params: SamplingParams
     num_prompt_tokens: int
     eos_token_id: int | None = None
+    cache_salt: str | None = None
 
     def draft_params(self) -> SamplingParams:
         """The parameters a draft samples under: the request's temperature, filters, penalties, logit_bias and

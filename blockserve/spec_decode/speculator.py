@@ -202,6 +202,13 @@ class Speculator:
             books.accepted = FORGETTING * books.accepted + num_accepted
             books.tried = FORGETTING * books.tried + tried
 
+    def preempted(self, request_id: str) -> None:
+        """The request was preempted: a proposer with a KV cache of its own (a draft model, an MTP head)
+        gives the request's blocks back with the target's (`release`)."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(request_id)
+
     def forget(self, request_id: str) -> None:
         """The request ended: drop everything held for it."""
         self._books.pop(request_id, None)

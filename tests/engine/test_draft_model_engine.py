@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 from blockserve import LLM, SamplingParams
 from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
+from blockserve.spec_decode.proposer import DraftSampling
 from blockserve.spec_decode.step_costs import FlatStepCosts
 from tests.engine.test_speculative_engine import NEW_TOKENS, prompts
 from tests.engine.test_tiny_engine import SIZES, SMALL_CACHE
@@ -57,7 +58,9 @@ def test_a_draft_equal_to_the_target_has_its_drafts_accepted(models):
     plain = tokens(LLM(target, **OPTIONS))
     llm = LLM(target, speculative_config=spec(target), **OPTIONS)
     assert tokens(llm) == plain
-    assert tokens(llm) == plain  # the target's prompts from its prefix cache, the draft's fed again
+    draft_hits = llm.engine.core.scheduler.speculator.proposer.kv.prefix_cache_stats().hits
+    assert tokens(llm) == plain  # the target's prompts from its prefix cache, and the draft's from its own
+    assert llm.engine.core.scheduler.speculator.proposer.kv.prefix_cache_stats().hits > draft_hits
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > 2 * len(prompts())
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
@@ -67,20 +70,25 @@ def test_a_draft_equal_to_the_target_has_its_drafts_accepted(models):
 @pytest.mark.parametrize("scenario", [{}, {"max_num_batched_tokens": 8}, SMALL_CACHE],
                          ids=["prefix-caching", "chunked", "preemption"])
 def test_a_random_draft_keeps_the_greedy_tokens(models, scenario):
-    """The tokens of a run without the draft, the draft's forwards batched across a step's requests."""
+    """The tokens of a run without the draft, the draft's forwards batched across a step's requests; a
+    preempted request gives its draft blocks back with the target's."""
     target, draft = models
     options = OPTIONS | scenario
     plain = tokens(LLM(target, **options))
     llm = LLM(target, speculative_config=spec(draft, 4), **options)
-    runner = llm.engine.core.scheduler.speculator.proposer.runner
-    execute, batch_sizes = runner.execute, []
+    speculator = llm.engine.core.scheduler.speculator
+    runner, preempted = speculator.proposer.runner, speculator.preempted
+    execute, batch_sizes, draft_rows = runner.execute, [], []  # draft_rows: (before, after) each preemption
     runner.execute = lambda out: batch_sizes.append(len(out.num_scheduled_tokens)) or execute(out)
+    rows = speculator.proposer.num_cached_rows
+    speculator.preempted = lambda rid: draft_rows.append((rows(rid), preempted(rid) or rows(rid)))
     assert tokens(llm) == plain
     assert max(batch_sizes) > 1  # the step's requests draft in one batch
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     if scenario is SMALL_CACHE:
         assert llm.engine.core.scheduler.num_preemptions > 0
+        assert any(before for before, _ in draft_rows) and all(after == 0 for _, after in draft_rows)
     assert_nothing_held(llm)
 
 
@@ -123,10 +131,29 @@ def test_the_draft_cache_keeps_only_the_drafts_the_target_kept(models, monkeypat
     fed.clear()
     again = proposer.propose("a", kept, 3)
     assert [ids["a"] for ids in fed if ids][0] == [wrong, 7, 8]
-    assert proposer.num_cached_tokens("a") == len(kept) + 2  # kept, and the drafts fed back but the last
+    assert proposer.num_cached_rows("a") == len(kept) + 2  # kept, and the drafts fed back but the last
     assert proposer.propose("b", kept, 3) == again
     proposer.forget("a")
     proposer.forget("b")
+    assert_nothing_held(llm)
+
+
+def test_the_draft_s_prefix_cache_is_keyed_by_the_request_s_salt(models):
+    """A prompt's draft blocks are hit by a later request of the same cache_salt, never another's (C6)."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), **OPTIONS)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    prompt = prompts()[2]
+
+    def propose(request_id: str, salt: str) -> list[int]:
+        return proposer.propose(request_id, prompt, 3, DraftSampling(GREEDY, len(prompt), cache_salt=salt))
+
+    first = propose("a", "tenant-1")
+    assert propose("b", "tenant-2") == first and proposer.kv.prefix_cache_stats().hits == 0
+    assert propose("c", "tenant-1") == first
+    assert proposer.kv.prefix_cache_stats().hits == (len(prompt) - 1) // 4 * 4  # whole blocks, one token left
+    for request_id in "abc":
+        proposer.forget(request_id)
     assert_nothing_held(llm)
 
 
@@ -189,16 +216,41 @@ def test_drafts_that_cannot_serve_the_target_are_refused(models, tmp_path, tiny_
 
 
 def test_a_full_draft_cache_takes_blocks_from_the_least_recent_proposer(models):
-    """The draft's cache holds as many tokens as the target's (here about 130): a third long request
+    """The draft's cache holds as many tokens as the target's (here about 100): a third long request
     takes the blocks of the one that proposed least recently, which re-feeds its tokens later."""
     target, draft = models
     llm = LLM(target, speculative_config=spec(draft), block_size=4, **SMALL_CACHE)
     proposer = llm.engine.core.scheduler.speculator.proposer
     long_prompts = {rid: [(7 * i + offset) % 500 for i in range(50)] for rid, offset in zip("abc", (1, 2, 3))}
     proposed = {rid: proposer.propose(rid, prompt, 3) for rid, prompt in long_prompts.items()}
-    assert proposer.num_requests == 2 and proposer.num_cached_tokens("a") == 0
+    assert proposer.num_requests == 2 and proposer.num_cached_rows("a") == 0
     assert proposer.propose("a", long_prompts["a"], 3) == proposed["a"]  # fed again from scratch
-    assert proposer.num_cached_tokens("a") == 50 + 2 and proposer.num_cached_tokens("b") == 0
+    assert proposer.num_cached_rows("a") == 50 + 2 and proposer.num_cached_rows("b") == 0
     for rid in "abc":
         proposer.forget(rid)
     assert_nothing_held(llm)
+
+
+def test_the_draft_s_kv_cache_is_drawn_from_the_target_s_budget(models):
+    """One budget holds both caches, each as many tokens; one that holds only the target's is refused."""
+    target, draft = models
+    core = LLM(target, speculative_config=spec(draft), **OPTIONS).engine.core
+    caches = (core.kv_config, core.scheduler.speculator.proposer.kv.config)
+    assert sum(g.num_slots * g.bytes_per_block for c in caches for g in c.groups) <= 4 * 2**20
+    assert [c.groups[0].num_blocks for c in caches] == [caches[0].groups[0].num_blocks] * 2
+    assert caches[0].groups[0].num_blocks < LLM(target, **OPTIONS).engine.core.kv_config.groups[0].num_blocks
+    just_the_target = (64 // 4 + 1) * caches[0].groups[0].bytes_per_block  # 16 blocks and the null block
+    LLM(target, block_size=4, max_model_len=64, kv_cache_memory=just_the_target)
+    with pytest.raises(ValueError, match="speculative_config.model: the draft model's KV cache is drawn from the "
+                                         "target's budget: .* cannot hold even one request"):
+        LLM(target, speculative_config=spec(draft), block_size=4, max_model_len=64, kv_cache_memory=just_the_target)
+
+
+def test_the_draft_s_cache_books_are_checked_after_every_step(models):
+    """C3 over the draft's own cache too: a block held by no request (planted) fails the next step."""
+    target, draft = models
+    llm = LLM(target, speculative_config=spec(draft), **OPTIONS)
+    pool = llm.engine.core.scheduler.speculator.proposer.kv.coordinator.pools[0]
+    pool.get_new_blocks(1)
+    with pytest.raises(AssertionError, match="has ref_cnt 1 but 0 holders"):
+        tokens(llm)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from blockserve.kv.capacity import plan_kv_cache
+from blockserve.kv.capacity import plan_kv_cache, plan_with_proposer
 from blockserve.kv.manager import KVCacheManager
 from tests.kv.conftest import full, mla, sliding, state
 
@@ -50,3 +50,33 @@ def test_the_smallest_budget_that_holds_one_request():
 def test_config_options_pass_through():
     config = plan_kv_cache([(full(16), ("f",), False)], MIB, 64, 1, enable_prefix_caching=False)
     assert not config.enable_prefix_caching
+
+
+def test_a_proposer_s_cache_is_drawn_from_the_model_s_budget():
+    """A draft's groups planned beside a hybrid target's: one budget for both, the same tokens of one
+    request in every attention group, the draft's prefix caching off and the target's options kept."""
+    target = [(full(16), ("f",), False), (state(), ("s",), False)]
+    draft = [(full(16), ("d0", "d1"), True)]
+    options = dict(enable_prefix_caching=True, poison_freed_blocks=True, checkpoint_share=0.1)
+    alone = plan_kv_cache(target, 4 * MIB, 256, 4, **options)
+    model, proposer = plan_with_proposer(target, draft, 4 * MIB, 256, 4, **options)
+    assert total_bytes(model) + total_bytes(proposer) <= 4 * MIB
+    assert model.groups[0].num_blocks < alone.groups[0].num_blocks
+    assert model.groups[0].num_blocks == proposer.groups[0].num_blocks  # equal block sizes: equal tokens
+    assert model.groups[1].num_checkpoints > 0 and model.enable_prefix_caching and model.poison_freed_blocks
+    assert proposer.groups[0].zero_new_blocks and proposer.groups[0].layer_names == ("d0", "d1")
+    assert not proposer.enable_prefix_caching and proposer.poison_freed_blocks
+    for config in (model, proposer):
+        assert KVCacheManager(config).never_fits(256) is None
+    caching = lambda **o: plan_with_proposer(target, draft, 4 * MIB, 256, 4, proposer_caching=True,  # noqa: E731
+                                             **o)[1].enable_prefix_caching
+    assert caching(**options)
+    assert not caching(**options | dict(enable_prefix_caching=False))  # only where the model's is on
+
+
+def test_a_budget_that_holds_the_model_alone_but_not_its_proposer_is_refused():
+    target, draft = [(full(16), ("f",), False)], [(full(16), ("d",), False)]
+    just_the_target = (256 // 16 + 1) * full(16).page_size_bytes
+    assert plan_kv_cache(target, just_the_target, 256, 1).groups[0].num_blocks == 256 // 16 + 1
+    with pytest.raises(ValueError, match="cannot hold even one request of max_model_len=256"):
+        plan_with_proposer(target, draft, just_the_target, 256, 1)
