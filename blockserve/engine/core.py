@@ -340,7 +340,8 @@ class EngineCore:
 
     def _draft_model(self, config: EngineConfig) -> ProposerModel:
         """speculative_config.model loaded like the target (device, dtype, attention backend, quantized
-        kernels), checked against its vocabulary, its positions and its layers."""
+        kernels), checked against its vocabulary and its positions. One with recurrent-state layers
+        puts its slots back after each proposal's chained drafts (worker/runner_proposer.py)."""
         path = config.speculative_config.model
         try:
             draft = load_model(path, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul,
@@ -354,10 +355,6 @@ class EngineCore:
             raise ValueError(f"speculative_config.model: the draft holds {draft_len} positions, fewer than "
                              f"max_model_len={self.max_model_len}; lower max_model_len or use a longer draft")
         groups = kv_groups_of(draft.model, config, self.device_plan.device)
-        if any(isinstance(spec, LinearStateSpec) for spec, _, _ in groups):
-            raise ValueError("speculative_config.model has recurrent-state layers (Mamba2, Gated DeltaNet or KDA): "
-                             "a draft model's state is not rolled back past its rejected drafts; use an "
-                             "attention-only draft model (a hybrid target is fine)")
         return ProposerModel(DraftModelProposer, draft.model, groups, "speculative_config.model", "draft model",
                              f"draft model {draft.source}")
 

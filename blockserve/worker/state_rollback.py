@@ -47,3 +47,36 @@ class StateRollback:
         for meta in self.metadata:
             if isinstance(meta, StateMetadata):
                 meta.row_states.clear()
+
+
+class StateSnapshots:
+    """A proposer's rollback of its own running slots past the drafts it chains: `save` a request's
+    slots once its own tokens are fed, `restore_all` after its drafts were chained through them, so
+    that each slot holds the state after the request's tokens again (its drafts, which the target may
+    reject, are fed again from there only as far as the target kept them). A saved state is a copy of
+    one slot per state layer and component, held for the length of one proposal."""
+
+    def __init__(self, layer_caches: dict):
+        """`layer_caches`: the proposer runner's ForwardContext layers."""
+        self.layers = [cache for cache in layer_caches.values() if isinstance(cache, StateCache)]
+        self._saved: dict[str, list[tuple[int, list]]] = {}  # request id -> per layer (slot, component copies)
+
+    def save(self, request_id: str, block_ids: list[list[int]]) -> None:
+        """Copy the request's running slots (`block_ids`: its table per group, a state group's [slot])."""
+        saved = []
+        for cache in self.layers:
+            slot = block_ids[cache.group][0]
+            saved.append((slot, [tensor[slot].clone() for tensor in cache.tensors]))
+        self._saved[request_id] = saved
+
+    def restore_all(self) -> None:
+        """Put every saved state back into its slot and forget it."""
+        for saved in self._saved.values():
+            for cache, (slot, copies) in zip(self.layers, saved):
+                for tensor, copy in zip(cache.tensors, copies):
+                    tensor[slot] = copy
+        self._saved.clear()
+
+    def clear(self) -> None:
+        """Forget the saved states unrestored (the proposal failed: its requests start over)."""
+        self._saved.clear()
