@@ -20,6 +20,9 @@ propose). With prefix caching on, the draft's cache is prefix-cached as the targ
 (a request's first proposal, or one that gave its blocks back) starts from the longest hit of its
 tokens under the request's salted hash chain (C6), and after each proposal the full blocks of the
 request's own tokens, written by its forwards, are cached (C4); blocks holding its drafts never are.
+A draft with recurrent-state layers keeps no drafts' rows (runner_proposer.py): its slots are put
+back to the state after the request's tokens after each proposal, and the next one feeds the accepted
+drafts again.
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ class DraftModelProposer(RunnerProposer):
 
     def _prepare(self, request_id: str, token_ids: Sequence[int], sampling: DraftSampling | None) -> _DraftRequest:
         """The request's record over `token_ids`, its cache trimmed to the positions still its tokens
-        (a request whose tokens shrank starts over), its hash chain salted with the request's salt."""
+        (a request whose tokens shrank, or whose recurrent state is past them, starts over), its hash
+        chain salted with the request's salt."""
         request = self._requests.get(request_id)
         valid = -1 if request is None else _valid_rows(request, token_ids)
         if request is None or len(token_ids) < request.known \

@@ -7,6 +7,10 @@ Once the target has accepted a of the k drafts, the slot must hold the state aft
 request's last token and the accepted drafts): if a < k that state is copied, per state layer
 and component, from the kept rows into the slot. No token is computed again, and the slot
 never holds state from a rejected draft when the next step reads it.
+
+A draft model with state layers chains its drafts one forward each, so it keeps no per-row states:
+`StateSnapshots` saves a request's slots once its own tokens are fed and puts them back after the
+chain (worker/runner_proposer.py).
 """
 
 from __future__ import annotations
