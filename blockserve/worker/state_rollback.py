@@ -6,7 +6,10 @@ running slot and keeps the state after every row in the step's `StateMetadata.ro
 Once the target has accepted a of the k drafts, the slot must hold the state after row a (the
 request's last token and the accepted drafts): if a < k that state is copied, per state layer
 and component, from the kept rows into the slot. No token is computed again, and the slot
-never holds state from a rejected draft when the next step reads it.
+never holds state from a rejected draft when the next step reads it. A tensor-parallel rank above 0
+does not sample, so it learns a from the request's next step: it keeps a copy of the request's rows'
+states until then (`StateRollback.defer`), and rolls its slot back as that step begins, before its
+forward (worker/input_batch.py).
 
 A draft model with state layers chains its drafts one forward each, so it keeps no per-row states:
 `StateSnapshots` saves a request's slots once its own tokens are fed and puts them back after the
@@ -31,26 +34,60 @@ class StateRollback:
     def __call__(self, request_id: str, num_tokens_kept: int) -> None:
         """Leave in the request's running slots the state after its first `num_tokens_kept` verified
         rows (1 + the accepted drafts)."""
+        rows = self.chains[request_id][1]
+        _check(request_id, num_tokens_kept, rows)
+        if num_tokens_kept < rows:  # all kept: the slot holds the last row's state already
+            _roll_back(self._kept(request_id), num_tokens_kept)
+
+    def defer(self, request_id: str) -> DeferredRollback:
+        """The request's rollback, its rows' states copied, for a rank that learns how many drafts were
+        accepted only from the request's next step (tensor parallelism, rank > 0)."""
+        return DeferredRollback(request_id, self.chains[request_id][1],
+                                [(tensor, slot, rows.clone()) for tensor, slot, rows in self._kept(request_id)])
+
+    def _kept(self, request_id: str) -> list[tuple]:
+        """(running state tensor, the request's slot, the states after each of its rows) per state layer
+        and component."""
         first, rows = self.chains[request_id]
-        if not 1 <= num_tokens_kept <= rows:
-            raise ValueError(f"request {request_id}: {num_tokens_kept} tokens kept of {rows} verified")
-        if num_tokens_kept == rows:
-            return  # every draft accepted: the slot holds the last row's state already
-        row = first + num_tokens_kept - 1
+        kept = []
         for name, cache in self.layers:
             meta: StateMetadata = self.metadata[cache.group]
-            kept = meta.row_states.get(name)
-            if kept is None:
+            states = meta.row_states.get(name)
+            if states is None:
                 raise RuntimeError(f"layer {name} kept no per-row states for request {request_id}'s verification")
             slot = meta.slot_ids[first]
-            for tensor, states in zip(cache.tensors, kept):
-                tensor[slot] = states[row]
+            kept += [(tensor, slot, component[first:first + rows]) for tensor, component in zip(cache.tensors, states)]
+        return kept
 
     def release(self) -> None:
         """Drop the kept per-row states (the step's verifications are all rolled back)."""
         for meta in self.metadata:
             if isinstance(meta, StateMetadata):
                 meta.row_states.clear()
+
+
+class DeferredRollback:
+    """A verified request's rollback, held until its accepted count is known (StateRollback.defer)."""
+
+    def __init__(self, request_id: str, rows: int, kept: list[tuple]):
+        self.request_id, self.rows, self.kept = request_id, rows, kept
+
+    def __call__(self, num_tokens_kept: int) -> None:
+        """Leave in the request's running slots the state after its first `num_tokens_kept` verified rows."""
+        _check(self.request_id, num_tokens_kept, self.rows)
+        if num_tokens_kept < self.rows:
+            _roll_back(self.kept, num_tokens_kept)
+
+
+def _check(request_id: str, num_tokens_kept: int, rows: int) -> None:
+    if not 1 <= num_tokens_kept <= rows:
+        raise ValueError(f"request {request_id}: {num_tokens_kept} tokens kept of {rows} verified")
+
+
+def _roll_back(kept: list[tuple], num_tokens_kept: int) -> None:
+    """slot := the state after row `num_tokens_kept` - 1, in each (state tensor, slot, per-row states)."""
+    for tensor, slot, rows in kept:
+        tensor[slot] = rows[num_tokens_kept - 1]
 
 
 class StateSnapshots:

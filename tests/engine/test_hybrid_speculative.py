@@ -15,8 +15,6 @@ from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention.context import StateCache
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import kv_groups_of, refuse_state_speculation_under_tp
 from blockserve.kv import LinearStateSpec
 from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
 from blockserve.spec_decode import speculator as speculator_module
@@ -198,19 +196,6 @@ def test_an_attention_draft_model_serves_a_hybrid_target(family, tmp_path):
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > stats.num_accepted_tokens
     llm.engine.core.scheduler.assert_idle()
-
-
-def test_tensor_parallelism_is_refused_with_recurrent_state(family):
-    """Ranks above 0 learn a verification's accepted count a step late, after the per-row states are
-    gone, so the rule refuses a hybrid with speculation under tensor parallelism (the engine applies it
-    when it is built: tests/distributed/test_tp_speculative.py)."""
-    plain_llm, _ = family
-    config = EngineConfig(tensor_parallel_size=2, speculative_config=NGRAM)
-    groups = kv_groups_of(plain_llm.engine.core.loaded.model, config, torch.device("cpu"))
-    with pytest.raises(ValueError, match="recurrent-state layers .*rolled back on rank 0 only"):
-        refuse_state_speculation_under_tp(config, groups)
-    refuse_state_speculation_under_tp(EngineConfig(speculative_config=NGRAM), groups)
-    refuse_state_speculation_under_tp(EngineConfig(tensor_parallel_size=2), groups)
 
 
 DRAFT_BASE = BASE | dict(kv_cache_memory="24MiB")  # the draft's cache comes out of the same budget
