@@ -277,3 +277,30 @@ def test_a_hybrid_draft_s_state_after_a_rejection_is_that_of_a_draft_fed_the_kep
     proposer.forget("a")
     proposer.forget("b")
     assert proposer.num_requests == 0 and proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid"], indirect=True)
+def test_a_hybrid_draft_s_failed_proposal_gives_its_slots_back(family, hybrid_drafts, monkeypatch):
+    """A forward that fails mid-chain leaves the slot past the record's rows: the record is given up
+    (nothing held), and the next proposal starts over, proposing what a fresh request does."""
+    plain_llm, _ = family
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=draft_spec(hybrid_drafts[1]),
+              **DRAFT_BASE | dict(enable_prefix_caching=False))
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    prompt = prompts()[2]
+    execute, calls = proposer.runner.execute, []
+
+    def failing(out):
+        calls.append(out)
+        if len(calls) == 2:  # the first chained draft
+            raise RuntimeError("device lost")
+        return execute(out)
+
+    monkeypatch.setattr(proposer.runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        proposer.propose("a", prompt, 3)
+    assert proposer.num_cached_rows("a") == 0 and proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
+    assert proposer.propose("a", prompt, 3) == proposer.propose("b", prompt, 3)
+    proposer.forget("a")
+    proposer.forget("b")
+    assert proposer.num_requests == 0
