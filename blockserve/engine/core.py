@@ -26,7 +26,7 @@ from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache, plan_with_proposer
 from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.manager import KVCacheManager
-from blockserve.kv.specs import QUANTIZED_KV_DTYPES, LinearStateSpec
+from blockserve.kv.specs import QUANTIZED_KV_DTYPES
 from blockserve.models.loader import LoadedModel, load_model
 from blockserve.models.mtp import load_mtp
 from blockserve.models.weight_memory import weight_memory_report
@@ -147,19 +147,6 @@ def refuse_unreadable_kv_dtype(layer_name: str, module, spec, device: torch.devi
                              f"(layer {layer_name}): {why}")
 
 
-def refuse_state_speculation_under_tp(config: EngineConfig, kv_groups: list) -> None:
-    """Speculation on a model with recurrent-state layers rolls each rank's running state back to the
-    last accepted draft on rank 0 only (ranks above 0 learn the accepted count a step later, when the
-    per-row states are gone): refused with tensor parallelism rather than served wrong."""
-    if config.speculative_config is None or config.tensor_parallel_size == 1:
-        return
-    state = sorted({type(spec).__name__ for spec, _, _ in kv_groups if isinstance(spec, LinearStateSpec)})
-    if state:
-        raise ValueError(f"speculative_config with tensor_parallel_size > 1: this model has recurrent-state "
-                         f"layers ({', '.join(state)}), whose state is rolled back on rank 0 only; serve it "
-                         f"on one rank, or without speculative decoding")
-
-
 class ProposerModel(NamedTuple):
     """A draft model or MTP head, loaded, before its KV cache is planned."""
 
@@ -212,7 +199,6 @@ class EngineCore:
 
         model = self.loaded.model
         kv_groups = kv_groups_of(model, config, plan.device)
-        refuse_state_speculation_under_tp(config, kv_groups)
         scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -340,7 +326,8 @@ class EngineCore:
 
     def _draft_model(self, config: EngineConfig) -> ProposerModel:
         """speculative_config.model loaded like the target (device, dtype, attention backend, quantized
-        kernels), checked against its vocabulary, its positions and its layers."""
+        kernels), checked against its vocabulary and its positions. One with recurrent-state layers
+        puts its slots back after each proposal's chained drafts (worker/runner_proposer.py)."""
         path = config.speculative_config.model
         try:
             draft = load_model(path, BACKENDS[config.attention_backend], quantized_matmul=config.quantized_matmul,
@@ -354,10 +341,6 @@ class EngineCore:
             raise ValueError(f"speculative_config.model: the draft holds {draft_len} positions, fewer than "
                              f"max_model_len={self.max_model_len}; lower max_model_len or use a longer draft")
         groups = kv_groups_of(draft.model, config, self.device_plan.device)
-        if any(isinstance(spec, LinearStateSpec) for spec, _, _ in groups):
-            raise ValueError("speculative_config.model has recurrent-state layers (Mamba2, Gated DeltaNet or KDA): "
-                             "a draft model's state is not rolled back past its rejected drafts; use an "
-                             "attention-only draft model (a hybrid target is fine)")
         return ProposerModel(DraftModelProposer, draft.model, groups, "speculative_config.model", "draft model",
                              f"draft model {draft.source}")
 

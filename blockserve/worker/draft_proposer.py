@@ -20,6 +20,9 @@ propose). With prefix caching on, the draft's cache is prefix-cached as the targ
 (a request's first proposal, or one that gave its blocks back) starts from the longest hit of its
 tokens under the request's salted hash chain (C6), and after each proposal the full blocks of the
 request's own tokens, written by its forwards, are cached (C4); blocks holding its drafts never are.
+A draft with recurrent-state layers keeps no drafts' rows (runner_proposer.py): its slots are put
+back to the state after the request's tokens after each proposal, and the next one feeds the accepted
+drafts again.
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ def check_draft_vocabulary(target_hf_config, target_tokenizer, draft_hf_config, 
                          "target's; give a draft model that shares the target's tokenizer")
 
 
+def _valid_rows(request: _DraftRequest, token_ids: Sequence[int]) -> int:
+    """The rows of the record's cache that are still the request's tokens `token_ids` (its fed drafts
+    the target kept, not those it rejected or anything after them), short of the last token, which is
+    fed again: its forward samples the first draft."""
+    valid = request.known
+    for draft, token in zip(request.fed_drafts, token_ids[request.known:]):
+        if draft != token:
+            break
+        valid += 1
+    return min(valid, len(token_ids) - 1)
+
+
 class DraftModelProposer(RunnerProposer):
     """Drafts from `runner`'s model over the blocks of `kv` (a KVCacheManager of its own, prefix caching
     on or off). `max_chunk`: the most tokens one forward feeds."""
@@ -66,19 +81,17 @@ class DraftModelProposer(RunnerProposer):
 
     def _prepare(self, request_id: str, token_ids: Sequence[int], sampling: DraftSampling | None) -> _DraftRequest:
         """The request's record over `token_ids`, its cache trimmed to the positions still its tokens
-        (a request whose tokens shrank starts over), its hash chain salted with the request's salt."""
+        (a request whose tokens shrank, or whose recurrent state is past them, starts over), its hash
+        chain salted with the request's salt."""
         request = self._requests.get(request_id)
-        if request is None or len(token_ids) < request.known:
-            if request is not None:
+        valid = -1 if request is None else _valid_rows(request, token_ids)
+        if request is None or len(token_ids) < request.known \
+                or (valid < request.num_computed_tokens and not self.keeps_chained_rows):
+            if request is not None:  # its recurrent state cannot be trimmed: it starts over
                 self.kv.free(request_id)
             request = _DraftRequest(request_id, self.kv.new_block_hashes(None if sampling is None
                                                                            else sampling.cache_salt))
-        valid = request.known
-        for draft, token in zip(request.fed_drafts, token_ids[request.known:]):
-            if draft != token:
-                break
-            valid += 1
-        valid = min(valid, len(token_ids) - 1)  # the last token is fed again: its forward samples d1
+            valid = _valid_rows(request, token_ids)
         if valid < request.num_computed_tokens:
             request.num_computed_tokens = valid
             self.kv.trim_slots(request, valid)
@@ -100,7 +113,8 @@ class DraftModelProposer(RunnerProposer):
         drafts = super().propose_batch(asks)
         for request_id, proposed in drafts.items():
             request = self._requests[request_id]
-            request.known, request.fed_drafts = len(request.token_ids), proposed[:-1]
+            request.known = len(request.token_ids)
+            request.fed_drafts = proposed[:-1] if self.keeps_chained_rows else []
             self.kv.cache_blocks(request, request.known)
         return drafts
 

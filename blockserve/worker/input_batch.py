@@ -27,6 +27,7 @@ from blockserve.sampling_params import SamplingParams
 from blockserve.scheduler.output import SchedulerOutput
 from blockserve.structured.matcher import GrammarMatcher
 from blockserve.worker.sampling_batch import SamplingRow, has_penalty
+from blockserve.worker.state_rollback import DeferredRollback
 
 
 @dataclass
@@ -43,6 +44,8 @@ class CachedRequest:
     # A tensor-parallel rank > 0 after scoring k drafts it does not sample: k, until the scheduler's
     # computed count (the next step that schedules the request) says how many were accepted.
     unverified_drafts: int = 0
+    # ...and with recurrent-state layers, its slots' rollback, applied once that count is known.
+    unverified_states: DeferredRollback | None = None
     # Whether sampling it reads the values of its output tokens so far (a grammar, a penalty), not just
     # their count: then the previous step's tokens must be back first (async scheduling).
     reads_output_ids: bool = dataclasses.field(init=False)
@@ -134,6 +137,9 @@ class InputBatch:
         request.output_token_ids.extend([-1] * (accepted + 1))
         request.num_computed = num_computed
         self.trim_tables(request)
+        if request.unverified_states is not None:  # before this step's forward reads the slots
+            request.unverified_states(accepted + 1)
+            request.unverified_states = None
 
     def trim_tables(self, request: CachedRequest) -> None:
         """After a verification rejected drafts: forget the attention blocks past the request's tokens,

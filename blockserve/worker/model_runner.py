@@ -322,9 +322,14 @@ class LaunchedStep:
             else:
                 self._read(host, sampled, logprobs)
         else:  # a tensor-parallel rank > 0: the accepted count comes with the request's next step
-            for request, drafts in zip(self.requests, self.drafts):
+            for rid, request, drafts in zip(self.sample_ids, self.requests, self.drafts):
                 if drafts:
                     request.unverified_drafts = len(drafts)
+                    if self.rollback is not None:  # its rows' states, kept until then
+                        request.unverified_states = self.rollback.defer(rid)
+            if self.rollback is not None:
+                self.rollback.release()
+                self.rollback = None
         prompt_logprobs = {rid: read_entries(entries) for rid, entries in self.prompt_logprobs.items()}
         kept = None if self.samples is None or any(self.drafts) else self.samples.distributions
         distributions = {} if kept is None else {rid: kept[i] for i, rid in enumerate(self.sample_ids)}

@@ -11,7 +11,13 @@ KVCacheManager of their own, a step's requests batched.
                   `max_chunk` tokens in all), then one draft per forward each until it has k
                   (greedy, or drawn under its DraftSampling with the distribution kept for
                   `take_distributions`); the requests leave the runner before it returns
-        keep      the rows of its fed tokens, and of the chained drafts only if `keeps_draft_rows`
+        keep      the rows of its fed tokens, and of the chained drafts only if `keeps_chained_rows`
+
+A model with recurrent-state layers cannot drop a row from its running state: each request's slots
+are saved once its own tokens are fed and put back after its drafts were chained through them
+(worker/state_rollback.py's StateSnapshots), so its cache holds its tokens only, and its next
+proposal feeds again the drafts the target kept. Its fed rows are checkpointed for the prefix cache
+where the capture plan says (never a chained draft's).
 
 A request is admitted to the runner for the length of one proposal (re-admitted at the rows its cache
 holds, as the target's runner re-admits a preempted request over blocks whose KV is written), so the
@@ -36,6 +42,7 @@ from blockserve.structured.matcher import GrammarMatcher
 from blockserve.worker.draft_grammar import OutputGrammars
 from blockserve.worker.model_runner import ModelRunner
 from blockserve.worker.sampling_batch import GREEDY_TEMPERATURE
+from blockserve.worker.state_rollback import StateSnapshots
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -62,6 +69,14 @@ class RunnerProposer(ABC):
         self._nothing_new = [[] for _ in kv.config.groups]
         self._distributions: dict[str, torch.Tensor] = {}  # the latest sampled drafts' [k, V], until taken
         self._grammars = OutputGrammars()  # constrained requests' matchers, at their output
+        # recurrent-state layers: each request's slots after its own tokens, put back after its chain
+        self._states = StateSnapshots(runner.layer_caches) if any(g.is_state for g in kv.config.groups) else None
+
+    @property
+    def keeps_chained_rows(self) -> bool:
+        """Whether a request's cache keeps its chained drafts' rows after a proposal (never with
+        recurrent state: its slots are put back to the state after the request's tokens)."""
+        return self.keeps_draft_rows and self._states is None
 
     # -- what a subclass defines -----------------------------------------------------------------
 
@@ -135,16 +150,18 @@ class RunnerProposer(ABC):
     def _decode(self, batch: dict[str, tuple]) -> dict[str, list[int]]:
         """Feed each request's tokens past the rows its cache holds (re-admitting it to the runner at that
         many), then decode its drafts; at most `max_chunk` tokens per forward. The requests leave the
-        runner before this returns; the chained drafts' rows stay in the cache if `keeps_draft_rows`."""
+        runner before this returns; the chained drafts' rows stay in the cache if `keeps_chained_rows`."""
         row = {rid: request.num_computed_tokens for rid, (request, *_) in batch.items()}
         drafts: dict[str, list[int]] = {rid: [] for rid in batch}
         drawn_from: dict[str, list[torch.Tensor]] = {rid: [] for rid, (*_, sampling) in batch.items()
                                                      if sampling is not None
                                                      and sampling.params.temperature >= GREEDY_TEMPERATURE}
         admitted: set[str] = set()
+        completed = False
         try:
             while True:
                 step: dict[str, list[int]] = {}
+                fed_out: list[str] = []  # requests whose own tokens this forward finishes, drafts to chain
                 room = self.max_chunk
                 for rid, (request, _, k, _) in batch.items():
                     if room == 0:
@@ -152,6 +169,9 @@ class RunnerProposer(ABC):
                     if row[rid] < len(request.token_ids):
                         step[rid] = list(request.token_ids[row[rid]:row[rid] + room])
                         self._feed(rid, request, row[rid], len(step[rid]))
+                        self.kv.plan_captures(request, row[rid], len(step[rid]))
+                        if row[rid] + len(step[rid]) == len(request.token_ids) and k > 1:
+                            fed_out.append(rid)
                     elif len(drafts[rid]) < k:
                         step[rid] = drafts[rid][-1:]
                         self._chain(rid)
@@ -169,12 +189,22 @@ class RunnerProposer(ABC):
                     drafts[rid] += output.sampled_token_ids[rid]
                     if rid in drawn_from and output.sampled_token_ids[rid]:
                         drawn_from[rid].append(output.distributions[rid])
+                if self._states is not None:
+                    for rid in fed_out:
+                        self._states.save(rid, self.kv.block_ids(rid))
+            if self._states is not None:
+                self._states.restore_all()
+            completed = True
         finally:
             self._end_decode()
             if admitted:
                 self.runner.execute(proposer_step([], [], {}, PendingWork(), preempted=admitted))
+            if not completed and self._states is not None:  # their slots hold states past their rows
+                self._states.clear()
+                for rid in batch:
+                    self.release(rid)
         for rid, (request, *_) in batch.items():
-            if self.keeps_draft_rows:
+            if self.keeps_chained_rows:
                 request.num_computed_tokens = row[rid]
             else:
                 request.num_computed_tokens = min(row[rid], len(request.token_ids))
@@ -245,10 +275,12 @@ def proposer_step(new: list[NewRequestData], cached: list[CachedRequestData], to
                   pending: PendingWork, preempted: set[str] = frozenset(), finished: set[str] = frozenset()
                   ) -> SchedulerOutput:
     """A step for a proposer's own runner: `token_ids` per request (`new` admitted, `cached` running),
-    `pending`'s zero, poison and state-copy orders, `preempted` leaving the runner and `finished` ending."""
+    `pending`'s zero, poison, state-copy and state-capture orders, `preempted` leaving the runner and
+    `finished` ending."""
     return SchedulerOutput(
         new_requests=new, cached_requests=cached,
         num_scheduled_tokens={rid: len(ids) for rid, ids in token_ids.items()}, scheduled_token_ids=token_ids,
         total_num_scheduled_tokens=sum(len(ids) for ids in token_ids.values()),
         blocks_to_zero=pending.blocks_to_zero, blocks_to_poison=pending.blocks_to_poison,
-        finished_request_ids=set(finished), preempted_request_ids=set(preempted), state_copies=pending.state_copies)
+        finished_request_ids=set(finished), preempted_request_ids=set(preempted), state_copies=pending.state_copies,
+        state_captures=pending.state_captures)

@@ -1,6 +1,7 @@
 """Speculative decoding over recurrent-state layers (Gated DeltaNet, Mamba2, KDA): a request's k + 1
 verified rows run as one chain of decode steps, and after a partial rejection the rollback leaves
-in its slot exactly (bitwise) the state of decoding only the accepted tokens, one step at a time."""
+in its slot exactly (bitwise) the state of decoding only the accepted tokens, one step at a time, on
+rank 0 at once and on a tensor-parallel rank above 0 from the rows' states it kept until the count came."""
 
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ def _step(call, cache, inputs, query_lens, computed, slots, chains=(), row_captu
 
 @pytest.mark.parametrize("make", [gated_deltanet, mamba2, kda])
 @pytest.mark.parametrize("accepted", [0, 1, ROWS - 1])
-def test_rollback_leaves_the_accepted_prefix_state(make, accepted):
+@pytest.mark.parametrize("deferred", [False, True], ids=["rank-0", "rank-1"])
+def test_rollback_leaves_the_accepted_prefix_state(make, accepted, deferred):
+    """`deferred`: a tensor-parallel rank above 0, which keeps the rows' states past the step's release
+    and rolls back once the next step tells it the accepted count."""
     gen = torch.Generator().manual_seed(4)
     layer, tokens, call = make(gen)
     cache = StateCache(0, [torch.zeros(NUM_SLOTS, *s) for s in layer.kv_cache_spec(4).shapes])
@@ -101,8 +105,14 @@ def test_rollback_leaves_the_accepted_prefix_state(make, accepted):
         assert not all(torch.equal(t[SLOT_A], s) for t, s in zip(verify.tensors, states_after[accepted]))
 
     rollback = StateRollback({"A": (0, ROWS)}, [meta], {"l": verify})
-    rollback("A", accepted + 1)
-    rollback.release()
+    if deferred:
+        pending = rollback.defer("A")
+        rollback.release()
+        assert all(torch.equal(t[SLOT_A], s) for t, s in zip(verify.tensors, states_after[-1]))
+        pending(accepted + 1)
+    else:
+        rollback("A", accepted + 1)
+        rollback.release()
     assert all(torch.equal(t[SLOT_A], s) for t, s in zip(verify.tensors, states_after[accepted]))
     assert all(torch.equal(t[SLOT_B], s) for t, s in zip(verify.tensors, b_state))
     assert not meta.row_states  # released

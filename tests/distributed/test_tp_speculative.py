@@ -3,7 +3,9 @@ verification's k + 1 rows through every rank's forward, and rank 1 takes the acc
 the scheduler's next step (worker/input_batch.py). Greedy tokens equal one rank's without
 speculation, with drafts accepted (so rank 1 really settled verifications), with prefix caching,
 chunked prefill, poison and the integrity checks on; under `-m tp_full` also under preemption, and
-with a draft model (loaded whole on rank 0) equal to the target.
+with a draft model (loaded whole on rank 0) equal to the target, and on a hybrid (Granite 4.0-H):
+one rank's tokens with drafts partly rejected, rank 1 rolling its own state slots back once it learns
+the accepted count, and with itself, hybrid, as its draft model.
 
 Each TP=2 engine spawns a rank process that imports torch and loads its shard (~5-10 s here):
 the default suite runs one engine pair, `-m tp_full` the rest.
@@ -22,6 +24,11 @@ from blockserve.spec_decode.step_costs import FlatStepCosts
 from tests.distributed.processes import child_pids
 from tests.engine.test_speculative_engine import NEW_TOKENS, SPEC, prompts
 from tests.engine.test_tiny_engine import SIZES
+from tests.engine.test_hybrid_speculative import BASE as HYBRID
+from tests.engine.test_hybrid_speculative import OracleProposer
+from tests.engine.test_hybrid_speculative import prompts as hybrid_prompts
+from tests.engine.test_hybrid_speculative import replies_of as hybrid_replies
+from tests.engine.test_hybrid_speculative import run as hybrid_run
 from tests.models.conftest import STATE_CONFIGS
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # rank processes
@@ -112,12 +119,42 @@ def test_tp2_verifies_sampled_drafts_on_rank_0(tiny):
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
 
 
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory) -> tuple[str, list[list[int]]]:
+    """(a tiny Granite 4.0-H: Mamba2 and attention layers, saved; its greedy tokens on one rank)."""
+    path = tmp_path_factory.mktemp("granite")
+    save_random_model(STATE_CONFIGS["granitemoehybrid"](), path)
+    with LLM(str(path), num_threads=1, **HYBRID) as llm:
+        return str(path), hybrid_run(llm)
+
+
+# ~17 s on a busy 2-core machine; tests/attention/test_state_rollback.py's rank-1 cases run by default
 @pytest.mark.tp_full
-def test_a_hybrid_is_refused_with_speculation_and_its_ranks_stopped(tmp_path):
-    """Recurrent state is rolled back on rank 0 only, so a TP=2 hybrid with speculation fails to build,
-    naming why, and leaves no rank process behind."""
-    save_random_model(STATE_CONFIGS["qwen3_next"](), tmp_path)
+def test_tp2_hybrid_rolls_each_rank_s_state_back_to_its_accepted_drafts(granite, monkeypatch):
+    """Drafts that are right for a varying number of tokens, then wrong: every verification keeps some
+    and rolls back the rest. Rank 1 scores them without sampling; it keeps its rows' states until the
+    request's next step says how many were kept, then rolls its own slots (its half of the heads) back:
+    a slot left after a rejected draft would change its half of every later step, and the tokens."""
+    path, plain = granite
+    monkeypatch.setattr(speculator_module, "make_proposer", lambda config: OracleProposer(hybrid_replies(plain)))
     before = child_pids()
-    with pytest.raises(ValueError, match="recurrent-state layers .*rolled back on rank 0 only"):
-        LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=SPEC, **OPTIONS, **ROOMY)
+    with LLM(path, tensor_parallel_size=2, speculative_config=SPEC, num_threads=1, **HYBRID) as llm:
+        assert hybrid_run(llm) == plain
+        stats = llm.engine.stats().speculation
+        llm.engine.core.scheduler.assert_idle()
     assert not child_pids() - before
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.tp_full
+def test_tp2_hybrid_with_a_hybrid_draft_model_on_rank_0(granite):
+    """The target as its own draft, loaded whole on rank 0, its state slots put back after each
+    proposal's chained drafts: nearly all drafts are accepted, and the tokens are one rank's."""
+    path, plain = granite
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, num_threads=1,
+             **HYBRID | dict(kv_cache_memory="24MiB")) as llm:
+        assert hybrid_run(llm) == plain
+        stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 2 * len(hybrid_prompts())
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens

@@ -14,14 +14,13 @@ import torch
 from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
-from blockserve.engine.config import EngineConfig
-from blockserve.engine.core import kv_groups_of, refuse_state_speculation_under_tp
+from blockserve.attention.context import StateCache
 from blockserve.kv import LinearStateSpec
-from blockserve.models.random_checkpoint import save_random_model
+from blockserve.models.random_checkpoint import save_random_hybrid, save_random_model
 from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.step_costs import FlatStepCosts
 from tests.engine.test_draft_model_engine import DRAFT_SIZES
-from tests.models.conftest import VOCAB, tiny_model  # noqa: F401 (a fixture)
+from tests.models.conftest import MLA_CONFIGS, STATE_CONFIGS, VOCAB, tiny_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -199,14 +198,109 @@ def test_an_attention_draft_model_serves_a_hybrid_target(family, tmp_path):
     llm.engine.core.scheduler.assert_idle()
 
 
-def test_tensor_parallelism_is_refused_with_recurrent_state(family):
-    """Ranks above 0 learn a verification's accepted count a step late, after the per-row states are
-    gone, so the rule refuses a hybrid with speculation under tensor parallelism (the engine applies it
-    when it is built: tests/distributed/test_tp_speculative.py)."""
+DRAFT_BASE = BASE | dict(kv_cache_memory="24MiB")  # the draft's cache comes out of the same budget
+
+
+@pytest.fixture(scope="module")
+def hybrid_drafts(family, tiny_model, tmp_path_factory):
+    """(the target's checkpoint, a random draft of its family and vocabulary seeded apart)."""
+    name = family[0].engine.core.loaded.hf_config.model_type
+    same, _ = tiny_model(name)
+    other = tmp_path_factory.mktemp("other")
+    (save_random_hybrid if name in MLA_CONFIGS else save_random_model)(
+        (MLA_CONFIGS | STATE_CONFIGS)[name](), other, seed=5)
+    return str(same), str(other)
+
+
+def draft_spec(path: str) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+
+
+def test_a_hybrid_draft_equal_to_the_target_has_its_drafts_accepted(family, hybrid_drafts):
+    """Each proposal chains drafts through the draft's state, which is put back to the state after the
+    request's tokens, and the next proposal feeds the accepted drafts again from there: a slot left
+    after its chained drafts (or put back to anything else) would feed them twice and spoil the drafts."""
+    plain_llm, plain = family
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=draft_spec(hybrid_drafts[0]), **DRAFT_BASE)
+    assert run(llm) == plain[:len(prompts())]
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 2 * len(prompts())
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+    assert llm.engine.core.scheduler.speculator.proposer.num_requests == 0
+    llm.engine.core.scheduler.assert_idle()
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid"], indirect=True)  # the others: the two tests around
+@pytest.mark.parametrize("scenario", ["caching", "preemption"])
+def test_a_hybrid_draft_model_keeps_the_greedy_tokens(family, hybrid_drafts, scenario):
+    """A random hybrid draft: its drafts are rejected; the second turn hits the draft's own state
+    checkpoints; a small cache preempts requests, which give their draft slots back."""
+    plain_llm, plain = family
+    options = DRAFT_BASE
+    if scenario == "preemption":
+        small = small_cache(plain_llm)
+        options = BASE | small | dict(kv_cache_memory=2 * small["kv_cache_memory"])  # the draft's is as large
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=draft_spec(hybrid_drafts[1]), **options)
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    turns = 2 if scenario == "caching" else 1
+    assert run(llm, turns) == plain[:len(plain) * turns // 2]
+    stats = llm.engine.stats().speculation
+    assert stats.num_draft_tokens > 2 * len(prompts()) and stats.num_accepted_tokens < stats.num_draft_tokens
+    if scenario == "caching" and llm.engine.core.kv_config.checkpoint_stride == 8:  # Granite's; 64 is past these
+        assert proposer.kv.prefix_cache_stats().checkpoint_restores > 0
+    if scenario == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    assert proposer.num_requests == 0 and proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
+    llm.engine.core.scheduler.assert_idle()
+
+
+def test_a_hybrid_draft_s_state_after_a_rejection_is_that_of_a_draft_fed_the_kept_tokens(family, hybrid_drafts):
+    """The target kept one of three drafts: the draft's next proposal, and its state slots after it, are
+    those of a request fed the same tokens afresh (its prompt in one forward: the scan's other chunking
+    leaves float rounding only), not of one whose state still holds the rejected draft."""
     plain_llm, _ = family
-    config = EngineConfig(tensor_parallel_size=2, speculative_config=NGRAM)
-    groups = kv_groups_of(plain_llm.engine.core.loaded.model, config, torch.device("cpu"))
-    with pytest.raises(ValueError, match="recurrent-state layers .*rolled back on rank 0 only"):
-        refuse_state_speculation_under_tp(config, groups)
-    refuse_state_speculation_under_tp(EngineConfig(speculative_config=NGRAM), groups)
-    refuse_state_speculation_under_tp(EngineConfig(tensor_parallel_size=2), groups)
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=draft_spec(hybrid_drafts[1]),
+              **DRAFT_BASE | dict(enable_prefix_caching=False))
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    prompt = prompts()[2]
+    first = proposer.propose("a", prompt, 3)
+    kept = prompt + [first[0], (first[1] + 1) % VOCAB, 7, 8]
+    again = proposer.propose("a", kept, 3)
+    assert proposer.num_cached_rows("a") == len(kept)  # its tokens; the drafts were chained, then dropped
+    assert proposer.propose("b", kept, 3) == again
+    states = [c for c in proposer.runner.layer_caches.values() if isinstance(c, StateCache)]
+    assert states
+    for cache in states:
+        slot_a, slot_b = (proposer.kv.block_ids(rid)[cache.group][0] for rid in "ab")
+        for tensor in cache.tensors:
+            torch.testing.assert_close(tensor[slot_a], tensor[slot_b], atol=1e-4, rtol=1e-4)
+    proposer.forget("a")
+    proposer.forget("b")
+    assert proposer.num_requests == 0 and proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid"], indirect=True)
+def test_a_hybrid_draft_s_failed_proposal_gives_its_slots_back(family, hybrid_drafts, monkeypatch):
+    """A forward that fails mid-chain leaves the slot past the record's rows: the record is given up
+    (nothing held), and the next proposal starts over, proposing what a fresh request does."""
+    plain_llm, _ = family
+    llm = LLM(plain_llm.engine.core.loaded, speculative_config=draft_spec(hybrid_drafts[1]),
+              **DRAFT_BASE | dict(enable_prefix_caching=False))
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    prompt = prompts()[2]
+    execute, calls = proposer.runner.execute, []
+
+    def failing(out):
+        calls.append(out)
+        if len(calls) == 2:  # the first chained draft
+            raise RuntimeError("device lost")
+        return execute(out)
+
+    monkeypatch.setattr(proposer.runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        proposer.propose("a", prompt, 3)
+    assert proposer.num_cached_rows("a") == 0 and proposer.kv.usage() == [0.0] * len(proposer.kv.config.groups)
+    assert proposer.propose("a", prompt, 3) == proposer.propose("b", prompt, 3)
+    proposer.forget("a")
+    proposer.forget("b")
+    assert proposer.num_requests == 0
