@@ -4,7 +4,8 @@ its own), starts the engine and generates one greedy token, timing each stage in
 records whether transformers was imported and the process's peak RSS. Run it with the model's cache
 entry already written and the native kernels already built (a warm-up round runs first, not kept).
 
-    python -m benchmarks.cold_start_stages [--model FILE.gguf] [--rounds 3] [--json results/x.json]
+    python -m benchmarks.cold_start_stages [--model FILE.gguf] [--rounds 3] [--kv-cache-memory 32MiB]
+        [--json results/x.json]
 
 The other processes' share of the CPUs during each round is recorded beside it.
 """
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.cold_start import KV_CACHE_MEMORY
 from benchmarks.peers.native import CpuShare
 from blockserve.bench.common import environment
 
@@ -46,7 +48,7 @@ def timed_measure(model, *args):
 loader.measure_max_rows = timed_measure
 loaded = loader.load_model(sys.argv[1] or None, BACKENDS[EngineConfig().attention_backend])
 mark("load model (config, tokenizer, weights, row crossover)")
-llm = LLM(loaded, max_model_len=512, kv_cache_memory="32MiB")
+llm = LLM(loaded, max_model_len=512, kv_cache_memory=sys.argv[3])
 mark("engine start")
 out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 mark("first token")
@@ -58,10 +60,10 @@ print(json.dumps({"stages_s": stages, "row_crossover_s": crossover[0], "total_s"
 """
 
 
-def one_start(model: str, threads: int) -> dict:
+def one_start(model: str, threads: int, kv_cache_memory: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     with CpuShare() as share:
-        done = subprocess.run([sys.executable, "-c", CHILD, model, str(threads)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", CHILD, model, str(threads), kv_cache_memory], capture_output=True, text=True,
                               env=env)
     if done.returncode != 0:
         raise RuntimeError(f"the start failed: {done.stderr[-3000:]}")
@@ -73,10 +75,12 @@ def main() -> None:
     parser.add_argument("--model", default="", help="a .gguf file or model directory; default: the bundled model")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv-cache-memory", default=KV_CACHE_MEMORY,
+                        help="the KV cache budget: 512 tokens of the model (float32) fit in it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    one_start(args.model, args.threads)  # warm-up: page cache, the model's cache entry
-    runs = [one_start(args.model, args.threads) for _ in range(args.rounds)]
+    one_start(args.model, args.threads, args.kv_cache_memory)  # warm-up: page cache, the model's cache entry
+    runs = [one_start(args.model, args.threads, args.kv_cache_memory) for _ in range(args.rounds)]
     medians = {stage: statistics.median(run["stages_s"][stage] for run in runs) for stage in runs[0]["stages_s"]}
     print(f"{args.model or 'bundled model'}, {args.threads} thread(s), medians of {args.rounds} starts")
     for stage, seconds in medians.items():
