@@ -95,9 +95,12 @@ def native_vocabulary(reader: gguf.GGUFReader) -> bool:
 
 def byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
     """The `tokenizers` model of a byte-level BPE GGUF vocabulary (see the module docstring)."""
-    spelling = byte_alphabet()
-    vocab = {token if in_byte_alphabet(token) else "".join(spelling[b] for b in token.encode("utf-8")): index
-             for index, token in enumerate(tokens)}
+    if in_byte_alphabet("".join(tokens)):  # the usual file: every token spelled in the alphabet already
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        spelling = byte_alphabet()
+        vocab = {token if in_byte_alphabet(token) else "".join(spelling[b] for b in token.encode("utf-8")): index
+                 for index, token in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge.split(" ")) for merge in merges],
                                    dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                                    fuse_unk=False))
