@@ -8,8 +8,10 @@ already built (a warm-up round runs first, not kept); the modules start from com
 an installed package's do.
 
     python -m benchmarks.cold_start_stages [--model FILE.gguf] [--rounds 3] [--kv-cache-memory 32MiB]
-        [--baseline DIR] [--json results/x.json]
+        [--serve] [--baseline DIR] [--json results/x.json]
 
+--serve: the start `blockserve serve` makes besides (the server's modules imported, its app built,
+the start-up heap frozen: server/app.py), without the HTTP server itself.
 --baseline DIR: the blockserve source tree in DIR (an earlier commit's checkout) measured too, its
 rounds alternating with this tree's. The other processes' share of the CPUs during each round is
 recorded beside it.
@@ -37,11 +39,13 @@ import contextlib, json, resource, sys, time
 marks = [("start", time.perf_counter())]
 def mark(name):
     marks.append((name, time.perf_counter()))
-try:
-    from blockserve.startup_gc import paused_collection
+serve = sys.argv[4] == "serve"
+try:  # the start the CLI makes: blockserve generate pauses the collector, serve also freezes the imports
+    from blockserve.startup_gc import frozen_imports, paused_collection
+    importing = frozen_imports if serve else paused_collection
 except ImportError:  # a tree without it
-    paused_collection = contextlib.nullcontext
-with paused_collection():
+    importing = contextlib.nullcontext
+with importing():
     import torch
     mark("import torch")
     from blockserve.engine.llm import LLM
@@ -50,6 +54,10 @@ with paused_collection():
     from blockserve.models import loader
     from blockserve.sampling_params import SamplingParams
     mark("import blockserve engine")
+    if serve:
+        from blockserve.server.app import create_app, freeze_startup_heap
+        from blockserve.server.config import ServerConfig
+        mark("import the server (fastapi, routes)")
 torch.set_num_threads(int(sys.argv[2]))
 crossover = [0.0]
 measure = loader.measure_max_rows
@@ -62,6 +70,10 @@ loaded = loader.load_model(sys.argv[1] or None, BACKENDS[EngineConfig().attentio
 mark("load model (config, tokenizer, weights, row crossover)")
 llm = LLM(loaded, max_model_len=512, kv_cache_memory=sys.argv[3])
 mark("engine start")
+if serve:
+    create_app(llm.engine, ServerConfig())
+    freeze_startup_heap()
+    mark("server app, start-up heap frozen")
 out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 mark("first token")
 stages = {b[0]: b[1] - a[1] for a, b in zip(marks, marks[1:])}
@@ -73,12 +85,13 @@ print(json.dumps({"stages_s": stages, "row_crossover_s": crossover[0], "total_s"
 """
 
 
-def one_start(tree: Path, model: str, threads: int, kv_cache_memory: str) -> dict:
+def one_start(tree: Path, model: str, threads: int, kv_cache_memory: str, serve: bool) -> dict:
     """One start of the blockserve in `tree` (the child runs there: `python -c` puts the working
     directory first on sys.path)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(tree)}
     with CpuShare() as share:
-        done = subprocess.run([sys.executable, "-c", CHILD, model, str(threads), kv_cache_memory],
+        done = subprocess.run([sys.executable, "-c", CHILD, model, str(threads), kv_cache_memory,
+                               "serve" if serve else "generate"],
                               capture_output=True, text=True, env=env, cwd=tree)
     if done.returncode != 0:
         raise RuntimeError(f"the start failed: {done.stderr[-3000:]}")
@@ -97,6 +110,8 @@ def main() -> None:
                         help="the KV cache budget: 512 tokens of the model (float32) fit in it")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another blockserve source tree (an earlier commit's checkout), rounds alternating")
+    parser.add_argument("--serve", action="store_true",
+                        help="also import the server and build its app, as `blockserve serve` starts")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     trees = {"this tree": HERE}
@@ -106,11 +121,11 @@ def main() -> None:
         trees["baseline"] = args.baseline.resolve()
     for tree in trees.values():
         compiled(tree)
-        one_start(tree, args.model, args.threads, args.kv_cache_memory)  # warm-up: page cache, cache entries
+        one_start(tree, args.model, args.threads, args.kv_cache_memory, args.serve)  # warm-up: page cache, caches
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():
-            runs[name].append(one_start(tree, args.model, args.threads, args.kv_cache_memory))
+            runs[name].append(one_start(tree, args.model, args.threads, args.kv_cache_memory, args.serve))
     medians = {name: {stage: statistics.median(run["stages_s"][stage] for run in rs) for stage in rs[0]["stages_s"]}
                for name, rs in runs.items()}
     print(f"{args.model or 'bundled model'}, {args.threads} thread(s), medians of {args.rounds} starts")
