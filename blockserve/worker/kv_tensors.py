@@ -11,11 +11,12 @@ holding all the group's layers, so a zero order is one indexed fill per tensor.
                      slots followed by the checkpoint slots
 
 Block (slot) 0 is the null block: zero from the start, never zeroed, poisoned or written.
+Past the pool's slots each tensor holds one scratch slot (index `num_slots`), which the pool never
+hands out: padded rows of a captured decode step (worker/cuda_graphs.py) write there.
+
 On the CPU each tensor is a private anonymous mapping (`zeros`): the OS's zero pages, so the cache
 reads as zeros from the start without being written, and a page takes memory only once a block on
 it is written (the process's resident size grows with the blocks used, not the budget).
-Past the pool's slots each tensor holds one scratch slot (index `num_slots`), which the pool never
-hands out: padded rows of a captured decode step (worker/cuda_graphs.py) write there.
 """
 
 from __future__ import annotations
