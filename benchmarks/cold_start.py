@@ -5,12 +5,17 @@ response. Both are measured with the file in the page cache (a warm-up start of 
 which also writes blockserve's cache entry for the file) and, for blockserve, with its native
 kernels already built (the usual start) or, with --include-kernel-build, built inside the start
 (a fresh TORCH_EXTENSIONS_DIR: the first start after installing or upgrading). Each row also gives
-the time to /health and the process's peak RSS (VmHWM) at /health.
+the time to /health and the process's peak RSS (VmHWM) at /health. blockserve's modules start from
+compiled bytecode, as an installed package's do (the benchmark compiles it first: with
+PYTHONDONTWRITEBYTECODE set and no __pycache__, every start would compile ~150 modules from source).
 
     python -m benchmarks.cold_start [--model FILE.gguf ...] [--threads 2] [--rounds 3]
-        [--kv-cache-memory 32MiB] [--include-kernel-build] [--no-peer] [--json results/cold_start.json]
+        [--kv-cache-memory 32MiB] [--include-kernel-build] [--no-peer] [--baseline DIR]
+        [--json results/cold_start.json]
 
---no-peer measures blockserve alone (where llama.cpp's peer build is not at hand).
+--no-peer measures blockserve alone (where llama.cpp's peer build is not at hand). --baseline DIR
+also starts the blockserve source tree in DIR (a checkout of an earlier commit, say) the same way,
+in the same rounds: a before / after from one run.
 
 Both get a context of 512 tokens (blockserve's cache: --kv-cache-memory, which must hold 512 tokens of the
 model's float32 K/V: 32MiB holds SmolLM2-135M's). Rounds alternate the two
@@ -22,6 +27,7 @@ time, reaped as they exit, is left out). llama.cpp: llama-server from the peer b
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import statistics
 import subprocess
@@ -30,6 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import blockserve
 from blockserve.bench.common import environment, print_environment, write_json
 from blockserve.models.default_model import default_model_path
 from benchmarks.peers.native import BLOCKSERVE, HERE, CpuShare, engine_env, free_port
@@ -51,6 +58,12 @@ def blockserve_command(model: str, threads: int, port: int, kv_cache_memory: str
             "--kv-cache-memory", kv_cache_memory, "--host", "127.0.0.1", "--port", str(port)]
 
 
+def compiled(tree: Path) -> None:
+    """The blockserve package under `tree` compiled to bytecode (__pycache__), as installing it does."""
+    if not compileall.compile_dir(tree / "blockserve", quiet=1):
+        raise RuntimeError(f"could not compile {tree / 'blockserve'} to bytecode")
+
+
 def _get(url: str) -> bytes | None:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -66,12 +79,14 @@ def _peak_rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
-def start_to_first_token(command: list[str], port: int, env: dict[str, str]) -> dict:
-    """Spawn `command`, wait for /health, send a one-token completion; seconds from the spawn."""
+def start_to_first_token(command: list[str], port: int, env: dict[str, str], cwd: Path | None = None) -> dict:
+    """Spawn `command` (in `cwd`: `python -m` puts it first on sys.path, so a blockserve tree's
+    root there is the blockserve started), wait for /health, send a one-token completion; seconds
+    from the spawn."""
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
         start = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         try:
             while _get(url + "/health") is None:
                 if proc.poll() is not None:
@@ -109,6 +124,8 @@ def main() -> None:
     parser.add_argument("--include-kernel-build", action="store_true",
                         help="also one blockserve start whose native kernels are built inside it")
     parser.add_argument("--no-peer", action="store_true", help="blockserve alone: llama.cpp is not built or run")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another blockserve source tree (an earlier commit's checkout) started alike, same rounds")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     env = environment()
@@ -118,29 +135,40 @@ def main() -> None:
         built = subprocess.run([str(HERE / "build_llama_cpp.sh"), "native", "llama-server"], check=True,
                                capture_output=True, text=True)
         bin_dir = Path(built.stdout.strip().splitlines()[-1])
+    tree = Path(blockserve.__file__).resolve().parents[1]
+    compiled(tree)
+    baseline = None
+    if args.baseline is not None:
+        if not (args.baseline / "blockserve" / "cli.py").is_file():
+            raise SystemExit(f"--baseline {args.baseline}: no blockserve/cli.py there; give a blockserve source tree")
+        baseline = args.baseline.resolve()
+        compiled(baseline)
     results = []
     for model in args.model:
-        systems = {"llama.cpp": (lambda port: llama_command(bin_dir, model, args.threads, port), engine_env()),
+        systems = {"llama.cpp": (lambda port: llama_command(bin_dir, model, args.threads, port), engine_env(), None),
                    "blockserve": (lambda port: blockserve_command(model, args.threads, port, args.kv_cache_memory),
-                                  engine_env())}
+                                  engine_env(), tree)}
+        if baseline is not None:
+            systems["blockserve, baseline"] = (systems["blockserve"][0],
+                                               {**engine_env(), "PYTHONPATH": str(baseline)}, baseline)
         if args.no_peer:
             del systems["llama.cpp"]
-        for name, (command, system_env) in systems.items():  # warm-up: page cache, blockserve's cache entry
+        for name, (command, system_env, cwd) in systems.items():  # warm-up: page cache, blockserve's cache entry
             port = free_port()
-            start_to_first_token(command(port), port, system_env)
+            start_to_first_token(command(port), port, system_env, cwd)
         runs: dict[str, list[dict]] = {name: [] for name in systems}
         for _ in range(args.rounds):
-            for name, (command, system_env) in systems.items():
+            for name, (command, system_env, cwd) in systems.items():
                 port = free_port()
                 with CpuShare() as share:
-                    run = start_to_first_token(command(port), port, system_env)
+                    run = start_to_first_token(command(port), port, system_env, cwd)
                 runs[name].append({**run, "other_cpu_share": share.others_share})
         if args.include_kernel_build:
             with tempfile.TemporaryDirectory() as build_dir:
                 port = free_port()
                 with CpuShare() as share:
                     command = blockserve_command(model, args.threads, port, args.kv_cache_memory)
-                    run = start_to_first_token(command, port, {**engine_env(), "TORCH_EXTENSIONS_DIR": build_dir})
+                    run = start_to_first_token(command, port, {**engine_env(), "TORCH_EXTENSIONS_DIR": build_dir}, tree)
                 runs["blockserve, kernels built in the start"] = [{**run, "other_cpu_share": share.others_share}]
         row = {"model": model, "threads": args.threads, "runs": runs,
                "median_first_token_s": {n: statistics.median(r["first_token_s"] for r in rs) for n, rs in runs.items()},
@@ -154,9 +182,11 @@ def main() -> None:
             print(f"{name:<40} {row['median_first_token_s'][name]:>14.2f} {row['median_healthy_s'][name]:>10.2f} "
                   f"{row['peak_rss_mib_at_health'][name]:>13.0f} "
                   f"{statistics.median(r['other_cpu_share'] for r in rs):>10.0%}")
+        firsts = row["median_first_token_s"]
         if not args.no_peer:
-            ratio = row["median_first_token_s"]["blockserve"] / row["median_first_token_s"]["llama.cpp"]
-            print(f"blockserve / llama.cpp, first token: {ratio:.1f}x")
+            print(f"blockserve / llama.cpp, first token: {firsts['blockserve'] / firsts['llama.cpp']:.1f}x")
+            if baseline is not None:
+                print(f"baseline / llama.cpp, first token: {firsts['blockserve, baseline'] / firsts['llama.cpp']:.1f}x")
     if args.json:
         write_json(args.json, {"environment": env, "args": vars(args), "results": results})
 

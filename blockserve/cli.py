@@ -25,6 +25,7 @@ from blockserve.config_args import add_config_arguments, config_from_namespace, 
 from blockserve.engine.config import EngineConfig
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
+from blockserve.startup_gc import frozen_imports, paused_collection
 from blockserve.data_parallel.routing import DataParallelConfig
 from blockserve.thread_policy import apply_defaults
 
@@ -86,7 +87,8 @@ def generate_mode(args: argparse.Namespace, llm) -> tuple[bool, str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Each prompt as one user message through the model's chat template (when it has one and
     --no-chat-template is not given), else completed as written; the mode goes to stderr."""
-    from blockserve.engine.llm import LLM
+    with paused_collection():
+        from blockserve.engine.llm import LLM
 
     prompts = list(args.prompts)
     if args.file:
@@ -117,7 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from blockserve.engine.llm import LLM
+    with paused_collection():
+        from blockserve.engine.llm import LLM
 
     llm = LLM(**vars(config_from_namespace(EngineConfig, args)))
     if not has_chat_template(llm):
@@ -167,7 +170,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_router(config_from_namespace(EngineConfig, args), config,
                           config_from_namespace(DataParallelConfig, args), quiet=args.quiet)
-    from blockserve.server.app import run_server
+    with frozen_imports():  # the server process's own: it freezes its heap after start-up too
+        from blockserve.server.app import run_server
 
     return run_server(config_from_namespace(EngineConfig, args), config)
 

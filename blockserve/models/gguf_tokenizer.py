@@ -27,6 +27,7 @@ models/chat_template.py as transformers renders it. Other vocabularies (Gemma's 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import gguf
@@ -73,6 +74,15 @@ def byte_alphabet() -> dict[int, str]:
     return spelling
 
 
+# a character outside byte_alphabet(): a token holding one is spelled in that alphabet from its UTF-8 bytes
+_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + re.escape("".join(sorted(byte_alphabet().values()))) + "]")
+
+
+def in_byte_alphabet(token: str) -> bool:
+    """Whether every character of `token` is one of byte_alphabet()'s."""
+    return _OUTSIDE_BYTE_ALPHABET.search(token) is None
+
+
 def native_vocabulary(reader: gguf.GGUFReader) -> bool:
     """Whether GGUFTokenizer builds the file's tokenizer: byte-level BPE, or SentencePiece of an
     architecture gguf_sentencepiece.py builds, with its vocabulary present."""
@@ -85,10 +95,12 @@ def native_vocabulary(reader: gguf.GGUFReader) -> bool:
 
 def byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
     """The `tokenizers` model of a byte-level BPE GGUF vocabulary (see the module docstring)."""
-    spelling = byte_alphabet()
-    alphabet = set(spelling.values())
-    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-             for index, token in enumerate(tokens)}
+    if in_byte_alphabet("".join(tokens)):  # the usual file: every token spelled in the alphabet already
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        spelling = byte_alphabet()
+        vocab = {token if in_byte_alphabet(token) else "".join(spelling[b] for b in token.encode("utf-8")): index
+                 for index, token in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge.split(" ")) for merge in merges],
                                    dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
                                    fuse_unk=False))
@@ -119,9 +131,8 @@ class GGUFTokenizer:
         byte_level = value("tokenizer.ggml.model") == "gpt2"
         if byte_level:
             backend = byte_level_backend(tokens, merges or [], value("tokenizer.ggml.pre"))
-            alphabet = set(byte_alphabet().values())
             # a control token outside the byte alphabet is a mislabel (transformers skips it too)
-            control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL and set(token) <= alphabet]
+            control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL and in_byte_alphabet(token)]
             defaults = (_GPT2_DEFAULT,)
         else:
             backend = sentencepiece_backend(value("general.architecture"), tokens,
@@ -138,8 +149,8 @@ class GGUFTokenizer:
         backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in defaults])
         if control:
             backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in control])
-        vocab = backend.get_vocab(with_added_tokens=True)
-        user = [token for token, kind in zip(tokens, kinds) if kind == _USER_DEFINED and token in vocab]
+        user = [token for token, kind in zip(tokens, kinds)
+                if kind == _USER_DEFINED and backend.token_to_id(token) is not None]
         if user:
             backend.add_tokens([AddedToken(token, normalized=False, special=False) for token in user])
         named = [token for token in self._special.values() if token is not None]

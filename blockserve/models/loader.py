@@ -72,6 +72,7 @@ from blockserve.models.quantized_linear import DEFAULT_ACTIVATIONS, measure_max_
 from blockserve.models.registry import model_class
 from blockserve.models.safetensors_reader import read_tensors
 from blockserve.models.weight_layout import use_input_major_linears
+from blockserve.startup_gc import paused_collection
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -190,7 +191,18 @@ def load_model(source: str | None, attention_backend_cls: type[PagedAttention],
 
     FileNotFoundError for a missing path or file; ValueError for an unsupported architecture or
     a corrupt or mismatched checkpoint. Each message says what to do.
+
+    No automatic garbage collection runs during the load (startup_gc.py): its objects are the
+    model's, alive as long as it is.
     """
+    with paused_collection():
+        return _load_model(source, attention_backend_cls, cache_dir, quantized_matmul, placement,
+                           quantized_activations, quantized_max_rows)
+
+
+def _load_model(source: str | None, attention_backend_cls: type[PagedAttention], cache_dir: str | None,
+                quantized_matmul: bool, placement: Placement, quantized_activations: str,
+                quantized_max_rows: int | None) -> LoadedModel:
     path = default_model_path() if source is None else Path(source).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; pass a Hugging Face model directory "

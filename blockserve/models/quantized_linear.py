@@ -92,29 +92,37 @@ FUSED = {part: (group.target, i, len(group.parts)) for group in (QKV, GATE_UP) f
 def pack_blocks(raw: np.ndarray, format: str) -> torch.Tensor:
     """GGUF blocks [N, K / 32 * block bytes] uint8 -> the kernel's packed layout (see the .cpp):
     per group of four output rows and per block, the four scales (and mins) as float32, then the
-    four rows' quantized values. N is padded to a multiple of four with zero rows."""
+    four rows' quantized values. N is padded to a multiple of four with zero rows. Each field is
+    copied once, straight into its place in the output."""
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, FORMATS[format])
-    padded = -rows % GROUP
-    if padded:
-        blocks = np.concatenate([blocks, np.zeros((padded, *blocks.shape[1:]), np.uint8)])
-    groups, nblocks = blocks.shape[0] // GROUP, blocks.shape[1]
+    nblocks = raw.shape[1] // FORMATS[format]
+    blocks = raw.reshape(rows, nblocks, FORMATS[format])
+    groups = -(-rows // GROUP)
+    quants = blocks[..., 4 if format == "Q4_1" else 2:]  # after the float16 d (Q4_1: and m)
+    scales = 1 if format == "Q8_0" else 2  # float32 fields per row: d, and the min (Q4_0's: -8 d, exact)
+    width = GROUP * (4 * scales + quants.shape[-1])
+    packed = np.zeros((groups, nblocks, width), np.uint8)  # padding rows stay zero
 
-    def per_group(field: np.ndarray) -> np.ndarray:  # [N, nblocks, b] -> [groups, nblocks, GROUP * b]
-        return field.reshape(groups, GROUP, nblocks, -1).transpose(0, 2, 1, 3).reshape(groups, nblocks, -1)
+    def place(start: int, field_bytes: int, dtype, values: np.ndarray) -> np.ndarray:
+        """`values` [rows, nblocks, ...] copied into their field of `packed`; that field's view
+        [groups, GROUP, nblocks, ...] (padding rows included)."""
+        field = packed[..., start:start + GROUP * field_bytes].view(dtype)
+        field = field.reshape(groups, nblocks, GROUP, -1).transpose(0, 2, 1, 3)
+        whole, rest = divmod(rows, GROUP)
+        field[:whole] = values[:whole * GROUP].reshape(whole, GROUP, nblocks, values.shape[-1])
+        if rest:
+            field[whole, :rest] = values[whole * GROUP:]
+        return field
 
-    def as_float32(half: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(half).view(np.float16).astype(np.float32).view(np.uint8)
-
+    d = blocks[..., 0:2].view(np.float16)
+    place(0, 4, np.float32, d)
     if format == "Q4_1":
-        fields = [as_float32(blocks[..., 0:2]), as_float32(blocks[..., 2:4]), blocks[..., 4:]]
-    elif format == "Q4_0":  # w = d * (q - 8): Q4_1 with m = -8 d (exact in float32)
-        scale = as_float32(blocks[..., 0:2])
-        fields = [scale, (-8 * scale.view(np.float32)).view(np.uint8), blocks[..., 2:]]
-    else:
-        fields = [as_float32(blocks[..., 0:2]), blocks[..., 2:]]
-    packed = np.concatenate([per_group(field) for field in fields], axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+        place(4 * GROUP, 4, np.float32, blocks[..., 2:4].view(np.float16))
+    elif format == "Q4_0":
+        minimum = place(4 * GROUP, 4, np.float32, d)
+        minimum *= -8  # the padding rows' too: -0.0, -8 times their zero scale
+    place(4 * scales * GROUP, quants.shape[-1], np.uint8, quants)
+    return torch.from_numpy(packed.reshape(-1))
 
 
 def round_per_block(x: torch.Tensor, levels: int) -> torch.Tensor:

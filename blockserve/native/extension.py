@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -176,10 +178,13 @@ def _load(flags: tuple[str, ...]):
     """csrc/'s module compiled (with `flags` after the usual ones) and loaded, or None (the reason
     is logged)."""
     logger.info("loading the native kernels (compiled on their first use on this machine, ~50 s)")
+    name = f"blockserve_kernels_{_build_key(flags)}"
+    built = _already_built(name)
+    if built is not None:
+        return built
     try:
         from torch.utils.cpp_extension import get_default_build_root, load
 
-        name = f"blockserve_kernels_{_build_key(flags)}"
         sources = _shared_sources(Path(get_default_build_root()) / f"{name}-src")
         return load(name=name, sources=[str(sources / s) for s in SOURCES],
                     extra_cflags=[*_CFLAGS, *flags], extra_ldflags=["-fopenmp"],
@@ -187,6 +192,35 @@ def _load(flags: tuple[str, ...]):
     except Exception as error:  # a failed build must not stop the engine: fall back, say why
         logger.warning("building the native kernels failed (%s): using the PyTorch paths", error)
         return None
+
+
+def _already_built(name: str):
+    """The module `name` imported straight from where torch.utils.cpp_extension.load leaves its
+    build (TORCH_EXTENSIONS_DIR, else torch's cache directory / py<version>_<accelerator>), or None
+    where no finished build is there (no file, or the build's lock held). The name holds the
+    build key, so a file there was built from these sources; importing cpp_extension imports
+    setuptools (~0.3 s of a start) and load() then runs ninja to find nothing to do."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs
+
+        version = torch.version
+        accelerator = (f"rocm{version.hip.replace('.', '')}" if version.hip else
+                       f"cu{version.cuda.replace('.', '')}" if version.cuda else "cpu")
+        root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_{accelerator}")
+    build = Path(root) / name
+    library = build / f"{name}.so"
+    if not library.is_file() or (build / "lock").exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as error:  # load() rebuilds it
+        logger.warning("the native kernels' build %s did not load (%s): rebuilding", library, error)
+        return None
+    return module
 
 
 def _shared_sources(target: Path) -> Path:

@@ -13,9 +13,16 @@ holding all the group's layers, so a zero order is one indexed fill per tensor.
 Block (slot) 0 is the null block: zero from the start, never zeroed, poisoned or written.
 Past the pool's slots each tensor holds one scratch slot (index `num_slots`), which the pool never
 hands out: padded rows of a captured decode step (worker/cuda_graphs.py) write there.
+
+On the CPU each tensor is a private anonymous mapping (`zeros`): the OS's zero pages, so the cache
+reads as zeros from the start without being written, and a page takes memory only once a block on
+it is written (the process's resident size grows with the blocks used, not the budget).
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -37,6 +44,18 @@ TORCH_DTYPES = {
 }
 
 
+def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype, device=device); on the CPU backed by a private anonymous
+    mapping, which reads as zeros with nothing written (torch.zeros writes every byte, so the whole
+    cache would be resident from the start). The tensor holds the mapping; it is unmapped with
+    the tensor's storage."""
+    count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+
 def _row(dtype: str, head_size: int) -> int:
     """Elements of one stored head vector (bytes for the quantized forms, scales included)."""
     return kv_row_bytes(dtype, head_size) // TORCH_DTYPES[dtype].itemsize
@@ -50,20 +69,20 @@ class KVCacheTensors:
         for group in config.groups:
             spec, layers, n = group.spec, max(1, len(group.layer_names)), group.num_slots + 1  # + scratch
             if isinstance(spec, LinearStateSpec):
-                tensors = [torch.zeros(layers, n, *s, dtype=TORCH_DTYPES[d], device=device)
+                tensors = [zeros(layers, n, *s, dtype=TORCH_DTYPES[d], device=device)
                            for s, d in zip(spec.shapes, spec.dtypes)]
                 block_dim = 1
             elif isinstance(spec, MLASpec):
                 width = spec.row_bytes // TORCH_DTYPES[spec.dtype].itemsize
-                tensors = [torch.zeros(layers, n, spec.block_size, width, dtype=TORCH_DTYPES[spec.dtype], device=device)]
+                tensors = [zeros(layers, n, spec.block_size, width, dtype=TORCH_DTYPES[spec.dtype], device=device)]
                 block_dim = 1
             elif spec.v_dtype is not None:
-                tensors = [torch.zeros(layers, n, spec.block_size, spec.num_kv_heads, _row(d, spec.head_size),
+                tensors = [zeros(layers, n, spec.block_size, spec.num_kv_heads, _row(d, spec.head_size),
                                        dtype=TORCH_DTYPES[d], device=device) for d in (spec.dtype, spec.v_dtype)]
                 block_dim = 1
             else:
                 shape = (layers, 2, n, spec.block_size, spec.num_kv_heads, _row(spec.dtype, spec.head_size))
-                tensors = [torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)]
+                tensors = [zeros(*shape, dtype=TORCH_DTYPES[spec.dtype], device=device)]
                 block_dim = 2
             self.tensors.append(tensors)
             self.block_dims.append(block_dim)

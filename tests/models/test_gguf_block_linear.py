@@ -158,3 +158,19 @@ def test_corrupt_blocks_are_refused_naming_the_tensor():
         GGUFBlockLinear([("Q6_K", torch.from_numpy(raw))], 512)
     with pytest.raises(ValueError, match="no block kernel for GGUF format TQ1_0"):
         GGUFBlockLinear([("TQ1_0", torch.from_numpy(raw))], 256)
+
+
+@pytest.mark.parametrize("format", KERNEL_FORMATS)
+def test_every_scale_field_is_checked(format):
+    """Each float16 scale of each format (d, and dmin / m where it has them) is checked: inf and
+    NaN in any one block are refused; the finite extremes are accepted."""
+    values, _ = block_shape(format)
+    extremes = np.array([65504, -65504, 6e-8, -0.0, 0.0], np.float16)  # largest, a subnormal, signed zeros
+    raw = random_blocks(format, 3, 2 * values, np.random.default_rng(4), scales=extremes)
+    check_blocks("w", format, raw, 3, 2 * values)
+    for offset in SCALE_OFFSETS[format]:
+        for bad in (np.inf, -np.inf, np.nan):
+            planted = raw.copy().reshape(6, -1)
+            planted[4, offset:offset + 2] = np.array([bad], np.float16).view(np.uint8)
+            with pytest.raises(ValueError, match=f"w: {format} blocks with non-finite scales"):
+                check_blocks("w", format, planted.reshape(3, -1), 3, 2 * values)

@@ -240,26 +240,26 @@ def test_chat_template_renders_as_transformers(tokenizers, name):
 
 def test_generate_on_a_gguf_never_imports_transformers(files, tmp_path):
     """`blockserve generate --model x.gguf` on a Llama with a SentencePiece vocabulary in a fresh
-    process: transformers is not in sys.modules at the end, and nothing is written to the cache but
-    the row crossover."""
-    code = ("import sys, json\nfrom blockserve.cli import main\n"
+    process: transformers is not in sys.modules at the end, nothing is written to the cache but
+    the row crossover, and the garbage collector, paused while the engine imports and loads, is on."""
+    code = ("import gc, sys, json\nfrom blockserve.cli import main\n"
             "rc = main(['generate', '--model', sys.argv[1], '--max-tokens', '6', '--max-model-len', '128',"
             " '--kv-cache-memory', '8MiB', '--num-threads', '1', '--jsonl', 'Hello'])\n"
             "print(json.dumps({'rc': rc, 'transformers': sorted(m for m in sys.modules if m.split('.')[0] == "
-            "'transformers')}))")
+            "'transformers'), 'gc': gc.isenabled()}))")
     env = {**os.environ, "BLOCKSERVE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code, str(files["llama-spm"])], capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
-    assert lines[-1] == {"rc": 0, "transformers": []}
+    assert lines[-1] == {"rc": 0, "transformers": [], "gc": True}
     assert lines[0]["prompt"] == "Hello" and lines[0]["num_generated_tokens"] == 6
     cache = tmp_path / "cache"
     assert not cache.exists() or {p.name for p in cache.iterdir()} <= {"row-crossover"}
 
 
 SERVE = """
-import json, os, sys, threading, time, urllib.request
+import gc, json, os, sys, threading, time, urllib.request
 from blockserve.cli import main
 
 url = "http://127.0.0.1:" + sys.argv[2]
@@ -277,7 +277,8 @@ def probe():
         request = urllib.request.Request(url + "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=300).read())
         print(json.dumps({"tokens": answer["usage"]["completion_tokens"],
-                          "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers")}))
+                          "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers"),
+                          "gc": gc.isenabled(), "frozen": gc.get_freeze_count() > 0}))
     finally:
         sys.stdout.flush()
         os._exit(0)
@@ -291,14 +292,16 @@ main(["serve", "--model", sys.argv[1], "--port", sys.argv[2], "--max-model-len",
 def test_serve_on_a_gguf_never_imports_transformers(files, tmp_path):
     """`blockserve serve --model x.gguf` in a fresh process, up to answering a chat completion
     (the chat template, the Hermes tool probe, the structured-output compiler's module): transformers
-    is not in sys.modules."""
+    is not in sys.modules; the garbage collector, paused while the server imports and loads, is on,
+    with the start-up heap frozen."""
     from tests.server_process import free_port
 
     env = {**os.environ, "BLOCKSERVE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", SERVE, str(files["qwen2"]), str(free_port())], capture_output=True,
                           text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"tokens": 4, "transformers": []}, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"tokens": 4, "transformers": [], "gc": True,
+                                                                "frozen": True}, done.stderr[-3000:]
 
 
 def test_the_pre_tokenizer_splits_are_transformers():

@@ -47,3 +47,27 @@ def test_keys_and_values_of_different_dtypes_get_a_tensor_each():
     assert cache.k_cache.data_ptr() == k[1].data_ptr() and cache.v_cache.data_ptr() == v[1].data_ptr()
     assert (v[:, 2, ..., :4] == 0xFF).all() and v[:, 2, ..., 4:].view(torch.float16).isnan().all()
     assert (k[:, 2, ..., :8].view(torch.uint8) == 0x80).all() and (k[:, 1] == 0).all()
+
+
+def _resident_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_a_cpu_cache_reads_as_zeros_without_being_written():
+    """On the CPU the cache comes from the OS's zero pages: every group's tensors read as zeros
+    (C1's null block and fresh state slots), and 128 MiB of cache take memory only where written."""
+    kv = KVCacheTensors(KVCacheConfig(GROUPS), device="cpu")
+    assert all((tensor.view(torch.uint8) == 0).all() for tensors in kv.tensors for tensor in tensors)
+    before = _resident_mib()
+    big = KVCacheTensors(KVCacheConfig((KVCacheGroup(FullAttentionSpec(16, 8, 64), 1024, True, ("a", "b")),)),
+                         device="cpu")
+    (tensor,) = big.tensors[0]
+    assert tensor.numel() * tensor.element_size() == 2 * 2 * 1025 * 16 * 8 * 64 * 4  # 128 MiB and the scratch block
+    assert _resident_mib() - before < 16
+    big.zero_blocks(0, [5])
+    tensor[1, 0, 7].fill_(1.0)
+    assert tensor.sum().item() == 16 * 8 * 64 and tensor[:, :, 5].abs().sum().item() == 0
+    assert _resident_mib() - before < 16
