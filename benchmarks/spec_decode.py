@@ -37,6 +37,7 @@ import random
 import statistics
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 
 from benchmarks.cpu_share import CpuShare
@@ -76,7 +77,6 @@ TASKS = {
                      "tickets, review the pull requests.\nThursday:",
     "open-chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
-RUN_IDS = itertools.count()
 CHAT_TASKS = ("open-chat",)  # sent as a user turn through the model's chat template (raw, it ends at once)
 
 
@@ -108,7 +108,7 @@ class Run:
 
 def run(llm: LLM, prompt: str, batch: int, params: SamplingParams) -> Run:
     engine = llm.engine
-    ids = [f"bench-{next(RUN_IDS)}" for _ in range(batch)]
+    ids = [f"bench-{uuid.uuid4().hex}" for _ in range(batch)]
     began = time.perf_counter()
     for request_id in ids:
         engine.add_request(request_id, prompt, params)
