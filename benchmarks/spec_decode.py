@@ -22,8 +22,10 @@ every verification with a rejected draft rolls the state slots back to the last 
 
 Tasks: three grounded in their input (edit a given code file, answer from a given document,
 continue a repetitive list), where the output repeats the prompt, and open-ended chat, where it
-does not. Prints one JSON line per (method, task, batch) with the medians of `rounds` runs, their ratio,
-the acceptance figures, the CPU flags and the other processes' CPU share while it ran.
+does not. Prints one JSON line per (method, task, batch) with the medians of `rounds` runs and their
+ratio, twice: output tok/s over the whole call (the prompt's prefill included, which speculation does
+not touch) and over the decode phase (after every request has its first token); then the acceptance
+figures, the CPU flags and the other processes' CPU share while it ran.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import random
 import statistics
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 
 from benchmarks.cpu_share import CpuShare
 from blockserve import LLM, SamplingParams
@@ -91,11 +95,38 @@ METHODS = {  # each method's fields
 }
 
 
-def run(llm: LLM, prompt: str, batch: int, params: SamplingParams) -> tuple[float, list[str]]:
+@dataclass(frozen=True)
+class Run:
+    """One batch generated: output tok/s over the whole call (prompt included), tok/s of the decode
+    phase (the tokens emitted after every request had its first one, over the seconds after that), and
+    each request's text."""
+
+    rate: float
+    decode_rate: float
+    texts: list[str]
+
+
+def run(llm: LLM, prompt: str, batch: int, params: SamplingParams) -> Run:
+    engine = llm.engine
+    ids = [f"bench-{uuid.uuid4().hex}" for _ in range(batch)]
     began = time.perf_counter()
-    outputs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    for request_id in ids:
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, int] = {}
+    finished: dict[str, str] = {}
+    decode_began = decode_tokens = None
+    while len(finished) < batch:
+        for output in engine.step():
+            tokens[output.request_id] = len(output.outputs[0].token_ids)
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].text
+        if decode_began is None and len(tokens) == batch:  # every request has its first token(s)
+            decode_began, decode_tokens = time.perf_counter(), sum(tokens.values())
     seconds = time.perf_counter() - began
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, [o.outputs[0].text for o in outputs]
+    decode_seconds = time.perf_counter() - decode_began
+    total = sum(tokens.values())
+    return Run(total / seconds, (total - decode_tokens) / decode_seconds if decode_seconds > 0 else 0.0,
+               [finished[request_id] for request_id in ids])
 
 
 def hybrid_config(family: str):
@@ -218,13 +249,16 @@ def main() -> None:
     for batch, (method, speculative), (task, prompt) in itertools.product(args.batches, speculatives.items(),
                                                                           prompts.items()):
         rates = {"plain": [], "speculative": []}
+        decode_rates = {"plain": [], "speculative": []}
         texts = {}
         before = speculative.engine.stats().speculation
         with CpuShare() as share:
             for _ in range(args.rounds):
                 for name, llm in (("plain", plain), ("speculative", speculative)):
-                    rate, texts[name] = run(llm, prompt, batch, params)
-                    rates[name].append(rate)
+                    result = run(llm, prompt, batch, params)
+                    rates[name].append(result.rate)
+                    decode_rates[name].append(result.decode_rate)
+                    texts[name] = result.texts
         after = speculative.engine.stats().speculation
         drafted = after.num_draft_tokens - before.num_draft_tokens
         accepted = after.num_accepted_tokens - before.num_accepted_tokens
@@ -233,7 +267,12 @@ def main() -> None:
         print(json.dumps({
             "method": method, "task": task, "batch": batch, "max_tokens": args.max_tokens, "k": args.k,
             "plain_tok_s": round(plain_rate, 1), "speculative_tok_s": round(spec_rate, 1),
-            "ratio": round(spec_rate / plain_rate, 2), "identical": texts["plain"] == texts["speculative"],
+            "ratio": round(spec_rate / plain_rate, 2),
+            "plain_decode_tok_s": round(statistics.median(decode_rates["plain"]), 1),
+            "speculative_decode_tok_s": round(statistics.median(decode_rates["speculative"]), 1),
+            "decode_ratio": round(statistics.median(decode_rates["speculative"])
+                                  / statistics.median(decode_rates["plain"]), 2),
+            "identical": texts["plain"] == texts["speculative"],
             "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
             "mean_accepted_length": round(1 + accepted / verifications, 2) if verifications else None,
             "others_cpu_share": None if share.others is None else round(share.others, 2),

@@ -185,3 +185,58 @@ def test_decode_kernel_reads_every_cache_dtype_exactly(portable, dtype, head_siz
         return
     kernel(*args)
     torch.testing.assert_close(out, torch.stack(refs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native-default", "native-without-avx512"])
+@pytest.mark.parametrize("dtype,head_size,block_size", [(torch.float32, 64, 16), (torch.bfloat16, 128, 4),
+                                                        (torch.float16, 64, 32)])
+def test_verification_chains_attend_as_their_rows_alone(portable, dtype, head_size, block_size):
+    """A speculative verification's rows (decodes of one sequence at consecutive lengths over the same
+    blocks) are attended together, each K and V row read once for all of them: every row's output,
+    with and without sinks, is the same bits as the row attended alone, and matches dense attention.
+    Chains crossing chunk and block boundaries, one with a window (key_start > 0), one longer than an
+    item takes (19 rows), beside plain decodes."""
+    if why_not_native() is not None:
+        pytest.skip(f"native kernels cannot be built here ({why_not_native()})")
+    kernel = paged_decode_kernel(without_avx512=portable)
+    if not kernel.reads(torch.float32, dtype, head_size):
+        pytest.skip("this build does not read 16-bit caches")
+    hq, hkv = 6, 2
+    gen = torch.Generator().manual_seed(0)
+    # (positions written, first length attended, rows, key start): a chain's row r attends first + r keys
+    sequences = [(40, 40, 1, 0), (36, 30, 5, 0), (70, 66, 3, 9), (60, 41, 19, 0), (17, 17, 1, 0), (9, 7, 2, 0)]
+    width = max(-(-n // block_size) for n, *_ in sequences)
+    k_cache = torch.full((len(sequences) * width + 1, block_size, hkv, head_size), float("nan")).to(dtype)
+    v_cache = k_cache.clone()
+    order = (torch.randperm(len(sequences) * width, generator=gen) + 1).tolist()
+    tables, starts, lens, refs = [], [], [], []
+    for written, first, rows, start in sequences:
+        blocks, order = order[:width], order[width:]
+        keys = torch.randn(written, hkv, head_size, generator=gen).to(dtype)
+        values = torch.randn(written, hkv, head_size, generator=gen).to(dtype)
+        for p in range(written):
+            k_cache[blocks[p // block_size], p % block_size] = keys[p]
+            v_cache[blocks[p // block_size], p % block_size] = values[p]
+        for r in range(rows):
+            tables.append(blocks)
+            starts.append(start)
+            lens.append(first + r)
+            refs.append((keys[start:first + r].float(), values[start:first + r].float()))
+    q = torch.randn(len(lens), hq, head_size, generator=gen)
+    table, key_start, seq_lens = torch.tensor(tables), torch.tensor(starts), torch.tensor(lens)
+    scale = 1 / math.sqrt(head_size)
+    for sinks in (None, torch.randn(hq, generator=gen)):
+        out = torch.empty_like(q)
+        kernel(out, q, k_cache, v_cache, table, key_start, seq_lens, scale, sinks=sinks)
+        for i, (keys, values) in enumerate(refs):
+            alone = torch.empty_like(q[i:i + 1])
+            kernel(alone, q[i:i + 1], k_cache, v_cache, table[i:i + 1], key_start[i:i + 1], seq_lens[i:i + 1], scale,
+                   sinks=sinks)
+            assert torch.equal(out[i], alone[0]), f"row {i}"
+            k = keys.repeat_interleave(hq // hkv, 1).transpose(0, 1)  # [Hq, L, D]
+            v = values.repeat_interleave(hq // hkv, 1).transpose(0, 1)
+            logits = q[i][:, None] @ k.transpose(1, 2) * scale  # [Hq, 1, L]
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[:, None, None]], -1)
+            weights = logits.softmax(-1)[..., :k.shape[1]]
+            torch.testing.assert_close(out[i], (weights @ v)[:, 0], rtol=1e-5, atol=1e-5)

@@ -78,6 +78,15 @@ static inline void prefetch_next(const BlockRows<T>& rows, int64_t lo, int64_t h
   }
 }
 
+// The keys of chunk [lo, lo + n) of the block at `base` that query head hq attends: all n, or with
+// Chain (the heads of several rows of one sequence, each with its own end: head_stop[hq]) those
+// before its end, so a row's chunks are exactly those its own call would take (0: none).
+template <bool Chain>
+static inline int64_t head_keys(int64_t n, int64_t base, int64_t lo, const int64_t* head_stop, int64_t hq) {
+  if constexpr (Chain) return std::min(n, head_stop[hq] - base - lo);
+  return n;
+}
+
 // The decode of one sequence: all its query heads against its positions [start, stop), block by
 // block, into the online-softmax state acc (weighted V sums), run_max and run_sum, which the
 // caller starts at 0, -FLT_MAX and 0 and normalises afterwards. DIM is the head size when known at
@@ -144,13 +153,15 @@ static inline __m512 load16(const at::BFloat16* p) {  // bfloat16 is the top hal
 
 // The same contract as attend_sequence, head size 16 * C, keys taken 16 at a time: for each query
 // head, the chunk's 16 scores land in one vector, the online softmax runs on it, and its weights
-// scale the V rows into the head's accumulator (kept in registers for the chunk).
-template <typename T, int C>
+// scale the V rows into the head's accumulator (kept in registers for the chunk). With Chain, head
+// hq's positions end at head_stop[hq] (<= stop; several rows of a sequence, decode_all): each K and V
+// row is read once for all of them, and each head's arithmetic is what it is alone, the same bits.
+template <typename T, int C, bool Chain = false>
 static void attend_sequence_avx512(const float* __restrict qn, const T* kp, const T* vp, const int64_t* table,
                                    int64_t start, int64_t stop, int64_t n_heads, const int64_t* kv_offset,
                                    int64_t block_size, int64_t slot_stride, float scale, float* __restrict acc,
                                    float* __restrict weights, float* __restrict correction,
-                                   float* __restrict run_max, float* __restrict run_sum) {
+                                   float* __restrict run_max, float* __restrict run_sum, const int64_t* head_stop) {
   constexpr int64_t dim = 16 * C;
   const int64_t block_stride = block_size * slot_stride;
   const int64_t row_bytes = (*std::max_element(kv_offset, kv_offset + n_heads) + dim) * static_cast<int64_t>(sizeof(T));
@@ -160,10 +171,11 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
     const T* __restrict vb = rows.v;
     const int64_t hi = std::min(stop, base + block_size) - base;
     for (int64_t lo = std::max(start, base) - base; lo < hi; lo += 16) {  // keys [lo, lo + n) of the block
-      const int64_t n = std::min<int64_t>(16, hi - lo);
+      const int64_t n_chunk = std::min<int64_t>(16, hi - lo);
       prefetch_next(rows, lo, std::min(lo + 16, block_size), slot_stride, row_bytes);
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // scores: every head's 16 in one vector
+        const int64_t n = head_keys<Chain>(n_chunk, base, lo, head_stop, hq);
+        if (Chain && n <= 0) continue;
         const T* kh = kb + lo * slot_stride + kv_offset[hq];
         __m512 q[C], part[16];
         for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qn + hq * dim + 16 * c);
@@ -176,6 +188,9 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
         _mm512_store_ps(weights + 16 * hq, _mm512_mul_ps(lanes_transpose_sum16(part), _mm512_set1_ps(scale)));
       }
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // online softmax; heads are independent chains
+        const int64_t n = head_keys<Chain>(n_chunk, base, lo, head_stop, hq);
+        if (Chain && n <= 0) continue;
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
         const __m512 score = _mm512_load_ps(weights + 16 * hq);
         const float chunk_max = std::max(run_max[hq], _mm512_mask_reduce_max_ps(valid, score));
         const __m512 w = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(score, _mm512_set1_ps(chunk_max))));
@@ -185,6 +200,8 @@ static void attend_sequence_avx512(const float* __restrict qn, const T* kp, cons
         _mm512_store_ps(weights + 16 * hq, w);
       }
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // weighted V rows; even and odd keys in two chains
+        const int64_t n = head_keys<Chain>(n_chunk, base, lo, head_stop, hq);
+        if (Chain && n <= 0) continue;
         const T* vh = vb + lo * slot_stride + kv_offset[hq];
         const float* wh = weights + 16 * hq;
         __m512 even[C], odd[C];
@@ -224,13 +241,13 @@ static inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half
 
 // attend_sequence_avx512's contract on 8 lanes, head size 8 * C: per query head, a chunk's 8
 // scores in one vector, the online softmax on it, then its weights scale the V rows into the
-// accumulator, 64 floats (8 registers, 8 independent FMA chains) at a time.
-template <typename T, int C>
+// accumulator, 64 floats (8 registers, 8 independent FMA chains) at a time. Chain: as there.
+template <typename T, int C, bool Chain = false>
 static void attend_sequence_avx2(const float* __restrict qn, const T* kp, const T* vp, const int64_t* table,
                                  int64_t start, int64_t stop, int64_t n_heads, const int64_t* kv_offset,
                                  int64_t block_size, int64_t slot_stride, float scale, float* __restrict acc,
                                  float* __restrict weights, float* __restrict correction,
-                                 float* __restrict run_max, float* __restrict run_sum) {
+                                 float* __restrict run_max, float* __restrict run_sum, const int64_t* head_stop) {
   constexpr int64_t dim = 8 * C;
   constexpr int SLICE = C < 8 ? C : 8;  // accumulator registers per pass over a chunk's V rows
   const int64_t block_stride = block_size * slot_stride;
@@ -242,10 +259,11 @@ static void attend_sequence_avx2(const float* __restrict qn, const T* kp, const 
     const T* __restrict vb = rows.v;
     const int64_t hi = std::min(stop, base + block_size) - base;
     for (int64_t lo = std::max(start, base) - base; lo < hi; lo += 8) {  // keys [lo, lo + n) of the block
-      const int64_t n = std::min<int64_t>(8, hi - lo);
+      const int64_t n_chunk = std::min<int64_t>(8, hi - lo);
       prefetch_next(rows, lo, std::min(lo + 8, block_size), slot_stride, row_bytes);
-      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // scores: every head's 8 in one vector
+        const int64_t n = head_keys<Chain>(n_chunk, base, lo, head_stop, hq);
+        if (Chain && n <= 0) continue;
         const T* kh = kb + lo * slot_stride + kv_offset[hq];
         const float* qh = qn + hq * dim;
         __m256 part[8];
@@ -259,6 +277,9 @@ static void attend_sequence_avx2(const float* __restrict qn, const T* kp, const 
         _mm256_store_ps(weights + 8 * hq, _mm256_mul_ps(lanes_transpose_sum8(part), _mm256_set1_ps(scale)));
       }
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // online softmax; heads are independent chains
+        const int64_t n = head_keys<Chain>(n_chunk, base, lo, head_stop, hq);
+        if (Chain && n <= 0) continue;
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
         const __m256 score = _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_load_ps(weights + 8 * hq), valid);
         const float chunk_max = std::max(run_max[hq], lanes_max8(score));
         const __m256 w = _mm256_and_ps(valid, fast_exp8(_mm256_sub_ps(score, _mm256_set1_ps(chunk_max))));
@@ -268,6 +289,8 @@ static void attend_sequence_avx2(const float* __restrict qn, const T* kp, const 
         _mm256_store_ps(weights + 8 * hq, w);
       }
       for (int64_t hq = 0; hq < n_heads; ++hq) {  // weighted V rows, SLICE registers of the accumulator at a time
+        const int64_t n = head_keys<Chain>(n_chunk, base, lo, head_stop, hq);
+        if (Chain && n <= 0) continue;
         const T* vh = vb + lo * slot_stride + kv_offset[hq];
         const float* wh = weights + 8 * hq;
         const __m256 fix = _mm256_set1_ps(correction[hq]);
@@ -291,7 +314,7 @@ static void attend_sequence_avx2(const float* __restrict qn, const T* kp, const 
 // The intrinsics paths' type (attend_sequence_avx512 / _avx2), so decode_all can hold one where neither is compiled in.
 template <typename T>
 using FastPath = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, const int64_t*,
-                          int64_t, int64_t, float, float*, float*, float*, float*, float*);
+                          int64_t, int64_t, float, float*, float*, float*, float*, float*, const int64_t*);
 
 // Whether float16 and bfloat16 caches are read (by an intrinsics path: AVX-512 or AVX2) at this head size.
 bool reads_16bit(int64_t dim) {
@@ -302,6 +325,9 @@ bool reads_16bit(int64_t dim) {
 // to which the float32 blocks matmuls run there too (MAX_ROWS in models/quantized_linear.py), per build.
 constexpr int64_t kPoolSeqs = BLOCKSERVE_AVX512 ? 128 : 64;
 int64_t pool_sequences() { return kPoolSeqs; }
+
+// The most rows of a chain (decode_all) one work item takes: a verification of up to 16 drafts whole.
+constexpr int64_t kChainRows = 17;
 
 // Every sequence's decode, for a cache of element type T (float, at::Half or at::BFloat16).
 // Sequence n's query heads are the n_heads * dim floats at qp + n * q_stride. sinks (nullptr: none):
@@ -320,16 +346,39 @@ static void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_
   const int64_t* starts = key_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
 
-  // The path for this head size: AVX-512 or AVX2 where compiled in (64, 128, 256), else the portable one.
-  FastPath<T> fast = nullptr;
+  // The path for this head size: AVX-512 or AVX2 where compiled in (64, 128, 256), else the portable
+  // one; `chained` is the fast path over the rows of a chain (below).
+  FastPath<T> fast = nullptr, chained = nullptr;
 #if BLOCKSERVE_AVX512
   fast = dim == 64 ? attend_sequence_avx512<T, 4> : dim == 128 ? attend_sequence_avx512<T, 8>
        : dim == 256 ? attend_sequence_avx512<T, 16> : nullptr;
+  chained = dim == 64 ? attend_sequence_avx512<T, 4, true> : dim == 128 ? attend_sequence_avx512<T, 8, true>
+          : dim == 256 ? attend_sequence_avx512<T, 16, true> : nullptr;
 #elif BLOCKSERVE_AVX2
   fast = dim == 64 ? attend_sequence_avx2<T, 8> : dim == 128 ? attend_sequence_avx2<T, 16>
        : dim == 256 ? attend_sequence_avx2<T, 32> : nullptr;
+  chained = dim == 64 ? attend_sequence_avx2<T, 8, true> : dim == 128 ? attend_sequence_avx2<T, 16, true>
+          : dim == 256 ? attend_sequence_avx2<T, 32, true> : nullptr;
 #endif
   auto portable = dim == 64 ? attend_sequence<64> : dim == 128 ? attend_sequence<128> : attend_sequence<0>;
+
+  // Chains: a speculative verification's rows are decodes of one sequence at consecutive lengths (the
+  // same key start and blocks, worker/input_batch.py). On a fast path a chain of up to kChainRows rows
+  // is one work item per KV head: its rows' query heads read each K and V row once (a step verifying
+  // k drafts read the request's cache k + 1 times). Each row's arithmetic is the same as alone, so the
+  // grouping never changes a result: any sequences that look like a chain may be taken as one.
+  std::vector<int64_t> chain_first;  // chain c: sequences [chain_first[c], chain_first[c + 1])
+  for (int64_t n = 0; n < n_seqs; ++n) {
+    const bool follows = chained != nullptr && n > 0 && n - chain_first.back() < kChainRows &&
+                         starts[n] == starts[n - 1] && lens[n] == lens[n - 1] + 1 &&
+                         std::equal(table + n * width, table + n * width + std::min(width, (lens[n] + block_size - 1) / block_size),
+                                    table + (n - 1) * width);
+    if (!follows) chain_first.push_back(n);
+  }
+  const int64_t n_chains = static_cast<int64_t>(chain_first.size());
+  chain_first.push_back(n_seqs);
+  int64_t longest = 1;
+  for (int64_t c = 0; c < n_chains; ++c) longest = std::max(longest, chain_first[c + 1] - chain_first[c]);
 
   // One work item per sequence and KV head: the item's `group` query heads against that head's K/V
   // rows (read in order, block by block), so one sequence splits across threads too (a batch-1
@@ -342,32 +391,50 @@ static void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_
   // throughput at batch 64 5-8%).
   int64_t keys = 0;
   for (int64_t n = 0; n < n_seqs; ++n) keys += lens[n] - starts[n];
-  const int64_t items = n_seqs * n_kv_heads;
-  const int64_t per_item = std::max<int64_t>(1, keys * group * dim / std::max<int64_t>(1, n_seqs));
+  const int64_t items = n_chains * n_kv_heads;
+  const int64_t per_item = std::max<int64_t>(1, keys * group * dim / std::max<int64_t>(1, n_chains));
   const auto body = [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * dim), score(group * block_size), run_max(group), run_sum(group), correction(group);
-    const std::vector<int64_t> kv_offset(group, 0);  // K/V pointers below start at the item's head
-    std::vector<float> weights_buffer(group * 16 + 16);  // 16 scores, then weights, per head; 64-byte aligned
+    const int64_t heads = longest * group;  // an item's query heads: its rows' heads of one KV head
+    std::vector<float> acc(heads * dim), score(group * block_size), run_max(heads), run_sum(heads), correction(heads);
+    std::vector<float> chain_q(longest > 1 ? heads * dim : 0);  // a chain's query heads, row after row
+    std::vector<int64_t> head_stop(heads);
+    const std::vector<int64_t> kv_offset(heads, 0);  // K/V pointers below start at the item's head
+    std::vector<float> weights_buffer(heads * 16 + 16);  // 16 scores, then weights, per head; 64-byte aligned
     float* weights = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(weights_buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / n_kv_heads, kv = item % n_kv_heads;
-      const float* qn = qp + n * q_stride + kv * group * dim;
+      const int64_t c = item / n_kv_heads, kv = item % n_kv_heads;
+      const int64_t first = chain_first[c], rows = chain_first[c + 1] - first;
       const T* kh = kp + kv * dim;
       const T* vh = vp + kv * dim;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), -FLT_MAX);
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      if (fast != nullptr)
-        fast(qn, kh, vh, table + n * width, starts[n], lens[n], group, kv_offset.data(), block_size, slot_stride,
-             scale, acc.data(), weights, correction.data(), run_max.data(), run_sum.data());
-      else if constexpr (std::is_same_v<T, float>)
-        portable(qn, kh, vh, table + n * width, starts[n], lens[n], group, group, dim, block_size, slot_stride, scale,
-                 acc.data(), score.data(), run_max.data(), run_sum.data());
-      float* on = op + n * n_heads * dim + kv * group * dim;
-      for (int64_t hq = 0; hq < group; ++hq) {
-        const float sum = run_sum[hq] + (sinks != nullptr ? std::exp(sinks[kv * group + hq] - run_max[hq]) : 0.f);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t d = 0; d < dim; ++d) on[hq * dim + d] = acc[hq * dim + d] * inv;
+      std::fill(acc.begin(), acc.begin() + rows * group * dim, 0.f);
+      std::fill(run_max.begin(), run_max.begin() + rows * group, -FLT_MAX);
+      std::fill(run_sum.begin(), run_sum.begin() + rows * group, 0.f);
+      if (rows > 1) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qn = qp + (first + r) * q_stride + kv * group * dim;
+          std::copy(qn, qn + group * dim, chain_q.data() + r * group * dim);
+          std::fill(head_stop.begin() + r * group, head_stop.begin() + (r + 1) * group, lens[first + r]);
+        }
+        chained(chain_q.data(), kh, vh, table + first * width, starts[first], lens[first + rows - 1], rows * group,
+                kv_offset.data(), block_size, slot_stride, scale, acc.data(), weights, correction.data(),
+                run_max.data(), run_sum.data(), head_stop.data());
+      } else {
+        const float* qn = qp + first * q_stride + kv * group * dim;
+        if (fast != nullptr)
+          fast(qn, kh, vh, table + first * width, starts[first], lens[first], group, kv_offset.data(), block_size,
+               slot_stride, scale, acc.data(), weights, correction.data(), run_max.data(), run_sum.data(), nullptr);
+        else if constexpr (std::is_same_v<T, float>)
+          portable(qn, kh, vh, table + first * width, starts[first], lens[first], group, group, dim, block_size,
+                   slot_stride, scale, acc.data(), score.data(), run_max.data(), run_sum.data());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* on = op + (first + r) * n_heads * dim + kv * group * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t hq = r * group + g;
+          const float sum = run_sum[hq] + (sinks != nullptr ? std::exp(sinks[kv * group + g] - run_max[hq]) : 0.f);
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;
+          for (int64_t d = 0; d < dim; ++d) on[g * dim + d] = acc[hq * dim + d] * inv;
+        }
       }
     }
   };
