@@ -61,7 +61,9 @@ class TierFull(OSError):
 class DiskTier:
     name = "disk"
 
-    def __init__(self, directory: str, capacity_bytes: int):
+    def __init__(self, directory: str, capacity_bytes: int, register: bool = True):
+        """`register` False: a second handle on a directory an engine registered already (its writer
+        process's), which neither probes, registers nor scans it at start."""
         if capacity_bytes <= 0:
             raise ValueError(f"the disk tier needs a positive size cap, got {capacity_bytes} bytes")
         self.directory = os.path.abspath(directory)
@@ -71,6 +73,10 @@ class DiskTier:
         self.directory_cap = capacity_bytes  # the smallest cap of the engines using the directory, as last seen
         self.num_scans = 0  # directory scans: at start and when a write passed the cap
         self._temporary_names = (f"{uuid.uuid4().hex}.{n}.tmp" for n in itertools.count())  # unique to this tier
+        self._registration: weakref.finalize | None = None
+        self._registration_path: str | None = None
+        if not register:
+            return
         self._probe()
         with self._locked() as fd:
             self._registration = self._register()
@@ -127,10 +133,14 @@ class DiskTier:
         self._registration_path = path
         return weakref.finalize(self, os.close, fd)  # a tier dropped without `close` lets its lock go
 
+    @property
+    def _registered(self) -> bool:
+        return self._registration is not None and self._registration.alive
+
     def _live_cap(self) -> int:
         """Under the lock: the smallest cap of the engines holding their registration (this one among them,
         until it closes), stored as `directory_cap`; the registrations of engines that died are removed."""
-        caps = [self.capacity_bytes] if self._registration.alive else []
+        caps = [self.capacity_bytes] if self._registered else []
         engines = os.path.join(self.directory, ENGINES_DIR)
         with contextlib.suppress(FileNotFoundError):
             for item in os.scandir(engines):
@@ -143,7 +153,7 @@ class DiskTier:
 
     def close(self) -> None:
         """Leave the directory: its cap is that of the engines still using it. Idempotent."""
-        if not self._registration.alive:
+        if not self._registered:
             return
         with self._locked() as fd:
             _unlink(self._registration_path)
@@ -335,7 +345,5 @@ def _touch(path: str) -> None:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # nothing there
         os.unlink(path)
-    except FileNotFoundError:
-        pass
