@@ -15,11 +15,13 @@ import time
 
 import pytest
 
+import blockserve
 from blockserve.kv.tiers import (CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore, TierUnusable, WriterCounts,
                                  entry_key)
 from blockserve.kv.tiers.disk import STALE_WRITE_SECONDS, TierFull
 from blockserve.kv.tiers.entry import HEADER_BYTES, decode, encode
 
+ROOT = os.path.dirname(os.path.dirname(blockserve.__file__))  # the checkout these tests import
 KEYS = [entry_key(b"model", 0, bytes([i]) * 32) for i in range(8)]
 PAYLOAD = bytes(range(256)) * 4
 
@@ -504,3 +506,69 @@ def test_a_failing_write_in_the_writer_process_turns_writes_off_with_a_warning(t
         assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]
     finally:
         store.close()
+
+
+ENGINE_THAT_DIES = """
+import os, signal, sys
+from blockserve.kv.tiers import DiskTier, TieredKVStore
+from blockserve.kv.tiers.entry import entry_key
+store = TieredKVStore([DiskTier(sys.argv[1], 10**6)], b"model", loader_thread=False)
+os.kill(store._process.process.pid, signal.SIGSTOP)  # its queue waits
+for i in range(3):
+    key = entry_key(b"model", 0, bytes([i]) * 32)
+    assert store.claim(key)
+    store.submit(key, bytes([i]) * 4096)
+print(store._process.process.pid, flush=True)
+os.kill(store._process.process.pid, signal.SIGCONT)
+os.kill(os.getpid(), signal.SIGKILL)  # never closed
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_writer_process_writes_its_queue_and_exits_when_its_engine_dies(tmp_path):
+    directory = str(tmp_path / "kv")
+    engine = subprocess.run([sys.executable, "-c", ENGINE_THAT_DIES, directory], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert engine.returncode == -signal.SIGKILL, engine.stderr
+    writer = int(engine.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _running(writer):
+        assert time.monotonic() < deadline, "the writer outlived its engine"
+        time.sleep(0.02)
+    disk = DiskTier(directory, 10**6)
+    try:
+        keys = [entry_key(b"model", 0, bytes([i]) * 32) for i in range(3)]
+        assert [disk.read(k) for k in keys] == [bytes([i]) * 4096 for i in range(3)]
+    finally:
+        disk.close()
+    names = [n for _, _, files in os.walk(directory) for n in files]
+    assert sorted(n for n in names if not n.endswith(".kv")) == [".usage"]  # no temporary file, no registration
+    assert not [n for n in os.listdir("/dev/shm") if "blockserve" in n]
+
+
+def test_a_writer_process_that_dies_turns_writes_off_and_answers_every_claim(tmp_path, caplog):
+    disk = DiskTier(str(tmp_path), 10**6)
+    store = TieredKVStore([disk], b"model", loader_thread=False)
+    writer = store._process.process
+    try:
+        os.kill(writer.pid, signal.SIGSTOP)
+        for key in KEYS[:2]:
+            assert store.claim(key)
+            store.submit(key, PAYLOAD)
+        assert not store.is_idle()
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(10)
+        with caplog.at_level(logging.WARNING, logger="blockserve"):
+            assert store.is_idle()  # the claims it held are answered
+        assert "writer process exited (-9)" in caplog.text and not store.writing
+        assert not store.claim(KEYS[2]) and store.reserve(len(PAYLOAD)) is None
+    finally:
+        store.close()
+    assert disk.num_entries == 0

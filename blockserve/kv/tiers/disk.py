@@ -230,7 +230,7 @@ class DiskTier:
         _touch(path)  # most recently used
         return payload
 
-    # -- writes (the writer's thread) ----------------------------------------------------------
+    # -- writes (the writer process: writer_process.py) -----------------------------------------
 
     def write(self, key: bytes, payload: bytes) -> bool:
         """Store an entry (False if it is larger than the directory's cap or the directory holds it
@@ -295,8 +295,7 @@ class DiskTier:
 
 
 def _write_file(path: str, head: bytes, payload) -> None:
-    """Create `path` (and its folder) holding `head` then `payload`, in few system calls: each one
-    takes the GIL back, and a writer thread holding it stalls the step's thread."""
+    """Create `path` (and its folder) holding `head` then `payload` (one writev: no copy joins them)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileNotFoundError:  # the entry's folder is not there yet

@@ -1,29 +1,35 @@
 """The second tier of the prefix cache: host memory and/or disk behind the device pool.
 
-    scheduler's thread                          worker                     writer thread
+    scheduler's thread                     worker (the step's thread)                 writer process
     num_held(keys)      how far a prefix goes
     prefetch(keys)      read them on the loader thread while the request waits; True once read
-    load(keys)          verified payloads  ──►  load orders (C2)
-    claim(key)          a save order wanted? ─► save orders: copy the ─► submit ─► queue ─► tiers
-                                                block, never blocking      (bounded in bytes; full: skip)
+    load(keys)          verified payloads ─► load orders (C2)
+    claim(key)          a save order wanted? ─► save orders: reserve a slice of the ─► checksum, write
+                                                queue, copy the block into it, submit    (disk tier)
+                                                (no room: skipped; host memory: now)
 
 Entries are keyed by `entry_key(fingerprint, group, salted block hash)` (kv/tiers/entry.py). A load
 returns only payloads that passed their tier's check, in prefix order, stopping at the first block
 no tier holds intact: the KV manager grants exactly those, and the tokens past them are computed
-again. Writes run on one thread behind a queue bounded by the bytes it holds, so the step never
-waits for a disk; a save that would overfill it is dropped (counted), and a full disk or a failing
-file system turns writes off (with one warning) while loads go on.
+again. A save is copied out of the KV cache by the step that the order rides on, before any later
+order can change the block (C2); the host-memory tier keeps its copy at once, and the disk tier's is
+checksummed and written by a process of its own (writer_process.py), through a shared-memory queue
+bounded in bytes, so the step never waits for a disk nor shares the interpreter's lock with the
+writer; a save that would overfill the queue is dropped (counted), and a full disk or a failing file
+system (or the writer process gone) turns writes off (with one warning) while loads go on. The
+writer's outcomes are taken in (`writer_counts`, `is_idle`, claims answered) whenever the store is
+asked about its queue or its counts.
 
 Under tensor parallelism each rank holds its own heads' KV, so a block is one entry per rank, each
 under its rank's fingerprint. The store is then built with every rank's fingerprint: `key` is the
 tuple of the ranks' entry keys, a block is held only when every rank's entry is, and a load (on rank
 0, which schedules) reads and verifies every rank's entry, returning them as a tuple (one payload per
 rank), or nothing when any one is missing or damaged, so the ranks never disagree on a hit. Each
-rank's own store writes that rank's entry (`rank`), from its own KV, on its own writer thread; a
+rank's own store writes that rank's entry (`rank`), from its own KV, through its own writer process; a
 block no rank can complete any more is never worth claiming, so rank 0's store is told (`stop_writing`)
-when another rank's writes stop (distributed/executor.py). A rank's writer hands its counts
-(`WriterCounts`) to `report` at most once a second while they change, and rank 0's `stats()` adds
-the other ranks' counts as `peers` last returned them.
+when another rank's writes stop (distributed/executor.py). A rank's store hands its counts
+(`WriterCounts`) to `report` at most once a second while they change (on a reporter thread), and rank
+0's `stats()` adds the other ranks' counts as `peers` last returned them.
 """
 
 from __future__ import annotations
@@ -136,8 +142,8 @@ def _nbytes(payload: Payload | None) -> int:
 class TieredKVStore:
     """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format:
     one (a single process), or a tuple of every tensor-parallel rank's, in rank order, of which this
-    process writes entry `rank` of each key. `report`, if given, is called on the writer's thread with
-    the writer's counts, at most every REPORT_EVERY_S while they change."""
+    process writes entry `rank` of each key. `report`, if given, is called on a reporter thread with
+    this process's write counts, at most every REPORT_EVERY_S while they change."""
 
     def __init__(self, tiers: Sequence[Tier], fingerprint: bytes | tuple[bytes, ...],
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, loader_thread: bool = True, rank: int = 0,
@@ -161,7 +167,7 @@ class TieredKVStore:
         self.stopped_why: str | None = None  # why writes were turned off (`stop_writing`)
         self.queue_bytes = queue_bytes
         self._report = report
-        self._reported: WriterCounts | None = None  # what `report` was last given (the writer's thread)
+        self._reported: WriterCounts | None = None  # what `report` was last given (the reporter's thread)
         self.peers: Callable[[], Sequence[WriterCounts]] | None = None  # rank 0's: the other ranks' counts
         disks = [i for i, tier in enumerate(self.tiers) if isinstance(tier, DiskTier)]
         if len(disks) > 1:
@@ -480,9 +486,11 @@ class TieredKVStore:
     def close(self) -> None:
         """Write what is queued, then stop the writer process (and join the loader and the reporter
         threads), and close the tiers. Idempotent."""
-        if self._process is not None and not self._process.exited:
+        if self._process is not None:
             self.flush()
+            self._reserved = None
             self._process.close()
+            self._drain()
         self._closing.set()
         if self._reporter is not None and self._reporter.is_alive():
             self._reporter.join()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import mmap
 import os
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -64,7 +63,8 @@ class WriterProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _MAIN, str(memfd), str(requests_read), str(done_write), directory,
                  str(capacity_bytes)],
-                pass_fds=(memfd, requests_read, done_write), stdin=subprocess.DEVNULL, env=env)
+                pass_fds=(memfd, requests_read, done_write), stdin=subprocess.DEVNULL, env=env,
+                process_group=0)  # no terminal's signals (the engine's session: its scheduling group)
         except BaseException:
             os.close(self._requests)
             os.close(self._done)
@@ -136,8 +136,8 @@ class WriterProcess:
     def drain(self, wait: bool = False) -> list[Done]:
         """The outcomes reported since the last call, in commit order; with `wait`, blocks until at
         least one comes (or the process is gone). The caller serializes calls."""
-        if self._done < 0:  # closed
-            return []
+        if self._done < 0:  # closed: what `close` read last
+            return self._parse()
         while True:
             try:
                 chunk = os.read(self._done, 1 << 16)
@@ -164,23 +164,23 @@ class WriterProcess:
             done.append(Done(status, nbytes, reason))
         return done
 
-    def close(self) -> list[Done]:
-        """Let the process write what is queued and exit; the outcomes not drained yet. Idempotent."""
+    def close(self) -> None:
+        """Let the process write what is queued and exit, and wait for it (`drain` then gives the outcomes
+        not drained yet). Idempotent."""
         if self._requests < 0:
-            return []
+            return
+        self._reserved = None
         os.close(self._requests)
         self._requests = -1
         os.set_blocking(self._done, True)
         while chunk := os.read(self._done, 1 << 16):
             self._received += chunk
         self.exited = True
-        done = self._parse()
         self.process.wait()
         os.close(self._done)
         self._done = -1
         self._view.release()
         self._ring.close()
-        return done
 
 
 def _serve(ring: mmap.mmap, requests: int, done: int, tier: DiskTier) -> None:
@@ -208,19 +208,12 @@ def _serve(ring: mmap.mmap, requests: int, done: int, tier: DiskTier) -> None:
                     reporting = False
 
 
-def _lower_priority() -> None:
-    """Run on CPU time the engine's threads leave: Linux's SCHED_IDLE, else nice 19."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
-
-
 def main(argv: list[str]) -> int:
+    """The writer process (`_MAIN`, which first lowers its priority to Linux's SCHED_IDLE, else nice 19: it
+    runs on CPU time the engine's threads leave; it stays in the engine's session, so where the kernel
+    shares CPUs out by session, autogroup, it draws on the engine's share as a thread would)."""
     memfd, requests, done = (int(a) for a in argv[:3])
     directory, capacity_bytes = argv[3], int(argv[4])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupted engine closes the pipe: the queue is written
-    _lower_priority()
     ring = mmap.mmap(memfd, 0)
     os.close(memfd)
     tier = DiskTier(directory, capacity_bytes, register=False)
@@ -231,5 +224,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-
-_MAIN = "import sys; from blockserve.kv.tiers.writer_process import main; sys.exit(main(sys.argv[1:]))"
+# The process's priority is lowered before it imports anything: its start-up must not compete with the step either.
+_MAIN = """
+import os, sys
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    os.nice(19)
+from blockserve.kv.tiers.writer_process import main
+sys.exit(main(sys.argv[1:]))
+"""
