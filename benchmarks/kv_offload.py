@@ -16,8 +16,8 @@ of a batch whose prompts the writer is saving, tier off vs on, alternating over 
 round each one's p50 and their ratio, the ratio over the gaps of steps that ended with the writer still
 busy (against tier off's same gaps), and the ratio of the step thread's CPU time per decode step (more
 CPU time: the step computed slower; more wall time alone: it waited); the medians of those ratios over
-the rounds, with the other processes' CPU share per run (the writer process's CPU time among them, and
-recorded by itself). Every run is greedy: the answers of all runs must be equal (checked).
+the rounds, with the other processes' CPU share per run. Every run is greedy: the answers of all runs
+must be equal (checked).
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --json results/kv_offload.json
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --model hybrid --json results/kv_offload_hybrid.json
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import resource
 import tempfile
 import time
 
@@ -147,9 +146,9 @@ OFF, ON = "tier off", "disk tier, writer saving the prompts"
 def measure_itl(args, loaded, engine: dict) -> dict:
     """Decode ITL of a batch of fresh prompts, tier off and with the writer saving them (a new directory
     each time), in rounds that run both (each order in every other round) so that both see the same load
-    on a shared machine: per round each
-    one's p50, and their ratio; the median of those ratios, and the same over the gaps of steps that
-    ended with the writer still busy (against tier off's same gaps)."""
+    on a shared machine: per round each one's p50, and their ratio; the median of those ratios, the same
+    over the gaps of steps that ended with the writer still busy (against tier off's same gaps), and of
+    the ratios of the step thread's CPU time per decode step."""
     vocab = loaded.hf_config.vocab_size
     rng = random.Random(1)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.document)] for _ in range(args.itl_batch)]
@@ -159,17 +158,15 @@ def measure_itl(args, loaded, engine: dict) -> dict:
         for name in (OFF, ON) if round_index % 2 == 0 else (ON, OFF):  # either order as often: no bias
             with tempfile.TemporaryDirectory() as directory:
                 extra = {"kv_offload_dir": directory} if name == ON else {}
-                children = _children_cpu_seconds()
                 with LLM(loaded, **engine, **extra) as llm:
                     share = CpuShare()
                     with share:
                         gaps, writing, step_cpu = decode_itl(llm, prompts, 64)
-                measured[name] = {"gaps": gaps, "writing": writing, "step_cpu": step_cpu, "others_cpu_share": share.others,
-                                  "writer_cpu_s": _children_cpu_seconds() - children}  # reaped at close
+                measured[name] = {"gaps": gaps, "writing": writing, "step_cpu": step_cpu, "others_cpu_share": share.others}
         off, on = measured[OFF]["gaps"], measured[ON]["gaps"]
         busy = [i for i, w in enumerate(measured[ON]["writing"]) if w and i < len(off)]
         result = {name: {"itl_p50_ms": percentile(m["gaps"], 50) * 1e3, "itl_p90_ms": percentile(m["gaps"], 90) * 1e3,
-                         "step_cpu_p50_ms": percentile(m["step_cpu"], 50) * 1e3, "writer_cpu_s": m["writer_cpu_s"],
+                         "step_cpu_p50_ms": percentile(m["step_cpu"], 50) * 1e3,
                          "others_cpu_share": m["others_cpu_share"]} for name, m in measured.items()}
         result["p50_ratio"] = percentile(on, 50) / percentile(off, 50)
         result["step_cpu_p50_ratio"] = result[ON]["step_cpu_p50_ms"] / result[OFF]["step_cpu_p50_ms"]
@@ -181,7 +178,7 @@ def measure_itl(args, loaded, engine: dict) -> dict:
         print(f"round {len(rounds)}: ITL p50 off {result[OFF]['itl_p50_ms']:.1f} ms, on {result[ON]['itl_p50_ms']:.1f} "
               f"ms ({result['p50_ratio']:.3f}x); writer busy over {len(busy)} of {len(on)} gaps"
               + (f" ({result['p50_ratio_writer_busy']:.3f}x there)" if busy else "")
-              + f"; step CPU p50 {result['step_cpu_p50_ratio']:.3f}x; writer process CPU {result[ON]['writer_cpu_s']:.2f} s"
+              + f"; step CPU p50 {result['step_cpu_p50_ratio']:.3f}x"
               + f"; others' CPU share {_share(result[OFF]['others_cpu_share'])} / {_share(result[ON]['others_cpu_share'])}",
               flush=True)
     busy_ratios = [r["p50_ratio_writer_busy"] for r in rounds if "p50_ratio_writer_busy" in r]
@@ -195,16 +192,10 @@ def measure_itl(args, loaded, engine: dict) -> dict:
     }
     for name in (OFF, ON):
         summary[name] = {key: percentile([r[name][key] for r in rounds], 50)
-                         for key in ("itl_p50_ms", "itl_p90_ms", "step_cpu_p50_ms", "writer_cpu_s")}
+                         for key in ("itl_p50_ms", "itl_p90_ms", "step_cpu_p50_ms")}
         shares = [r[name]["others_cpu_share"] for r in rounds]
         summary[name]["others_cpu_share"] = None if None in shares else [min(shares), max(shares)]
     return {"summary": summary, "per_round": rounds}
-
-
-def _children_cpu_seconds() -> float:
-    """CPU seconds of this process's children that have ended (the tier's writer process, once closed)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _share(value: float | None) -> str:

@@ -97,14 +97,11 @@ class KVCacheTensors:
         for tensor in self.tensors[group_id]:
             tensor[:, dst] = tensor[:, src]
 
-    def block_bytes(self, group_id: int, block_id: int, into=None) -> memoryview:
+    def block_bytes(self, group_id: int, block_id: int) -> memoryview:
         """The block's content in every layer of the group, copied once into host memory (a second
-        tier's payload, bytes-like): into `into` (a writable buffer of `block_nbytes`) if given."""
+        tier's payload, bytes-like)."""
         dim = self.block_dims[group_id]
-        if into is None:
-            out = torch.empty(self.block_nbytes(group_id), dtype=torch.uint8)
-        else:
-            out = torch.frombuffer(into, dtype=torch.uint8)
+        out = torch.empty(self.block_nbytes(group_id), dtype=torch.uint8)
         offset = 0
         for tensor in self.tensors[group_id]:
             src = tensor.select(dim, block_id)

@@ -181,7 +181,7 @@ class ModelRunner:
         return self.last
 
     def _save_blocks(self, saves: dict[int, list[tuple[int, bytes]]]) -> None:
-        """Copy each block out into the writer's queue; one the queue has no room for is dropped
+        """Copy each block out to the writer's queue; one the queue has no room for is dropped
         (the step never waits for the writer)."""
         store = self.offload
         if store is None:
@@ -190,9 +190,7 @@ class ModelRunner:
         for i, (group_id, block_id, key) in enumerate(orders):
             try:
                 nbytes = self.kv.block_nbytes(group_id)
-                payload = store.reserve(nbytes)
-                if payload is not None:
-                    self.kv.block_bytes(group_id, block_id, into=payload)
+                payload = self.kv.block_bytes(group_id, block_id) if store.has_room(nbytes) else None
             except BaseException:
                 for _, _, unanswered in orders[i:]:  # every claim is answered, even by a failed step
                     store.release(unanswered)

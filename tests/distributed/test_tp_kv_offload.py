@@ -113,7 +113,7 @@ _write = disk.DiskTier.write
 
 
 def write(self, key, payload):
-    if os.environ.get("RANK") == "1" and os.path.exists(os.environ["BLOCKSERVE_TEST_FAIL_WRITES"]):
+    if os.path.exists(os.environ["BLOCKSERVE_TEST_FAIL_WRITES"]):
         raise OSError(errno.EIO, "input/output error (injected)")
     return _write(self, key, payload)
 
@@ -125,8 +125,7 @@ disk.DiskTier.write = write
 @pytest.mark.slow  # an engine with a rank process and up to a dozen prompts: ~10 s
 @pytest.mark.tp_full
 def test_a_rank_whose_writes_stop_stops_rank_0_offering_writes(llama, tmp_path, monkeypatch, caplog):
-    """Rank 1's disk writes fail once a flag file exists (a sitecustomize its writer process loads, as every
-    interpreter started with the test's PYTHONPATH does, failing writes where RANK is 1): rank 0
+    """Rank 1's disk writes fail once a flag file exists (a sitecustomize only its interpreter loads): rank 0
     learns it, warns naming rank 1 and orders no more saves; the blocks both ranks wrote before are still hits."""
     from blockserve.distributed import executor
 

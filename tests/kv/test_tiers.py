@@ -7,7 +7,6 @@ import errno
 import fcntl
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -15,13 +14,11 @@ import time
 
 import pytest
 
-import blockserve
 from blockserve.kv.tiers import (CorruptEntry, DiskTier, HostMemoryTier, TieredKVStore, TierUnusable, WriterCounts,
                                  entry_key)
-from blockserve.kv.tiers.disk import STALE_WRITE_SECONDS, TierFull
+from blockserve.kv.tiers.disk import STALE_WRITE_SECONDS
 from blockserve.kv.tiers.entry import HEADER_BYTES, decode, encode
 
-ROOT = os.path.dirname(os.path.dirname(blockserve.__file__))  # the checkout these tests import
 KEYS = [entry_key(b"model", 0, bytes([i]) * 32) for i in range(8)]
 PAYLOAD = bytes(range(256)) * 4
 
@@ -258,7 +255,7 @@ def test_memory_tier_is_lru_under_its_size():
     assert tier.num_bytes == 3 * len(PAYLOAD) and not tier.write(KEYS[4], PAYLOAD * 4)
 
 
-def test_store_writes_through_its_process_and_loads_a_verified_prefix(tmp_path):
+def test_store_writes_through_its_thread_and_loads_a_verified_prefix(tmp_path):
     memory, disk = HostMemoryTier(10**6), DiskTier(str(tmp_path), 10**6)
     store = TieredKVStore([memory, disk], b"model")
     try:
@@ -268,11 +265,9 @@ def test_store_writes_through_its_process_and_loads_a_verified_prefix(tmp_path):
             store.submit(key, PAYLOAD)
         store.flush()
         assert store.is_idle() and not store.claim(KEYS[0])  # held by every tier
-        # The writer is a process of its own, on CPU time the engine's threads leave.
-        writer = store._process.process
-        assert os.sched_getscheduler(writer.pid) == os.SCHED_IDLE
+        # The writer runs on CPU time the engine's threads leave.
+        assert os.sched_getscheduler(store._writer.native_id) == os.SCHED_IDLE
         assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
-        assert [t.name for t in threading.enumerate() if "writer" in t.name] == []
         assert store.num_held(KEYS[:6]) == 4
         with open(disk.path(KEYS[2]), "r+b") as f:
             f.seek(-1, os.SEEK_END)
@@ -289,7 +284,7 @@ def test_store_writes_through_its_process_and_loads_a_verified_prefix(tmp_path):
             store2.close()
     finally:
         store.close()
-    assert writer.returncode == 0
+    assert not store._writer.is_alive()
 
 
 def test_a_tensor_parallel_block_is_one_entry_per_rank_and_held_only_when_every_rank_s_is_intact(tmp_path):
@@ -418,34 +413,40 @@ def test_without_a_loader_thread_a_prefetch_is_read_at_the_next_call():
         store.close()
 
 
-def test_the_queue_is_bounded_in_bytes_drops_what_does_not_fit_and_never_blocks(tmp_path):
-    block = PAYLOAD * 4  # a page: blocks start on whole pages of the queue
-    disk = DiskTier(str(tmp_path), 10**6)
-    store = TieredKVStore([disk], b"model", queue_bytes=3 * len(block))
-    writer = store._process.process
-    os.kill(writer.pid, signal.SIGSTOP)  # the writer gets no CPU: its queue fills
+class SlowTier(HostMemoryTier):
+    def __init__(self):
+        super().__init__(10**6)
+        self.gate = threading.Event()
+
+    def write(self, key, payload):
+        self.gate.wait(10)
+        return super().write(key, payload)
+
+
+def test_the_queue_is_bounded_in_bytes_drops_what_does_not_fit_and_never_blocks():
+    tier = SlowTier()
+    store = TieredKVStore([tier], b"model", queue_bytes=3 * len(PAYLOAD))
     try:
         began = time.perf_counter()
-        for key in KEYS[:4]:  # three fit, the fourth is dropped
+        for key in KEYS[:4]:  # three fit (one the writer holds counts until written), the fourth is dropped
             assert store.claim(key)
-            store.submit(key, block)
+            store.submit(key, PAYLOAD)
         assert store.claim(KEYS[4])
-        store.submit(KEYS[4], block * 2)  # larger than the room left: dropped on submit
-        for key in KEYS[5:7]:  # the runner's way: a slice of the queue to copy the block into, or none
+        store.submit(KEYS[4], PAYLOAD * 2)  # larger than the room left: dropped on submit
+        for key in KEYS[5:7]:  # the runner's way: ask before copying the block out
             assert store.claim(key)
-            assert not store.has_room(len(block)) and store.reserve(len(block)) is None
-            store.release(key, len(block))
+            assert not store.has_room(len(PAYLOAD))
+            store.release(key, len(PAYLOAD))
         assert time.perf_counter() - began < 1
         stats = store.stats()
-        assert stats.queued_bytes == 3 * len(block) == stats.queue_bytes
-        assert stats.writes_dropped == 4 and stats.bytes_dropped == 5 * len(block)
-        os.kill(writer.pid, signal.SIGCONT)
+        assert stats.queued_bytes == 3 * len(PAYLOAD) == stats.queue_bytes
+        assert stats.writes_dropped == 4 and stats.bytes_dropped == 5 * len(PAYLOAD)
+        tier.gate.set()
         store.flush()
-        assert store.is_idle() and disk.num_entries == 3 and store.stats().queued_bytes == 0
-        assert [disk.read(k) for k in KEYS[:3]] == [block] * 3
-        assert store.has_room(3 * len(block)) and not store.has_room(3 * len(block) + 1)
+        assert store.is_idle() and tier.num_entries == 3 and store.stats().queued_bytes == 0
+        assert store.has_room(3 * len(PAYLOAD)) and not store.has_room(3 * len(PAYLOAD) + 1)
     finally:
-        os.kill(writer.pid, signal.SIGCONT)
+        tier.gate.set()
         store.close()
     with pytest.raises(ValueError, match="positive size"):
         TieredKVStore([HostMemoryTier(10)], b"model", queue_bytes=0)
@@ -469,20 +470,38 @@ def test_writes_turned_off_refuse_claims_and_warn_once(tmp_path, caplog):
         store.close()
 
 
-def test_a_full_disk_is_told_apart_from_other_failures(tmp_path, monkeypatch):
+def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, caplog):
     disk = DiskTier(str(tmp_path), 10**6)
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("blockserve.kv.tiers.disk.os.writev", no_space)  # the temporary file exists by then
-    with pytest.raises(TierFull, match="no space left under"):
-        disk.write(KEYS[0], PAYLOAD)
-    assert not disk.contains(KEYS[0]) and disk.num_bytes == 0
-    assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]
+    store = TieredKVStore([disk], b"model")
+    try:
+        store.claim(KEYS[0])
+        store.submit(KEYS[0], PAYLOAD)
+        store.flush()
+        monkeypatch.setattr("blockserve.kv.tiers.disk.os.writev", no_space)  # the temporary file exists by then
+        with caplog.at_level(logging.WARNING, logger="blockserve"):
+            store.claim(KEYS[1])
+            store.submit(KEYS[1], PAYLOAD)
+            store.flush()
+        assert "disk tier is full" in caplog.text
+        assert not store.stats().writing and not store.claim(KEYS[2]) and store.is_idle()
+        assert not store.writing and store.stopped_why.startswith("the disk tier is full")
+        with caplog.at_level(logging.WARNING, logger="blockserve"):
+            store.stop_writing("another reason")  # already off: the first reason stays, no second warning
+        assert store.stopped_why.startswith("the disk tier is full") and "another reason" not in caplog.text
+        monkeypatch.undo()
+        assert store.load(KEYS[:1]) == [PAYLOAD]  # what is there is still read
+        assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]
+    finally:
+        store.close()
 
 
-def test_a_failing_write_in_the_writer_process_turns_writes_off_with_a_warning(tmp_path, caplog):
+def test_a_write_failing_on_the_file_system_turns_writes_off_and_leaves_the_count_true(tmp_path, caplog):
+    """A write the file system refuses (here: a file where the entry's folder goes) turns writes off with one
+    warning; the directory's count is put back and no temporary file stays."""
     disk = DiskTier(str(tmp_path), 10**6)
     store = TieredKVStore([disk], b"model")
     try:
@@ -490,85 +509,17 @@ def test_a_failing_write_in_the_writer_process_turns_writes_off_with_a_warning(t
         store.submit(KEYS[0], PAYLOAD)
         store.flush()
         key = next(k for k in KEYS if k.hex()[:2] != KEYS[0].hex()[:2])
-        with open(os.path.dirname(disk.path(key)), "wb"):  # a file where the entry's folder goes
+        with open(os.path.dirname(disk.path(key)), "wb"):
             pass
         with caplog.at_level(logging.WARNING, logger="blockserve"):
             assert store.claim(key)
             store.submit(key, PAYLOAD)
             store.flush()
         assert "disk tier failed a write" in caplog.text and "Not a directory" in caplog.text
-        assert not store.stats().writing and not store.claim(KEYS[2]) and store.is_idle()
-        assert store.stats().tiers[0].write_failures == 1 and (disk.num_entries, disk.num_bytes) == (1, HEADER_BYTES + len(PAYLOAD))
-        with caplog.at_level(logging.WARNING, logger="blockserve"):
-            store.stop_writing("another reason")  # already off: the first reason stays, no second warning
-        assert store.stopped_why.startswith("the disk tier failed a write") and "another reason" not in caplog.text
-        assert store.load(KEYS[:1]) == [PAYLOAD]  # what is there is still read
+        assert not store.writing and not store.claim(KEYS[2]) and store.is_idle()
+        assert store.stats().tiers[0].write_failures == 1
+        assert (disk.num_entries, disk.num_bytes) == (1, HEADER_BYTES + len(PAYLOAD))
+        assert store.load(KEYS[:1]) == [PAYLOAD]
         assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]
     finally:
         store.close()
-
-
-ENGINE_THAT_DIES = """
-import os, signal, sys
-from blockserve.kv.tiers import DiskTier, TieredKVStore
-from blockserve.kv.tiers.entry import entry_key
-store = TieredKVStore([DiskTier(sys.argv[1], 10**6)], b"model", loader_thread=False)
-os.kill(store._process.process.pid, signal.SIGSTOP)  # its queue waits
-for i in range(3):
-    key = entry_key(b"model", 0, bytes([i]) * 32)
-    assert store.claim(key)
-    store.submit(key, bytes([i]) * 4096)
-print(store._process.process.pid, flush=True)
-os.kill(store._process.process.pid, signal.SIGCONT)
-os.kill(os.getpid(), signal.SIGKILL)  # never closed
-"""
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_the_writer_process_writes_its_queue_and_exits_when_its_engine_dies(tmp_path):
-    directory = str(tmp_path / "kv")
-    engine = subprocess.run([sys.executable, "-c", ENGINE_THAT_DIES, directory], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
-    assert engine.returncode == -signal.SIGKILL, engine.stderr
-    writer = int(engine.stdout.split()[0])
-    deadline = time.monotonic() + 30
-    while _running(writer):
-        assert time.monotonic() < deadline, "the writer outlived its engine"
-        time.sleep(0.02)
-    disk = DiskTier(directory, 10**6)
-    try:
-        keys = [entry_key(b"model", 0, bytes([i]) * 32) for i in range(3)]
-        assert [disk.read(k) for k in keys] == [bytes([i]) * 4096 for i in range(3)]
-    finally:
-        disk.close()
-    names = [n for _, _, files in os.walk(directory) for n in files]
-    assert sorted(n for n in names if not n.endswith(".kv")) == [".usage"]  # no temporary file, no registration
-    assert not [n for n in os.listdir("/dev/shm") if "blockserve" in n]
-
-
-def test_a_writer_process_that_dies_turns_writes_off_and_answers_every_claim(tmp_path, caplog):
-    disk = DiskTier(str(tmp_path), 10**6)
-    store = TieredKVStore([disk], b"model", loader_thread=False)
-    writer = store._process.process
-    try:
-        os.kill(writer.pid, signal.SIGSTOP)
-        for key in KEYS[:2]:
-            assert store.claim(key)
-            store.submit(key, PAYLOAD)
-        assert not store.is_idle()
-        os.kill(writer.pid, signal.SIGKILL)
-        writer.wait(10)
-        with caplog.at_level(logging.WARNING, logger="blockserve"):
-            assert store.is_idle()  # the claims it held are answered
-        assert "writer process exited (-9)" in caplog.text and not store.writing
-        assert not store.claim(KEYS[2]) and store.reserve(len(PAYLOAD)) is None
-    finally:
-        store.close()
-    assert disk.num_entries == 0

@@ -61,9 +61,7 @@ class TierFull(OSError):
 class DiskTier:
     name = "disk"
 
-    def __init__(self, directory: str, capacity_bytes: int, register: bool = True):
-        """`register` False: a second handle on a directory an engine registered already (its writer
-        process's), which neither probes, registers nor scans it at start."""
+    def __init__(self, directory: str, capacity_bytes: int):
         if capacity_bytes <= 0:
             raise ValueError(f"the disk tier needs a positive size cap, got {capacity_bytes} bytes")
         self.directory = os.path.abspath(directory)
@@ -73,10 +71,6 @@ class DiskTier:
         self.directory_cap = capacity_bytes  # the smallest cap of the engines using the directory, as last seen
         self.num_scans = 0  # directory scans: at start and when a write passed the cap
         self._temporary_names = (f"{uuid.uuid4().hex}.{n}.tmp" for n in itertools.count())  # unique to this tier
-        self._registration: weakref.finalize | None = None
-        self._registration_path: str | None = None
-        if not register:
-            return
         self._probe()
         with self._locked() as fd:
             self._registration = self._register()
@@ -133,14 +127,10 @@ class DiskTier:
         self._registration_path = path
         return weakref.finalize(self, os.close, fd)  # a tier dropped without `close` lets its lock go
 
-    @property
-    def _registered(self) -> bool:
-        return self._registration is not None and self._registration.alive
-
     def _live_cap(self) -> int:
         """Under the lock: the smallest cap of the engines holding their registration (this one among them,
         until it closes), stored as `directory_cap`; the registrations of engines that died are removed."""
-        caps = [self.capacity_bytes] if self._registered else []
+        caps = [self.capacity_bytes] if self._registration.alive else []
         engines = os.path.join(self.directory, ENGINES_DIR)
         with contextlib.suppress(FileNotFoundError):
             for item in os.scandir(engines):
@@ -153,7 +143,7 @@ class DiskTier:
 
     def close(self) -> None:
         """Leave the directory: its cap is that of the engines still using it. Idempotent."""
-        if not self._registered:
+        if not self._registration.alive:
             return
         with self._locked() as fd:
             _unlink(self._registration_path)
@@ -230,7 +220,7 @@ class DiskTier:
         _touch(path)  # most recently used
         return payload
 
-    # -- writes (the writer process: writer_process.py) -----------------------------------------
+    # -- writes (the writer's thread) ----------------------------------------------------------
 
     def write(self, key: bytes, payload: bytes) -> bool:
         """Store an entry (False if it is larger than the directory's cap or the directory holds it
@@ -295,7 +285,8 @@ class DiskTier:
 
 
 def _write_file(path: str, head: bytes, payload) -> None:
-    """Create `path` (and its folder) holding `head` then `payload` (one writev: no copy joins them)."""
+    """Create `path` (and its folder) holding `head` then `payload`, in few system calls: each one
+    takes the GIL back, and a writer thread holding it stalls the step's thread."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileNotFoundError:  # the entry's folder is not there yet

@@ -1,56 +1,53 @@
 """The second tier of the prefix cache: host memory and/or disk behind the device pool.
 
-    scheduler's thread                     worker (the step's thread)                 writer process
+    scheduler's thread                          worker                     writer thread
     num_held(keys)      how far a prefix goes
     prefetch(keys)      read them on the loader thread while the request waits; True once read
-    load(keys)          verified payloads ─► load orders (C2)
-    claim(key)          a save order wanted? ─► save orders: reserve a slice of the ─► checksum, write
-                                                queue, copy the block into it, submit    (disk tier)
-                                                (no room: skipped; host memory: now)
+    load(keys)          verified payloads  ──►  load orders (C2)
+    claim(key)          a save order wanted? ─► save orders: copy the ─► submit ─► queue ─► tiers
+                                                block, never blocking      (bounded in bytes; full: skip)
 
 Entries are keyed by `entry_key(fingerprint, group, salted block hash)` (kv/tiers/entry.py). A load
 returns only payloads that passed their tier's check, in prefix order, stopping at the first block
 no tier holds intact: the KV manager grants exactly those, and the tokens past them are computed
-again. A save is copied out of the KV cache by the step that the order rides on, before any later
-order can change the block (C2); the host-memory tier keeps its copy at once, and the disk tier's is
-checksummed and written by a process of its own (writer_process.py), through a shared-memory queue
-bounded in bytes, so the step never waits for a disk nor shares the interpreter's lock with the
-writer; a save that would overfill the queue is dropped (counted), and a full disk or a failing file
-system (or the writer process gone) turns writes off (with one warning) while loads go on. The
-writer's outcomes are taken in (`writer_counts`, `is_idle`, claims answered) whenever the store is
-asked about its queue or its counts.
+again. Writes run on one thread behind a queue bounded by the bytes it holds, so the step never
+waits for a disk; a save that would overfill it is dropped (counted), and a full disk or a failing
+file system turns writes off (with one warning) while loads go on.
 
 Under tensor parallelism each rank holds its own heads' KV, so a block is one entry per rank, each
 under its rank's fingerprint. The store is then built with every rank's fingerprint: `key` is the
 tuple of the ranks' entry keys, a block is held only when every rank's entry is, and a load (on rank
 0, which schedules) reads and verifies every rank's entry, returning them as a tuple (one payload per
 rank), or nothing when any one is missing or damaged, so the ranks never disagree on a hit. Each
-rank's own store writes that rank's entry (`rank`), from its own KV, through its own writer process; a
+rank's own store writes that rank's entry (`rank`), from its own KV, on its own writer thread; a
 block no rank can complete any more is never worth claiming, so rank 0's store is told (`stop_writing`)
-when another rank's writes stop (distributed/executor.py). A rank's store hands its counts
-(`WriterCounts`) to `report` at most once a second while they change (on a reporter thread), and rank
-0's `stats()` adds the other ranks' counts as `peers` last returned them.
+when another rank's writes stop (distributed/executor.py). A rank's writer hands its counts
+(`WriterCounts`) to `report` at most once a second while they change, and rank 0's `stats()` adds
+the other ranks' counts as `peers` last returned them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from blockserve.kv.tiers.disk import DiskTier
+from blockserve.kv.tiers.disk import TierFull
 from blockserve.kv.tiers.entry import CorruptEntry, entry_key
-from blockserve.kv.tiers.writer_process import FAILED, FULL, WRITTEN, WriterProcess
 
 logger = logging.getLogger("blockserve")
 
+WRITER_NICENESS = 10  # added to the writer thread's nice value where SCHED_IDLE is missing
 DEFAULT_QUEUE_BYTES = 256 << 20  # payloads waiting for the writer: 366 blocks of the bundled model
 REPORT_EVERY_S = 1.0  # how often at most a writer hands its changed counts to `report`
+_IDLE = object()  # the writer's queue had nothing for REPORT_EVERY_S
 
 
 class Tier(Protocol):
@@ -142,8 +139,8 @@ def _nbytes(payload: Payload | None) -> int:
 class TieredKVStore:
     """`tiers` in lookup order (host memory before disk); `fingerprint` names the model and KV format:
     one (a single process), or a tuple of every tensor-parallel rank's, in rank order, of which this
-    process writes entry `rank` of each key. `report`, if given, is called on a reporter thread with
-    this process's write counts, at most every REPORT_EVERY_S while they change."""
+    process writes entry `rank` of each key. `report`, if given, is called on the writer's thread with
+    the writer's counts, at most every REPORT_EVERY_S while they change."""
 
     def __init__(self, tiers: Sequence[Tier], fingerprint: bytes | tuple[bytes, ...],
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, loader_thread: bool = True, rank: int = 0,
@@ -166,27 +163,13 @@ class TieredKVStore:
         self._writing = True
         self.stopped_why: str | None = None  # why writes were turned off (`stop_writing`)
         self.queue_bytes = queue_bytes
+        self._queued_bytes = 0  # payloads submitted and not yet written (under _lock)
+        self._queue: queue.Queue = queue.Queue()  # bounded by _queued_bytes
         self._report = report
-        self._reported: WriterCounts | None = None  # what `report` was last given (the reporter's thread)
+        self._reported: WriterCounts | None = None  # what `report` was last given (the writer's thread)
         self.peers: Callable[[], Sequence[WriterCounts]] | None = None  # rank 0's: the other ranks' counts
-        disks = [i for i, tier in enumerate(self.tiers) if isinstance(tier, DiskTier)]
-        if len(disks) > 1:
-            raise ValueError("a tiered KV store takes one disk tier")
-        # Tiers of this process take a save when it is submitted; the disk tier's writer process, later.
-        self._in_process = [(t, c) for t, c in zip(self.tiers, self._counters) if not isinstance(t, DiskTier)]
-        self._disk_index = disks[0] if disks else None
-        self._process = None
-        if disks:
-            disk = self.tiers[disks[0]]
-            self._process = WriterProcess(disk.directory, disk.capacity_bytes, queue_bytes)
-        self._drain_lock = threading.Lock()
-        self._committed: deque[Key] = deque()  # the keys of the blocks the writer process has, in order
-        self._reserved: memoryview | None = None  # the queue's slice `reserve` handed out last
-        self._closing = threading.Event()
-        self._reporter = None
-        if report is not None:
-            self._reporter = threading.Thread(target=self._report_loop, name="blockserve-kv-reporter", daemon=True)
-            self._reporter.start()
+        self._writer = threading.Thread(target=self._write_loop, name="blockserve-kv-writer", daemon=True)
+        self._writer.start()
         # Reads started by `prefetch` (under _lock): key -> verified payload, or None (no tier holds it intact).
         self._fetched: OrderedDict[bytes, bytearray | None] = OrderedDict()
         self._fetched_bytes = 0
@@ -330,99 +313,73 @@ class TieredKVStore:
 
     def has_room(self, nbytes: int) -> bool:
         """Whether a save of `nbytes` submitted now would be queued (checked before copying a block out)."""
-        if not self._writing:
-            return False
-        if self._process is None:
-            return True
-        self._drain()
-        return self._process.has_room(nbytes)
+        return self._writing and self._queued_bytes + nbytes <= self.queue_bytes
 
-    def reserve(self, nbytes: int) -> memoryview | bytearray | None:
-        """A buffer for a claimed block of `nbytes` (a slice of the writer's queue when there is a disk
-        tier): copy the block into it, then `submit` it. None when the queue has no room for it (answer
-        the claim with `release`); never waits."""
-        if not self._writing:
-            return None
-        if self._process is None:
-            return bytearray(nbytes)
-        self._drain()
-        self._reserved = self._process.reserve(nbytes)
-        return self._reserved
-
-    def submit(self, key: Key, payload: bytes | bytearray | memoryview) -> None:
-        """Queue a claimed save of this process's entry of `key`: `payload` is what `reserve` gave, filled,
-        or any bytes-like (copied into the queue). The tiers in this process (host memory) take it now, the
-        disk tier's writer process later; dropped, never waited for, when the queue has no room for it."""
-        own, nbytes = self._own(key), len(payload)
-        if self._process is not None and payload is not self._reserved:
-            buffer = self.reserve(nbytes)
-            if buffer is None:
-                self.release(key, nbytes)
-                return
-            buffer[:] = payload
-            payload = buffer
-        self._reserved = None
-        for tier, counters in self._in_process:
-            if tier.write(own, payload):
-                counters.writes += 1
-                counters.bytes_written += nbytes
-        if self._process is None:
-            with self._lock:
-                self._in_flight.discard(key)
-            return
+    def submit(self, key: Key, payload: bytes) -> None:
+        """Queue a claimed save of this process's entry of `key`; dropped, never waited for, when the
+        queue has no room for it."""
         with self._lock:
-            if not self._process.commit(own):  # its pipe is full: many tiny blocks
+            if self._queued_bytes + len(payload) > self.queue_bytes:
                 fits = False
             else:
                 fits = True
-                self._committed.append(key)
-        if not fits:
-            self.release(key, nbytes)
+                self._queued_bytes += len(payload)
+        if fits:
+            self._queue.put_nowait((key, payload))
+        else:
+            self.release(key, len(payload))
 
     def release(self, key: Key, nbytes: int = 0) -> None:
         """Give up a claimed save (of `nbytes`, where known) without writing it."""
-        if self._process is not None:
-            self._process.cancel()
-        self._reserved = None
         with self._lock:
             self._in_flight.discard(key)
             self._writes_dropped += 1
             self._bytes_dropped += nbytes
 
-    def _drain(self, wait: bool = False) -> None:
-        """Take the writer process's outcomes (with `wait`: at least one, unless none is pending) into the
-        counts; a failed write, or the process gone, turns writes off."""
-        with self._drain_lock:
-            done = self._process.drain(wait)
-            failure = None
-            with self._lock:
-                counters = self._counters[self._disk_index]
-                for outcome in done:
-                    self._in_flight.discard(self._committed.popleft())
-                    if outcome.status == WRITTEN:
-                        counters.writes += 1
-                        counters.bytes_written += outcome.nbytes
-                    elif outcome.status in (FULL, FAILED):
-                        counters.write_failures += 1
-                        name = self.tiers[self._disk_index].name
-                        failure = (f"the {name} tier is full ({outcome.reason})" if outcome.status == FULL
-                                   else f"the {name} tier failed a write ({outcome.reason})")
-                if self._process.exited and self._committed:  # died with blocks unwritten
-                    self._in_flight.difference_update(self._committed)
-                    self._committed.clear()
-                    failure = failure or f"the disk tier's writer process exited ({self._process.process.poll()})"
-        if failure is not None:
-            self.stop_writing(failure)
+    def _write_loop(self) -> None:
+        _lower_priority()
+        reported_at = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=None if self._report is None else REPORT_EVERY_S)
+            except queue.Empty:  # idle for a while (only with `report`): report what changed
+                item = _IDLE
+            if self._report is not None and time.monotonic() - reported_at >= REPORT_EVERY_S:
+                reported_at = time.monotonic()
+                self._send_report()
+            if item is _IDLE:
+                continue
+            try:
+                if item is None:
+                    return
+                key, payload = item
+                try:
+                    if self._writing:
+                        self._write(self._own(key), payload)
+                finally:
+                    with self._lock:
+                        self._in_flight.discard(key)
+                        self._queued_bytes -= len(payload)
+            finally:
+                self._queue.task_done()
 
-    def _report_loop(self) -> None:
-        """Hand `report` the writer's counts every REPORT_EVERY_S while they change."""
-        while not self._closing.wait(REPORT_EVERY_S):
-            if self._process is not None:
-                self._drain()
-            self._send_report()
+    def _write(self, key: bytes, payload: bytes) -> None:
+        for tier, counters in zip(self.tiers, self._counters):
+            try:  # a tier holding the key already writes nothing (and says so)
+                if tier.write(key, payload):
+                    counters.writes += 1
+                    counters.bytes_written += len(payload)
+            except TierFull as e:
+                counters.write_failures += 1
+                self.stop_writing(f"the {tier.name} tier is full ({e.strerror})")
+                return
+            except OSError as e:
+                counters.write_failures += 1
+                self.stop_writing(f"the {tier.name} tier failed a write ({e})")
+                return
 
     def _send_report(self) -> None:
-        """Hand `report` the writer's counts if they changed since it was last called (the reporter's thread)."""
+        """Hand `report` the writer's counts if they changed since it was last called (the writer's thread)."""
         counts = self.writer_counts()
         if counts == self._reported:
             return
@@ -431,7 +388,7 @@ class TieredKVStore:
         except Exception as e:  # noqa: BLE001 (whoever reads them is gone or unreachable: they stay as last sent)
             logger.warning("KV offload: could not report this rank's writes (%s); its counts stay as last reported",
                            e)
-            self._closing.set()
+            self._report = None
             return
         self._reported = counts
 
@@ -461,39 +418,24 @@ class TieredKVStore:
     def stats(self) -> OffloadStats:
         """The tiers' counters; writes (and failed and dropped ones) are this process's and, on rank 0 under
         tensor parallelism, every other rank's as it last reported them (`peers`: within about a second)."""
-        if self._process is not None:
-            self._drain()
         counts = [self.writer_counts(), *(self.peers() if self.peers is not None else ())]
         tiers = tuple(TierStats(t.name, c.hits, c.load_failures, c.bytes_loaded, c.load_seconds,
                                 sum(n.writes[i] for n in counts), sum(n.bytes_written[i] for n in counts),
                                 sum(n.write_failures[i] for n in counts), *t.usage())
                       for i, (t, c) in enumerate(zip(self.tiers, self._counters)))
         return OffloadStats(tiers, sum(n.writes_dropped for n in counts), sum(n.bytes_dropped for n in counts),
-                            self.queued_bytes, self.queue_bytes, self._writing)
-
-    @property
-    def queued_bytes(self) -> int:
-        """The bytes of the writer's queue that blocks not yet written hold (as last drained)."""
-        return 0 if self._process is None else self._process.queued_bytes
+                            self._queued_bytes, self.queue_bytes, self._writing)
 
     def flush(self) -> None:
         """Wait until every save queued so far is written (tests, benchmarks)."""
-        while self._process is not None and self._committed and not self._process.exited:
-            self._drain(wait=True)
-        if self._process is not None:
-            self._drain()
+        self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer process (and join the loader and the reporter
-        threads), and close the tiers. Idempotent."""
-        if self._process is not None:
-            self.flush()
-            self._reserved = None
-            self._process.close()
-            self._drain()
-        self._closing.set()
-        if self._reporter is not None and self._reporter.is_alive():
-            self._reporter.join()
+        """Write what is queued, then stop and join the writer (and the loader), and close the tiers.
+        Idempotent."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
         if self._loader is not None and self._loader.is_alive():
             self._fetch_queue.put(None)
             self._loader.join()
@@ -505,8 +447,20 @@ class TieredKVStore:
 
     def is_idle(self) -> bool:
         """No save claimed and still unwritten (C2: every claim is answered)."""
-        if self._process is not None:
-            self._drain()
         with self._lock:
             return not self._in_flight
 
+
+def _lower_priority() -> None:
+    """Make the calling thread run on CPU time the engine's threads leave: Linux's SCHED_IDLE (the thread's
+    own policy), else nice +WRITER_NICENESS. A niced thread still takes its weight's share (about a tenth
+    at +10) of the CPU time the scheduler gives this process, which on cores other processes keep busy
+    comes out of the step's thread; an idle-policy one takes next to none while the step's thread runs."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+        return
+    except (AttributeError, OSError):
+        pass
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))
