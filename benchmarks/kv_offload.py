@@ -13,9 +13,11 @@ token hit rate, TTFT p50/p90 over turns 2+:
 then one more turn per conversation: on the warm unbounded engine that ran the trace, and right after
 a restart, cold (a new engine, no tier) and disk-warm (a new engine on the disk tier's directory); and decode ITL
 of a batch whose prompts the writer is saving, tier off vs on, alternating over --itl-rounds rounds: per
-round each one's p50 and their ratio, and the ratio over the gaps of steps that ended with the writer
-still busy (against tier off's same gaps); the medians of those ratios over the rounds, with the other
-processes' CPU share per run. Every run is greedy: the answers of all runs must be equal (checked).
+round each one's p50 and their ratio, the ratio over the gaps of steps that ended with the writer still
+busy (against tier off's same gaps), and the ratio of the step thread's CPU time per decode step (more
+CPU time: the step computed slower; more wall time alone: it waited); the medians of those ratios over
+the rounds, with the other processes' CPU share per run. Every run is greedy: the answers of all runs
+must be equal (checked).
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --json results/kv_offload.json
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.kv_offload --model hybrid --json results/kv_offload_hybrid.json
@@ -109,26 +111,33 @@ def summary(per_turn: list[dict]) -> dict:
             "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p90_ms": percentile(ttfts, 90) * 1e3}
 
 
-def decode_itl(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list[float], list[bool]]:
+def decode_itl(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list[float], list[bool], list[float]]:
     """Seconds between successive tokens of each request of one batch (its decode steps), in a fixed
-    order (the same for every engine: greedy, one batch), and whether the tier's writer had saves
-    unwritten at the step's end."""
+    order (the same for every engine: greedy, one batch), whether the tier's writer had saves unwritten
+    at the step's end, and the CPU seconds the step's thread spent in each decode step (what the step
+    computed, without the time it waited for a CPU or a lock)."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"itl-{i}", prompt, params)
-    last, gaps, writing = {}, [], []
+    last, gaps, writing, step_cpu = {}, [], [], []
     while engine.has_unfinished_requests():
+        cpu = time.thread_time()
         outputs = engine.step()
         now = time.perf_counter()
+        cpu = time.thread_time() - cpu
         busy = engine.offload_writer_busy()
+        decoded = False
         for output in sorted(outputs, key=lambda o: o.request_id):
             if output.outputs[0].token_ids:
                 if output.request_id in last:
                     gaps.append(now - last[output.request_id])
                     writing.append(busy)
+                    decoded = True
                 last[output.request_id] = now
-    return gaps, writing
+        if decoded:
+            step_cpu.append(cpu)
+    return gaps, writing, step_cpu
 
 
 OFF, ON = "tier off", "disk tier, writer saving the prompts"
@@ -136,28 +145,31 @@ OFF, ON = "tier off", "disk tier, writer saving the prompts"
 
 def measure_itl(args, loaded, engine: dict) -> dict:
     """Decode ITL of a batch of fresh prompts, tier off and with the writer saving them (a new directory
-    each time), in alternating rounds so that both see the same load on a shared machine: per round each
-    one's p50, and their ratio; the median of those ratios, and the same over the gaps of steps that
-    ended with the writer still busy (against tier off's same gaps)."""
+    each time), in rounds that run both (each order in every other round) so that both see the same load
+    on a shared machine: per round each one's p50, and their ratio; the median of those ratios, the same
+    over the gaps of steps that ended with the writer still busy (against tier off's same gaps), and of
+    the ratios of the step thread's CPU time per decode step."""
     vocab = loaded.hf_config.vocab_size
     rng = random.Random(1)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.document)] for _ in range(args.itl_batch)]
     rounds = []
-    for _ in range(args.itl_rounds):
+    for round_index in range(args.itl_rounds):
         measured = {}
-        for name in (OFF, ON):
+        for name in (OFF, ON) if round_index % 2 == 0 else (ON, OFF):  # either order as often: no bias
             with tempfile.TemporaryDirectory() as directory:
                 extra = {"kv_offload_dir": directory} if name == ON else {}
                 with LLM(loaded, **engine, **extra) as llm:
                     share = CpuShare()
                     with share:
-                        gaps, writing = decode_itl(llm, prompts, 64)
-                measured[name] = {"gaps": gaps, "writing": writing, "others_cpu_share": share.others}
+                        gaps, writing, step_cpu = decode_itl(llm, prompts, 64)
+                measured[name] = {"gaps": gaps, "writing": writing, "step_cpu": step_cpu, "others_cpu_share": share.others}
         off, on = measured[OFF]["gaps"], measured[ON]["gaps"]
         busy = [i for i, w in enumerate(measured[ON]["writing"]) if w and i < len(off)]
         result = {name: {"itl_p50_ms": percentile(m["gaps"], 50) * 1e3, "itl_p90_ms": percentile(m["gaps"], 90) * 1e3,
+                         "step_cpu_p50_ms": percentile(m["step_cpu"], 50) * 1e3,
                          "others_cpu_share": m["others_cpu_share"]} for name, m in measured.items()}
         result["p50_ratio"] = percentile(on, 50) / percentile(off, 50)
+        result["step_cpu_p50_ratio"] = result[ON]["step_cpu_p50_ms"] / result[OFF]["step_cpu_p50_ms"]
         result["gaps"], result["gaps_writer_busy"] = len(on), len(busy)
         if busy:
             result["p50_ratio_writer_busy"] = (percentile([on[i] for i in busy], 50)
@@ -166,17 +178,21 @@ def measure_itl(args, loaded, engine: dict) -> dict:
         print(f"round {len(rounds)}: ITL p50 off {result[OFF]['itl_p50_ms']:.1f} ms, on {result[ON]['itl_p50_ms']:.1f} "
               f"ms ({result['p50_ratio']:.3f}x); writer busy over {len(busy)} of {len(on)} gaps"
               + (f" ({result['p50_ratio_writer_busy']:.3f}x there)" if busy else "")
+              + f"; step CPU p50 {result['step_cpu_p50_ratio']:.3f}x"
               + f"; others' CPU share {_share(result[OFF]['others_cpu_share'])} / {_share(result[ON]['others_cpu_share'])}",
               flush=True)
     busy_ratios = [r["p50_ratio_writer_busy"] for r in rounds if "p50_ratio_writer_busy" in r]
     summary = {
         "rounds": len(rounds),
         "p50_ratio_median": percentile([r["p50_ratio"] for r in rounds], 50),
+        "p50_ratio_range": [min(r["p50_ratio"] for r in rounds), max(r["p50_ratio"] for r in rounds)],
+        "step_cpu_p50_ratio_median": percentile([r["step_cpu_p50_ratio"] for r in rounds], 50),
         "p50_ratio_writer_busy_median": percentile(busy_ratios, 50) if busy_ratios else None,
         "gaps_writer_busy_share": sum(r["gaps_writer_busy"] for r in rounds) / sum(r["gaps"] for r in rounds),
     }
     for name in (OFF, ON):
-        summary[name] = {key: percentile([r[name][key] for r in rounds], 50) for key in ("itl_p50_ms", "itl_p90_ms")}
+        summary[name] = {key: percentile([r[name][key] for r in rounds], 50)
+                         for key in ("itl_p50_ms", "itl_p90_ms", "step_cpu_p50_ms")}
         shares = [r[name]["others_cpu_share"] for r in rounds]
         summary[name]["others_cpu_share"] = None if None in shares else [min(shares), max(shares)]
     return {"summary": summary, "per_round": rounds}
@@ -194,9 +210,10 @@ def print_itl(itl: dict) -> None:
         print(f"decode ITL, {name}: median over {s['rounds']} rounds of p50 {s[name]['itl_p50_ms']:.1f} ms, of p90 "
               f"{s[name]['itl_p90_ms']:.1f} ms (others' CPU share {others})")
     busy = s["p50_ratio_writer_busy_median"]
-    print(f"decode ITL p50, writer saving / tier off: median of the rounds' ratios {s['p50_ratio_median']:.3f}x; over "
-          f"the gaps the writer was busy ({s['gaps_writer_busy_share']:.0%} of them): "
-          + ("n/a" if busy is None else f"{busy:.3f}x"))
+    print(f"decode ITL p50, writer saving / tier off: median of the rounds' ratios {s['p50_ratio_median']:.3f}x (rounds "
+          f"{s['p50_ratio_range'][0]:.3f}x-{s['p50_ratio_range'][1]:.3f}x); over the gaps the writer was busy "
+          f"({s['gaps_writer_busy_share']:.0%} of them): " + ("n/a" if busy is None else f"{busy:.3f}x")
+          + f"; the step's CPU time per decode step: {s['step_cpu_p50_ratio_median']:.3f}x")
 
 
 def main(argv=None) -> int:

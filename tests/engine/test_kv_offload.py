@@ -84,6 +84,24 @@ def test_histories_beyond_the_device_pool_come_back_from_disk_and_after_a_restar
     assert not [n for _, _, names in os.walk(directory) for n in names if n.endswith(".tmp")]
 
 
+def test_a_host_memory_tier_alone_serves_histories_beyond_the_device_pool(llama):
+    """The host-memory tier by itself (as under a GPU's device pool; here on the CPU, where its entries are
+    ordinary host memory, as everywhere): hits answer as an engine without tiers, and closing joins its
+    threads."""
+    turns = [h + [7, 8, 9] for h in HISTORIES] + [h + [10, 11] for h in HISTORIES]
+    with LLM(llama, **ENGINE) as plain:
+        expected = [tokens for tokens, _ in ask(plain, turns)]
+    with LLM(llama, kv_offload_memory="1MiB", **ENGINE) as llm:
+        answers = ask(llm, turns)
+        stats = llm.engine.stats().kv_offload
+    assert [tokens for tokens, _ in answers] == expected
+    assert [cached for _, cached in answers[3:]] == [140, 140, 140]
+    (memory,) = stats.tiers
+    assert memory.name == "memory" and memory.hits == 3 * 35 and memory.load_failures == 0
+    assert memory.writes == memory.entries > 3 * 35 and memory.bytes_held == 2048 * memory.entries
+    assert stats.queued_bytes == 0 and stats.writes_dropped == 0 and not writer_threads()
+
+
 def test_a_tier_hit_is_read_while_running_requests_decode(llama, tmp_path):
     """A request arriving while another decodes waits while its blocks are read on the loader thread
     (the decode goes on), then loads them: the same answers as alone, and as without tiers."""

@@ -497,3 +497,29 @@ def test_a_full_disk_turns_writes_off_with_a_warning(tmp_path, monkeypatch, capl
         assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]
     finally:
         store.close()
+
+
+def test_a_write_failing_on_the_file_system_turns_writes_off_and_leaves_the_count_true(tmp_path, caplog):
+    """A write the file system refuses (here: a file where the entry's folder goes) turns writes off with one
+    warning; the directory's count is put back and no temporary file stays."""
+    disk = DiskTier(str(tmp_path), 10**6)
+    store = TieredKVStore([disk], b"model")
+    try:
+        store.claim(KEYS[0])
+        store.submit(KEYS[0], PAYLOAD)
+        store.flush()
+        key = next(k for k in KEYS if k.hex()[:2] != KEYS[0].hex()[:2])
+        with open(os.path.dirname(disk.path(key)), "wb"):
+            pass
+        with caplog.at_level(logging.WARNING, logger="blockserve"):
+            assert store.claim(key)
+            store.submit(key, PAYLOAD)
+            store.flush()
+        assert "disk tier failed a write" in caplog.text and "Not a directory" in caplog.text
+        assert not store.writing and not store.claim(KEYS[2]) and store.is_idle()
+        assert store.stats().tiers[0].write_failures == 1
+        assert (disk.num_entries, disk.num_bytes) == (1, HEADER_BYTES + len(PAYLOAD))
+        assert store.load(KEYS[:1]) == [PAYLOAD]
+        assert not [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith(".tmp")]
+    finally:
+        store.close()

@@ -335,7 +335,5 @@ def _touch(path: str) -> None:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # nothing there
         os.unlink(path)
-    except FileNotFoundError:
-        pass
