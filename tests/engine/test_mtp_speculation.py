@@ -145,12 +145,16 @@ def test_an_aborted_request_leaves_nothing_in_the_head_s_cache_not_even_pending_
     proposer = engine.core.scheduler.speculator.proposer
     while proposer.num_cached_rows("1") == 0:
         engine.step()
+    stats = engine.stats()  # the head's blocks are reported apart from the target's
+    assert stats.proposer_kv_usage == proposer.kv.usage() and max(stats.proposer_kv_usage) > 0
+    assert stats.kv_usage == engine.core.kv.usage() and len(stats.kv_usage) == len(engine.core.kv.config.groups)
     engine.abort_request(["1"])
     assert proposer.kv.pending_is_empty()
     while engine.has_unfinished_requests():
         engine.step()
     assert proposer.kv.pending_is_empty()
     assert_nothing_held(llm)
+    assert engine.stats().proposer_kv_usage == [0.0] * len(proposer.kv.config.groups)
 
 
 def test_close_drops_every_target_state_and_the_target_runner_s_hook(checkpoints):
