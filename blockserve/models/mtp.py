@@ -115,10 +115,11 @@ def load_mtp(target: CausalLM, source: str | None) -> MultiTokenPredictor:
                          "prediction layer); use a checkpoint that ships them, or another method")
     load_checkpoint(layer, itertools.chain([first], named), layout, whole, num_layers=0)
     vocab = None if placement.tp is None else load_unsharded_vocab(target, path, layer.reads_target_lm_head)
-    for module in (layer, vocab):
-        if module is not None and placement.keep_16bit_weights:
-            use_half_weights(module)
-    use_input_major_linears(layer)
+    for module in (layer, vocab):  # laid out as the loader lays out the target's modules
+        if module is not None:
+            if placement.keep_16bit_weights:
+                use_half_weights(module)
+            use_input_major_linears(module)
     return MultiTokenPredictor(layer.eval(), target, vocab)
 
 
