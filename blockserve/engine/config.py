@@ -274,11 +274,6 @@ class EngineConfig:
             raise ValueError("cuda_graph_sizes asks for CUDA graphs and enforce_eager forbids them: give one")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling runs on one device: it cannot be combined with tensor_parallel_size > 1")
-        spec = self.speculative_config
-        if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config.method 'mtp' with tensor_parallel_size > 1 is not built (the MTP "
-                             "head reads the target's hidden states on one rank); serve it on one rank, or use "
-                             "ngram, suffix or draft_model")
         parse_bytes(self.kv_offload_size, "kv_offload_size")
         parse_bytes(self.kv_offload_queue, "kv_offload_queue")
         if self.kv_offload_memory is not None:

@@ -266,13 +266,13 @@ class EngineCore:
         self.proposer_kv = proposer.kv if isinstance(proposer, RunnerProposer) else None
         if self.executor is None:
             self.runner = ModelRunner(self.loaded.model, *runner_args, device=plan.device)
-            if isinstance(proposer, MTPProposer):  # the MTP head drafts from the target's hidden states
-                self.runner.hidden_outputs = proposer.record
+        target_runner = self.target_runner  # rank 0's under TP (self.runner is then the executor)
+        if isinstance(proposer, MTPProposer):  # the MTP head drafts from the target's (whole) hidden states
+            target_runner.hidden_outputs = proposer.record
         if isinstance(proposer, RunnerProposer):  # sampled drafts: verified by rejection sampling
-            (self.runner if self.executor is None else self.executor.runner).draft_distributions = \
-                proposer.take_distributions
-        if self.kv_offload is not None:  # rank 0's saves (under TP, self.runner is the executor)
-            (self.runner if self.executor is None else self.executor.runner).offload = self.kv_offload
+            target_runner.draft_distributions = proposer.take_distributions
+        if self.kv_offload is not None:  # rank 0's saves
+            target_runner.offload = self.kv_offload
             if self.executor is not None:  # and the other ranks' writes in its stats
                 self.kv_offload.peers = self.executor.rank_writer_counts
         self.thread_governor = None  # one process on the CPU: fewer threads while the cores are busy
@@ -291,6 +291,12 @@ class EngineCore:
             logger.info("CUDA graphs: decode captured at batch sizes %s in %.1f s, holding %.2f GiB (%.2f GiB "
                         "budgeted)", sorted(set(graph_sizes)), time.perf_counter() - began, held / 2**30,
                         budgeted / 2**30)
+
+    @property
+    def target_runner(self) -> ModelRunner | None:
+        """The target's ModelRunner in this process (rank 0's under tensor parallelism); None before it is
+        built and once closed."""
+        return getattr(self, "runner", None) if self.executor is None else self.executor.runner
 
     def _speculator(self, config: EngineConfig, proposer_model: ProposerModel | None,
                     proposer_kv_config: KVCacheConfig | None, chunk_cap: int) -> Speculator | None:
@@ -318,7 +324,7 @@ class EngineCore:
         spec = config.speculative_config
         if spec is None or spec.method not in ("draft_model", "mtp"):
             return None
-        if spec.method == "mtp":  # one rank only: EngineConfig refuses tensor parallelism with it
+        if spec.method == "mtp":  # under tensor parallelism, whole on rank 0 (models/mtp.py)
             head = load_mtp(self.loaded.model, config.model)
             return ProposerModel(MTPProposer, head, kv_groups_of(head, config, self.device_plan.device),
                                  "speculative_config.method 'mtp'", "MTP head", f"MTP head of {self.loaded.source}")
@@ -468,8 +474,9 @@ class EngineCore:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.speculator is not None:
             scheduler.speculator.close()
-        if isinstance(getattr(self, "runner", None), ModelRunner):
-            self.runner.hidden_outputs = None  # the MTP proposer's, which would keep it and its states alive
+        runner = self.target_runner
+        if isinstance(runner, ModelRunner):
+            runner.hidden_outputs = None  # the MTP proposer's, which would keep it and its states alive
         plan = getattr(self, "device_plan", None)
         self.runner = self.loaded = self._in_flight = None
         if plan is not None and plan.is_cuda:

@@ -95,6 +95,11 @@ class CausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
+        return self.finish_logits(logits)
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The lm_head's float32 logits [N, vocab_size] -> the model's: divided by logits_scaling, then
+        soft-capped, where the family does either."""
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         cap = self.final_logit_softcapping

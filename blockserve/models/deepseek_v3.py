@@ -77,6 +77,8 @@ class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
     embeddings of the tokens after the target's hidden states -> the chained states, which
     `logits` turns into the next token's logits."""
 
+    reads_target_lm_head = False  # its shared_head is its own
+
     def __init__(self, config, attention_backend_cls: type[PagedAttention], placement: Placement):
         super().__init__(config, config.num_hidden_layers, attention_backend_cls, placement)
         hidden = config.hidden_size
@@ -91,7 +93,8 @@ class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
         return super().forward(x, cos, sin, ctx)
 
-    def logits(self, chained: torch.Tensor, target: CausalLM) -> torch.Tensor:
+    def logits(self, chained: torch.Tensor, target_logits) -> torch.Tensor:
+        """Its own head's logits (`target_logits`, the target's lm_head, is not read)."""
         return self.shared_head.head(self.shared_head.norm(chained)).float()
 
 
@@ -125,15 +128,16 @@ class DeepseekV3ForCausalLM(CausalLM):
         super().__init__(hf_config, DeepseekV3Model(hf_config, attention_backend_cls, placement), placement)
         self.attention_backend_cls = attention_backend_cls  # for the MTP layer, built on demand (mtp_layer)
 
-    def mtp_layer(self) -> tuple[nn.Module, str, CheckpointLayout]:
-        """The first multi-token-prediction layer, on the meta device, with the checkpoint prefix of its
-        weights and their layout; ValueError naming num_nextn_predict_layers where the config has none."""
+    def mtp_layer(self, placement: Placement) -> tuple[nn.Module, str, CheckpointLayout]:
+        """The first multi-token-prediction layer on `placement` (its group shards it; none: whole), on the
+        meta device, with the checkpoint prefix of its weights and their layout; ValueError naming
+        num_nextn_predict_layers where the config has none."""
         count = getattr(self.config, MTP_FIELD, None) or 0
         if count < 1:
             raise ValueError(f"speculative_config.method 'mtp': this DeepSeek-V3 checkpoint has no multi-token-"
                              f"prediction layer (config.json {MTP_FIELD} is {count}); use a checkpoint that "
                              "ships one, or another method (ngram, suffix, draft_model)")
         with torch.device("meta"):
-            layer = DeepseekV3MTPLayer(self.config, self.attention_backend_cls, self.placement)
+            layer = DeepseekV3MTPLayer(self.config, self.attention_backend_cls, placement)
         layout = CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore=(r"^embed_tokens\.",))
         return layer, f"model.layers.{self.config.num_hidden_layers}.", layout

@@ -186,6 +186,8 @@ class Qwen3NextMTPLayer(nn.Module):
     embeddings of the tokens after the target's hidden states -> the chained states (after `norm`),
     which `logits` turns into the next token's logits through the target's lm_head."""
 
+    reads_target_lm_head = True
+
     def __init__(self, config, backend_cls: type[PagedAttention], placement: Placement):
         super().__init__()
         hidden = config.hidden_size
@@ -200,8 +202,9 @@ class Qwen3NextMTPLayer(nn.Module):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
         return self.norm(self.layers[0](x, cos, sin, ctx))
 
-    def logits(self, chained: torch.Tensor, target: CausalLM) -> torch.Tensor:
-        return target.compute_logits(chained)
+    def logits(self, chained: torch.Tensor, target_logits) -> torch.Tensor:
+        """`target_logits` (hidden -> logits through the target's lm_head) of the chained states."""
+        return target_logits(chained)
 
 
 class Qwen3NextModel(nn.Module):
@@ -237,9 +240,10 @@ class Qwen3NextForCausalLM(CausalLM):
         super().__init__(hf_config, Qwen3NextModel(hf_config, attention_backend_cls, placement), placement)
         self.attention_backend_cls = attention_backend_cls  # for the MTP head, built on demand (mtp_layer)
 
-    def mtp_layer(self) -> tuple[nn.Module, str, CheckpointLayout]:
-        """The multi-token-prediction head on the meta device, with the checkpoint prefix of its weights
-        (`mtp.`; only its first layer is read) and their layout."""
+    def mtp_layer(self, placement: Placement) -> tuple[nn.Module, str, CheckpointLayout]:
+        """The multi-token-prediction head on `placement` (its group shards it; none: whole), on the meta
+        device, with the checkpoint prefix of its weights (`mtp.`; only its first layer is read) and
+        their layout."""
         with torch.device("meta"):
-            layer = Qwen3NextMTPLayer(self.config, self.attention_backend_cls, self.placement)
+            layer = Qwen3NextMTPLayer(self.config, self.attention_backend_cls, placement)
         return layer, "mtp.", CheckpointLayout(fused=(GATE_UP,), experts=SWIGLU_EXPERTS, ignore=(r"^layers\.[1-9]",))

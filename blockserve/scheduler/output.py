@@ -119,3 +119,6 @@ class SchedulerStats:
     prefix_cache_tier_hits: int = 0  # cumulative, of prefix_cache_hits: prompt tokens a second tier supplied
     kv_offload: OffloadStats | None = None  # the second tier's counters, per tier (None without one)
     speculation: SpeculationStats | None = None  # cumulative; None without speculative decoding
+    # per group of a draft model's or MTP head's own KV cache (drawn from the same budget as kv_usage's);
+    # None without one
+    proposer_kv_usage: list[float] | None = None

@@ -433,7 +433,12 @@ class Scheduler:
             prefix_cache_tier_hits=prefix.tier_hits,
             kv_offload=self.kv.offload_stats(),
             speculation=self.speculator.stats() if self.speculator is not None else None,
+            proposer_kv_usage=None if (proposer_kv := self._proposer_kv()) is None else proposer_kv.usage(),
         )
+
+    def _proposer_kv(self):
+        """The KVCacheManager of a draft model or MTP head, if the speculator's proposer has one."""
+        return getattr(self.speculator.proposer, "kv", None) if self.speculator is not None else None
 
     def assert_idle(self) -> None:
         """C2: once every request finished and a last step ran, nothing is held or pending."""
@@ -442,7 +447,7 @@ class Scheduler:
         assert self.kv.pending_is_empty(), "KV zero or poison orders were never drained"
         assert self.speculator is None or not self.speculator.num_requests, "speculation state outlives its requests"
         self.kv.assert_idle()
-        proposer_kv = getattr(self.speculator.proposer, "kv", None) if self.speculator is not None else None
+        proposer_kv = self._proposer_kv()
         if proposer_kv is not None:  # a draft model's or an MTP head's own cache
             assert proposer_kv.pending_is_empty(), "the proposer's KV zero or poison orders were never drained"
             proposer_kv.assert_idle()

@@ -5,7 +5,9 @@ speculation, with drafts accepted (so rank 1 really settled verifications), with
 chunked prefill, poison and the integrity checks on; under `-m tp_full` also under preemption, and
 with a draft model (loaded whole on rank 0) equal to the target, and on a hybrid (Granite 4.0-H):
 one rank's tokens with drafts partly rejected, rank 1 rolling its own state slots back once it learns
-the accepted count, and with itself, hybrid, as its draft model.
+the accepted count, and with itself, hybrid, as its draft model; and with the checkpoint's
+multi-token-prediction head (DeepSeek-V3 made to draft the target's own tokens, every draft accepted;
+Qwen3-Next with a random head, every draft rejected), run whole on rank 0.
 
 Each TP=2 engine spawns a rank process that imports torch and loads its shard (~5-10 s here):
 the default suite runs one engine pair, `-m tp_full` the rest.
@@ -29,7 +31,8 @@ from tests.engine.test_hybrid_speculative import OracleProposer
 from tests.engine.test_hybrid_speculative import prompts as hybrid_prompts
 from tests.engine.test_hybrid_speculative import replies_of as hybrid_replies
 from tests.engine.test_hybrid_speculative import run as hybrid_run
-from tests.models.conftest import STATE_CONFIGS
+from tests.models.conftest import STATE_CONFIGS, state_model_prompts
+from tests.models.mtp_checkpoint import make_self_predicting, save_with_mtp
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # rank processes
 
@@ -158,3 +161,44 @@ def test_tp2_hybrid_with_a_hybrid_draft_model_on_rank_0(granite):
         stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > 2 * len(hybrid_prompts())
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+
+
+@pytest.mark.tp_full
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_tp2_mtp_head_on_rank_0_gives_one_rank_s_tokens(tmp_path, family):
+    """The MTP head runs whole on rank 0 from rank 0's (all-reduced) final hidden states: its drafts, and
+    so the greedy tokens and the acceptance books, are one rank's, which are plain decoding's. The
+    DeepSeek-V3 head predicts the target's own tokens (every draft accepted: rank 1 settles k + 1 tokens
+    per verification); the random Qwen3-Next head's drafts are all rejected (rank 1 keeps one token)."""
+    save_with_mtp(family, tmp_path)
+    if family == "deepseek_v3":
+        make_self_predicting(tmp_path)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    options = dict(num_threads=1, block_size=4, max_model_len=128, kv_cache_memory="8MiB", check_integrity=True,
+                   poison=True, enable_prefix_caching=True, max_num_batched_tokens=16)
+    prompts = state_model_prompts(4)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    with LLM(str(tmp_path), **options) as llm:
+        plain = run(llm)
+    with LLM(str(tmp_path), speculative_config=spec, **options) as llm:
+        assert run(llm) == plain
+        one_rank = llm.engine.stats().speculation
+    before = child_pids()
+    with LLM(str(tmp_path), tensor_parallel_size=2, speculative_config=spec, **options) as llm:
+        assert run(llm) == plain
+        stats = llm.engine.stats().speculation
+        proposer = llm.engine.core.scheduler.speculator.proposer
+        assert proposer.runner.model.vocab is not None  # its own whole copies of the vocabulary tables
+        assert proposer.num_requests == 0
+        llm.engine.core.scheduler.assert_idle()
+    assert not child_pids() - before
+    assert (stats.drafted_per_position, stats.accepted_per_position) == \
+        (one_rank.drafted_per_position, one_rank.accepted_per_position)
+    assert stats.num_draft_tokens > 0
+    if family == "deepseek_v3":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    else:
+        assert stats.num_accepted_tokens == 0

@@ -10,23 +10,32 @@ whose safetensors carry an MTP layer named as the released checkpoints name it
 - after a verification that rejected drafts, the head feeds only the target's states of the tokens
   kept and proposes what a head fed them from scratch proposes;
 - a head made to compute the target's own token after next has every draft accepted;
+- a tensor-parallel target's head is loaded whole, with its own copies of the vocabulary tables, and
+  computes the one-device head's logits calling no collective (rank 0 runs it alone; the TP=2 engines
+  are tests/distributed/test_tp_speculative.py's);
 - a family without MTP layers, a DeepSeek-V3 config with num_nextn_predict_layers 0, and checkpoints
   without the layer's weights are refused at start-up, naming what is missing."""
 
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
 from blockserve import LLM, SamplingParams
+from blockserve.attention.paged_attention import BACKENDS
 from blockserve.config_args import config_from_namespace
 from blockserve.engine.config import EngineConfig
+from blockserve.models.loader import load_model
+from blockserve.models.mtp import load_mtp
+from blockserve.models.placement import Placement
 from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.step_costs import FlatStepCosts
+from blockserve.tensor_parallel.group import TensorParallelGroup
 from blockserve.worker import mtp_proposer
 from tests.engine.test_config_args import engine_parser
 from tests.engine.test_hybrid_speculative import small_cache
@@ -136,12 +145,16 @@ def test_an_aborted_request_leaves_nothing_in_the_head_s_cache_not_even_pending_
     proposer = engine.core.scheduler.speculator.proposer
     while proposer.num_cached_rows("1") == 0:
         engine.step()
+    stats = engine.stats()  # the head's blocks are reported apart from the target's
+    assert stats.proposer_kv_usage == proposer.kv.usage() and max(stats.proposer_kv_usage) > 0
+    assert stats.kv_usage == engine.core.kv.usage() and len(stats.kv_usage) == len(engine.core.kv.config.groups)
     engine.abort_request(["1"])
     assert proposer.kv.pending_is_empty()
     while engine.has_unfinished_requests():
         engine.step()
     assert proposer.kv.pending_is_empty()
     assert_nothing_held(llm)
+    assert engine.stats().proposer_kv_usage == [0.0] * len(proposer.kv.config.groups)
 
 
 def test_close_drops_every_target_state_and_the_target_runner_s_hook(checkpoints):
@@ -293,9 +306,49 @@ def test_a_checkpoint_without_the_mtp_weights_is_refused(tmp_path, family, missi
         LLM(str(tmp_path), speculative_config=mtp(), **OPTIONS)
 
 
-def test_the_command_line_takes_mtp_and_tensor_parallelism_is_refused():
-    args = engine_parser().parse_args(["--model", "m", "--speculative-config", json.dumps(mtp(2))])
+def test_the_command_line_takes_mtp_with_tensor_parallelism():
+    args = engine_parser().parse_args(["--model", "m", "--speculative-config", json.dumps(mtp(2)),
+                                       "--tensor-parallel-size", "2"])
     config = config_from_namespace(EngineConfig, args)
     assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("mtp", 2)
-    with pytest.raises(ValueError, match="'mtp' with tensor_parallel_size > 1"):
-        EngineConfig(model="m", speculative_config=mtp(), tensor_parallel_size=2)
+    assert config.tensor_parallel_size == 2
+
+
+@pytest.fixture
+def one_rank_group():
+    """A tensor-parallel group of one rank: a target loaded on it is built of the vocab-parallel and
+    sharded layers, whose collectives are real (gloo) calls."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = TensorParallelGroup(f"tcp://127.0.0.1:{port}", 0, 1)
+    yield group
+    group.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tensor_parallel_target_s_head_runs_whole_and_joins_no_collective(checkpoints, family, one_rank_group,
+                                                                            monkeypatch):
+    """Under tensor parallelism rank 0 alone runs the head: its layer is loaded unsharded (the weights of
+    the one-device head), and its embedding and logits are those of the one-device head without calling
+    any collective of the target's group (which the other ranks would never join: rank 0 would hang)."""
+    path, reference = checkpoints(family)
+    backend = BACKENDS[EngineConfig(model=path).attention_backend]
+    sharded = load_model(path, backend, placement=Placement(tp=one_rank_group)).model
+    whole = load_mtp(load_model(path, backend).model, path)
+    head = load_mtp(sharded, path)
+    assert head.vocab is not None and whole.vocab is None
+    assert not [name for name, module in head.named_modules() if getattr(module, "tp", None) is not None]  # whole
+    want = whole.layer.state_dict()
+    assert head.layer.state_dict().keys() == want.keys()
+    for name, tensor in head.layer.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    hidden = reference.target_states(state_model_prompts(2)[1])
+    with torch.no_grad():
+        want_logits = whole.compute_logits(hidden)
+        want_embedding = whole.target.model.embed_tokens(torch.arange(VOCAB))
+    for collective in ("all_reduce", "gather_to_first", "broadcast_object", "gather_objects", "barrier"):
+        monkeypatch.setattr(one_rank_group, collective, lambda *a, name=collective, **k: pytest.fail(f"{name} called"))
+    with torch.no_grad():
+        torch.testing.assert_close(head.compute_logits(hidden), want_logits)
+        torch.testing.assert_close(head.vocab.model.embed_tokens(torch.arange(VOCAB)), want_embedding)

@@ -10,7 +10,9 @@ rejections are observed as they happen.
                                                             --max-waiting-requests / -tokens bound)
     blockserve_requests_rejected_total{reason}              counter, answered 503 (waiting_requests,
                                                             waiting_tokens, draining)
-    blockserve_kv_cache_usage_ratio{group}                  gauge, 0..1
+    blockserve_kv_cache_usage_ratio{group}                  gauge, 0..1, the target's KV cache groups
+    blockserve_proposer_kv_cache_usage_ratio{group}         gauge, 0..1, a draft model's or MTP head's own
+                                                            KV cache groups (only with one)
     blockserve_prefix_cache_queries_total / _hits_total     counter, prompt tokens
     blockserve_prefix_cache_state_lost_tokens_total         counter, prompt tokens cached as attention KV
                                                             that no recurrent-state checkpoint reached
@@ -75,6 +77,14 @@ class _EngineStatsCollector(Collector):
         for group, value in enumerate(s.kv_usage):
             usage.add_metric([self._model, str(group)], value)
         yield usage
+        if s.proposer_kv_usage is not None:
+            proposer = GaugeMetricFamily("blockserve_proposer_kv_cache_usage_ratio",
+                                         "Fraction of a KV cache group's blocks of the draft model or MTP head held "
+                                         "(1 = full); its cache comes out of the same budget as the target's.",
+                                         labels=["model_name", "group"])
+            for group, value in enumerate(s.proposer_kv_usage):
+                proposer.add_metric([self._model, str(group)], value)
+            yield proposer
         for name, doc, value in (
             ("blockserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("blockserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
