@@ -20,10 +20,10 @@ CORE_PARTS = {"kv", "scheduler", "runner"}
 
 # What each layer may import, of blockserve. A layer is a package, a top-level module, or one of the
 # server's parts; the server's config and wire format (server.base) sit under its sub-packages.
-BASE = {"errors", "sampling_params", "cached_directory", "config_args", "thread_policy"}
+BASE = {"errors", "sampling_params", "cached_directory", "config_args", "thread_policy", "startup_gc"}
 LAYERS = {
     "errors": set(), "sampling_params": set(), "cached_directory": set(), "config_args": set(),
-    "thread_policy": set(),
+    "thread_policy": set(), "startup_gc": set(),
     "kv": BASE,
     "spec_decode": BASE,
     "scheduler": BASE | {"kv", "spec_decode"},
