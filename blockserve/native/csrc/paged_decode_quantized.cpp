@@ -14,9 +14,10 @@
 //     score_p = scale * (s_k[p] * (q . c_k[p]) + m_k[p] * sum(q))
 //     weight_p = softmax_p * s_v[p], and sum_p softmax_p * m_v[p] added to every output channel
 // so a key costs one multiply (4-bit: two) beyond its codes' dot product, and all arithmetic is
-// float32. Only
-// slots of positions below seq_len are read. Three implementations of one (sequence, KV head):
-// AVX-512 (16 keys at a time) and AVX2 (8) for head sizes 64, 128 and 256, a portable one else.
+// float32. Only slots of positions below seq_len are read. Three implementations of one (sequence,
+// KV head): AVX-512 (16 keys at a time) and AVX2 (8) for head sizes 64, 128 and 256, a portable one
+// else. The SIMD paths widen each chunk's 4-bit and e4m3 codes once into float32 scratch that all the
+// KV head's query heads then read (kWidenOnce and to_lane_order say more).
 // Writes quantise each head vector as kv_quant.encode does, to the same bytes: the 4-bit form after
 // the same rotation (kv_quant.rotation: the seeded signs, then butterflies in the same order), 4-bit
 // keys steered off the token's rotated queries (steer_codes), and the fused step rotates the queries
@@ -306,6 +307,8 @@ struct Item {
   float* bias;              // [group]: a chunk's sum_j w_j * m_v[j] (the 4-bit form)
   float* run_max;
   float* run_sum;
+  float* q_lanes;           // [group, dim]: the SIMD paths' queries in lane order (4-bit keys)
+  float* rows;              // [lanes, dim], 64-byte aligned: the SIMD paths' widened rows of a chunk
 };
 
 // Where the block holding `base` starts, and the next block (null where the sequence ends first).
@@ -351,34 +354,118 @@ void attend_portable(const Item& it) {
   }
 }
 
-#if QUANTIZED_KV_AVX512
-// 16 codes of a row from code 16 * c, widened to float32 (e4m3: / 256).
+// The SIMD paths widen a chunk's 4-bit and e4m3 K rows once, then its V rows, into float32 scratch
+// that every query head of the item reads: a KV head's query heads share its rows, so each code is
+// widened once, not once per query head. int8 codes are read straight from the cache instead: one
+// sign-extending load and one conversion cost less than a store and a reload. A 4-bit row's bytes widen without an interleaving shuffle: L bytes give L low
+// nibbles (even channels), then L high nibbles (odd channels), so each block of 2L channels is held
+// as its L even channels, then its L odd ones ("lane order"). Queries over 4-bit keys are put in
+// lane order once per item, and an accumulator over 4-bit values is put back once at its end.
 template <int F>
-inline __m512 codes16(const int8_t* row, int c) {
-  if constexpr (F == kInt4) {
-    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
-    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
-  }
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
-  if constexpr (F == kFp8) {
-    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
-  } else {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+constexpr bool kWidenOnce = F != kInt8;
+
+template <int L>
+void to_lane_order(const float* x, float* y, int64_t dim) {
+  for (int64_t b = 0; b < dim; b += 2 * L)
+    for (int p = 0; p < L; ++p) {
+      y[b + p] = x[b + 2 * p];
+      y[b + L + p] = x[b + 2 * p + 1];
+    }
+}
+template <int L>
+void from_lane_order(const float* y, float* x, int64_t dim) {
+  for (int64_t b = 0; b < dim; b += 2 * L)
+    for (int p = 0; p < L; ++p) {
+      x[b + 2 * p] = y[b + p];
+      x[b + 2 * p + 1] = y[b + L + p];
+    }
+}
+
+// The float16 scales (and 4-bit minima) of a chunk's rows [0, n) of L, `stride` bytes apart; 0 past n.
+template <int F, int L>
+inline void chunk_scales(const int8_t* rows, int64_t stride, int64_t n, int64_t dim, uint16_t* scale,
+                         uint16_t* minimum) {
+  for (int64_t j = 0; j < L; ++j) {
+    scale[j] = minimum[j] = 0;
+    if (j >= n) continue;
+    std::memcpy(scale + j, rows + j * stride + code_bytes<F>(dim), kScaleBytes);
+    if constexpr (F == kInt4) std::memcpy(minimum + j, rows + j * stride + code_bytes<F>(dim) + kScaleBytes, kScaleBytes);
   }
 }
 
-// Head size 16 * C, keys 16 at a time: per query head the chunk's 16 scores in one vector, the
-// online softmax on it, then its V-scaled weights into the head's accumulator.
+// The item's queries as the SIMD paths' K scratch holds channels (lane order over 4-bit keys): it.q, or
+// it.q_lanes filled.
+template <int FK, int L>
+const float* queries_in_lane_order(const Item& it) {
+  if constexpr (FK != kInt4) return it.q;
+  for (int64_t hq = 0; hq < it.group; ++hq) to_lane_order<L>(it.q + hq * it.dim, it.q_lanes + hq * it.dim, it.dim);
+  return it.q_lanes;
+}
+
+// The accumulators back in channel order (over 4-bit values), through the row scratch.
+template <int FV, int L>
+void accumulators_in_channel_order(const Item& it) {
+  if constexpr (FV == kInt4)
+    for (int64_t hq = 0; hq < it.group; ++hq) {
+      std::copy(it.acc + hq * it.dim, it.acc + (hq + 1) * it.dim, it.rows);
+      from_lane_order<L>(it.rows, it.acc + hq * it.dim, it.dim);
+    }
+}
+
+#if QUANTIZED_KV_AVX512
+// A chunk's 4-bit or e4m3 rows [0, n), `stride` bytes apart, widened to float32 into out [n, 16 C]
+// (e4m3: / 256; 4-bit: in lane order). e4m3 widens through float16: the code sign-extended and shifted left by 7
+// puts its exponent and mantissa in a float16's place (value / 256, subnormals too) and its sign on
+// bits 15 and 14; clearing bit 14 leaves the float16.
+template <int F, int C>
+inline void widen_rows16(const int8_t* first, int64_t stride, int64_t n, float* __restrict out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* row = first + j * stride;
+    float* o = out + j * 16 * C;
+    if constexpr (F == kInt4) {
+      const __m128i nibble = _mm_set1_epi8(15);
+      for (int g = 0; g < C / 2; ++g) {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+        _mm512_store_ps(o + 32 * g, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, nibble))));
+        _mm512_store_ps(o + 32 * g + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)));
+      }
+    } else {
+      for (int c = 0; c < C; ++c) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
+        const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                              _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+        _mm512_store_ps(o + 16 * c, _mm512_cvtph_ps(half));
+      }
+    }
+  }
+}
+
+// Codes 16 c.. of row j of a chunk as float32: from the scratch widen_rows16 filled, or (int8) from
+// the row at first + j * stride.
+template <int F, int C>
+inline __m512 chunk_codes16(const float* rows, const int8_t* first, int64_t stride, int64_t j, int c) {
+  if constexpr (kWidenOnce<F>) return _mm512_load_ps(rows + j * 16 * C + 16 * c);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + j * stride + 16 * c));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+inline __m512 halves16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Head size 16 * C, keys 16 at a time: the chunk's K rows widened once, then per query head its 16
+// scores in one vector and the online softmax on it; the V rows widened once, then every head's
+// V-scaled weights into its accumulator.
 template <int FK, int FV, int C>
 void attend_avx512(const Item& it) {
   constexpr int64_t dim = 16 * C;
   const int64_t ks_stride = it.k_stride, vs_stride = it.v_stride;
-  alignas(64) float kscale[16], vscale[16], kmin[16], vmin[16];
+  const float* queries = queries_in_lane_order<FK, 16>(it);
+  float* __restrict rows = it.rows;
+  alignas(32) uint16_t kscale[16], kmin[16], vscale[16], vmin[16];
+  const __m512 k_unit = _mm512_set1_ps(it.scale * kSimdUnit<FK>), k_min_unit = _mm512_set1_ps(it.scale);
+  const __m512 v_unit = _mm512_set1_ps(kSimdUnit<FV>);
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
     const int8_t *kb, *vb, *nk, *nv;
     block_of(it, base, &kb, &vb, &nk, &nv);
@@ -387,23 +474,21 @@ void attend_avx512(const Item& it) {
       const int64_t n = std::min<int64_t>(16, hi - lo);
       prefetch_rows<FK, FV>(nk, nv, lo, std::min(lo + 16, it.block_size), ks_stride, vs_stride, dim);
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-      for (int j = 0; j < 16; ++j) {
-        kscale[j] = j < n ? row_scale<FK>(kb + (lo + j) * ks_stride, dim) * (it.scale * kSimdUnit<FK>) : 0.f;
-        vscale[j] = j < n ? row_scale<FV>(vb + (lo + j) * vs_stride, dim) * kSimdUnit<FV> : 0.f;
-        kmin[j] = j < n ? row_minimum<FK>(kb + (lo + j) * ks_stride, dim) * it.scale : 0.f;
-        vmin[j] = j < n ? row_minimum<FV>(vb + (lo + j) * vs_stride, dim) : 0.f;
-      }
-      const __m512 ks = _mm512_load_ps(kscale), vs = _mm512_load_ps(vscale);
-      const __m512 km = _mm512_load_ps(kmin), vm = _mm512_load_ps(vmin);
+      const int8_t* kh = kb + lo * ks_stride;
+      const int8_t* vh = vb + lo * vs_stride;
+      chunk_scales<FK, 16>(kh, ks_stride, n, dim, kscale, kmin);
+      chunk_scales<FV, 16>(vh, vs_stride, n, dim, vscale, vmin);
+      const __m512 ks = _mm512_mul_ps(halves16(kscale), k_unit), km = _mm512_mul_ps(halves16(kmin), k_min_unit);
+      const __m512 vs = _mm512_mul_ps(halves16(vscale), v_unit), vm = halves16(vmin);
+      if constexpr (kWidenOnce<FK>) widen_rows16<FK, C>(kh, ks_stride, n, rows);
       for (int64_t hq = 0; hq < it.group; ++hq) {
-        const int8_t* kh = kb + lo * ks_stride;
         __m512 q[C], part[16];
-        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(it.q + hq * dim + 16 * c);
+        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(queries + hq * dim + 16 * c);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
           part[j] = _mm512_setzero_ps();
           if (j < n)
-            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], codes16<FK>(kh + j * ks_stride, c), part[j]);
+            for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(q[c], chunk_codes16<FK, C>(rows, kh, ks_stride, j, c), part[j]);
         }
         __m512 score = _mm512_mul_ps(lanes_transpose_sum16(part), ks);
         if constexpr (FK == kInt4) score = _mm512_fmadd_ps(km, _mm512_set1_ps(it.qsum[hq]), score);
@@ -419,8 +504,8 @@ void attend_avx512(const Item& it) {
         if constexpr (FV == kInt4) it.bias[hq] = _mm512_reduce_add_ps(_mm512_mul_ps(w, vm));
         _mm512_store_ps(it.weights + 16 * hq, _mm512_mul_ps(w, vs));
       }
+      if constexpr (kWidenOnce<FV>) widen_rows16<FV, C>(vh, vs_stride, n, rows);
       for (int64_t hq = 0; hq < it.group; ++hq) {  // even and odd keys in two chains
-        const int8_t* vh = vb + lo * vs_stride;
         const float* wh = it.weights + 16 * hq;
         float* ah = it.acc + hq * dim;
         __m512 even[C], odd[C];
@@ -433,43 +518,57 @@ void attend_avx512(const Item& it) {
         for (; j + 1 < n; j += 2) {
           const __m512 we = _mm512_set1_ps(wh[j]), wo = _mm512_set1_ps(wh[j + 1]);
           for (int c = 0; c < C; ++c) {
-            even[c] = _mm512_fmadd_ps(we, codes16<FV>(vh + j * vs_stride, c), even[c]);
-            odd[c] = _mm512_fmadd_ps(wo, codes16<FV>(vh + (j + 1) * vs_stride, c), odd[c]);
+            even[c] = _mm512_fmadd_ps(we, chunk_codes16<FV, C>(rows, vh, vs_stride, j, c), even[c]);
+            odd[c] = _mm512_fmadd_ps(wo, chunk_codes16<FV, C>(rows, vh, vs_stride, j + 1, c), odd[c]);
           }
         }
         if (j < n) {
           const __m512 we = _mm512_set1_ps(wh[j]);
-          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, codes16<FV>(vh + j * vs_stride, c), even[c]);
+          for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(we, chunk_codes16<FV, C>(rows, vh, vs_stride, j, c), even[c]);
         }
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, _mm512_add_ps(even[c], odd[c]));
       }
     }
   }
+  accumulators_in_channel_order<FV, 16>(it);
 }
 #endif
 
 #if QUANTIZED_KV_AVX2
-// 8 codes of a row from code 8 * c, widened to float32 (e4m3: / 256).
-template <int F>
-inline __m256 codes8(const int8_t* row, int c) {
-  if constexpr (F == kInt4) {
-    int32_t four;
-    std::memcpy(&four, row + 4 * c, 4);
-    const __m128i packed = _mm_cvtsi32_si128(four);
-    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
-  }
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
-  if constexpr (F == kFp8) {
-    const __m128i wide = _mm_cvtepu8_epi16(bytes);
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
-    const __m128i rest = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7);
-    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
-  } else {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+// widen_rows16's contract on 8 lanes, head size 8 * C.
+template <int F, int C>
+inline void widen_rows8(const int8_t* first, int64_t stride, int64_t n, float* __restrict out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* row = first + j * stride;
+    float* o = out + j * 8 * C;
+    if constexpr (F == kInt4) {
+      const __m128i nibble = _mm_set1_epi8(15);
+      for (int g = 0; g < C / 2; ++g) {
+        const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * g));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+        _mm256_store_ps(o + 16 * g, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(packed, nibble))));
+        _mm256_store_ps(o + 16 * g + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)));
+      }
+    } else {
+      for (int c = 0; c < C; ++c) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+        const __m128i half = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                                           _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+        _mm256_store_ps(o + 8 * c, _mm256_cvtph_ps(half));
+      }
+    }
   }
 }
+
+// chunk_codes16's contract on 8 lanes.
+template <int F, int C>
+inline __m256 chunk_codes8(const float* rows, const int8_t* first, int64_t stride, int64_t j, int c) {
+  if constexpr (kWidenOnce<F>) return _mm256_load_ps(rows + j * 8 * C + 8 * c);
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(first + j * stride + 8 * c));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+inline __m256 halves8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // attend_avx512's contract on 8 lanes, head size 8 * C; the V rows go into the accumulator
 // SLICE registers at a time.
@@ -479,7 +578,11 @@ void attend_avx2(const Item& it) {
   constexpr int SLICE = C < 8 ? C : 8;
   const int64_t ks_stride = it.k_stride, vs_stride = it.v_stride;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  alignas(32) float kscale[8], vscale[8], kmin[8], vmin[8];
+  const float* queries = queries_in_lane_order<FK, 8>(it);
+  float* __restrict rows = it.rows;
+  alignas(16) uint16_t kscale[8], kmin[8], vscale[8], vmin[8];
+  const __m256 k_unit = _mm256_set1_ps(it.scale * kSimdUnit<FK>), k_min_unit = _mm256_set1_ps(it.scale);
+  const __m256 v_unit = _mm256_set1_ps(kSimdUnit<FV>);
   for (int64_t base = it.start - it.start % it.block_size; base < it.stop; base += it.block_size) {
     const int8_t *kb, *vb, *nk, *nv;
     block_of(it, base, &kb, &vb, &nk, &nv);
@@ -488,24 +591,22 @@ void attend_avx2(const Item& it) {
       const int64_t n = std::min<int64_t>(8, hi - lo);
       prefetch_rows<FK, FV>(nk, nv, lo, std::min(lo + 8, it.block_size), ks_stride, vs_stride, dim);
       const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-      for (int j = 0; j < 8; ++j) {
-        kscale[j] = j < n ? row_scale<FK>(kb + (lo + j) * ks_stride, dim) * (it.scale * kSimdUnit<FK>) : 0.f;
-        vscale[j] = j < n ? row_scale<FV>(vb + (lo + j) * vs_stride, dim) * kSimdUnit<FV> : 0.f;
-        kmin[j] = j < n ? row_minimum<FK>(kb + (lo + j) * ks_stride, dim) * it.scale : 0.f;
-        vmin[j] = j < n ? row_minimum<FV>(vb + (lo + j) * vs_stride, dim) : 0.f;
-      }
-      const __m256 ks = _mm256_load_ps(kscale), vs = _mm256_load_ps(vscale);
-      const __m256 km = _mm256_load_ps(kmin), vm = _mm256_load_ps(vmin);
+      const int8_t* kh = kb + lo * ks_stride;
+      const int8_t* vh = vb + lo * vs_stride;
+      chunk_scales<FK, 8>(kh, ks_stride, n, dim, kscale, kmin);
+      chunk_scales<FV, 8>(vh, vs_stride, n, dim, vscale, vmin);
+      const __m256 ks = _mm256_mul_ps(halves8(kscale), k_unit), km = _mm256_mul_ps(halves8(kmin), k_min_unit);
+      const __m256 vs = _mm256_mul_ps(halves8(vscale), v_unit), vm = halves8(vmin);
+      if constexpr (kWidenOnce<FK>) widen_rows8<FK, C>(kh, ks_stride, n, rows);
       for (int64_t hq = 0; hq < it.group; ++hq) {
-        const int8_t* kh = kb + lo * ks_stride;
-        const float* qh = it.q + hq * dim;
+        const float* qh = queries + hq * dim;
         __m256 part[8];
         for (int j = 0; j < 8; ++j) part[j] = _mm256_setzero_ps();
         for (int c = 0; c < C; ++c) {
           const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
-            if (j < n) part[j] = _mm256_fmadd_ps(qc, codes8<FK>(kh + j * ks_stride, c), part[j]);
+            if (j < n) part[j] = _mm256_fmadd_ps(qc, chunk_codes8<FK, C>(rows, kh, ks_stride, j, c), part[j]);
         }
         __m256 score = _mm256_mul_ps(lanes_transpose_sum8(part), ks);
         if constexpr (FK == kInt4) score = _mm256_fmadd_ps(km, _mm256_set1_ps(it.qsum[hq]), score);
@@ -521,8 +622,8 @@ void attend_avx2(const Item& it) {
         if constexpr (FV == kInt4) it.bias[hq] = lanes_add8(_mm256_mul_ps(w, vm));
         _mm256_store_ps(it.weights + 8 * hq, _mm256_mul_ps(w, vs));
       }
+      if constexpr (kWidenOnce<FV>) widen_rows8<FV, C>(vh, vs_stride, n, rows);
       for (int64_t hq = 0; hq < it.group; ++hq) {
-        const int8_t* vh = vb + lo * vs_stride;
         const float* wh = it.weights + 8 * hq;
         const __m256 fix = _mm256_set1_ps(it.correction[hq]), bias = _mm256_set1_ps(FV == kInt4 ? it.bias[hq] : 0.f);
         for (int s = 0; s < C; s += SLICE) {
@@ -531,14 +632,14 @@ void attend_avx2(const Item& it) {
           for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(_mm256_loadu_ps(ah + 8 * c), fix, bias);
           for (int64_t j = 0; j < n; ++j) {
             const __m256 wj = _mm256_set1_ps(wh[j]);
-            const int8_t* vr = vh + j * vs_stride;
-            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, codes8<FV>(vr, s + c), sum[c]);
+            for (int c = 0; c < SLICE; ++c) sum[c] = _mm256_fmadd_ps(wj, chunk_codes8<FV, C>(rows, vh, vs_stride, j, s + c), sum[c]);
           }
           for (int c = 0; c < SLICE; ++c) _mm256_storeu_ps(ah + 8 * c, sum[c]);
         }
       }
     }
   }
+  accumulators_in_channel_order<FV, 8>(it);
 }
 #endif
 
@@ -598,8 +699,11 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
   const int64_t per_item = std::max<int64_t>(1, keys * group * dim / std::max<int64_t>(1, n_seqs));
   const auto body = [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * dim), run_max(group), run_sum(group), correction(group), bias(group), qsum(group);
-    std::vector<float> weights_buffer(group * 16 + 16);
-    float* weights = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(weights_buffer.data()) + 63) & ~uintptr_t{63});
+    std::vector<float> weights_buffer(group * 16 + 16), rows_buffer(16 * dim + 16), q_lanes(group * dim);
+    const auto aligned = [](std::vector<float>& buffer) {
+      return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+    };
+    float* weights = aligned(weights_buffer);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / n_kv_heads, kv = item % n_kv_heads;
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -610,7 +714,8 @@ void decode_all(at::Tensor out, const float* qp, int64_t q_stride, int64_t n_seq
         for (int64_t hq = 0; hq < group; ++hq) qsum[hq] = std::accumulate(q + hq * dim, q + (hq + 1) * dim, 0.f);
       const Item it{q, kp + kv * k_row, vp + kv * v_row, table + n * width, starts[n], lens[n], group, dim,
                     block_size, n_kv_heads * k_row, n_kv_heads * v_row, scale, qsum.data(), acc.data(), weights,
-                    correction.data(), bias.data(), run_max.data(), run_sum.data()};
+                    correction.data(), bias.data(), run_max.data(), run_sum.data(), q_lanes.data(),
+                    aligned(rows_buffer)};
       attend(it);
       float* on = op + n * n_heads * dim + kv * group * dim;
       for (int64_t hq = 0; hq < group; ++hq) {
