@@ -20,7 +20,8 @@ and every step is timed whole and in parts, by timers wrapped around the calls t
                     other bookkeeping; with --graphs the graph's static inputs)
 
 Models (--model):
-    bundled   the bundled SmolLM2 (GGUF blocks, native kernels): the CPU's decode step
+    bundled   the bundled SmolLM2 (GGUF blocks, native kernels): the CPU's decode step; or a path
+              (a GGUF file, e.g. a K-quant mix), run as the bundled one
     tiny      a 1-layer, 64-wide random Llama whose forward costs next to nothing: the host's work,
               as the GPU path sees it
 
@@ -239,8 +240,9 @@ def top_ops(engine, steps: int, count: int) -> list[dict]:
 
 def load(args, tmp: str):
     backend = BACKENDS["flex" if args.graphs else "exact"]  # exact's decode cannot be captured
-    if args.model == "bundled":
-        return load_model(None, backend, quantized_activations=args.quantized_activations)
+    if args.model != "tiny":
+        return load_model(None if args.model == "bundled" else args.model, backend,
+                          quantized_activations=args.quantized_activations)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
@@ -324,7 +326,7 @@ def report(row: dict, threads: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("bundled", "tiny"), default="bundled")
+    ap.add_argument("--model", default="bundled", help="bundled, tiny, or a model file or directory (as bundled)")
     ap.add_argument("--running", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=["native-stack"])
     ap.add_argument("--threads", type=int, default=2)

@@ -16,11 +16,16 @@ anything ran, and the module path runs. What does not change between steps (each
 caches and KV group) is settled on the first step and kept in ForwardContext.memo; a step derives
 its metadata once per KV group, not once per layer.
 
-Where every linear layer runs on its GGUF blocks at this row count (no tensor parallelism), the
-whole loop is one native call instead: csrc/decode_stack.h's DecodeStack, built on the first such
-step over the layers' own tensors, calls the same kernels in the same order (the same bits again)
+Where every linear layer runs on GGUF blocks at this row count (no tensor parallelism), the whole
+loop is one native call instead: csrc/decode_stack.h's DecodeStack, built on the first such step
+over the layers' own tensors, calls the same kernels in the same order (the same bits again)
 without the ~240 calls from Python per step, whose glue is a large share of a batch-1 step
-(measured in docs/performance.md).
+(measured in docs/performance.md and docs/cpu.md). Each linear layer goes in as its module runs
+it: a QuantizedLinear's packed Q4_0 / Q4_1 / Q8_0 blocks, or a GGUFBlockLinear's row segments in
+the file's own formats (K-quants, 5-bit, IQ4; a fused projection's parts in formats of their own),
+so a K-quant mix such as Q4_K_M runs in the stack too. The stack serves the rows every layer's
+kernel serves: a QuantizedLinear's max_rows, a GGUFBlockLinear's MAX_ROWS with float32 or int16
+activations (past it, its tiled GEMM), every row count with int8.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from blockserve.attention.context import ForwardContext
 from blockserve.native.extension import fused_ops
 from blockserve.native.gate import native_reads
 from blockserve.attention.rotary_decode import RotaryDecode
-from blockserve.models.quantized_linear import QuantizedLinear
+from blockserve.models.gguf_block_linear import MAX_ROWS as GGUF_MAX_ROWS, GGUFBlockLinear
+from blockserve.models.quantized_linear import EVERY_ROW, QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -114,8 +120,9 @@ def decode_layers(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor,
 
 def native_stack(layers: nn.ModuleList, final_norm: nn.Module, rows: int):
     """The DecodeStack over `layers` (built on the first call, kept on `layers`), or None where it
-    does not run this step: a layer not on GGUF blocks (or not at `rows` rows), tensor parallelism,
-    linear layers of mixed activations, or attention layers of different head counts or scales."""
+    does not run this step: a linear layer not on GGUF blocks or whose kernel does not serve `rows`
+    rows, tensor parallelism, linear layers of mixed activations, or attention layers of different
+    head counts or scales."""
     if "_native_stack" not in layers.__dict__:
         layers.__dict__["_native_stack"] = _build_stack(layers, final_norm)
     built = layers.__dict__["_native_stack"]
@@ -123,19 +130,39 @@ def native_stack(layers: nn.ModuleList, final_norm: nn.Module, rows: int):
 
 
 def _build_stack(layers: nn.ModuleList, final_norm: nn.Module):
-    """(DecodeStack, the most rows every layer's blocks serve), or None (see native_stack)."""
+    """(DecodeStack, the most rows every linear layer's kernel serves), or None (see native_stack)."""
     linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     attention = {(layer.self_attn.num_heads, layer.self_attn.attn.backend.scale) for layer in layers}
-    if (not all(isinstance(linear, QuantizedLinear) for linear in linears) or len(attention) != 1
-            or len({linear.activations for linear in linears}) != 1
-            or any(linear.sharded for linear in linears)):
+    if (not all(isinstance(linear, (QuantizedLinear, GGUFBlockLinear)) for linear in linears)
+            or len(attention) != 1 or len({linear.activations for linear in linears}) != 1
+            or any(_tensor_parallel(linear) for linear in linears)):
         return None
     (num_heads, scale), = attention
     norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
     norms.append(final_norm)
-    stack = fused_ops().DecodeStack(
-        [linear.packed for linear in linears], [linear.out_features for linear in linears],
-        [linear.q4_1 for linear in linears], [linear.bias for linear in linears], [norm.weight for norm in norms],
-        [norm.eps for norm in norms], linears[0].activations, num_heads, scale)
-    return stack, min(linear.max_rows for linear in linears)
+    ops = fused_ops()
+    stack = ops.DecodeStack([_stack_linear(ops.DecodeStack.Linear, linear) for linear in linears],
+                            [norm.weight for norm in norms], [norm.eps for norm in norms], linears[0].activations,
+                            num_heads, scale)
+    return stack, min(_max_rows(linear) for linear in linears)
+
+
+def _tensor_parallel(linear: QuantizedLinear | GGUFBlockLinear) -> bool:
+    """Whether `linear` holds a tensor-parallel shard. A GGUFBlockLinear marks only a row-parallel
+    one (its all-reduce); every Llama layer has two (o, down), so that is enough to see the model's."""
+    return linear.sharded if isinstance(linear, QuantizedLinear) else linear.tp is not None
+
+
+def _stack_linear(kind, linear: QuantizedLinear | GGUFBlockLinear):
+    """`linear` as the stack runs it (`kind`: DecodeStack.Linear)."""
+    if isinstance(linear, QuantizedLinear):
+        return kind.packed_blocks(linear.packed, linear.out_features, linear.q4_1, linear.bias)
+    return kind.gguf_segments([(segment.raw, segment.format) for segment in linear.segments], linear.bias)
+
+
+def _max_rows(linear: QuantizedLinear | GGUFBlockLinear) -> int:
+    """The most rows `linear`'s forward gives its blocks kernel (beyond them: a tiled GEMM)."""
+    if isinstance(linear, QuantizedLinear):
+        return linear.max_rows
+    return EVERY_ROW if linear.integer_kernel else GGUF_MAX_ROWS

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 512, 256, 288, 4, 2, 2
 NEW_TOKENS = 8
 # per format, the scale that gives weights of about 0.05 (the product of its levels' typical sizes)
-TYPICAL_LEVELS = {"Q4_K": 240.0, "Q6_K": 1000.0, "Q5_0": 10.0}
+TYPICAL_LEVELS = {"Q4_K": 240.0, "Q6_K": 1000.0, "Q5_0": 10.0, "Q8_0": 64.0}
 
 
 def _blocks(format: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
@@ -39,8 +39,9 @@ def _blocks(format: str, rows: int, columns: int, rng: np.random.Generator) -> n
     return random_blocks(format, rows, columns, rng, scales)
 
 
-def write_kquant_gguf(path, arch: str, seed: int = 0) -> int:
-    """A random `arch` ("llama" or "qwen2") model in the mix above; returns its tensors' bytes."""
+def write_kquant_gguf(path, arch: str, seed: int = 0, formats: dict[str, str] | None = None) -> int:
+    """A random `arch` ("llama" or "qwen2") model in the mix above, or with `formats` (GGUF tensor
+    name -> format, e.g. Q8_0) in place of the mix's for those tensors; returns its tensors' bytes."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(256)
@@ -77,6 +78,8 @@ def write_kquant_gguf(path, arch: str, seed: int = 0) -> int:
         if arch == "qwen2":
             tensors.update({f"blk.{i}.attn_{p}.bias": ("F32", n) for p, n in
                             (("q", HIDDEN), ("k", KV_HEADS * head_dim), ("v", KV_HEADS * head_dim))})
+    for name, format in (formats or {}).items():
+        tensors[name] = (format, *tensors[name][1:])
     total = 0
     for name, (format, *shape) in tensors.items():
         if format == "F32":

@@ -1,7 +1,7 @@
 """The flat decode loop (models/llama_decode.py) against the module path it stands in for, and the
 native stack against the flat loop: the same greedy tokens and bitwise the same logprobs, on a tiny
 random Llama (tied embeddings, so every linear the loop calls is exercised) served through the real
-engine."""
+engine, and on a tiny K-quant mix GGUF (layers on the file's own blocks beside packed ones)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
 from blockserve.attention.rotary_decode import RotaryDecode
 from blockserve.models import llama_decode
+from blockserve.models.gguf_block_linear import MAX_ROWS as GGUF_MAX_ROWS, GGUFBlockLinear
 from blockserve.models.loader import load_model
-from blockserve.models.quantized_linear import use_quantized_linears
+from blockserve.models.quantized_linear import QuantizedLinear, use_quantized_linears
 from blockserve.models.random_checkpoint import save_random_model
-from blockserve.native.extension import fused_ops, quantized_matmul_ops, why_not_native
+from blockserve.native.extension import ISA_ENV, fused_ops, quantized_matmul_ops, why_not_native
+from tests.models.test_kquant_gguf import write_kquant_gguf
 
 pytestmark = pytest.mark.skipif(why_not_native() is not None, reason=f"native kernels cannot be built here: {why_not_native()}")
 
@@ -144,7 +146,9 @@ def test_the_native_stack_refuses_unknown_activations():
     if (ops := fused_ops()) is None:
         pytest.skip(f"no native kernels: {why_not_native()}")
     with pytest.raises(RuntimeError, match="activations must be float32, int8 or int16, not 'int4'"):
-        ops.DecodeStack([], [], [], [], [torch.ones(4)], [1e-6], "int4", 1, 1.0)
+        ops.DecodeStack([], [torch.ones(4)], [1e-6], "int4", 1, 1.0)
+    with pytest.raises(RuntimeError, match="no block kernel for GGUF format 'Q3_0'"):
+        ops.DecodeStack.Linear.gguf_segments([(torch.zeros(4, 18, dtype=torch.uint8), "Q3_0")], None)
 
 
 # k8v4 (int8 keys, the kernel-level tests' too) is slow: two more engines, ~4 s on 2 quiet cores
@@ -180,3 +184,69 @@ def test_the_native_stack_over_a_rotated_4bit_cache_gives_the_per_layer_paths_re
         del llm
     assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran over the 4-bit cache
     assert results[0] == results[1]
+
+
+# A Q4_K_M kind of mix (test_kquant_gguf.py: Q4_K, a Q6_K attn_v, a Q5_0 ffn_down; qwen2: q/k/v biases)
+# with layer 1's o and gate/up in Q8_0: per layer GGUFBlockLinears of three segments (qkv), two
+# (gate_up), one (o, down) beside QuantizedLinears on packed blocks.
+MIXED = {"blk.1.attn_output.weight": "Q8_0", "blk.1.ffn_gate.weight": "Q8_0", "blk.1.ffn_up.weight": "Q8_0"}
+
+
+def load_mixed(tmp_path, activations: str = "float32"):
+    path = tmp_path / "model.gguf"
+    write_kquant_gguf(path, "qwen2", formats=MIXED)
+    if (ops := quantized_matmul_ops()) is None or not ops.simd_lanes():
+        pytest.skip("the block kernels need native kernels built with AVX-512 or AVX2")
+    loaded = load_model(str(path), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"),
+                        quantized_activations=activations, quantized_max_rows=None if activations == "int8" else 8)
+    linears = [m for layer in loaded.model.model.layers for m in layer.modules()
+               if isinstance(m, (QuantizedLinear, GGUFBlockLinear))]
+    assert len(linears) == 8 and {type(m) for m in linears} == {QuantizedLinear, GGUFBlockLinear}
+    assert sorted(len(m.segments) for m in linears if isinstance(m, GGUFBlockLinear)) == [1, 1, 1, 2, 3, 3]
+    return loaded
+
+
+@pytest.mark.parametrize("activations,isa", [("float32", "native"), ("int8", "native"),
+                                             pytest.param("int16", "native", marks=pytest.mark.slow),
+                                             pytest.param("float32", "avx2", marks=pytest.mark.slow),
+                                             pytest.param("int8", "avx2", marks=pytest.mark.slow)])
+def test_the_native_stack_over_a_kquant_mix_gives_the_flat_loops_results(tmp_path, monkeypatch, activations, isa):
+    """Layers on the file's own blocks (GGUFBlockLinear: gguf_matmul, gguf_matmul_int8 for int8, x
+    rounded then gguf_matmul for int16) mixed with packed ones: a decode-only step is one native call
+    (DecodeStack) with the same greedy tokens and bitwise the same logprobs as the flat loop, up to
+    the rows every layer's kernel serves (the float kernel's MAX_ROWS; int8: every row count)."""
+    if isa == "avx2":
+        monkeypatch.setenv(ISA_ENV, "avx2")
+    loaded = load_mixed(tmp_path, activations)
+    stacks = []
+    real_stack = llama_decode.native_stack
+    results = []
+    for stack in (lambda *args: stacks.append(real_stack(*args)) or stacks[-1], lambda *args: None):
+        monkeypatch.setattr(llama_decode, "native_stack", stack)
+        llm = LLM(loaded, max_num_batched_tokens=8, block_size=4)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
+        results.append([(o.outputs[0].token_ids,
+                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+        del llm
+    assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran
+    assert results[0] == results[1]
+    model = loaded.model.model
+    beyond = real_stack(model.layers, model.norm, GGUF_MAX_ROWS + 1)
+    assert (beyond is not None) == (activations == "int8")  # past MAX_ROWS the float kernels' layers tile a GEMM
+
+
+def test_tensor_parallel_layers_are_left_to_the_flat_loop(tmp_path):
+    """A shard of a tensor-parallel model (a row-parallel GGUFBlockLinear's all-reduce, or a sharded
+    QuantizedLinear) has no native stack: the flat loop runs its layers' own forward."""
+    model = load_mixed(tmp_path).model.model
+    assert llama_decode._build_stack(model.layers, model.norm) is not None
+    down = model.layers[0].mlp.down_proj  # Q5_0: a GGUFBlockLinear
+    down.tp = object()
+    assert llama_decode._build_stack(model.layers, model.norm) is None
+    down.tp = None
+    o_proj = model.layers[1].self_attn.o_proj  # Q8_0: a QuantizedLinear
+    assert isinstance(o_proj, QuantizedLinear)
+    o_proj.sharded = True
+    assert llama_decode._build_stack(model.layers, model.norm) is None

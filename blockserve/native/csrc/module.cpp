@@ -86,14 +86,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "down_bias [E, H], alpha, limit) -> [T, H]: GPT-OSS's experts over GGUF blocks [E, rows, row bytes]",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 
-  // module_local: a second build of this module (-mno-avx512f, in tests) registers its own type.
-  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc)
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<bool>,
-                          std::vector<std::optional<at::Tensor>>, std::vector<at::Tensor>, std::vector<double>,
-                          std::string, int64_t, double>(),
-           pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("q4_1"), pybind11::arg("biases"),
-           pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("activations"), pybind11::arg("num_heads"),
-           pybind11::arg("scale"))
+  // module_local: a second build of this module (-mno-avx512f, in tests) registers its own types.
+  pybind11::class_<DecodeStack> stack(m, "DecodeStack", pybind11::module_local(), DecodeStack::kDoc);
+  pybind11::class_<DecodeStack::Linear>(stack, "Linear", pybind11::module_local(),
+                                        "one linear layer of the stack (packed_blocks or gguf_segments)")
+      .def_static("packed_blocks", &DecodeStack::Linear::packed_blocks, DecodeStack::Linear::kPackedDoc,
+                  pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("q4_1"), pybind11::arg("bias"))
+      .def_static("gguf_segments", &DecodeStack::Linear::gguf_segments, DecodeStack::Linear::kSegmentsDoc,
+                  pybind11::arg("segments"), pybind11::arg("bias"));
+  stack
+      .def(pybind11::init<std::vector<DecodeStack::Linear>, std::vector<at::Tensor>, std::vector<double>, std::string,
+                          int64_t, double>(),
+           pybind11::arg("linears"), pybind11::arg("norms"), pybind11::arg("eps"), pybind11::arg("activations"),
+           pybind11::arg("num_heads"), pybind11::arg("scale"))
       // Without the GIL: a server's event loop streams tokens while the step's layers run.
       .def("run", &DecodeStack::run, DecodeStack::kRunDoc, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
