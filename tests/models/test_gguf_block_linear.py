@@ -77,9 +77,10 @@ def test_dequantize_and_matmul_equal_gguf_py(build, format):
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_every_register_tile_shape(build):
-    """gguf_matmul multiplies 4 weight rows at a time (then the rest one by one) with up to 4 (AVX-512)
-    or 2 (AVX2) rows of x dequantised in registers up to 8 rows, and past 8 rows with 4 (AVX-512) or
-    3 (AVX2) rows of x through a buffer: every remainder of both, across more than one tile."""
+    """gguf_matmul multiplies 4 weight rows at a time (then the rest one by one), dequantised in
+    registers, with 4 (AVX-512) or 2 (AVX2) rows of x at a time up to 8 (AVX-512) or 2 (AVX2) rows,
+    and past that through a buffer with 4 (AVX-512) or 3 (AVX2) rows of x at a time: every remainder
+    of both, across more than one tile."""
     ops, rng = BUILDS[build], np.random.default_rng(4)
     raw = random_blocks("Q5_0", 9, 64, rng)
     weight = dequantized("Q5_0", raw)
@@ -103,8 +104,8 @@ def test_panels_of_k_when_x_outgrows_the_cache(build, format, rows, columns):
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_a_row_gets_the_same_bits_whatever_shares_its_call(build):
     """gguf_matmul sums a row's products in one order whether the row is alone, beside a few others
-    (each register tile shape, weights dequantised in registers), or in a call of more than 8 rows
-    (through the buffer), over one panel of K or several, in every format."""
+    (each register tile shape, weights dequantised in registers), or in a call of more rows (through
+    the buffer), over one panel of K or several, in every format."""
     ops, rng = BUILDS[build], np.random.default_rng(6)
     for format in KERNEL_FORMATS:
         columns = 2048 if block_shape(format)[0] == 256 else 1088  # two panels of K, the second partial

@@ -46,230 +46,216 @@ inline float half_to_float(const uint8_t* p) {
 
 constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// Q4_K and Q5_K's eight 6-bit scales and mins packed in 12 bytes.
-inline void scale_min_k4(const uint8_t* s, int j, uint8_t* scale, uint8_t* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// The factors of a K-quant's 16 sub-blocks, d * scale[j] (scale: 16 int8 at `scales`), in `out`.
+inline void sub_block_factors(__m128i scales, float d, float* out) { store_scaled(scales, d, out); }
+
+// Q4_K and Q5_K's eight 6-bit scales and mins packed in 12 bytes `s`: d * scale[j] in factor[j],
+// -(dmin * min[j]) in offset[j] (j < 8).
+inline void scales_mins_k4(const uint8_t* s, float d, float dmin, float* factor, float* offset) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  // bytes j < 4: the low 6 bits of s[j] (scales) and s[j + 4] (mins); j >= 4: the nibbles of s[j + 4]
+  // below the top 2 bits of s[j - 4] (scales) and s[j] (mins)
+  const uint32_t scales_low = w[0] & 0x3f3f3f3f, mins_low = w[1] & 0x3f3f3f3f;
+  const uint32_t scales_high = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
+  const uint32_t mins_high = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
+  const __m128i scales = _mm_setr_epi32(int(scales_low), int(scales_high), 0, 0);
+  const __m128i mins = _mm_setr_epi32(int(mins_low), int(mins_high), 0, 0);
+  alignas(16) float f[16], o[16];
+  store_scaled(scales, d, f);
+  store_scaled(mins, -dmin, o);  // (-dmin) * m: -(dmin * m) exactly
+  std::memcpy(factor, f, 8 * sizeof(float));
+  std::memcpy(offset, o, 8 * sizeof(float));
 }
 
-// Each format's unpack(b, piece) hands the piece its block's values 16 at a time, in order, as 16
-// int8 levels q and the float32 factors giving the values gguf-py's dequantize gives:
-// piece.scaled(q, d) for d * q, piece.shifted(q, d, m) for d * q + m (there d * q is exact in
-// float32, so the one rounding of the sum is gguf-py's).
+// A block of each format, read at construction (its scales decoded), hands a piece its values 16
+// at a time: piece(i, p), i < Pieces, gives values [16 i, 16 i + 16) as 16 int8 levels q and the
+// float32 factors giving the values gguf-py's dequantize gives: p.scaled(q, d) for d * q,
+// p.shifted(q, d, m) for d * q + m (there d * q is exact in float32, so the one rounding of the sum
+// is gguf-py's). Each i is a constant where the pieces are unrolled.
 struct Q4_0 {
-  static constexpr int Elems = 32, Bytes = 18;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b);
-    const __m128i qs = load16(b + 2), eight = _mm_set1_epi8(8);
-    piece.scaled(_mm_sub_epi8(low_nibbles(qs), eight), d);
-    piece.scaled(_mm_sub_epi8(high_nibbles(qs), eight), d);
+  static constexpr int Elems = 32, Bytes = 18, Pieces = 2;
+  float d;
+  __m128i qs;
+  explicit Q4_0(const uint8_t* b) : d(half_to_float(b)), qs(load16(b + 2)) {}
+  template <typename P> void piece(int i, P& p) const {
+    p.scaled(_mm_sub_epi8(i ? high_nibbles(qs) : low_nibbles(qs), _mm_set1_epi8(8)), d);
   }
 };
 
 struct Q4_1 {
-  static constexpr int Elems = 32, Bytes = 20;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b), m = half_to_float(b + 2);
-    const __m128i qs = load16(b + 4);
-    piece.shifted(low_nibbles(qs), d, m);
-    piece.shifted(high_nibbles(qs), d, m);
-  }
+  static constexpr int Elems = 32, Bytes = 20, Pieces = 2;
+  float d, m;
+  __m128i qs;
+  explicit Q4_1(const uint8_t* b) : d(half_to_float(b)), m(half_to_float(b + 2)), qs(load16(b + 4)) {}
+  template <typename P> void piece(int i, P& p) const { p.shifted(i ? high_nibbles(qs) : low_nibbles(qs), d, m); }
 };
 
 struct Q8_0 {
-  static constexpr int Elems = 32, Bytes = 34;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b);
-    piece.scaled(load16(b + 2), d);
-    piece.scaled(load16(b + 18), d);
-  }
+  static constexpr int Elems = 32, Bytes = 34, Pieces = 2;
+  const uint8_t* b;
+  float d;
+  explicit Q8_0(const uint8_t* b) : b(b), d(half_to_float(b)) {}
+  template <typename P> void piece(int i, P& p) const { p.scaled(load16(b + 2 + 16 * i), d); }
 };
 
+// Q5_0 and Q5_1: the 16 low bits of qh are the fifth bits of the low nibbles, the high 16 of the high.
+inline __m128i five_bits(__m128i qs, uint32_t qh, int i) {
+  const __m128i fifth = _mm_and_si128(bit_bytes(i ? qh >> 16 : qh), _mm_set1_epi8(0x10));
+  return _mm_or_si128(i ? high_nibbles(qs) : low_nibbles(qs), fifth);
+}
+
 struct Q5_0 {
-  static constexpr int Elems = 32, Bytes = 22;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b);
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    const __m128i qs = load16(b + 6), fifth = _mm_set1_epi8(0x10);
-    const __m128i low = _mm_or_si128(low_nibbles(qs), _mm_and_si128(bit_bytes(qh), fifth));
-    const __m128i high = _mm_or_si128(high_nibbles(qs), _mm_and_si128(bit_bytes(qh >> 16), fifth));
-    piece.scaled(_mm_sub_epi8(low, fifth), d);
-    piece.scaled(_mm_sub_epi8(high, fifth), d);
+  static constexpr int Elems = 32, Bytes = 22, Pieces = 2;
+  float d;
+  uint32_t qh;
+  __m128i qs;
+  explicit Q5_0(const uint8_t* b) : d(half_to_float(b)), qs(load16(b + 6)) { std::memcpy(&qh, b + 2, 4); }
+  template <typename P> void piece(int i, P& p) const {
+    p.scaled(_mm_sub_epi8(five_bits(qs, qh, i), _mm_set1_epi8(0x10)), d);
   }
 };
 
 struct Q5_1 {
-  static constexpr int Elems = 32, Bytes = 24;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b), m = half_to_float(b + 2);
-    uint32_t qh;
+  static constexpr int Elems = 32, Bytes = 24, Pieces = 2;
+  float d, m;
+  uint32_t qh;
+  __m128i qs;
+  explicit Q5_1(const uint8_t* b) : d(half_to_float(b)), m(half_to_float(b + 2)), qs(load16(b + 8)) {
     std::memcpy(&qh, b + 4, 4);
-    const __m128i qs = load16(b + 8), fifth = _mm_set1_epi8(0x10);
-    piece.shifted(_mm_or_si128(low_nibbles(qs), _mm_and_si128(bit_bytes(qh), fifth)), d, m);
-    piece.shifted(_mm_or_si128(high_nibbles(qs), _mm_and_si128(bit_bytes(qh >> 16), fifth)), d, m);
   }
+  template <typename P> void piece(int i, P& p) const { p.shifted(five_bits(qs, qh, i), d, m); }
 };
 
+inline __m128i non_linear4(__m128i nibbles) {
+  return _mm_shuffle_epi8(load16(reinterpret_cast<const uint8_t*>(kNonLinear4)), nibbles);
+}
+
 struct IQ4_NL {
-  static constexpr int Elems = 32, Bytes = 18;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const __m128i table = load16(reinterpret_cast<const uint8_t*>(kNonLinear4)), qs = load16(b + 2);
-    const float d = half_to_float(b);
-    piece.scaled(_mm_shuffle_epi8(table, low_nibbles(qs)), d);
-    piece.scaled(_mm_shuffle_epi8(table, high_nibbles(qs)), d);
-  }
+  static constexpr int Elems = 32, Bytes = 18, Pieces = 2;
+  float d;
+  __m128i qs;
+  explicit IQ4_NL(const uint8_t* b) : d(half_to_float(b)), qs(load16(b + 2)) {}
+  template <typename P> void piece(int i, P& p) const { p.scaled(non_linear4(i ? high_nibbles(qs) : low_nibbles(qs)), d); }
 };
 
 struct Q2_K {  // scales[16] | qs[64] | d | dmin
-  static constexpr int Elems = kK, Bytes = 84;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const uint8_t* scales = b;
-    const uint8_t* qs = b + 16;
-    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
-    const __m128i three = _mm_set1_epi8(3);
-    for (int half = 0; half < 2; ++half)
-      for (int shift = 0; shift < 4; ++shift)
-        for (int l = 0; l < 2; ++l) {  // 16 weights from bits 2 shift of 16 bytes, sharing scales[w / 16]
-          const int w = half * 128 + shift * 32 + 16 * l;
-          const uint8_t sc = scales[w / 16];
-          const __m128i q = _mm_and_si128(_mm_srli_epi16(load16(qs + half * 32 + 16 * l), 2 * shift), three);
-          piece.shifted(q, d * float(sc & 0x0f), -(dmin * float(sc >> 4)));  // both products exact
-        }
+  static constexpr int Elems = kK, Bytes = 84, Pieces = 16;
+  const uint8_t* qs;
+  alignas(64) float factor[16], offset[16];  // per 16 values: d * (scale & 15), -(dmin * (scale >> 4))
+  explicit Q2_K(const uint8_t* b) : qs(b + 16) {
+    const __m128i scales = load16(b);
+    sub_block_factors(low_nibbles(scales), half_to_float(b + 80), factor);
+    sub_block_factors(high_nibbles(scales), -half_to_float(b + 82), offset);  // both products exact
+  }
+  template <typename P> void piece(int i, P& p) const {  // bits 2 shift of 16 bytes
+    const int half = i / 8, shift = i / 2 % 4, l = i % 2;
+    const __m128i q = _mm_and_si128(_mm_srli_epi16(load16(qs + half * 32 + 16 * l), 2 * shift), _mm_set1_epi8(3));
+    p.shifted(q, factor[i], offset[i]);
   }
 };
 
 struct Q3_K {  // hmask[32] | qs[64] | scales[12] | d
-  static constexpr int Elems = kK, Bytes = 110;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const uint8_t* hmask = b;
-    const uint8_t* qs = b + 32;
+  static constexpr int Elems = kK, Bytes = 110, Pieces = 16;
+  const uint8_t* hmask;
+  const uint8_t* qs;
+  alignas(64) float factor[16];  // per 16 values: d * (6-bit scale - 32)
+  explicit Q3_K(const uint8_t* b) : hmask(b), qs(b + 32) {
     const uint8_t* s = b + 96;
-    const float d = half_to_float(b + 108);
-    float dl[16];
+    alignas(16) int8_t scales[16];
     for (int i = 0; i < 16; ++i) {
       const int low = (s[i % 8] >> (4 * (i / 8))) & 0x0f, high = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
-      dl[i] = d * float((low | (high << 4)) - 32);
+      scales[i] = int8_t((low | (high << 4)) - 32);
     }
-    const __m128i three = _mm_set1_epi8(3), four = _mm_set1_epi8(4);
-    for (int half = 0; half < 2; ++half)
-      for (int shift = 0; shift < 4; ++shift) {
-        const __m128i bit = _mm_set1_epi8(char(1 << (half * 4 + shift)));  // hmask bit w / 32 of weight w
-        for (int l = 0; l < 2; ++l) {
-          const int w = half * 128 + shift * 32 + 16 * l;
-          const __m128i low = _mm_and_si128(_mm_srli_epi16(load16(qs + half * 32 + 16 * l), 2 * shift), three);
-          const __m128i h = _mm_and_si128(load16(hmask + 16 * l), bit);
-          piece.scaled(_mm_sub_epi8(low, _mm_andnot_si128(_mm_cmpeq_epi8(h, bit), four)), dl[w / 16]);
-        }
-      }
+    sub_block_factors(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)), half_to_float(b + 108), factor);
+  }
+  template <typename P> void piece(int i, P& p) const {  // bits 2 shift of 16 bytes, hmask bit i / 2 clear: - 4
+    const int half = i / 8, shift = i / 2 % 4, l = i % 2;
+    const __m128i bit = _mm_set1_epi8(char(1 << (half * 4 + shift)));
+    const __m128i low = _mm_and_si128(_mm_srli_epi16(load16(qs + half * 32 + 16 * l), 2 * shift), _mm_set1_epi8(3));
+    const __m128i h = _mm_and_si128(load16(hmask + 16 * l), bit);
+    p.scaled(_mm_sub_epi8(low, _mm_andnot_si128(_mm_cmpeq_epi8(h, bit), _mm_set1_epi8(4))), factor[i]);
   }
 };
 
 struct Q4_K {  // d | dmin | scales[12] | qs[128]
-  static constexpr int Elems = kK, Bytes = 144;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t* qs = b + 16;
-    for (int chunk = 0; chunk < 4; ++chunk) {  // 64 weights: the low nibbles of 32 bytes, then the high
-      for (int part = 0; part < 2; ++part) {
-        uint8_t sc, m;
-        scale_min_k4(b + 4, 2 * chunk + part, &sc, &m);
-        const float scale = d * float(sc), min = -(dmin * float(m));
-        for (int half = 0; half < 2; ++half) {
-          const __m128i q = load16(qs + 32 * chunk + 16 * half);
-          piece.shifted(part ? high_nibbles(q) : low_nibbles(q), scale, min);
-        }
-      }
-    }
+  static constexpr int Elems = kK, Bytes = 144, Pieces = 16;
+  const uint8_t* qs;
+  alignas(32) float factor[8], offset[8];  // per 32 values
+  explicit Q4_K(const uint8_t* b) : qs(b + 16) {
+    scales_mins_k4(b + 4, half_to_float(b), half_to_float(b + 2), factor, offset);
+  }
+  template <typename P> void piece(int i, P& p) const {  // 64 values: the low nibbles of 32 bytes, then the high
+    const __m128i q = load16(qs + 32 * (i / 4) + 16 * (i % 2));
+    p.shifted(i / 2 % 2 ? high_nibbles(q) : low_nibbles(q), factor[i / 2], offset[i / 2]);
   }
 };
 
 struct Q5_K {  // d | dmin | scales[12] | qh[32] | qs[128]
-  static constexpr int Elems = kK, Bytes = 176;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48;
-    for (int chunk = 0; chunk < 4; ++chunk) {
-      for (int part = 0; part < 2; ++part) {
-        const int sub = 2 * chunk + part;
-        uint8_t sc, m;
-        scale_min_k4(b + 4, sub, &sc, &m);
-        const float scale = d * float(sc), min = -(dmin * float(m));
-        const __m128i bit = _mm_set1_epi8(char(1 << sub)), fifth = _mm_set1_epi8(0x10);
-        for (int half = 0; half < 2; ++half) {
-          const __m128i q = load16(qs + 32 * chunk + 16 * half), h = load16(qh + 16 * half);
-          const __m128i high = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bit), bit), fifth);
-          piece.shifted(_mm_or_si128(part ? high_nibbles(q) : low_nibbles(q), high), scale, min);
-        }
-      }
-    }
+  static constexpr int Elems = kK, Bytes = 176, Pieces = 16;
+  const uint8_t* qh;
+  const uint8_t* qs;
+  alignas(32) float factor[8], offset[8];
+  explicit Q5_K(const uint8_t* b) : qh(b + 16), qs(b + 48) {
+    scales_mins_k4(b + 4, half_to_float(b), half_to_float(b + 2), factor, offset);
+  }
+  template <typename P> void piece(int i, P& p) const {  // as Q4_K's, bit i / 2 of qh the fifth
+    const int sub = i / 2, half = i % 2;
+    const __m128i q = load16(qs + 32 * (i / 4) + 16 * half), bit = _mm_set1_epi8(char(1 << sub));
+    const __m128i high = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(load16(qh + 16 * half), bit), bit), _mm_set1_epi8(0x10));
+    p.shifted(_mm_or_si128(sub % 2 ? high_nibbles(q) : low_nibbles(q), high), factor[sub], offset[sub]);
   }
 };
 
 struct Q6_K {  // ql[128] | qh[64] | scales[16] int8 | d
-  static constexpr int Elems = kK, Bytes = 210;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_to_float(b + 208);
-    for (int half = 0; half < 2; ++half)
-      for (int group = 0; group < 4; ++group) {
-        const int w0 = 128 * half + 32 * group;
-        const __m128i three = _mm_set1_epi8(3);
-        for (int l = 0; l < 2; ++l) {  // 16 values sharing scales[w0 / 16 + l]
-          const __m128i q = load16(ql + 64 * half + 32 * (group % 2) + 16 * l);
-          const __m128i low = group / 2 ? high_nibbles(q) : low_nibbles(q);
-          const __m128i high = _mm_and_si128(_mm_srli_epi16(load16(qh + 32 * half + 16 * l), 2 * group), three);
-          const __m128i value = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
-          piece.scaled(value, d * float(scales[w0 / 16 + l]));
-        }
-      }
+  static constexpr int Elems = kK, Bytes = 210, Pieces = 16;
+  const uint8_t* ql;
+  const uint8_t* qh;
+  alignas(64) float factor[16];  // per 16 values: d * scale
+  explicit Q6_K(const uint8_t* b) : ql(b), qh(b + 128) { sub_block_factors(load16(b + 192), half_to_float(b + 208), factor); }
+  template <typename P> void piece(int i, P& p) const {  // a nibble of ql, bits 2 group of qh above it, - 32
+    const int half = i / 8, group = i / 2 % 4, l = i % 2;
+    const __m128i q = load16(ql + 64 * half + 32 * (group % 2) + 16 * l);
+    const __m128i low = group / 2 ? high_nibbles(q) : low_nibbles(q);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(load16(qh + 32 * half + 16 * l), 2 * group), _mm_set1_epi8(3));
+    p.scaled(_mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32)), factor[i]);
   }
 };
 
 struct IQ4_XS {  // d | scales_h (uint16) | scales_l[4] | qs[128]
-  static constexpr int Elems = kK, Bytes = 136;
-  template <typename P> static void unpack(const uint8_t* b, P& piece) {
-    const float d = half_to_float(b);
+  static constexpr int Elems = kK, Bytes = 136, Pieces = 16;
+  const uint8_t* qs;
+  alignas(64) float factor[16];  // [0, 8): per 32 values, d * (6-bit scale - 32)
+  explicit IQ4_XS(const uint8_t* b) : qs(b + 8) {
     uint16_t scales_h;
     std::memcpy(&scales_h, b + 2, 2);
-    const uint8_t* scales_l = b + 4;
-    const uint8_t* qs = b + 8;
-    const __m128i table = load16(reinterpret_cast<const uint8_t*>(kNonLinear4));
-    for (int sub = 0; sub < 8; ++sub) {
-      const int scale = (((scales_l[sub / 2] >> (4 * (sub % 2))) & 0x0f) | (((scales_h >> (2 * sub)) & 3) << 4)) - 32;
-      const float dl = d * float(scale);
-      const __m128i q = load16(qs + 16 * sub);
-      piece.scaled(_mm_shuffle_epi8(table, low_nibbles(q)), dl);
-      piece.scaled(_mm_shuffle_epi8(table, high_nibbles(q)), dl);
-    }
+    alignas(16) int8_t scales[16] = {};
+    for (int sub = 0; sub < 8; ++sub)
+      scales[sub] = int8_t((((b[4 + sub / 2] >> (4 * (sub % 2))) & 0x0f) | (((scales_h >> (2 * sub)) & 3) << 4)) - 32);
+    sub_block_factors(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)), half_to_float(b), factor);
+  }
+  template <typename P> void piece(int i, P& p) const {
+    const __m128i q = load16(qs + 16 * (i / 2));
+    p.scaled(non_linear4(i % 2 ? high_nibbles(q) : low_nibbles(q)), factor[i / 2]);
   }
 };
 
 // The piece that stores gguf-py's values.
 struct Store {
   float* y;
-  void scaled(__m128i q, float d) {
-    store_scaled(q, d, y);
-    y += 16;
-  }
-  void shifted(__m128i q, float d, float m) {
-    store_scaled_plus(q, d, m, y);
-    y += 16;
-  }
+  void scaled(__m128i q, float d) { store_scaled(q, d, y); }
+  void shifted(__m128i q, float d, float m) { store_scaled_plus(q, d, m, y); }
 };
 
 template <typename F>
 void dequantize_row(const uint8_t* row, int64_t columns, float* out) {
-  Store store{out};
-  for (int64_t b = 0; b < columns / F::Elems; ++b) F::unpack(row + b * F::Bytes, store);
+  for (int64_t b = 0; b < columns / F::Elems; ++b) {
+    const F block(row + b * F::Bytes);
+    for (int i = 0; i < F::Pieces; ++i) {
+      Store store{out + b * F::Elems + 16 * i};
+      block.piece(i, store);
+    }
+  }
 }
 
 // Both products of weight rows with rows of x keep a tile of NR weight rows x MR rows of x as
@@ -277,18 +263,20 @@ void dequantize_row(const uint8_t* row, int64_t columns, float* out) {
 // Every accumulator takes its products in the same order, lane l the columns l, l + kLanes, ...
 // of a panel in turn, with one rounding each (explicit FMA), and the panel's sum is its lanes'
 // sum by halving (lane_sum): the two products give the same bits, and so does any tile shape.
+// Up to kFusedMaxRows rows of x, gguf_matmul dequantises the weights in registers (fused_tile),
+// kFusedRows rows of x at a time; past it into a buffer once a call (tile). On AVX2 (16 registers,
+// 8 accumulating when fused) a second pass of unpacking costs more than the buffer's write and read.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kTileRows = 4, kFusedRows = 4;
+constexpr int64_t kFusedMaxRows = 8;
 #else
-constexpr int kLanes = 8, kTileRows = 3, kFusedRows = 2;  // 16 ymm registers: 8 accumulate when fused
+constexpr int kLanes = 8, kTileRows = 3, kFusedRows = 2;
+constexpr int64_t kFusedMaxRows = 2;
 #endif
 constexpr int kWeightRows = 4;  // NR: the switches in gguf_matmul take 1 to 4
 // gguf_matmul takes K in panels of this many columns (whole blocks): 512 KiB of x at 128 rows, L2-resident.
 // Fixed, not sized by the row count, so a row's sums run in the same order whatever rows share the call.
 constexpr int64_t kPanelColumns = 1024;
-// Up to this many rows of x, gguf_matmul dequantises the weights in registers (fused_tile), kFusedRows
-// rows of x at a time; past it into a buffer once a call (tile).
-constexpr int64_t kFusedMaxRows = 8;
 typedef float Lanes __attribute__((vector_size(4 * kLanes)));
 typedef float UnalignedLanes __attribute__((vector_size(4 * kLanes), aligned(4)));
 
@@ -396,17 +384,28 @@ struct MultiplyInto {
   }
 };
 
+template <typename F, int... n>
+std::array<F, sizeof...(n)> blocks_of_rows(const uint8_t* w, int64_t row_bytes, std::integer_sequence<int, n...>) {
+  return {F(w + n * row_bytes)...};
+}
+
 // A panel of `blocks` blocks of NR weight rows (row_bytes apart) times MR rows of x (K apart), the
-// weights dequantised in registers as they are multiplied: the same sums as tile's over them.
+// weights dequantised in registers as they are multiplied: the same sums as tile's over them. The
+// rows' blocks are unpacked piece by piece side by side, so NR x MR running sums advance together.
 template <typename F, int NR, int MR>
 __attribute__((noinline)) void fused_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t blocks,
                                           int64_t K, float* out, int64_t out_stride, bool add) {
   Lanes acc[NR][MR] = {};
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int n = 0; n < NR; ++n) {
-      MultiplyInto<MR> piece{acc[n], x + b * F::Elems, K};
-      F::unpack(w + n * row_bytes + b * F::Bytes, piece);
-    }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const auto rows = blocks_of_rows<F>(w + b * F::Bytes, row_bytes, std::make_integer_sequence<int, NR>());
+#pragma GCC unroll 16
+    for (int i = 0; i < F::Pieces; ++i)
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) {
+        MultiplyInto<MR> piece{acc[n], x + b * F::Elems + 16 * i, K};
+        rows[n].piece(i, piece);
+      }
+  }
   store_sums<NR, MR>(acc, out, out_stride, add);
 }
 
