@@ -8,16 +8,19 @@
 //       dequantize gives, bit for bit (every product below is exact in float32 or rounded once,
 //       in gguf-py's order); for embedding rows and for the tiles a many-row matmul multiplies.
 //   gguf_matmul(x, raw, format)            -> out [M, N] = x [M, K] @ W^T, W [N, K] in `raw`:
-//       four output rows at a time are dequantised into a per-task buffer of 4 x K floats (L1/L2)
-//       and multiplied with the M rows of x in register tiles (4 weight rows x 4 rows of x on
-//       AVX-512, 4 x 3 on AVX2), so each weight is dequantised once per call whatever M is and
-//       the weights are read from memory at their file size. When x passes 512 KiB, K is taken in
-//       panels of whole blocks sized so x's panel stays in L2 across a task's weight rows, each
-//       panel's sums added to the last's.
+//       up to kFusedMaxRows rows of x (8 on AVX-512, 2 on AVX2: decode), four weight rows' blocks
+//       are unpacked side by side, 16 values at a time dequantised in registers and multiplied
+//       with up to 4 (AVX-512) or 2 (AVX2) rows of x into register accumulators as they come, so
+//       no weight is written to memory; more rows: four weight rows at a time are dequantised
+//       into a per-task buffer of 4 x K floats (L1/L2) and multiplied with the M rows of x in
+//       register tiles (4 weight rows x 4 rows of x on AVX-512, 4 x 3 on AVX2), each weight
+//       dequantised once per call whatever M is. Both read the weights at their file size, take K
+//       in panels of whole blocks (fixed, so x's panel stays in L2 across a task's weight rows at
+//       many rows), each panel's sums added to the last's, and give the same bits.
 //
 // Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
-// dequantiser unpacks 16 bytes at a time with SSSE3 and widens them at the build's width
-// (block_unpack.h); Q3_K's 16 sub-block scales are decoded by a plain loop first. The register
+// block unpacks 16 bytes at a time with SSSE3 into int8 levels, widened at the build's width
+// (block_unpack.h); its scales are decoded into float factors when the block is read. The register
 // tiles are GCC vector types of the build's width.
 
 #include "kernels.h"
