@@ -6,9 +6,9 @@ projection whose parts differ in format).
 GGUFBlockLinear, out = x @ W^T (+ bias), W given as row segments (a fused projection's parts, each
 in its own format):
 
-    rows <= MAX_ROWS   gguf_matmul: four output rows at a time dequantised once into a small
-                       buffer and multiplied with the rows in register tiles (the weights are
-                       read at their file size)
+    rows <= MAX_ROWS   gguf_matmul: four output rows at a time dequantised in registers as they
+                       are multiplied with the rows (past 2 rows on AVX2: into a small buffer,
+                       then register tiles); the weights are read at their file size
     more rows          tiles of dequantised weights (tiled_gemm.py), each multiplied by torch's
                        GEMM and dropped (prefill: compute-bound, so the GEMM pays)
 

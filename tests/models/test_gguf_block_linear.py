@@ -77,14 +77,16 @@ def test_dequantize_and_matmul_equal_gguf_py(build, format):
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_every_register_tile_shape(build):
-    """gguf_matmul multiplies 4 dequantised weight rows at a time with 4 (AVX-512) or 3 (AVX2) rows
-    of x: every remainder of both, across more than one tile."""
+    """gguf_matmul multiplies 4 weight rows at a time (then the rest one by one), dequantised in
+    registers, with 4 (AVX-512) or 2 (AVX2) rows of x at a time up to 8 (AVX-512) or 2 (AVX2) rows,
+    and past that through a buffer with 4 (AVX-512) or 3 (AVX2) rows of x at a time: every remainder
+    of both, across more than one tile."""
     ops, rng = BUILDS[build], np.random.default_rng(4)
     raw = random_blocks("Q5_0", 9, 64, rng)
     weight = dequantized("Q5_0", raw)
-    x = torch.randn(9, 64)
+    x = torch.randn(13, 64)
     for n in range(1, 10):
-        for m in range(1, 10):
+        for m in range(1, 14):
             assert_matmul(ops.gguf_matmul(x[:m], torch.from_numpy(raw[:n]), "Q5_0"), x[:m], weight[:n])
 
 
@@ -102,15 +104,17 @@ def test_panels_of_k_when_x_outgrows_the_cache(build, format, rows, columns):
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_a_row_gets_the_same_bits_whatever_shares_its_call(build):
     """gguf_matmul sums a row's products in one order whether the row is alone, beside a few others
-    (each register tile shape) or in a 300-row call, over one panel of K or several."""
+    (each register tile shape, weights dequantised in registers), or in a call of more rows (through
+    the buffer), over one panel of K or several, in every format."""
     ops, rng = BUILDS[build], np.random.default_rng(6)
-    for format, columns in (("Q8_0", 96), ("Q4_K", 2048)):
+    for format in KERNEL_FORMATS:
+        columns = 2048 if block_shape(format)[0] == 256 else 1088  # two panels of K, the second partial
         raw = torch.from_numpy(random_blocks(format, 9, columns, rng))
-        x = torch.randn(300, columns)
+        x = torch.randn(40, columns)
         together = ops.gguf_matmul(x, raw, format)
-        for m in (1, 2, 3, 5):
+        for m in (1, 2, 3, 5, 8, 9):
             assert torch.equal(ops.gguf_matmul(x[:m], raw, format), together[:m]), (format, m)
-        for m in (0, 150, 299):
+        for m in (0, 20, 39):
             assert torch.equal(ops.gguf_matmul(x[m:m + 1], raw, format), together[m:m + 1]), (format, m)
 
 

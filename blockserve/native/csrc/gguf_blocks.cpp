@@ -8,16 +8,19 @@
 //       dequantize gives, bit for bit (every product below is exact in float32 or rounded once,
 //       in gguf-py's order); for embedding rows and for the tiles a many-row matmul multiplies.
 //   gguf_matmul(x, raw, format)            -> out [M, N] = x [M, K] @ W^T, W [N, K] in `raw`:
-//       four output rows at a time are dequantised into a per-task buffer of 4 x K floats (L1/L2)
-//       and multiplied with the M rows of x in register tiles (4 weight rows x 4 rows of x on
-//       AVX-512, 4 x 3 on AVX2), so each weight is dequantised once per call whatever M is and
-//       the weights are read from memory at their file size. When x passes 512 KiB, K is taken in
-//       panels of whole blocks sized so x's panel stays in L2 across a task's weight rows, each
-//       panel's sums added to the last's.
+//       up to kFusedMaxRows rows of x (8 on AVX-512, 2 on AVX2: decode), four weight rows' blocks
+//       are unpacked side by side, 16 values at a time dequantised in registers and multiplied
+//       with up to 4 (AVX-512) or 2 (AVX2) rows of x into register accumulators as they come, so
+//       no weight is written to memory; more rows: four weight rows at a time are dequantised
+//       into a per-task buffer of 4 x K floats (L1/L2) and multiplied with the M rows of x in
+//       register tiles (4 weight rows x 4 rows of x on AVX-512, 4 x 3 on AVX2), each weight
+//       dequantised once per call whatever M is. Both read the weights at their file size, take K
+//       in panels of whole blocks (fixed, so x's panel stays in L2 across a task's weight rows at
+//       many rows), each panel's sums added to the last's, and give the same bits.
 //
 // Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
-// dequantiser unpacks 16 bytes at a time with SSSE3 and widens them at the build's width
-// (block_unpack.h); Q3_K's 16 sub-block scales are decoded by a plain loop first. The register
+// block unpacks 16 bytes at a time with SSSE3 into int8 levels, widened at the build's width
+// (block_unpack.h); its scales are decoded into float factors when the block is read. The register
 // tiles are GCC vector types of the build's width.
 
 #include "kernels.h"
@@ -27,8 +30,10 @@
 #include "task_pool.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace blockserve {
@@ -39,247 +44,239 @@ constexpr int kK = 256;  // K-quant super-block
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1f;
-  uint32_t mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    int shift = 0;
-    while (!(mantissa & 0x400)) { mantissa <<= 1; ++shift; }
-    bits = sign | (uint32_t(113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return _cvtsh_ss(h);  // exact, subnormals included
 }
 
 constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// Q4_K and Q5_K's eight 6-bit scales and mins packed in 12 bytes.
-inline void scale_min_k4(const uint8_t* s, int j, uint8_t* scale, uint8_t* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// The factors of a K-quant's 16 sub-blocks, d * scale[j] (scale: 16 int8 at `scales`), in `out`.
+inline void sub_block_factors(__m128i scales, float d, float* out) { store_scaled(scales, d, out); }
+
+// Q4_K and Q5_K's eight 6-bit scales and mins packed in 12 bytes `s`: d * scale[j] in factor[j],
+// -(dmin * min[j]) in offset[j] (j < 8).
+inline void scales_mins_k4(const uint8_t* s, float d, float dmin, float* factor, float* offset) {
+  uint32_t w[3];
+  std::memcpy(w, s, 12);
+  // bytes j < 4: the low 6 bits of s[j] (scales) and s[j + 4] (mins); j >= 4: the nibbles of s[j + 4]
+  // below the top 2 bits of s[j - 4] (scales) and s[j] (mins)
+  const uint32_t scales_low = w[0] & 0x3f3f3f3f, mins_low = w[1] & 0x3f3f3f3f;
+  const uint32_t scales_high = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
+  const uint32_t mins_high = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
+  const __m128i scales = _mm_setr_epi32(int(scales_low), int(scales_high), 0, 0);
+  const __m128i mins = _mm_setr_epi32(int(mins_low), int(mins_high), 0, 0);
+  alignas(16) float f[16], o[16];
+  store_scaled(scales, d, f);
+  store_scaled(mins, -dmin, o);  // (-dmin) * m: -(dmin * m) exactly
+  std::memcpy(factor, f, 8 * sizeof(float));
+  std::memcpy(offset, o, 8 * sizeof(float));
 }
 
-// Each dequantises one block (Elems values) at `b` into `y`.
+// A block of each format, read at construction (its scales decoded), hands a piece its values 16
+// at a time: piece(i, p), i < Pieces, gives values [16 i, 16 i + 16) as 16 int8 levels q and the
+// float32 factors giving the values gguf-py's dequantize gives: p.scaled(q, d) for d * q,
+// p.shifted(q, d, m) for d * q + m (there d * q is exact in float32, so the one rounding of the sum
+// is gguf-py's). Each i is a constant where the pieces are unrolled.
 struct Q4_0 {
-  static constexpr int Elems = 32, Bytes = 18;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b);
-    const __m128i qs = load16(b + 2), eight = _mm_set1_epi8(8);
-    store_scaled(_mm_sub_epi8(low_nibbles(qs), eight), d, y);
-    store_scaled(_mm_sub_epi8(high_nibbles(qs), eight), d, y + 16);
+  static constexpr int Elems = 32, Bytes = 18, Pieces = 2;
+  float d;
+  __m128i qs;
+  explicit Q4_0(const uint8_t* b) : d(half_to_float(b)), qs(load16(b + 2)) {}
+  template <typename P> void piece(int i, P& p) const {
+    p.scaled(_mm_sub_epi8(i ? high_nibbles(qs) : low_nibbles(qs), _mm_set1_epi8(8)), d);
   }
 };
 
 struct Q4_1 {
-  static constexpr int Elems = 32, Bytes = 20;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b), m = half_to_float(b + 2);
-    const __m128i qs = load16(b + 4);
-    store_scaled_plus(low_nibbles(qs), d, m, y);
-    store_scaled_plus(high_nibbles(qs), d, m, y + 16);
-  }
+  static constexpr int Elems = 32, Bytes = 20, Pieces = 2;
+  float d, m;
+  __m128i qs;
+  explicit Q4_1(const uint8_t* b) : d(half_to_float(b)), m(half_to_float(b + 2)), qs(load16(b + 4)) {}
+  template <typename P> void piece(int i, P& p) const { p.shifted(i ? high_nibbles(qs) : low_nibbles(qs), d, m); }
 };
 
 struct Q8_0 {
-  static constexpr int Elems = 32, Bytes = 34;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b);
-    store_scaled(load16(b + 2), d, y);
-    store_scaled(load16(b + 18), d, y + 16);
-  }
+  static constexpr int Elems = 32, Bytes = 34, Pieces = 2;
+  const uint8_t* b;
+  float d;
+  explicit Q8_0(const uint8_t* b) : b(b), d(half_to_float(b)) {}
+  template <typename P> void piece(int i, P& p) const { p.scaled(load16(b + 2 + 16 * i), d); }
 };
 
+// Q5_0 and Q5_1: the 16 low bits of qh are the fifth bits of the low nibbles, the high 16 of the high.
+inline __m128i five_bits(__m128i qs, uint32_t qh, int i) {
+  const __m128i fifth = _mm_and_si128(bit_bytes(i ? qh >> 16 : qh), _mm_set1_epi8(0x10));
+  return _mm_or_si128(i ? high_nibbles(qs) : low_nibbles(qs), fifth);
+}
+
 struct Q5_0 {
-  static constexpr int Elems = 32, Bytes = 22;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b);
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    const __m128i qs = load16(b + 6), fifth = _mm_set1_epi8(0x10);
-    const __m128i low = _mm_or_si128(low_nibbles(qs), _mm_and_si128(bit_bytes(qh), fifth));
-    const __m128i high = _mm_or_si128(high_nibbles(qs), _mm_and_si128(bit_bytes(qh >> 16), fifth));
-    store_scaled(_mm_sub_epi8(low, fifth), d, y);
-    store_scaled(_mm_sub_epi8(high, fifth), d, y + 16);
+  static constexpr int Elems = 32, Bytes = 22, Pieces = 2;
+  float d;
+  uint32_t qh;
+  __m128i qs;
+  explicit Q5_0(const uint8_t* b) : d(half_to_float(b)), qs(load16(b + 6)) { std::memcpy(&qh, b + 2, 4); }
+  template <typename P> void piece(int i, P& p) const {
+    p.scaled(_mm_sub_epi8(five_bits(qs, qh, i), _mm_set1_epi8(0x10)), d);
   }
 };
 
 struct Q5_1 {
-  static constexpr int Elems = 32, Bytes = 24;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b), m = half_to_float(b + 2);
-    uint32_t qh;
+  static constexpr int Elems = 32, Bytes = 24, Pieces = 2;
+  float d, m;
+  uint32_t qh;
+  __m128i qs;
+  explicit Q5_1(const uint8_t* b) : d(half_to_float(b)), m(half_to_float(b + 2)), qs(load16(b + 8)) {
     std::memcpy(&qh, b + 4, 4);
-    const __m128i qs = load16(b + 8), fifth = _mm_set1_epi8(0x10);
-    store_scaled_plus(_mm_or_si128(low_nibbles(qs), _mm_and_si128(bit_bytes(qh), fifth)), d, m, y);
-    store_scaled_plus(_mm_or_si128(high_nibbles(qs), _mm_and_si128(bit_bytes(qh >> 16), fifth)), d, m, y + 16);
   }
+  template <typename P> void piece(int i, P& p) const { p.shifted(five_bits(qs, qh, i), d, m); }
 };
 
+inline __m128i non_linear4(__m128i nibbles) {
+  return _mm_shuffle_epi8(load16(reinterpret_cast<const uint8_t*>(kNonLinear4)), nibbles);
+}
+
 struct IQ4_NL {
-  static constexpr int Elems = 32, Bytes = 18;
-  static void dequantize(const uint8_t* b, float* y) {
-    const __m128i table = load16(reinterpret_cast<const uint8_t*>(kNonLinear4)), qs = load16(b + 2);
-    const float d = half_to_float(b);
-    store_scaled(_mm_shuffle_epi8(table, low_nibbles(qs)), d, y);
-    store_scaled(_mm_shuffle_epi8(table, high_nibbles(qs)), d, y + 16);
-  }
+  static constexpr int Elems = 32, Bytes = 18, Pieces = 2;
+  float d;
+  __m128i qs;
+  explicit IQ4_NL(const uint8_t* b) : d(half_to_float(b)), qs(load16(b + 2)) {}
+  template <typename P> void piece(int i, P& p) const { p.scaled(non_linear4(i ? high_nibbles(qs) : low_nibbles(qs)), d); }
 };
 
 struct Q2_K {  // scales[16] | qs[64] | d | dmin
-  static constexpr int Elems = kK, Bytes = 84;
-  static void dequantize(const uint8_t* b, float* y) {
-    const uint8_t* scales = b;
-    const uint8_t* qs = b + 16;
-    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
-    const __m128i three = _mm_set1_epi8(3);
-    for (int half = 0; half < 2; ++half)
-      for (int shift = 0; shift < 4; ++shift)
-        for (int l = 0; l < 2; ++l) {  // 16 weights from bits 2 shift of 16 bytes, sharing scales[w / 16]
-          const int w = half * 128 + shift * 32 + 16 * l;
-          const uint8_t sc = scales[w / 16];
-          const __m128i q = _mm_and_si128(_mm_srl_epi16(load16(qs + half * 32 + 16 * l), _mm_cvtsi32_si128(2 * shift)), three);
-          store_scaled_less(q, d * float(sc & 0x0f), dmin * float(sc >> 4), y + w);  // both products exact
-        }
+  static constexpr int Elems = kK, Bytes = 84, Pieces = 16;
+  const uint8_t* qs;
+  alignas(64) float factor[16], offset[16];  // per 16 values: d * (scale & 15), -(dmin * (scale >> 4))
+  explicit Q2_K(const uint8_t* b) : qs(b + 16) {
+    const __m128i scales = load16(b);
+    sub_block_factors(low_nibbles(scales), half_to_float(b + 80), factor);
+    sub_block_factors(high_nibbles(scales), -half_to_float(b + 82), offset);  // both products exact
+  }
+  template <typename P> void piece(int i, P& p) const {  // bits 2 shift of 16 bytes
+    const int half = i / 8, shift = i / 2 % 4, l = i % 2;
+    const __m128i q = _mm_and_si128(_mm_srli_epi16(load16(qs + half * 32 + 16 * l), 2 * shift), _mm_set1_epi8(3));
+    p.shifted(q, factor[i], offset[i]);
   }
 };
 
 struct Q3_K {  // hmask[32] | qs[64] | scales[12] | d
-  static constexpr int Elems = kK, Bytes = 110;
-  static void dequantize(const uint8_t* b, float* y) {
-    const uint8_t* hmask = b;
-    const uint8_t* qs = b + 32;
+  static constexpr int Elems = kK, Bytes = 110, Pieces = 16;
+  const uint8_t* hmask;
+  const uint8_t* qs;
+  alignas(64) float factor[16];  // per 16 values: d * (6-bit scale - 32)
+  explicit Q3_K(const uint8_t* b) : hmask(b), qs(b + 32) {
     const uint8_t* s = b + 96;
-    const float d = half_to_float(b + 108);
-    float dl[16];
+    alignas(16) int8_t scales[16];
     for (int i = 0; i < 16; ++i) {
       const int low = (s[i % 8] >> (4 * (i / 8))) & 0x0f, high = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
-      dl[i] = d * float((low | (high << 4)) - 32);
+      scales[i] = int8_t((low | (high << 4)) - 32);
     }
-    const __m128i three = _mm_set1_epi8(3), four = _mm_set1_epi8(4);
-    for (int half = 0; half < 2; ++half)
-      for (int shift = 0; shift < 4; ++shift) {
-        const __m128i bit = _mm_set1_epi8(char(1 << (half * 4 + shift)));  // hmask bit w / 32 of weight w
-        for (int l = 0; l < 2; ++l) {
-          const int w = half * 128 + shift * 32 + 16 * l;
-          const __m128i low = _mm_and_si128(_mm_srl_epi16(load16(qs + half * 32 + 16 * l), _mm_cvtsi32_si128(2 * shift)), three);
-          const __m128i h = _mm_and_si128(load16(hmask + 16 * l), bit);
-          store_scaled(_mm_sub_epi8(low, _mm_andnot_si128(_mm_cmpeq_epi8(h, bit), four)), dl[w / 16], y + w);
-        }
-      }
+    sub_block_factors(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)), half_to_float(b + 108), factor);
+  }
+  template <typename P> void piece(int i, P& p) const {  // bits 2 shift of 16 bytes, hmask bit i / 2 clear: - 4
+    const int half = i / 8, shift = i / 2 % 4, l = i % 2;
+    const __m128i bit = _mm_set1_epi8(char(1 << (half * 4 + shift)));
+    const __m128i low = _mm_and_si128(_mm_srli_epi16(load16(qs + half * 32 + 16 * l), 2 * shift), _mm_set1_epi8(3));
+    const __m128i h = _mm_and_si128(load16(hmask + 16 * l), bit);
+    p.scaled(_mm_sub_epi8(low, _mm_andnot_si128(_mm_cmpeq_epi8(h, bit), _mm_set1_epi8(4))), factor[i]);
   }
 };
 
 struct Q4_K {  // d | dmin | scales[12] | qs[128]
-  static constexpr int Elems = kK, Bytes = 144;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t* qs = b + 16;
-    for (int chunk = 0; chunk < 4; ++chunk) {  // 64 weights: the low nibbles of 32 bytes, then the high
-      for (int part = 0; part < 2; ++part) {
-        uint8_t sc, m;
-        scale_min_k4(b + 4, 2 * chunk + part, &sc, &m);
-        const float scale = d * float(sc), min = dmin * float(m);
-        float* out = y + 64 * chunk + 32 * part;
-        for (int half = 0; half < 2; ++half) {
-          const __m128i q = load16(qs + 32 * chunk + 16 * half);
-          store_scaled_less(part ? high_nibbles(q) : low_nibbles(q), scale, min, out + 16 * half);
-        }
-      }
-    }
+  static constexpr int Elems = kK, Bytes = 144, Pieces = 16;
+  const uint8_t* qs;
+  alignas(32) float factor[8], offset[8];  // per 32 values
+  explicit Q4_K(const uint8_t* b) : qs(b + 16) {
+    scales_mins_k4(b + 4, half_to_float(b), half_to_float(b + 2), factor, offset);
+  }
+  template <typename P> void piece(int i, P& p) const {  // 64 values: the low nibbles of 32 bytes, then the high
+    const __m128i q = load16(qs + 32 * (i / 4) + 16 * (i % 2));
+    p.shifted(i / 2 % 2 ? high_nibbles(q) : low_nibbles(q), factor[i / 2], offset[i / 2]);
   }
 };
 
 struct Q5_K {  // d | dmin | scales[12] | qh[32] | qs[128]
-  static constexpr int Elems = kK, Bytes = 176;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48;
-    for (int chunk = 0; chunk < 4; ++chunk) {
-      for (int part = 0; part < 2; ++part) {
-        const int sub = 2 * chunk + part;
-        uint8_t sc, m;
-        scale_min_k4(b + 4, sub, &sc, &m);
-        const float scale = d * float(sc), min = dmin * float(m);
-        float* out = y + 32 * sub;
-        const __m128i bit = _mm_set1_epi8(char(1 << sub)), fifth = _mm_set1_epi8(0x10);
-        for (int half = 0; half < 2; ++half) {
-          const __m128i q = load16(qs + 32 * chunk + 16 * half), h = load16(qh + 16 * half);
-          const __m128i high = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bit), bit), fifth);
-          store_scaled_less(_mm_or_si128(part ? high_nibbles(q) : low_nibbles(q), high), scale, min, out + 16 * half);
-        }
-      }
-    }
+  static constexpr int Elems = kK, Bytes = 176, Pieces = 16;
+  const uint8_t* qh;
+  const uint8_t* qs;
+  alignas(32) float factor[8], offset[8];
+  explicit Q5_K(const uint8_t* b) : qh(b + 16), qs(b + 48) {
+    scales_mins_k4(b + 4, half_to_float(b), half_to_float(b + 2), factor, offset);
+  }
+  template <typename P> void piece(int i, P& p) const {  // as Q4_K's, bit i / 2 of qh the fifth
+    const int sub = i / 2, half = i % 2;
+    const __m128i q = load16(qs + 32 * (i / 4) + 16 * half), bit = _mm_set1_epi8(char(1 << sub));
+    const __m128i high = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(load16(qh + 16 * half), bit), bit), _mm_set1_epi8(0x10));
+    p.shifted(_mm_or_si128(sub % 2 ? high_nibbles(q) : low_nibbles(q), high), factor[sub], offset[sub]);
   }
 };
 
 struct Q6_K {  // ql[128] | qh[64] | scales[16] int8 | d
-  static constexpr int Elems = kK, Bytes = 210;
-  static void dequantize(const uint8_t* b, float* y) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_to_float(b + 208);
-    for (int half = 0; half < 2; ++half)
-      for (int group = 0; group < 4; ++group) {
-        const int w0 = 128 * half + 32 * group;
-        const __m128i shift = _mm_cvtsi32_si128(2 * group), three = _mm_set1_epi8(3);
-        for (int l = 0; l < 2; ++l) {  // 16 values sharing scales[w0 / 16 + l]
-          const __m128i q = load16(ql + 64 * half + 32 * (group % 2) + 16 * l);
-          const __m128i low = group / 2 ? high_nibbles(q) : low_nibbles(q);
-          const __m128i high = _mm_and_si128(_mm_srl_epi16(load16(qh + 32 * half + 16 * l), shift), three);
-          const __m128i value = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
-          store_scaled(value, d * float(scales[w0 / 16 + l]), y + w0 + 16 * l);
-        }
-      }
+  static constexpr int Elems = kK, Bytes = 210, Pieces = 16;
+  const uint8_t* ql;
+  const uint8_t* qh;
+  alignas(64) float factor[16];  // per 16 values: d * scale
+  explicit Q6_K(const uint8_t* b) : ql(b), qh(b + 128) { sub_block_factors(load16(b + 192), half_to_float(b + 208), factor); }
+  template <typename P> void piece(int i, P& p) const {  // a nibble of ql, bits 2 group of qh above it, - 32
+    const int half = i / 8, group = i / 2 % 4, l = i % 2;
+    const __m128i q = load16(ql + 64 * half + 32 * (group % 2) + 16 * l);
+    const __m128i low = group / 2 ? high_nibbles(q) : low_nibbles(q);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(load16(qh + 32 * half + 16 * l), 2 * group), _mm_set1_epi8(3));
+    p.scaled(_mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32)), factor[i]);
   }
 };
 
 struct IQ4_XS {  // d | scales_h (uint16) | scales_l[4] | qs[128]
-  static constexpr int Elems = kK, Bytes = 136;
-  static void dequantize(const uint8_t* b, float* y) {
-    const float d = half_to_float(b);
+  static constexpr int Elems = kK, Bytes = 136, Pieces = 16;
+  const uint8_t* qs;
+  alignas(64) float factor[16];  // [0, 8): per 32 values, d * (6-bit scale - 32)
+  explicit IQ4_XS(const uint8_t* b) : qs(b + 8) {
     uint16_t scales_h;
     std::memcpy(&scales_h, b + 2, 2);
-    const uint8_t* scales_l = b + 4;
-    const uint8_t* qs = b + 8;
-    for (int sub = 0; sub < 8; ++sub) {
-      const int scale = (((scales_l[sub / 2] >> (4 * (sub % 2))) & 0x0f) | (((scales_h >> (2 * sub)) & 3) << 4)) - 32;
-      const float dl = d * float(scale);
-      const __m128i table = load16(reinterpret_cast<const uint8_t*>(kNonLinear4)), q = load16(qs + 16 * sub);
-      store_scaled(_mm_shuffle_epi8(table, low_nibbles(q)), dl, y + 32 * sub);
-      store_scaled(_mm_shuffle_epi8(table, high_nibbles(q)), dl, y + 32 * sub + 16);
-    }
+    alignas(16) int8_t scales[16] = {};
+    for (int sub = 0; sub < 8; ++sub)
+      scales[sub] = int8_t((((b[4 + sub / 2] >> (4 * (sub % 2))) & 0x0f) | (((scales_h >> (2 * sub)) & 3) << 4)) - 32);
+    sub_block_factors(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)), half_to_float(b), factor);
   }
+  template <typename P> void piece(int i, P& p) const {
+    const __m128i q = load16(qs + 16 * (i / 2));
+    p.scaled(non_linear4(i % 2 ? high_nibbles(q) : low_nibbles(q)), factor[i / 2]);
+  }
+};
+
+// The piece that stores gguf-py's values.
+struct Store {
+  float* y;
+  void scaled(__m128i q, float d) { store_scaled(q, d, y); }
+  void shifted(__m128i q, float d, float m) { store_scaled_plus(q, d, m, y); }
 };
 
 template <typename F>
 void dequantize_row(const uint8_t* row, int64_t columns, float* out) {
-  for (int64_t b = 0; b < columns / F::Elems; ++b) F::dequantize(row + b * F::Bytes, out + b * F::Elems);
+  for (int64_t b = 0; b < columns / F::Elems; ++b) {
+    const F block(row + b * F::Bytes);
+    for (int i = 0; i < F::Pieces; ++i) {
+      Store store{out + b * F::Elems + 16 * i};
+      block.piece(i, store);
+    }
+  }
 }
 
-// The register-blocked product of dequantised weight rows with rows of x: a tile of NR weight rows
-// (w, each K floats, contiguous) times MR rows of x keeps NR x MR vector accumulators, so each
-// vector of weights loaded serves MR rows and each of x serves NR. K is a multiple of 32.
+// Both products of weight rows with rows of x keep a tile of NR weight rows x MR rows of x as
+// NR x MR vector accumulators, so each vector of weights serves MR rows and each of x serves NR.
+// Every accumulator takes its products in the same order, lane l the columns l, l + kLanes, ...
+// of a panel in turn, with one rounding each (explicit FMA), and the panel's sum is its lanes'
+// sum by halving (lane_sum): the two products give the same bits, and so does any tile shape.
+// Up to kFusedMaxRows rows of x, gguf_matmul dequantises the weights in registers (fused_tile),
+// kFusedRows rows of x at a time; past it into a buffer once a call (tile). On AVX2 (16 registers,
+// 8 accumulating when fused) a second pass of unpacking costs more than the buffer's write and read.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16, kTileRows = 4;  // 16 of the 32 zmm registers accumulate
+constexpr int kLanes = 16, kTileRows = 4, kFusedRows = 4;
+constexpr int64_t kFusedMaxRows = 8;
 #else
-constexpr int kLanes = 8, kTileRows = 3;  // 12 of the 16 ymm registers accumulate
+constexpr int kLanes = 8, kTileRows = 3, kFusedRows = 2;
+constexpr int64_t kFusedMaxRows = 2;
 #endif
-constexpr int kWeightRows = 4;  // the switch in gguf_matmul takes 1 to 4
+constexpr int kWeightRows = 4;  // NR: the switches in gguf_matmul take 1 to 4
 // gguf_matmul takes K in panels of this many columns (whole blocks): 512 KiB of x at 128 rows, L2-resident.
 // Fixed, not sized by the row count, so a row's sums run in the same order whatever rows share the call.
 constexpr int64_t kPanelColumns = 1024;
@@ -316,8 +313,18 @@ inline float lane_sum(Lanes v) {
   return s;
 }
 
-// A panel of `columns` values (a multiple of kLanes): w's rows `columns` apart, x's K apart; the
-// sums are stored, or added to out when `add` (a later panel of the same rows).
+// out[m * out_stride + n] = (or += when `add`: a later panel of the same rows) acc[n][m]'s lane sum.
+template <int NR, int MR>
+inline void store_sums(const Lanes (&acc)[NR][MR], float* out, int64_t out_stride, bool add) {
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) {
+      float& o = out[m * out_stride + n];
+      o = add ? o + lane_sum(acc[n][m]) : lane_sum(acc[n][m]);
+    }
+}
+
+// A panel of `columns` values (a multiple of kLanes) of dequantised weights: w's rows `columns`
+// apart, x's K apart.
 template <int NR, int MR>  // not inlined: GCC's AVX2 code for the inlined 4 x 3 tile ran at half speed
 __attribute__((noinline)) void tile(const float* w, const float* x, int64_t columns, int64_t K, float* out,
                                     int64_t out_stride, bool add) {
@@ -330,15 +337,11 @@ __attribute__((noinline)) void tile(const float* w, const float* x, int64_t colu
       for (int n = 0; n < NR; ++n) acc[n][m] = fused_multiply_add(wv[n], xv, acc[n][m]);
     }
   }
-  for (int n = 0; n < NR; ++n)
-    for (int m = 0; m < MR; ++m) {
-      float& o = out[m * out_stride + n];
-      o = add ? o + lane_sum(acc[n][m]) : lane_sum(acc[n][m]);
-    }
+  store_sums<NR, MR>(acc, out, out_stride, add);
 }
 
-// out[m, n] (+)= a panel of NR weight rows w (`columns` values each) times the same columns of the
-// M rows of x (rows K apart; out_stride: the row length of out).
+// out[m, n] (+)= a panel of NR dequantised weight rows w (`columns` values each) times the same
+// columns of the M rows of x (rows K apart; out_stride: the row length of out).
 template <int NR>
 void weight_rows_times_x(const float* w, const float* x, int64_t M, int64_t columns, int64_t K, float* out,
                          int64_t out_stride, bool add) {
@@ -353,14 +356,81 @@ void weight_rows_times_x(const float* w, const float* x, int64_t M, int64_t colu
   }
 }
 
+// The piece that multiplies a weight row's values, as they are unpacked, with MR rows of x (K apart)
+// into that weight row's accumulators.
+template <int MR>
+struct MultiplyInto {
+  Lanes* acc;
+  const float* x;
+  int64_t K;
+  void scaled(__m128i q, float d) {
+#if defined(__AVX512F__)
+    add((Lanes)_mm512_mul_ps(widen16(q), _mm512_set1_ps(d)));
+#else
+    const __m256 vd = _mm256_set1_ps(d);
+    add((Lanes)_mm256_mul_ps(widen8(q), vd));
+    add((Lanes)_mm256_mul_ps(widen8(_mm_unpackhi_epi64(q, q)), vd));
+#endif
+  }
+  void shifted(__m128i q, float d, float m) {  // d * q exact: one rounding, as Store's
+#if defined(__AVX512F__)
+    add((Lanes)_mm512_fmadd_ps(widen16(q), _mm512_set1_ps(d), _mm512_set1_ps(m)));
+#else
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    add((Lanes)_mm256_fmadd_ps(widen8(q), vd, vm));
+    add((Lanes)_mm256_fmadd_ps(widen8(_mm_unpackhi_epi64(q, q)), vd, vm));
+#endif
+  }
+  void add(Lanes w) {
+    for (int m = 0; m < MR; ++m) acc[m] = fused_multiply_add(w, load_lanes(x + m * K), acc[m]);
+    x += kLanes;
+  }
+};
+
+template <typename F, int... n>
+std::array<F, sizeof...(n)> blocks_of_rows(const uint8_t* w, int64_t row_bytes, std::integer_sequence<int, n...>) {
+  return {F(w + n * row_bytes)...};
+}
+
+// A panel of `blocks` blocks of NR weight rows (row_bytes apart) times MR rows of x (K apart), the
+// weights dequantised in registers as they are multiplied: the same sums as tile's over them. The
+// rows' blocks are unpacked piece by piece side by side, so NR x MR running sums advance together.
+template <typename F, int NR, int MR>
+__attribute__((noinline)) void fused_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t blocks,
+                                          int64_t K, float* out, int64_t out_stride, bool add) {
+  Lanes acc[NR][MR] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const auto rows = blocks_of_rows<F>(w + b * F::Bytes, row_bytes, std::make_integer_sequence<int, NR>());
+#pragma GCC unroll 16
+    for (int i = 0; i < F::Pieces; ++i)
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) {
+        MultiplyInto<MR> piece{acc[n], x + b * F::Elems + 16 * i, K};
+        rows[n].piece(i, piece);
+      }
+  }
+  store_sums<NR, MR>(acc, out, out_stride, add);
+}
+
+using FusedTile = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool);
+
+template <typename F, int NR, int... MR>
+constexpr std::array<FusedTile, sizeof...(MR)> fused_row_tiles(std::integer_sequence<int, MR...>) {
+  return {&fused_tile<F, NR, MR + 1>...};
+}
+
 struct Format {
   int64_t elems, bytes;
   void (*dequantize_row)(const uint8_t*, int64_t, float*);
+  // [one weight row, kWeightRows of them][rows of x - 1]: fused_tile for 1 .. kFusedRows rows of x
+  std::array<std::array<FusedTile, kFusedRows>, 2> fused;
 };
 
 template <typename F>
 constexpr Format format_of() {
-  return {F::Elems, F::Bytes, &dequantize_row<F>};
+  return {F::Elems, F::Bytes, &dequantize_row<F>,
+          {fused_row_tiles<F, 1>(std::make_integer_sequence<int, kFusedRows>()),
+           fused_row_tiles<F, kWeightRows>(std::make_integer_sequence<int, kFusedRows>())}};
 }
 
 Format format_named(const std::string& name) {
@@ -388,6 +458,38 @@ Format checked(const at::Tensor& raw, const std::string& name, int64_t columns) 
               name, " rows of ", columns, " values take ", columns / f.elems * f.bytes, " bytes (", f.elems,
               " per ", f.bytes, "-byte block), not ", raw.size(1));
   return f;
+}
+
+// out's columns [n0, n0 + count) over one panel of K (`columns` values from k0), with the weights
+// dequantised in registers: kWeightRows rows at a time (the rest one by one) times kFusedRows rows
+// of x at a time.
+void fused_rows(const Format& f, const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K,
+                int64_t n0, int64_t count, int64_t k0, int64_t columns, float* out, int64_t N) {
+  const uint8_t* wk = w + k0 / f.elems * f.bytes;
+  for (int64_t n = 0; n < count;) {
+    const int weight_rows = count - n >= kWeightRows ? kWeightRows : 1;
+    const auto& tiles = f.fused[weight_rows == kWeightRows];
+    for (int64_t m = 0; m < M; m += kFusedRows) {
+      const int64_t rows = std::min<int64_t>(kFusedRows, M - m);
+      tiles[rows - 1](wk + (n0 + n) * row_bytes, row_bytes, x + m * K + k0, columns / f.elems, K,
+                      out + m * N + n0 + n, N, k0 > 0);
+    }
+    n += weight_rows;
+  }
+}
+
+// The same through a buffer of kWeightRows dequantised rows (`rows`, kWeightRows x panel floats).
+void buffered_rows(const Format& f, const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K,
+                   int64_t n0, int64_t count, int64_t k0, int64_t columns, float* out, int64_t N, float* rows) {
+  const uint8_t* wk = w + k0 / f.elems * f.bytes;
+  for (int64_t r = 0; r < count; ++r) f.dequantize_row(wk + (n0 + r) * row_bytes, columns, rows + r * columns);
+  const float* xk = x + k0;
+  switch (count) {
+    case 4: weight_rows_times_x<4>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
+    case 3: weight_rows_times_x<3>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
+    case 2: weight_rows_times_x<2>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
+    default: weight_rows_times_x<1>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
+  }
 }
 
 }  // namespace
@@ -420,30 +522,30 @@ at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format) 
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = raw.size(1);
   // tasks of kWeightRows output rows at a time, >= ~64 K multiply-adds each. K is taken in panels of
-  // kPanelColumns (whole blocks), each panel over all of a task's rows, so x's panel stays in L2
-  // across them (each weight still dequantised once); a row's result does not depend on M.
+  // kPanelColumns (whole blocks). Up to kFusedMaxRows rows of x (a few KiB per panel) each weight row
+  // is read through, panel after panel, dequantised in registers once per kFusedRows rows of x; past
+  // it each panel runs over all of a task's rows, so x's panel stays in L2 across them, each weight
+  // dequantised once into the buffer. Either way a row's result does not depend on M.
   const int64_t groups = (N + kWeightRows - 1) / kWeightRows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (K * M * kWeightRows));
   const int64_t panel = std::min(K, std::max<int64_t>(1, kPanelColumns / f.elems) * f.elems);
-  const int64_t blocks_per_panel = panel / f.elems;
-  for_each_range(groups, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> rows(kWeightRows * panel);
-    for (int64_t k0 = 0; k0 < K; k0 += panel) {
-      const int64_t columns = std::min(panel, K - k0);
-      const uint8_t* wk = w + k0 / panel * blocks_per_panel * f.bytes;
+  if (M <= kFusedMaxRows) {
+    for_each_range(groups, grain, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t n0 = g * kWeightRows, count = std::min<int64_t>(kWeightRows, N - n0);
-        for (int64_t r = 0; r < count; ++r)
-          f.dequantize_row(wk + (n0 + r) * row_bytes, columns, rows.data() + r * columns);
-        const float* xk = xp + k0;
-        switch (count) {
-          case 4: weight_rows_times_x<4>(rows.data(), xk, M, columns, K, o + n0, N, k0 > 0); break;
-          case 3: weight_rows_times_x<3>(rows.data(), xk, M, columns, K, o + n0, N, k0 > 0); break;
-          case 2: weight_rows_times_x<2>(rows.data(), xk, M, columns, K, o + n0, N, k0 > 0); break;
-          default: weight_rows_times_x<1>(rows.data(), xk, M, columns, K, o + n0, N, k0 > 0); break;
-        }
+        for (int64_t k0 = 0; k0 < K; k0 += panel)
+          fused_rows(f, w, row_bytes, xp, M, K, n0, count, k0, std::min(panel, K - k0), o, N);
       }
-    }
+    });
+    return out;
+  }
+  for_each_range(groups, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(kWeightRows * panel);
+    for (int64_t k0 = 0; k0 < K; k0 += panel)
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t n0 = g * kWeightRows, count = std::min<int64_t>(kWeightRows, N - n0);
+        buffered_rows(f, w, row_bytes, xp, M, K, n0, count, k0, std::min(panel, K - k0), o, N, rows.data());
+      }
   });
   return out;
 }

@@ -21,7 +21,8 @@
 // once and dotted with its expert's few tokens, the vector code the compiler's at the build's
 // width); an expert with more tokens (prefill) takes torch's GEMM. GGUF experts: each expert's
 // projections through gguf_blocks.cpp's gguf_matmul at every token count (four weight rows
-// dequantised at a time into a cache-resident buffer and multiplied in register tiles), read from
+// dequantised at a time, in registers at a few tokens, else into a cache-resident buffer, and
+// multiplied in register tiles), read from
 // the file's blocks: measured at gpt-oss-20b's shape in Q8_0 at one thread, it beats float32 GEMM
 // over the same values at 1 to 256 tokens on AVX-512 and up to ~32 on AVX2 (0.84-0.88x at 64-128),
 // where dequantising the expert whole for torch's GEMM, or GEMM over L2-sized dequantised panels,
