@@ -182,20 +182,26 @@ inline void set_signed(Weights& w, int v, __m256i q) {
   }
 }
 
-// 8 float16 at p + j * Stride, as float32.
+// 8 float16 at p + j * Stride, as float32 (built in registers: a wide load of narrow stores would stall).
 template <int Stride>
 inline __m256 halves8(const uint8_t* p) {
-  alignas(16) uint16_t h[8];
-  for (int j = 0; j < 8; ++j) std::memcpy(h + j, p + j * Stride, 2);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+  const auto h = [p](int j) {
+    int16_t v;
+    std::memcpy(&v, p + j * Stride, 2);
+    return v;
+  };
+  return _mm256_cvtph_ps(_mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7)));
 }
 
 // 8 uint32 at p + j * Stride.
 template <int Stride>
 inline __m256i dwords8(const uint8_t* p) {
-  alignas(32) uint32_t d[8];
-  for (int j = 0; j < 8; ++j) std::memcpy(d + j, p + j * Stride, 4);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(d));
+  const auto d = [p](int j) {
+    int32_t v;
+    std::memcpy(&v, p + j * Stride, 4);
+    return v;
+  };
+  return _mm256_setr_epi32(d(0), d(1), d(2), d(3), d(4), d(5), d(6), d(7));
 }
 
 // Eight 32-value blocks' 16 bytes of 4-bit levels (at qs(j) for block j; value i < 16 in the low
@@ -356,9 +362,11 @@ struct Q3_K : Traits {  // hmask[32] | qs[64] | scales[12] | d
   static constexpr const Layout& layout = kPlanes;
   static void unpack(const uint8_t* b, Weights& w) {
     const uint8_t* s = b + 96;
-    alignas(16) int8_t scales[16];
-    for (int j = 0; j < 16; ++j)
-      scales[j] = int8_t((((s[j % 8] >> (4 * (j / 8))) & 0x0f) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
+    const auto scale = [s](int j) {
+      return int8_t((((s[j % 8] >> (4 * (j / 8))) & 0x0f) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
+    };
+    const __m128i scales = _mm_setr_epi8(scale(0), scale(1), scale(2), scale(3), scale(4), scale(5), scale(6), scale(7),
+                                         scale(8), scale(9), scale(10), scale(11), scale(12), scale(13), scale(14), scale(15));
     // as Q2_K's levels, plus 4 where bit (block) of hmask is set, less 4
     __m256i z[4] = {load32(b + 32), load32(b + 32), load32(b + 64), load32(b + 64)};
     transpose4(z[0], z[1], z[2], z[3]);
@@ -371,7 +379,7 @@ struct Q3_K : Traits {  // hmask[32] | qs[64] | scales[12] | d
       w.u[v] = _mm256_or_si256(_mm256_and_si256(shift_right(z[v], 0, 2, 0, 2), bytes(3)), high(0, 1, 4, 5));
       w.u[v + 4] = _mm256_or_si256(_mm256_and_si256(shift_right(z[v], 4, 6, 4, 6), bytes(3)), high(2, 3, 6, 7));
     }
-    planes_scales(_mm_load_si128(reinterpret_cast<const __m128i*>(scales)), 2, w);
+    planes_scales(scales, 2, w);
     w.scale = _mm256_set1_ps(half(b + 108));
   }
 };
@@ -442,9 +450,9 @@ struct IQ4_XS : Traits {  // d | scales_h (uint16) | scales_l[4] | qs[128]
     for (int v = 0; v < 8; ++v) set_signed(w, v, non_linear(t[v]));
     uint16_t scales_h;
     std::memcpy(&scales_h, b + 2, 2);
-    alignas(32) int32_t scales[8];
-    for (int i = 0; i < 8; ++i) scales[i] = (((b[4 + i / 2] >> (4 * (i % 2))) & 0x0f) | (((scales_h >> (2 * i)) & 3) << 4)) - 32;
-    w.scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scales))));
+    const auto scale = [&](int i) { return (((b[4 + i / 2] >> (4 * (i % 2))) & 0x0f) | (((scales_h >> (2 * i)) & 3) << 4)) - 32; };
+    const __m256i scales = _mm256_setr_epi32(scale(0), scale(1), scale(2), scale(3), scale(4), scale(5), scale(6), scale(7));
+    w.scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(scales));
   }
 };
 
