@@ -152,12 +152,8 @@ inline __m256i pick_bytes(__m256i v, int a, int b, int c, int d, int e, int f, i
   return _mm256_shuffle_epi8(v, _mm256_setr_epi32(lane(a), lane(b), lane(c), lane(d), lane(e), lane(f), lane(g), lane(h)));
 }
 
-// 16 bytes of p picked by idx, as int16 (signed or not).
-template <bool Signed>
-inline __m256i words(__m128i v, __m128i idx) {
-  const __m128i b = _mm_shuffle_epi8(v, idx);
-  return Signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
-}
+// The int8 bytes of v picked by idx, as int16.
+inline __m256i words(__m128i v, __m128i idx) { return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(v, idx)); }
 
 inline __m128i idx16(int8_t a0, int8_t a1, int8_t a2, int8_t a3, int8_t a4, int8_t a5, int8_t a6, int8_t a7) {
   return _mm_setr_epi8(a0, a0, a1, a1, a2, a2, a3, a3, a4, a4, a5, a5, a6, a6, a7, a7);
@@ -240,11 +236,11 @@ inline void k4_factors(const uint8_t* s, float d, float dmin, Weights& w) {
   w.constant = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(min)), _mm256_set1_ps(-0.f));
 }
 
-// 16 int8 sub-block scales (block j: 2j, 2j + 1) as kPlanes' sub and offset (times `offset`).
+// 16 int8 sub-block scales (block j: 2j, 2j + 1) as kPlanes' sub, and as offsets (times 2^offset_shift).
 inline void planes_scales(__m128i scales, int offset_shift, Weights& w) {
-  w.sub[0] = words<true>(scales, kPlanesLow);
-  w.sub[1] = words<true>(scales, kPlanesHigh);
-  w.offset = _mm256_sll_epi16(words<true>(scales, planes_pairs()), _mm_cvtsi32_si128(offset_shift));
+  w.sub[0] = words(scales, kPlanesLow);
+  w.sub[1] = words(scales, kPlanesHigh);
+  w.offset = _mm256_sll_epi16(words(scales, planes_pairs()), _mm_cvtsi32_si128(offset_shift));
 }
 
 constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
