@@ -25,7 +25,7 @@ from tests.paged_harness import run_paged
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(any(ops is None or not ops.simd_lanes() for ops in BUILDS.values()),
                                  reason="the block kernels need native kernels built with AVX-512 or AVX2")]
-ROWS = (1, 2, 7, 16, 64, 300)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 16, 300)  # each weight chunk dotted with 1-4 rows at once; past 4, tiles of 4 and 1-3
 EXTREMES = np.array([65504.0, 0.0, -65504.0, -1.5e-3, 6e-8])  # largest finite, zero, negative, subnormal
 
 
@@ -76,6 +76,20 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(build):
     together = ops.gguf_matmul_int8(x, raw, "Q4_K")
     for m in (0, 1, 150, 299):
         assert torch.equal(ops.gguf_matmul_int8(x[m:m + 1], raw, "Q4_K"), together[m:m + 1])
+
+
+@pytest.mark.parametrize("format", ("Q4_K", "Q5_0"))
+def test_the_bits_are_the_same_at_any_thread_count(format):
+    """The weight rows are split over the task pool's threads: each output keeps its bits."""
+    ops, rng = BUILDS["native"], np.random.default_rng(10)
+    raw = torch.from_numpy(random_blocks(format, 300, 512, rng))  # several tasks at 1 and 9 rows
+    x = torch.randn(9, 512)
+    alone = [ops.gguf_matmul_int8(x[:m], raw, format) for m in (1, 9)]
+    torch.set_num_threads(2)
+    try:
+        assert all(torch.equal(ops.gguf_matmul_int8(x[:m], raw, format), want) for m, want in zip((1, 9), alone))
+    finally:
+        torch.set_num_threads(1)
 
 
 def test_zero_nan_and_bad_input():

@@ -14,15 +14,20 @@
 // (Q4_0: q - 8, Q5_0: q - 16, Q3_K: q - 4, Q6_K: q - 32) multiply as the unsigned q, the offset
 // (times the sub-block scale) times the sum of x's levels per 16 values taken off in integers; Q2_K's
 // 16-value mins take those sums too. Other signed levels (Q8_0, IQ4_NL, IQ4_XS) multiply as |q| times
-// x's levels with q's sign (u8 x s8 products). Every integer sum is exact; a block's sum is
-// converted to float32 once (exact below 2^24 and within one rounding above).
+// x's levels with q's sign (u8 x s8 products); AVX-512 VNNI builds multiply q + 128 instead and take
+// 128 times x's sums off. Every integer sum is exact; a block's sum is converted to float32 once
+// (exact below 2^24 and within one rounding above).
 //
-// Per output row the blocks are first unpacked into chunks of 256 columns (the levels as bytes, the
-// factors as floats: one K-quant super-block, or eight 32-value blocks), kept in L1 while every row
-// of x is dotted with them: each weight is unpacked once per call, and each output is one running
-// sum over K in a fixed order, so a row's result is the same bits whatever else shares its call.
-// Both builds run the same 256-bit loop; AVX-512 VNNI builds multiply-add bytes with dpbusd, AVX2
-// with maddubs + madd (no pair of products leaves int16: |q| <= 128 and |r| <= 127).
+// Layout: the weights of 256 columns of a row (one K-quant super-block, or eight 32-value blocks) are
+// unpacked in registers into eight 256-bit vectors of levels whose 32-bit lanes each hold 4 levels of
+// one block (a Layout: the raw bytes moved by 4x4 transposes of 32-bit lanes, then the nibbles and
+// high bits taken out), so a multiply-add of bytes (dpbusd on VNNI, maddubs + madd elsewhere) sums
+// each block in its own lanes, with no horizontal sum per block. x is rounded once per call and its
+// levels laid out the same way. Each block's integer sum meets its factors in one fused multiply-add
+// per lane, in the order of K, and the lanes are summed at the end of the row: each output is one
+// running sum in a fixed order, so a row's result is the same bits whatever else shares its call.
+// Up to 4 rows of x, each weight chunk is unpacked and dotted with every row of x at once; with more,
+// 16 weight rows are unpacked into a per-task buffer (L2) and dotted with the rows of x 4 at a time.
 
 #include "kernels.h"
 
@@ -41,17 +46,73 @@ namespace {
 constexpr int kBlock = 32;        // values per block of x's levels
 constexpr int kChunkBlocks = 8;   // blocks of 32 per chunk
 constexpr int kChunk = kBlock * kChunkBlocks;
+constexpr int kTileRows = 4;      // rows of x dotted with each unpacked weight chunk at once
+constexpr int kRowBlock = 16;     // weight rows unpacked together when x has more than kTileRows rows
 
-// One output row's weights over 256 columns as the dot products take them.
-struct alignas(32) Chunk {
-  uint8_t u[kChunk];              // unsigned levels (|q| where the format's levels are signed)
-  int8_t q[kChunk];               // signed formats: the levels, whose signs move onto x's
-  int16_t sub[kChunkBlocks][16];  // 16-value sub-blocks: the integer scale of each pair product
-                                  // (words 0-7: the block's first 16 values, 8-15: the rest)
-  int16_t offset[2 * kChunkBlocks];  // offset formats: each 16 values' offset times their sub-block scale
-  int16_t mins[2 * kChunkBlocks]; // Q2_K: each 16-value sub-block's integer min
-  float scale[kChunkBlocks];      // a_b: each block's factor of its integer dot
-  float constant[kChunkBlocks];   // c_b: each block's factor of s_b * sum(r_b) (Q2_K: of s_b * the mins' dot)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// Where a chunk's 64 dwords of levels (block * 8 + dword within the block) sit in its eight vectors.
+struct Layout {
+  uint8_t source[8][8];  // vector v, lane L: the dword it holds
+  uint8_t order[8];      // lane L of the block sums: its block
+  bool halves;           // vectors 0-3 and 4-7 each hold 4 blocks, twice (lanes 0-3 and 4-7): the two
+                         // halves' sums are added; otherwise every vector holds all 8 blocks
+};
+
+// Lane L: block L; vector v: dword v (32-value blocks: the low nibbles of dword v < 4, the high of v - 4)
+constexpr Layout blocks_layout() {
+  Layout l{};
+  for (int v = 0; v < 8; ++v)
+    for (int L = 0; L < 8; ++L) l.source[v][L] = uint8_t(8 * L + v);
+  for (int L = 0; L < 8; ++L) l.order[L] = uint8_t(L);
+  return l;
+}
+
+// Vectors 0-3 hold blocks `low` (lanes L and L + 4: block low[L], dwords v and v + 4), 4-7 `high`.
+constexpr Layout paired_layout(int l0, int l1, int l2, int l3, int h0, int h1, int h2, int h3) {
+  const int low[4] = {l0, l1, l2, l3}, high[4] = {h0, h1, h2, h3};
+  Layout l{};
+  for (int v = 0; v < 8; ++v)
+    for (int L = 0; L < 8; ++L) l.source[v][L] = uint8_t(8 * (v < 4 ? low : high)[L % 4] + v % 4 + 4 * (L / 4));
+  for (int L = 0; L < 4; ++L) {
+    l.order[L] = uint8_t(low[L]);
+    l.order[L + 4] = uint8_t(high[L]);
+  }
+  l.halves = true;
+  return l;
+}
+
+constexpr bool natural(const Layout& l) {
+  for (int L = 0; L < 8; ++L)
+    if (l.order[L] != L) return false;
+  return true;
+}
+
+constexpr Layout kBlocks = blocks_layout();
+constexpr Layout kNibbles = paired_layout(0, 2, 4, 6, 1, 3, 5, 7);  // Q4_K, Q5_K: 32 bytes' low, high nibbles
+constexpr Layout kPlanes = paired_layout(0, 1, 4, 5, 2, 3, 6, 7);   // Q2_K, Q3_K, Q6_K: bit planes of 2 halves
+constexpr Layout kBytes = paired_layout(0, 1, 2, 3, 4, 5, 6, 7);    // Q8_0: 32 bytes per block
+
+// One weight row's 256 columns as the dot products take them.
+struct alignas(32) Weights {
+  __m256i u[8];     // unsigned levels (the Layout's vectors): |q|, or q + 128 (VNNI), for signed formats
+  __m256i q[8];     // signed formats without VNNI: the levels, whose signs move onto x's
+  __m256i sub[2];   // 16-value sub-blocks: the integer scale of each pair product, vectors 0-3 and 4-7
+  __m256i offset;   // lane L's block: its two 16 values' offsets times their sub-block scale (int16)
+  __m256i mins;     // Q2_K: lane L's block: its two 16-value integer mins
+  __m256 scale;     // a_b per lane
+  __m256 constant;  // c_b per lane (Q2_K: of s_b * the mins' dot)
+};
+
+// x's rows rounded, per chunk of 256 columns, laid out as the format's weights.
+struct alignas(32) XChunk {
+  int8_t r[8][32];     // levels, vector v as the weights' vector v
+  float s[8], sum[8];  // lane L's block: s_b and s_b * sum(r_b)
+  int16_t sum16[16];   // lane L's block: the sums of its first and last 16 levels
 };
 
 inline float half(const uint8_t* p) {
@@ -61,386 +122,522 @@ inline float half(const uint8_t* p) {
 }
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline __m256i pair(__m128i low, __m128i high) { return _mm256_set_m128i(high, low); }
-inline __m256i low_nibbles256(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
-inline __m256i high_nibbles256(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
-// bits 2 shift and 2 shift + 1 of every byte
-inline __m256i two_bits(__m256i v, int shift) {
-  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * shift)), _mm256_set1_epi8(3));
-}
-// 0xff in every byte of v where `bit` is set
-inline __m256i has_bit(__m256i v, int bit) {
-  const __m256i mask = _mm256_set1_epi8(char(1 << bit));
-  return _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
+inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
+inline __m256i low_nibbles256(__m256i v) { return _mm256_and_si256(v, bytes(0x0f)); }
+inline __m256i high_nibbles256(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), bytes(0x0f)); }
+
+// Per 128-bit half, the 4x4 transpose of 32-bit lanes: r_i's lane L <- r_L's lane i (L < 4), so lane
+// L of the result holds dword i (lanes 0-3) or i + 4 (lanes 4-7) of input L % 4.
+inline void transpose4(__m256i& r0, __m256i& r1, __m256i& r2, __m256i& r3) {
+  const __m256i a0 = _mm256_unpacklo_epi32(r0, r1), a1 = _mm256_unpackhi_epi32(r0, r1);
+  const __m256i a2 = _mm256_unpacklo_epi32(r2, r3), a3 = _mm256_unpackhi_epi32(r2, r3);
+  r0 = _mm256_unpacklo_epi64(a0, a2);
+  r1 = _mm256_unpackhi_epi64(a0, a2);
+  r2 = _mm256_unpacklo_epi64(a1, a3);
+  r3 = _mm256_unpackhi_epi64(a1, a3);
 }
 
-inline void store_unsigned(Chunk& c, int i, __m256i u) {
-  _mm256_store_si256(reinterpret_cast<__m256i*>(c.u + kBlock * i), u);
-}
-inline void store_signed(Chunk& c, int i, __m256i q) {
-  _mm256_store_si256(reinterpret_cast<__m256i*>(c.q + kBlock * i), q);
-  store_unsigned(c, i, _mm256_sign_epi8(q, q));
-}
-inline void store_sub_scales(Chunk& c, int i, int first, int second) {
-  _mm256_store_si256(reinterpret_cast<__m256i*>(c.sub[i]),
-                     pair(_mm_set1_epi16(int16_t(first)), _mm_set1_epi16(int16_t(second))));
+// Dword i of v in lanes 0-3, dword i + 4 in lanes 4-7.
+inline __m256i spread_dword(__m256i v, int i) {
+  return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(i, i, i, i, i + 4, i + 4, i + 4, i + 4));
 }
 
-// Q4_K and Q5_K's eight 6-bit scales and mins packed in 12 bytes (gguf_blocks.cpp's layout).
-inline void scale_min_k4(const uint8_t* s, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
+inline __m256i shift_right(__m256i v, int a, int b, int c, int d) {
+  return _mm256_srlv_epi32(v, _mm256_setr_epi32(a, b, c, d, a, b, c, d));
+}
+
+// Each 32-bit lane: byte 0 = byte idx of its 128-bit half (of 16 bytes broadcast), bytes 1-3 zero; -1: all zero.
+inline __m256i pick_bytes(__m256i v, int a, int b, int c, int d, int e, int f, int g, int h) {
+  const auto lane = [](int i) { return i < 0 ? -1 : int(0xffffff00u | unsigned(i)); };
+  return _mm256_shuffle_epi8(v, _mm256_setr_epi32(lane(a), lane(b), lane(c), lane(d), lane(e), lane(f), lane(g), lane(h)));
+}
+
+// The int8 bytes of v picked by idx, as int16.
+inline __m256i words(__m128i v, __m128i idx) { return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(v, idx)); }
+
+inline __m128i idx16(int8_t a0, int8_t a1, int8_t a2, int8_t a3, int8_t a4, int8_t a5, int8_t a6, int8_t a7) {
+  return _mm_setr_epi8(a0, a0, a1, a1, a2, a2, a3, a3, a4, a4, a5, a5, a6, a6, a7, a7);
+}
+
+// The kPlanes layout's 16-value scales from 16 per-16-value bytes (block j: bytes 2j, 2j + 1):
+// sub[h] words of lane L: block (h ? high : low)[L % 4]'s scale of its first (L < 4) or last 16 values;
+// the pairs in lane order (for offsets and mins) as words 2L, 2L + 1.
+const __m128i kPlanesLow = idx16(0, 2, 8, 10, 1, 3, 9, 11), kPlanesHigh = idx16(4, 6, 12, 14, 5, 7, 13, 15);
+inline __m128i planes_pairs() { return _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15); }
+
+template <typename F> constexpr bool kSignFlip = F::Signed && kVnni;  // levels multiplied as q + 128
+template <typename F> constexpr bool kTakesSums = F::Offset || F::SubMins || kSignFlip<F>;
+
+// A signed level vector v of w.
+inline void set_signed(Weights& w, int v, __m256i q) {
+  if constexpr (kVnni) {
+    w.u[v] = _mm256_xor_si256(q, bytes(int8_t(0x80)));
   } else {
-    *scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    w.q[v] = q;
+    w.u[v] = _mm256_sign_epi8(q, q);
   }
 }
 
-constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-inline __m128i non_linear(__m128i nibbles) {
-  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kNonLinear4)), nibbles);
+// 8 float16 at p + j * Stride, as float32 (built in registers: a wide load of narrow stores would stall).
+template <int Stride>
+inline __m256 halves8(const uint8_t* p) {
+  const auto h = [p](int j) {
+    int16_t v;
+    std::memcpy(&v, p + j * Stride, 2);
+    return v;
+  };
+  return _mm256_cvtph_ps(_mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7)));
 }
 
-// Each format: Elems values in Bytes per block; unpack_block writes the block at `b` into chunk
-// `c` from block `i` of 32 values on (a 32-value format: block i; a super-block: blocks 0-7).
-// Signed: levels of either sign (q); SubScales: 16-value integer scales (sub); Offset: levels
-// stored as q + offset (offset); Constant: a constant term (c_b); SubMins: Q2_K's 16-value mins.
+// 8 uint32 at p + j * Stride.
+template <int Stride>
+inline __m256i dwords8(const uint8_t* p) {
+  const auto d = [p](int j) {
+    int32_t v;
+    std::memcpy(&v, p + j * Stride, 4);
+    return v;
+  };
+  return _mm256_setr_epi32(d(0), d(1), d(2), d(3), d(4), d(5), d(6), d(7));
+}
+
+// Eight 32-value blocks' 16 bytes of 4-bit levels (at qs(j) for block j; value i < 16 in the low
+// nibble of byte i, value 16 + i in its high) in kBlocks' layout: t[v] low nibbles, t[v + 4] high.
+template <typename QS>
+inline void nibble_blocks(QS qs, __m256i t[8]) {
+  for (int j = 0; j < 4; ++j) t[j] = _mm256_set_m128i(load16(qs(j + 4)), load16(qs(j)));
+  transpose4(t[0], t[1], t[2], t[3]);
+  for (int v = 0; v < 4; ++v) {
+    t[v + 4] = high_nibbles256(t[v]);
+    t[v] = low_nibbles256(t[v]);
+  }
+}
+
+// 0x10 in byte b of lane L where bit 4 v + b of qh's lane L is set (Q5_0 / Q5_1's fifth bits, kBlocks).
+inline __m256i fifth_bits(__m256i qh, int v) {
+  const __m256i from = _mm256_add_epi8(bytes(int8_t(v / 2)), _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                                                              0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  const __m256i bit = _mm256_set1_epi32(int(0x08040201u << (4 * (v % 2))));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, from), bit), bit), bytes(0x10));
+}
+
+// Q4_K and Q5_K's eight 6-bit scales and mins (12 bytes at s, gguf_blocks.cpp's layout) in kNibbles'
+// lane order: a_b = d * scale, c_b = -(dmin * min).
+inline void k4_factors(const uint8_t* s, float d, float dmin, Weights& w) {
+  const __m256i b = _mm256_broadcastsi128_si256(load16(s));
+  const __m256i six = _mm256_setr_epi32(63, 63, 15, 15, 63, 63, 15, 15), top = _mm256_set1_epi32(0x30);
+  // blocks 0 2 4 6 1 3 5 7; j < 4: s[j] & 63, s[j + 4] & 63; j >= 4: the low / high nibble of s[j + 4]
+  // with the top 2 bits of s[j - 4] / s[j] above
+  const __m256i scale = _mm256_or_si256(_mm256_and_si256(pick_bytes(b, 0, 2, 8, 10, 1, 3, 9, 11), six),
+                                        _mm256_and_si256(_mm256_srli_epi32(pick_bytes(b, -1, -1, 0, 2, -1, -1, 1, 3), 2), top));
+  const __m256i min = _mm256_or_si256(
+      _mm256_and_si256(_mm256_srlv_epi32(pick_bytes(b, 4, 6, 8, 10, 5, 7, 9, 11), _mm256_setr_epi32(0, 0, 4, 4, 0, 0, 4, 4)), six),
+      _mm256_and_si256(_mm256_srli_epi32(pick_bytes(b, -1, -1, 4, 6, -1, -1, 5, 7), 2), top));
+  w.scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(scale));  // exact, as gguf-py's product
+  w.constant = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(min)), _mm256_set1_ps(-0.f));
+}
+
+// 16 int8 sub-block scales (block j: 2j, 2j + 1) as kPlanes' sub, and as offsets (times 2^offset_shift).
+inline void planes_scales(__m128i scales, int offset_shift, Weights& w) {
+  w.sub[0] = words(scales, kPlanesLow);
+  w.sub[1] = words(scales, kPlanesHigh);
+  w.offset = _mm256_sll_epi16(words(scales, planes_pairs()), _mm_cvtsi32_si128(offset_shift));
+}
+
+constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+inline __m256i non_linear(__m256i nibbles) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kNonLinear4))), nibbles);
+}
+
+// Each format: Elems values in Bytes per block; unpack(b, w) the 256 columns at b (a super-block, or
+// 8 blocks) into w in its Layout. Signed: levels of either sign; SubScales: 16-value integer scales;
+// Offset: levels stored as q + offset; Constant: a constant term (c_b); SubMins: Q2_K's 16-value mins;
+// MaxLevel: the largest unsigned level (how many byte products int16 holds summed).
 struct Traits {
   static constexpr bool Signed = false, SubScales = false, Offset = false, Constant = false, SubMins = false;
 };
 
-inline void store_offsets(Chunk& c, int i, int first, int second) {
-  c.offset[2 * i] = int16_t(first);
-  c.offset[2 * i + 1] = int16_t(second);
-}
-
 struct Q4_0 : Traits {
-  static constexpr int Elems = 32, Bytes = 18;
+  static constexpr int Elems = 32, Bytes = 18, MaxLevel = 15;
   static constexpr bool Offset = true;
-  static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    const __m128i qs = load16(b + 2);
-    store_unsigned(c, i, pair(low_nibbles(qs), high_nibbles(qs)));
-    store_offsets(c, i, 8, 8);
-    c.scale[i] = half(b);
+  static constexpr const Layout& layout = kBlocks;
+  static void unpack(const uint8_t* b, Weights& w) {
+    nibble_blocks([b](int j) { return b + j * Bytes + 2; }, w.u);
+    w.offset = _mm256_set1_epi16(8);
+    w.scale = halves8<Bytes>(b);
   }
 };
 
 struct Q4_1 : Traits {
-  static constexpr int Elems = 32, Bytes = 20;
+  static constexpr int Elems = 32, Bytes = 20, MaxLevel = 15;
   static constexpr bool Constant = true;
-  static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    const __m128i qs = load16(b + 4);
-    store_unsigned(c, i, pair(low_nibbles(qs), high_nibbles(qs)));
-    c.scale[i] = half(b);
-    c.constant[i] = half(b + 2);
+  static constexpr const Layout& layout = kBlocks;
+  static void unpack(const uint8_t* b, Weights& w) {
+    nibble_blocks([b](int j) { return b + j * Bytes + 4; }, w.u);
+    w.scale = halves8<Bytes>(b);
+    w.constant = halves8<Bytes>(b + 2);
   }
 };
-
-struct Q8_0 : Traits {
-  static constexpr int Elems = 32, Bytes = 34;
-  static constexpr bool Signed = true;
-  static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    store_signed(c, i, load32(b + 2));
-    c.scale[i] = half(b);
-  }
-};
-
-// Q5_0 / Q5_1's 32 levels: the nibbles of qs with bit j of qh as level j's fifth bit
-inline __m256i five_bits(const uint8_t* qh, const uint8_t* qs) {
-  uint32_t h;
-  std::memcpy(&h, qh, 4);
-  const __m128i q = load16(qs), fifth = _mm_set1_epi8(0x10);
-  return pair(_mm_or_si128(low_nibbles(q), _mm_and_si128(bit_bytes(h), fifth)),
-              _mm_or_si128(high_nibbles(q), _mm_and_si128(bit_bytes(h >> 16), fifth)));
-}
 
 struct Q5_0 : Traits {
-  static constexpr int Elems = 32, Bytes = 22;
+  static constexpr int Elems = 32, Bytes = 22, MaxLevel = 31;
   static constexpr bool Offset = true;
-  static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    store_unsigned(c, i, five_bits(b + 2, b + 6));
-    store_offsets(c, i, 16, 16);
-    c.scale[i] = half(b);
+  static constexpr const Layout& layout = kBlocks;
+  static void unpack(const uint8_t* b, Weights& w) {
+    nibble_blocks([b](int j) { return b + j * Bytes + 6; }, w.u);
+    const __m256i qh = dwords8<Bytes>(b + 2);
+    for (int v = 0; v < 8; ++v) w.u[v] = _mm256_or_si256(w.u[v], fifth_bits(qh, v));
+    w.offset = _mm256_set1_epi16(16);
+    w.scale = halves8<Bytes>(b);
   }
 };
 
 struct Q5_1 : Traits {
-  static constexpr int Elems = 32, Bytes = 24;
+  static constexpr int Elems = 32, Bytes = 24, MaxLevel = 31;
   static constexpr bool Constant = true;
-  static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    store_unsigned(c, i, five_bits(b + 4, b + 8));
-    c.scale[i] = half(b);
-    c.constant[i] = half(b + 2);
+  static constexpr const Layout& layout = kBlocks;
+  static void unpack(const uint8_t* b, Weights& w) {
+    nibble_blocks([b](int j) { return b + j * Bytes + 8; }, w.u);
+    const __m256i qh = dwords8<Bytes>(b + 4);
+    for (int v = 0; v < 8; ++v) w.u[v] = _mm256_or_si256(w.u[v], fifth_bits(qh, v));
+    w.scale = halves8<Bytes>(b);
+    w.constant = halves8<Bytes>(b + 2);
+  }
+};
+
+struct Q8_0 : Traits {
+  static constexpr int Elems = 32, Bytes = 34, MaxLevel = 128;
+  static constexpr bool Signed = true;
+  static constexpr const Layout& layout = kBytes;
+  static void unpack(const uint8_t* b, Weights& w) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i t[4];
+      for (int j = 0; j < 4; ++j) t[j] = load32(b + (4 * h + j) * Bytes + 2);
+      transpose4(t[0], t[1], t[2], t[3]);
+      for (int v = 0; v < 4; ++v) set_signed(w, 4 * h + v, t[v]);
+    }
+    w.scale = halves8<Bytes>(b);
   }
 };
 
 struct IQ4_NL : Traits {
-  static constexpr int Elems = 32, Bytes = 18;
+  static constexpr int Elems = 32, Bytes = 18, MaxLevel = 128;
   static constexpr bool Signed = true;
-  static void unpack_block(const uint8_t* b, int i, Chunk& c) {
-    const __m128i qs = load16(b + 2);
-    store_signed(c, i, pair(non_linear(low_nibbles(qs)), non_linear(high_nibbles(qs))));
-    c.scale[i] = half(b);
+  static constexpr const Layout& layout = kBlocks;
+  static void unpack(const uint8_t* b, Weights& w) {
+    __m256i t[8];
+    nibble_blocks([b](int j) { return b + j * Bytes + 2; }, t);
+    for (int v = 0; v < 8; ++v) set_signed(w, v, non_linear(t[v]));
+    w.scale = halves8<Bytes>(b);
   }
 };
 
 struct Q2_K : Traits {  // scales[16] (low nibble: scale, high: min) | qs[64] | d | dmin
-  static constexpr int Elems = 256, Bytes = 84;
+  static constexpr int Elems = 256, Bytes = 84, MaxLevel = 3;
   static constexpr bool SubScales = true, SubMins = true;
-  static void unpack_block(const uint8_t* b, int, Chunk& c) {
-    const uint8_t* scales = b;
-    const float d = half(b + 80), dmin = half(b + 82);
-    for (int part = 0; part < 2; ++part) {
-      const __m256i qs = load32(b + 16 + 32 * part);
-      for (int shift = 0; shift < 4; ++shift) {  // block i: bits 2 shift of the half's 32 bytes
-        const int i = 4 * part + shift;
-        store_unsigned(c, i, two_bits(qs, shift));
-        store_sub_scales(c, i, scales[2 * i] & 0x0f, scales[2 * i + 1] & 0x0f);
-        c.scale[i] = d;
-        c.constant[i] = -dmin;
-      }
+  static constexpr const Layout& layout = kPlanes;
+  static void unpack(const uint8_t* b, Weights& w) {
+    // block 4 part + shift: bits 2 shift of qs[32 part ..]; lanes 0-3: part 0 shift 0 and 1, part 1 shift 0 and 1
+    __m256i z[4] = {load32(b + 16), load32(b + 16), load32(b + 48), load32(b + 48)};
+    transpose4(z[0], z[1], z[2], z[3]);
+    for (int v = 0; v < 4; ++v) {
+      w.u[v] = _mm256_and_si256(shift_right(z[v], 0, 2, 0, 2), bytes(3));
+      w.u[v + 4] = _mm256_and_si256(shift_right(z[v], 4, 6, 4, 6), bytes(3));
     }
-    for (int j = 0; j < 16; ++j) c.mins[j] = int16_t(scales[j] >> 4);
+    const __m128i scales = load16(b), low = _mm_set1_epi8(0x0f);
+    w.sub[0] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_shuffle_epi8(scales, kPlanesLow), low));
+    w.sub[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_shuffle_epi8(scales, kPlanesHigh), low));
+    w.mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_shuffle_epi8(scales, planes_pairs()), 4), low));
+    w.scale = _mm256_set1_ps(half(b + 80));
+    w.constant = _mm256_set1_ps(-half(b + 82));
   }
 };
 
 struct Q3_K : Traits {  // hmask[32] | qs[64] | scales[12] | d
-  static constexpr int Elems = 256, Bytes = 110;
+  static constexpr int Elems = 256, Bytes = 110, MaxLevel = 7;
   static constexpr bool SubScales = true, Offset = true;
-  static void unpack_block(const uint8_t* b, int, Chunk& c) {
+  static constexpr const Layout& layout = kPlanes;
+  static void unpack(const uint8_t* b, Weights& w) {
     const uint8_t* s = b + 96;
-    const float d = half(b + 108);
-    int scales[16];
-    for (int j = 0; j < 16; ++j)
-      scales[j] = (((s[j % 8] >> (4 * (j / 8))) & 0x0f) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
-    const __m256i hmask = load32(b), four = _mm256_set1_epi8(4);
-    for (int part = 0; part < 2; ++part) {
-      const __m256i qs = load32(b + 32 + 32 * part);
-      for (int shift = 0; shift < 4; ++shift) {  // block i: 2 bits of qs, plus 4 where bit i of hmask is set, less 4
-        const int i = 4 * part + shift;
-        store_unsigned(c, i, _mm256_or_si256(two_bits(qs, shift), _mm256_and_si256(has_bit(hmask, i), four)));
-        store_sub_scales(c, i, scales[2 * i], scales[2 * i + 1]);
-        store_offsets(c, i, 4 * scales[2 * i], 4 * scales[2 * i + 1]);
-        c.scale[i] = d;
-      }
+    const auto scale = [s](int j) {
+      return int8_t((((s[j % 8] >> (4 * (j / 8))) & 0x0f) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
+    };
+    const __m128i scales = _mm_setr_epi8(scale(0), scale(1), scale(2), scale(3), scale(4), scale(5), scale(6), scale(7),
+                                         scale(8), scale(9), scale(10), scale(11), scale(12), scale(13), scale(14), scale(15));
+    // as Q2_K's levels, plus 4 where bit (block) of hmask is set, less 4
+    __m256i z[4] = {load32(b + 32), load32(b + 32), load32(b + 64), load32(b + 64)};
+    transpose4(z[0], z[1], z[2], z[3]);
+    const __m256i hmask = load32(b);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i h = spread_dword(hmask, v);
+      const auto high = [&](int a, int b2, int c, int d) {
+        return _mm256_and_si256(_mm256_slli_epi16(shift_right(h, a, b2, c, d), 2), bytes(4));
+      };
+      w.u[v] = _mm256_or_si256(_mm256_and_si256(shift_right(z[v], 0, 2, 0, 2), bytes(3)), high(0, 1, 4, 5));
+      w.u[v + 4] = _mm256_or_si256(_mm256_and_si256(shift_right(z[v], 4, 6, 4, 6), bytes(3)), high(2, 3, 6, 7));
     }
+    planes_scales(scales, 2, w);
+    w.scale = _mm256_set1_ps(half(b + 108));
   }
 };
 
 struct Q4_K : Traits {  // d | dmin | scales[12] | qs[128]
-  static constexpr int Elems = 256, Bytes = 144;
+  static constexpr int Elems = 256, Bytes = 144, MaxLevel = 15;
   static constexpr bool Constant = true;
-  static void unpack_block(const uint8_t* b, int, Chunk& c) {
-    const float d = half(b), dmin = half(b + 2);
-    for (int chunk = 0; chunk < 4; ++chunk) {  // 64 weights: the low nibbles of 32 bytes, then the high
-      const __m256i q = load32(b + 16 + 32 * chunk);
-      store_unsigned(c, 2 * chunk, low_nibbles256(q));
-      store_unsigned(c, 2 * chunk + 1, high_nibbles256(q));
+  static constexpr const Layout& layout = kNibbles;
+  static void unpack(const uint8_t* b, Weights& w) {
+    // block 2c / 2c + 1: the low / high nibbles of qs[32 c ..]
+    __m256i t[4] = {load32(b + 16), load32(b + 48), load32(b + 80), load32(b + 112)};
+    transpose4(t[0], t[1], t[2], t[3]);
+    for (int v = 0; v < 4; ++v) {
+      w.u[v] = low_nibbles256(t[v]);
+      w.u[v + 4] = high_nibbles256(t[v]);
     }
-    for (int i = 0; i < 8; ++i) {
-      int sc, m;
-      scale_min_k4(b + 4, i, &sc, &m);
-      c.scale[i] = d * float(sc);  // exact, as gguf-py's product
-      c.constant[i] = -(dmin * float(m));
-    }
+    k4_factors(b + 4, half(b), half(b + 2), w);
   }
 };
 
 struct Q5_K : Traits {  // d | dmin | scales[12] | qh[32] | qs[128]
-  static constexpr int Elems = 256, Bytes = 176;
+  static constexpr int Elems = 256, Bytes = 176, MaxLevel = 31;
   static constexpr bool Constant = true;
-  static void unpack_block(const uint8_t* b, int, Chunk& c) {
-    const float d = half(b), dmin = half(b + 2);
-    const __m256i qh = load32(b + 16), fifth = _mm256_set1_epi8(0x10);
-    for (int i = 0; i < 8; ++i) {  // block i: nibbles of qs (low for even i, high for odd), bit i of qh
-      const __m256i q = load32(b + 48 + 32 * (i / 2));
-      const __m256i high = _mm256_and_si256(has_bit(qh, i), fifth);
-      store_unsigned(c, i, _mm256_or_si256(i % 2 ? high_nibbles256(q) : low_nibbles256(q), high));
-      int sc, m;
-      scale_min_k4(b + 4, i, &sc, &m);
-      c.scale[i] = d * float(sc);
-      c.constant[i] = -(dmin * float(m));
+  static constexpr const Layout& layout = kNibbles;
+  static void unpack(const uint8_t* b, Weights& w) {
+    // as Q4_K's levels, with bit (block) of qh as the fifth
+    __m256i t[4] = {load32(b + 48), load32(b + 80), load32(b + 112), load32(b + 144)};
+    transpose4(t[0], t[1], t[2], t[3]);
+    const __m256i qh = load32(b + 16), fifth = bytes(0x10);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i h = shift_right(spread_dword(qh, v), 0, 2, 4, 6);  // bit 2c (low) and 2c + 1 (high) at 0, 1
+      w.u[v] = _mm256_or_si256(low_nibbles256(t[v]), _mm256_and_si256(_mm256_slli_epi16(h, 4), fifth));
+      w.u[v + 4] = _mm256_or_si256(high_nibbles256(t[v]), _mm256_and_si256(_mm256_slli_epi16(h, 3), fifth));
     }
+    k4_factors(b + 4, half(b), half(b + 2), w);
   }
 };
 
 struct Q6_K : Traits {  // ql[128] | qh[64] | scales[16] int8 | d
-  static constexpr int Elems = 256, Bytes = 210;
+  static constexpr int Elems = 256, Bytes = 210, MaxLevel = 63;
   static constexpr bool SubScales = true, Offset = true;
-  static void unpack_block(const uint8_t* b, int, Chunk& c) {
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half(b + 208);
-    for (int part = 0; part < 2; ++part) {
-      const __m256i qh = load32(b + 128 + 32 * part);
-      for (int group = 0; group < 4; ++group) {  // block i: 4 bits of ql, 2 of qh (less 32)
-        const int i = 4 * part + group;
-        const __m256i ql = load32(b + 64 * part + 32 * (group % 2));
-        const __m256i low = group / 2 ? high_nibbles256(ql) : low_nibbles256(ql);
-        const __m256i level = _mm256_or_si256(low, _mm256_slli_epi16(two_bits(qh, group), 4));
-        store_unsigned(c, i, level);
-        store_sub_scales(c, i, scales[2 * i], scales[2 * i + 1]);
-        store_offsets(c, i, 32 * scales[2 * i], 32 * scales[2 * i + 1]);
-        c.scale[i] = d;
-      }
+  static constexpr const Layout& layout = kPlanes;
+  static void unpack(const uint8_t* b, Weights& w) {
+    // block 4 part + group: 4 bits of ql[64 part + 32 (group % 2) ..] (low nibble for groups 0, 1),
+    // 2 of qh[32 part ..] (bits 2 group); lanes 0-3: part 0 groups 0 / 2, 1 / 3, part 1 likewise
+    __m256i t[4] = {load32(b), load32(b + 32), load32(b + 64), load32(b + 96)};
+    __m256i h[4] = {load32(b + 128), load32(b + 128), load32(b + 160), load32(b + 160)};
+    transpose4(t[0], t[1], t[2], t[3]);
+    transpose4(h[0], h[1], h[2], h[3]);
+    const __m256i top = bytes(0x30);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i low_high = _mm256_and_si256(_mm256_sllv_epi32(h[v], _mm256_setr_epi32(4, 2, 4, 2, 4, 2, 4, 2)), top);
+      w.u[v] = _mm256_or_si256(low_nibbles256(t[v]), low_high);
+      w.u[v + 4] = _mm256_or_si256(high_nibbles256(t[v]), _mm256_and_si256(shift_right(h[v], 0, 2, 0, 2), top));
     }
+    planes_scales(load16(b + 192), 5, w);
+    w.scale = _mm256_set1_ps(half(b + 208));
   }
 };
 
 struct IQ4_XS : Traits {  // d | scales_h (uint16) | scales_l[4] | qs[128]
-  static constexpr int Elems = 256, Bytes = 136;
+  static constexpr int Elems = 256, Bytes = 136, MaxLevel = 128;
   static constexpr bool Signed = true;
-  static void unpack_block(const uint8_t* b, int, Chunk& c) {
-    const float d = half(b);
+  static constexpr const Layout& layout = kBlocks;
+  static void unpack(const uint8_t* b, Weights& w) {
+    __m256i t[8];
+    nibble_blocks([b](int j) { return b + 8 + 16 * j; }, t);
+    for (int v = 0; v < 8; ++v) set_signed(w, v, non_linear(t[v]));
     uint16_t scales_h;
     std::memcpy(&scales_h, b + 2, 2);
-    for (int i = 0; i < 8; ++i) {
-      const int scale = (((b[4 + i / 2] >> (4 * (i % 2))) & 0x0f) | (((scales_h >> (2 * i)) & 3) << 4)) - 32;
-      const __m128i q = load16(b + 8 + 16 * i);
-      store_signed(c, i, pair(non_linear(low_nibbles(q)), non_linear(high_nibbles(q))));
-      c.scale[i] = d * float(scale);
+    const auto scale = [&](int i) { return (((b[4 + i / 2] >> (4 * (i % 2))) & 0x0f) | (((scales_h >> (2 * i)) & 3) << 4)) - 32; };
+    const __m256i scales = _mm256_setr_epi32(scale(0), scale(1), scale(2), scale(3), scale(4), scale(5), scale(6), scale(7));
+    w.scale = _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(scales));
+  }
+};
+
+// Chunk k (256 columns) of a row of K values. A 32-value format's partial last chunk is unpacked from
+// a copy padded with zero blocks (zero factors and levels; x's levels there are zero too).
+template <typename F>
+inline void unpack_chunk(const uint8_t* row, int64_t K, int64_t k, Weights& w) {
+  if constexpr (F::Elems == kChunk) {
+    F::unpack(row + k * F::Bytes, w);
+  } else {
+    const int64_t first = kChunkBlocks * k, count = std::min<int64_t>(kChunkBlocks, K / kBlock - first);
+    if (count == kChunkBlocks) {
+      F::unpack(row + first * F::Bytes, w);
+    } else {
+      uint8_t padded[kChunkBlocks * F::Bytes] = {};
+      std::memcpy(padded, row + first * F::Bytes, count * F::Bytes);
+      F::unpack(padded, w);
     }
   }
-};
+  if constexpr (kSignFlip<F>) w.offset = _mm256_set1_epi16(128);
+}
 
-// A row of K values (K a multiple of F::Elems) as chunks. A 32-value format's partial last chunk
-// has zero factors past K (its levels there are not read).
+// x's levels of vector v (with the weights' signs where those are apart).
 template <typename F>
-void unpack_row(const uint8_t* row, int64_t K, Chunk* chunks) {
-  constexpr int kPerChunk = kChunk / F::Elems;  // blocks per chunk
-  const int64_t blocks = K / F::Elems;
-  for (int64_t b = 0; b < blocks; ++b) F::unpack_block(row + b * F::Bytes, int(b % kPerChunk), chunks[b / kPerChunk]);
-  if (const int filled = int(K % kChunk / kBlock)) {
-    Chunk& last = chunks[K / kChunk];
-    std::fill(last.scale + filled, last.scale + kChunkBlocks, 0.f);
-    std::fill(last.constant + filled, last.constant + kChunkBlocks, 0.f);
-    std::fill(last.offset + 2 * filled, last.offset + 2 * kChunkBlocks, int16_t(0));
-  }
+inline __m256i x_levels(const Weights& w, const XChunk& x, int v) {
+  const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.r[v]));
+  if constexpr (F::Signed && !kVnni) return _mm256_sign_epi8(r, w.q[v]);
+  return r;
 }
 
-// x's rows rounded per block, each padded with zero blocks to whole chunks.
-struct Levels {
-  int64_t blocks;               // per row (a multiple of 8)
-  std::vector<int8_t> r;        // [M, blocks * 32]
-  std::vector<float> s, sum;    // [M, blocks]: s_b and s_b * sum(r_b)
-  std::vector<int16_t> sum16;   // [M, 2 * blocks]: the sums of each 16 levels (offsets, Q2_K's mins)
-};
-
-Levels rounded(const float* x, int64_t M, int64_t K, bool sums_of_16) {
-  const int64_t blocks = (K + kChunk - 1) / kChunk * kChunkBlocks;
-  Levels l{blocks, std::vector<int8_t>(M * blocks * kBlock), std::vector<float>(M * blocks),
-           std::vector<float>(M * blocks), std::vector<int16_t>(sums_of_16 ? 2 * M * blocks : 0)};
-  for (int64_t m = 0; m < M; ++m)
-    quantize_blocks(x + m * K, K / kBlock, l.r.data() + m * blocks * kBlock, l.s.data() + m * blocks,
-                    l.sum.data() + m * blocks);
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  for (size_t b = 0; b < l.sum16.size() / 2; ++b) {  // sad: sums of 8 bytes, of r + 128
-    const __m256i eights = _mm256_sad_epu8(_mm256_xor_si256(load32(reinterpret_cast<const uint8_t*>(l.r.data()) + kBlock * b), flip),
-                                           _mm256_setzero_si256());
-    l.sum16[2 * b] = int16_t(_mm256_extract_epi64(eights, 0) + _mm256_extract_epi64(eights, 1) - 16 * 128);
-    l.sum16[2 * b + 1] = int16_t(_mm256_extract_epi64(eights, 2) + _mm256_extract_epi64(eights, 3) - 16 * 128);
-  }
-  return l;
-}
-
-// Eight int32 lanes summing to u . v plus acc's lanes (u unsigned, v signed bytes).
-inline __m256i dot_u8s8(__m256i u, __m256i v) {
+// Lane sums of vectors 4h .. 4h + 3's byte products (times the 16-value scales where the format has them).
+template <typename F>
+inline __m256i half_dot(const Weights& w, const XChunk& x, int h) {
+  __m256i acc = _mm256_setzero_si256();
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+  if constexpr (!F::SubScales) {
+    for (int v = 4 * h; v < 4 * h + 4; ++v) acc = _mm256_dpbusd_epi32(acc, w.u[v], x_levels<F>(w, x, v));
+    return acc;
+  }
 #endif
+  // maddubs: pairs of products in int16 (|pair| <= 2 * 63 * 128), `group` vectors summed there before
+  // one madd: at most 4 * 2 * 31 * 128 or 2 * 2 * 63 * 128, below 2^15
+  constexpr int group = F::MaxLevel <= 31 ? 4 : F::MaxLevel <= 63 ? 2 : 1;
+  const __m256i factor = F::SubScales ? w.sub[h] : _mm256_set1_epi16(1);
+  for (int v = 4 * h; v < 4 * h + 4; v += group) {
+    __m256i pairs = _mm256_maddubs_epi16(w.u[v], x_levels<F>(w, x, v));
+    for (int g = 1; g < group; ++g) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w.u[v + g], x_levels<F>(w, x, v + g)));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    acc = _mm256_dpwssd_epi32(acc, pairs, factor);
+#else
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, factor));
+#endif
+  }
+  return acc;
 }
 
-// Lane i: the sum of p[i]'s eight lanes.
-inline __m256i sum_each(const __m256i p[kChunkBlocks]) {
-  // hadd twice: [p0 p1 p2 p3 | p0 p1 p2 p3], each the sum of the 128-bit half's four lanes
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+// acc + one chunk of a weight row dotted with one of x's: lane L takes its block's
+// s_b * (a_b * dot) (+ c_b * s_b * sum(r_b)).
+template <typename F>
+inline __m256 chunk_dot(const Weights& w, const XChunk& x, __m256 acc) {
+  const __m256i a = half_dot<F>(w, x, 0), b = half_dot<F>(w, x, 1);
+  __m256i dots = F::layout.halves ? _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31))
+                                  : _mm256_add_epi32(a, b);
+  const __m256 vs = _mm256_load_ps(x.s);
+  __m256i sums16;  // per block: a * sum(r, first 16) + b * sum(r, last 16) with madd
+  if constexpr (kTakesSums<F>) sums16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.sum16));
+  if constexpr (F::Offset || kSignFlip<F>) dots = _mm256_sub_epi32(dots, _mm256_madd_epi16(w.offset, sums16));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(w.scale, vs), acc);
+  if constexpr (F::Constant) acc = _mm256_fmadd_ps(w.constant, _mm256_load_ps(x.sum), acc);
+  if constexpr (F::SubMins) {
+    const __m256i mins = _mm256_madd_epi16(w.mins, sums16);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(w.constant, vs), acc);
+  }
+  return acc;
 }
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+// The sum of a row's lanes, lane i holding the blocks i mod 8, summed in one fixed order.
+template <typename F>
+inline float finish(__m256 acc) {
+  if constexpr (!natural(F::layout)) {
+    alignas(32) int32_t inverse[8];
+    for (int L = 0; L < 8; ++L) inverse[F::layout.order[L]] = L;
+    acc = _mm256_permutevar8x32_ps(acc, _mm256_load_si256(reinterpret_cast<const __m256i*>(inverse)));
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-// acc + a chunk dotted with x's levels r (scales s, level sums sum and sum16) over its first n blocks.
+// x's rows rounded per block and laid out as F's weights, each padded with zero blocks to whole chunks.
 template <typename F>
-inline __m256 chunk_dot(const Chunk& c, const int8_t* r, const float* s, const float* sum, const int16_t* sum16,
-                        int n, __m256 acc) {
-  __m256i p[kChunkBlocks];
-  for (int i = 0; i < kChunkBlocks; ++i) {
-    if (i >= n) {
-      p[i] = _mm256_setzero_si256();
-      continue;
+std::vector<XChunk> arranged(const float* x, int64_t M, int64_t K) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  std::vector<XChunk> out(M * chunks);
+  std::vector<int8_t> r(chunks * kChunk);
+  std::vector<float> s(chunks * kChunkBlocks), sum(chunks * kChunkBlocks);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_blocks(x + m * K, K / kBlock, r.data(), s.data(), sum.data());  // the padding stays zero
+    for (int64_t k = 0; k < chunks; ++k) {
+      XChunk& c = out[m * chunks + k];
+      const int8_t* levels = r.data() + k * kChunk;
+      for (int v = 0; v < 8; ++v)
+        for (int L = 0; L < 8; ++L) std::memcpy(c.r[v] + 4 * L, levels + 4 * F::layout.source[v][L], 4);
+      for (int L = 0; L < 8; ++L) {
+        const int block = F::layout.order[L];
+        c.s[L] = s[k * kChunkBlocks + block];
+        c.sum[L] = sum[k * kChunkBlocks + block];
+        for (int h = 0; h < 2; ++h) {
+          int total = 0;
+          for (int i = 0; i < 16; ++i) total += levels[kBlock * block + 16 * h + i];
+          c.sum16[2 * L + h] = int16_t(total);
+        }
+      }
     }
-    const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.u + kBlock * i));
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + kBlock * i));
-    if constexpr (F::Signed) v = _mm256_sign_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(c.q + kBlock * i)));
-    if constexpr (F::SubScales)
-      p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_load_si256(reinterpret_cast<const __m256i*>(c.sub[i])));
-    else
-      p[i] = dot_u8s8(u, v);
   }
-  const __m256 vs = _mm256_loadu_ps(s);
-  __m256i dots = sum_each(p);
-  __m256i sums16;  // per block: a * sum(r, first 16) + b * sum(r, last 16) with madd
-  if constexpr (F::Offset || F::SubMins) sums16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16));
-  if constexpr (F::Offset)
-    dots = _mm256_sub_epi32(dots, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(c.offset)), sums16));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(_mm256_load_ps(c.scale), vs), acc);
-  if constexpr (F::Constant) acc = _mm256_fmadd_ps(_mm256_load_ps(c.constant), _mm256_loadu_ps(sum), acc);
-  if constexpr (F::SubMins) {
-    const __m256i mins = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(c.mins)), sums16);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_load_ps(c.constant), vs), acc);
-  }
-  return acc;
+  return out;
 }
 
-// One output row (its chunks, the last `tail` blocks long: 0 for whole) dotted with row m of x.
-template <typename F>
-float row_dot(const Chunk* chunks, int64_t count, int tail, const Levels& l, int64_t m) {
-  const int8_t* r = l.r.data() + m * l.blocks * kBlock;
-  const float* s = l.s.data() + m * l.blocks;
-  const float* sum = l.sum.data() + m * l.blocks;
-  const int16_t* sum16 = F::Offset || F::SubMins ? l.sum16.data() + 2 * m * l.blocks : nullptr;
-  const int64_t whole = tail ? count - 1 : count;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t k = 0; k < whole; ++k)
-    acc = chunk_dot<F>(chunks[k], r + kChunk * k, s + kChunkBlocks * k, sum + kChunkBlocks * k,
-                       sum16 ? sum16 + 2 * kChunkBlocks * k : nullptr, kChunkBlocks, acc);
-  if (tail)
-    acc = chunk_dot<F>(chunks[whole], r + kChunk * whole, s + kChunkBlocks * whole, sum + kChunkBlocks * whole,
-                       sum16 ? sum16 + 2 * kChunkBlocks * whole : nullptr, tail, acc);
-  return sum_lanes(acc);
+// Weight rows [begin, end) dotted with C rows of x (x: their chunks, row after row), each chunk
+// unpacked once for the C rows.
+template <typename F, int C>
+void fused_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t chunks, int64_t begin, int64_t end,
+                const XChunk* x, int64_t N, float* out) {
+  for (int64_t n = begin; n < end; ++n) {
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < chunks; ++k) {
+      Weights chunk;
+      unpack_chunk<F>(w + n * row_bytes, K, k, chunk);
+      for (int c = 0; c < C; ++c) acc[c] = chunk_dot<F>(chunk, x[c * chunks + k], acc[c]);
+    }
+    for (int c = 0; c < C; ++c) out[c * N + n] = finish<F>(acc[c]);
+  }
+}
+
+// `rows` unpacked weight rows (row n0 on) dotted with C rows of x.
+template <typename F, int C>
+void tile_rows(const Weights* unpacked, int64_t rows, int64_t chunks, int64_t n0, const XChunk* x, int64_t N, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < chunks; ++k)
+      for (int c = 0; c < C; ++c) acc[c] = chunk_dot<F>(unpacked[r * chunks + k], x[c * chunks + k], acc[c]);
+    for (int c = 0; c < C; ++c) out[c * N + n0 + r] = finish<F>(acc[c]);
+  }
 }
 
 template <typename F>
-void matmul(const Levels& l, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, int64_t N, float* out) {
-  const int64_t count = (K + kChunk - 1) / kChunk;
-  const int tail = int(K % kChunk / kBlock);
-  // tasks of >= ~64 K multiply-adds
-  for_each_range(N, std::max<int64_t>(1, (1 << 16) / (K * M)), [&](int64_t begin, int64_t end) {
-    std::vector<Chunk> chunks(count);
-    for (int64_t n = begin; n < end; ++n) {
-      unpack_row<F>(w + n * row_bytes, K, chunks.data());
-      for (int64_t m = 0; m < M; ++m) out[m * N + n] = row_dot<F>(chunks.data(), count, tail, l, m);
+void matmul(const float* xf, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, int64_t N, float* out) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  const std::vector<XChunk> x = arranged<F>(xf, M, K);
+  // up to kTileRows rows of x: tasks of >= ~64 K multiply-adds; more: whole row blocks
+  const int64_t min_rows = M <= kTileRows ? std::max<int64_t>(1, (1 << 16) / (K * M)) : kRowBlock;
+  for_each_range(N, min_rows, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: return fused_rows<F, 1>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
+      case 2: return fused_rows<F, 2>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
+      case 3: return fused_rows<F, 3>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
+      case 4: return fused_rows<F, 4>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
+      default: break;
+    }
+    std::vector<Weights> unpacked(kRowBlock * chunks);
+    for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
+      const int64_t rows = std::min<int64_t>(kRowBlock, end - n0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < chunks; ++k) unpack_chunk<F>(w + (n0 + r) * row_bytes, K, k, unpacked[r * chunks + k]);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const XChunk* xm = x.data() + m0 * chunks;
+        float* om = out + m0 * N;
+        switch (std::min<int64_t>(kTileRows, M - m0)) {
+          case 1: tile_rows<F, 1>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
+          case 2: tile_rows<F, 2>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
+          case 3: tile_rows<F, 3>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
+          default: tile_rows<F, 4>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
+        }
+      }
     }
   });
 }
 
 struct Format {
   int64_t elems, bytes;
-  bool sums_of_16;
-  void (*matmul)(const Levels&, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+  void (*matmul)(const float*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
 };
 
 template <typename F>
 constexpr Format format_of() {
-  return {F::Elems, F::Bytes, F::Offset || F::SubMins, &matmul<F>};
+  return {F::Elems, F::Bytes, &matmul<F>};
 }
 
 Format format_named(const std::string& name) {
@@ -474,8 +671,7 @@ at::Tensor gguf_matmul_int8(at::Tensor x, at::Tensor raw, const std::string& for
               "-byte block), not ", raw.size(1));
   auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const Levels l = rounded(x.data_ptr<float>(), M, K, f.sums_of_16);
-  f.matmul(l, raw.data_ptr<uint8_t>(), raw.size(1), M, K, N, out.data_ptr<float>());
+  f.matmul(x.data_ptr<float>(), raw.data_ptr<uint8_t>(), raw.size(1), M, K, N, out.data_ptr<float>());
   return out;
 }
 
