@@ -233,6 +233,26 @@ def test_avx2_float32_rows_get_the_same_bits_in_passes_of_alike_arithmetic(forma
         assert_float32_matmul(out, rows, weight)
 
 
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("out_features", [37, 39])  # the last group: one live output row, three
+def test_avx512_float32_rows_get_the_same_bits_in_passes_of_any_size(format, out_features):
+    """On AVX-512, passes of 1-4 rows of x take a group's four output rows together and passes of
+    5-8 (a verification's k + 1 rows) two output rows at a time, with each output's arithmetic in
+    the same order: every row gets the same bits alone and in a call of 1 to 17 rows (passes of
+    8, then the remainder), whichever output rows of the padded last group are live."""
+    if ops is None or ops.simd_lanes() != 16:
+        pytest.skip("no AVX-512 build here")
+    q4_1 = format != "Q8_0"
+    raw, weight = quantized(out_features, 192, format, seed=11)
+    packed = pack_blocks(raw, format)
+    x = torch.randn(17, 192)
+    alone = torch.cat([ops.quantized_matmul(row[None], packed, out_features, q4_1) for row in x])
+    for m in range(2, 18):
+        assert torch.equal(ops.quantized_matmul(x[:m], packed, out_features, q4_1), alone[:m]), m
+    assert torch.equal(ops.quantized_matmul(x[3:9], packed, out_features, q4_1), alone[3:9])
+    assert_float32_matmul(alone, x, weight)
+
+
 def integer_kernel(build, activations: str):
     return {"int8": build.quantized_matmul_int8, "int16": build.quantized_matmul_int16}[activations]
 
@@ -240,7 +260,7 @@ def integer_kernel(build, activations: str):
 @pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
 def test_integer_rows_at_every_remainder_and_thread_count(format, activations):
-    """Rows 1..64 (every remainder of the kernel's passes of four rows), several blocks per row,
+    """Rows 1..64 (every remainder of the kernel's passes of four or eight rows), several blocks per row,
     blocks of x that are all zero, tiny or huge, and the same bits at 1 and 2 threads."""
     kernel = integer_kernel(ops, activations)
     raw, weight = quantized(37, 192, format, seed=5)

@@ -45,7 +45,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 4;   // output rows packed together
-constexpr int64_t kRows = BLOCKSERVE_LANES == 16 ? 4 : 8;  // rows of x sharing one pass over a group (registers)
+constexpr int64_t kRows = 8;  // the most rows of x sharing one pass over a group (registers)
 constexpr int64_t kPrefetchBlocks = 24;  // how far ahead (in group blocks) to prefetch weights
 
 template <bool Q4> constexpr int64_t group_block_bytes() { return Q4 ? 96 : 144; }
@@ -120,13 +120,76 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
   }
 }
 
+// 5-8 rows of x (a speculative verification's k + 1 rows): 4 outputs x R rows of accumulators
+// leave no registers for the weights, so two passes over the group's blocks (from L1 the second
+// time), each for two of its output rows (2 x R accumulators, x loaded per row and used for both).
+// Per output row and row of x the arithmetic of group_avx512 in the same order, so a row gets the
+// same bits in a pass of any size; Q4_1's min terms are summed in a pass of their own, lane by
+// lane as group_avx512 sums them.
+template <bool Q4, int R>
+void group_avx512_halves(const Problem& p, int64_t g, int64_t r0) {
+  const int64_t blocks = p.K / kBlock;
+  const uint8_t* group = p.w + g * blocks * group_block_bytes<Q4>();
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  constexpr int kHalf = kGroup / 2;
+  alignas(16) float mins[R][kGroup] = {};
+  for (int64_t first = 0; first < kGroup && g * kGroup + first < p.N; first += kHalf) {
+    __m512 acc[kHalf][R];
+    for (int i = 0; i < kHalf; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+    const uint8_t* gb = group;
+    for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+      if (first == 0) prefetch_ahead<Q4>(gb);
+      const float* d = reinterpret_cast<const float*>(gb);
+      __m512 w_lo[kHalf], w_hi[kHalf];
+      for (int i = 0; i < kHalf; ++i) {
+        const __m512 scale = _mm512_set1_ps(d[first + i]);
+        if constexpr (Q4) {
+          const __m512 table = _mm512_mul_ps(levels, scale);
+          const __m512i q = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * (first + i))));
+          w_lo[i] = _mm512_permutexvar_ps(q, table);
+          w_hi[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+        } else {
+          const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * (first + i));
+          w_lo[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
+          w_hi[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* x = p.x + (r0 + r) * p.K + b * kBlock;
+        const __m512 x_lo = _mm512_loadu_ps(x), x_hi = _mm512_loadu_ps(x + 16);
+        for (int i = 0; i < kHalf; ++i)
+          acc[i][r] = _mm512_fmadd_ps(w_hi[i], x_hi, _mm512_fmadd_ps(w_lo[i], x_lo, acc[i][r]));
+      }
+    }
+    if (Q4 && first == 0) {  // the group's blocks are in L1 now
+      for (int r = 0; r < R; ++r) {
+        __m128 min_acc = _mm_setzero_ps();
+        const uint8_t* mb = group + 16;
+        for (int64_t b = 0; b < blocks; ++b, mb += group_block_bytes<Q4>())
+          min_acc = _mm_fmadd_ps(_mm_loadu_ps(reinterpret_cast<const float*>(mb)),
+                                 _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc);
+        _mm_store_ps(mins[r], min_acc);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = first; i < first + kHalf && g * kGroup + i < p.N; ++i)
+        p.out[(r0 + r) * p.N + g * kGroup + i] = _mm512_reduce_add_ps(acc[i - first][r]) + mins[r][i];
+  }
+}
+
 template <bool Q4>
 void group_simd(const Problem& p, int64_t g, int64_t r0, int64_t R) {
   switch (R) {
     case 1: return group_avx512<Q4, 1>(p, g, r0);
     case 2: return group_avx512<Q4, 2>(p, g, r0);
     case 3: return group_avx512<Q4, 3>(p, g, r0);
-    default: return group_avx512<Q4, 4>(p, g, r0);
+    case 4: return group_avx512<Q4, 4>(p, g, r0);
+    case 5: return group_avx512_halves<Q4, 5>(p, g, r0);
+    case 6: return group_avx512_halves<Q4, 6>(p, g, r0);
+    case 7: return group_avx512_halves<Q4, 7>(p, g, r0);
+    default: return group_avx512_halves<Q4, 8>(p, g, r0);
   }
 }
 #endif
@@ -330,7 +393,9 @@ void run(const Problem& p) {
 // int32; AVX-512 builds: dpwssd), 256 times finer rounding for about twice the multiplies.
 
 #if BLOCKSERVE_LANES
-constexpr int64_t kIntRows = 4;  // rows of x per pass over a group's weights (registers)
+// Rows of x per pass over a group's weights: as many accumulators as the vector registers leave
+// room for beside the weights (AVX-512 builds: 32 registers, so a verification's 5-8 rows share one pass).
+constexpr int64_t kIntRows = BLOCKSERVE_LANES == 16 ? 8 : 4;
 
 template <typename Level>
 struct IntProblem {
@@ -452,7 +517,15 @@ void run_int(const IntProblem<Level>& p) {
             case 1: group_int<Q4, 1>(p, g, r0); break;
             case 2: group_int<Q4, 2>(p, g, r0); break;
             case 3: group_int<Q4, 3>(p, g, r0); break;
+#if BLOCKSERVE_LANES == 16
+            case 4: group_int<Q4, 4>(p, g, r0); break;
+            case 5: group_int<Q4, 5>(p, g, r0); break;
+            case 6: group_int<Q4, 6>(p, g, r0); break;
+            case 7: group_int<Q4, 7>(p, g, r0); break;
+            default: group_int<Q4, 8>(p, g, r0); break;
+#else
             default: group_int<Q4, 4>(p, g, r0); break;
+#endif
           }
         }
     });
