@@ -49,6 +49,15 @@ def generate(path, monkeypatch, flat: bool) -> tuple[list, int]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(ran)
 
 
+def greedy_tokens_and_logprobs(llm: LLM, lengths) -> list:
+    """Per random prompt of each length (seeded): 12 greedy tokens and their top-2 logprobs."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
 def test_the_flat_decode_loop_gives_the_module_paths_results(tmp_path, monkeypatch):
     save_random_model(LlamaConfig(**CONFIG), tmp_path)
     flat, flat_steps = generate(tmp_path, monkeypatch, flat=True)
@@ -111,11 +120,7 @@ def test_the_native_stack_gives_the_flat_loops_results(tmp_path, monkeypatch, ac
     for stack in (counted, lambda *args: None):
         monkeypatch.setattr(llama_decode, "native_stack", stack)
         llm = LLM(loaded, max_num_batched_tokens=8 if num_prompts == 3 else 64, block_size=4)
-        gen = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
-        results.append([(o.outputs[0].token_ids,
-                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+        results.append(greedy_tokens_and_logprobs(llm, lengths))
         del llm
     max_rows = min(linear.max_rows for linear in loaded.model.modules() if hasattr(linear, "max_rows"))
     if num_prompts <= max_rows:
@@ -176,11 +181,7 @@ def test_the_native_stack_over_a_rotated_4bit_cache_gives_the_per_layer_paths_re
         if not fused:
             monkeypatch.setattr(RotaryDecode, "fixed", lambda self, cache, dtype: None)
         llm = LLM(loaded, max_num_batched_tokens=8, block_size=4, kv_cache_dtype=kv_cache_dtype)
-        gen = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
-        results.append([(o.outputs[0].token_ids,
-                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+        results.append(greedy_tokens_and_logprobs(llm, (5, 11, 17)))
         del llm
     assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran over the 4-bit cache
     assert results[0] == results[1]
@@ -224,11 +225,7 @@ def test_the_native_stack_over_a_kquant_mix_gives_the_flat_loops_results(tmp_pat
     for stack in (lambda *args: stacks.append(real_stack(*args)) or stacks[-1], lambda *args: None):
         monkeypatch.setattr(llama_decode, "native_stack", stack)
         llm = LLM(loaded, max_num_batched_tokens=8, block_size=4)
-        gen = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 11, 17)]
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)
-        results.append([(o.outputs[0].token_ids,
-                         [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in outs])
+        results.append(greedy_tokens_and_logprobs(llm, (5, 11, 17)))
         del llm
     assert sum(stack is not None for stack in stacks) >= 10  # the stack really ran
     assert results[0] == results[1]
