@@ -80,7 +80,7 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def start_to_first_token(command: list[str], port: int, env: dict[str, str], cwd: Path | None = None) -> dict:
-    """Spawn `command` (in `cwd`: `python -m` puts it first on sys.path, so a blockserve tree's
+    """Spawn `command` (in `cwd`: `python -m` puts it first on the import path, so a blockserve tree's
     root there is the blockserve started), wait for /health, send a one-token completion; seconds
     from the spawn."""
     url = f"http://127.0.0.1:{port}"

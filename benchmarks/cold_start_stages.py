@@ -87,7 +87,7 @@ print(json.dumps({"stages_s": stages, "row_crossover_s": crossover[0], "total_s"
 
 def one_start(tree: Path, model: str, threads: int, kv_cache_memory: str, serve: bool) -> dict:
     """One start of the blockserve in `tree` (the child runs there: `python -c` puts the working
-    directory first on sys.path)."""
+    directory first on the import path)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(tree)}
     with CpuShare() as share:
         done = subprocess.run([sys.executable, "-c", CHILD, model, str(threads), kv_cache_memory,
