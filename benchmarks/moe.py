@@ -81,7 +81,9 @@ def make(directory: Path, quant: str) -> None:
             add(value)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("qwen2")
-        writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
+        tokens = [f"t{i}" for i in range(config["vocab_size"])]
+        tokens[0], tokens[2] = "t", "1"  # the one merge's parts, so a BPE built from the file accepts it
+        writer.add_token_list(tokens)
         writer.add_token_types([gguf.TokenType.NORMAL] * config["vocab_size"])
         writer.add_token_scores([0.0] * config["vocab_size"])
         writer.add_token_merges(["t 1"])  # llama.cpp refuses a BPE vocabulary without merges
