@@ -136,23 +136,33 @@ class KVCacheTensors:
 
     def load_blocks(self, group_id: int, loads) -> None:
         """Write each (block, payload) of `loads`: the inverse of `block_bytes`. A payload of the wrong
-        size is a ValueError (the tier's key names the KV format, so it means a bug)."""
-        dim = self.block_dims[group_id]
-        for block_id, payload in loads:
-            if block_id == 0:
-                raise ValueError(f"group {group_id}: the null block must never be written")
-            data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        size is a ValueError (the tier's key names the KV format, so it means a bug). Off the CPU the
+        payloads go to the device in one copy from one staging buffer (pinned under CUDA, so the copy
+        does not wait for the host), then into each block's place."""
+        loads = list(loads)
+        if not loads:
+            return
+        if any(block_id == 0 for block_id, _ in loads):
+            raise ValueError(f"group {group_id}: the null block must never be written")
+        nbytes = self.block_nbytes(group_id)
+        for _, payload in loads:
+            if len(payload) != nbytes:
+                raise ValueError(f"group {group_id}: a loaded block has {len(payload)} bytes, its layout {nbytes}")
+        tensors, dim = self.tensors[group_id], self.block_dims[group_id]
+        device = tensors[0].device
+        rows = [torch.frombuffer(payload, dtype=torch.uint8) for _, payload in loads]
+        if device.type != "cpu":
+            staging = torch.empty(len(loads), nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            for row, data in zip(staging, rows):
+                row.copy_(data)
+            rows = staging.to(device, non_blocking=True)
+        for row, (block_id, _) in zip(rows, loads):
             offset = 0
-            for tensor in self.tensors[group_id]:
+            for tensor in tensors:
                 dst = tensor.select(dim, block_id)
                 size = dst.numel() * dst.element_size()
-                if offset + size > len(data):
-                    raise ValueError(f"group {group_id}: a loaded block has {len(payload)} bytes, fewer than its "
-                                     f"layout needs")
-                dst.copy_(data[offset : offset + size].view(dst.dtype).view(dst.shape))
+                dst.copy_(row[offset : offset + size].view(dst.dtype).view(dst.shape))
                 offset += size
-            if offset != len(data):
-                raise ValueError(f"group {group_id}: a loaded block has {len(payload)} bytes, its layout {offset}")
 
     def _fill(self, group_id: int, block_ids, poison: bool) -> None:
         block_ids = list(block_ids)

@@ -23,19 +23,22 @@ def test_a_block_round_trips_through_its_payload():
     for tensors in kv.tensors:
         for tensor in tensors:
             tensor.view(torch.uint8).copy_(torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8))
-    # state (group 2): a checkpoint into a running slot
-    for group_id, (source, target) in enumerate(((2, 3), (1, 4), (6, 2), (5, 1))):
-        payload = kv.block_bytes(group_id, source)
-        assert len(payload) == GROUPS[group_id].bytes_per_block == kv.block_nbytes(group_id)
-        kv.load_blocks(group_id, [(target, bytearray(payload))])
+    # state (group 2): checkpoints into running slots; two blocks loaded in one order each
+    for group_id, pairs in enumerate((((2, 3), (5, 1)), ((1, 4), (3, 2)), ((6, 2), (7, 1)), ((5, 1), (2, 6)))):
+        payloads = [kv.block_bytes(group_id, source) for source, _ in pairs]
+        assert all(len(p) == GROUPS[group_id].bytes_per_block == kv.block_nbytes(group_id) for p in payloads)
+        expected = [[tensor.select(kv.block_dims[group_id], source).clone() for tensor in kv.tensors[group_id]]
+                    for source, _ in pairs]
+        kv.load_blocks(group_id, [(target, bytearray(p)) for (_, target), p in zip(pairs, payloads)])
         dim = kv.block_dims[group_id]
-        for tensor in kv.tensors[group_id]:
-            source_bytes, target_bytes = (tensor.select(dim, b).view(torch.uint8) for b in (source, target))
-            assert torch.equal(source_bytes, target_bytes)
+        for (_, target), blocks in zip(pairs, expected):
+            for tensor, block in zip(kv.tensors[group_id], blocks):
+                assert torch.equal(tensor.select(dim, target).view(torch.uint8), block.view(torch.uint8))
+        target = pairs[0][1]
         with pytest.raises(ValueError, match="bytes"):
-            kv.load_blocks(group_id, [(target, bytearray(payload[:-2]))])
+            kv.load_blocks(group_id, [(target, bytearray(payloads[0][:-2]))])
         with pytest.raises(ValueError, match="null block"):
-            kv.load_blocks(group_id, [(0, bytearray(payload))])
+            kv.load_blocks(group_id, [(0, bytearray(payloads[0]))])
 
 
 def test_keys_and_values_of_different_dtypes_get_a_tensor_each():
