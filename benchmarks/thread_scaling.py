@@ -14,6 +14,9 @@ count in turn (torch's thread count set between them; no thread governor):
     matmuls    every linear layer's block matmuls of one decode step back to back, one row of x, as
                the decoder stack calls them (native/csrc/decode_stack.cpp), then the LM head alone:
                wall ms, and the process's CPU ms (every thread's, the pool's waiting included)
+    huge pages the same matmuls on a copy of those blocks in anonymous memory advised for
+               transparent huge pages (MADV_HUGEPAGE; the engine reads them from the file's
+               mapping, in 4 KiB pages): what the TLB costs the stream
     step       an engine's batch-1 decode step (a 32-token prompt, greedy): the whole step, the
                decoder stack's one call, the LM head and the rest (scheduling, Python, sampling),
                medians over --steps steps; CPU ms per step of the stepping thread and of the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import random
 import statistics
 import time
@@ -121,7 +125,8 @@ class StepParts:
 def linear_matmuls(model, activations: str):
     """(every linear layer's block matmuls of one decode step, one row of x, as the decoder stack
     makes them: each row segment of a fused layer its own call; the LM head's; the hand-off's 100
-    calls; the bytes of the layers' and the head's blocks)."""
+    calls; the layers' matmuls on huge-page copies of their blocks; the bytes of the layers' and the
+    head's blocks)."""
     ops = fused_ops()
     matmul = ops.gguf_matmul_int8 if activations == "int8" else ops.gguf_matmul
     layers = model.model.layers
@@ -130,7 +135,7 @@ def linear_matmuls(model, activations: str):
     calls = [(torch.randn(1, lin.in_features), seg.raw, seg.format) for lin in linears for seg in lin.segments]
     head = [(torch.randn(1, model.lm_head.in_features), seg.raw, seg.format) for seg in model.lm_head.segments]
 
-    def layers_call():
+    def layers_call(calls=calls):
         for x, raw, fmt in calls:
             matmul(x, raw, fmt)
 
@@ -145,8 +150,31 @@ def linear_matmuls(model, activations: str):
         for _ in range(100):
             ops.gguf_matmul_int8(x, few, fmt)
 
-    return (layers_call, head_call, handoff_call, sum(raw.numel() for _, raw, _ in calls),
+    huge = on_huge_pages(calls)
+
+    def huge_call():
+        layers_call(huge)
+
+    return (layers_call, head_call, handoff_call, huge_call, sum(raw.numel() for _, raw, _ in calls),
             sum(raw.numel() for _, raw, _ in head))
+
+
+def on_huge_pages(calls: list[tuple]) -> list[tuple]:
+    """`calls` with each block tensor copied into one anonymous mapping advised MADV_HUGEPAGE, each
+    copy at a 2 MiB boundary (torch.frombuffer's tensors hold the mapping)."""
+    align = 2 << 20
+    size = sum((raw.numel() + align - 1) // align * align for _, raw, _ in calls) + align
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    memory = torch.frombuffer(buffer, dtype=torch.uint8)
+    offset = -memory.data_ptr() % align
+    copies = []
+    for x, raw, fmt in calls:
+        copy = memory[offset:offset + raw.numel()].view(raw.shape)
+        copy.copy_(raw)
+        copies.append((x, copy, fmt))
+        offset += (raw.numel() + align - 1) // align * align
+    return copies
 
 
 def main() -> int:
@@ -170,7 +198,8 @@ def main() -> int:
         if activations == "int8":
             flags += ["--quantized-activations", "int8"]
         config, loaded = load_for_bench(engine_args.parse_args(flags))
-        layers_call, head_call, handoff_call, layer_bytes, head_bytes = linear_matmuls(loaded.model, activations)
+        layers_call, head_call, handoff_call, huge_call, layer_bytes, head_bytes = linear_matmuls(loaded.model,
+                                                                                                  activations)
         parts = StepParts(config, loaded)
         cells: dict[int, list[dict]] = {t: [] for t in args.threads}
         for round_ in range(args.rounds):
@@ -180,11 +209,13 @@ def main() -> int:
                     read_ms, _ = timed(lambda: data.sum(), 5)
                     handoff_ms, _ = timed(handoff_call, 5)
                     layers_ms, layers_cpu = timed(layers_call, 5)
+                    huge_ms, _ = timed(huge_call, 5)
                     head_ms, head_cpu = timed(head_call, 9)
                     step = parts.run(args.steps)
                 cell = {"activations": activations, "threads": threads, "round": round_,
                         "read GB/s": READ_BYTES / read_ms / 1e6, "hand-off us": handoff_ms * 10, "matmuls ms": layers_ms, "matmuls cpu ms": layers_cpu,
-                        "matmuls GB/s": layer_bytes / layers_ms / 1e6, "lm head ms": head_ms,
+                        "matmuls GB/s": layer_bytes / layers_ms / 1e6, "huge pages ms": huge_ms,
+                        "lm head ms": head_ms,
                         "lm head cpu ms": head_cpu, "lm head GB/s": head_bytes / head_ms / 1e6,
                         **{f"step {k}": v for k, v in step.items()}, "others": share.others}
                 cells[threads].append(cell)
