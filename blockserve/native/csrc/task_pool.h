@@ -11,8 +11,8 @@
 // running, each reads a contiguous span of the weights (one stream for the prefetcher) and claims
 // from a cache line no other thread writes; a thread that is asleep or descheduled holds nothing
 // up, its lane is taken by the others, and the caller waits only for tasks a worker has begun.
-// (One shared counter over all the tasks interleaved the threads' rows and moved its line between
-// the cores at every claim: the 1-row LM head at two threads took 1.5x the time, see docs/cpu.md.)
+// (One shared counter over all the tasks interleaves the threads' rows and moves its line between
+// the cores at every claim: a 1-row step's matmuls at two threads take ~1.4x the time, docs/cpu.md.)
 //
 // A worker spins for kSpinMicros after its last task (the next call of a decode step comes within
 // tens of microseconds), then sleeps on a condition variable until the next call: between steps
