@@ -3,9 +3,16 @@
 // one holds its core after every region, starving the server's own threads (thread_policy.py).
 //
 //   run(n, f)   f(0..n-1) once each, on the calling thread and the pool's workers, returns when
-//               all are done. Tasks are claimed one at a time from a shared counter, so the caller
-//               never waits for a worker that is asleep or descheduled: it takes the unclaimed
-//               tasks itself and waits only for tasks a worker has begun.
+//               all are done.
+//
+// The tasks are cut into one lane of consecutive tasks per thread (the caller's lane 0, worker i's
+// lane i + 1). A thread claims its own lane's tasks in order, one at a time from that lane's
+// counter, then helps the other lanes, claiming from their counters. So while every thread is
+// running, each reads a contiguous span of the weights (one stream for the prefetcher) and claims
+// from a cache line no other thread writes; a thread that is asleep or descheduled holds nothing
+// up, its lane is taken by the others, and the caller waits only for tasks a worker has begun.
+// (One shared counter over all the tasks interleaves the threads' rows and moves its line between
+// the cores at every claim: a 1-row step's matmuls at two threads take ~1.4x the time, docs/cpu.md.)
 //
 // A worker spins for kSpinMicros after its last task (the next call of a decode step comes within
 // tens of microseconds), then sleeps on a condition variable until the next call: between steps
@@ -26,6 +33,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <memory>
 #include <new>
 #include <thread>
 #include <vector>
@@ -73,31 +81,49 @@ class TaskPool {
     }
     std::lock_guard<std::mutex> one_call(call_mutex_);  // one job at a time (callers on other threads wait)
     resize(at::get_num_threads() - 1);
-    Job job{[](const void* fn, int64_t t) { (*static_cast<const F*>(fn))(t); }, &f, n};
+    if (lane_capacity_ < threads) {
+      lanes_ = std::make_unique<Lane[]>(threads);
+      lane_capacity_ = threads;
+    }
+    for (int64_t l = 0; l < threads; ++l) {
+      lanes_[l].next.store(n * l / threads, std::memory_order_relaxed);
+      lanes_[l].end = n * (l + 1) / threads;
+    }
+    Job job{[](const void* fn, int64_t t) { (*static_cast<const F*>(fn))(t); }, &f, lanes_.get(), threads};
     {
       std::lock_guard<std::mutex> lock(mutex_);  // a worker going to sleep cannot miss the new generation
       job_.store(&job, std::memory_order_seq_cst);
       generation_.fetch_add(1, std::memory_order_seq_cst);
     }
     wake_.notify_all();  // a cheap no-op for spinning workers; wakes sleeping ones
-    job.work();
+    job.work(0);
     while (job.done.load(std::memory_order_acquire) < n) BLOCKSERVE_PAUSE();
     job_.store(nullptr, std::memory_order_seq_cst);
     while (inside_.load(std::memory_order_seq_cst) != 0) BLOCKSERVE_PAUSE();  // no worker still holds &job
   }
 
  private:
+  // Tasks [next, end) of one lane not claimed yet; each lane on its own cache line.
+  struct alignas(64) Lane {
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+
   struct Job {
     void (*call)(const void*, int64_t);
     const void* fn;
-    int64_t n;
-    std::atomic<int64_t> next{0}, done{0};
+    Lane* lanes;
+    int64_t count;                             // lanes
+    alignas(64) std::atomic<int64_t> done{0};  // tasks finished, added once per thread and job
 
-    void work() {
-      for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-        call(fn, t);
-        done.fetch_add(1, std::memory_order_release);
+    // Lane `first`'s tasks, then every other lane's, in order.
+    void work(int64_t first) {
+      int64_t finished = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        Lane& lane = lanes[(first + i) % count];
+        for (int64_t t; (t = lane.next.fetch_add(1, std::memory_order_relaxed)) < lane.end; ++finished) call(fn, t);
       }
+      if (finished > 0) done.fetch_add(finished, std::memory_order_release);
     }
   };
 
@@ -111,10 +137,10 @@ class TaskPool {
     for (auto& w : workers_) w.join();
     workers_.clear();
     stop_.store(false);
-    for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this] { loop(); });
+    for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this, i] { loop(i + 1); });
   }
 
-  void loop() {
+  void loop(int64_t lane) {
     uint64_t seen = generation_.load();
     for (;;) {
       // Spin on the generation for kSpinMicros, then sleep until it moves (or stop).
@@ -130,7 +156,7 @@ class TaskPool {
       if (stop_.load()) return;
       seen = generation_.load();
       inside_.fetch_add(1, std::memory_order_seq_cst);
-      if (Job* job = job_.load(std::memory_order_seq_cst)) job->work();
+      if (Job* job = job_.load(std::memory_order_seq_cst)) job->work(lane % job->count);
       inside_.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
@@ -142,6 +168,8 @@ class TaskPool {
   std::atomic<bool> stop_{false};
   std::atomic<Job*> job_{nullptr};
   std::atomic<int64_t> inside_{0};
+  std::unique_ptr<Lane[]> lanes_;  // the current job's, reused (one job at a time)
+  int64_t lane_capacity_ = 0;
 };
 
 // The process's pool: the one module's kernels (matmuls, decode attention) share it. Its static is
