@@ -27,6 +27,7 @@
 #include "kernels.h"
 
 #include "block_unpack.h"
+#include "gguf_formats.h"
 
 #include "task_pool.h"
 
@@ -488,20 +489,8 @@ constexpr Format format_of() {
 }
 
 Format format_named(const std::string& name) {
-  if (name == "Q4_0") return format_of<Q4_0>();
-  if (name == "Q4_1") return format_of<Q4_1>();
-  if (name == "Q8_0") return format_of<Q8_0>();
-  if (name == "Q5_0") return format_of<Q5_0>();
-  if (name == "Q5_1") return format_of<Q5_1>();
-  if (name == "IQ4_NL") return format_of<IQ4_NL>();
-  if (name == "Q2_K") return format_of<Q2_K>();
-  if (name == "Q3_K") return format_of<Q3_K>();
-  if (name == "Q4_K") return format_of<Q4_K>();
-  if (name == "Q5_K") return format_of<Q5_K>();
-  if (name == "Q6_K") return format_of<Q6_K>();
-  if (name == "IQ4_XS") return format_of<IQ4_XS>();
-  TORCH_CHECK(false, "gguf_blocks: no kernel for GGUF format ", name,
-              " (read: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)");
+  return gguf_format_named<Format, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS>(
+      name, "gguf_blocks", [](auto tag) { return format_of<typename decltype(tag)::type>(); });
 }
 
 Format checked(const at::Tensor& raw, const std::string& name, int64_t columns) {
@@ -547,9 +536,7 @@ void buffered_rows(const Format& f, const uint8_t* w, int64_t row_bytes, const f
 
 }  // namespace
 
-std::vector<std::string> gguf_block_formats() {
-  return {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"};
-}
+std::vector<std::string> gguf_block_formats() { return {kGgufFormatNames.begin(), kGgufFormatNames.end()}; }
 
 at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns) {
   const Format f = checked(raw, format, columns);
