@@ -9,7 +9,10 @@ build, on a layer shape of the bundled model's (random blocks with finite scales
              many-row path would run on with a float32 copy
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.gguf_blocks [--rows 1 8 16 64 512] [--formats Q4_K Q6_K] [--threads 2]
-        [--variants blocks int8]
+        [--variants blocks int8] [--shape 11264x2048]
+
+--shape (out x in) replaces every format's layer shape, e.g. a 0.92B Llama's gate/up (11264x2048) or
+down projection (2048x5632): wider layers than the bundled model's, whose weights do not stay in cache.
 
 Each cell is the fastest of --rounds calls, the variants interleaved in every round. At one thread
 a call is timed by this thread's CPU time (time.thread_time), so the time the process waits while
@@ -48,6 +51,17 @@ def blocks(format: str, rows: int, columns: int, rng: np.random.Generator) -> to
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
+def shape(text: str) -> tuple[int, int]:
+    """'OUTxIN' -> (out, in)."""
+    try:
+        out, inp = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected OUTxIN, e.g. 11264x2048") from None
+    if out <= 0 or inp <= 0:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: both sizes must be positive")
+    return out, inp
+
+
 def fastest_ms(fns: dict, rounds: int, clock=time.perf_counter) -> dict[str, float]:
     """The fastest of `rounds` calls of each function by `clock`, the functions interleaved in every round."""
     best = dict.fromkeys(fns, float("inf"))
@@ -68,6 +82,7 @@ def main() -> None:
     ap.add_argument("--blocks-max-rows", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--shape", type=shape, default=None, help="out x in, e.g. 11264x2048 (default: per format)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -75,7 +90,7 @@ def main() -> None:
         for build in args.builds:
             ops = quantized_matmul_ops(without_avx512=build == "avx2")
             for format in args.formats:
-                n, k = SHAPES[format]
+                n, k = args.shape or SHAPES[format]
                 raw = blocks(format, n, k, rng)
                 weight = column_major(ops.gguf_dequantize(raw, format, k))
                 for m in args.rows:

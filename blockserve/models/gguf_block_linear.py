@@ -7,10 +7,11 @@ GGUFBlockLinear, out = x @ W^T (+ bias), W given as row segments (a fused projec
 in its own format):
 
     rows <= MAX_ROWS   gguf_matmul: four output rows at a time dequantised in registers as they
-                       are multiplied with the rows (past 2 rows on AVX2: into a small buffer,
-                       then register tiles); the weights are read at their file size
+                       are multiplied with the rows (past 8 rows, 2 on AVX2: into a small buffer,
+                       then register tiles); the weights are read at their file size, and a row's
+                       sums do not depend on the rows beside it (a decode step's batch)
     more rows          tiles of dequantised weights (tiled_gemm.py), each multiplied by torch's
-                       GEMM and dropped (prefill: compute-bound, so the GEMM pays)
+                       GEMM and dropped (prefill)
 
 With int8 activations (--quantized-activations int8) every row count runs gguf_matmul_int8
 (csrc/gguf_blocks_int8.cpp): x rounded per block of 32 to int8 levels as quantized_linear's integer
@@ -45,7 +46,7 @@ NEW_FORMATS = KERNEL_FORMATS[3:]
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
                  "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 _FLOAT16_EXPONENT = 0x7C00  # a float16's exponent bits: all set in inf and NaN only
-MAX_ROWS = 8  # past it the tiled GEMM is as fast or faster on both builds (docs/cpu.md)
+MAX_ROWS = 64  # up to it gguf_matmul is faster than the tiled GEMM on both builds (docs/cpu.md)
 
 
 def block_shape(format: str) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from blockserve.models.gguf_block_linear import (KERNEL_FORMATS, MAX_ROWS, SCALE
                                                  GGUFBlockEmbedding, GGUFBlockLinear, block_shape, check_blocks)
 from blockserve.models.quantized_linear import round_per_block
 from blockserve.models import tiled_gemm
-from blockserve.native.extension import quantized_matmul_ops
+from blockserve.native.extension import ISA_ENV, quantized_matmul_ops
 
 BUILDS = {"native": quantized_matmul_ops(), "avx2": quantized_matmul_ops(without_avx512=True)}
 pytestmark = pytest.mark.skipif(any(ops is None or not ops.simd_lanes() for ops in BUILDS.values()),
@@ -79,8 +79,8 @@ def test_dequantize_and_matmul_equal_gguf_py(build, format):
 def test_every_register_tile_shape(build):
     """gguf_matmul multiplies 4 weight rows at a time (then the rest one by one), dequantised in
     registers, with 4 (AVX-512) or 2 (AVX2) rows of x at a time up to 8 (AVX-512) or 2 (AVX2) rows,
-    and past that through a buffer with 4 (AVX-512) or 3 (AVX2) rows of x at a time: every remainder
-    of both, across more than one tile."""
+    and past that through a buffer in tiles of 4 weight rows x 4 rows of x (AVX-512) or 2 x 6 (AVX2):
+    every remainder of both, across more than one tile."""
     ops, rng = BUILDS[build], np.random.default_rng(4)
     raw = random_blocks("Q5_0", 9, 64, rng)
     weight = dequantized("Q5_0", raw)
@@ -138,6 +138,25 @@ def test_the_linear_layer_across_row_counts_segments_and_tiles(format, monkeypat
     int8 = GGUFBlockLinear([(format, torch.from_numpy(parts[0]))], columns, activations="int8")
     x = torch.randn(5, columns)
     assert_matmul(int8(x), round_per_block(x, 127), weight[:rows])
+
+
+@pytest.mark.parametrize("isa", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
+def test_a_decode_row_gets_the_same_bits_in_any_batch_the_blocks_serve(isa, monkeypatch):
+    """Up to 64 rows (a decode step's batch of 64 requests; the decoder stack serves as many) the
+    layer runs the blocks kernel, whose sums do not depend on the rows beside a row: a request's
+    output is the same alone as in a batch of 9, 16 or 64 (a fused projection's parts in different
+    formats), where a GEMM over dequantised tiles would sum in an order of its own per batch size."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    rng = np.random.default_rng(7)
+    columns = 512
+    parts = [("Q4_K", torch.from_numpy(random_blocks("Q4_K", 37, columns, rng))),
+             ("Q6_K", torch.from_numpy(random_blocks("Q6_K", 6, columns, rng)))]
+    linear = GGUFBlockLinear(parts, columns)
+    x = torch.randn(64, columns)
+    batch = linear(x)
+    for m in (1, 9, 16, 64):
+        assert torch.equal(linear(x[:m]), batch[:m]), m
+    assert torch.equal(linear(x[-1:]), batch[-1:])
 
 
 def test_the_embedding_dequantises_the_rows_looked_up():

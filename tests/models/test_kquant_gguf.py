@@ -16,8 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from blockserve import LLM, SamplingParams
 from blockserve.attention.paged_attention import BACKENDS
-from blockserve.models import loader
+from blockserve.models import llama_decode, loader
 from blockserve.models.gguf_block_linear import GGUFBlockEmbedding, GGUFBlockLinear, block_resident_bytes
 from blockserve.models.loader import load_model
 from tests.models.test_gguf_block_linear import BUILDS, random_blocks
@@ -136,6 +137,36 @@ def test_kquant_mix_runs_from_its_blocks_as_transformers(tmp_path, arch):
     for chunk, stagger in ((None, False), (4, True)):
         _, tokens = run_paged(model, prompts, NEW_TOKENS, chunk=chunk, stagger=stagger)
         assert tokens == want, (chunk, stagger)
+
+
+def test_a_decode_batch_past_8_rows_runs_in_the_native_stack(tmp_path, monkeypatch):
+    """Every linear layer on the file's blocks (float32 activations): a decode step of 12 requests,
+    past the in-register kernel's 8 rows, is still one native call (DecodeStack), whose tokens and
+    logprobs are bitwise the flat loop's."""
+    path = tmp_path / "model.gguf"
+    write_kquant_gguf(path, "llama")
+    loaded = load_model(str(path), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))
+    real_stack = llama_decode.native_stack
+    stacked_rows = []
+
+    def recorded(layers, final_norm, rows):
+        stack = real_stack(layers, final_norm, rows)
+        if stack is not None:
+            stacked_rows.append(rows)
+        return stack
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in range(3, 15)]
+    results = []
+    for stack in (recorded, lambda *args: None):
+        monkeypatch.setattr(llama_decode, "native_stack", stack)
+        llm = LLM(loaded, max_num_batched_tokens=64, block_size=4)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                        for o in outs])
+        del llm
+    assert max(stacked_rows) == 12
+    assert results[0] == results[1]
 
 
 def test_a_truncated_file_is_refused(tmp_path):

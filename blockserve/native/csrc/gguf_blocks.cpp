@@ -12,11 +12,12 @@
 //       are unpacked side by side, 16 values at a time dequantised in registers and multiplied
 //       with up to 4 (AVX-512) or 2 (AVX2) rows of x into register accumulators as they come, so
 //       no weight is written to memory; more rows: four weight rows at a time are dequantised
-//       into a per-task buffer of 4 x K floats (L1/L2) and multiplied with the M rows of x in
-//       register tiles (4 weight rows x 4 rows of x on AVX-512, 4 x 3 on AVX2), each weight
-//       dequantised once per call whatever M is. Both read the weights at their file size, take K
-//       in panels of whole blocks (fixed, so x's panel stays in L2 across a task's weight rows at
-//       many rows), each panel's sums added to the last's, and give the same bits.
+//       into a per-task buffer of 4 x 1024 floats (L1) and multiplied with the M rows of x in
+//       register tiles (4 weight rows x 4 rows of x on AVX-512, 2 x 6 on AVX2, each vector of the
+//       tile's weights and rows loaded once per step), each weight dequantised once per call
+//       whatever M is, the next group's blocks prefetched meanwhile. Both read the weights at their
+//       file size, take K in panels of whole blocks (fixed, so x's panel stays in L2 across a task's
+//       weight rows at many rows), each panel's sums added to the last's, and give the same bits.
 //
 // Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
 // block unpacks 16 bytes at a time with SSSE3 into int8 levels, widened at the build's width
@@ -26,6 +27,7 @@
 #include "kernels.h"
 
 #include "block_unpack.h"
+#include "gguf_formats.h"
 
 #include "task_pool.h"
 
@@ -265,15 +267,17 @@ void dequantize_row(const uint8_t* row, int64_t columns, float* out) {
 // NR x MR vector accumulators, so each vector of weights serves MR rows and each of x serves NR.
 // Every accumulator takes its products in the same order, lane l the columns l, l + kLanes, ...
 // of a panel in turn, with one rounding each (explicit FMA), and the panel's sum is its lanes'
-// sum by halving (lane_sum): the two products give the same bits, and so does any tile shape.
+// sum by halving (lane_sums): the two products give the same bits, and so does any tile shape.
 // Up to kFusedMaxRows rows of x, gguf_matmul dequantises the weights in registers (fused_tile),
-// kFusedRows rows of x at a time; past it into a buffer once a call (tile). On AVX2 (16 registers,
-// 8 accumulating when fused) a second pass of unpacking costs more than the buffer's write and read.
+// kFusedRows rows of x at a time; past it into a buffer once a call, multiplied in tiles of
+// kTileWeightRows x kTileRows (tile: the shapes measured fastest, docs/cpu.md). On AVX2 (16
+// registers, 8 accumulating when fused) a second pass of unpacking costs more than the buffer's
+// write and read.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16, kTileRows = 4, kFusedRows = 4;
+constexpr int kLanes = 16, kTileWeightRows = 4, kTileRows = 4, kFusedRows = 4;
 constexpr int64_t kFusedMaxRows = 8;
 #else
-constexpr int kLanes = 8, kTileRows = 3, kFusedRows = 2;
+constexpr int kLanes = 8, kTileWeightRows = 2, kTileRows = 6, kFusedRows = 2;
 constexpr int64_t kFusedMaxRows = 2;
 #endif
 constexpr int kWeightRows = 4;  // NR: the switches in gguf_matmul take 1 to 4
@@ -295,32 +299,67 @@ inline Lanes fused_multiply_add(Lanes w, Lanes x, Lanes acc) {
 #endif
 }
 
-// The lanes' sum by halving, in the same order in every tile: the build's -fassociative-math would
-// otherwise let each tile shape reassociate it (and the add of a previous panel's sum) its own way,
-// and a row's result would depend on how many rows share its call (as with fused_multiply_add). The
-// empty asm hides the sum's value, so it is added to a panel's running sum whole.
-inline float lane_sum(Lanes v) {
+// sums[i] = the sum of v[i]'s lanes by halving (lanes j and j + kLanes / 2 added, then j and j +
+// kLanes / 4 of those, ... down to one), for kLanes vectors at once: each step adds two vectors' halves
+// side by side (two shuffles and an add per two vectors instead of a reduction per vector). The order
+// is the same in every tile: the build's -fassociative-math would otherwise let each tile shape
+// reassociate it (and the add of a previous panel's sum) its own way, and a row's result would depend
+// on how many rows share its call (as with fused_multiply_add); the empty asm keeps each step's sums whole.
+inline void lane_sums(const Lanes (&v)[kLanes], float* sums) {
 #if defined(__AVX512F__)
-  const __m512 all = reinterpret_cast<__m512&>(v);
-  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(all), _mm512_extractf32x8_ps(all, 1));
+  __m512 half[8], quarter[4], pair[2];
+  for (int i = 0; i < 8; ++i) {  // vectors 2i, 2i + 1: lanes j + 8 onto j, side by side
+    const __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    asm("" : "+v"(half[i]));
+  }
+  for (int i = 0; i < 4; ++i) {  // each 8 lanes: j + 4 onto j; quarter i's 128-bit lane q: vector 4i + q
+    quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+                               _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
+    asm("" : "+v"(quarter[i]));
+  }
+  for (int i = 0; i < 2; ++i) {  // each 4 lanes: j + 2 onto j (j < 2)
+    pair[i] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0x44),
+                            _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], 0xEE));
+    asm("" : "+v"(pair[i]));
+  }
+  // lane 4q + r: the sum of vector 4r + q
+  const __m512 mixed = _mm512_add_ps(_mm512_shuffle_ps(pair[0], pair[1], 0x88), _mm512_shuffle_ps(pair[0], pair[1], 0xDD));
+  _mm512_storeu_ps(sums, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                               mixed));
 #else
-  const __m256 eight = reinterpret_cast<__m256&>(v);
+  __m256 half[4], pair[2];
+  for (int i = 0; i < 4; ++i) {  // vectors 2i, 2i + 1: lanes j + 4 onto j, side by side
+    const __m256 a = (__m256)v[2 * i], b = (__m256)v[2 * i + 1];
+    half[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    asm("" : "+x"(half[i]));
+  }
+  for (int i = 0; i < 2; ++i) {  // each 4 lanes: j + 2 onto j (j < 2); 128-bit lane h of pair i: vectors 4i + h, 4i + 2 + h
+    pair[i] = _mm256_add_ps(_mm256_shuffle_ps(half[2 * i], half[2 * i + 1], 0x44),
+                            _mm256_shuffle_ps(half[2 * i], half[2 * i + 1], 0xEE));
+    asm("" : "+x"(pair[i]));
+  }
+  // lane 4h + r: the sum of vector 2r + h
+  const __m256 mixed = _mm256_add_ps(_mm256_shuffle_ps(pair[0], pair[1], 0x88), _mm256_shuffle_ps(pair[0], pair[1], 0xDD));
+  _mm256_storeu_ps(sums, _mm256_permutevar8x32_ps(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #endif
-  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  float s = _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
-  asm("" : "+x"(s));
-  return s;
 }
 
-// out[m * out_stride + n] = (or += when `add`: a later panel of the same rows) acc[n][m]'s lane sum.
+// out[m * out_stride + n] = (or += when `add`: a later panel of the same rows) acc[n][m]'s lane sum,
+// kLanes accumulators at a time (the last group filled up with zeros).
 template <int NR, int MR>
 inline void store_sums(const Lanes (&acc)[NR][MR], float* out, int64_t out_stride, bool add) {
-  for (int n = 0; n < NR; ++n)
-    for (int m = 0; m < MR; ++m) {
-      float& o = out[m * out_stride + n];
-      o = add ? o + lane_sum(acc[n][m]) : lane_sum(acc[n][m]);
+  constexpr int count = NR * MR, groups = (count + kLanes - 1) / kLanes;
+  for (int g = 0; g < groups; ++g) {
+    Lanes v[kLanes] = {};
+    for (int i = 0; i < kLanes && g * kLanes + i < count; ++i) v[i] = acc[(g * kLanes + i) / MR][(g * kLanes + i) % MR];
+    alignas(64) float sums[kLanes];
+    lane_sums(v, sums);
+    for (int i = 0; i < kLanes && g * kLanes + i < count; ++i) {
+      float& o = out[(g * kLanes + i) % MR * out_stride + (g * kLanes + i) / MR];
+      o = add ? o + sums[i] : sums[i];
     }
+  }
 }
 
 // A panel of `columns` values (a multiple of kLanes) of dequantised weights: w's rows `columns`
@@ -331,28 +370,44 @@ __attribute__((noinline)) void tile(const float* w, const float* x, int64_t colu
   Lanes acc[NR][MR] = {};
   for (int64_t k = 0; k < columns; k += kLanes) {
     Lanes wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = load_lanes(w + n * columns + k);
+    for (int n = 0; n < NR; ++n) {
+      wv[n] = load_lanes(w + n * columns + k);
+      asm("" : "+v"(wv[n]));  // in a register, read NR times: not a memory operand of every multiply-add
+    }
     for (int m = 0; m < MR; ++m) {
-      const Lanes xv = load_lanes(x + m * K + k);
+      Lanes xv = load_lanes(x + m * K + k);
+      asm("" : "+v"(xv));  // likewise
       for (int n = 0; n < NR; ++n) acc[n][m] = fused_multiply_add(wv[n], xv, acc[n][m]);
     }
   }
   store_sums<NR, MR>(acc, out, out_stride, add);
 }
 
-// out[m, n] (+)= a panel of NR dequantised weight rows w (`columns` values each) times the same
-// columns of the M rows of x (rows K apart; out_stride: the row length of out).
-template <int NR>
-void weight_rows_times_x(const float* w, const float* x, int64_t M, int64_t columns, int64_t K, float* out,
-                         int64_t out_stride, bool add) {
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows)
-    tile<NR, kTileRows>(w, x + m * K, columns, K, out + m * out_stride, out_stride, add);
-  switch (M - m) {
-    case 1: tile<NR, 1>(w, x + m * K, columns, K, out + m * out_stride, out_stride, add); break;
-    case 2: tile<NR, 2>(w, x + m * K, columns, K, out + m * out_stride, out_stride, add); break;
-    case 3: tile<NR, 3>(w, x + m * K, columns, K, out + m * out_stride, out_stride, add); break;
-    default: break;
+using Tile = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool);
+
+template <int NR, int... MR>
+constexpr std::array<Tile, sizeof...(MR)> row_tiles(std::integer_sequence<int, MR...>) {
+  return {&tile<NR, MR + 1>...};
+}
+
+template <int... NR>
+constexpr std::array<std::array<Tile, kTileRows>, sizeof...(NR)> tiles_of(std::integer_sequence<int, NR...>) {
+  return {row_tiles<NR + 1>(std::make_integer_sequence<int, kTileRows>())...};
+}
+
+// [weight rows - 1][rows of x - 1]: the tiles up to kTileWeightRows x kTileRows
+constexpr auto kTiles = tiles_of(std::make_integer_sequence<int, kTileWeightRows>());
+
+// out[m, n] (+)= a panel of `count` dequantised weight rows w (`columns` values each) times the same
+// columns of the M rows of x (rows K apart; out_stride: the row length of out), in tiles of
+// kTileWeightRows weight rows by kTileRows rows of x (the last ones smaller).
+void weight_rows_times_x(const float* w, int64_t count, const float* x, int64_t M, int64_t columns, int64_t K,
+                         float* out, int64_t out_stride, bool add) {
+  for (int64_t n = 0; n < count; n += kTileWeightRows) {
+    const auto& tiles = kTiles[std::min<int64_t>(kTileWeightRows, count - n) - 1];
+    for (int64_t m = 0; m < M; m += kTileRows)
+      tiles[std::min<int64_t>(kTileRows, M - m) - 1](w + n * columns, x + m * K, columns, K,
+                                                     out + m * out_stride + n, out_stride, add);
   }
 }
 
@@ -434,20 +489,8 @@ constexpr Format format_of() {
 }
 
 Format format_named(const std::string& name) {
-  if (name == "Q4_0") return format_of<Q4_0>();
-  if (name == "Q4_1") return format_of<Q4_1>();
-  if (name == "Q8_0") return format_of<Q8_0>();
-  if (name == "Q5_0") return format_of<Q5_0>();
-  if (name == "Q5_1") return format_of<Q5_1>();
-  if (name == "IQ4_NL") return format_of<IQ4_NL>();
-  if (name == "Q2_K") return format_of<Q2_K>();
-  if (name == "Q3_K") return format_of<Q3_K>();
-  if (name == "Q4_K") return format_of<Q4_K>();
-  if (name == "Q5_K") return format_of<Q5_K>();
-  if (name == "Q6_K") return format_of<Q6_K>();
-  if (name == "IQ4_XS") return format_of<IQ4_XS>();
-  TORCH_CHECK(false, "gguf_blocks: no kernel for GGUF format ", name,
-              " (read: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)");
+  return gguf_format_named<Format, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS>(
+      name, "gguf_blocks", [](auto tag) { return format_of<typename decltype(tag)::type>(); });
 }
 
 Format checked(const at::Tensor& raw, const std::string& name, int64_t columns) {
@@ -483,20 +526,17 @@ void buffered_rows(const Format& f, const uint8_t* w, int64_t row_bytes, const f
                    int64_t n0, int64_t count, int64_t k0, int64_t columns, float* out, int64_t N, float* rows) {
   const uint8_t* wk = w + k0 / f.elems * f.bytes;
   for (int64_t r = 0; r < count; ++r) f.dequantize_row(wk + (n0 + r) * row_bytes, columns, rows + r * columns);
-  const float* xk = x + k0;
-  switch (count) {
-    case 4: weight_rows_times_x<4>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
-    case 3: weight_rows_times_x<3>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
-    case 2: weight_rows_times_x<2>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
-    default: weight_rows_times_x<1>(rows, xk, M, columns, K, out + n0, N, k0 > 0); break;
-  }
+  // the next group's blocks of this panel, fetched while these rows are multiplied (the panels of
+  // successive groups lie row_bytes apart, a stride the hardware prefetchers do not follow far enough)
+  const int64_t panel_bytes = columns / f.elems * f.bytes;
+  for (int64_t r = n0 + count; r < std::min(N, n0 + count + kWeightRows); ++r)
+    for (int64_t b = 0; b < panel_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wk + r * row_bytes + b), _MM_HINT_T0);
+  weight_rows_times_x(rows, count, x + k0, M, columns, K, out + n0, N, k0 > 0);
 }
 
 }  // namespace
 
-std::vector<std::string> gguf_block_formats() {
-  return {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"};
-}
+std::vector<std::string> gguf_block_formats() { return {kGgufFormatNames.begin(), kGgufFormatNames.end()}; }
 
 at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t columns) {
   const Format f = checked(raw, format, columns);

@@ -33,6 +33,7 @@
 
 #include "block_levels.h"
 #include "block_unpack.h"
+#include "gguf_formats.h"
 #include "task_pool.h"
 
 #include <algorithm>
@@ -641,20 +642,8 @@ constexpr Format format_of() {
 }
 
 Format format_named(const std::string& name) {
-  if (name == "Q4_0") return format_of<Q4_0>();
-  if (name == "Q4_1") return format_of<Q4_1>();
-  if (name == "Q8_0") return format_of<Q8_0>();
-  if (name == "Q5_0") return format_of<Q5_0>();
-  if (name == "Q5_1") return format_of<Q5_1>();
-  if (name == "IQ4_NL") return format_of<IQ4_NL>();
-  if (name == "Q2_K") return format_of<Q2_K>();
-  if (name == "Q3_K") return format_of<Q3_K>();
-  if (name == "Q4_K") return format_of<Q4_K>();
-  if (name == "Q5_K") return format_of<Q5_K>();
-  if (name == "Q6_K") return format_of<Q6_K>();
-  if (name == "IQ4_XS") return format_of<IQ4_XS>();
-  TORCH_CHECK(false, "gguf_matmul_int8: no kernel for GGUF format ", name,
-              " (read: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)");
+  return gguf_format_named<Format, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS>(
+      name, "gguf_matmul_int8", [](auto tag) { return format_of<typename decltype(tag)::type>(); });
 }
 
 }  // namespace
