@@ -4,7 +4,8 @@ one run.
 
     python -m benchmarks.kv_cache_dtype [--quality-tokens 20480] [--contexts 2048 8192] [--batches 1 16]
         [--needle-contexts 1024 2048 4096 8176] [--threads 2] [--rounds 3] [--skip-llama-cpp]
-        [--llama-types f16 q8_0 q4_0 q8_0/q4_0] [--per-layer-4bit] [--json results/kv_cache_dtype.json]
+        [--llama-types f16 q8_0 q4_0 q8_0/q4_0] [--quality-dtypes int8 fp8 int4 k8v4] [--per-layer-4bit]
+        [--json results/kv_cache_dtype.json]
 
 quality    the model over --quality-tokens tokens of English prose in windows of 1024, prefilled
            in chunks of 256 (later chunks read the cache as decodes do), once per KV dtype: mean and
@@ -108,13 +109,13 @@ def window_logprobs(model, dtype: str, window: list[int]) -> torch.Tensor:
     return torch.cat(rows).float().log_softmax(-1)
 
 
-def quality(loaded, tokenizer, count: int) -> dict:
+def quality(loaded, tokenizer, count: int, dtypes: tuple[str, ...]) -> dict:
     tokens = prose_tokens(tokenizer, count)
-    per_dtype = {d: {"kl": [], "top1": []} for d in QUALITY_DTYPES}
+    per_dtype = {d: {"kl": [], "top1": []} for d in dtypes}
     for start in range(0, count, WINDOW):
         window = tokens[start:start + WINDOW]
         reference = window_logprobs(loaded.model, "float32", window)
-        for dtype in QUALITY_DTYPES:
+        for dtype in dtypes:
             got = window_logprobs(loaded.model, dtype, window)
             per_dtype[dtype]["kl"].append((reference.exp() * (reference - got)).sum(-1))
             per_dtype[dtype]["top1"].append(reference.argmax(-1) == got.argmax(-1))
@@ -146,16 +147,16 @@ def scale_granularity(loaded, tokens: list[int]) -> dict:
     return out
 
 
-def greedy_agreement(path: str, threads: int) -> dict:
+def greedy_agreement(path: str, threads: int, dtypes: tuple[str, ...]) -> dict:
     messages = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=64)
     outputs = {}
-    for dtype in ("auto", *QUALITY_DTYPES):
+    for dtype in ("auto", *dtypes):
         llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="256MiB", max_model_len=1024, num_threads=threads)
         outputs[dtype] = [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)]
         del llm
     out = {}
-    for dtype in QUALITY_DTYPES:
+    for dtype in dtypes:
         pairs = list(zip(outputs["auto"], outputs[dtype]))
         common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in pairs]
         out[dtype] = {"identical": sum(x == y for x, y in pairs), "prompts": len(pairs),
@@ -163,12 +164,12 @@ def greedy_agreement(path: str, threads: int) -> dict:
     return out
 
 
-def needles(path: str, contexts: list[int], threads: int) -> dict:
+def needles(path: str, contexts: list[int], threads: int, dtypes: tuple[str, ...]) -> dict:
     """Per dtype (auto: float32 first), per context: how many of the depths' passphrases come back."""
     from blockserve.bench.needle import needle_cases, needle_retrieval
 
     out = {}
-    for dtype in ("auto", *QUALITY_DTYPES):
+    for dtype in ("auto", *dtypes):
         llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="512MiB", max_model_len=max(contexts) + NEEDLE_ANSWER,
                   num_threads=threads)
         cases = needle_cases(llm.get_tokenizer(), contexts, NEEDLE_DEPTHS)
@@ -289,6 +290,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     # The bundled model holds 8,192 positions: the longest prompt leaves room for the answer's 16 tokens.
     ap.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192 - NEEDLE_ANSWER])
+    ap.add_argument("--quality-dtypes", nargs="+", default=list(QUALITY_DTYPES), choices=QUALITY_DTYPES,
+                    help="the dtypes of the quality and needle parts (float32 is always the reference)")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-needle", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
@@ -310,15 +313,15 @@ def main() -> int:
         results["scale_granularity"] = scale_granularity(loaded, prose_tokens(tokenizer, WINDOW))
         for name, r in results["scale_granularity"].items():
             print(f"int8 {name:20s} relative RMS error {r['relative_rms_error']:.5f}, {r['bytes_per_value']:.4f} B/value")
-        results["quality"] = quality(loaded, tokenizer, args.quality_tokens)
-        results["greedy"] = greedy_agreement(path, args.threads)
-        for dtype in QUALITY_DTYPES:
+        results["quality"] = quality(loaded, tokenizer, args.quality_tokens, tuple(args.quality_dtypes))
+        results["greedy"] = greedy_agreement(path, args.threads, tuple(args.quality_dtypes))
+        for dtype in args.quality_dtypes:
             q, g = results["quality"][dtype], results["greedy"][dtype]
             print(f"quality {dtype:8s} mean KL {q['mean_kl']:.5f} max {q['max_kl']:.4f} p99 {q['p99_kl']:.5f} "
                   f"top-1 {q['top1_agreement']:.4f} over {q['tokens']} tokens; greedy identical "
                   f"{g['identical']}/{g['prompts']}, common prefix {g['common_prefix_share']:.2f}")
     if not args.skip_needle:
-        results["needle"] = needles(path, args.needle_contexts, args.threads)
+        results["needle"] = needles(path, args.needle_contexts, args.threads, tuple(args.quality_dtypes))
     bin_dir = None if args.skip_llama_cpp or args.skip_latency else llama_bin()
     gguf = path if path.endswith(".gguf") else str(next(Path(path).glob("*.gguf")))
     results["latency"] = []

@@ -13,20 +13,24 @@ Rotated 4-bit codes (uint8 storage, kv_cache_dtype "int4"): the vector is first 
 R = a fixed randomised Hadamard rotation (a seeded sign per channel, then the normalised
 Walsh-Hadamard transform over blocks of B channels, B the largest power of two dividing D: all of
 D when D is a power of two, 32 for D = 96), which spreads an outlier channel over the block so one
-large value no longer sets the step of all the others. Then asymmetric codes (the minimum and the
-step, as llama.cpp's q4_1; measured on outlier-heavy vectors: relative error 0.050 against 0.075
-for symmetric codes, tests/attention/test_kv_quant.py), two a byte, low nibble first:
+large value no longer sets the step of all the others. Then asymmetric codes over the vector's
+range (its minimum and maximum, as llama.cpp's q4_1; measured on outlier-heavy vectors: relative
+error 0.05 against 0.075 for symmetric codes, tests/attention/test_kv_quant.py), two a byte, low
+nibble first, each code one of 16 levels (INT4_LEVELS) that are denser near the middle, where
+rotated coordinates cluster (~12% less squared error than even steps), each value its nearest level:
 
     row (D/2 + 4 bytes) [ c_1 c_0 | c_3 c_2 | ... | scale (float16) | minimum (float16) ]
-    y_d ~= c_d * scale + minimum, minimum = float16(min_d y_d), scale = float16((max - min) / 15)
+    y_d ~= INT4_LEVELS[c_d] * scale + minimum
+    minimum = float16(min_d y_d), scale = float16((max_d y_d - minimum) / 15)
 
 Rotated keys written with the queries that attend them (`encode(x, dtype, queries)`: every backend's
-write passes the step's rotated queries) then move a few codes one step to take the rounding error
-off those queries' directions (`_steer_codes`): the step's own queries predict the later ones well
-(queries share a large common direction), and a score's error is the query's dot product with the
-key's error. The encoder alone does this: the row's layout and its decoding are unchanged. On the
-bundled model it cuts int4's mean KL from 0.061 to 0.023 (docs/cpu.md); values carry no query to
-steer by.
+write passes the step's rotated queries) then move a few codes to a neighbouring level to take the
+rounding error off those queries' directions (`_steer_codes`): the step's own queries predict the
+later ones well (queries share a large common direction), and a score's error is the query's dot
+product with the key's error. The encoder alone does this: the row's layout and its decoding are
+unchanged. On the
+bundled model, with evenly spaced levels, int4's mean KL is 0.061 unsteered against 0.023 steered
+(docs/cpu.md); values carry no query to steer by.
 
 Rows decode to the rotated y (`decode`); attention reads them as is: R is orthogonal, so
 q . k = (R q) . (R k), and the output over rotated values is R o. A backend rotates its queries
@@ -61,6 +65,24 @@ POISON_BYTE = {torch.int8: 0x80, torch.float8_e4m3fn: 0x7F, torch.uint8: 0xFF}  
 ROTATION_SEED = 0x5EED  # the rotation's signs: fixed, so every cache (and every restart) shares R
 STEER_MOVES = 4  # code moves per 4-bit key row (measured: more barely lower the KL)
 STEER_RIDGE = 4.0  # the weight of a key's plain squared error, in units of its queries' mean squared value
+# The 4-bit form's 16 code values, in units of the row's scale above its minimum: 0 and 15 (the row's
+# extremes) and 14 levels between, denser near the middle, where rotated coordinates cluster (Lloyd's
+# levels for the bundled model's rotated K and V rows mapped onto [0, 15], made symmetric). In 64ths,
+# so each level and each midpoint between two is exact in float32.
+INT4_LEVELS = tuple(n / 64 for n in (0, 93, 168, 233, 292, 348, 401, 454, 506, 559, 612, 668, 727, 792, 867, 960))
+
+
+@functools.lru_cache(maxsize=None)
+def int4_levels(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """INT4_LEVELS as float32 [16]: code c decodes to levels[c] * scale + minimum."""
+    return torch.tensor(INT4_LEVELS, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _int4_bounds(device: torch.device) -> torch.Tensor:
+    """The float32 midpoints [15] between adjacent levels: a value's code is how many lie below it."""
+    levels = int4_levels(device)
+    return (levels[:-1] + levels[1:]) * 0.5
 
 
 def is_quantized(cache: torch.Tensor) -> bool:
@@ -130,34 +152,40 @@ def unrotate_output(out: torch.Tensor) -> torch.Tensor:
 
 def _steer_codes(codes: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  queries: torch.Tensor) -> torch.Tensor:
-    """Codes [N, D] (float, nearest rounding of y [N, D] to scale * c + minimum, both [N, 1]) after up
-    to STEER_MOVES single-code moves of one step, each the move that lowers
-        J = sum_j (q_j . e)^2 + ridge |e|^2,  e = scale * c + minimum - y,
+    """Codes [N, D] (float, y [N, D]'s nearest levels: scale * levels[c] + minimum, scale and minimum
+    [N, 1]) after up to STEER_MOVES single-code moves to a neighbouring level, each the move that lowers
+        J = sum_j (q_j . e)^2 + ridge |e|^2,  e = scale * levels[c] + minimum - y,
     most (none once no move lowers it), q_j the row's queries [N, G, D] and ridge = STEER_RIDGE times
     their mean squared value. Float64, moves compared up then down, channel by channel, the first of
     equal ones taken: csrc/paged_decode_quantized.cpp's steer_codes picks the same moves (its sums
     differ from these in float64's last bits, which decides nothing but an exact tie)."""
     n, dim = y.shape
+    levels = int4_levels(y.device).double()
+    up_step = torch.cat([levels[1:] - levels[:-1], levels.new_zeros(1)])  # code c to c + 1 (none from 15)
+    down_step = torch.cat([levels.new_zeros(1), levels[:-1] - levels[1:]])  # code c to c - 1 (none from 0)
     q = queries.double()
-    s, c = scale.double(), codes.double()
-    err = c * s + minimum.double() - y.double()  # c * s is exact in float64: fused or not, the same sum
+    s, c = scale.double(), codes.long()
+    err = levels[c] * s + minimum.double() - y.double()
     along = (q * err[:, None]).sum(-1)  # [N, G]: q_j . e
     weight = q.square().sum(1)  # [N, D]
     ridge = STEER_RIDGE * weight.sum(-1, keepdim=True) / (q.shape[1] * dim)
-    curvature = s * s * (weight + ridge)
+    curvature = weight + ridge
     rows = torch.arange(n, device=y.device)
     for _ in range(STEER_MOVES):
-        slope = 2 * s * ((q * along[..., None]).sum(1) + ridge * err)
-        gain = torch.cat([torch.where(c < 15, curvature + slope, torch.inf),
-                          torch.where(c > 0, curvature - slope, torch.inf)], -1)
+        slope = 2 * ((q * along[..., None]).sum(1) + ridge * err)
+        up, down = up_step[c] * s, down_step[c] * s
+        gain = torch.cat([torch.where(c < 15, up * (curvature * up + slope), torch.inf),
+                          torch.where(c > 0, down * (curvature * down + slope), torch.inf)], -1)
         best, at = gain.min(-1)
-        step = torch.where(at < dim, 1.0, -1.0).double() * (best < 0)
-        if not step.any():
+        move = (best < 0) & torch.isfinite(best)
+        if not move.any():
             break
         channel = at % dim
-        c[rows, channel] += step
-        err[rows, channel] += step * s[:, 0]
-        along += q[rows, :, channel] * (step * s[:, 0])[:, None]
+        upward = at < dim
+        delta = torch.where(upward, up[rows, channel], down[rows, channel]) * move
+        c[rows, channel] += torch.where(upward, 1, -1) * move
+        err[rows, channel] += delta
+        along += q[rows, :, channel] * delta[:, None]
     return c.to(codes.dtype)
 
 
@@ -167,7 +195,8 @@ def _encode_int4(x: torch.Tensor, queries: torch.Tensor | None) -> torch.Tensor:
     minimum = low.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
     scale = ((high - minimum.float()) / 15).clamp_(max=FLOAT16_MAX).to(torch.float16)
     wide = scale.float()
-    codes = torch.where(wide > 0, (y - minimum.float()) / wide, 0.0).round_().clamp_(0, 15)
+    ratio = torch.where(wide > 0, (y - minimum.float()) / wide, 0.0)
+    codes = (ratio[..., None] > _int4_bounds(x.device)).sum(-1).float()
     if queries is not None:
         heads, dim = x.shape[-2], x.shape[-1]
         group = queries.shape[-2] // heads
@@ -228,7 +257,7 @@ def write(flat_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
 
 def decode(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows read from a cache as values of `dtype` [..., D]: one-byte rows dequantised (code * scale),
-    4-bit rows to the rotated vectors (code * scale + minimum; see the module docstring)."""
+    4-bit rows to the rotated vectors (INT4_LEVELS[code] * scale + minimum; the module docstring)."""
     if not is_quantized(rows):
         return rows.to(dtype)
     if not rows.is_contiguous():
@@ -236,8 +265,8 @@ def decode(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if rows.dtype == torch.uint8:
         scale, minimum = rows[..., -INT4_SCALE_BYTES:].view(torch.float16).float().split(1, -1)
         packed = rows[..., :-INT4_SCALE_BYTES]
-        codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).float()
-        return (codes * scale + minimum).to(dtype)
+        codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).long()
+        return (int4_levels(rows.device)[codes] * scale + minimum).to(dtype)
     scale = rows[..., -SCALE_BYTES:].view(torch.float16).float()
     return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
 

@@ -28,6 +28,8 @@ folded into its score and each value's into its softmax weight, one multiply per
     score  = (q . c_k) * scale_k  (+ minimum_k * sum_d q_d, 4-bit)
     output = sum_k (p_k * scale_k) c_k  (+ sum_k p_k * minimum_k, 4-bit), all in float32 with fp32 inputs
 
+(4-bit: c the codes' levels, kv_quant.INT4_LEVELS, selected in registers by `_int4_level`.)
+
 A 4-bit cache holds rotated vectors: the caller passes rotated queries and un-rotates the output.
 Scale loads are masked as the code loads are, so a poisoned row (NaN scale) is never read.
 
@@ -50,6 +52,17 @@ import triton.language as tl
 
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _int4_level(c):
+    """4-bit codes c (integers in [0, 16)) as their levels, kv_quant.INT4_LEVELS (64ths), float32:
+    a tree of selects on the code's bits, no table in memory."""
+    low = tl.where(c < 4, tl.where(c < 2, tl.where(c < 1, 0.0, 93.0), tl.where(c < 3, 168.0, 233.0)),
+                   tl.where(c < 6, tl.where(c < 5, 292.0, 348.0), tl.where(c < 7, 401.0, 454.0)))
+    high = tl.where(c < 12, tl.where(c < 10, tl.where(c < 9, 506.0, 559.0), tl.where(c < 11, 612.0, 668.0)),
+                    tl.where(c < 14, tl.where(c < 13, 727.0, 792.0), tl.where(c < 15, 867.0, 960.0)))
+    return tl.where(c < 8, low, high) * (1.0 / 64)
 
 
 def _kernel(
@@ -129,7 +142,7 @@ def _kernel(
             k1 = tl.load(k1_ptr + page[:, None] * stride_k1p + slot[:, None] * stride_k1s + kv_head * stride_k1h
                          + k_col[None, :], mask=readable[:, None] & (d1[None, :] < D1), other=0)
             if K_CODES == 2:
-                k1 = (k1 >> k_shift[None, :]) & 15
+                k1 = _int4_level((k1 >> k_shift[None, :]) & 15)
             elif K_CODES == 3:
                 k1 = k1.to(tl.float8e4nv, bitcast=True)
             scores = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=PRECISION)
@@ -164,7 +177,7 @@ def _kernel(
                 values = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
                                  + v_col[None, :], mask=readable[:, None] & (dv[None, :] < DV), other=0)
                 if V_CODES == 2:
-                    values = (values >> v_shift[None, :]) & 15
+                    values = _int4_level((values >> v_shift[None, :]) & 15)
                 elif V_CODES == 3:
                     values = values.to(tl.float8e4nv, bitcast=True)
             weights = p

@@ -4,14 +4,14 @@
 //
 // A cache row is one head vector of one token: D one-byte codes (int8, or float8 e4m3), then its
 // float16 scale (x = c * s); or (the rotated 4-bit form, a uint8 cache) D / 2 bytes of 4-bit codes,
-// low nibble first, then its float16 scale and minimum (x = c * s + m). The rotation is the
+// low nibble first, then its float16 scale and minimum (x = kInt4Levels[c] * s + m). The rotation is the
 // caller's: it passes rotated queries (4-bit keys) and un-rotates the output (4-bit values). K and V
 // may be stored in different forms: one-byte keys over 4-bit values (templates <FK, FV>, each side
 // with its own row bytes). The SIMD paths widen e4m3 codes
 // through float16: the code's sign, exponent and mantissa shifted into a float16's place stand for
 // its value / 256 (subnormals too), and the 256 is folded into the scale.
 // Scales are folded, never multiplied into the codes:
-//     score_p = scale * (s_k[p] * (q . c_k[p]) + m_k[p] * sum(q))
+//     score_p = scale * (s_k[p] * (q . c_k[p]) + m_k[p] * sum(q))   (4-bit: c the codes' levels)
 //     weight_p = softmax_p * s_v[p], and sum_p softmax_p * m_v[p] added to every output channel
 // so a key costs one multiply (4-bit: two) beyond its codes' dot product, and all arithmetic is
 // float32. Only slots of positions below seq_len are read. Three implementations of one (sequence,
@@ -86,12 +86,17 @@ constexpr float kCodeMax = FP8 ? 448.f : 127.f;
 template <int F>
 constexpr float kSimdUnit = F == kFp8 ? 256.f : 1.f;
 
-// Code d of a row.
+// The 4-bit form's code values (kv_quant.INT4_LEVELS): code c stands for kInt4Levels[c] * s + m.
+alignas(64) constexpr float kInt4Levels[16] = {0 / 64.f,   93 / 64.f,  168 / 64.f, 233 / 64.f, 292 / 64.f, 348 / 64.f,
+                                               401 / 64.f, 454 / 64.f, 506 / 64.f, 559 / 64.f, 612 / 64.f, 668 / 64.f,
+                                               727 / 64.f, 792 / 64.f, 867 / 64.f, 960 / 64.f};
+
+// Code d of a row (4-bit: its level).
 template <int F>
 inline float code_value(const int8_t* row, int64_t d) {
   if constexpr (F == kInt4) {
     const uint8_t byte = static_cast<uint8_t>(row[d / 2]);
-    return static_cast<float>(d % 2 ? byte >> 4 : byte & 15);
+    return kInt4Levels[d % 2 ? byte >> 4 : byte & 15];
   } else if constexpr (F == kFp8) {
     const int8_t code = row[d];
     c10::Float8_e4m3fn value;
@@ -175,11 +180,16 @@ void unrotate_(float* y, const float* signs, int64_t dim, float* work) {
 constexpr int kSteerMoves = 4;
 constexpr double kSteerRidge = 4.0;
 
-// kv_quant._steer_codes for one row: codes [dim] (nearest rounding of the rotated y [dim] to
-// scale * c + minimum, scale > 0) after up to kSteerMoves single-code moves of one step, each the move
-// that lowers J = sum_j (q_j . e)^2 + ridge |e|^2 most, e = scale * c + minimum - y, q_j the row's
-// `group` rotated queries [group, dim]; float64, moves compared up then down, channel by channel, the
-// first of equal ones taken. `work` [2 dim + group].
+// kInt4Levels[c + direction] - kInt4Levels[c] in float64 (kv_quant's up and down steps).
+inline double level_step(int c, int direction) {
+  return static_cast<double>(kInt4Levels[c + direction]) - static_cast<double>(kInt4Levels[c]);
+}
+
+// kv_quant._steer_codes for one row: codes [dim] (the rotated y [dim]'s nearest levels,
+// scale * kInt4Levels[c] + minimum, scale > 0) after up to kSteerMoves single-code moves to a
+// neighbouring level, each the move that lowers J = sum_j (q_j . e)^2 + ridge |e|^2 most,
+// e = scale * kInt4Levels[c] + minimum - y, q_j the row's `group` rotated queries [group, dim]; float64,
+// moves compared up then down, channel by channel, the first of equal ones taken. `work` [2 dim + group].
 void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, const float* q, int64_t group,
                  int64_t dim, double* work) {
   double* err = work;
@@ -188,7 +198,7 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
   const double s = scale;
   double total = 0.0;
   for (int64_t d = 0; d < dim; ++d) {
-    const double product = codes[d] * s;  // exact in float64: fused or not, the same sum as kv_quant's
+    const double product = static_cast<double>(kInt4Levels[codes[d]]) * s;  // exact in float64
     err[d] = product + static_cast<double>(minimum) - static_cast<double>(y[d]);
     double weight = 0.0;
     for (int64_t j = 0; j < group; ++j) weight += static_cast<double>(q[j * dim + d]) * q[j * dim + d];
@@ -196,7 +206,7 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
     total += weight;
   }
   const double ridge = kSteerRidge * total / static_cast<double>(group * dim);
-  for (int64_t d = 0; d < dim; ++d) curvature[d] = s * s * (curvature[d] + ridge);
+  for (int64_t d = 0; d < dim; ++d) curvature[d] += ridge;
   for (int64_t j = 0; j < group; ++j) {
     double dot = 0.0;
     for (int64_t d = 0; d < dim; ++d) dot += static_cast<double>(q[j * dim + d]) * err[d];
@@ -210,14 +220,20 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
     for (int64_t d = 0; d < dim; ++d) {
       double g = ridge * err[d];
       for (int64_t j = 0; j < group; ++j) g += static_cast<double>(q[j * dim + d]) * along[j];
-      const double slope = 2.0 * s * g;
-      if (codes[d] < 15 && curvature[d] + slope < best_up) {
-        best_up = curvature[d] + slope;
-        up_at = d;
+      const double slope = 2.0 * g;
+      if (codes[d] < 15) {  // the gain of moving e_d by delta: delta (curvature delta + slope)
+        const double delta = level_step(codes[d], 1) * s, gain = delta * (curvature[d] * delta + slope);
+        if (gain < best_up) {
+          best_up = gain;
+          up_at = d;
+        }
       }
-      if (codes[d] > 0 && curvature[d] - slope < best_down) {
-        best_down = curvature[d] - slope;
-        down_at = d;
+      if (codes[d] > 0) {
+        const double delta = level_step(codes[d], -1) * s, gain = delta * (curvature[d] * delta + slope);
+        if (gain < best_down) {
+          best_down = gain;
+          down_at = d;
+        }
       }
     }
     const bool up = best_up <= best_down;
@@ -225,16 +241,18 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
     const int64_t at = up ? up_at : dim + down_at;
     if (!(best < 0.0)) break;
     const int64_t channel = at % dim;
-    const double step = at < dim ? s : -s;
-    codes[channel] = static_cast<uint8_t>(at < dim ? codes[channel] + 1 : codes[channel] - 1);
+    const int direction = at < dim ? 1 : -1;
+    const double step = level_step(codes[channel], direction) * s;
+    codes[channel] = static_cast<uint8_t>(codes[channel] + direction);
     err[channel] += step;
     for (int64_t j = 0; j < group; ++j) along[j] += static_cast<double>(q[j * dim + channel]) * step;
   }
 }
 
 // One rotated head vector y [dim] into a 4-bit row [dim / 2 + 4]: kv_quant._encode_int4's rounding
-// (minimum and scale rounded to float16 first; codes (y - minimum) / scale rounded half-even into
-// [0, 15], two a byte, low nibble first; all 0 where the scale is not positive), then, for a key
+// (minimum and scale rounded to float16 first; code of (y - minimum) / scale: how many of the levels'
+// float32 midpoints lie below it, two a byte, low nibble first; all 0 where the scale is not
+// positive), then, for a key
 // with its `group` rotated queries q [group, dim] (none: q null), steered off them (steer_codes).
 // `work` [dim] bytes and [2 dim + group] doubles.
 inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim, const float* q, int64_t group,
@@ -248,8 +266,12 @@ inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim, const fl
   const float minimum = static_cast<float>(minimum_half);
   const at::Half scale_half(std::min((high - minimum) / 15.f, 65504.f));
   const float scale = static_cast<float>(scale_half);
-  for (int64_t d = 0; d < dim; ++d)
-    codes[d] = scale > 0.f ? static_cast<uint8_t>(std::clamp(std::nearbyint((y[d] - minimum) / scale), 0.f, 15.f)) : 0;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float ratio = scale > 0.f ? (y[d] - minimum) / scale : 0.f;
+    uint8_t code = 0;
+    for (int c = 0; c < 15; ++c) code += ratio > (kInt4Levels[c] + kInt4Levels[c + 1]) * 0.5f;
+    codes[d] = code;
+  }
   if (q != nullptr && scale > 0.f) steer_codes(codes, y, scale, minimum, q, group, dim, work);
   for (int64_t d = 0; d < dim; d += 2) row[d / 2] = static_cast<int8_t>(codes[d] | (codes[d + 1] << 4));
   std::memcpy(row + dim / 2, &scale_half, kScaleBytes);
@@ -414,7 +436,7 @@ void accumulators_in_channel_order(const Item& it) {
 
 #if QUANTIZED_KV_AVX512
 // A chunk's 4-bit or e4m3 rows [0, n), `stride` bytes apart, widened to float32 into out [n, 16 C]
-// (e4m3: / 256; 4-bit: in lane order). e4m3 widens through float16: the code sign-extended and shifted left by 7
+// (e4m3: / 256; 4-bit: each code's level, looked up in a register, in lane order). e4m3 widens through float16: the code sign-extended and shifted left by 7
 // puts its exponent and mantissa in a float16's place (value / 256, subnormals too) and its sign on
 // bits 15 and 14; clearing bit 14 leaves the float16.
 template <int F, int C>
@@ -424,11 +446,12 @@ inline void widen_rows16(const int8_t* first, int64_t stride, int64_t n, float* 
     float* o = out + j * 16 * C;
     if constexpr (F == kInt4) {
       const __m128i nibble = _mm_set1_epi8(15);
+      const __m512 levels = _mm512_load_ps(kInt4Levels);
       for (int g = 0; g < C / 2; ++g) {
         const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g));
         const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-        _mm512_store_ps(o + 32 * g, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, nibble))));
-        _mm512_store_ps(o + 32 * g + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)));
+        _mm512_store_ps(o + 32 * g, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, nibble)), levels));
+        _mm512_store_ps(o + 32 * g + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(high), levels));
       }
     } else {
       for (int c = 0; c < C; ++c) {
@@ -535,6 +558,13 @@ void attend_avx512(const Item& it) {
 #endif
 
 #if QUANTIZED_KV_AVX2
+// The levels of 8 codes [0, 16): each looked up in both halves of the table, the half picked by the
+// code's bit 3 (shifted into the sign bit blendv reads).
+inline __m256 levels8(__m256i codes, __m256 low_levels, __m256 high_levels) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, codes), _mm256_permutevar8x32_ps(high_levels, codes),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+}
+
 // widen_rows16's contract on 8 lanes, head size 8 * C.
 template <int F, int C>
 inline void widen_rows8(const int8_t* first, int64_t stride, int64_t n, float* __restrict out) {
@@ -543,11 +573,12 @@ inline void widen_rows8(const int8_t* first, int64_t stride, int64_t n, float* _
     float* o = out + j * 8 * C;
     if constexpr (F == kInt4) {
       const __m128i nibble = _mm_set1_epi8(15);
+      const __m256 low_levels = _mm256_load_ps(kInt4Levels), high_levels = _mm256_load_ps(kInt4Levels + 8);
       for (int g = 0; g < C / 2; ++g) {
         const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * g));
         const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
-        _mm256_store_ps(o + 16 * g, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(packed, nibble))));
-        _mm256_store_ps(o + 16 * g + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)));
+        _mm256_store_ps(o + 16 * g, levels8(_mm256_cvtepu8_epi32(_mm_and_si128(packed, nibble)), low_levels, high_levels));
+        _mm256_store_ps(o + 16 * g + 8, levels8(_mm256_cvtepu8_epi32(high), low_levels, high_levels));
       }
     } else {
       for (int c = 0; c < C; ++c) {
