@@ -7,7 +7,12 @@ experts' share of blockserve's decode time.
                                                    with gguf-py as llama.cpp's converter names it, and
                                                    DIR/model-<TYPE>.gguf by llama-quantize
     python -m benchmarks.moe run DIR [--batches 1 16] [--new-tokens 16] [--threads 2] [--quant Q4_K_M]
-        [--systems blockserve-hf transformers blockserve-gguf llama.cpp] [--json PATH]
+        [--systems blockserve-hf transformers blockserve-gguf llama.cpp]
+        [--activations float32 int8] [--json PATH]
+
+blockserve-gguf runs once per `--activations` (the engine's --quantized-activations: float32, its
+default, or int8, llama.cpp's own precision: activations rounded per block of 32 to 8 bits, integer
+dots), each row naming its precision.
 
 Decode tok/s: every request of a batch gets the same 16-token random prompt prefix-free (prefix
 caching off) and `--new-tokens` greedy tokens, EOS ignored; the rate is (batch x (new - 1)) / (the
@@ -172,21 +177,22 @@ def _decode_rate(generate, batch: int, new_tokens: int, timer=None) -> dict:
     return result
 
 
-def run_blockserve(source: str, batches, new_tokens: int) -> list[dict]:
+def run_blockserve(source: str, batches, new_tokens: int, activations: str = "float32") -> list[dict]:
     from blockserve import LLM, SamplingParams
     from blockserve.attention.paged_attention import BACKENDS
     from blockserve.models.loader import load_model
 
-    loaded = load_model(source, BACKENDS["exact"])
+    loaded = load_model(source, BACKENDS["exact"], quantized_activations=activations)
     llm = LLM(loaded, enable_prefix_caching=False, max_model_len=PROMPT_LEN + new_tokens + 8,
-              max_num_seqs=max(batches))
+              max_num_seqs=max(batches), quantized_activations=activations)
     timer = ExpertTimer(loaded.model)
 
     def generate(batch: int, n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate(_prompts(batch), params, use_tqdm=False)
 
-    return [_decode_rate(generate, b, new_tokens, timer) for b in batches]
+    with llm:
+        return [{**_decode_rate(generate, b, new_tokens, timer), "activations": activations} for b in batches]
 
 
 def run_transformers(hf: Path, batches, new_tokens: int) -> list[dict]:
@@ -212,6 +218,7 @@ def run_llama_cpp(gguf_path: Path, batches, new_tokens: int, threads: int) -> li
         row = next(line for line in text.splitlines() if re.match(rf"\|\s*{PROMPT_LEN}\s*\|\s*{new_tokens}\s*\|\s*{b}\s*\|", line))
         cells = [c.strip() for c in row.strip("|").split("|")]
         out.append({"batch": b, "decode_tok_s": float(cells[7]), "others_cpu_share": share.others,
+                    "activations": "int8 (its q8 dots)",
                     "note": "llama-batched-bench S_TG (another process; its CPU share is not separated)"})
     return out
 
@@ -230,6 +237,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--systems", nargs="+", default=["blockserve-hf", "transformers", "blockserve-gguf", "llama.cpp"])
+    parser.add_argument("--activations", nargs="+", default=["float32"], choices=("float32", "int8", "int16"),
+                        help="blockserve-gguf's --quantized-activations, one run each")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.action == "make":
@@ -241,7 +250,9 @@ def main() -> None:
                "gguf": gguf_path.name, "systems": {}}
     runners = {"blockserve-hf": lambda: run_blockserve(str(args.directory / "hf"), args.batches, args.new_tokens),
                "transformers": lambda: run_transformers(args.directory / "hf", args.batches, args.new_tokens),
-               "blockserve-gguf": lambda: run_blockserve(str(gguf_path), args.batches, args.new_tokens),
+               "blockserve-gguf": lambda: [row for activations in args.activations
+                                           for row in run_blockserve(str(gguf_path), args.batches, args.new_tokens,
+                                                                     activations)],
                "llama.cpp": lambda: run_llama_cpp(gguf_path, args.batches, args.new_tokens, args.threads)}
     for system in args.systems:
         results["systems"][system] = runners[system]()
