@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -611,7 +612,7 @@ void rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t begin, int64_t
     case 4: return fused_rows<F, 4>(w, row_bytes, K, chunks, begin, end, x, N, out);
     default: break;
   }
-  std::vector<Weights> unpacked(kRowBlock * chunks);
+  const std::unique_ptr<Weights[]> unpacked(new Weights[kRowBlock * chunks]);  // written before it is read
   for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
     const int64_t count = std::min<int64_t>(kRowBlock, end - n0);
     for (int64_t r = 0; r < count; ++r)
@@ -620,10 +621,10 @@ void rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t begin, int64_t
       const XChunk* xm = x + m0 * chunks;
       float* om = out + m0 * N;
       switch (std::min<int64_t>(kTileRows, M - m0)) {
-        case 1: tile_rows<F, 1>(unpacked.data(), count, chunks, n0, xm, N, om); break;
-        case 2: tile_rows<F, 2>(unpacked.data(), count, chunks, n0, xm, N, om); break;
-        case 3: tile_rows<F, 3>(unpacked.data(), count, chunks, n0, xm, N, om); break;
-        default: tile_rows<F, 4>(unpacked.data(), count, chunks, n0, xm, N, om); break;
+        case 1: tile_rows<F, 1>(unpacked.get(), count, chunks, n0, xm, N, om); break;
+        case 2: tile_rows<F, 2>(unpacked.get(), count, chunks, n0, xm, N, om); break;
+        case 3: tile_rows<F, 3>(unpacked.get(), count, chunks, n0, xm, N, om); break;
+        default: tile_rows<F, 4>(unpacked.get(), count, chunks, n0, xm, N, om); break;
       }
     }
   }

@@ -63,12 +63,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace blockserve {
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // an expert with more tokens than this takes the GEMM
+constexpr int64_t kInt8TaskRows = 64;  // the fewest weight rows an int8 experts task takes (4 row blocks)
 constexpr int64_t kMxfp4GemmRows = 16;  // an MXFP4 expert with this many tokens takes mxfp4_matmul's GEMM
 
 struct Groups {
@@ -152,9 +154,16 @@ void add_weighted(const Groups& g, const float* y, int64_t H, float* out) {
   }
 }
 
+// x's rows [T, C] (contiguous) of the pairs' tokens, grouped by expert: copied on this thread (ATen's
+// gather of a decode step's rows opens an OpenMP region, whose spinning threads then hold the cores
+// the task pool's jobs that follow need)
 at::Tensor gathered(const at::Tensor& x, const Groups& g) {
-  return x.index_select(0, at::from_blob(const_cast<int64_t*>(g.token.data()),
-                                         {static_cast<int64_t>(g.token.size())}, at::kLong));
+  const int64_t pairs = static_cast<int64_t>(g.token.size()), row = x.size(1) * x.element_size();
+  auto out = at::empty({pairs, x.size(1)}, x.options());
+  const auto* from = static_cast<const uint8_t*>(x.data_ptr());
+  auto* to = static_cast<uint8_t*>(out.data_ptr());
+  for (int64_t p = 0; p < pairs; ++p) std::memcpy(to + p * row, from + g.token[p] * row, row);
+  return out;
 }
 
 void check_biases(const at::Tensor& gate_up_bias, const at::Tensor& down_bias, int64_t E, int64_t I, int64_t H) {
@@ -326,7 +335,9 @@ Int8Projection int8_projection(const at::Tensor& raw, const std::string& format,
 }
 
 // For every projection and expert with pairs: its N rows dotted with its pairs' rows of x, as one job
-// over all those weight rows (each read once per call); tasks of at least ~64 K multiply-adds.
+// over all those weight rows (each read once per call); tasks of at least ~64 K multiply-adds and of
+// whole blocks of the kernel's row tiles (an expert with more than 4 tokens unpacks 16 weight rows at
+// a time into a per-call buffer: smaller tasks would unpack partial blocks and set up more buffers).
 void int8_experts_dot(const Groups& g, const std::vector<Int8Projection>& projections) {
   struct Segment {
     const Int8Projection* p;
@@ -344,7 +355,7 @@ void int8_experts_dot(const Groups& g, const std::vector<Int8Projection>& projec
     }
   }
   if (total == 0) return;
-  const int64_t min_rows = std::max<int64_t>(1, (int64_t{1} << 16) * total / macs);
+  const int64_t min_rows = std::max<int64_t>(kInt8TaskRows, (int64_t{1} << 16) * total / macs);
   for_each_range(total, min_rows, [&](int64_t begin, int64_t end) {
     auto s = std::upper_bound(segments.begin(), segments.end(), begin,
                               [](int64_t row, const Segment& seg) { return row < seg.offset; }) - 1;
