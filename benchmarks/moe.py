@@ -8,11 +8,14 @@ experts' share of blockserve's decode time.
                                                    DIR/model-<TYPE>.gguf by llama-quantize
     python -m benchmarks.moe run DIR [--batches 1 16] [--new-tokens 16] [--threads 2] [--quant Q4_K_M]
         [--systems blockserve-hf transformers blockserve-gguf llama.cpp]
-        [--activations float32 int8] [--json PATH]
+        [--activations float32 int8] [--rounds 1] [--json PATH]
 
 blockserve-gguf runs once per `--activations` (the engine's --quantized-activations: float32, its
 default, or int8, llama.cpp's own precision: activations rounded per block of 32 to 8 bits, integer
 dots), each row naming its precision.
+
+`--rounds R` runs every system R times in turn and reports the medians (each round's figures kept in
+the JSON) and blockserve-gguf's ratio to llama.cpp per precision and batch.
 
 Decode tok/s: every request of a batch gets the same 16-token random prompt prefix-free (prefix
 caching off) and `--new-tokens` greedy tokens, EOS ignored; the rate is (batch x (new - 1)) / (the
@@ -35,6 +38,8 @@ import argparse
 import json
 import os
 import re
+import resource
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 
 from benchmarks.cpu_share import CpuShare
+from blockserve.engine.thread_governor import usable_cpus
 
 LLAMA_CPP = Path.home() / ".cache" / "blockserve-peers" / "llama.cpp-0.3.36-4b4fbe1c1229"
 SHAPE = dict(vocab_size=32768, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
@@ -213,14 +219,48 @@ def run_llama_cpp(gguf_path: Path, batches, new_tokens: int, threads: int) -> li
         command = [str(LLAMA_CPP / "build" / "bin" / "llama-batched-bench"), "-m", str(gguf_path), "-c",
                    str(b * (PROMPT_LEN + new_tokens) + 64), "-npp", str(PROMPT_LEN), "-ntg", str(new_tokens),
                    "-npl", str(b), "-t", str(threads), "-b", "2048", "-ub", "512"]
+        children, start = _children_seconds(), time.perf_counter()
         with CpuShare() as share:
             text = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        own = (_children_seconds() - children) / ((time.perf_counter() - start) * len(usable_cpus()))
         row = next(line for line in text.splitlines() if re.match(rf"\|\s*{PROMPT_LEN}\s*\|\s*{new_tokens}\s*\|\s*{b}\s*\|", line))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        out.append({"batch": b, "decode_tok_s": float(cells[7]), "others_cpu_share": share.others,
-                    "activations": "int8 (its q8 dots)",
-                    "note": "llama-batched-bench S_TG (another process; its CPU share is not separated)"})
+        others = None if share.others is None else max(0.0, share.others - own)
+        out.append({"batch": b, "decode_tok_s": float(cells[7]), "others_cpu_share": others,
+                    "activations": "int8 (its q8 dots)", "note": "llama-batched-bench S_TG"})
     return out
+
+
+def _children_seconds() -> float:
+    """CPU seconds of this process's finished children (llama.cpp's run, so its share is not the others')."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _medians(runs: list[list[dict]]) -> list[dict]:
+    """Per row (activations, batch) of a system: the median rate and others' share over the rounds,
+    each round's figures kept."""
+    out = []
+    for i, row in enumerate(runs[0]):
+        taken = [run[i] for run in runs]
+        shares = [r["others_cpu_share"] for r in taken if r["others_cpu_share"] is not None]
+        median = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in taken),
+                  "others_cpu_share": statistics.median(shares) if shares else None,
+                  "rounds": [{k: r[k] for k in ("decode_tok_s", "others_cpu_share", "experts_share") if k in r}
+                             for r in taken]}
+        if "experts_share" in row:
+            median["experts_share"] = statistics.median(r["experts_share"] for r in taken)
+        out.append({**row, **median})
+    return out
+
+
+def _print_ratios(systems: dict) -> None:
+    """blockserve-gguf's median rates over llama.cpp's, per activations and batch."""
+    peer = {r["batch"]: r["decode_tok_s"] for r in systems.get("llama.cpp", [])}
+    for r in systems.get("blockserve-gguf", []):
+        if r["batch"] in peer:
+            print(f"blockserve-gguf {r['activations']} batch {r['batch']}: {r['decode_tok_s']:.2f} tok/s, "
+                  f"{r['decode_tok_s'] / peer[r['batch']]:.2f}x llama.cpp ({peer[r['batch']]:.2f})", flush=True)
 
 
 def _cpu_flags() -> list[str]:
@@ -239,6 +279,8 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=["blockserve-hf", "transformers", "blockserve-gguf", "llama.cpp"])
     parser.add_argument("--activations", nargs="+", default=["float32"], choices=("float32", "int8", "int16"),
                         help="blockserve-gguf's --quantized-activations, one run each")
+    parser.add_argument("--rounds", type=int, default=1, help="every system run this many times, in turn; "
+                        "the medians are reported")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.action == "make":
@@ -254,9 +296,13 @@ def main() -> None:
                                            for row in run_blockserve(str(gguf_path), args.batches, args.new_tokens,
                                                                      activations)],
                "llama.cpp": lambda: run_llama_cpp(gguf_path, args.batches, args.new_tokens, args.threads)}
-    for system in args.systems:
-        results["systems"][system] = runners[system]()
-        print(system, json.dumps(results["systems"][system]), flush=True)
+    rounds = {system: [] for system in args.systems}
+    for _ in range(args.rounds):
+        for system in args.systems:
+            rounds[system].append(runners[system]())
+            print(system, json.dumps(rounds[system][-1]), flush=True)
+    results["systems"] = {system: _medians(runs) for system, runs in rounds.items()}
+    _print_ratios(results["systems"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
