@@ -23,8 +23,9 @@ time of the run with `new` tokens - the time of the run with 1 token), so prefil
 not counted. blockserve and transformers run in this process (transformers: model.generate with
 min_new_tokens = max_new_tokens, its own expert implementation); llama.cpp's `llama-batched-bench
 -npp 16 -ntg N -npl B` (its S_TG, decode tokens per second over the batch), a separate process.
-Experts' share: the time inside the MoE layers' experts (moe.Experts, gguf_block_experts.GGUFBlockExperts)
-during the decode tokens over the decode time. Each figure carries the other processes' CPU share
+Parts' shares (blockserve): the time inside the MoE layers' experts (moe.Experts,
+gguf_block_experts.GGUFBlockExperts), the attention layers (projections included), the routers and
+the head during the decode tokens, over the decode time. Each figure carries the other processes' CPU share
 (benchmarks/cpu_share.py) and the CPU's flags go into the JSON.
 
 The shape (SHAPE): Qwen3-MoE with hidden 2048, 16 layers, 16 query / 4 KV heads of 128, 16 experts
@@ -140,25 +141,41 @@ def _gguf_tensors(name: str, tensor: torch.Tensor, pending: dict):
     yield f"blk.{layer}.{_GGUF_LAYER[module]}.{leaf}", array
 
 
-class ExpertTimer:
-    """Seconds spent in the experts' forward, summed (hooks on every MoE experts module)."""
+class PartTimer:
+    """Seconds spent in each part of blockserve's forward, summed (hooks): PARTS' modules, and the
+    head (the model's compute_logits)."""
+
+    PARTS = ("experts", "attention", "router", "head")
 
     def __init__(self, model):
         from blockserve.models.gguf_block_experts import GGUFBlockExperts
-        from blockserve.models.moe import Experts
+        from blockserve.models.llama import LlamaAttention
+        from blockserve.models.moe import Experts, SparseMoe
 
-        self.seconds = 0.0
-        self._hooks = []
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
         for module in model.modules():
             if isinstance(module, (Experts, GGUFBlockExperts)):
-                self._hooks.append(module.register_forward_pre_hook(self._start))
-                self._hooks.append(module.register_forward_hook(self._stop))
+                self._time("experts", module)
+            elif isinstance(module, LlamaAttention):
+                self._time("attention", module)
+            elif isinstance(module, SparseMoe):
+                self._time("router", module.gate)
+        logits = model.compute_logits
 
-    def _start(self, *_):
-        self._t = time.perf_counter()
+        def timed_logits(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return logits(*args, **kwargs)
+            finally:
+                self.seconds["head"] += time.perf_counter() - start
 
-    def _stop(self, *_):
-        self.seconds += time.perf_counter() - self._t
+        model.compute_logits = timed_logits
+
+    def _time(self, part: str, module) -> None:
+        started = []
+        module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+        module.register_forward_hook(lambda *_: self.seconds.__setitem__(
+            part, self.seconds[part] + time.perf_counter() - started.pop()))
 
 
 def _prompts(batch: int) -> list[list[int]]:
@@ -167,19 +184,19 @@ def _prompts(batch: int) -> list[list[int]]:
 
 
 def _decode_rate(generate, batch: int, new_tokens: int, timer=None) -> dict:
-    """(batch x (new - 1)) / (time(new tokens) - time(1 token)), and the experts' share of that time."""
+    """(batch x (new - 1)) / (time(new tokens) - time(1 token)), and each timed part's share of that time."""
     generate(batch, 2)  # warm-up
     runs = {}
     with CpuShare() as share:
         for n in (1, new_tokens):
-            before = timer.seconds if timer else 0.0
+            before = dict(timer.seconds) if timer else {}
             start = time.perf_counter()
             generate(batch, n)
-            runs[n] = (time.perf_counter() - start, (timer.seconds - before) if timer else None)
+            runs[n] = (time.perf_counter() - start, {k: timer.seconds[k] - before[k] for k in before})
     decode = runs[new_tokens][0] - runs[1][0]
     result = {"batch": batch, "decode_tok_s": batch * (new_tokens - 1) / decode, "others_cpu_share": share.others}
-    if timer:
-        result["experts_share"] = (runs[new_tokens][1] - runs[1][1]) / decode
+    for part in runs[new_tokens][1]:
+        result[f"{part}_share"] = (runs[new_tokens][1][part] - runs[1][1][part]) / decode
     return result
 
 
@@ -191,7 +208,7 @@ def run_blockserve(source: str, batches, new_tokens: int, activations: str = "fl
     loaded = load_model(source, BACKENDS["exact"], quantized_activations=activations)
     llm = LLM(loaded, enable_prefix_caching=False, max_model_len=PROMPT_LEN + new_tokens + 8,
               max_num_seqs=max(batches), quantized_activations=activations)
-    timer = ExpertTimer(loaded.model)
+    timer = PartTimer(loaded.model)
 
     def generate(batch: int, n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -246,10 +263,10 @@ def _medians(runs: list[list[dict]]) -> list[dict]:
         shares = [r["others_cpu_share"] for r in taken if r["others_cpu_share"] is not None]
         median = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in taken),
                   "others_cpu_share": statistics.median(shares) if shares else None,
-                  "rounds": [{k: r[k] for k in ("decode_tok_s", "others_cpu_share", "experts_share") if k in r}
+                  "rounds": [{k: v for k, v in r.items() if k == "decode_tok_s" or k.endswith("_share")}
                              for r in taken]}
-        if "experts_share" in row:
-            median["experts_share"] = statistics.median(r["experts_share"] for r in taken)
+        for key in (k for k in row if k.endswith("_share") and k != "others_cpu_share"):
+            median[key] = statistics.median(r[key] for r in taken)
         out.append({**row, **median})
     return out
 
