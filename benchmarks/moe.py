@@ -15,7 +15,8 @@ default, or int8, llama.cpp's own precision: activations rounded per block of 32
 dots), each row naming its precision.
 
 `--rounds R` runs every system R times in turn and reports the medians (each round's figures kept in
-the JSON) and blockserve-gguf's ratio to llama.cpp per precision and batch.
+the JSON) and blockserve-gguf's rate over llama.cpp's in the same round per precision and batch
+(each round's ratio and their median).
 
 Decode tok/s: every request of a batch gets the same 16-token random prompt prefix-free (prefix
 caching off) and `--new-tokens` greedy tokens, EOS ignored; the rate is (batch x (new - 1)) / (the
@@ -271,13 +272,16 @@ def _medians(runs: list[list[dict]]) -> list[dict]:
     return out
 
 
-def _print_ratios(systems: dict) -> None:
-    """blockserve-gguf's median rates over llama.cpp's, per activations and batch."""
-    peer = {r["batch"]: r["decode_tok_s"] for r in systems.get("llama.cpp", [])}
-    for r in systems.get("blockserve-gguf", []):
-        if r["batch"] in peer:
-            print(f"blockserve-gguf {r['activations']} batch {r['batch']}: {r['decode_tok_s']:.2f} tok/s, "
-                  f"{r['decode_tok_s'] / peer[r['batch']]:.2f}x llama.cpp ({peer[r['batch']]:.2f})", flush=True)
+def _ratios(blockserve: list[list[dict]], peer: list[list[dict]]) -> list[dict]:
+    """blockserve-gguf's rate over llama.cpp's in the same round, per activations and batch: each
+    round's and their median (the two ran minutes apart, under the same neighbours)."""
+    out = []
+    for i, row in enumerate(blockserve[0]):
+        ratios = [ours[i]["decode_tok_s"] / next(p["decode_tok_s"] for p in theirs if p["batch"] == row["batch"])
+                  for ours, theirs in zip(blockserve, peer)]
+        out.append({"activations": row["activations"], "batch": row["batch"], "median": statistics.median(ratios),
+                    "rounds": ratios})
+    return out
 
 
 def _cpu_flags() -> list[str]:
@@ -319,7 +323,11 @@ def main() -> None:
             rounds[system].append(runners[system]())
             print(system, json.dumps(rounds[system][-1]), flush=True)
     results["systems"] = {system: _medians(runs) for system, runs in rounds.items()}
-    _print_ratios(results["systems"])
+    if "llama.cpp" in rounds and "blockserve-gguf" in rounds:
+        results["ratios_to_llama_cpp"] = _ratios(rounds["blockserve-gguf"], rounds["llama.cpp"])
+        for r in results["ratios_to_llama_cpp"]:
+            print(f"blockserve-gguf {r['activations']} batch {r['batch']}: {r['median']:.2f}x llama.cpp "
+                  f"(per round: {', '.join(f'{x:.2f}' for x in r['rounds'])})", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
