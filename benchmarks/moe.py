@@ -7,7 +7,16 @@ experts' share of blockserve's decode time.
                                                    with gguf-py as llama.cpp's converter names it, and
                                                    DIR/model-<TYPE>.gguf by llama-quantize
     python -m benchmarks.moe run DIR [--batches 1 16] [--new-tokens 16] [--threads 2] [--quant Q4_K_M]
-        [--systems blockserve-hf transformers blockserve-gguf llama.cpp] [--json PATH]
+        [--systems blockserve-hf transformers blockserve-gguf llama.cpp]
+        [--activations float32 int8] [--rounds 1] [--json PATH]
+
+blockserve-gguf runs once per `--activations` (the engine's --quantized-activations: float32, its
+default, or int8, llama.cpp's own precision: activations rounded per block of 32 to 8 bits, integer
+dots), each row naming its precision.
+
+`--rounds R` runs every system R times in turn and reports the medians (each round's figures kept in
+the JSON) and blockserve-gguf's rate over llama.cpp's in the same round per precision and batch
+(each round's ratio and their median).
 
 Decode tok/s: every request of a batch gets the same 16-token random prompt prefix-free (prefix
 caching off) and `--new-tokens` greedy tokens, EOS ignored; the rate is (batch x (new - 1)) / (the
@@ -15,8 +24,9 @@ time of the run with `new` tokens - the time of the run with 1 token), so prefil
 not counted. blockserve and transformers run in this process (transformers: model.generate with
 min_new_tokens = max_new_tokens, its own expert implementation); llama.cpp's `llama-batched-bench
 -npp 16 -ntg N -npl B` (its S_TG, decode tokens per second over the batch), a separate process.
-Experts' share: the time inside the MoE layers' experts (moe.Experts, gguf_block_experts.GGUFBlockExperts)
-during the decode tokens over the decode time. Each figure carries the other processes' CPU share
+Parts' shares (blockserve): the time inside the MoE layers' experts (moe.Experts,
+gguf_block_experts.GGUFBlockExperts), the attention layers (projections included), the routers and
+the head during the decode tokens, over the decode time. Each figure carries the other processes' CPU share
 (benchmarks/cpu_share.py) and the CPU's flags go into the JSON.
 
 The shape (SHAPE): Qwen3-MoE with hidden 2048, 16 layers, 16 query / 4 KV heads of 128, 16 experts
@@ -30,6 +40,8 @@ import argparse
 import json
 import os
 import re
+import resource
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -38,6 +50,7 @@ import numpy as np
 import torch
 
 from benchmarks.cpu_share import CpuShare
+from blockserve.engine.thread_governor import usable_cpus
 
 LLAMA_CPP = Path.home() / ".cache" / "blockserve-peers" / "llama.cpp-0.3.36-4b4fbe1c1229"
 SHAPE = dict(vocab_size=32768, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
@@ -129,25 +142,41 @@ def _gguf_tensors(name: str, tensor: torch.Tensor, pending: dict):
     yield f"blk.{layer}.{_GGUF_LAYER[module]}.{leaf}", array
 
 
-class ExpertTimer:
-    """Seconds spent in the experts' forward, summed (hooks on every MoE experts module)."""
+class PartTimer:
+    """Seconds spent in each part of blockserve's forward, summed (hooks): PARTS' modules, and the
+    head (the model's compute_logits)."""
+
+    PARTS = ("experts", "attention", "router", "head")
 
     def __init__(self, model):
         from blockserve.models.gguf_block_experts import GGUFBlockExperts
-        from blockserve.models.moe import Experts
+        from blockserve.models.llama import LlamaAttention
+        from blockserve.models.moe import Experts, SparseMoe
 
-        self.seconds = 0.0
-        self._hooks = []
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
         for module in model.modules():
             if isinstance(module, (Experts, GGUFBlockExperts)):
-                self._hooks.append(module.register_forward_pre_hook(self._start))
-                self._hooks.append(module.register_forward_hook(self._stop))
+                self._time("experts", module)
+            elif isinstance(module, LlamaAttention):
+                self._time("attention", module)
+            elif isinstance(module, SparseMoe):
+                self._time("router", module.gate)
+        logits = model.compute_logits
 
-    def _start(self, *_):
-        self._t = time.perf_counter()
+        def timed_logits(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return logits(*args, **kwargs)
+            finally:
+                self.seconds["head"] += time.perf_counter() - start
 
-    def _stop(self, *_):
-        self.seconds += time.perf_counter() - self._t
+        model.compute_logits = timed_logits
+
+    def _time(self, part: str, module) -> None:
+        started = []
+        module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+        module.register_forward_hook(lambda *_: self.seconds.__setitem__(
+            part, self.seconds[part] + time.perf_counter() - started.pop()))
 
 
 def _prompts(batch: int) -> list[list[int]]:
@@ -156,37 +185,38 @@ def _prompts(batch: int) -> list[list[int]]:
 
 
 def _decode_rate(generate, batch: int, new_tokens: int, timer=None) -> dict:
-    """(batch x (new - 1)) / (time(new tokens) - time(1 token)), and the experts' share of that time."""
+    """(batch x (new - 1)) / (time(new tokens) - time(1 token)), and each timed part's share of that time."""
     generate(batch, 2)  # warm-up
     runs = {}
     with CpuShare() as share:
         for n in (1, new_tokens):
-            before = timer.seconds if timer else 0.0
+            before = dict(timer.seconds) if timer else {}
             start = time.perf_counter()
             generate(batch, n)
-            runs[n] = (time.perf_counter() - start, (timer.seconds - before) if timer else None)
+            runs[n] = (time.perf_counter() - start, {k: timer.seconds[k] - before[k] for k in before})
     decode = runs[new_tokens][0] - runs[1][0]
     result = {"batch": batch, "decode_tok_s": batch * (new_tokens - 1) / decode, "others_cpu_share": share.others}
-    if timer:
-        result["experts_share"] = (runs[new_tokens][1] - runs[1][1]) / decode
+    for part in runs[new_tokens][1]:
+        result[f"{part}_share"] = (runs[new_tokens][1][part] - runs[1][1][part]) / decode
     return result
 
 
-def run_blockserve(source: str, batches, new_tokens: int) -> list[dict]:
+def run_blockserve(source: str, batches, new_tokens: int, activations: str = "float32") -> list[dict]:
     from blockserve import LLM, SamplingParams
     from blockserve.attention.paged_attention import BACKENDS
     from blockserve.models.loader import load_model
 
-    loaded = load_model(source, BACKENDS["exact"])
+    loaded = load_model(source, BACKENDS["exact"], quantized_activations=activations)
     llm = LLM(loaded, enable_prefix_caching=False, max_model_len=PROMPT_LEN + new_tokens + 8,
-              max_num_seqs=max(batches))
-    timer = ExpertTimer(loaded.model)
+              max_num_seqs=max(batches), quantized_activations=activations)
+    timer = PartTimer(loaded.model)
 
     def generate(batch: int, n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate(_prompts(batch), params, use_tqdm=False)
 
-    return [_decode_rate(generate, b, new_tokens, timer) for b in batches]
+    with llm:
+        return [{**_decode_rate(generate, b, new_tokens, timer), "activations": activations} for b in batches]
 
 
 def run_transformers(hf: Path, batches, new_tokens: int) -> list[dict]:
@@ -207,12 +237,50 @@ def run_llama_cpp(gguf_path: Path, batches, new_tokens: int, threads: int) -> li
         command = [str(LLAMA_CPP / "build" / "bin" / "llama-batched-bench"), "-m", str(gguf_path), "-c",
                    str(b * (PROMPT_LEN + new_tokens) + 64), "-npp", str(PROMPT_LEN), "-ntg", str(new_tokens),
                    "-npl", str(b), "-t", str(threads), "-b", "2048", "-ub", "512"]
+        children, start = _children_seconds(), time.perf_counter()
         with CpuShare() as share:
             text = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        own = (_children_seconds() - children) / ((time.perf_counter() - start) * len(usable_cpus()))
         row = next(line for line in text.splitlines() if re.match(rf"\|\s*{PROMPT_LEN}\s*\|\s*{new_tokens}\s*\|\s*{b}\s*\|", line))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        out.append({"batch": b, "decode_tok_s": float(cells[7]), "others_cpu_share": share.others,
-                    "note": "llama-batched-bench S_TG (another process; its CPU share is not separated)"})
+        others = None if share.others is None else max(0.0, share.others - own)
+        out.append({"batch": b, "decode_tok_s": float(cells[7]), "others_cpu_share": others,
+                    "activations": "int8 (its q8 dots)", "note": "llama-batched-bench S_TG"})
+    return out
+
+
+def _children_seconds() -> float:
+    """CPU seconds of this process's finished children (llama.cpp's run, so its share is not the others')."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _medians(runs: list[list[dict]]) -> list[dict]:
+    """Per row (activations, batch) of a system: the median rate and others' share over the rounds,
+    each round's figures kept."""
+    out = []
+    for i, row in enumerate(runs[0]):
+        taken = [run[i] for run in runs]
+        shares = [r["others_cpu_share"] for r in taken if r["others_cpu_share"] is not None]
+        median = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in taken),
+                  "others_cpu_share": statistics.median(shares) if shares else None,
+                  "rounds": [{k: v for k, v in r.items() if k == "decode_tok_s" or k.endswith("_share")}
+                             for r in taken]}
+        for key in (k for k in row if k.endswith("_share") and k != "others_cpu_share"):
+            median[key] = statistics.median(r[key] for r in taken)
+        out.append({**row, **median})
+    return out
+
+
+def _ratios(blockserve: list[list[dict]], peer: list[list[dict]]) -> list[dict]:
+    """blockserve-gguf's rate over llama.cpp's in the same round, per activations and batch: each
+    round's and their median (the two ran minutes apart, under the same neighbours)."""
+    out = []
+    for i, row in enumerate(blockserve[0]):
+        ratios = [ours[i]["decode_tok_s"] / next(p["decode_tok_s"] for p in theirs if p["batch"] == row["batch"])
+                  for ours, theirs in zip(blockserve, peer)]
+        out.append({"activations": row["activations"], "batch": row["batch"], "median": statistics.median(ratios),
+                    "rounds": ratios})
     return out
 
 
@@ -230,6 +298,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--systems", nargs="+", default=["blockserve-hf", "transformers", "blockserve-gguf", "llama.cpp"])
+    parser.add_argument("--activations", nargs="+", default=["float32"], choices=("float32", "int8", "int16"),
+                        help="blockserve-gguf's --quantized-activations, one run each")
+    parser.add_argument("--rounds", type=int, default=1, help="every system run this many times, in turn; "
+                        "the medians are reported")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.action == "make":
@@ -241,11 +313,21 @@ def main() -> None:
                "gguf": gguf_path.name, "systems": {}}
     runners = {"blockserve-hf": lambda: run_blockserve(str(args.directory / "hf"), args.batches, args.new_tokens),
                "transformers": lambda: run_transformers(args.directory / "hf", args.batches, args.new_tokens),
-               "blockserve-gguf": lambda: run_blockserve(str(gguf_path), args.batches, args.new_tokens),
+               "blockserve-gguf": lambda: [row for activations in args.activations
+                                           for row in run_blockserve(str(gguf_path), args.batches, args.new_tokens,
+                                                                     activations)],
                "llama.cpp": lambda: run_llama_cpp(gguf_path, args.batches, args.new_tokens, args.threads)}
-    for system in args.systems:
-        results["systems"][system] = runners[system]()
-        print(system, json.dumps(results["systems"][system]), flush=True)
+    rounds = {system: [] for system in args.systems}
+    for _ in range(args.rounds):
+        for system in args.systems:
+            rounds[system].append(runners[system]())
+            print(system, json.dumps(rounds[system][-1]), flush=True)
+    results["systems"] = {system: _medians(runs) for system, runs in rounds.items()}
+    if "llama.cpp" in rounds and "blockserve-gguf" in rounds:
+        results["ratios_to_llama_cpp"] = _ratios(rounds["blockserve-gguf"], rounds["llama.cpp"])
+        for r in results["ratios_to_llama_cpp"]:
+            print(f"blockserve-gguf {r['activations']} batch {r['batch']}: {r['median']:.2f}x llama.cpp "
+                  f"(per round: {', '.join(f'{x:.2f}' for x in r['rounds'])})", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -7,7 +7,11 @@ GGUFBlockExperts replaces a model's moe.Experts (same forward) before its weight
 GptOssGGUFBlockExperts replaces GPT-OSS's float experts (gpt_oss.GptOssExperts: biases, clamped
 SwiGLU; moe_experts_blocks_gpt_oss) where the file holds them in a block format (Q8_0, K-quants:
 llama-quantize's output for some mixes) rather than MXFP4. `use_block_experts` does that for every
-layer whose three expert tensors are in a block format. Under tensor parallelism each rank keeps its
+layer whose three expert tensors are in a block format. `activations` is the engine's
+--quantized-activations, as the model's GGUFBlockLinear layers take it: float32; int8 (each token's
+input rounded once per block of 32 to int8 levels for all its experts' gate and up, each expert's
+intermediate once for its down, integer dots: the bits gguf_matmul_int8 gives those rows); int16
+(both rounded to int16 levels, the float dots). Under tensor parallelism each rank keeps its
 share of the intermediate size (moe.Experts' or GptOssExperts' shard): whole rows of gate and up
 (GPT-OSS's gate|up bias: those entries, still interleaved; its down bias on rank 0), and of down the
 columns of its share, which must be whole blocks (gguf_block_linear.shard_blocks: refused, with the
@@ -25,6 +29,7 @@ from torch import nn
 from blockserve.models.gguf_block_linear import KERNEL_FORMATS, Segment, as_tensor, block_shape, shard_blocks
 from blockserve.models.gpt_oss import GptOssExperts, expert_biases
 from blockserve.models.moe import Experts, expert_ops
+from blockserve.models.quantized_linear import ACTIVATIONS, DEFAULT_ACTIVATIONS
 from blockserve.tensor_parallel.layers import Slice
 
 PARTS = ("gate", "up", "down")  # the names use_block_experts takes: "<layer>.mlp.experts.<part>"
@@ -32,13 +37,18 @@ PARTS = ("gate", "up", "down")  # the names use_block_experts takes: "<layer>.ml
 
 class GGUFBlockExperts(nn.Module):
     """forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H], as moe.Experts, over `gate`, `up`
-    [E, I, row bytes] and `down` [E, H, row bytes] GGUF blocks (format, raw uint8). With `tp`, the
-    blocks are this rank's share of the intermediate size and the output is all-reduced."""
+    [E, I, row bytes] and `down` [E, H, row bytes] GGUF blocks (format, raw uint8), with `activations`
+    (ACTIVATIONS; see the module docstring). With `tp`, the blocks are this rank's share of the
+    intermediate size and the output is all-reduced."""
 
     def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor], down: tuple[str, torch.Tensor],
-                 hidden_size: int, intermediate_size: int, what: str = "experts", tp=None):
+                 hidden_size: int, intermediate_size: int, what: str = "experts", tp=None,
+                 activations: str = DEFAULT_ACTIVATIONS):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"{what}: activations must be one of {ACTIVATIONS}, not {activations!r}")
         self.tp = tp
+        self.activations = activations
         self.ops = expert_ops()
         if self.ops is None:
             raise RuntimeError("GGUF block experts need the native extension (AVX2 or AVX-512)")
@@ -67,7 +77,7 @@ class GGUFBlockExperts(nn.Module):
         gate, up, down = self.block_segments
         out = self.ops.moe_experts_blocks(x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
                                           gate.raw, gate.format, up.raw, up.format, down.raw, down.format,
-                                          self.intermediate_size)
+                                          self.intermediate_size, self.activations)
         out = out.to(x.dtype)
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -82,12 +92,13 @@ class GptOssGGUFBlockExperts(GGUFBlockExperts):
     gate_up_proj_bias [E, 2I] (gate at even entries, up at odd) and down_proj_bias [E, H];
     h = (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit), in the kernel.
     With `tp`, the blocks are this rank's `shard` of the intermediate size, the biases its share
-    (gpt_oss.expert_biases: down's on rank 0 only) and the output is all-reduced."""
+    (gpt_oss.expert_biases: down's on rank 0 only) and the output is all-reduced. `activations` as
+    GGUFBlockExperts'."""
 
     def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor], down: tuple[str, torch.Tensor],
                  hidden_size: int, intermediate_size: int, alpha: float, limit: float, what: str = "experts",
-                 tp=None, shard: Slice | None = None):
-        super().__init__(gate, up, down, hidden_size, intermediate_size, what, tp)
+                 tp=None, shard: Slice | None = None, activations: str = DEFAULT_ACTIVATIONS):
+        super().__init__(gate, up, down, hidden_size, intermediate_size, what, tp, activations)
         if not hasattr(self.ops, "moe_experts_blocks_gpt_oss"):
             raise RuntimeError("GPT-OSS's GGUF block experts need the native extension's moe_experts_blocks_gpt_oss")
         self.alpha, self.limit = alpha, limit
@@ -100,14 +111,15 @@ class GptOssGGUFBlockExperts(GGUFBlockExperts):
             x.float().contiguous(), weights.float().contiguous(), ids.long().contiguous(),
             gate.raw, gate.format, up.raw, up.format, down.raw, down.format,
             self.gate_up_proj_bias.float().contiguous(), self.down_proj_bias.float().contiguous(),
-            self.alpha, self.limit).to(x.dtype)
+            self.alpha, self.limit, self.activations).to(x.dtype)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]]) -> set[str]:
+def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndarray]],
+                      activations: str = DEFAULT_ACTIVATIONS) -> set[str]:
     """Replace `model`'s moe.Experts by GGUFBlockExperts, and GPT-OSS's float GptOssExperts by
-    GptOssGGUFBlockExperts, where the GGUF holds all three of a layer's expert tensors in block
-    formats, before its weights load. `blocks`: ("<layer>.mlp.experts.<part>", format, raw [E, rows,
+    GptOssGGUFBlockExperts (both with `activations`), where the GGUF holds all three of a layer's
+    expert tensors in block formats, before its weights load. `blocks`: ("<layer>.mlp.experts.<part>", format, raw [E, rows,
     row bytes]) with part in PARTS. Tensor-parallel experts keep this rank's share (shard_blocks;
     ValueError where it cuts a block). Returns the parameter names now held as blocks (not to load):
     "<layer>.mlp.experts.gate_up_proj" and ".down_proj"."""
@@ -128,11 +140,11 @@ def use_block_experts(model: nn.Module, blocks: Iterable[tuple[str, str, np.ndar
             num_experts, hidden, two_i = experts.gate_up_proj.shape
             module = GptOssGGUFBlockExperts(*_this_ranks_experts(experts, parts, path), hidden_size=hidden,
                                             intermediate_size=two_i // 2, alpha=experts.alpha, limit=experts.limit,
-                                            what=path, tp=experts.tp, shard=experts.shard)
+                                            what=path, tp=experts.tp, shard=experts.shard, activations=activations)
         else:
             num_experts, two_i, hidden = experts.gate_up_proj.shape
             module = GGUFBlockExperts(*_this_ranks_experts(experts, parts, path), hidden_size=hidden,
-                                      intermediate_size=two_i // 2, what=path, tp=experts.tp)
+                                      intermediate_size=two_i // 2, what=path, tp=experts.tp, activations=activations)
         if module.num_experts != num_experts:
             raise ValueError(f"{path}: the GGUF holds {module.num_experts} experts, the config {num_experts}")
         parent, _, leaf = path.rpartition(".")

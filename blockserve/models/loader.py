@@ -229,7 +229,7 @@ def _load_model(source: str | None, attention_backend_cls: type[PagedAttention],
         if quantized_matmul and block_ops() is not None:
             taken = use_block_modules(model, _gguf_blocks(reader, arch, config, BLOCK_FORMATS), quantized_activations)
             if expert_ops() is not None:
-                taken |= use_block_experts(model, _gguf_expert_blocks(reader, arch, config))
+                taken |= use_block_experts(model, _gguf_expert_blocks(reader, arch, config), quantized_activations)
         if quantized_matmul:  # before the weights load: no float32 copy of these is ever made
             taken |= use_quantized_linears(model, _gguf_blocks(reader, arch, config, QUANTIZED_FORMATS),
                                            quantized_max_rows, quantized_activations, measure=False)

@@ -70,7 +70,7 @@ def test_block_experts_match_their_dequantised_values(build, tokens):
     x = torch.from_numpy(rng.standard_normal((tokens, H)).astype(np.float32))
     weights, ids = _routing(tokens, E, tokens)
     out = BUILDS[build].moe_experts_blocks(x, weights, ids, *(a for p in formats for a in (
-        torch.from_numpy(raw[p]), formats[p])), I)
+        torch.from_numpy(raw[p]), formats[p])), I, "float32")
     want = _reference(x, weights, ids, torch.cat([dense["gate"], dense["up"]], dim=1), dense["down"])
     torch.testing.assert_close(out.double(), want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
     counts = ids.flatten().bincount(minlength=E)
@@ -161,7 +161,7 @@ def test_gpt_oss_block_experts_match_the_loop(build, tokens):
     limit = float(probe.abs().median())  # both clamps cut some values
     weights, ids = _routing(tokens, experts, tokens)
     out = BUILDS[build].moe_experts_blocks_gpt_oss(x, weights, ids, *(a for p in formats for a in (
-        torch.from_numpy(raw[p]), formats[p])), gate_up_bias, down_bias, alpha, limit)
+        torch.from_numpy(raw[p]), formats[p])), gate_up_bias, down_bias, alpha, limit, "float32")
     want = _gpt_oss_reference(x, weights, ids, gate_up, gate_up_bias, dense["down"], down_bias, alpha, limit)
     scale = float(want.abs().max()) if want.numel() else 1.0
     torch.testing.assert_close(out.double(), want, atol=1e-5 * max(1.0, scale), rtol=1e-4)

@@ -143,3 +143,20 @@ def test_without_native_kernels_the_experts_are_dequantised(model_file, monkeypa
     assert type(experts) is Experts and experts.gate_up_proj.shape == (EXPERTS, 2 * EXPERT_FFN, HIDDEN)
     _, tokens = run_paged(model, PROMPTS, NEW_TOKENS)
     assert tokens == want
+
+
+def test_int8_activations_reach_the_experts(model_file):
+    """--quantized-activations int8 runs the experts on int8 dots as it does the dense layers."""
+    directory, path, _, _ = model_file
+    model = load_model(str(path), BACKENDS["exact"], cache_dir=str(directory / "cache"),
+                       quantized_activations="int8").model
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert [e.activations for e in experts] == ["int8"] * LAYERS
+    gen = torch.Generator().manual_seed(3)
+    x, ids = torch.randn(3, HIDDEN, generator=gen), torch.rand(3, EXPERTS, generator=gen).topk(TOP_K).indices
+    weights = torch.full((3, TOP_K), 1 / TOP_K)
+    blocks = [a for s in experts[0].block_segments for a in (s.raw, s.format)]
+    with torch.no_grad():
+        out = experts[0](x, weights, ids)
+    assert torch.equal(out, expert_ops().moe_experts_blocks(x, weights, ids, *blocks, EXPERT_FFN, "int8"))
+    assert not torch.equal(out, expert_ops().moe_experts_blocks(x, weights, ids, *blocks, EXPERT_FFN, "float32"))

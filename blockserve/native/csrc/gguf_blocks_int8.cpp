@@ -29,6 +29,7 @@
 // Up to 4 rows of x, each weight chunk is unpacked and dotted with every row of x at once; with more,
 // 16 weight rows are unpacked into a per-task buffer (L2) and dotted with the rows of x 4 at a time.
 
+#include "gguf_blocks_int8.h"
 #include "kernels.h"
 
 #include "block_levels.h"
@@ -38,6 +39,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -540,11 +542,11 @@ inline float finish(__m256 acc) {
   return _mm_cvtss_f32(s);
 }
 
-// x's rows rounded per block and laid out as F's weights, each padded with zero blocks to whole chunks.
+// x's rows rounded per block and laid out as F's weights, each padded with zero blocks to whole chunks,
+// into out [M * chunks].
 template <typename F>
-std::vector<XChunk> arranged(const float* x, int64_t M, int64_t K) {
+void arrange(const float* x, int64_t M, int64_t K, XChunk* out) {
   const int64_t chunks = (K + kChunk - 1) / kChunk;
-  std::vector<XChunk> out(M * chunks);
   std::vector<int8_t> r(chunks * kChunk);
   std::vector<float> s(chunks * kChunkBlocks), sum(chunks * kChunkBlocks);
   for (int64_t m = 0; m < M; ++m) {
@@ -566,7 +568,6 @@ std::vector<XChunk> arranged(const float* x, int64_t M, int64_t K) {
       }
     }
   }
-  return out;
 }
 
 // Weight rows [begin, end) dotted with C rows of x (x: their chunks, row after row), each chunk
@@ -598,47 +599,75 @@ void tile_rows(const Weights* unpacked, int64_t rows, int64_t chunks, int64_t n0
   }
 }
 
+// out[m * N + n] = weight row n . x's row m for n in [begin, end) and the M rows of x (arranged):
+// up to kTileRows rows, each weight chunk unpacked once for all of them; more, kRowBlock rows unpacked
+// into a buffer and dotted with the rows of x kTileRows at a time.
 template <typename F>
-void matmul(const float* xf, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, int64_t N, float* out) {
+void rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t begin, int64_t end, const XChunk* x, int64_t M,
+          int64_t N, float* out) {
   const int64_t chunks = (K + kChunk - 1) / kChunk;
-  const std::vector<XChunk> x = arranged<F>(xf, M, K);
-  // up to kTileRows rows of x: tasks of >= ~64 K multiply-adds; more: whole row blocks
-  const int64_t min_rows = M <= kTileRows ? std::max<int64_t>(1, (1 << 16) / (K * M)) : kRowBlock;
-  for_each_range(N, min_rows, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: return fused_rows<F, 1>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
-      case 2: return fused_rows<F, 2>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
-      case 3: return fused_rows<F, 3>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
-      case 4: return fused_rows<F, 4>(w, row_bytes, K, chunks, begin, end, x.data(), N, out);
-      default: break;
-    }
-    std::vector<Weights> unpacked(kRowBlock * chunks);
-    for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
-      const int64_t rows = std::min<int64_t>(kRowBlock, end - n0);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < chunks; ++k) unpack_chunk<F>(w + (n0 + r) * row_bytes, K, k, unpacked[r * chunks + k]);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const XChunk* xm = x.data() + m0 * chunks;
-        float* om = out + m0 * N;
-        switch (std::min<int64_t>(kTileRows, M - m0)) {
-          case 1: tile_rows<F, 1>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
-          case 2: tile_rows<F, 2>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
-          case 3: tile_rows<F, 3>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
-          default: tile_rows<F, 4>(unpacked.data(), rows, chunks, n0, xm, N, om); break;
-        }
+  switch (M) {
+    case 1: return fused_rows<F, 1>(w, row_bytes, K, chunks, begin, end, x, N, out);
+    case 2: return fused_rows<F, 2>(w, row_bytes, K, chunks, begin, end, x, N, out);
+    case 3: return fused_rows<F, 3>(w, row_bytes, K, chunks, begin, end, x, N, out);
+    case 4: return fused_rows<F, 4>(w, row_bytes, K, chunks, begin, end, x, N, out);
+    default: break;
+  }
+  const std::unique_ptr<Weights[]> unpacked(new Weights[kRowBlock * chunks]);  // written before it is read
+  for (int64_t n0 = begin; n0 < end; n0 += kRowBlock) {
+    const int64_t count = std::min<int64_t>(kRowBlock, end - n0);
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t k = 0; k < chunks; ++k) unpack_chunk<F>(w + (n0 + r) * row_bytes, K, k, unpacked[r * chunks + k]);
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const XChunk* xm = x + m0 * chunks;
+      float* om = out + m0 * N;
+      switch (std::min<int64_t>(kTileRows, M - m0)) {
+        case 1: tile_rows<F, 1>(unpacked.get(), count, chunks, n0, xm, N, om); break;
+        case 2: tile_rows<F, 2>(unpacked.get(), count, chunks, n0, xm, N, om); break;
+        case 3: tile_rows<F, 3>(unpacked.get(), count, chunks, n0, xm, N, om); break;
+        default: tile_rows<F, 4>(unpacked.get(), count, chunks, n0, xm, N, om); break;
       }
     }
-  });
+  }
+}
+
+template <typename F>
+void matmul(const float* xf, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, int64_t N, float* out) {
+  std::vector<XChunk> x(M * ((K + kChunk - 1) / kChunk));
+  arrange<F>(xf, M, K, x.data());
+  // up to kTileRows rows of x: tasks of >= ~64 K multiply-adds; more: whole row blocks
+  const int64_t min_rows = M <= kTileRows ? std::max<int64_t>(1, (1 << 16) / (K * M)) : kRowBlock;
+  for_each_range(N, min_rows, [&](int64_t begin, int64_t end) { rows<F>(w, row_bytes, K, begin, end, x.data(), M, N, out); });
+}
+
+// x [M, K] float32 -> uint8 [M, chunks * sizeof(XChunk)]: its rows arranged for F (at::empty's storage is
+// aligned past XChunk's 32 bytes, and sizeof(XChunk) is a multiple of them)
+template <typename F>
+at::Tensor arranged_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "gguf_int8_kernel: x must be contiguous float32 [M, K], K a multiple of 32");
+  static_assert(sizeof(XChunk) % 32 == 0, "arranged rows keep XChunk's alignment");
+  const int64_t M = x.size(0), K = x.size(1), chunks = (K + kChunk - 1) / kChunk;
+  auto out = at::empty({M, chunks * static_cast<int64_t>(sizeof(XChunk))}, x.options().dtype(at::kByte));
+  arrange<F>(x.data_ptr<float>(), M, K, reinterpret_cast<XChunk*>(out.data_ptr<uint8_t>()));
+  return out;
+}
+
+template <typename F>
+void arranged_dot(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t begin, int64_t end, const uint8_t* x,
+                  int64_t M, int64_t N, float* out) {
+  rows<F>(w, row_bytes, K, begin, end, reinterpret_cast<const XChunk*>(x), M, N, out);
 }
 
 struct Format {
   int64_t elems, bytes;
   void (*matmul)(const float*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+  GgufInt8Kernel kernel;
 };
 
 template <typename F>
 constexpr Format format_of() {
-  return {F::Elems, F::Bytes, &matmul<F>};
+  return {F::Elems, F::Bytes, &matmul<F>, {&F::layout, F::Elems, F::Bytes, &arranged_rows<F>, &arranged_dot<F>}};
 }
 
 Format format_named(const std::string& name) {
@@ -663,5 +692,7 @@ at::Tensor gguf_matmul_int8(at::Tensor x, at::Tensor raw, const std::string& for
   f.matmul(x.data_ptr<float>(), raw.data_ptr<uint8_t>(), raw.size(1), M, K, N, out.data_ptr<float>());
   return out;
 }
+
+GgufInt8Kernel gguf_int8_kernel(const std::string& format) { return format_named(format).kernel; }
 
 }  // namespace blockserve

@@ -87,7 +87,8 @@ at::Tensor mxfp4_matmul(at::Tensor x, at::Tensor blocks, at::Tensor scales);
 at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up, at::Tensor down);
 at::Tensor moe_experts_blocks(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
                               const std::string& gate_format, at::Tensor up, const std::string& up_format,
-                              at::Tensor down, const std::string& down_format, int64_t intermediate);
+                              at::Tensor down, const std::string& down_format, int64_t intermediate,
+                              const std::string& activations);
 at::Tensor moe_experts_mxfp4(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up_blocks,
                              at::Tensor gate_up_scales, at::Tensor gate_up_bias, at::Tensor down_blocks,
                              at::Tensor down_scales, at::Tensor down_bias, double alpha, double limit);
@@ -99,6 +100,6 @@ at::Tensor moe_experts_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids,
 at::Tensor moe_experts_blocks_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
                                       const std::string& gate_format, at::Tensor up, const std::string& up_format,
                                       at::Tensor down, const std::string& down_format, at::Tensor gate_up_bias,
-                                      at::Tensor down_bias, double alpha, double limit);
+                                      at::Tensor down_bias, double alpha, double limit, const std::string& activations);
 
 }  // namespace blockserve

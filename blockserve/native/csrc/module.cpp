@@ -68,8 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each token's weighted sum of its k SwiGLU experts",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_experts_blocks", &moe_experts_blocks,
-        "(x, weights, ids, gate, gate_format, up, up_format, down, down_format, intermediate) -> [T, H]: "
-        "moe_experts over GGUF blocks [E, rows, row bytes]",
+        "(x, weights, ids, gate, gate_format, up, up_format, down, down_format, intermediate, activations) -> [T, H]: "
+        "moe_experts over GGUF blocks [E, rows, row bytes]; activations float32, int8 (x and h rounded per block "
+        "of 32, integer dots: gguf_matmul_int8's bits) or int16 (rounded, float dots)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_experts_mxfp4", &moe_experts_mxfp4,
         "(x, weights, ids, gate_up_blocks [E, 2I, H/32, 16], gate_up_scales, gate_up_bias [E, 2I], down_blocks "
@@ -83,7 +84,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // GPT-OSS's experts in GGUF blocks (moe_experts.cpp)
   m.def("moe_experts_blocks_gpt_oss", &moe_experts_blocks_gpt_oss,
         "(x, weights, ids, gate, gate_format, up, up_format, down, down_format, gate_up_bias [E, 2I], "
-        "down_bias [E, H], alpha, limit) -> [T, H]: GPT-OSS's experts over GGUF blocks [E, rows, row bytes]",
+        "down_bias [E, H], alpha, limit, activations) -> [T, H]: GPT-OSS's experts over GGUF blocks [E, rows, row "
+        "bytes]; activations as moe_experts_blocks'",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 
   // module_local: a second build of this module (-mno-avx512f, in tests) registers its own types.

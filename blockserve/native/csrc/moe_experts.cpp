@@ -4,7 +4,7 @@
 //
 //   moe_experts(x, weights, ids, gate_up [E, 2I, H], down [E, H, I])      float32 experts
 //   moe_experts_blocks(x, weights, ids, gate, gate_format, up, up_format,  experts in GGUF blocks,
-//                      down, down_format, intermediate)                    [E, rows, row bytes] each
+//                      down, down_format, intermediate, activations)       [E, rows, row bytes] each
 //   moe_experts_mxfp4(x, weights, ids, gate_up_blocks, gate_up_scales,     GPT-OSS's experts in MXFP4
 //                     gate_up_bias, down_blocks, down_scales, down_bias,   (below)
 //                     alpha, limit)
@@ -12,7 +12,7 @@
 //                       down [E, I, H], down_bias, alpha, limit)            input-major (its checkpoint's)
 //   moe_experts_blocks_gpt_oss(x, weights, ids, gate, gate_format, up,     GPT-OSS's experts in GGUF blocks
 //                              up_format, down, down_format, gate_up_bias,  (Q8_0, K-quants, ...: what
-//                              down_bias, alpha, limit)                     llama-quantize writes for some mixes)
+//                              down_bias, alpha, limit, activations)        llama-quantize writes for some mixes)
 //
 // The (token, slot) pairs are grouped by expert with a counting sort (experts in id order, a
 // token's pairs in token order), each expert's tokens gathered once. float32 experts: those with
@@ -29,6 +29,13 @@
 // did not (docs/cpu.md). SiLU(gate) * up is fused into one
 // pass, and the weighted sum is added per token in expert-id order (the order the Python loop sums
 // in).
+//
+// GGUF experts' activations (the engine's --quantized-activations): float32 as above; int16 rounds x
+// and each pair's h per block of 32 (block_levels.h) and runs the float32 path on them; int8 rounds
+// each token's x once (once per weight layout: gate and up share it where their formats' layouts
+// agree) and each pair's h once, and runs gguf_blocks_int8.cpp's integer dots (gguf_blocks_int8.h)
+// over every picked expert's gate and up rows as one task-pool job, then over their down rows as
+// another: every output is the bits gguf_matmul_int8 gives for that expert's rows, at every token count.
 //
 // GPT-OSS (models/gpt_oss.py): the checkpoint's MXFP4 blocks [E, N, K/32, 16] and scales [E, N, K/32]
 // (mxfp4.cpp's layout), gate_up's rows interleaved (gate at even rows, up at odd), a bias after each
@@ -48,18 +55,22 @@
 
 #include "kernels.h"
 
+#include "block_levels.h"
+#include "gguf_blocks_int8.h"
 #include "mxfp4_row.h"
 #include "row_dot.h"
 #include "task_pool.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace blockserve {
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // an expert with more tokens than this takes the GEMM
+constexpr int64_t kInt8TaskRows = 64;  // the fewest weight rows an int8 experts task takes (4 row blocks)
 constexpr int64_t kMxfp4GemmRows = 16;  // an MXFP4 expert with this many tokens takes mxfp4_matmul's GEMM
 
 struct Groups {
@@ -143,9 +154,16 @@ void add_weighted(const Groups& g, const float* y, int64_t H, float* out) {
   }
 }
 
+// x's rows [T, C] (contiguous) of the pairs' tokens, grouped by expert: copied on this thread (ATen's
+// gather of a decode step's rows opens an OpenMP region, whose spinning threads then hold the cores
+// the task pool's jobs that follow need)
 at::Tensor gathered(const at::Tensor& x, const Groups& g) {
-  return x.index_select(0, at::from_blob(const_cast<int64_t*>(g.token.data()),
-                                         {static_cast<int64_t>(g.token.size())}, at::kLong));
+  const int64_t pairs = static_cast<int64_t>(g.token.size()), row = x.size(1) * x.element_size();
+  auto out = at::empty({pairs, x.size(1)}, x.options());
+  const auto* from = static_cast<const uint8_t*>(x.data_ptr());
+  auto* to = static_cast<uint8_t*>(out.data_ptr());
+  for (int64_t p = 0; p < pairs; ++p) std::memcpy(to + p * row, from + g.token[p] * row, row);
+  return out;
 }
 
 void check_biases(const at::Tensor& gate_up_bias, const at::Tensor& down_bias, int64_t E, int64_t I, int64_t H) {
@@ -258,6 +276,169 @@ void check_blocks_experts(const at::Tensor& gate, const at::Tensor& up, const at
               name, ": gate and up need `intermediate` rows, down H rows");
 }
 
+enum class Activations { kFloat32, kInt8, kInt16 };
+
+Activations activations_named(const std::string& name, const char* what) {
+  if (name == "float32") return Activations::kFloat32;
+  if (name == "int8") return Activations::kInt8;
+  if (name == "int16") return Activations::kInt16;
+  TORCH_CHECK(false, what, ": activations must be float32, int8 or int16, not ", name);
+}
+
+// x [M, K] rounded per block of 32 to int16 levels, back in float32 (quantized_linear.round_per_block(x, 32767))
+at::Tensor rounded16(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "moe_experts: int16 activations need rows of whole 32-value blocks, not ", K);
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_each_range(M, std::max<int64_t>(1, 4096 / K), [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> r(K);
+    std::vector<float> s(K / 32), sum(K / 32);
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_blocks(xp + m * K, K / 32, r.data(), s.data(), sum.data());
+      for (int64_t k = 0; k < K; ++k) op[m * K + k] = static_cast<float>(r[k]) * s[k / 32];
+    }
+  });
+  return out;
+}
+
+// A SwiGLU MoE layer's experts in GGUF blocks: gate, up [E, I, row bytes] and down [E, H, row bytes].
+struct BlockExperts {
+  const at::Tensor& gate;
+  const std::string& gate_format;
+  const at::Tensor& up;
+  const std::string& up_format;
+  const at::Tensor& down;
+  const std::string& down_format;
+  int64_t E, I, H;
+  Activations activations;
+};
+
+// One projection of every expert for the int8 path: expert e's N rows of K values at w + e * N * row_bytes,
+// dotted with its pairs' rows of x (arranged for `kernel`, x_bytes apart) into out [pairs, N].
+struct Int8Projection {
+  GgufInt8Kernel kernel;
+  const uint8_t* w;
+  int64_t row_bytes, N, K;
+  const uint8_t* x;
+  int64_t x_bytes;
+  float* out;
+};
+
+Int8Projection int8_projection(const at::Tensor& raw, const std::string& format, int64_t K, const char* name) {
+  const GgufInt8Kernel kernel = gguf_int8_kernel(format);
+  TORCH_CHECK(K % kernel.elems == 0 && raw.size(2) == K / kernel.elems * kernel.bytes, "moe_experts_blocks: ", name,
+              ": ", format, " rows of ", K, " values take ", K / kernel.elems * kernel.bytes, " bytes, not ",
+              raw.size(2));
+  return {kernel, raw.data_ptr<uint8_t>(), raw.size(2), raw.size(1), K, nullptr, 0, nullptr};
+}
+
+// For every projection and expert with pairs: its N rows dotted with its pairs' rows of x, as one job
+// over all those weight rows (each read once per call); tasks of at least ~64 K multiply-adds and of
+// whole blocks of the kernel's row tiles (an expert with more than 4 tokens unpacks 16 weight rows at
+// a time into a per-call buffer: smaller tasks would unpack partial blocks and set up more buffers).
+void int8_experts_dot(const Groups& g, const std::vector<Int8Projection>& projections) {
+  struct Segment {
+    const Int8Projection* p;
+    int64_t expert, first, count, offset;  // rows [offset, offset + N) of the job
+  };
+  std::vector<Segment> segments;
+  int64_t total = 0, macs = 0;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(g.start.size()); ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    for (const auto& p : projections) {
+      segments.push_back({&p, e, g.start[e], n, total});
+      total += p.N;
+      macs += p.N * p.K * n;
+    }
+  }
+  if (total == 0) return;
+  const int64_t min_rows = std::max<int64_t>(kInt8TaskRows, (int64_t{1} << 16) * total / macs);
+  for_each_range(total, min_rows, [&](int64_t begin, int64_t end) {
+    auto s = std::upper_bound(segments.begin(), segments.end(), begin,
+                              [](int64_t row, const Segment& seg) { return row < seg.offset; }) - 1;
+    for (; s != segments.end() && s->offset < end; ++s) {
+      const Int8Projection& p = *s->p;
+      const int64_t from = std::max(begin, s->offset) - s->offset, to = std::min(end, s->offset + p.N) - s->offset;
+      p.kernel.dot(p.w + s->expert * p.N * p.row_bytes, p.row_bytes, p.K, from, to, p.x + s->first * p.x_bytes,
+                   s->count, p.N, p.out + s->first * p.N);
+    }
+  });
+}
+
+// y [pairs, H] of the int8 path: x rounded once per token for gate and up (once per layout), h once per pair.
+template <typename Act>
+at::Tensor int8_experts(const at::Tensor& x, const Groups& g, const BlockExperts& ex, const Act& act) {
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  Int8Projection gate = int8_projection(ex.gate, ex.gate_format, ex.H, "gate");
+  Int8Projection up = int8_projection(ex.up, ex.up_format, ex.H, "up");
+  Int8Projection down = int8_projection(ex.down, ex.down_format, ex.I, "down");
+  const at::Tensor xg = gathered(gate.kernel.arrange(x), g);
+  const at::Tensor xu = up.kernel.layout == gate.kernel.layout ? xg : gathered(up.kernel.arrange(x), g);
+  auto gate_out = at::empty({pairs, ex.I}, x.options());
+  auto up_out = at::empty({pairs, ex.I}, x.options());
+  gate.x = xg.data_ptr<uint8_t>(), gate.x_bytes = xg.size(1), gate.out = gate_out.data_ptr<float>();
+  up.x = xu.data_ptr<uint8_t>(), up.x_bytes = xu.size(1), up.out = up_out.data_ptr<float>();
+  int8_experts_dot(g, {gate, up});
+  std::vector<int64_t> expert(pairs);
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(g.start.size()); ++e)
+    std::fill(expert.begin() + g.start[e], expert.begin() + g.start[e + 1], e);
+  float* gp = gate_out.data_ptr<float>();
+  const float* upp = up_out.data_ptr<float>();
+  for_each_range(pairs, std::max<int64_t>(1, 8192 / ex.I), [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) act(expert[p], gp + p * ex.I, upp + p * ex.I, ex.I);
+  });
+  const at::Tensor h = down.kernel.arrange(gate_out);
+  auto y = at::empty({pairs, ex.H}, x.options());
+  down.x = h.data_ptr<uint8_t>(), down.x_bytes = h.size(1), down.out = y.data_ptr<float>();
+  int8_experts_dot(g, {down});
+  return y;
+}
+
+// y [pairs, H] of the float32 path (int16: x and h rounded per block first), each expert through gguf_matmul.
+template <typename Act>
+at::Tensor float_experts(const at::Tensor& x, const Groups& g, const BlockExperts& ex, const Act& act) {
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  const bool int16 = ex.activations == Activations::kInt16;
+  const at::Tensor xs = gathered(int16 ? rounded16(x) : x, g);
+  auto y = at::empty({pairs, ex.H}, x.options());
+  for (int64_t e = 0; e < ex.E; ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0) continue;
+    const auto xe = xs.narrow(0, g.start[e], n);
+    auto gate_e = gguf_matmul(xe, ex.gate[e], ex.gate_format);  // [n, I], made here: contiguous
+    const auto up_e = gguf_matmul(xe, ex.up[e], ex.up_format);
+    float* gp = gate_e.data_ptr<float>();
+    const float* upp = up_e.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) act(e, gp + r * ex.I, upp + r * ex.I, ex.I);
+    y.narrow(0, g.start[e], n).copy_(gguf_matmul(int16 ? rounded16(gate_e) : gate_e, ex.down[e], ex.down_format));
+  }
+  return y;
+}
+
+// out [T, H] = each token's routed experts (Act: a pair's h from its gate and up rows, in place of gate),
+// down's bias [E, H] added where given, weighted and summed per token in expert-id order.
+template <typename Act>
+at::Tensor blocks_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                          const BlockExperts& ex, const float* down_bias, const Act& act) {
+  auto out = at::zeros_like(x);
+  const Groups g = group_by_expert(weights, ids, ex.E);
+  if (g.token.empty()) return out;
+  at::Tensor y = ex.activations == Activations::kInt8 ? int8_experts(x, g, ex, act) : float_experts(x, g, ex, act);
+  if (down_bias != nullptr)
+    for (int64_t e = 0; e < ex.E; ++e)
+      for (int64_t p = g.start[e]; p < g.start[e + 1]; ++p) {
+        float* row = y.data_ptr<float>() + p * ex.H;
+        const float* b = down_bias + e * ex.H;
+#pragma omp simd
+        for (int64_t h = 0; h < ex.H; ++h) row[h] += b[h];
+      }
+  add_weighted(g, y.data_ptr<float>(), ex.H, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up, at::Tensor down) {
@@ -306,30 +487,16 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Ten
 
 at::Tensor moe_experts_blocks(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
                               const std::string& gate_format, at::Tensor up, const std::string& up_format,
-                              at::Tensor down, const std::string& down_format, int64_t intermediate) {
+                              at::Tensor down, const std::string& down_format, int64_t intermediate,
+                              const std::string& activations) {
   check_inputs(x, weights, ids);
   const int64_t E = gate.size(0), H = x.size(1), I = intermediate;
   check_blocks_experts(gate, up, down, E, I, H, "moe_experts_blocks");
-  auto out = at::zeros_like(x);
-  const Groups g = group_by_expert(weights, ids, E);
-  const int64_t pairs = static_cast<int64_t>(g.token.size());
-  if (pairs == 0) return out;
-  const auto xs = gathered(x, g);
-  auto y = at::empty({pairs, H}, x.options());
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = g.start[e + 1] - g.start[e];
-    if (n == 0) continue;
-    const auto xe = xs.narrow(0, g.start[e], n);
-    auto gate_e = gguf_matmul(xe, gate[e], gate_format);
-    const auto up_e = gguf_matmul(xe, up[e], up_format);
-    float* gp = gate_e.data_ptr<float>();
-    const float* upp = up_e.data_ptr<float>();
-#pragma omp simd
-    for (int64_t i = 0; i < n * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
-    y.narrow(0, g.start[e], n).copy_(gguf_matmul(gate_e, down[e], down_format));
-  }
-  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
-  return out;
+  const BlockExperts experts{gate, gate_format, up, up_format, down, down_format, E, I, H,
+                             activations_named(activations, "moe_experts_blocks")};
+  return blocks_experts(x, weights, ids, experts, nullptr, [](int64_t, float* gate, const float* up, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  });
 }
 
 at::Tensor moe_experts_mxfp4(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate_up_blocks,
@@ -385,42 +552,25 @@ at::Tensor moe_experts_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids,
 at::Tensor moe_experts_blocks_gpt_oss(at::Tensor x, at::Tensor weights, at::Tensor ids, at::Tensor gate,
                                       const std::string& gate_format, at::Tensor up, const std::string& up_format,
                                       at::Tensor down, const std::string& down_format, at::Tensor gate_up_bias,
-                                      at::Tensor down_bias, double alpha, double limit) {
+                                      at::Tensor down_bias, double alpha, double limit,
+                                      const std::string& activations) {
   check_inputs(x, weights, ids);
   const int64_t E = gate.size(0), H = x.size(1), I = gate.size(1);
   check_blocks_experts(gate, up, down, E, I, H, "moe_experts_blocks_gpt_oss");
   check_biases(gate_up_bias, down_bias, E, I, H);
-  auto out = at::zeros_like(x);
-  const Groups g = group_by_expert(weights, ids, E);
-  const int64_t pairs = static_cast<int64_t>(g.token.size());
-  if (pairs == 0) return out;
-  const auto xs = gathered(x, g);
-  auto y = at::empty({pairs, H}, x.options());
+  const BlockExperts experts{gate, gate_format, up, up_format, down, down_format, E, I, H,
+                             activations_named(activations, "moe_experts_blocks_gpt_oss")};
   const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = g.start[e + 1] - g.start[e];
-    if (n == 0) continue;
-    const auto xe = xs.narrow(0, g.start[e], n);
-    auto gate_e = gguf_matmul(xe, gate[e], gate_format);  // [n, I], made here: contiguous
-    const auto up_e = gguf_matmul(xe, up[e], up_format);
-    float* gp = gate_e.data_ptr<float>();
-    const float* upp = up_e.data_ptr<float>();
-    const float* bias = gate_up_bias.data_ptr<float>() + e * 2 * I;  // gate at even entries, up at odd
-    for (int64_t r = 0; r < n; ++r) {
-      float* gr = gp + r * I;
-      const float* ur = upp + r * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        const float gv = std::min(gr[i] + bias[2 * i], l), uv = std::clamp(ur[i] + bias[2 * i + 1], -l, l);
-        gr[i] = (uv + 1.f) * gv / (1.f + std::exp(-a * gv));
-      }
-    }
-    auto y_e = y.narrow(0, g.start[e], n);
-    y_e.copy_(gguf_matmul(gate_e, down[e], down_format));
-    y_e.add_(down_bias[e]);
-  }
-  add_weighted(g, y.data_ptr<float>(), H, out.data_ptr<float>());
-  return out;
+  const float* biases = gate_up_bias.data_ptr<float>();
+  return blocks_experts(x, weights, ids, experts, down_bias.data_ptr<float>(),
+                        [&](int64_t e, float* gate, const float* up, int64_t n) {
+                          const float* bias = biases + e * 2 * I;  // gate at even entries, up at odd
+                          for (int64_t i = 0; i < n; ++i) {
+                            const float gv = std::min(gate[i] + bias[2 * i], l);
+                            const float uv = std::clamp(up[i] + bias[2 * i + 1], -l, l);
+                            gate[i] = (uv + 1.f) * gv / (1.f + std::exp(-a * gv));
+                          }
+                        });
 }
 
 }  // namespace blockserve
