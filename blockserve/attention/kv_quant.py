@@ -28,9 +28,8 @@ write passes the step's rotated queries) then move a few codes to a neighbouring
 rounding error off those queries' directions (`_steer_codes`): the step's own queries predict the
 later ones well (queries share a large common direction), and a score's error is the query's dot
 product with the key's error. The encoder alone does this: the row's layout and its decoding are
-unchanged. On the
-bundled model, with evenly spaced levels, int4's mean KL is 0.061 unsteered against 0.023 steered
-(docs/cpu.md); values carry no query to steer by.
+unchanged. On the bundled model, with evenly spaced levels, int4's mean KL is 0.061 unsteered against
+0.023 steered (docs/cpu.md); values carry no query to steer by.
 
 Rows decode to the rotated y (`decode`); attention reads them as is: R is orthogonal, so
 q . k = (R q) . (R k), and the output over rotated values is R o. A backend rotates its queries
