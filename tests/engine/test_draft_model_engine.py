@@ -52,22 +52,43 @@ def assert_nothing_held(llm: LLM) -> None:
     llm.engine.core.scheduler.assert_idle()
 
 
+def first_feeds(llm: LLM) -> dict[str, int]:
+    """Per request, how many tokens the draft's runner is fed in its first forward for it (filled as the
+    engine runs)."""
+    runner, feeds = llm.engine.core.scheduler.speculator.proposer.runner, {}
+    execute = runner.execute
+
+    def record(out):
+        for rid, ids in out.scheduled_token_ids.items():
+            feeds.setdefault(rid, len(ids))
+        return execute(out)
+
+    runner.execute = record
+    return feeds
+
+
 def test_a_draft_equal_to_the_target_has_its_drafts_accepted(models):
+    """...and a repeated prompt's draft blocks come from the draft's prefix cache: its first forward
+    feeds only the tokens past the last whole cached block, never the blocks the hit holds."""
     target, _ = models
     plain = tokens(LLM(target, **OPTIONS))
     llm = LLM(target, speculative_config=spec(target), **OPTIONS)
+    feeds = first_feeds(llm)
     assert tokens(llm) == plain
+    assert max(feeds.values()) > OPTIONS["block_size"]  # the prompts fed whole
     draft_hits = llm.engine.core.scheduler.speculator.proposer.kv.prefix_cache_stats().hits
+    feeds.clear()
     assert tokens(llm) == plain  # the target's prompts from its prefix cache, and the draft's from its own
     assert llm.engine.core.scheduler.speculator.proposer.kv.prefix_cache_stats().hits > draft_hits
+    assert len(feeds) == len(prompts()) and max(feeds.values()) <= OPTIONS["block_size"]
     stats = llm.engine.stats().speculation
     assert stats.num_draft_tokens > 2 * len(prompts())
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
     assert_nothing_held(llm)
 
 
-@pytest.mark.parametrize("scenario", [{}, {"max_num_batched_tokens": 8}, SMALL_CACHE],
-                         ids=["prefix-caching", "chunked", "preemption"])
+@pytest.mark.parametrize("scenario", [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 8}, SMALL_CACHE],
+                         ids=["prefix-caching", "no-prefix-caching", "chunked", "preemption"])
 def test_a_random_draft_keeps_the_greedy_tokens(models, scenario):
     """The tokens of a run without the draft, the draft's forwards batched across a step's requests; a
     preempted request gives its draft blocks back with the target's."""
