@@ -55,8 +55,13 @@ with importing():
     from blockserve.sampling_params import SamplingParams
     mark("import blockserve engine")
     if serve:
-        from blockserve.server.app import create_app, freeze_startup_heap
-        from blockserve.server.config import ServerConfig
+        try:  # serve's own: the server's pydantic models build on first use
+            from blockserve.server.deferred_schemas import deferred_schemas
+        except ImportError:  # a tree without it
+            deferred_schemas = contextlib.nullcontext
+        with deferred_schemas():
+            from blockserve.server.app import create_app, freeze_startup_heap
+            from blockserve.server.config import ServerConfig
         mark("import the server (fastapi, routes)")
 torch.set_num_threads(int(sys.argv[2]))
 crossover = [0.0]
