@@ -10,8 +10,9 @@ an installed package's do.
     python -m benchmarks.cold_start_stages [--model FILE.gguf] [--rounds 3] [--kv-cache-memory 32MiB]
         [--serve] [--baseline DIR] [--json results/x.json]
 
---serve: the start `blockserve serve` makes besides (the server's modules imported, its app built,
-the start-up heap frozen: server/app.py), without the HTTP server itself.
+--serve: the start `blockserve serve` makes besides (the server's modules imported with their pydantic
+models deferred as cli.py imports them, its app built, the start-up heap frozen: server/app.py),
+without the HTTP server itself.
 --baseline DIR: the blockserve source tree in DIR (an earlier commit's checkout) measured too, its
 rounds alternating with this tree's. The other processes' share of the CPUs during each round is
 recorded beside it.
