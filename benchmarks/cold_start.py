@@ -16,8 +16,9 @@ PYTHONDONTWRITEBYTECODE set and no __pycache__, every start would compile ~150 m
 --no-peer measures blockserve alone (where llama.cpp's peer build is not at hand). --baseline DIR
 also starts the blockserve source tree in DIR (a checkout of an earlier commit, say) the same way,
 in the same rounds: a before / after from one run. --torch-floor also times, in the same rounds, a
-Python process that only imports torch (`python -c "import torch"`, spawn to exit): the part of any
-start of a Python engine on torch that no change to blockserve removes.
+Python process that only imports torch, with the garbage collector paused as blockserve's start
+imports it (spawn to the import's end; the process then leaves without tearing the interpreter
+down): the part of any start of a Python engine on torch that no change to blockserve removes.
 
 Both get a context of 512 tokens (blockserve's cache: --kv-cache-memory, which must hold 512 tokens of the
 model's float32 K/V: 32MiB holds SmolLM2-135M's). Rounds alternate the two
@@ -46,7 +47,8 @@ from blockserve.models.default_model import default_model_path
 from benchmarks.peers.native import BLOCKSERVE, HERE, CpuShare, engine_env, free_port
 
 POLL_S = 0.02
-TORCH_FLOOR = "python -c 'import torch' (to exit)"
+TORCH_FLOOR = "python: import torch, nothing else"
+TORCH_ONLY = "import gc, os; gc.disable(); import torch; os._exit(0)"
 # a context of 512 tokens for both: llama.cpp's -c 512 (float16 KV), blockserve's float32 KV of 512 tokens
 # of SmolLM2-135M (24 MiB) rounded up; blockserve's default would allocate (and zero) 1 GiB
 KV_CACHE_MEMORY = "32MiB"
@@ -120,14 +122,15 @@ def start_to_first_token(command: list[str], port: int, env: dict[str, str], cwd
 
 
 def torch_import_s(env: dict[str, str]) -> dict:
-    """Seconds from spawning a Python process that only imports torch to its exit, and its peak RSS."""
+    """Seconds from spawning a Python process that only imports torch (TORCH_ONLY) to its exit, and
+    its peak RSS."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", "import torch"], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", TORCH_ONLY], env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise RuntimeError(f"python -c 'import torch' exited with {proc.returncode}")
+        raise RuntimeError(f"python -c {TORCH_ONLY!r} exited with {proc.returncode}")
     return {"first_token_s": seconds, "healthy_s": seconds, "peak_rss_mib_at_health": usage.ru_maxrss / 1024}
 
 
