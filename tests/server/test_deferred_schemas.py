@@ -50,3 +50,26 @@ def test_the_configuration_is_restored_after_the_block():
     assert pydantic.BaseModel.model_config == before
     _, order = _models()
     assert order.__pydantic_complete__  # created after the block: built as it is created
+
+
+def test_serve_imports_the_server_with_deferred_schemas(monkeypatch):
+    """`blockserve serve` imports the server inside deferred_schemas() (the models a start creates
+    defer their builds), then runs it."""
+    import contextlib
+
+    import blockserve.cli as cli
+    import blockserve.server.app as app
+
+    events = []
+
+    @contextlib.contextmanager
+    def recorded():
+        events.append("deferred")
+        yield
+        events.append("restored")
+
+    monkeypatch.setattr(cli, "deferred_schemas", recorded)
+    monkeypatch.setattr(cli, "frozen_imports", contextlib.nullcontext)  # no gc.freeze of the test process
+    monkeypatch.setattr(app, "run_server", lambda engine_config, config: events.append("run") or 0)
+    assert cli.main(["serve", "--port", "1"]) == 0
+    assert events == ["deferred", "restored", "run"]
