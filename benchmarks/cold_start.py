@@ -10,12 +10,15 @@ compiled bytecode, as an installed package's do (the benchmark compiles it first
 PYTHONDONTWRITEBYTECODE set and no __pycache__, every start would compile ~150 modules from source).
 
     python -m benchmarks.cold_start [--model FILE.gguf ...] [--threads 2] [--rounds 3]
-        [--kv-cache-memory 32MiB] [--include-kernel-build] [--no-peer] [--baseline DIR]
+        [--kv-cache-memory 32MiB] [--include-kernel-build] [--no-peer] [--baseline DIR] [--torch-floor]
         [--json results/cold_start.json]
 
 --no-peer measures blockserve alone (where llama.cpp's peer build is not at hand). --baseline DIR
 also starts the blockserve source tree in DIR (a checkout of an earlier commit, say) the same way,
-in the same rounds: a before / after from one run.
+in the same rounds: a before / after from one run. --torch-floor also times, in the same rounds, a
+Python process that only imports torch, with the garbage collector paused as blockserve's start
+imports it (spawn to the import's end; the process then leaves without tearing the interpreter
+down): the part of any start of a Python engine on torch that no change to blockserve removes.
 
 Both get a context of 512 tokens (blockserve's cache: --kv-cache-memory, which must hold 512 tokens of the
 model's float32 K/V: 32MiB holds SmolLM2-135M's). Rounds alternate the two
@@ -29,8 +32,10 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
+import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -42,6 +47,8 @@ from blockserve.models.default_model import default_model_path
 from benchmarks.peers.native import BLOCKSERVE, HERE, CpuShare, engine_env, free_port
 
 POLL_S = 0.02
+TORCH_FLOOR = "python: import torch, nothing else"
+TORCH_ONLY = "import gc, os; gc.disable(); import torch; os._exit(0)"
 # a context of 512 tokens for both: llama.cpp's -c 512 (float16 KV), blockserve's float32 KV of 512 tokens
 # of SmolLM2-135M (24 MiB) rounded up; blockserve's default would allocate (and zero) 1 GiB
 KV_CACHE_MEMORY = "32MiB"
@@ -114,6 +121,19 @@ def start_to_first_token(command: list[str], port: int, env: dict[str, str], cwd
             "text": text}
 
 
+def torch_import_s(env: dict[str, str]) -> dict:
+    """Seconds from spawning a Python process that only imports torch (TORCH_ONLY) to its exit, and
+    its peak RSS."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", TORCH_ONLY], env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -c {TORCH_ONLY!r} exited with {proc.returncode}")
+    return {"first_token_s": seconds, "healthy_s": seconds, "peak_rss_mib_at_health": usage.ru_maxrss / 1024}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=[str(default_model_path())])
@@ -126,6 +146,8 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="blockserve alone: llama.cpp is not built or run")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another blockserve source tree (an earlier commit's checkout) started alike, same rounds")
+    parser.add_argument("--torch-floor", action="store_true",
+                        help="also time a Python process that only imports torch, in the same rounds")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     env = environment()
@@ -157,12 +179,18 @@ def main() -> None:
             port = free_port()
             start_to_first_token(command(port), port, system_env, cwd)
         runs: dict[str, list[dict]] = {name: [] for name in systems}
+        if args.torch_floor:
+            runs[TORCH_FLOOR] = []
         for _ in range(args.rounds):
             for name, (command, system_env, cwd) in systems.items():
                 port = free_port()
                 with CpuShare() as share:
                     run = start_to_first_token(command(port), port, system_env, cwd)
                 runs[name].append({**run, "other_cpu_share": share.others_share})
+            if args.torch_floor:
+                with CpuShare() as share:
+                    run = torch_import_s(engine_env())
+                runs[TORCH_FLOOR].append({**run, "other_cpu_share": share.others_share})
         if args.include_kernel_build:
             with tempfile.TemporaryDirectory() as build_dir:
                 port = free_port()
@@ -187,6 +215,8 @@ def main() -> None:
             print(f"blockserve / llama.cpp, first token: {firsts['blockserve'] / firsts['llama.cpp']:.1f}x")
             if baseline is not None:
                 print(f"baseline / llama.cpp, first token: {firsts['blockserve, baseline'] / firsts['llama.cpp']:.1f}x")
+            if args.torch_floor:
+                print(f"importing torch / llama.cpp's first token: {firsts[TORCH_FLOOR] / firsts['llama.cpp']:.2f}x")
     if args.json:
         write_json(args.json, {"environment": env, "args": vars(args), "results": results})
 

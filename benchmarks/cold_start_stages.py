@@ -10,8 +10,9 @@ an installed package's do.
     python -m benchmarks.cold_start_stages [--model FILE.gguf] [--rounds 3] [--kv-cache-memory 32MiB]
         [--serve] [--baseline DIR] [--json results/x.json]
 
---serve: the start `blockserve serve` makes besides (the server's modules imported, its app built,
-the start-up heap frozen: server/app.py), without the HTTP server itself.
+--serve: the start `blockserve serve` makes besides (the server's modules imported with their pydantic
+models deferred as cli.py imports them, its app built, the start-up heap frozen: server/app.py),
+without the HTTP server itself.
 --baseline DIR: the blockserve source tree in DIR (an earlier commit's checkout) measured too, its
 rounds alternating with this tree's. The other processes' share of the CPUs during each round is
 recorded beside it.
@@ -55,8 +56,13 @@ with importing():
     from blockserve.sampling_params import SamplingParams
     mark("import blockserve engine")
     if serve:
-        from blockserve.server.app import create_app, freeze_startup_heap
-        from blockserve.server.config import ServerConfig
+        try:  # serve's own: the server's pydantic models build on first use
+            from blockserve.server.deferred_schemas import deferred_schemas
+        except ImportError:  # a tree without it
+            deferred_schemas = contextlib.nullcontext
+        with deferred_schemas():
+            from blockserve.server.app import create_app, freeze_startup_heap
+            from blockserve.server.config import ServerConfig
         mark("import the server (fastapi, routes)")
 torch.set_num_threads(int(sys.argv[2]))
 crossover = [0.0]

@@ -25,6 +25,7 @@ from blockserve.config_args import add_config_arguments, config_from_namespace, 
 from blockserve.engine.config import EngineConfig
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.config import DEFAULT_MODEL_NAME, ServerConfig
+from blockserve.server.deferred_schemas import deferred_schemas
 from blockserve.startup_gc import frozen_imports, paused_collection
 from blockserve.data_parallel.routing import DataParallelConfig
 from blockserve.thread_policy import apply_defaults
@@ -170,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_router(config_from_namespace(EngineConfig, args), config,
                           config_from_namespace(DataParallelConfig, args), quiet=args.quiet)
-    with frozen_imports():  # the server process's own: it freezes its heap after start-up too
+    with frozen_imports(), deferred_schemas():  # the server process's own: it freezes its heap after start-up too
         from blockserve.server.app import run_server
 
     return run_server(config_from_namespace(EngineConfig, args), config)

@@ -54,19 +54,19 @@ class LazyArrayReader(gguf.GGUFReader):
         if kind == gguf.GGUFValueType.STRING:
             host = sys.byteorder == "little"
             string_length = struct.Struct(("<" if (self.byte_order == "I") == host else ">") + "Q")
-            buffer = memoryview(self.data)
-            starts = np.empty(count + 1, dtype=np.int64)
-            position, end, truncated = start, len(self.data), False
-            for index in range(count):
-                starts[index] = position
-                truncated = position + 8 > end
-                if truncated:
-                    break
-                position += 8 + string_length.unpack_from(buffer, position)[0]
-            if truncated or position > end:
+            buffer, starts, position = memoryview(self.data), [], start
+            record = starts.append
+            try:  # each string: its 8-byte length, then its bytes
+                for _ in range(count):
+                    record(position)
+                    position += 8 + string_length.unpack_from(buffer, position)[0]
+            except struct.error:  # a length that runs past the end of the file
+                position = len(self.data) + 1
+            if position > len(self.data):
                 raise ValueError(f"GGUF field {bytes(head[1]).decode(errors='replace')}: its strings run past "
-                                 f"the end of the file ({end} bytes): the file is truncated or corrupt")
-            starts[-1] = position
+                                 f"the end of the file ({len(self.data)} bytes): the file is truncated or corrupt")
+            record(position)
+            starts = np.array(starts, dtype=np.int64)
             return ArrayParts(self, [*head, item_type, length], kind, starts=starts)
         scalar = self.gguf_scalar_to_np.get(kind)
         if scalar is None:
@@ -131,10 +131,7 @@ class ArrayParts(Sequence):
         """The items: strings decoded as UTF-8 from the file's bytes, or numbers as Python scalars."""
         if self._values is not None:
             return self._values.tolist()
-        data = bytes(memoryview(self._reader.data)[int(self._starts[0]):int(self._starts[-1])])
-        base = int(self._starts[0])
-        bounds = (self._starts - base).tolist()
-        return [data[start + 8:end].decode("utf-8") for start, end in zip(bounds, bounds[1:])]
+        return decoded_strings(np.asarray(self._reader.data), self._starts)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -151,3 +148,27 @@ class ArrayParts(Sequence):
         item, which = divmod(index - len(self._head), 2)
         length = self._reader._get(int(self._starts[item]), np.uint64)
         return length if which == 0 else self._reader._get(int(self._starts[item]) + 8, np.uint8, length[0])
+
+
+_SEPARATOR = 0  # a byte joining the strings for one decode (a string holding it is decoded on its own)
+
+
+def decoded_strings(data: np.ndarray, starts: np.ndarray) -> list[str]:
+    """The GGUF strings (8-byte length, then UTF-8 bytes) starting at `starts[:-1]` of the bytes
+    `data`, `starts[-1]` their end, decoded in one pass: each length's first byte becomes a separator
+    and the other seven are dropped, the whole decoded once and split. UnicodeDecodeError for bytes
+    that are not UTF-8, as a decode of each string raises."""
+    base, count = int(starts[0]), len(starts) - 1
+    if count == 0:
+        return []
+    region = np.array(data[base:int(starts[-1])])
+    lengths = starts[:-1] - base
+    keep = np.ones(len(region), dtype=bool)
+    keep[(lengths[:, None] + np.arange(1, 8)).ravel()] = False
+    keep[0] = False  # the first string's separator
+    region[lengths] = _SEPARATOR
+    items = region[keep].tobytes().decode("utf-8").split(chr(_SEPARATOR))
+    if len(items) == count:
+        return items
+    text = region.tobytes()  # a string holds the separator byte: each decoded on its own
+    return [text[start + 8:end].decode("utf-8") for start, end in zip(lengths.tolist(), (starts[1:] - base).tolist())]

@@ -27,6 +27,7 @@ models/chat_template.py as transformers renders it. Other vocabularies (Gemma's 
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
@@ -112,6 +113,11 @@ def byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) ->
     return backend
 
 
+def of_kind(tokens: list[str], kinds: list[int], kind: int) -> list[str]:
+    """The tokens whose tokenizer.ggml.token_type is `kind`, in order."""
+    return list(itertools.compress(tokens, map(kind.__eq__, kinds)))
+
+
 class GGUFTokenizer:
     """A GGUF file's tokenizer from its metadata (see the module docstring); ValueError for a
     vocabulary it does not build (native_vocabulary)."""
@@ -132,12 +138,12 @@ class GGUFTokenizer:
         if byte_level:
             backend = byte_level_backend(tokens, merges or [], value("tokenizer.ggml.pre"))
             # a control token outside the byte alphabet is a mislabel (transformers skips it too)
-            control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL and in_byte_alphabet(token)]
+            control = [token for token in of_kind(tokens, kinds, _CONTROL) if in_byte_alphabet(token)]
             defaults = (_GPT2_DEFAULT,)
         else:
             backend = sentencepiece_backend(value("general.architecture"), tokens,
                                             array_values(reader, "tokenizer.ggml.scores"), merges)
-            control = [token for token, kind in zip(tokens, kinds) if kind == _CONTROL]
+            control = of_kind(tokens, kinds, _CONTROL)
             defaults = SENTENCEPIECE_DEFAULTS
         self.backend_tokenizer = backend
         names = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
@@ -149,8 +155,7 @@ class GGUFTokenizer:
         backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in defaults])
         if control:
             backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in control])
-        user = [token for token, kind in zip(tokens, kinds)
-                if kind == _USER_DEFINED and backend.token_to_id(token) is not None]
+        user = [token for token in of_kind(tokens, kinds, _USER_DEFINED) if backend.token_to_id(token) is not None]
         if user:
             backend.add_tokens([AddedToken(token, normalized=False, special=False) for token in user])
         named = [token for token in self._special.values() if token is not None]

@@ -226,12 +226,14 @@ def _load_model(source: str | None, attention_backend_cls: type[PagedAttention],
                      cached: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]]
                      ) -> Iterator[tuple[str, torch.Tensor]]:
         taken: set[str] = set()
+        checked: set[str] = set()  # the block modules see Q4_0 / Q4_1 / Q8_0 tensors before quantized_linear does
         if quantized_matmul and block_ops() is not None:
-            taken = use_block_modules(model, _gguf_blocks(reader, arch, config, BLOCK_FORMATS), quantized_activations)
+            taken = use_block_modules(model, _gguf_blocks(reader, arch, config, BLOCK_FORMATS, checked),
+                                      quantized_activations)
             if expert_ops() is not None:
                 taken |= use_block_experts(model, _gguf_expert_blocks(reader, arch, config), quantized_activations)
         if quantized_matmul:  # before the weights load: no float32 copy of these is ever made
-            taken |= use_quantized_linears(model, _gguf_blocks(reader, arch, config, QUANTIZED_FORMATS),
+            taken |= use_quantized_linears(model, _gguf_blocks(reader, arch, config, QUANTIZED_FORMATS, checked),
                                            quantized_max_rows, quantized_activations, measure=False)
         streamed = _gguf_tensors(reader, arch, config,
                                  lambda name, tensor: (native or _block_only(tensor)) and name not in taken)
@@ -702,18 +704,20 @@ def _gguf_tensors(reader: gguf.GGUFReader, arch: str, config,
             tensor.tensor_type.name in _GGUF_16BIT and weights.dim() == 2) else weights
 
 
-def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config,
-                 formats) -> Iterator[tuple[str, str, np.ndarray]]:
+def _gguf_blocks(reader: gguf.GGUFReader, arch: str, config, formats,
+                 checked: set[str]) -> Iterator[tuple[str, str, np.ndarray]]:
     """(Hugging Face name, GGUF type, raw blocks [rows, bytes]) of the file's tensors stored in one
-    of `formats`, rows in Hugging Face order, checked (check_blocks); views of the mapped file
-    but where rows are unpermuted. Stacked experts are not linear layers: _gguf_expert_blocks
-    gives theirs."""
+    of `formats`, rows in Hugging Face order, checked (check_blocks) unless named in `checked`,
+    where each tensor checked is added; views of the mapped file but where rows are unpermuted.
+    Stacked experts are not linear layers: _gguf_expert_blocks gives theirs."""
     for name, tensor, rope_heads in _gguf_named(reader, arch, config):
         if tensor.tensor_type.name in formats and tensor.name.split(".")[-2] not in _GGUF_EXPERTS:
             shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
             rows, columns = int(np.prod(shape[:-1])), shape[-1]
             raw = np.asarray(tensor.data)
-            check_blocks(tensor.name, tensor.tensor_type.name, raw, rows, columns)
+            if tensor.name not in checked:
+                check_blocks(tensor.name, tensor.tensor_type.name, raw, rows, columns)
+                checked.add(tensor.name)
             raw = raw.reshape(rows, -1)
             yield name, tensor.tensor_type.name, _unpermute_rope_rows(raw, rope_heads) if rope_heads else raw
             if not name.startswith(_GGUF_TOP["token_embd"]):  # an embedding is read row by row as ids

@@ -200,3 +200,24 @@ def test_a_damaged_file_is_refused_naming_the_tensor(tmp_path, damage):
     with pytest.raises(ValueError, match=expected):
         load_model(str(path), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"))
     assert not (tmp_path / "cache").exists()  # refused before the cache is touched
+
+
+def test_each_tensors_blocks_are_checked_once_and_a_bad_scale_refused(tmp_path, monkeypatch):
+    """The block modules and then quantized_linear see the Q4_0 / Q4_1 / Q8_0 tensors: a load checks
+    each tensor's blocks (every scale read, check_blocks) once, and a non-finite scale in a tensor
+    quantized_linear packs is refused at load, naming it."""
+    path = tmp_path / "model.gguf"
+    write_gguf(path, 64, 64, 64, 1, exact=False)
+    checked = []
+    real = loader.check_blocks
+    monkeypatch.setattr(loader, "check_blocks", lambda name, *args: (checked.append(name), real(name, *args))[1])
+    load_model(str(path), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"), quantized_max_rows=4)
+    reader = gguf.GGUFReader(path)
+    assert sorted(checked) == sorted(t.name for t in reader.tensors if t.tensor_type.name != "F32")
+
+    down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")  # Q8_0: a float16 scale first
+    data = bytearray(path.read_bytes())
+    data[down.data_offset:down.data_offset + 2] = np.float16(np.inf).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="blk.0.ffn_down.weight: Q8_0 blocks with non-finite scales"):
+        load_model(str(path), BACKENDS["exact"], cache_dir=str(tmp_path / "cache"), quantized_max_rows=4)

@@ -70,3 +70,26 @@ def test_array_values_equal_the_fields_contents(tmp_path):
     for name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores", "flags", "nested"):
         assert array_values(ours, name) == theirs.fields[name].contents(), name
     assert array_values(ours, "tokenizer.ggml.merges") is None
+
+
+@pytest.mark.parametrize("tokens", [["a\0b", "", "\0", "c"], ["x"]], ids=["separator-byte", "one"])
+def test_array_values_of_any_strings(tmp_path, tokens):
+    """Strings are decoded in one pass joined by a NUL byte; strings holding that byte, or a single
+    string, read back the same."""
+    from blockserve.models.gguf_metadata import array_values
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tokens)
+    assert array_values(LazyArrayReader(path), "tokenizer.ggml.tokens") == tokens
+
+
+def test_array_values_of_bytes_that_are_not_utf8_raise(tmp_path):
+    from blockserve.models.gguf_metadata import array_values
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, ["abc", "dÿf"])
+    data = bytearray(path.read_bytes())
+    data[data.index("dÿf".encode()) + 1] = 0xFF  # a lone byte that starts no UTF-8 sequence
+    path.write_bytes(bytes(data))
+    with pytest.raises(UnicodeDecodeError):
+        array_values(LazyArrayReader(path), "tokenizer.ggml.tokens")
