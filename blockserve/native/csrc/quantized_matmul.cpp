@@ -20,6 +20,7 @@
 #include "kernels.h"
 
 #include "block_levels.h"
+#include "lane_reduce.h"
 #include "task_pool.h"
 
 #include <algorithm>
@@ -112,11 +113,13 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
         min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
     }
   }
+  alignas(64) float sums[16];  // sums[i * R + r]: acc[i][r]'s lanes
+  _mm512_store_ps(sums, lanes_reduce_add<kGroup * R>(&acc[0][0]));
   for (int r = 0; r < R; ++r) {
     alignas(16) float mins[kGroup];
     _mm_store_ps(mins, min_acc[r]);
     for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
-      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm512_reduce_add_ps(acc[i][r]) + mins[i];
+      p.out[(r0 + r) * p.N + g * kGroup + i] = sums[i * R + r] + mins[i];
   }
 }
 
@@ -124,58 +127,71 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
 // leave no registers for the weights, so two passes over the group's blocks (from L1 the second
 // time), each for two of its output rows (2 x R accumulators, x loaded per row and used for both).
 // Per output row and row of x the arithmetic of group_avx512 in the same order, so a row gets the
-// same bits in a pass of any size; Q4_1's min terms are summed in a pass of their own, lane by
-// lane as group_avx512 sums them.
+// same bits in a pass of any size: Q4_1's min terms are summed lane by lane as group_avx512 sums
+// them, in the first pass (R independent chains beside the multiply-adds, not R chains of one
+// multiply-add per block in a loop of their own), and each pass's 2 R sums of lanes are taken
+// together (lanes_reduce_add: _mm512_reduce_add_ps's additions, a third of its instructions).
+template <bool Q4, int R, bool First>
+inline void halves_pass(const Problem& p, const uint8_t* group, int64_t first, int64_t r0, __m512 (&acc)[2][R],
+                        __m128 (&min_acc)[R]) {
+  const int64_t blocks = p.K / kBlock;
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint8_t* gb = group;
+  for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+    if constexpr (First) prefetch_ahead<Q4>(gb);
+    const float* d = reinterpret_cast<const float*>(gb);
+    __m512 w_lo[2], w_hi[2];
+    for (int i = 0; i < 2; ++i) {
+      const __m512 scale = _mm512_set1_ps(d[first + i]);
+      if constexpr (Q4) {
+        const __m512 table = _mm512_mul_ps(levels, scale);
+        const __m512i q = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * (first + i))));
+        w_lo[i] = _mm512_permutexvar_ps(q, table);
+        w_hi[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+      } else {
+        const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * (first + i));
+        w_lo[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
+        w_hi[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* x = p.x + (r0 + r) * p.K + b * kBlock;
+      const __m512 x_lo = _mm512_loadu_ps(x), x_hi = _mm512_loadu_ps(x + 16);
+      for (int i = 0; i < 2; ++i)
+        acc[i][r] = _mm512_fmadd_ps(w_hi[i], x_hi, _mm512_fmadd_ps(w_lo[i], x_lo, acc[i][r]));
+    }
+    if constexpr (Q4 && First) {
+      const __m128 m = _mm_loadu_ps(reinterpret_cast<const float*>(gb + 16));
+      for (int r = 0; r < R; ++r)
+        min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
+    }
+  }
+}
+
 template <bool Q4, int R>
 void group_avx512_halves(const Problem& p, int64_t g, int64_t r0) {
   const int64_t blocks = p.K / kBlock;
   const uint8_t* group = p.w + g * blocks * group_block_bytes<Q4>();
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   constexpr int kHalf = kGroup / 2;
-  alignas(16) float mins[R][kGroup] = {};
+  __m128 min_acc[R];
+  for (int r = 0; r < R; ++r) min_acc[r] = _mm_setzero_ps();
+  alignas(16) float mins[R][kGroup];
   for (int64_t first = 0; first < kGroup && g * kGroup + first < p.N; first += kHalf) {
     __m512 acc[kHalf][R];
     for (int i = 0; i < kHalf; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-    const uint8_t* gb = group;
-    for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
-      if (first == 0) prefetch_ahead<Q4>(gb);
-      const float* d = reinterpret_cast<const float*>(gb);
-      __m512 w_lo[kHalf], w_hi[kHalf];
-      for (int i = 0; i < kHalf; ++i) {
-        const __m512 scale = _mm512_set1_ps(d[first + i]);
-        if constexpr (Q4) {
-          const __m512 table = _mm512_mul_ps(levels, scale);
-          const __m512i q = _mm512_cvtepu8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * (first + i))));
-          w_lo[i] = _mm512_permutexvar_ps(q, table);
-          w_hi[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-        } else {
-          const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * (first + i));
-          w_lo[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
-          w_hi[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const float* x = p.x + (r0 + r) * p.K + b * kBlock;
-        const __m512 x_lo = _mm512_loadu_ps(x), x_hi = _mm512_loadu_ps(x + 16);
-        for (int i = 0; i < kHalf; ++i)
-          acc[i][r] = _mm512_fmadd_ps(w_hi[i], x_hi, _mm512_fmadd_ps(w_lo[i], x_lo, acc[i][r]));
-      }
+    if (first == 0) {
+      halves_pass<Q4, R, true>(p, group, first, r0, acc, min_acc);
+      for (int r = 0; r < R; ++r) _mm_store_ps(mins[r], min_acc[r]);
+    } else {
+      halves_pass<Q4, R, false>(p, group, first, r0, acc, min_acc);
     }
-    if (Q4 && first == 0) {  // the group's blocks are in L1 now
-      for (int r = 0; r < R; ++r) {
-        __m128 min_acc = _mm_setzero_ps();
-        const uint8_t* mb = group + 16;
-        for (int64_t b = 0; b < blocks; ++b, mb += group_block_bytes<Q4>())
-          min_acc = _mm_fmadd_ps(_mm_loadu_ps(reinterpret_cast<const float*>(mb)),
-                                 _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc);
-        _mm_store_ps(mins[r], min_acc);
-      }
-    }
+    alignas(64) float sums[16];  // sums[i * R + r]: acc[i][r]'s lanes
+    _mm512_store_ps(sums, lanes_reduce_add<kHalf * R>(&acc[0][0]));
     for (int r = 0; r < R; ++r)
       for (int64_t i = first; i < first + kHalf && g * kGroup + i < p.N; ++i)
-        p.out[(r0 + r) * p.N + g * kGroup + i] = _mm512_reduce_add_ps(acc[i - first][r]) + mins[r][i];
+        p.out[(r0 + r) * p.N + g * kGroup + i] = sums[(i - first) * R + r] + mins[r][i];
   }
 }
 
@@ -249,13 +265,6 @@ inline void levels_avx2(const uint8_t* gb, int64_t i, __m256 w[4]) {
   }
 }
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
 // One or two rows of x (decode steps of one or two sequences): the group's four output rows in one
 // pass, so their running sums are 4 R independent chains (a pass per output row waits a
 // multiply-add's latency per block on its R chains). Q8_0: per output row and row of x the
@@ -291,11 +300,13 @@ void group_avx2_all_outputs(const Problem& p, int64_t g, int64_t r0) {
       for (int r = 0; r < R; ++r) min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
     }
   }
+  alignas(32) float sums[8];  // sums[i * R + r]: acc[i][r]'s lanes (lanes_add8_each)
+  _mm256_store_ps(sums, lanes_add8_each<kGroup * R>(&acc[0][0]));
   for (int r = 0; r < R; ++r) {
     alignas(16) float mins[kGroup];
     _mm_store_ps(mins, min_acc[r]);
     for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
-      p.out[(r0 + r) * p.N + g * kGroup + i] = sum_lanes(acc[i][r]) + (Q4 ? mins[i] : 0.f);
+      p.out[(r0 + r) * p.N + g * kGroup + i] = sums[i * R + r] + (Q4 ? mins[i] : 0.f);
   }
 }
 
@@ -306,15 +317,15 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
   const uint8_t* group = p.w + g * group_bytes;
   const char* next = reinterpret_cast<const char*>(group + group_bytes);
   alignas(16) float mins[R][kGroup] = {};
-  if constexpr (Q4) {
-    for (int r = 0; r < R; ++r) {
-      const float* xsum = p.xsum + (r0 + r) * blocks;
-      __m128 sum = _mm_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b)
-        sum = _mm_fmadd_ps(_mm_loadu_ps(reinterpret_cast<const float*>(group + b * group_block_bytes<Q4>() + 16)),
-                           _mm_set1_ps(xsum[b]), sum);
-      _mm_store_ps(mins[r], sum);
+  if constexpr (Q4) {  // the R rows' sums side by side: R chains of one multiply-add per block at once
+    const float* xsum = p.xsum + r0 * blocks;
+    __m128 sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m128 m = _mm_loadu_ps(reinterpret_cast<const float*>(group + b * group_block_bytes<Q4>() + 16));
+      for (int r = 0; r < R; ++r) sum[r] = _mm_fmadd_ps(m, _mm_set1_ps(xsum[r * blocks + b]), sum[r]);
     }
+    for (int r = 0; r < R; ++r) _mm_store_ps(mins[r], sum[r]);
   }
   for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i) {
     __m256 acc[R];
@@ -338,7 +349,9 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
         }
       }
     }
-    for (int r = 0; r < R; ++r) p.out[(r0 + r) * p.N + g * kGroup + i] = sum_lanes(acc[r]) + mins[r][i];
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, lanes_add8_each<R>(acc));
+    for (int r = 0; r < R; ++r) p.out[(r0 + r) * p.N + g * kGroup + i] = sums[r] + mins[r][i];
   }
 }
 
