@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BLOCKSERVE_AVX512 1
 #define BLOCKSERVE_LANES 16
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -70,6 +70,28 @@ inline void prefetch_ahead(const uint8_t* gb) {
 #endif
 
 #ifdef BLOCKSERVE_AVX512
+// Quarter q (lanes 4q..4q+4) of v.
+inline __m128 quarter(__m512 v, int q) {
+  switch (q) {
+    case 0: return _mm512_castps512_ps128(v);
+    case 1: return _mm512_extractf32x4_ps(v, 1);
+    case 2: return _mm512_extractf32x4_ps(v, 2);
+    default: return _mm512_extractf32x4_ps(v, 3);
+  }
+}
+
+// Rows r0 + first_row.. r0 + first_row + rows of out, columns g*4..g*4+4 (those below N): row
+// first_row + q's four sums in quarter q of `sums`, plus its min terms (0 for Q8_0), as one masked
+// store a row (the sums stay in registers: no store of them and reload lane by lane).
+inline void store_sums(const Problem& p, int64_t g, int64_t r0, int first_row, int rows, __m512 sums,
+                       const __m128* min_acc) {
+  const __mmask8 live = static_cast<__mmask8>((1u << std::min<int64_t>(kGroup, p.N - g * kGroup)) - 1);
+  for (int q = 0; q < rows; ++q) {
+    const int r = first_row + q;
+    _mm_mask_storeu_ps(p.out + (r0 + r) * p.N + g * kGroup, live, _mm_add_ps(quarter(sums, q), min_acc[r]));
+  }
+}
+
 // Rows r0..r0+R of x against output rows g*4..g*4+4 (those below N), 16 lanes at a time: each
 // weight is widened to float once and used for the R rows of x.
 template <bool Q4, int R>
@@ -113,14 +135,10 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
         min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
     }
   }
-  alignas(64) float sums[16];  // sums[i * R + r]: acc[i][r]'s lanes
-  _mm512_store_ps(sums, lanes_reduce_add<kGroup * R>(&acc[0][0]));
-  for (int r = 0; r < R; ++r) {
-    alignas(16) float mins[kGroup];
-    _mm_store_ps(mins, min_acc[r]);
-    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
-      p.out[(r0 + r) * p.N + g * kGroup + i] = sums[i * R + r] + mins[i];
-  }
+  __m512 by_row[R * kGroup];  // acc[i][r] at 4 r + i: row r's four sums in quarter r of the lane sums
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kGroup; ++i) by_row[r * kGroup + i] = acc[i][r];
+  store_sums(p, g, r0, 0, R, lanes_reduce_add<R * kGroup>(by_row), min_acc);
 }
 
 // 5-8 rows of x (a speculative verification's k + 1 rows): 4 outputs x R rows of accumulators
@@ -176,23 +194,27 @@ void group_avx512_halves(const Problem& p, int64_t g, int64_t r0) {
   constexpr int kHalf = kGroup / 2;
   __m128 min_acc[R];
   for (int r = 0; r < R; ++r) min_acc[r] = _mm_setzero_ps();
-  alignas(16) float mins[R][kGroup];
-  for (int64_t first = 0; first < kGroup && g * kGroup + first < p.N; first += kHalf) {
+  __m512 half_sums[2];  // per pass: acc[i][r]'s lane sum in lane 2 r + i
+  for (int64_t first = 0; first < kGroup; first += kHalf) {
+    if (g * kGroup + first >= p.N) {  // the group's last two output rows are padding
+      half_sums[1] = _mm512_setzero_ps();
+      break;
+    }
     __m512 acc[kHalf][R];
     for (int i = 0; i < kHalf; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-    if (first == 0) {
-      halves_pass<Q4, R, true>(p, group, first, r0, acc, min_acc);
-      for (int r = 0; r < R; ++r) _mm_store_ps(mins[r], min_acc[r]);
-    } else {
-      halves_pass<Q4, R, false>(p, group, first, r0, acc, min_acc);
-    }
-    alignas(64) float sums[16];  // sums[i * R + r]: acc[i][r]'s lanes
-    _mm512_store_ps(sums, lanes_reduce_add<kHalf * R>(&acc[0][0]));
+    if (first == 0) halves_pass<Q4, R, true>(p, group, first, r0, acc, min_acc);
+    else halves_pass<Q4, R, false>(p, group, first, r0, acc, min_acc);
+    __m512 by_row[R * kHalf];
     for (int r = 0; r < R; ++r)
-      for (int64_t i = first; i < first + kHalf && g * kGroup + i < p.N; ++i)
-        p.out[(r0 + r) * p.N + g * kGroup + i] = sums[(i - first) * R + r] + mins[r][i];
+      for (int i = 0; i < kHalf; ++i) by_row[r * kHalf + i] = acc[i][r];
+    half_sums[first / kHalf] = lanes_reduce_add<R * kHalf>(by_row);
   }
+  // Row r's four sums into quarter r (rows 0-3) or r - 4 (rows 4-7): lanes 2 r, 2 r + 1 of each pass.
+  const __m512i low_rows = _mm512_setr_epi32(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+  store_sums(p, g, r0, 0, 4, _mm512_permutex2var_ps(half_sums[0], low_rows, half_sums[1]), min_acc);
+  const __m512i high_rows = _mm512_add_epi32(low_rows, _mm512_set1_epi32(8));
+  store_sums(p, g, r0, 4, R - 4, _mm512_permutex2var_ps(half_sums[0], high_rows, half_sums[1]), min_acc);
 }
 
 template <bool Q4>
@@ -300,13 +322,21 @@ void group_avx2_all_outputs(const Problem& p, int64_t g, int64_t r0) {
       for (int r = 0; r < R; ++r) min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
     }
   }
-  alignas(32) float sums[8];  // sums[i * R + r]: acc[i][r]'s lanes (lanes_add8_each)
-  _mm256_store_ps(sums, lanes_add8_each<kGroup * R>(&acc[0][0]));
-  for (int r = 0; r < R; ++r) {
-    alignas(16) float mins[kGroup];
-    _mm_store_ps(mins, min_acc[r]);
-    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
-      p.out[(r0 + r) * p.N + g * kGroup + i] = sums[i * R + r] + (Q4 ? mins[i] : 0.f);
+  __m256 by_row[R * kGroup];  // acc[i][r] at 4 r + i: row r's four sums in half r of the lane sums
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kGroup; ++i) by_row[r * kGroup + i] = acc[i][r];
+  const __m256 sums = lanes_add8_each<R * kGroup>(by_row);
+  const int64_t live = std::min<int64_t>(kGroup, p.N - g * kGroup);
+  for (int r = 0; r < R; ++r) {  // min_acc is 0 for Q8_0
+    const __m128 row = _mm_add_ps(r == 0 ? _mm256_castps256_ps128(sums) : _mm256_extractf128_ps(sums, 1), min_acc[r]);
+    float* out = p.out + (r0 + r) * p.N + g * kGroup;
+    if (live == kGroup) {
+      _mm_storeu_ps(out, row);
+    } else {  // the padded last group (a masked store, vmaskmovps, is slow on AMD)
+      alignas(16) float sums_row[kGroup];
+      _mm_store_ps(sums_row, row);
+      std::copy_n(sums_row, live, out);
+    }
   }
 }
 
