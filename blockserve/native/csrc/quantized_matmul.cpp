@@ -175,7 +175,10 @@ inline void halves_pass(const Problem& p, const uint8_t* group, int64_t first, i
     }
     for (int r = 0; r < R; ++r) {
       const float* x = p.x + (r0 + r) * p.K + b * kBlock;
-      const __m512 x_lo = _mm512_loadu_ps(x), x_hi = _mm512_loadu_ps(x + 16);
+      __m512 x_lo = _mm512_loadu_ps(x), x_hi = _mm512_loadu_ps(x + 16);
+      // In registers: each of x's vectors loaded once for both output rows (compilers otherwise fold
+      // a load into each multiply-add, twice the loads, as many as multiply-adds).
+      asm("" : "+v"(x_lo), "+v"(x_hi));
       for (int i = 0; i < 2; ++i)
         acc[i][r] = _mm512_fmadd_ps(w_hi[i], x_hi, _mm512_fmadd_ps(w_lo[i], x_lo, acc[i][r]));
     }
