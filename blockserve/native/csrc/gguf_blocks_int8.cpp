@@ -10,7 +10,8 @@
 //   rounding of x differs from gguf_matmul.
 //
 // Where a format's sub-block scales cover 16 values (Q2_K, Q3_K, Q6_K), they are integers folded into
-// the integer sum (the pair products multiplied by them in madd). Levels stored with an offset
+// the integer sum (the pair products multiplied by them in madd, or on VNNI each lane's sum of 4
+// products, all in one sub-block). Levels stored with an offset
 // (Q4_0: q - 8, Q5_0: q - 16, Q3_K: q - 4, Q6_K: q - 32) multiply as the unsigned q, the offset
 // (times the sub-block scale) times the sum of x's levels per 16 values taken off in integers; Q2_K's
 // 16-value mins take those sums too. Other signed levels (Q8_0, IQ4_NL, IQ4_XS) multiply as |q| times
@@ -476,47 +477,65 @@ inline void unpack_chunk(const uint8_t* row, int64_t K, int64_t k, Weights& w) {
   if constexpr (kSignFlip<F>) w.offset = _mm256_set1_epi16(128);
 }
 
-// x's levels of vector v (with the weights' signs where those are apart).
+// x's levels r (vector v of a chunk) with the weights' signs where those are apart.
 template <typename F>
-inline __m256i x_levels(const Weights& w, const XChunk& x, int v) {
-  const __m256i r = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.r[v]));
+inline __m256i signed_levels(const Weights& w, __m256i r, int v) {
   if constexpr (F::Signed && !kVnni) return _mm256_sign_epi8(r, w.q[v]);
   return r;
 }
 
-// Lane sums of vectors 4h .. 4h + 3's byte products (times the 16-value scales where the format has them).
-template <typename F>
-inline __m256i half_dot(const Weights& w, const XChunk& x, int h) {
-  __m256i acc = _mm256_setzero_si256();
+inline __m256i x_vector(const XChunk& x, int v) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(x.r[v])); }
+
+// One chunk of a weight row by C rows of x (x[c * x_step]): half[h][c] = the lane sums of vectors
+// 4h .. 4h + 3's byte products (times the 16-value scales where the format has them). Each weight
+// vector serves the C rows; the integer sums are exact, so their order does not change them.
+template <typename F, int C>
+[[gnu::always_inline]] inline void half_dots(const Weights& w, const XChunk* x, int64_t x_step, __m256i (&half)[2][C]) {
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < C; ++c) half[h][c] = _mm256_setzero_si256();
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  if constexpr (!F::SubScales) {
-    for (int v = 4 * h; v < 4 * h + 4; ++v) acc = _mm256_dpbusd_epi32(acc, w.u[v], x_levels<F>(w, x, v));
-    return acc;
+  // dpbusd: each lane's 4 products summed straight into int32
+#pragma GCC unroll 8
+  for (int v = 0; v < 8; ++v)
+    for (int c = 0; c < C; ++c) half[v / 4][c] = _mm256_dpbusd_epi32(half[v / 4][c], w.u[v], x_vector(x[c * x_step], v));
+  if constexpr (F::SubScales) {
+    // a lane's 4 values lie in one 16-value sub-block: its sum times the sub-block's scale (the lane's
+    // two equal words of sub), below 2^31: 16 * 63 * 128 * 128. One multiply per lane, where madd of
+    // the pair products takes one per vector.
+    for (int h = 0; h < 2; ++h) {
+      const __m256i scale = _mm256_srai_epi32(w.sub[h], 16);
+      for (int c = 0; c < C; ++c) half[h][c] = _mm256_mullo_epi32(half[h][c], scale);
+    }
   }
-#endif
+#else
   // maddubs: pairs of products in int16 (|pair| <= 2 * 63 * 128), `group` vectors summed there before
   // one madd: at most 4 * 2 * 31 * 128 or 2 * 2 * 63 * 128, below 2^15
   constexpr int group = F::MaxLevel <= 31 ? 4 : F::MaxLevel <= 63 ? 2 : 1;
-  const __m256i factor = F::SubScales ? w.sub[h] : _mm256_set1_epi16(1);
-  for (int v = 4 * h; v < 4 * h + 4; v += group) {
-    __m256i pairs = _mm256_maddubs_epi16(w.u[v], x_levels<F>(w, x, v));
-    for (int g = 1; g < group; ++g) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w.u[v + g], x_levels<F>(w, x, v + g)));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    acc = _mm256_dpwssd_epi32(acc, pairs, factor);
-#else
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, factor));
-#endif
+#pragma GCC unroll 8
+  for (int v = 0; v < 8; v += group) {
+    const __m256i factor = F::SubScales ? w.sub[v / 4] : _mm256_set1_epi16(1);
+    for (int c = 0; c < C; ++c) {
+      __m256i pairs = _mm256_maddubs_epi16(w.u[v], signed_levels<F>(w, x_vector(x[c * x_step], v), v));
+      for (int g = 1; g < group; ++g)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w.u[v + g], signed_levels<F>(w, x_vector(x[c * x_step], v + g), v + g)));
+      half[v / 4][c] = _mm256_add_epi32(half[v / 4][c], _mm256_madd_epi16(pairs, factor));
+    }
   }
-  return acc;
+#endif
 }
 
-// acc + one chunk of a weight row dotted with one of x's: lane L takes its block's
+// A chunk's integer dot per block (lane L: block order[L]) from its two halves' lane sums.
+template <typename F>
+inline __m256i block_dots(__m256i a, __m256i b) {
+  if constexpr (F::layout.halves)  // lanes 0-3: a's two 128-bit halves summed, lanes 4-7: b's
+    return _mm256_add_epi32(_mm256_blend_epi32(a, b, 0xf0), _mm256_permute2x128_si256(a, b, 0x21));
+  return _mm256_add_epi32(a, b);
+}
+
+// acc + a chunk's block dots of a weight row with one of x's: lane L takes its block's
 // s_b * (a_b * dot) (+ c_b * s_b * sum(r_b)).
 template <typename F>
-inline __m256 chunk_dot(const Weights& w, const XChunk& x, __m256 acc) {
-  const __m256i a = half_dot<F>(w, x, 0), b = half_dot<F>(w, x, 1);
-  __m256i dots = F::layout.halves ? _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31))
-                                  : _mm256_add_epi32(a, b);
+inline __m256 chunk_sum(const Weights& w, const XChunk& x, __m256i dots, __m256 acc) {
   const __m256 vs = _mm256_load_ps(x.s);
   __m256i sums16;  // per block: a * sum(r, first 16) + b * sum(r, last 16) with madd
   if constexpr (kTakesSums<F>) sums16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.sum16));
@@ -528,6 +547,14 @@ inline __m256 chunk_dot(const Weights& w, const XChunk& x, __m256 acc) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(w.constant, vs), acc);
   }
   return acc;
+}
+
+// acc[c] + one chunk of a weight row dotted with C rows of x (x[c * x_step]).
+template <typename F, int C>
+[[gnu::always_inline]] inline void chunk_dots(const Weights& w, const XChunk* x, int64_t x_step, __m256 (&acc)[C]) {
+  __m256i half[2][C];
+  half_dots<F, C>(w, x, x_step, half);
+  for (int c = 0; c < C; ++c) acc[c] = chunk_sum<F>(w, x[c * x_step], block_dots<F>(half[0][c], half[1][c]), acc[c]);
 }
 
 // The sum of a row's lanes, lane i holding the blocks i mod 8, summed in one fixed order.
@@ -610,7 +637,7 @@ void fused_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t chunks, 
     for (int64_t k = 0; k < chunks; ++k) {
       Weights chunk;
       unpack_chunk<F>(w + n * row_bytes, K, k, chunk);
-      for (int c = 0; c < C; ++c) acc[c] = chunk_dot<F>(chunk, x[c * chunks + k], acc[c]);
+      chunk_dots<F, C>(chunk, x + k, chunks, acc);
     }
     for (int c = 0; c < C; ++c) out[c * N + n] = finish<F>(acc[c]);
   }
@@ -622,8 +649,7 @@ void tile_rows(const Weights* unpacked, int64_t rows, int64_t chunks, int64_t n0
   for (int64_t r = 0; r < rows; ++r) {
     __m256 acc[C];
     for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < chunks; ++k)
-      for (int c = 0; c < C; ++c) acc[c] = chunk_dot<F>(unpacked[r * chunks + k], x[c * chunks + k], acc[c]);
+    for (int64_t k = 0; k < chunks; ++k) chunk_dots<F, C>(unpacked[r * chunks + k], x + k, chunks, acc);
     for (int c = 0; c < C; ++c) out[c * N + n0 + r] = finish<F>(acc[c]);
   }
 }

@@ -20,6 +20,7 @@
 #include "kernels.h"
 
 #include "block_levels.h"
+#include "lane_reduce.h"
 #include "task_pool.h"
 
 #include <algorithm>
@@ -27,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BLOCKSERVE_AVX512 1
 #define BLOCKSERVE_LANES 16
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -69,6 +70,28 @@ inline void prefetch_ahead(const uint8_t* gb) {
 #endif
 
 #ifdef BLOCKSERVE_AVX512
+// Quarter q (lanes 4q..4q+4) of v.
+inline __m128 quarter(__m512 v, int q) {
+  switch (q) {
+    case 0: return _mm512_castps512_ps128(v);
+    case 1: return _mm512_extractf32x4_ps(v, 1);
+    case 2: return _mm512_extractf32x4_ps(v, 2);
+    default: return _mm512_extractf32x4_ps(v, 3);
+  }
+}
+
+// Rows r0 + first_row.. r0 + first_row + rows of out, columns g*4..g*4+4 (those below N): row
+// first_row + q's four sums in quarter q of `sums`, plus its min terms (0 for Q8_0), as one masked
+// store a row (the sums stay in registers: no store of them and reload lane by lane).
+inline void store_sums(const Problem& p, int64_t g, int64_t r0, int first_row, int rows, __m512 sums,
+                       const __m128* min_acc) {
+  const __mmask8 live = static_cast<__mmask8>((1u << std::min<int64_t>(kGroup, p.N - g * kGroup)) - 1);
+  for (int q = 0; q < rows; ++q) {
+    const int r = first_row + q;
+    _mm_mask_storeu_ps(p.out + (r0 + r) * p.N + g * kGroup, live, _mm_add_ps(quarter(sums, q), min_acc[r]));
+  }
+}
+
 // Rows r0..r0+R of x against output rows g*4..g*4+4 (those below N), 16 lanes at a time: each
 // weight is widened to float once and used for the R rows of x.
 template <bool Q4, int R>
@@ -112,71 +135,89 @@ void group_avx512(const Problem& p, int64_t g, int64_t r0) {
         min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(16) float mins[kGroup];
-    _mm_store_ps(mins, min_acc[r]);
-    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
-      p.out[(r0 + r) * p.N + g * kGroup + i] = _mm512_reduce_add_ps(acc[i][r]) + mins[i];
-  }
+  __m512 by_row[R * kGroup];  // acc[i][r] at 4 r + i: row r's four sums in quarter r of the lane sums
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kGroup; ++i) by_row[r * kGroup + i] = acc[i][r];
+  store_sums(p, g, r0, 0, R, lanes_reduce_add<R * kGroup>(by_row), min_acc);
 }
 
 // 5-8 rows of x (a speculative verification's k + 1 rows): 4 outputs x R rows of accumulators
 // leave no registers for the weights, so two passes over the group's blocks (from L1 the second
 // time), each for two of its output rows (2 x R accumulators, x loaded per row and used for both).
 // Per output row and row of x the arithmetic of group_avx512 in the same order, so a row gets the
-// same bits in a pass of any size; Q4_1's min terms are summed in a pass of their own, lane by
-// lane as group_avx512 sums them.
+// same bits in a pass of any size: Q4_1's min terms are summed lane by lane as group_avx512 sums
+// them, in the first pass (R independent chains beside the multiply-adds, not R chains of one
+// multiply-add per block in a loop of their own), and each pass's 2 R sums of lanes are taken
+// together (lanes_reduce_add: _mm512_reduce_add_ps's additions, a third of its instructions).
+template <bool Q4, int R, bool First>
+inline void halves_pass(const Problem& p, const uint8_t* group, int64_t first, int64_t r0, __m512 (&acc)[2][R],
+                        __m128 (&min_acc)[R]) {
+  const int64_t blocks = p.K / kBlock;
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint8_t* gb = group;
+  for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
+    if constexpr (First) prefetch_ahead<Q4>(gb);
+    const float* d = reinterpret_cast<const float*>(gb);
+    __m512 w_lo[2], w_hi[2];
+    for (int i = 0; i < 2; ++i) {
+      const __m512 scale = _mm512_set1_ps(d[first + i]);
+      if constexpr (Q4) {
+        const __m512 table = _mm512_mul_ps(levels, scale);
+        const __m512i q = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * (first + i))));
+        w_lo[i] = _mm512_permutexvar_ps(q, table);
+        w_hi[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+      } else {
+        const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * (first + i));
+        w_lo[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
+        w_hi[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* x = p.x + (r0 + r) * p.K + b * kBlock;
+      __m512 x_lo = _mm512_loadu_ps(x), x_hi = _mm512_loadu_ps(x + 16);
+      // In registers: each of x's vectors loaded once for both output rows (compilers otherwise fold
+      // a load into each multiply-add, twice the loads, as many as multiply-adds).
+      asm("" : "+v"(x_lo), "+v"(x_hi));
+      for (int i = 0; i < 2; ++i)
+        acc[i][r] = _mm512_fmadd_ps(w_hi[i], x_hi, _mm512_fmadd_ps(w_lo[i], x_lo, acc[i][r]));
+    }
+    if constexpr (Q4 && First) {
+      const __m128 m = _mm_loadu_ps(reinterpret_cast<const float*>(gb + 16));
+      for (int r = 0; r < R; ++r)
+        min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
+    }
+  }
+}
+
 template <bool Q4, int R>
 void group_avx512_halves(const Problem& p, int64_t g, int64_t r0) {
   const int64_t blocks = p.K / kBlock;
   const uint8_t* group = p.w + g * blocks * group_block_bytes<Q4>();
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   constexpr int kHalf = kGroup / 2;
-  alignas(16) float mins[R][kGroup] = {};
-  for (int64_t first = 0; first < kGroup && g * kGroup + first < p.N; first += kHalf) {
+  __m128 min_acc[R];
+  for (int r = 0; r < R; ++r) min_acc[r] = _mm_setzero_ps();
+  __m512 half_sums[2];  // per pass: acc[i][r]'s lane sum in lane 2 r + i
+  for (int64_t first = 0; first < kGroup; first += kHalf) {
+    if (g * kGroup + first >= p.N) {  // the group's last two output rows are padding
+      half_sums[1] = _mm512_setzero_ps();
+      break;
+    }
     __m512 acc[kHalf][R];
     for (int i = 0; i < kHalf; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-    const uint8_t* gb = group;
-    for (int64_t b = 0; b < blocks; ++b, gb += group_block_bytes<Q4>()) {
-      if (first == 0) prefetch_ahead<Q4>(gb);
-      const float* d = reinterpret_cast<const float*>(gb);
-      __m512 w_lo[kHalf], w_hi[kHalf];
-      for (int i = 0; i < kHalf; ++i) {
-        const __m512 scale = _mm512_set1_ps(d[first + i]);
-        if constexpr (Q4) {
-          const __m512 table = _mm512_mul_ps(levels, scale);
-          const __m512i q = _mm512_cvtepu8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 32 + 16 * (first + i))));
-          w_lo[i] = _mm512_permutexvar_ps(q, table);
-          w_hi[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-        } else {
-          const __m128i* q = reinterpret_cast<const __m128i*>(gb + 16 + 32 * (first + i));
-          w_lo[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), scale);
-          w_hi[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), scale);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const float* x = p.x + (r0 + r) * p.K + b * kBlock;
-        const __m512 x_lo = _mm512_loadu_ps(x), x_hi = _mm512_loadu_ps(x + 16);
-        for (int i = 0; i < kHalf; ++i)
-          acc[i][r] = _mm512_fmadd_ps(w_hi[i], x_hi, _mm512_fmadd_ps(w_lo[i], x_lo, acc[i][r]));
-      }
-    }
-    if (Q4 && first == 0) {  // the group's blocks are in L1 now
-      for (int r = 0; r < R; ++r) {
-        __m128 min_acc = _mm_setzero_ps();
-        const uint8_t* mb = group + 16;
-        for (int64_t b = 0; b < blocks; ++b, mb += group_block_bytes<Q4>())
-          min_acc = _mm_fmadd_ps(_mm_loadu_ps(reinterpret_cast<const float*>(mb)),
-                                 _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc);
-        _mm_store_ps(mins[r], min_acc);
-      }
-    }
+    if (first == 0) halves_pass<Q4, R, true>(p, group, first, r0, acc, min_acc);
+    else halves_pass<Q4, R, false>(p, group, first, r0, acc, min_acc);
+    __m512 by_row[R * kHalf];
     for (int r = 0; r < R; ++r)
-      for (int64_t i = first; i < first + kHalf && g * kGroup + i < p.N; ++i)
-        p.out[(r0 + r) * p.N + g * kGroup + i] = _mm512_reduce_add_ps(acc[i - first][r]) + mins[r][i];
+      for (int i = 0; i < kHalf; ++i) by_row[r * kHalf + i] = acc[i][r];
+    half_sums[first / kHalf] = lanes_reduce_add<R * kHalf>(by_row);
   }
+  // Row r's four sums into quarter r (rows 0-3) or r - 4 (rows 4-7): lanes 2 r, 2 r + 1 of each pass.
+  const __m512i low_rows = _mm512_setr_epi32(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+  store_sums(p, g, r0, 0, 4, _mm512_permutex2var_ps(half_sums[0], low_rows, half_sums[1]), min_acc);
+  const __m512i high_rows = _mm512_add_epi32(low_rows, _mm512_set1_epi32(8));
+  store_sums(p, g, r0, 4, R - 4, _mm512_permutex2var_ps(half_sums[0], high_rows, half_sums[1]), min_acc);
 }
 
 template <bool Q4>
@@ -249,13 +290,6 @@ inline void levels_avx2(const uint8_t* gb, int64_t i, __m256 w[4]) {
   }
 }
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
 // One or two rows of x (decode steps of one or two sequences): the group's four output rows in one
 // pass, so their running sums are 4 R independent chains (a pass per output row waits a
 // multiply-add's latency per block on its R chains). Q8_0: per output row and row of x the
@@ -291,11 +325,21 @@ void group_avx2_all_outputs(const Problem& p, int64_t g, int64_t r0) {
       for (int r = 0; r < R; ++r) min_acc[r] = _mm_fmadd_ps(m, _mm_set1_ps(p.xsum[(r0 + r) * blocks + b]), min_acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(16) float mins[kGroup];
-    _mm_store_ps(mins, min_acc[r]);
-    for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i)
-      p.out[(r0 + r) * p.N + g * kGroup + i] = sum_lanes(acc[i][r]) + (Q4 ? mins[i] : 0.f);
+  __m256 by_row[R * kGroup];  // acc[i][r] at 4 r + i: row r's four sums in half r of the lane sums
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kGroup; ++i) by_row[r * kGroup + i] = acc[i][r];
+  const __m256 sums = lanes_add8_each<R * kGroup>(by_row);
+  const int64_t live = std::min<int64_t>(kGroup, p.N - g * kGroup);
+  for (int r = 0; r < R; ++r) {  // min_acc is 0 for Q8_0
+    const __m128 row = _mm_add_ps(r == 0 ? _mm256_castps256_ps128(sums) : _mm256_extractf128_ps(sums, 1), min_acc[r]);
+    float* out = p.out + (r0 + r) * p.N + g * kGroup;
+    if (live == kGroup) {
+      _mm_storeu_ps(out, row);
+    } else {  // the padded last group (a masked store, vmaskmovps, is slow on AMD)
+      alignas(16) float sums_row[kGroup];
+      _mm_store_ps(sums_row, row);
+      std::copy_n(sums_row, live, out);
+    }
   }
 }
 
@@ -306,15 +350,15 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
   const uint8_t* group = p.w + g * group_bytes;
   const char* next = reinterpret_cast<const char*>(group + group_bytes);
   alignas(16) float mins[R][kGroup] = {};
-  if constexpr (Q4) {
-    for (int r = 0; r < R; ++r) {
-      const float* xsum = p.xsum + (r0 + r) * blocks;
-      __m128 sum = _mm_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b)
-        sum = _mm_fmadd_ps(_mm_loadu_ps(reinterpret_cast<const float*>(group + b * group_block_bytes<Q4>() + 16)),
-                           _mm_set1_ps(xsum[b]), sum);
-      _mm_store_ps(mins[r], sum);
+  if constexpr (Q4) {  // the R rows' sums side by side: R chains of one multiply-add per block at once
+    const float* xsum = p.xsum + r0 * blocks;
+    __m128 sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m128 m = _mm_loadu_ps(reinterpret_cast<const float*>(group + b * group_block_bytes<Q4>() + 16));
+      for (int r = 0; r < R; ++r) sum[r] = _mm_fmadd_ps(m, _mm_set1_ps(xsum[r * blocks + b]), sum[r]);
     }
+    for (int r = 0; r < R; ++r) _mm_store_ps(mins[r], sum[r]);
   }
   for (int64_t i = 0; i < kGroup && g * kGroup + i < p.N; ++i) {
     __m256 acc[R];
@@ -338,7 +382,9 @@ void group_avx2(const Problem& p, int64_t g, int64_t r0) {
         }
       }
     }
-    for (int r = 0; r < R; ++r) p.out[(r0 + r) * p.N + g * kGroup + i] = sum_lanes(acc[r]) + mins[r][i];
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, lanes_add8_each<R>(acc));
+    for (int r = 0; r < R; ++r) p.out[(r0 + r) * p.N + g * kGroup + i] = sums[r] + mins[r][i];
   }
 }
 
