@@ -20,8 +20,7 @@
 //       weight rows at many rows), each panel's sums added to the last's, and give the same bits.
 //   gguf_matmul_decode(x, raw, format)     -> the same product as a layer's decode batch takes it: up
 //       to kLimbMaxRows rows of x gguf_matmul_limbs (gguf_blocks_int8.cpp: x as integer limbs,
-//       integer dots; 0.3-0.6x gguf_matmul's time at one row, about its time at 2-8), more rows
-//       gguf_matmul. A row's result is the same bits in any call of 1 to kLimbMaxRows rows, and in
+//       integer dots, cheapest at one row: docs/cpu.md), more rows gguf_matmul. A row's result is the same bits in any call of 1 to kLimbMaxRows rows, and in
 //       any call of more.
 //
 // Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
@@ -595,8 +594,8 @@ at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format) 
   return out;
 }
 
-// Up to this many rows (a batch-1 verification's k + 1 <= 8, or a few decodes) the limbs' integer dots
-// serve: they cost least at one row, and from 2 to 8 about what gguf_matmul does (docs/cpu.md).
+// Up to this many rows (a few decodes, or a batch-1 verification's k + 1 <= 8 rows, which must get the
+// bits of decoding alone) the limbs' integer dots serve.
 constexpr int64_t kLimbMaxRows = 8;
 
 at::Tensor gguf_matmul_decode(at::Tensor x, at::Tensor raw, const std::string& format) {
