@@ -2,6 +2,8 @@
 build, on a layer shape of the bundled model's (random blocks with finite scales), at --threads:
 
     blocks   gguf_matmul: four weight rows dequantised at a time into register tiles (decode)
+    limbs    gguf_matmul_limbs: x taken as four base-255 integer limbs per block of 32 (float32
+             activations to float32 rounding, csrc/block_limbs.h), the int8 kernel's integer dots
     int8     gguf_matmul_int8 (--quantized-activations int8): x rounded to int8 per block of 32,
              integer dots with the blocks' levels (csrc/gguf_blocks_int8.cpp)
     tiles    GGUFBlockLinear's many-row path: tiles dequantised from the blocks into torch's GEMM
@@ -40,7 +42,7 @@ SHAPES = {"Q5_0": (1536, 576), "Q4_K": (576, 1536), "Q6_K": (576, 1536), "Q8_0":
           "Q3_K": (576, 1536), "Q5_K": (576, 1536), "Q4_1": (1536, 576), "Q4_0": (1536, 576), "Q5_1": (1536, 576),
           "IQ4_NL": (1536, 576), "IQ4_XS": (576, 1536)}
 DEFAULT_FORMATS = ("Q5_0", "Q4_K", "Q6_K", "Q8_0")
-VARIANTS = ("blocks", "int8", "tiles", "float32")
+VARIANTS = ("blocks", "limbs", "int8", "tiles", "float32")
 
 
 def blocks(format: str, rows: int, columns: int, rng: np.random.Generator) -> torch.Tensor:
@@ -96,6 +98,7 @@ def main() -> None:
                 for m in args.rows:
                     x = torch.randn(m, k)
                     fns = {"blocks": lambda: ops.gguf_matmul(x, raw, format),
+                           "limbs": lambda: ops.gguf_matmul_limbs(x, raw, format),
                            "int8": lambda: ops.gguf_matmul_int8(x, raw, format),
                            "tiles": lambda: tiled_gemm(x, n, k, lambda s, c: ops.gguf_dequantize(raw[s:s + c], format, k)),
                            "float32": lambda: torch.nn.functional.linear(x, weight)}

@@ -6,10 +6,14 @@ projection whose parts differ in format).
 GGUFBlockLinear, out = x @ W^T (+ bias), W given as row segments (a fused projection's parts, each
 in its own format):
 
+    rows <= 8          gguf_matmul_limbs (gguf_matmul_decode): x taken exactly as four integer
+                       limbs per block of 32 (csrc/block_limbs.h) and dotted with the blocks' levels
+                       by the int8 kernel's integer dots: x @ W^T to float32 rounding
     rows <= MAX_ROWS   gguf_matmul: four output rows at a time dequantised in registers as they
                        are multiplied with the rows (past 8 rows, 2 on AVX2: into a small buffer,
-                       then register tiles); the weights are read at their file size, and a row's
-                       sums do not depend on the rows beside it (a decode step's batch)
+                       then register tiles)
+                       Both read the weights at their file size, and a row's sums do not depend on
+                       the rows beside it within each range (a decode step's batch)
     more rows          tiles of dequantised weights (tiled_gemm.py), each multiplied by torch's
                        GEMM and dropped (prefill)
 
@@ -117,7 +121,7 @@ class GGUFBlockLinear(nn.Module):
 
     def _segment(self, x: torch.Tensor, segment: Segment) -> torch.Tensor:
         if x.shape[0] <= MAX_ROWS:
-            return self.ops.gguf_matmul(x, segment.raw, segment.format)
+            return self.ops.gguf_matmul_decode(x, segment.raw, segment.format)
         return tiled_gemm(x, segment.raw.shape[0], self.in_features,
                           lambda start, count: self.ops.gguf_dequantize(segment.raw[start:start + count],
                                                                         segment.format, self.in_features))

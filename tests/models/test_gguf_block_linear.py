@@ -143,9 +143,10 @@ def test_the_linear_layer_across_row_counts_segments_and_tiles(format, monkeypat
 @pytest.mark.parametrize("isa", ["native", pytest.param("avx2", marks=pytest.mark.slow)])
 def test_a_decode_row_gets_the_same_bits_in_any_batch_the_blocks_serve(isa, monkeypatch):
     """Up to 64 rows (a decode step's batch of 64 requests; the decoder stack serves as many) the
-    layer runs the blocks kernel, whose sums do not depend on the rows beside a row: a request's
-    output is the same alone as in a batch of 9, 16 or 64 (a fused projection's parts in different
-    formats), where a GEMM over dequantised tiles would sum in an order of its own per batch size."""
+    layer runs the block kernels, whose sums do not depend on the rows beside a row: a request's
+    output is the same alone as in a batch of up to 8 (the limbs: a batch-1 verification's rows), and
+    the same in any batch of 9 to 64 (a fused projection's parts in different formats), where a GEMM
+    over dequantised tiles would sum in an order of its own per batch size."""
     monkeypatch.setenv(ISA_ENV, isa)
     rng = np.random.default_rng(7)
     columns = 512
@@ -153,10 +154,13 @@ def test_a_decode_row_gets_the_same_bits_in_any_batch_the_blocks_serve(isa, monk
              ("Q6_K", torch.from_numpy(random_blocks("Q6_K", 6, columns, rng)))]
     linear = GGUFBlockLinear(parts, columns)
     x = torch.randn(64, columns)
-    batch = linear(x)
-    for m in (1, 9, 16, 64):
+    eight, batch = linear(x[:8]), linear(x)
+    for m in (1, 2, 5):
+        assert torch.equal(linear(x[:m]), eight[:m]), m
+    assert torch.equal(linear(x[7:8]), eight[7:])
+    for m in (9, 16, 64):
         assert torch.equal(linear(x[:m]), batch[:m]), m
-    assert torch.equal(linear(x[-1:]), batch[-1:])
+    assert torch.equal(linear(x[-9:]), batch[-9:])
 
 
 def test_the_embedding_dequantises_the_rows_looked_up():

@@ -4,7 +4,7 @@ and the AVX2 one), bit for bit against the dense layers' kernels run per expert:
     int8    each expert's gate and up = gguf_matmul_int8 of its tokens' rows, h = silu(gate) * up,
             down = gguf_matmul_int8 of h (what GGUFBlockLinear computes under int8), weighted and
             summed per token in expert-id order
-    int16   the same with x and h rounded by round_per_block(·, 32767) and gguf_matmul (float dots)
+    int16   the same with x and h rounded by round_per_block(·, 32767) and gguf_matmul_decode
 
 silu as the kernel computes it, g / (1 + expf(-g)) * u in float32, with the C library's expf; the
 routing weights are powers of two, so weight times output is exact and the sum's rounding is the
@@ -54,7 +54,7 @@ def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(ops, activations: str, x, weights, ids, raw, formats, act, down_bias=None) -> torch.Tensor:
     """Per expert (id order) the dense kernels on its tokens' rows (down's bias added where given), then
     the weighted sum per token."""
-    matmul = ops.gguf_matmul_int8 if activations == "int8" else ops.gguf_matmul
+    matmul = ops.gguf_matmul_int8 if activations == "int8" else ops.gguf_matmul_decode
     rounded = (lambda t: round_per_block(t, 32767)) if activations == "int16" else (lambda t: t)
     out = torch.zeros_like(x)
     for e in range(E):

@@ -56,13 +56,13 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<at::Tensor> no
       scale_(scale) {
   if (activations == "float32") {
     matmul_ = quantized_matmul;
-    gguf_matmul_ = gguf_matmul;
+    gguf_matmul_ = gguf_matmul_decode;
   } else if (activations == "int8") {
     matmul_ = quantized_matmul_int8;
     gguf_matmul_ = gguf_matmul_int8;
   } else if (activations == "int16") {  // GGUFBlockLinear's int16: x rounded, then the float kernel
     matmul_ = quantized_matmul_int16;
-    gguf_matmul_ = gguf_matmul;
+    gguf_matmul_ = gguf_matmul_decode;
     gguf_levels_ = 32767;
   } else {
     TORCH_CHECK(false, "DecodeStack: activations must be float32, int8 or int16, not '", activations, "'");

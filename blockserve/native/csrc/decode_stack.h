@@ -7,8 +7,8 @@
 // from Python per step. Every linear layer runs on GGUF blocks, each as its module does
 // (DecodeStack::Linear): packed Q4_0 / Q4_1 / Q8_0 blocks (QuantizedLinear: quantized_matmul, or
 // quantized_matmul_int8 / _int16 by `activations`), or row segments in the file's own formats
-// (GGUFBlockLinear: gguf_matmul, or gguf_matmul_int8 for int8; for int16 x rounded per block of 32
-// as round_per_block rounds it, then gguf_matmul). The caller uses it only for row counts every
+// (GGUFBlockLinear: gguf_matmul_decode, or gguf_matmul_int8 for int8; for int16 x rounded per block
+// of 32 as round_per_block rounds it, then gguf_matmul_decode). The caller uses it only for row counts every
 // layer's kernel serves.
 
 #pragma once
@@ -70,7 +70,7 @@ class DecodeStack {
   std::vector<double> eps_;
   // The packed layers' kernel (quantized_matmul or one of its integer-activation forms).
   at::Tensor (*matmul_)(at::Tensor, at::Tensor, int64_t, bool);
-  // The segments' kernel (gguf_matmul, or gguf_matmul_int8), and the levels x is rounded to first (int16), or 0.
+  // The segments' kernel (gguf_matmul_decode, or gguf_matmul_int8), and the levels x is rounded to first (int16), or 0.
   at::Tensor (*gguf_matmul_)(at::Tensor, at::Tensor, const std::string&);
   int64_t gguf_levels_ = 0;
   int64_t num_heads_;

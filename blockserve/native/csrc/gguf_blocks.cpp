@@ -18,6 +18,10 @@
 //       whatever M is, the next group's blocks prefetched meanwhile. Both read the weights at their
 //       file size, take K in panels of whole blocks (fixed, so x's panel stays in L2 across a task's
 //       weight rows at many rows), each panel's sums added to the last's, and give the same bits.
+//   gguf_matmul_decode(x, raw, format)     -> the same product as a layer's decode batch takes it: up
+//       to kLimbMaxRows rows of x gguf_matmul_limbs (gguf_blocks_int8.cpp: x as integer limbs,
+//       integer dots, cheapest at one row: docs/cpu.md), more rows gguf_matmul. A row's result is the same bits in any call of 1 to kLimbMaxRows rows, and in
+//       any call of more.
 //
 // Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
 // block unpacks 16 bytes at a time with SSSE3 into int8 levels, widened at the build's width
@@ -588,6 +592,16 @@ at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format) 
       }
   });
   return out;
+}
+
+// Up to this many rows (a few decodes, or a batch-1 verification's k + 1 <= 8 rows, which must get the
+// bits of decoding alone) the limbs' integer dots serve.
+constexpr int64_t kLimbMaxRows = 8;
+
+at::Tensor gguf_matmul_decode(at::Tensor x, at::Tensor raw, const std::string& format) {
+  TORCH_CHECK(x.dim() == 2, "gguf_matmul_decode: x must be float32 [M, K]");
+  return x.size(0) <= kLimbMaxRows ? gguf_matmul_limbs(std::move(x), std::move(raw), format)
+                                   : gguf_matmul(std::move(x), std::move(raw), format);
 }
 
 }  // namespace blockserve

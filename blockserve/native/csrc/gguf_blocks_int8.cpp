@@ -34,6 +34,7 @@
 #include "kernels.h"
 
 #include "block_levels.h"
+#include "block_limbs.h"
 #include "block_unpack.h"
 #include "gguf_formats.h"
 #include "task_pool.h"
@@ -42,6 +43,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace blockserve {
@@ -569,6 +571,28 @@ inline float finish(__m256 acc) {
   return _mm_cvtss_f32(s);
 }
 
+// One row of x's levels (r), scales (s) and s * sum(levels) (sum) per block of 32, padded with zero
+// blocks to whole chunks, laid out as F's weights into out [chunks].
+template <typename F>
+void lay_out(const int8_t* r, const float* s, const float* sum, int64_t chunks, XChunk* out) {
+  for (int64_t k = 0; k < chunks; ++k) {
+    XChunk& c = out[k];
+    const int8_t* levels = r + k * kChunk;
+    for (int v = 0; v < 8; ++v)
+      for (int L = 0; L < 8; ++L) std::memcpy(c.r[v] + 4 * L, levels + 4 * F::layout.source[v][L], 4);
+    for (int L = 0; L < 8; ++L) {
+      const int block = F::layout.order[L];
+      c.s[L] = s[k * kChunkBlocks + block];
+      c.sum[L] = sum[k * kChunkBlocks + block];
+      for (int h = 0; h < 2; ++h) {
+        int total = 0;
+        for (int i = 0; i < 16; ++i) total += levels[kBlock * block + 16 * h + i];
+        c.sum16[2 * L + h] = int16_t(total);
+      }
+    }
+  }
+}
+
 // x's rows rounded per block and laid out as F's weights, each padded with zero blocks to whole chunks,
 // into out [M * chunks].
 template <typename F>
@@ -578,22 +602,27 @@ void arrange(const float* x, int64_t M, int64_t K, XChunk* out) {
   std::vector<float> s(chunks * kChunkBlocks), sum(chunks * kChunkBlocks);
   for (int64_t m = 0; m < M; ++m) {
     quantize_blocks(x + m * K, K / kBlock, r.data(), s.data(), sum.data());  // the padding stays zero
-    for (int64_t k = 0; k < chunks; ++k) {
-      XChunk& c = out[m * chunks + k];
-      const int8_t* levels = r.data() + k * kChunk;
-      for (int v = 0; v < 8; ++v)
-        for (int L = 0; L < 8; ++L) std::memcpy(c.r[v] + 4 * L, levels + 4 * F::layout.source[v][L], 4);
-      for (int L = 0; L < 8; ++L) {
-        const int block = F::layout.order[L];
-        c.s[L] = s[k * kChunkBlocks + block];
-        c.sum[L] = sum[k * kChunkBlocks + block];
-        for (int h = 0; h < 2; ++h) {
-          int total = 0;
-          for (int i = 0; i < 16; ++i) total += levels[kBlock * block + 16 * h + i];
-          c.sum16[2 * L + h] = int16_t(total);
-        }
-      }
-    }
+    lay_out<F>(r.data(), s.data(), sum.data(), chunks, out + m * chunks);
+  }
+}
+
+// x's rows as kLimbs rows each (block_limbs.h: row m's limbs are rows kLimbs * m .. kLimbs * m + 3, the
+// most significant first), laid out as F's weights into out [kLimbs * M * chunks].
+template <typename F>
+void arrange_limbs(const float* x, int64_t M, int64_t K, XChunk* out) {
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
+  std::vector<int8_t> r(kLimbs * chunks * kChunk);
+  std::vector<float> s(kLimbs * chunks * kChunkBlocks), sum(kLimbs * chunks * kChunkBlocks);
+  int8_t* rl[kLimbs];
+  float *sl[kLimbs], *suml[kLimbs];
+  for (int l = 0; l < kLimbs; ++l) {
+    rl[l] = r.data() + l * chunks * kChunk;
+    sl[l] = s.data() + l * chunks * kChunkBlocks;
+    suml[l] = sum.data() + l * chunks * kChunkBlocks;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    limb_blocks(x + m * K, K / kBlock, rl, sl, suml);  // the padding stays zero
+    for (int l = 0; l < kLimbs; ++l) lay_out<F>(rl[l], sl[l], suml[l], chunks, out + (kLimbs * m + l) * chunks);
   }
 }
 
@@ -666,6 +695,41 @@ void matmul(const float* xf, const uint8_t* w, int64_t row_bytes, int64_t M, int
   for_each_range(N, min_rows, [&](int64_t begin, int64_t end) { rows<F>(w, row_bytes, K, begin, end, x.data(), M, N, out); });
 }
 
+// 8 outputs' limb dots (limb l at d + l * stride), summed the most significant first. Not inlined:
+// every output takes this one instruction sequence, so no reassociation the compiler may choose
+// (-fassociative-math) can give an output other bits in a call whose ranges fall otherwise.
+__attribute__((noinline)) void sum_limbs8(const float* d, int64_t stride, float* out) {
+  __m256 sum = _mm256_loadu_ps(d);
+  for (int l = 1; l < kLimbs; ++l) sum = _mm256_add_ps(sum, _mm256_loadu_ps(d + l * stride));
+  _mm256_storeu_ps(out, sum);
+}
+
+// out[n] for n in [begin, end): the sum of one row of x's limb dots (d: kLimbs rows of N).
+inline void add_limbs(const float* d, int64_t N, int64_t begin, int64_t end, float* out) {
+  int64_t n = begin;
+  for (; n + 8 <= end; n += 8) sum_limbs8(d + n, N, out + n);
+  if (n == end) return;
+  float tail[kLimbs][8] = {}, sums[8];
+  for (int l = 0; l < kLimbs; ++l) std::memcpy(tail[l], d + l * N + n, (end - n) * sizeof(float));
+  sum_limbs8(tail[0], 8, sums);
+  std::memcpy(out + n, sums, (end - n) * sizeof(float));
+}
+
+// x @ W^T with x's rows as limbs (arrange_limbs): the kLimbs rows of each row of x dotted as the
+// rows above, then each output the sum of its limbs' dots, the most significant first.
+template <typename F>
+void limb_matmul(const float* xf, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, int64_t N, float* out) {
+  const int64_t limb_rows = kLimbs * M;
+  std::vector<XChunk> x(limb_rows * ((K + kChunk - 1) / kChunk));
+  arrange_limbs<F>(xf, M, K, x.data());
+  std::vector<float> dots(limb_rows * N);
+  const int64_t min_rows = limb_rows <= kTileRows ? std::max<int64_t>(1, (1 << 16) / (K * limb_rows)) : kRowBlock;
+  for_each_range(N, min_rows, [&](int64_t begin, int64_t end) {
+    rows<F>(w, row_bytes, K, begin, end, x.data(), limb_rows, N, dots.data());
+    for (int64_t m = 0; m < M; ++m) add_limbs(dots.data() + kLimbs * m * N, N, begin, end, out + m * N);
+  });
+}
+
 // x [M, K] float32 -> uint8 [M, chunks * sizeof(XChunk)]: its rows arranged for F (at::empty's storage is
 // aligned past XChunk's 32 bytes, and sizeof(XChunk) is a multiple of them)
 template <typename F>
@@ -688,12 +752,13 @@ void arranged_dot(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t begin,
 struct Format {
   int64_t elems, bytes;
   void (*matmul)(const float*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+  void (*limb_matmul)(const float*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
   GgufInt8Kernel kernel;
 };
 
 template <typename F>
 constexpr Format format_of() {
-  return {F::Elems, F::Bytes, &matmul<F>, {&F::layout, F::Elems, F::Bytes, &arranged_rows<F>, &arranged_dot<F>}};
+  return {F::Elems, F::Bytes, &matmul<F>, &limb_matmul<F>, {&F::layout, F::Elems, F::Bytes, &arranged_rows<F>, &arranged_dot<F>}};
 }
 
 Format format_named(const std::string& name) {
@@ -703,20 +768,35 @@ Format format_named(const std::string& name) {
 
 }  // namespace
 
-at::Tensor gguf_matmul_int8(at::Tensor x, at::Tensor raw, const std::string& format) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_matmul_int8: x must be float32 [M, K]");
+namespace {
+
+// x @ W^T for the entry point `name`, after checking x and raw against `format`: Format::matmul (x
+// rounded to int8) or Format::limb_matmul (x as limbs).
+template <auto Kernel>
+at::Tensor checked_matmul(const char* name, at::Tensor x, const at::Tensor& raw, const std::string& format) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, name, ": x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = raw.size(0);
   const Format f = format_named(format);
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.stride(1) == 1 && raw.stride(0) == raw.size(1),
-              "gguf_matmul_int8: raw must be contiguous uint8 [rows, row bytes]");
-  TORCH_CHECK(K > 0 && K % f.elems == 0 && raw.size(1) == K / f.elems * f.bytes, "gguf_matmul_int8: ", format,
+              name, ": raw must be contiguous uint8 [rows, row bytes]");
+  TORCH_CHECK(K > 0 && K % f.elems == 0 && raw.size(1) == K / f.elems * f.bytes, name, ": ", format,
               " rows of ", K, " values take ", K / f.elems * f.bytes, " bytes (", f.elems, " per ", f.bytes,
               "-byte block), not ", raw.size(1));
   auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  f.matmul(x.data_ptr<float>(), raw.data_ptr<uint8_t>(), raw.size(1), M, K, N, out.data_ptr<float>());
+  (f.*Kernel)(x.data_ptr<float>(), raw.data_ptr<uint8_t>(), raw.size(1), M, K, N, out.data_ptr<float>());
   return out;
+}
+
+}  // namespace
+
+at::Tensor gguf_matmul_int8(at::Tensor x, at::Tensor raw, const std::string& format) {
+  return checked_matmul<&Format::matmul>("gguf_matmul_int8", std::move(x), raw, format);
+}
+
+at::Tensor gguf_matmul_limbs(at::Tensor x, at::Tensor raw, const std::string& format) {
+  return checked_matmul<&Format::limb_matmul>("gguf_matmul_limbs", std::move(x), raw, format);
 }
 
 GgufInt8Kernel gguf_int8_kernel(const std::string& format) { return format_named(format).kernel; }

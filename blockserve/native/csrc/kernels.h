@@ -79,6 +79,11 @@ at::Tensor gguf_dequantize(at::Tensor raw, const std::string& format, int64_t co
 at::Tensor gguf_matmul(at::Tensor x, at::Tensor raw, const std::string& format);
 // gguf_blocks_int8.cpp: gguf_matmul with x rounded to int8 per block of 32 (integer dots; the same formats).
 at::Tensor gguf_matmul_int8(at::Tensor x, at::Tensor raw, const std::string& format);
+// gguf_blocks_int8.cpp: gguf_matmul with float32 x taken as four base-255 integer limbs per block of
+// 32 (block_limbs.h) through the same integer dots: x @ W^T to float32 rounding.
+at::Tensor gguf_matmul_limbs(at::Tensor x, at::Tensor raw, const std::string& format);
+// gguf_blocks.cpp: a decode batch's float32 matmul: gguf_matmul_limbs up to 8 rows, gguf_matmul past them.
+at::Tensor gguf_matmul_decode(at::Tensor x, at::Tensor raw, const std::string& format);
 
 // mxfp4.cpp: out = x @ W^T, W [N, K] in MXFP4 (Hugging Face's blocks [N, K/32, 16] and e8m0 scales [N, K/32]).
 at::Tensor mxfp4_matmul(at::Tensor x, at::Tensor blocks, at::Tensor scales);

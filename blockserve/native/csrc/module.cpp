@@ -59,6 +59,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul_int8", &gguf_matmul_int8,
         "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N] with x rounded to int8 per block "
         "of 32 (integer dots)", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_matmul_limbs", &gguf_matmul_limbs,
+        "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N] to float32 rounding: x taken as "
+        "four base-255 integer limbs per block of 32 (integer dots)", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_matmul_decode", &gguf_matmul_decode,
+        "(x [M, K] float32, raw uint8 [N, row bytes], format) -> x @ W^T [M, N]: gguf_matmul_limbs up to 8 rows, "
+        "gguf_matmul past them", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mxfp4_matmul", &mxfp4_matmul,
         "(x [M, K] float32, blocks uint8 [N, K/32, 16], scales uint8 [N, K/32]) -> x @ W^T [M, N], W in MXFP4",
         pybind11::call_guard<pybind11::gil_scoped_release>());

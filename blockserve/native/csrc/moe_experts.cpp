@@ -20,9 +20,9 @@
 // weight rows at once (gate|up rows, then the down rows: two jobs a layer, each weight row read
 // once and dotted with its expert's few tokens, the vector code the compiler's at the build's
 // width); an expert with more tokens (prefill) takes torch's GEMM. GGUF experts: each expert's
-// projections through gguf_blocks.cpp's gguf_matmul at every token count (four weight rows
-// dequantised at a time, in registers at a few tokens, else into a cache-resident buffer, and
-// multiplied in register tiles), read from
+// projections through gguf_blocks.cpp's gguf_matmul_decode at every token count (up to 8 tokens,
+// a decode step's, x as integer limbs and the int8 kernel's integer dots; more, four weight rows
+// dequantised at a time into a cache-resident buffer and multiplied in register tiles), read from
 // the file's blocks: measured at gpt-oss-20b's shape in Q8_0 at one thread, it beats float32 GEMM
 // over the same values at 1 to 256 tokens on AVX-512 and up to ~32 on AVX2 (0.84-0.88x at 64-128),
 // where dequantising the expert whole for torch's GEMM, or GEMM over L2-sized dequantised panels,
@@ -50,7 +50,7 @@
 // input-major, take one addmm per expert picked (torch's GEMM reads [K, N] rows as they lie).
 // GPT-OSS's experts in GGUF blocks (llama.cpp's ffn_gate_exps / ffn_up_exps [E, I, row bytes] apart,
 // ffn_down_exps [E, H, row bytes]) run as moe_experts_blocks does, each expert's rows through
-// gguf_matmul, with the checkpoint's interleaved gate_up bias and the clamped
+// gguf_matmul_decode, with the checkpoint's interleaved gate_up bias and the clamped
 // SwiGLU above between the projections.
 
 #include "kernels.h"
@@ -397,7 +397,7 @@ at::Tensor int8_experts(const at::Tensor& x, const Groups& g, const BlockExperts
   return y;
 }
 
-// y [pairs, H] of the float32 path (int16: x and h rounded per block first), each expert through gguf_matmul.
+// y [pairs, H] of the float32 path (int16: x and h rounded per block first), each expert through gguf_matmul_decode.
 template <typename Act>
 at::Tensor float_experts(const at::Tensor& x, const Groups& g, const BlockExperts& ex, const Act& act) {
   const int64_t pairs = static_cast<int64_t>(g.token.size());
@@ -408,12 +408,12 @@ at::Tensor float_experts(const at::Tensor& x, const Groups& g, const BlockExpert
     const int64_t n = g.start[e + 1] - g.start[e];
     if (n == 0) continue;
     const auto xe = xs.narrow(0, g.start[e], n);
-    auto gate_e = gguf_matmul(xe, ex.gate[e], ex.gate_format);  // [n, I], made here: contiguous
-    const auto up_e = gguf_matmul(xe, ex.up[e], ex.up_format);
+    auto gate_e = gguf_matmul_decode(xe, ex.gate[e], ex.gate_format);  // [n, I], made here: contiguous
+    const auto up_e = gguf_matmul_decode(xe, ex.up[e], ex.up_format);
     float* gp = gate_e.data_ptr<float>();
     const float* upp = up_e.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) act(e, gp + r * ex.I, upp + r * ex.I, ex.I);
-    y.narrow(0, g.start[e], n).copy_(gguf_matmul(int16 ? rounded16(gate_e) : gate_e, ex.down[e], ex.down_format));
+    y.narrow(0, g.start[e], n).copy_(gguf_matmul_decode(int16 ? rounded16(gate_e) : gate_e, ex.down[e], ex.down_format));
   }
   return y;
 }
