@@ -14,20 +14,25 @@ namespace blockserve {
 
 template <typename Level> constexpr float kLevels = sizeof(Level) == 1 ? 127.f : 32767.f;
 
+// The largest magnitude of a block's 32 values v[0..3] (a NaN among them is dropped by max_ps).
+inline float block_max_abs(const __m256 v[4]) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_max_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+
 // `blocks` blocks of 32 values of x -> their levels r, scales s and s * sum(levels) (xsum).
 template <typename Level>
 void quantize_blocks(const float* x, int64_t blocks, Level* r, float* s, float* xsum) {
   constexpr int64_t kBlock = 32;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b, x += kBlock) {
     __m256 v[4];
     for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
-    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_max_ss(t, _mm_movehdup_ps(t));
-    const float amax = _mm_cvtss_f32(t);
+    const float amax = block_max_abs(v);
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? kLevels<Level> / amax : 0.f);
     __m256i q[4];
     for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // rounds to nearest even

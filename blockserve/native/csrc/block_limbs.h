@@ -16,6 +16,8 @@
 // would be inf or NaN. AVX2 instructions.
 #pragma once
 
+#include "block_levels.h"
+
 #include <immintrin.h>
 
 #include <cmath>
@@ -32,7 +34,6 @@ constexpr int kLimbBase = 255;
 inline void limb_blocks(const float* x, int64_t blocks, int8_t* const r[kLimbs], float* const s[kLimbs],
                         float* const xsum[kLimbs]) {
   constexpr int64_t kBlock = 32;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256d inverse_base = _mm256_set1_pd(1.0 / kLimbBase);
   const __m256i base = _mm256_set1_epi32(kLimbBase);
   for (int64_t b = 0; b < blocks; ++b, x += kBlock) {
@@ -42,12 +43,7 @@ inline void limb_blocks(const float* x, int64_t blocks, int8_t* const r[kLimbs],
       v[k] = _mm256_loadu_ps(x + 8 * k);
       unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
     }
-    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_max_ss(t, _mm_movehdup_ps(t));
-    const float amax = _mm_cvtss_f32(t);
+    const float amax = block_max_abs(v);
     const bool finite = !_mm256_movemask_ps(unordered) && std::isfinite(amax);
     int e = 0;
     if (finite && amax > 0.f) std::frexp(amax, &e);  // amax < 2^e
