@@ -8,6 +8,9 @@
 //   factor (d, or d times a 6-bit sub-block scale) and c_b the constant term (a min, or none). So out
 //   is (x rounded) @ W^T with W gguf-py's dequantised weights, up to float32 rounding: only the
 //   rounding of x differs from gguf_matmul.
+//   gguf_matmul_limbs(x, raw, format) -> x @ W^T itself, to float32 rounding: each row of x taken as
+//       four rows of integer limbs (block_limbs.h) through the same dots, the four results summed
+//       per output, most significant first.
 //
 // Where a format's sub-block scales cover 16 values (Q2_K, Q3_K, Q6_K), they are integers folded into
 // the integer sum (the pair products multiplied by them in madd, or on VNNI each lane's sum of 4
