@@ -25,6 +25,23 @@ inline float block_max_abs(const __m256 v[4]) {
   return _mm_cvtss_f32(t);
 }
 
+// A block's 32 int32 levels q[0..3] (each within int8) stored as int8 at r, in order.
+inline void store_int8_levels(const __m256i q[4], int8_t* r) {
+  // packs interleave the 128-bit halves: dwords come out as 0-3 of q0, q1, q2, q3, then 4-7 of each
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(r),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// The sum of a block's 32 int32 levels q[0..3].
+inline int32_t sum_levels(const __m256i q[4]) {
+  const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4e));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xb1));
+  return _mm_cvtsi128_si32(sum4);
+}
+
 // `blocks` blocks of 32 values of x -> their levels r, scales s and s * sum(levels) (xsum).
 template <typename Level>
 void quantize_blocks(const float* x, int64_t blocks, Level* r, float* s, float* xsum) {
@@ -37,10 +54,7 @@ void quantize_blocks(const float* x, int64_t blocks, Level* r, float* s, float* 
     __m256i q[4];
     for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  // rounds to nearest even
     if constexpr (sizeof(Level) == 1) {
-      // packs interleave the 128-bit halves: dwords come out as 0-3 of q0, q1, q2, q3, then 4-7 of each
-      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + b * kBlock),
-                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      store_int8_levels(q, r + b * kBlock);
     } else {
       // words come out as 0-3 of q0, 0-3 of q1, 4-7 of q0, 4-7 of q1: qwords in the order 0, 2, 1, 3
       for (int h = 0; h < 2; ++h)
@@ -52,11 +66,7 @@ void quantize_blocks(const float* x, int64_t blocks, Level* r, float* s, float* 
     __m256 nan = _mm256_setzero_ps();
     for (int k = 0; k < 4; ++k) nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
     s[b] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / kLevels<Level>;
-    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
-    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4e));
-    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xb1));
-    xsum[b] = s[b] * static_cast<float>(_mm_cvtsi128_si32(sum4));
+    xsum[b] = s[b] * static_cast<float>(sum_levels(q));
   }
 }
 

@@ -62,16 +62,9 @@ inline void limb_blocks(const float* x, int64_t blocks, int8_t* const r[kLimbs],
         d[k] = _mm256_sub_epi32(q[k], _mm256_mullo_epi32(quotient, base));
         q[k] = quotient;
       }
-      // packs interleave the 128-bit halves: dwords come out as 0-3 of d0, d1, d2, d3, then 4-7 of each
-      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(d[0], d[1]), _mm256_packs_epi32(d[2], d[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r[limb] + b * kBlock),
-                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(d[0], d[1]), _mm256_add_epi32(d[2], d[3]));
-      __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
-      sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4e));
-      sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xb1));
+      store_int8_levels(d, r[limb] + b * kBlock);
       s[limb][b] = scale;
-      xsum[limb][b] = scale * static_cast<float>(_mm_cvtsi128_si32(sum4));
+      xsum[limb][b] = scale * static_cast<float>(sum_levels(d));
     }
   }
 }

@@ -20,8 +20,8 @@
 //       weight rows at many rows), each panel's sums added to the last's, and give the same bits.
 //   gguf_matmul_decode(x, raw, format)     -> the same product as a layer's decode batch takes it: up
 //       to kLimbMaxRows rows of x gguf_matmul_limbs (gguf_blocks_int8.cpp: x as integer limbs,
-//       integer dots, cheapest at one row: docs/cpu.md), more rows gguf_matmul. A row's result is the same bits in any call of 1 to kLimbMaxRows rows, and in
-//       any call of more.
+//       integer dots, cheapest at one row: docs/cpu.md), more rows gguf_matmul. A row's result is
+//       the same bits in any call of 1 to kLimbMaxRows rows, and in any call of more.
 //
 // Both run on the process's TaskPool (task_pool.h), over ranges of output rows. Every format's
 // block unpacks 16 bytes at a time with SSSE3 into int8 levels, widened at the build's width

@@ -689,13 +689,17 @@ void rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t begin, int64_t
   }
 }
 
+// The fewest weight rows a task of rows() takes for M rows of x: up to kTileRows rows, >= ~64 K
+// multiply-adds; more, whole row blocks.
+inline int64_t task_rows(int64_t M, int64_t K) {
+  return M <= kTileRows ? std::max<int64_t>(1, (1 << 16) / (K * M)) : kRowBlock;
+}
+
 template <typename F>
 void matmul(const float* xf, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, int64_t N, float* out) {
   std::vector<XChunk> x(M * ((K + kChunk - 1) / kChunk));
   arrange<F>(xf, M, K, x.data());
-  // up to kTileRows rows of x: tasks of >= ~64 K multiply-adds; more: whole row blocks
-  const int64_t min_rows = M <= kTileRows ? std::max<int64_t>(1, (1 << 16) / (K * M)) : kRowBlock;
-  for_each_range(N, min_rows, [&](int64_t begin, int64_t end) { rows<F>(w, row_bytes, K, begin, end, x.data(), M, N, out); });
+  for_each_range(N, task_rows(M, K), [&](int64_t begin, int64_t end) { rows<F>(w, row_bytes, K, begin, end, x.data(), M, N, out); });
 }
 
 // 8 outputs' limb dots (limb l at d + l * stride), summed the most significant first. Not inlined:
@@ -725,11 +729,10 @@ void limb_matmul(const float* xf, const uint8_t* w, int64_t row_bytes, int64_t M
   const int64_t limb_rows = kLimbs * M;
   std::vector<XChunk> x(limb_rows * ((K + kChunk - 1) / kChunk));
   arrange_limbs<F>(xf, M, K, x.data());
-  std::vector<float> dots(limb_rows * N);
-  const int64_t min_rows = limb_rows <= kTileRows ? std::max<int64_t>(1, (1 << 16) / (K * limb_rows)) : kRowBlock;
-  for_each_range(N, min_rows, [&](int64_t begin, int64_t end) {
-    rows<F>(w, row_bytes, K, begin, end, x.data(), limb_rows, N, dots.data());
-    for (int64_t m = 0; m < M; ++m) add_limbs(dots.data() + kLimbs * m * N, N, begin, end, out + m * N);
+  const std::unique_ptr<float[]> dots(new float[limb_rows * N]);  // each written before it is read
+  for_each_range(N, task_rows(limb_rows, K), [&](int64_t begin, int64_t end) {
+    rows<F>(w, row_bytes, K, begin, end, x.data(), limb_rows, N, dots.get());
+    for (int64_t m = 0; m < M; ++m) add_limbs(dots.get() + kLimbs * m * N, N, begin, end, out + m * N);
   });
 }
 
@@ -768,10 +771,6 @@ Format format_named(const std::string& name) {
   return gguf_format_named<Format, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS>(
       name, "gguf_matmul_int8", [](auto tag) { return format_of<typename decltype(tag)::type>(); });
 }
-
-}  // namespace
-
-namespace {
 
 // x @ W^T for the entry point `name`, after checking x and raw against `format`: Format::matmul (x
 // rounded to int8) or Format::limb_matmul (x as limbs).

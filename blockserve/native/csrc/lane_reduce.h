@@ -9,28 +9,12 @@
 #include <immintrin.h>
 
 #if defined(__AVX512F__)
-// Halves, then quarters, then pairs of lanes are added across vectors (8 + 4 + 2 + 1 shuffle
-// pairs instead of 16 separate reductions); the last add leaves key 4m + k in lane 4k + m, which
-// the final permute undoes.
-static inline __m512 lanes_transpose_sum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
-  const __m512 mixed = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), mixed);
-}
-
-// Lane n: v[n]'s lanes summed as _mm512_reduce_add_ps sums them, to the bit (lanes j and j + 8, then
-// j and j + 4, then j and j + 2, then 0 and 1), for N <= 16 vectors at once (the absent ones zero):
-// lanes_transpose_sum16's steps with the third pairing j and j + 2 instead of neighbours.
-template <int N>
-static inline __m512 lanes_reduce_add(const __m512* v) {
+// Lane n: the sum of v[n]'s lanes, N <= 16 vectors at once (the absent ones zero): halves, then
+// quarters, then pairs of lanes added across vectors (8 + 4 + 2 + 1 shuffle pairs instead of N
+// separate reductions), the pairs taken by the two shuffle immediates Pair / PairOther; the last add
+// leaves vector 4m + k's sum in lane 4k + m, which the final permute undoes.
+template <int N, int Pair, int PairOther>
+static inline __m512 lanes_sums(const __m512* v) {
   static_assert(N >= 1 && N <= 16);
   const auto at = [&](int i) { return i < N ? v[i] : _mm512_setzero_ps(); };
   __m512 a[8], b[4], c[2];
@@ -42,11 +26,19 @@ static inline __m512 lanes_reduce_add(const __m512* v) {
     b[i] = 4 * i < N ? _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
                                      _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD))
                      : _mm512_setzero_ps();
-  for (int i = 0; i < 2; ++i)  // lanes j and j + 2 of each 128-bit quarter
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], Pair), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], PairOther));
   const __m512 mixed = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), mixed);
 }
+
+// Lane n: v[n]'s lanes summed (16 vectors; the third step adds neighbouring lanes).
+static inline __m512 lanes_transpose_sum16(const __m512* v) { return lanes_sums<16, 0x88, 0xDD>(v); }
+
+// Lane n: v[n]'s lanes summed as _mm512_reduce_add_ps sums them, to the bit (lanes j and j + 8, then
+// j and j + 4, then j and j + 2, then 0 and 1), for N <= 16 vectors at once.
+template <int N>
+static inline __m512 lanes_reduce_add(const __m512* v) { return lanes_sums<N, 0x44, 0xEE>(v); }
 #endif
 
 #if defined(__AVX2__)
