@@ -13,8 +13,8 @@ e4m3 keys written with the queries that attend them pick their scale and codes b
 queries see (`_encode_fp8_keys`): of the scales max |x| / M times 2^(j/8), j = 0..7 (each moves the
 vector's values against e4m3's binades, so each rounds them differently), the one whose nearest
 rounding has the least J (below), then up to STEER_MOVES codes moved to a neighbouring e4m3 value as
-the 4-bit keys' are. On the bundled model fp8's mean KL goes from 0.0077 to 0.0017 over 2,048 tokens
-(docs/cpu.md); the row's layout and every reader are as before.
+the 4-bit keys' are (docs/cpu.md measures what it buys). The row's layout and every reader are as
+for any other e4m3 row.
 
 Rotated 4-bit codes (uint8 storage, kv_cache_dtype "int4"): the vector is first rotated, y = R x,
 R = a fixed randomised Hadamard rotation (a seeded sign per channel, then the normalised
