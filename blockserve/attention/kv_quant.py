@@ -9,6 +9,13 @@ One-byte codes (int8, or float8_e4m3fn): its D codes, then its float16 scale (li
     scale = float16(max_d |x_d| / M), c_d = x_d / scale rounded to the code type (0 where scale is 0)
     int8: M = 127, codes in [-127, 127]        fp8 (e4m3): M = 448, codes in [-448, 448]
 
+e4m3 keys written with the queries that attend them pick their scale and codes by what those
+queries see (`_encode_fp8_keys`): of the scales max |x| / M times 2^(j/8), j = 0..7 (each moves the
+vector's values against e4m3's binades, so each rounds them differently), the one whose nearest
+rounding has the least J (below), then up to STEER_MOVES codes moved to a neighbouring e4m3 value as
+the 4-bit keys' are (docs/cpu.md measures what it buys). The row's layout and every reader are as
+for any other e4m3 row.
+
 Rotated 4-bit codes (uint8 storage, kv_cache_dtype "int4"): the vector is first rotated, y = R x,
 R = a fixed randomised Hadamard rotation (a seeded sign per channel, then the normalised
 Walsh-Hadamard transform over blocks of B channels, B the largest power of two dividing D: all of
@@ -64,6 +71,8 @@ POISON_BYTE = {torch.int8: 0x80, torch.float8_e4m3fn: 0x7F, torch.uint8: 0xFF}  
 ROTATION_SEED = 0x5EED  # the rotation's signs: fixed, so every cache (and every restart) shares R
 STEER_MOVES = 4  # code moves per 4-bit key row (measured: more barely lower the KL)
 STEER_RIDGE = 4.0  # the weight of a key's plain squared error, in units of its queries' mean squared value
+FP8_ZERO = 126  # fp8_levels' index of 0: 126 negative and 126 positive finite e4m3 values around it
+FP8_SCALE_STEPS = tuple(2 ** (j / 8) for j in range(8))  # an e4m3 key's candidate scales, times max |x| / 448
 # The 4-bit form's 16 code values, in units of the row's scale above its minimum: 0 and 15 (the row's
 # extremes) and 14 levels between, denser near the middle, where rotated coordinates cluster (Lloyd's
 # levels for the bundled model's rotated K and V rows mapped onto [0, 15], made symmetric). In 64ths,
@@ -150,30 +159,32 @@ def unrotate_output(out: torch.Tensor) -> torch.Tensor:
 
 
 def _steer_codes(codes: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 queries: torch.Tensor) -> torch.Tensor:
-    """Codes [N, D] (float, y [N, D]'s nearest levels: scale * levels[c] + minimum, scale and minimum
-    [N, 1]) after up to STEER_MOVES single-code moves to a neighbouring level, each the move that lowers
+                 queries: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Codes [N, D] (indices into `levels`, ascending float32 code values: y [N, D]'s nearest, each
+    standing for scale * levels[c] + minimum, scale and minimum [N, 1]) after up to STEER_MOVES moves
+    of one code to a neighbouring level, each the move that lowers
         J = sum_j (q_j . e)^2 + ridge |e|^2,  e = scale * levels[c] + minimum - y,
     most (none once no move lowers it), q_j the row's queries [N, G, D] and ridge = STEER_RIDGE times
     their mean squared value. Float64, moves compared up then down, channel by channel, the first of
     equal ones taken: csrc/paged_decode_quantized.cpp's steer_codes picks the same moves (its sums
     differ from these in float64's last bits, which decides nothing but an exact tie)."""
     n, dim = y.shape
-    levels = int4_levels(y.device).double()
-    up_step = torch.cat([levels[1:] - levels[:-1], levels.new_zeros(1)])  # code c to c + 1 (none from 15)
+    top = levels.numel() - 1
+    levels = levels.double()
+    up_step = torch.cat([levels[1:] - levels[:-1], levels.new_zeros(1)])  # code c to c + 1 (none from the top)
     down_step = torch.cat([levels.new_zeros(1), levels[:-1] - levels[1:]])  # code c to c - 1 (none from 0)
     q = queries.double()
     s, c = scale.double(), codes.long()
     err = levels[c] * s + minimum.double() - y.double()
     along = (q * err[:, None]).sum(-1)  # [N, G]: q_j . e
     weight = q.square().sum(1)  # [N, D]
-    ridge = STEER_RIDGE * weight.sum(-1, keepdim=True) / (q.shape[1] * dim)
+    ridge = _ridge(weight, q.shape[1])
     curvature = weight + ridge
     rows = torch.arange(n, device=y.device)
     for _ in range(STEER_MOVES):
         slope = 2 * ((q * along[..., None]).sum(1) + ridge * err)
         up, down = up_step[c] * s, down_step[c] * s
-        gain = torch.cat([torch.where(c < 15, up * (curvature * up + slope), torch.inf),
+        gain = torch.cat([torch.where(c < top, up * (curvature * up + slope), torch.inf),
                           torch.where(c > 0, down * (curvature * down + slope), torch.inf)], -1)
         best, at = gain.min(-1)
         move = (best < 0) & torch.isfinite(best)
@@ -188,6 +199,66 @@ def _steer_codes(codes: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, mini
     return c.to(codes.dtype)
 
 
+def _ridge(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """STEER_RIDGE times the queries' mean squared value [N, 1], from `weight` [N, D]: each channel's
+    sum of squares over the row's `group` queries."""
+    return STEER_RIDGE * weight.sum(-1, keepdim=True) / (group * weight.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_levels(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """The 253 finite e4m3 values in ascending order, float32 [253]: index FP8_ZERO is 0, byte b of a
+    positive value sits at FP8_ZERO + b, of a negative one (0x80 | b) at FP8_ZERO - b."""
+    magnitudes = torch.arange(FP8_ZERO + 1, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    return torch.cat([-magnitudes.flip(0)[:-1], magnitudes]).to(device)
+
+
+def _fp8_index(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 code bytes (uint8, never NaN) as indices into fp8_levels (-0 as 0)."""
+    magnitude = (codes & 0x7F).long()
+    return torch.where(codes >= 0x80, FP8_ZERO - magnitude, FP8_ZERO + magnitude)
+
+
+def _fp8_bytes(index: torch.Tensor) -> torch.Tensor:
+    """Indices into fp8_levels as e4m3 code bytes (0 as +0)."""
+    return torch.where(index >= FP8_ZERO, index - FP8_ZERO, 0x80 | (FP8_ZERO - index)).to(torch.uint8)
+
+
+def _encode_fp8_keys(x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Keys x [..., Hkv, D] as e4m3 rows whose error is steered off their `queries` [..., Hq, D] (the
+    module docstring): per row, of the scales float16(min(max |x| / 448 * FP8_SCALE_STEPS[j], 65504)),
+    the one whose nearest rounding has the least J (float64; the first of equal ones), then its codes
+    steered (`_steer_codes` over fp8_levels)."""
+    dim = x.shape[-1]
+    y = x.float().reshape(-1, dim)
+    q = queries.double().reshape(y.shape[0], -1, dim)
+    ridge = _ridge(q.square().sum(1), q.shape[1])
+    base = y.abs().amax(-1, keepdim=True) / CODE_MAX[torch.float8_e4m3fn]
+    best = codes = scale = None
+    for step in FP8_SCALE_STEPS:
+        candidate = (base * torch.tensor(step, dtype=torch.float32)).clamp_(max=FLOAT16_MAX).to(torch.float16)
+        wide = candidate.float()
+        ratio = torch.where(wide > 0, y / wide, 0.0).clamp_(-448.0, 448.0)
+        round_codes = ratio.to(torch.float8_e4m3fn)
+        err = round_codes.double() * wide.double() - y.double()
+        objective = (q * err[:, None]).sum(-1).square().sum(-1, keepdim=True) \
+            + ridge * err.square().sum(-1, keepdim=True)
+        if best is None:
+            best, codes, scale = objective, round_codes.view(torch.uint8), candidate
+            continue
+        better = objective < best
+        best = torch.where(better, objective, best)
+        codes = torch.where(better, round_codes.view(torch.uint8), codes)
+        scale = torch.where(better, candidate, scale)
+    wide = scale.float()
+    index = _steer_codes(_fp8_index(codes), y, wide, torch.zeros_like(wide), q, fp8_levels(x.device))
+    rows = torch.empty(*x.shape[:-1], dim + SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    flat = rows.view(-1, dim + SCALE_BYTES)
+    flat[:, :dim] = _fp8_bytes(index)
+    flat[:, dim:].view(torch.float16).copy_(scale)
+    return rows.view(torch.float8_e4m3fn)
+
+
 def _encode_int4(x: torch.Tensor, queries: torch.Tensor | None) -> torch.Tensor:
     y = rotate_queries(x.float())
     low, high = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
@@ -200,7 +271,8 @@ def _encode_int4(x: torch.Tensor, queries: torch.Tensor | None) -> torch.Tensor:
         heads, dim = x.shape[-2], x.shape[-1]
         group = queries.shape[-2] // heads
         steered = _steer_codes(codes.reshape(-1, dim), y.reshape(-1, dim), wide.reshape(-1, 1),
-                               minimum.float().reshape(-1, 1), queries.float().reshape(-1, group, dim))
+                               minimum.float().reshape(-1, 1), queries.float().reshape(-1, group, dim),
+                               int4_levels(x.device))
         codes = torch.where(wide > 0, steered.view(codes.shape), codes)
     codes = codes.to(torch.uint8)
     rows = torch.empty(*x.shape[:-1], x.shape[-1] // 2 + INT4_SCALE_BYTES, dtype=torch.uint8, device=x.device)
@@ -212,17 +284,19 @@ def _encode_int4(x: torch.Tensor, queries: torch.Tensor | None) -> torch.Tensor:
 def encode(x: torch.Tensor, cache_dtype: torch.dtype, queries: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] as rows of a cache of `cache_dtype`: [..., D + 2] one-byte rows, [..., D/2 + 4]
     rotated 4-bit rows, or x in that dtype. `queries` [..., Hq, D], for keys x [..., Hkv, D]: the
-    rotated queries (`rotate_queries`) of the same tokens, query head h reading key head
-    h // (Hq / Hkv); 4-bit rows then steer their rounding error off them (the module docstring),
-    other forms do not use them."""
+    queries of the same tokens as the cache's attention takes them (rotated, `rotate_queries`, for
+    4-bit keys), query head h reading key head h // (Hq / Hkv); 4-bit and e4m3 rows then steer their
+    rounding error off them (the module docstring), int8 rows do not use them."""
     if cache_dtype not in CODE_MAX:
         return x.to(cache_dtype)
+    if queries is not None and (queries.shape[:-2] != x.shape[:-2] or queries.shape[-1] != x.shape[-1]
+                                or queries.shape[-2] % x.shape[-2]):
+        raise ValueError(f"queries {tuple(queries.shape)} do not match keys {tuple(x.shape)}: [..., Hq, D] "
+                         f"over [..., Hkv, D] with Hq a multiple of Hkv expected")
     if cache_dtype == torch.uint8:
-        if queries is not None and (queries.shape[:-2] != x.shape[:-2] or queries.shape[-1] != x.shape[-1]
-                                    or queries.shape[-2] % x.shape[-2]):
-            raise ValueError(f"queries {tuple(queries.shape)} do not match keys {tuple(x.shape)}: [..., Hq, D] "
-                             f"over [..., Hkv, D] with Hq a multiple of Hkv expected")
         return _encode_int4(x, queries)
+    if cache_dtype == torch.float8_e4m3fn and queries is not None:
+        return _encode_fp8_keys(x, queries)
     codes, scale = quantize(x, cache_dtype)
     rows = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=cache_dtype, device=x.device)
     rows.view(torch.uint8)[..., :-SCALE_BYTES] = codes

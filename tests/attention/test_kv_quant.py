@@ -177,10 +177,49 @@ def test_int4_keys_steered_off_their_queries(kind):
     assert own < 0.3 * own0 and fresh < 0.9 * fresh0 and mse < 1.1 * mse0
 
 
+@pytest.mark.parametrize("kind", ["random", "outliers"])
+def test_fp8_keys_steered_off_their_queries(kind):
+    """e4m3 keys written with their tokens' queries: the same row layout, each value within half of
+    itself (a few e4m3 steps: a candidate scale, then moves) or two subnormal steps, the score error of
+    those queries cut 5-10x and of later ones by 20-40%, the squared error no larger (the scale picked
+    rounds the whole vector better too); without queries the rows are the plain ones."""
+    x = head_vectors(kind).view(256, 2, 64)
+    q, later = query_like(256, 6), query_like(256, 6, seed=4)
+    plain_rows, rows = kv_quant.encode(x, torch.float8_e4m3fn), kv_quant.encode(x, torch.float8_e4m3fn, q)
+    assert rows.dtype == torch.float8_e4m3fn and rows.shape == plain_rows.shape == (256, 2, 66)
+    assert torch.equal(kv_quant.encode(x, torch.float8_e4m3fn, None).view(torch.uint8), plain_rows.view(torch.uint8))
+    assert not torch.isnan(rows[..., :-2].float()).any()  # no NaN code
+    errors = {}
+    for name, r in (("plain", plain_rows), ("steered", rows)):
+        scale = r[..., -2:].view(torch.float16).float()
+        e = kv_quant.decode(r, torch.float32) - x
+        assert (e.abs() <= torch.maximum(x.abs() / 2, 2.0**-8 * scale) * 1.01).all()
+        own, fresh = (torch.einsum("thgd,thd->thg", qq.view(256, 2, 3, 64), e).pow(2).mean().sqrt()
+                      for qq in (q, later))
+        errors[name] = (own, fresh, e.pow(2).mean())
+    (own, fresh, mse), (own0, fresh0, mse0) = errors["steered"], errors["plain"]
+    assert own < 0.3 * own0 and fresh < 0.85 * fresh0 and mse < 1.05 * mse0
+
+
+def test_fp8_levels_index_every_finite_code():
+    """fp8_levels holds the 253 finite e4m3 values in ascending order, 0 at FP8_ZERO; a code byte's
+    index and back is the byte (-0 comes back as +0)."""
+    levels = kv_quant.fp8_levels()
+    finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = finite[torch.isfinite(finite)]
+    assert levels.numel() == 253 and levels[kv_quant.FP8_ZERO] == 0 and (levels[1:] > levels[:-1]).all()
+    assert torch.equal(levels.sort().values, finite.unique())
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    index = kv_quant._fp8_index(codes)
+    assert torch.equal(levels[index], codes.view(torch.float8_e4m3fn).float())
+    assert torch.equal(kv_quant._fp8_bytes(index), torch.where(codes == 0x80, 0, codes))
+
+
 def test_int4_key_queries_must_match_the_keys():
     """Queries for keys [T, Hkv, D] are [T, Hq, D] with Hq a multiple of Hkv: anything else is named."""
-    with pytest.raises(ValueError, match=r"queries \(4, 3, 64\) do not match keys \(4, 2, 64\)"):
-        kv_quant.encode(torch.randn(4, 2, 64), torch.uint8, torch.randn(4, 3, 64))
+    for codes in (torch.uint8, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=r"queries \(4, 3, 64\) do not match keys \(4, 2, 64\)"):
+            kv_quant.encode(torch.randn(4, 2, 64), codes, torch.randn(4, 3, 64))
 
 
 @ALL_CODES
@@ -338,19 +377,23 @@ def test_fused_decode_writes_the_bytes_the_backend_writes(without_avx512, codes,
 
 @needs_native
 @BUILDS
-@pytest.mark.parametrize("codes,v_codes", [(torch.uint8, torch.uint8), (torch.int8, torch.uint8)], ids=["int4", "k8v4"])
+@pytest.mark.parametrize("codes,v_codes", [(torch.uint8, torch.uint8), (torch.int8, torch.uint8),
+                                           (torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                           (torch.float8_e4m3fn, torch.uint8)], ids=["int4", "k8v4", "fp8", "kfp8v4"])
 @pytest.mark.parametrize("head_dim", [64, 16, 96])  # 96: rotation blocks of 32
-def test_fused_rotated_write_equals_kv_quant_exactly(without_avx512, codes, v_codes, head_dim):
-    """With no RoPE (cos 1, sin 0) the fused call's rotated 4-bit rows are kv_quant.encode's bytes
-    exactly (the C++ signs are kv_quant's seeded ones, its butterflies combine the same sums in the
-    same order), and its output is the PyTorch path's to float32 rounding."""
+def test_fused_steered_write_equals_kv_quant_exactly(without_avx512, codes, v_codes, head_dim):
+    """With no RoPE (cos 1, sin 0) the fused call's rows are kv_quant.encode's bytes exactly: rotated
+    4-bit rows (the C++ signs are kv_quant's seeded ones, its butterflies combine the same sums in the
+    same order) and keys steered off their queries (4-bit and e4m3: the same candidate scales and
+    moves); its output is the PyTorch path's to float32 rounding."""
     kernel = paged_decode_kernel(without_avx512=without_avx512)
     attn, ctx, qkv, cos, sin = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
     ref_attn, ref_ctx, *_ = fused_step(head_dim, codes, v_codes=v_codes, kernel=kernel)
     cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
     t, hq, hkv, d = qkv.shape[0], 6, 2, head_dim
     want = ref_attn(qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:], ref_ctx)
-    q = kv_quant.rotate_queries(qkv[:, :hq * d].reshape(t, hq, d))  # 4-bit keys are steered off them
+    q = qkv[:, :hq * d].reshape(t, hq, d)  # keys are steered off them (4-bit keys off the rotated ones)
+    q = kv_quant.rotate_queries(q) if codes == torch.uint8 else q
     k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d).clone()
     v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).clone()
     torch.testing.assert_close(RotaryDecode(attn)(qkv, cos, sin, ctx), want, rtol=2e-5, atol=2e-5)

@@ -20,8 +20,9 @@
 // KV head's query heads then read (kWidenOnce and to_lane_order say more).
 // Writes quantise each head vector as kv_quant.encode does, to the same bytes: the 4-bit form after
 // the same rotation (kv_quant.rotation: the seeded signs, then butterflies in the same order), 4-bit
-// keys steered off the token's rotated queries (steer_codes), and the fused step rotates the queries
-// itself (4-bit keys) and un-rotates its output (4-bit values).
+// keys steered off the token's rotated queries and e4m3 keys off its queries (steer_codes; e4m3 keys
+// also pick their scale by them, quantize_fp8_key), and the fused step rotates the queries itself
+// (4-bit keys) and un-rotates its output (4-bit values).
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
@@ -180,33 +181,76 @@ void unrotate_(float* y, const float* signs, int64_t dim, float* work) {
 constexpr int kSteerMoves = 4;
 constexpr double kSteerRidge = 4.0;
 
-// kInt4Levels[c + direction] - kInt4Levels[c] in float64 (kv_quant's up and down steps).
-inline double level_step(int c, int direction) {
-  return static_cast<double>(kInt4Levels[c + direction]) - static_cast<double>(kInt4Levels[c]);
+// A code table for steer_codes: ascending float32 values, codes indexing them in [0, top].
+struct Levels {
+  const float* values;
+  int top;
+  // values[c + direction] - values[c] in float64 (kv_quant._steer_codes' up and down steps).
+  double step(int c, int direction) const {
+    return static_cast<double>(values[c + direction]) - static_cast<double>(values[c]);
+  }
+};
+
+constexpr Levels kInt4Table{kInt4Levels, 15};
+
+// kv_quant.FP8_ZERO: the index of 0 among the 253 finite e4m3 values in ascending order (fp8_levels).
+constexpr int kFp8Zero = 126;
+
+// kv_quant.fp8_levels: byte b of a positive value at kFp8Zero + b, of a negative one (0x80 | b) at kFp8Zero - b.
+const Levels& fp8_table() {
+  static const std::vector<float> values = [] {
+    std::vector<float> out(2 * kFp8Zero + 1);
+    for (int b = 0; b <= kFp8Zero; ++b) {
+      c10::Float8_e4m3fn magnitude;
+      const uint8_t byte = static_cast<uint8_t>(b);
+      std::memcpy(&magnitude, &byte, 1);
+      out[kFp8Zero + b] = static_cast<float>(magnitude);
+      out[kFp8Zero - b] = -static_cast<float>(magnitude);
+    }
+    return out;
+  }();
+  static const Levels table{values.data(), 2 * kFp8Zero};
+  return table;
 }
 
-// kv_quant._steer_codes for one row: codes [dim] (the rotated y [dim]'s nearest levels,
-// scale * kInt4Levels[c] + minimum, scale > 0) after up to kSteerMoves single-code moves to a
-// neighbouring level, each the move that lowers J = sum_j (q_j . e)^2 + ridge |e|^2 most,
-// e = scale * kInt4Levels[c] + minimum - y, q_j the row's `group` rotated queries [group, dim]; float64,
-// moves compared up then down, channel by channel, the first of equal ones taken. `work` [2 dim + group].
+// kv_quant._fp8_index and _fp8_bytes: an e4m3 code byte (never NaN) as its fp8_table index (-0 as 0), and back.
+inline uint8_t fp8_index(uint8_t byte) {
+  return static_cast<uint8_t>(byte & 0x80 ? kFp8Zero - (byte & 0x7F) : kFp8Zero + byte);
+}
+inline uint8_t fp8_byte(uint8_t index) {
+  return static_cast<uint8_t>(index >= kFp8Zero ? index - kFp8Zero : 0x80 | (kFp8Zero - index));
+}
+
+// kv_quant._ridge: kSteerRidge times the mean squared value of a row's `group` queries q [group, dim],
+// and each channel's sum of squares into weight [dim].
+double steer_ridge(const float* q, int64_t group, int64_t dim, double* weight) {
+  double total = 0.0;
+  for (int64_t d = 0; d < dim; ++d) {
+    double w = 0.0;
+    for (int64_t j = 0; j < group; ++j) w += static_cast<double>(q[j * dim + d]) * q[j * dim + d];
+    weight[d] = w;
+    total += w;
+  }
+  return kSteerRidge * total / static_cast<double>(group * dim);
+}
+
+// kv_quant._steer_codes for one row: codes [dim] (indices into `levels`, y [dim]'s nearest,
+// scale * levels[c] + minimum, scale > 0) after up to kSteerMoves single-code moves to a neighbouring
+// level, each the move that lowers J = sum_j (q_j . e)^2 + ridge |e|^2 most,
+// e = scale * levels[c] + minimum - y, q_j the row's `group` queries [group, dim]; float64, moves
+// compared up then down, channel by channel, the first of equal ones taken. `work` [2 dim + group].
 void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, const float* q, int64_t group,
-                 int64_t dim, double* work) {
+                 int64_t dim, const Levels& levels, double* work) {
   double* err = work;
   double* curvature = work + dim;
   double* along = work + 2 * dim;
   const double s = scale;
-  double total = 0.0;
+  const double ridge = steer_ridge(q, group, dim, curvature);
   for (int64_t d = 0; d < dim; ++d) {
-    const double product = static_cast<double>(kInt4Levels[codes[d]]) * s;  // exact in float64
+    const double product = static_cast<double>(levels.values[codes[d]]) * s;  // exact in float64
     err[d] = product + static_cast<double>(minimum) - static_cast<double>(y[d]);
-    double weight = 0.0;
-    for (int64_t j = 0; j < group; ++j) weight += static_cast<double>(q[j * dim + d]) * q[j * dim + d];
-    curvature[d] = weight;
-    total += weight;
+    curvature[d] += ridge;
   }
-  const double ridge = kSteerRidge * total / static_cast<double>(group * dim);
-  for (int64_t d = 0; d < dim; ++d) curvature[d] += ridge;
   for (int64_t j = 0; j < group; ++j) {
     double dot = 0.0;
     for (int64_t d = 0; d < dim; ++d) dot += static_cast<double>(q[j * dim + d]) * err[d];
@@ -221,15 +265,15 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
       double g = ridge * err[d];
       for (int64_t j = 0; j < group; ++j) g += static_cast<double>(q[j * dim + d]) * along[j];
       const double slope = 2.0 * g;
-      if (codes[d] < 15) {  // the gain of moving e_d by delta: delta (curvature delta + slope)
-        const double delta = level_step(codes[d], 1) * s, gain = delta * (curvature[d] * delta + slope);
+      if (codes[d] < levels.top) {  // the gain of moving e_d by delta: delta (curvature delta + slope)
+        const double delta = levels.step(codes[d], 1) * s, gain = delta * (curvature[d] * delta + slope);
         if (gain < best_up) {
           best_up = gain;
           up_at = d;
         }
       }
       if (codes[d] > 0) {
-        const double delta = level_step(codes[d], -1) * s, gain = delta * (curvature[d] * delta + slope);
+        const double delta = levels.step(codes[d], -1) * s, gain = delta * (curvature[d] * delta + slope);
         if (gain < best_down) {
           best_down = gain;
           down_at = d;
@@ -242,11 +286,58 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
     if (!(best < 0.0)) break;
     const int64_t channel = at % dim;
     const int direction = at < dim ? 1 : -1;
-    const double step = level_step(codes[channel], direction) * s;
+    const double step = levels.step(codes[channel], direction) * s;
     codes[channel] = static_cast<uint8_t>(codes[channel] + direction);
     err[channel] += step;
     for (int64_t j = 0; j < group; ++j) along[j] += static_cast<double>(q[j * dim + channel]) * step;
   }
+}
+
+// kv_quant.FP8_SCALE_STEPS in float32: an e4m3 key's candidate scales are max |x| / 448 times these.
+constexpr int kFp8ScaleSteps = 8;
+inline float fp8_scale_step(int j) { return static_cast<float>(std::pow(2.0, j / 8.0)); }
+
+// A key x [dim] into an e4m3 row [dim + 2], steered off its `group` queries q [group, dim]:
+// kv_quant._encode_fp8_keys (each candidate scale rounded to float16, x / scale rounded to e4m3 as
+// quantize_row does; the candidate of least J in float64, the first of equal ones; then its codes
+// steered over fp8_table). `codes` and `best` [dim] bytes, `work` [2 dim + group] doubles.
+void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, int64_t group, uint8_t* codes,
+                      uint8_t* best, double* work) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float base = amax / kCodeMax<true>;
+  double* err = work;
+  double* weight = work + dim;
+  const double ridge = steer_ridge(q, group, dim, weight);
+  double least = 0.0;
+  at::Half best_scale;
+  for (int j = 0; j < kFp8ScaleSteps; ++j) {
+    const at::Half scale_half(std::min(base * fp8_scale_step(j), 65504.f));
+    const float scale = static_cast<float>(scale_half);
+    double squares = 0.0, dots = 0.0;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float ratio = scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<true>, kCodeMax<true>) : 0.f;
+      const c10::Float8_e4m3fn code(ratio);
+      std::memcpy(codes + d, &code, 1);
+      err[d] = static_cast<double>(static_cast<float>(code)) * static_cast<double>(scale) - static_cast<double>(x[d]);
+      squares += err[d] * err[d];
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      double dot = 0.0;
+      for (int64_t d = 0; d < dim; ++d) dot += static_cast<double>(q[g * dim + d]) * err[d];
+      dots += dot * dot;
+    }
+    const double objective = dots + ridge * squares;
+    if (j == 0 || objective < least) {
+      least = objective;
+      best_scale = scale_half;
+      std::memcpy(best, codes, dim);
+    }
+  }
+  for (int64_t d = 0; d < dim; ++d) best[d] = fp8_index(best[d]);
+  steer_codes(best, x, static_cast<float>(best_scale), 0.f, q, group, dim, fp8_table(), work);
+  for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<int8_t>(fp8_byte(best[d]));
+  std::memcpy(row + dim, &best_scale, kScaleBytes);
 }
 
 // One rotated head vector y [dim] into a 4-bit row [dim / 2 + 4]: kv_quant._encode_int4's rounding
@@ -272,28 +363,31 @@ inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim, const fl
     for (int c = 0; c < 15; ++c) code += ratio > (kInt4Levels[c] + kInt4Levels[c + 1]) * 0.5f;
     codes[d] = code;
   }
-  if (q != nullptr && scale > 0.f) steer_codes(codes, y, scale, minimum, q, group, dim, work);
+  if (q != nullptr && scale > 0.f) steer_codes(codes, y, scale, minimum, q, group, dim, kInt4Table, work);
   for (int64_t d = 0; d < dim; d += 2) row[d / 2] = static_cast<int8_t>(codes[d] | (codes[d + 1] << 4));
   std::memcpy(row + dim / 2, &scale_half, kScaleBytes);
   std::memcpy(row + dim / 2 + kScaleBytes, &minimum_half, kScaleBytes);
 }
 
-// Scratch for write_row: the rotated vector and the rotation's work [2 dim], and quantize_row_int4's.
+// Scratch for write_row: the rotated vector and the rotation's work [2 dim], and the code and steering
+// scratch of quantize_row_int4 and quantize_fp8_key.
 struct RowScratch {
-  RowScratch(int64_t dim, int64_t group) : rotated(2 * dim), codes(dim), work(2 * dim + group) {}
+  RowScratch(int64_t dim, int64_t group) : rotated(2 * dim), codes(2 * dim), work(2 * dim + group) {}
   std::vector<float> rotated;
   std::vector<uint8_t> codes;
   std::vector<double> work;
 };
 
-// One head vector x [dim] into a row of `form`: the 4-bit form rotated first, a key's steered off its
-// `group` rotated queries q (null for values).
+// One head vector x [dim] into a row of `form`: the 4-bit form rotated first; a 4-bit key steered off
+// its `group` rotated queries q, an e4m3 key off its queries q (null for values).
 inline void write_row(int form, const float* x, int8_t* row, int64_t dim, const float* signs, RowScratch& scratch,
                       const float* q = nullptr, int64_t group = 0) {
   if (form == kInt4) {
     float* y = scratch.rotated.data();
     rotate(x, y, signs, dim, y + dim);
     quantize_row_int4(y, row, dim, q, group, scratch.codes.data(), scratch.work.data());
+  } else if (form == kFp8 && q != nullptr) {
+    quantize_fp8_key(x, row, dim, q, group, scratch.codes.data(), scratch.codes.data() + dim, scratch.work.data());
   } else if (form == kFp8) {
     quantize_row<true>(x, row, dim);
   } else {
@@ -833,7 +927,8 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
   // left it); 4-bit values give R o, un-rotated once below.
   const bool rotated_keys = fk == kInt4, rotated_values = fv == kInt4;
   const std::vector<float> signs = rotated_keys || rotated_values ? rotation_signs(dim) : std::vector<float>();
-  // 4-bit keys are steered off the token's rotated queries (kv_quant.encode), so those come first.
+  // 4-bit keys are steered off the token's rotated queries (kv_quant.encode), so those come first;
+  // e4m3 keys off its queries as they are.
   const int64_t group = n_heads / n_kv_heads;
   RowScratch scratch(dim, group);
   std::vector<float> rotated_q(rotated_keys ? n_seqs * q_size : 0);
@@ -845,8 +940,9 @@ void rotary_decode_attention_quantized(at::Tensor out, at::Tensor qkv, at::Tenso
     if (rotated_keys)
       for (int64_t h = 0; h < n_heads; ++h) rotate(x + h * dim, q + h * dim, signs.data(), dim, scratch.rotated.data());
     for (int64_t h = 0; h < n_kv_heads; ++h) {
+      const float* key_queries = rotated_keys ? q + h * group * dim : fk == kFp8 ? x + h * group * dim : nullptr;
       write_row(fk, x + q_size + h * dim, kc + (slots[n] * n_kv_heads + h) * k_row, dim, signs.data(), scratch,
-                rotated_keys ? q + h * group * dim : nullptr, group);
+                key_queries, group);
       write_row(fv, x + q_size + kv_size + h * dim, vc + (slots[n] * n_kv_heads + h) * v_row, dim, signs.data(),
                 scratch);
     }
