@@ -50,6 +50,7 @@ bench-kernels: install
 
 bench-kv-dtype: install
 	$(THREAD_POLICY) $(PY) -m benchmarks.kv_cache_dtype --json results/kv_cache_dtype.json
+	$(THREAD_POLICY) $(PY) -m benchmarks.kv_cache_dtype_hybrids --json results/kv_cache_dtype_hybrids.json
 
 bench-matmul: install
 	$(THREAD_POLICY) $(PY) -m benchmarks.quantized_matmul --json results/quantized_matmul.json
