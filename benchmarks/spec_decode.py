@@ -3,6 +3,7 @@ the bundled model: output tok/s per task at batch 1 and 16, greedy, with the out
 
     python -m benchmarks.spec_decode [--max-tokens 96] [--k 4] [--rounds 3] [--methods ngram suffix]
     python -m benchmarks.spec_decode --methods draft_model [--draft-model PATH]
+    python -m benchmarks.spec_decode --quantized-activations int8 ...   (both engines' matmuls at int8)
 
 The draft model defaults to the bundled model itself: no smaller model of its vocabulary ships, so
 that row measures the acceptance ceiling and the draft's overhead, not a speed-up (a draft as costly
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from benchmarks.cpu_share import CpuShare
 from blockserve import LLM, SamplingParams
 from blockserve.bench.common import cpu_simd_flags
+from blockserve.engine.config import DEFAULT_QUANTIZED_ACTIVATIONS, QUANTIZED_ACTIVATIONS
 from blockserve.models.loader import default_model_path
 
 CODE = '''def load_rows(path):
@@ -233,15 +235,19 @@ def main() -> None:
                         help="draft_model: the draft's path (default: the bundled model, its own draft)")
     parser.add_argument("--hybrid", choices=["qwen3_next", "granitemoehybrid"], default=None,
                         help="measure the state rollback on a random hybrid shape instead (batch 1)")
+    parser.add_argument("--quantized-activations", choices=QUANTIZED_ACTIVATIONS,
+                        default=DEFAULT_QUANTIZED_ACTIVATIONS, help="the bundled model's matmul activations, in both "
+                        "engines alike (not --hybrid's)")
     parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.8, 0.5],
                         help="--hybrid: the replayed drafts' chance of being right, per position")
     args = parser.parse_args()
     if args.hybrid:
         hybrid_main(args)
         return
-    plain = LLM(enable_prefix_caching=False)
+    engine_args = dict(enable_prefix_caching=False, quantized_activations=args.quantized_activations)
+    plain = LLM(**engine_args)
     fields = {**METHODS, "draft_model": {"model": args.draft_model or str(default_model_path())}}
-    speculatives = {method: LLM(enable_prefix_caching=False, speculative_config={
+    speculatives = {method: LLM(**engine_args, speculative_config={
         "method": method, "num_speculative_tokens": args.k, **fields[method]}) for method in args.methods}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     flags = cpu_simd_flags()
@@ -266,6 +272,7 @@ def main() -> None:
         plain_rate, spec_rate = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
         print(json.dumps({
             "method": method, "task": task, "batch": batch, "max_tokens": args.max_tokens, "k": args.k,
+            "quantized_activations": args.quantized_activations,
             "plain_tok_s": round(plain_rate, 1), "speculative_tok_s": round(spec_rate, 1),
             "ratio": round(spec_rate / plain_rate, 2),
             "plain_decode_tok_s": round(statistics.median(decode_rates["plain"]), 1),
