@@ -29,6 +29,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -295,7 +296,25 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
 
 // kv_quant.FP8_SCALE_STEPS in float32: an e4m3 key's candidate scales are max |x| / 448 times these.
 constexpr int kFp8ScaleSteps = 8;
-inline float fp8_scale_step(int j) { return static_cast<float>(std::pow(2.0, j / 8.0)); }
+const std::array<float, kFp8ScaleSteps>& fp8_scale_steps() {
+  static const std::array<float, kFp8ScaleSteps> steps = [] {
+    std::array<float, kFp8ScaleSteps> out{};
+    for (int j = 0; j < kFp8ScaleSteps; ++j) out[j] = static_cast<float>(std::pow(2.0, j / 8.0));
+    return out;
+  }();
+  return steps;
+}
+
+// The e4m3 value nearest r, |r| <= 448, ties to even: c10::Float8_e4m3fn's rounding, without the
+// byte (below 2^-6 the step is 2^-9; above, a float32's mantissa rounded to 3 bits).
+inline float round_to_e4m3(float r) {
+  if (std::fabs(r) < 0.015625f) return std::nearbyint(r * 512.f) * (1.f / 512.f);
+  uint32_t bits;
+  std::memcpy(&bits, &r, 4);
+  bits = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & 0xFFF00000u;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
 
 // A key x [dim] into an e4m3 row [dim + 2], steered off its `group` queries q [group, dim]:
 // kv_quant._encode_fp8_keys (each candidate scale rounded to float16, x / scale rounded to e4m3 as
@@ -312,14 +331,12 @@ void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, 
   double least = 0.0;
   at::Half best_scale;
   for (int j = 0; j < kFp8ScaleSteps; ++j) {
-    const at::Half scale_half(std::min(base * fp8_scale_step(j), 65504.f));
+    const at::Half scale_half(std::min(base * fp8_scale_steps()[j], 65504.f));
     const float scale = static_cast<float>(scale_half);
     double squares = 0.0, dots = 0.0;
     for (int64_t d = 0; d < dim; ++d) {
       const float ratio = scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<true>, kCodeMax<true>) : 0.f;
-      const c10::Float8_e4m3fn code(ratio);
-      std::memcpy(codes + d, &code, 1);
-      err[d] = static_cast<double>(static_cast<float>(code)) * static_cast<double>(scale) - static_cast<double>(x[d]);
+      err[d] = static_cast<double>(round_to_e4m3(ratio)) * static_cast<double>(scale) - static_cast<double>(x[d]);
       squares += err[d] * err[d];
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -331,11 +348,15 @@ void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, 
     if (j == 0 || objective < least) {
       least = objective;
       best_scale = scale_half;
-      std::memcpy(best, codes, dim);
     }
   }
-  for (int64_t d = 0; d < dim; ++d) best[d] = fp8_index(best[d]);
-  steer_codes(best, x, static_cast<float>(best_scale), 0.f, q, group, dim, fp8_table(), work);
+  const float scale = static_cast<float>(best_scale);
+  for (int64_t d = 0; d < dim; ++d) {  // the chosen scale's codes, as their bytes
+    const c10::Float8_e4m3fn code(scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<true>, kCodeMax<true>) : 0.f);
+    std::memcpy(codes + d, &code, 1);
+    best[d] = fp8_index(codes[d]);
+  }
+  steer_codes(best, x, scale, 0.f, q, group, dim, fp8_table(), work);
   for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<int8_t>(fp8_byte(best[d]));
   std::memcpy(row + dim, &best_scale, kScaleBytes);
 }
