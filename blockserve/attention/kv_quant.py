@@ -72,7 +72,9 @@ ROTATION_SEED = 0x5EED  # the rotation's signs: fixed, so every cache (and every
 STEER_MOVES = 4  # code moves per 4-bit key row (measured: more barely lower the KL)
 STEER_RIDGE = 4.0  # the weight of a key's plain squared error, in units of its queries' mean squared value
 FP8_ZERO = 126  # fp8_levels' index of 0: 126 negative and 126 positive finite e4m3 values around it
-FP8_SCALE_STEPS = tuple(2 ** (j / 8) for j in range(8))  # an e4m3 key's candidate scales, times max |x| / 448
+# An e4m3 key's candidate scales, times max |x| / 448: 2^(j/8) rounded to float32, so that a float32
+# scale times one is the same product whether torch computes it in float32 or float64.
+FP8_SCALE_STEPS = tuple(torch.tensor([2 ** (j / 8) for j in range(8)], dtype=torch.float32).tolist())
 # The 4-bit form's 16 code values, in units of the row's scale above its minimum: 0 and 15 (the row's
 # extremes) and 14 levels between, denser near the middle, where rotated coordinates cluster (Lloyd's
 # levels for the bundled model's rotated K and V rows mapped onto [0, 15], made symmetric). In 64ths,
@@ -236,11 +238,9 @@ def _encode_fp8_keys(x: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     base = y.abs().amax(-1, keepdim=True) / CODE_MAX[torch.float8_e4m3fn]
     best = codes = scale = None
     for step in FP8_SCALE_STEPS:
-        candidate = (base * torch.tensor(step, dtype=torch.float32)).clamp_(max=FLOAT16_MAX).to(torch.float16)
-        wide = candidate.float()
-        ratio = torch.where(wide > 0, y / wide, 0.0).clamp_(-448.0, 448.0)
-        round_codes = ratio.to(torch.float8_e4m3fn)
-        err = round_codes.double() * wide.double() - y.double()
+        candidate = (base * step).clamp_(max=FLOAT16_MAX).to(torch.float16)
+        round_codes = _round_codes(y, candidate.float(), torch.float8_e4m3fn)
+        err = round_codes.double() * candidate.double() - y.double()
         objective = (q * err[:, None]).sum(-1).square().sum(-1, keepdim=True) \
             + ridge * err.square().sum(-1, keepdim=True)
         if best is None:
@@ -307,12 +307,17 @@ def encode(x: torch.Tensor, cache_dtype: torch.dtype, queries: torch.Tensor | No
 def quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] as one-byte codes of `cache_dtype` (int8 or e4m3), as their bytes [..., D] uint8, and
     its float16 scale [..., 1]: x_d ~= code_d * scale (the module docstring's one-byte form)."""
-    x, top = x.float(), CODE_MAX[cache_dtype]
-    scale = (x.abs().amax(-1, keepdim=True) / top).clamp_(max=FLOAT16_MAX).to(torch.float16)
-    wide = scale.float()
-    ratio = torch.where(wide > 0, x / wide, 0.0).clamp_(-top, top)
-    codes = ratio.round_().to(torch.int8) if cache_dtype == torch.int8 else ratio.to(cache_dtype)
-    return codes.view(torch.uint8), scale
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / CODE_MAX[cache_dtype]).clamp_(max=FLOAT16_MAX).to(torch.float16)
+    return _round_codes(x, scale.float(), cache_dtype).view(torch.uint8), scale
+
+
+def _round_codes(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x / scale (float32; 0 where the scale is 0) clamped to the code range and rounded to the code
+    dtype (int8: half to even; e4m3: torch's conversion), as codes of `cache_dtype`."""
+    top = CODE_MAX[cache_dtype]
+    ratio = torch.where(scale > 0, x / scale, 0.0).clamp_(-top, top)
+    return ratio.round_().to(torch.int8) if cache_dtype == torch.int8 else ratio.to(cache_dtype)
 
 
 def write(flat_cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,

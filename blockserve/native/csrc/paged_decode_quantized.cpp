@@ -109,6 +109,12 @@ inline float code_value(const int8_t* row, int64_t d) {
   }
 }
 
+// x / scale clamped to the codes' range (0 where the scale is 0): kv_quant._round_codes' ratio.
+template <bool FP8>
+inline float code_ratio(float x, float scale) {
+  return scale > 0.f ? std::clamp(x / scale, -kCodeMax<FP8>, kCodeMax<FP8>) : 0.f;
+}
+
 // One head vector x [dim] into row [dim + 2]: kv_quant.encode's rounding (scale rounded to
 // float16 first; codes: x / scale rounded half-even to int8 in [-127, 127], or to e4m3 in [-448, 448]).
 template <bool FP8>
@@ -118,7 +124,7 @@ inline void quantize_row(const float* x, int8_t* row, int64_t dim) {
   const at::Half scale_half(std::min(amax / kCodeMax<FP8>, 65504.f));
   const float scale = static_cast<float>(scale_half);
   for (int64_t d = 0; d < dim; ++d) {
-    const float ratio = scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<FP8>, kCodeMax<FP8>) : 0.f;
+    const float ratio = code_ratio<FP8>(x[d], scale);
     if constexpr (FP8) {
       const c10::Float8_e4m3fn code(ratio);
       std::memcpy(row + d, &code, 1);
@@ -294,7 +300,8 @@ void steer_codes(uint8_t* codes, const float* y, float scale, float minimum, con
   }
 }
 
-// kv_quant.FP8_SCALE_STEPS in float32: an e4m3 key's candidate scales are max |x| / 448 times these.
+// kv_quant.FP8_SCALE_STEPS (2^(j/8) rounded to float32): an e4m3 key's candidate scales are max |x| / 448
+// times these.
 constexpr int kFp8ScaleSteps = 8;
 const std::array<float, kFp8ScaleSteps>& fp8_scale_steps() {
   static const std::array<float, kFp8ScaleSteps> steps = [] {
@@ -335,8 +342,8 @@ void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, 
     const float scale = static_cast<float>(scale_half);
     double squares = 0.0, dots = 0.0;
     for (int64_t d = 0; d < dim; ++d) {
-      const float ratio = scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<true>, kCodeMax<true>) : 0.f;
-      err[d] = static_cast<double>(round_to_e4m3(ratio)) * static_cast<double>(scale) - static_cast<double>(x[d]);
+      err[d] = static_cast<double>(round_to_e4m3(code_ratio<true>(x[d], scale))) * static_cast<double>(scale) -
+               static_cast<double>(x[d]);
       squares += err[d] * err[d];
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -352,7 +359,7 @@ void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, 
   }
   const float scale = static_cast<float>(best_scale);
   for (int64_t d = 0; d < dim; ++d) {  // the chosen scale's codes, as their bytes
-    const c10::Float8_e4m3fn code(scale > 0.f ? std::clamp(x[d] / scale, -kCodeMax<true>, kCodeMax<true>) : 0.f);
+    const c10::Float8_e4m3fn code(code_ratio<true>(x[d], scale));
     std::memcpy(codes + d, &code, 1);
     best[d] = fp8_index(codes[d]);
   }
