@@ -3,7 +3,7 @@ float32 cache, capacity, and whole-model decode latency beside native llama.cpp'
 one run.
 
     python -m benchmarks.kv_cache_dtype [--quality-tokens 20480] [--contexts 2048 8192] [--batches 1 16]
-        [--needle-contexts 1024 2048 4096 8176] [--threads 2] [--rounds 3] [--skip-llama-cpp]
+        [--needle-contexts 1024 2048 4096 8176] [--needle-depths 0.1 0.5 0.9] [--threads 2] [--rounds 3] [--skip-llama-cpp]
         [--llama-types f16 q8_0 q4_0 q8_0/q4_0] [--quality-dtypes int8 fp8 int4 k8v4] [--per-layer-4bit]
         [--json results/kv_cache_dtype.json]
 
@@ -14,9 +14,9 @@ quality    the model over --quality-tokens tokens of English prose in windows of
            every CPython; PSF license: no public-domain prose is installed on this machine).
            Greedy agreement: 8 chat prompts, 64 new tokens, LLM.chat per dtype against float32.
            k8v4 is int8 keys with rotated 4-bit values (the keys' error costs most KL).
-needle     needle-in-a-haystack retrieval (blockserve/bench/needle.py): a 5-digit passphrase at depths
-           0.1, 0.5 and 0.9 of prose prompts of each --needle-contexts length, asked for at the end;
-           greedy, per dtype (float32 included): how many answers start with it.
+needle     needle-in-a-haystack retrieval (blockserve/bench/needle.py): a 5-digit passphrase at each
+           --needle-depths depth of prose prompts of each --needle-contexts length, asked for at the
+           end; greedy, per dtype (float32 included): how many answers start with it, and which missed.
 capacity   tokens per GiB of K/V from each layout's bytes per token (30 layers, 3 KV heads of 64).
 latency    one decode step of the whole model (the engine's native decode stack) with B sequences
            of C cached tokens each, the cache filled with random codes (timing does not depend on
@@ -164,22 +164,24 @@ def greedy_agreement(path: str, threads: int, dtypes: tuple[str, ...]) -> dict:
     return out
 
 
-def needles(path: str, contexts: list[int], threads: int, dtypes: tuple[str, ...]) -> dict:
-    """Per dtype (auto: float32 first), per context: how many of the depths' passphrases come back."""
+def needles(path: str, contexts: list[int], depths: list[float], threads: int, dtypes: tuple[str, ...]) -> dict:
+    """Per dtype (auto: float32 first), per context: how many of the depths' passphrases come back,
+    and the (context, depth) cases whose did not."""
     from blockserve.bench.needle import needle_cases, needle_retrieval
 
     out = {}
     for dtype in ("auto", *dtypes):
         llm = LLM(path, kv_cache_dtype=dtype, kv_cache_memory="512MiB", max_model_len=max(contexts) + NEEDLE_ANSWER,
                   num_threads=threads)
-        cases = needle_cases(llm.get_tokenizer(), contexts, NEEDLE_DEPTHS)
+        cases = needle_cases(llm.get_tokenizer(), contexts, depths)
         with CpuShare() as share:
             found = needle_retrieval(llm, cases)
         name = "float32" if dtype == "auto" else dtype
         out[name] = {str(context): sum(ok for ok, c in zip(found, cases) if c.context == context)
                      for context in contexts}
-        print(f"needle {dtype:8s} " + "  ".join(f"{c}: {n}/{len(NEEDLE_DEPTHS)}" for c, n in out[name].items())
+        print(f"needle {dtype:8s} " + "  ".join(f"{c}: {n}/{len(depths)}" for c, n in out[name].items())
               + f" ({share.others or 0:.0%} others)", flush=True)
+        out[name]["missed"] = [[c.context, c.depth] for ok, c in zip(found, cases) if not ok]
         out[name]["others_cpu_share"] = share.others
         del llm
     return out
@@ -290,6 +292,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     # The bundled model holds 8,192 positions: the longest prompt leaves room for the answer's 16 tokens.
     ap.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192 - NEEDLE_ANSWER])
+    ap.add_argument("--needle-depths", type=float, nargs="+", default=list(NEEDLE_DEPTHS),
+                    help="where the passphrase sits in each needle prompt (0: its start, 1: before the question)")
     ap.add_argument("--quality-dtypes", nargs="+", default=list(QUALITY_DTYPES), choices=QUALITY_DTYPES,
                     help="the dtypes of the quality and needle parts (float32 is always the reference)")
     ap.add_argument("--skip-quality", action="store_true")
@@ -321,7 +325,7 @@ def main() -> int:
                   f"top-1 {q['top1_agreement']:.4f} over {q['tokens']} tokens; greedy identical "
                   f"{g['identical']}/{g['prompts']}, common prefix {g['common_prefix_share']:.2f}")
     if not args.skip_needle:
-        results["needle"] = needles(path, args.needle_contexts, args.threads, tuple(args.quality_dtypes))
+        results["needle"] = needles(path, args.needle_contexts, args.needle_depths, args.threads, tuple(args.quality_dtypes))
     bin_dir = None if args.skip_llama_cpp or args.skip_latency else llama_bin()
     gguf = path if path.endswith(".gguf") else str(next(Path(path).glob("*.gguf")))
     results["latency"] = []
