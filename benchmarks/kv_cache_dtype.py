@@ -3,9 +3,9 @@ float32 cache, capacity, and whole-model decode latency beside native llama.cpp'
 one run.
 
     python -m benchmarks.kv_cache_dtype [--quality-tokens 20480] [--contexts 2048 8192] [--batches 1 16]
-        [--needle-contexts 1024 2048 4096 8176] [--needle-depths 0.1 0.5 0.9] [--threads 2] [--rounds 3] [--skip-llama-cpp]
-        [--llama-types f16 q8_0 q4_0 q8_0/q4_0] [--quality-dtypes int8 fp8 int4 k8v4] [--per-layer-4bit]
-        [--json results/kv_cache_dtype.json]
+        [--needle-contexts 1024 2048 4096 8176] [--needle-depths 0.1 0.5 0.9] [--threads 2] [--rounds 3]
+        [--skip-llama-cpp] [--llama-types f16 q8_0 q4_0 q8_0/q4_0] [--quality-dtypes int8 fp8 int4 k8v4]
+        [--per-layer-4bit] [--json results/kv_cache_dtype.json]
 
 quality    the model over --quality-tokens tokens of English prose in windows of 1024, prefilled
            in chunks of 256 (later chunks read the cache as decodes do), once per KV dtype: mean and
@@ -325,7 +325,8 @@ def main() -> int:
                   f"top-1 {q['top1_agreement']:.4f} over {q['tokens']} tokens; greedy identical "
                   f"{g['identical']}/{g['prompts']}, common prefix {g['common_prefix_share']:.2f}")
     if not args.skip_needle:
-        results["needle"] = needles(path, args.needle_contexts, args.needle_depths, args.threads, tuple(args.quality_dtypes))
+        results["needle"] = needles(path, args.needle_contexts, args.needle_depths, args.threads,
+                                    tuple(args.quality_dtypes))
     bin_dir = None if args.skip_llama_cpp or args.skip_latency else llama_bin()
     gguf = path if path.endswith(".gguf") else str(next(Path(path).glob("*.gguf")))
     results["latency"] = []
