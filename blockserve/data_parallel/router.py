@@ -40,7 +40,7 @@ from blockserve.engine.template_kwargs import template_kwargs
 from blockserve.engine.tokenizer import load_tokenizer
 from blockserve.server.http.auth import AuthMiddleware, cache_salt
 from blockserve.server.config import ServerConfig
-from blockserve.server.http.draining import serve_with_drain
+from blockserve.server.http.draining import KEEP_ALIVE_S, serve_with_drain
 from blockserve.server.http.errors import APIError, Draining, error_body, error_response
 from blockserve.server.http.limits import RequestLimitsMiddleware
 from blockserve.server.engine_bridge.metrics import CONTENT_TYPE
@@ -91,8 +91,10 @@ class Replicas:
         self.loads = [ReplicaLoad(p.index, PrefixIndex(dp_config.dp_index_blocks)) for p in processes]
         self.policy = RoutingPolicy(self.loads, dp_config)
         self.routed = dict.fromkeys(REASONS, 0)
+        # An idle connection is dropped here well before a replica's server closes it (KEEP_ALIVE_S),
+        # so a request is never sent on a connection that the replica is closing at that moment.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=64))
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEP_ALIVE_S / 2))
         self.draining = False
         self.metrics: list[ReplicaMetrics | None] = [None] * len(processes)  # each one's last /metrics
 
@@ -298,6 +300,7 @@ def create_router_app(replicas: Replicas, engine_config: EngineConfig, config: S
                     if answer.status_code == 200:
                         replicas.metrics[process.index] = ReplicaMetrics(parse(answer.text), alive=True, scraped=True)
                         return
+                    logger.warning("replica %d: /metrics answered %d", process.index, answer.status_code)
                 except (httpx.HTTPError, ValueError) as e:  # unreachable, or not exposition text
                     logger.warning("replica %d: /metrics could not be read (%s)", process.index, e)
             if last is not None:

@@ -47,9 +47,14 @@ def workload() -> list[dict]:
 
 
 def prefix_hits(server) -> int:
-    hits = {s.labels["replica"]: s.value for s in scrape(server) if s.name == "blockserve_prefix_cache_hits_total"}
-    assert hits.keys() == {"0", "1", "total"}  # both replicas scraped, labelled, and their total
-    return int(hits["0"] + hits["1"])
+    """Both replicas' prefix-cache hits, labelled, beside their total. A replica whose scrape failed
+    (the front end logs why) has no samples until one succeeds: up to 3 scrapes, a second apart."""
+    for attempt in range(3):
+        hits = {s.labels["replica"]: s.value for s in scrape(server) if s.name == "blockserve_prefix_cache_hits_total"}
+        if hits.keys() == {"0", "1", "total"}:
+            return int(hits["0"] + hits["1"])
+        time.sleep(1)
+    raise AssertionError(f"replicas scraped: {sorted(hits)}; the front end's log ends:\n{server.log()[-4000:]}")
 
 
 def run_workload(server) -> int:

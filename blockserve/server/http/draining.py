@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from blockserve.server.config import ServerConfig
 
 CONNECTIONS_GRACE_S = 5  # after the drain: how long uvicorn waits for connections to close
+KEEP_ALIVE_S = 5  # how long an idle kept-alive connection stays open (uvicorn's default, stated)
 
 
 def serve_with_drain(app, config: ServerConfig, drain: Callable[[str], Awaitable[None]]) -> bool:
@@ -59,4 +60,5 @@ def uvicorn_config(app, config: ServerConfig):
                                             config.max_connections)
     # uvicorn's own logs (start-up, access lines) stay at warnings; ours follow the CLI's -q.
     return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                          timeout_graceful_shutdown=CONNECTIONS_GRACE_S, http=protocol)
+                          timeout_graceful_shutdown=CONNECTIONS_GRACE_S, timeout_keep_alive=KEEP_ALIVE_S,
+                          http=protocol)
