@@ -49,7 +49,7 @@ def workload() -> list[dict]:
 def prefix_hits(server) -> int:
     """Both replicas' prefix-cache hits, labelled, beside their total. A replica whose scrape failed
     (the front end logs why) has no samples until one succeeds: up to 3 scrapes, a second apart."""
-    for attempt in range(3):
+    for _ in range(3):
         hits = {s.labels["replica"]: s.value for s in scrape(server) if s.name == "blockserve_prefix_cache_hits_total"}
         if hits.keys() == {"0", "1", "total"}:
             return int(hits["0"] + hits["1"])
