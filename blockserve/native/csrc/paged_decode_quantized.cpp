@@ -326,9 +326,9 @@ inline float round_to_e4m3(float r) {
 // A key x [dim] into an e4m3 row [dim + 2], steered off its `group` queries q [group, dim]:
 // kv_quant._encode_fp8_keys (each candidate scale rounded to float16, x / scale rounded to e4m3 as
 // quantize_row does; the candidate of least J in float64, the first of equal ones; then its codes
-// steered over fp8_table). `codes` and `best` [dim] bytes, `work` [2 dim + group] doubles.
-void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, int64_t group, uint8_t* codes,
-                      uint8_t* best, double* work) {
+// steered over fp8_table). `index` [dim] bytes, `work` [2 dim + group] doubles.
+void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, int64_t group, uint8_t* index,
+                      double* work) {
   float amax = 0.f;
   for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
   const float base = amax / kCodeMax<true>;
@@ -358,13 +358,14 @@ void quantize_fp8_key(const float* x, int8_t* row, int64_t dim, const float* q, 
     }
   }
   const float scale = static_cast<float>(best_scale);
-  for (int64_t d = 0; d < dim; ++d) {  // the chosen scale's codes, as their bytes
+  for (int64_t d = 0; d < dim; ++d) {  // the chosen scale's codes, as fp8_table indices
     const c10::Float8_e4m3fn code(code_ratio<true>(x[d], scale));
-    std::memcpy(codes + d, &code, 1);
-    best[d] = fp8_index(codes[d]);
+    uint8_t byte;
+    std::memcpy(&byte, &code, 1);
+    index[d] = fp8_index(byte);
   }
-  steer_codes(best, x, scale, 0.f, q, group, dim, fp8_table(), work);
-  for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<int8_t>(fp8_byte(best[d]));
+  steer_codes(index, x, scale, 0.f, q, group, dim, fp8_table(), work);
+  for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<int8_t>(fp8_byte(index[d]));
   std::memcpy(row + dim, &best_scale, kScaleBytes);
 }
 
@@ -400,7 +401,7 @@ inline void quantize_row_int4(const float* y, int8_t* row, int64_t dim, const fl
 // Scratch for write_row: the rotated vector and the rotation's work [2 dim], and the code and steering
 // scratch of quantize_row_int4 and quantize_fp8_key.
 struct RowScratch {
-  RowScratch(int64_t dim, int64_t group) : rotated(2 * dim), codes(2 * dim), work(2 * dim + group) {}
+  RowScratch(int64_t dim, int64_t group) : rotated(2 * dim), codes(dim), work(2 * dim + group) {}
   std::vector<float> rotated;
   std::vector<uint8_t> codes;
   std::vector<double> work;
@@ -415,7 +416,7 @@ inline void write_row(int form, const float* x, int8_t* row, int64_t dim, const 
     rotate(x, y, signs, dim, y + dim);
     quantize_row_int4(y, row, dim, q, group, scratch.codes.data(), scratch.work.data());
   } else if (form == kFp8 && q != nullptr) {
-    quantize_fp8_key(x, row, dim, q, group, scratch.codes.data(), scratch.codes.data() + dim, scratch.work.data());
+    quantize_fp8_key(x, row, dim, q, group, scratch.codes.data(), scratch.work.data());
   } else if (form == kFp8) {
     quantize_row<true>(x, row, dim);
   } else {
