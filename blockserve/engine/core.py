@@ -24,9 +24,8 @@ from blockserve.engine.kv_offload import build_kv_offload, offload_sizes
 from blockserve.engine.thread_governor import ThreadGovernor
 from blockserve.errors import EngineDead
 from blockserve.kv.capacity import plan_kv_cache, plan_with_proposer
-from blockserve.kv.config import KVCacheConfig
 from blockserve.kv.manager import KVCacheManager
-from blockserve.kv.specs import QUANTIZED_KV_DTYPES
+from blockserve.kv.specs import QUANTIZED_KV_DTYPES, SlidingWindowSpec
 from blockserve.models.loader import LoadedModel, load_model
 from blockserve.models.mtp import load_mtp
 from blockserve.models.weight_memory import weight_memory_report
@@ -253,12 +252,13 @@ class EngineCore:
             rank_fingerprints = self.executor.rank_fingerprints
         # A second prefix-cache tier (disk, host memory), if asked for: closed with the engine.
         self.kv_offload = build_kv_offload(config, self.kv_config, model, plan.dtype, rank_fingerprints)
-        self.kv = KVCacheManager(self.kv_config, self.kv_offload)
+        proposer_kv = None if proposer_kv_config is None else KVCacheManager(proposer_kv_config)
+        self.kv = KVCacheManager(self.kv_config, self.kv_offload, _companion(proposer_model, proposer_kv))
         if config.enable_prefix_caching and not self.kv.caching_possible:
             logger.warning("prefix caching is on but the KV budget leaves no room for recurrent-state "
                            "checkpoints (state_checkpoint_share=%s): this model will get no prefix hits",
                            config.state_checkpoint_share)
-        speculator = self._speculator(config, proposer_model, proposer_kv_config, scheduler_config.chunk_cap)
+        speculator = self._speculator(config, proposer_model, proposer_kv, scheduler_config.chunk_cap)
         self.scheduler = Scheduler(scheduler_config, self.kv, speculator)
         self.check_integrity = config.check_enabled  # read once: the environment is not re-read every step
         proposer = getattr(self.scheduler.speculator, "proposer", None)
@@ -299,24 +299,24 @@ class EngineCore:
         return getattr(self, "runner", None) if self.executor is None else self.executor.runner
 
     def _speculator(self, config: EngineConfig, proposer_model: ProposerModel | None,
-                    proposer_kv_config: KVCacheConfig | None, chunk_cap: int) -> Speculator | None:
+                    proposer_kv: KVCacheManager | None, chunk_cap: int) -> Speculator | None:
         """The speculator `config.speculative_config` asks for (recurrent-state layers included: their
         slots are rolled back to the last accepted draft, worker/state_rollback.py). A draft model or MTP
-        head drafts on a KV cache of its own (`proposer_kv_config`, planned with the target's from one
-        budget, zeroed and poisoned like the target's; a draft model's prefix-cached where the target's
-        is, an MTP head's never) through a ModelRunner of its own, seeded apart from the target's."""
+        head drafts on KV groups of its own (`proposer_kv`, planned with the target's from one budget,
+        zeroed and poisoned like the target's; a draft model's allocated with the target's and
+        prefix-cached where the target's is, an MTP head's never) through a ModelRunner of its own,
+        seeded apart from the target's."""
         spec = config.speculative_config
         if spec is None:
             return None
         if proposer_model is None:
             return Speculator(spec)
         model = proposer_model.model
-        runner = ModelRunner(model, proposer_kv_config, config.max_num_seqs, self.max_model_len,
+        runner = ModelRunner(model, proposer_kv.config, config.max_num_seqs, self.max_model_len,
                              draft_seed(config.seed), device=self.device_plan.device)
-        kv = KVCacheManager(proposer_kv_config)
         logger.info("%s, its KV cache (from the target's budget):\n%s\n%s", proposer_model.name,
-                    kv.capacity_report(), weight_memory_report(model))
-        return Speculator(spec, proposer_model.proposer(runner, kv, chunk_cap))
+                    proposer_kv.capacity_report(), weight_memory_report(model))
+        return Speculator(spec, proposer_model.proposer(runner, proposer_kv, chunk_cap))
 
     def _proposer_model(self, config: EngineConfig) -> ProposerModel | None:
         """The draft model or MTP head `config.speculative_config` asks for, loaded (None for the other
@@ -504,3 +504,15 @@ def _decodes_only(out: SchedulerOutput) -> bool:
     drafts_of = out.spec_token_ids
     return bool(out.num_scheduled_tokens) and all(
         n == 1 + len(drafts_of.get(rid, ())) for rid, n in out.num_scheduled_tokens.items())
+
+
+def _companion(proposer_model: ProposerModel | None, proposer_kv: KVCacheManager | None) -> KVCacheManager | None:
+    """The proposer's manager where it follows the target's allocations (kv/manager.py): a draft model's,
+    unless it has sliding-window layers (whose blocks would be held back to the draft's lagging rows; such
+    a draft allocates on its own, giving the least recent proposer's blocks back when full). An MTP head's
+    rows sit one position past the target's: its cache is its own."""
+    if proposer_model is None or proposer_model.proposer is not DraftModelProposer:
+        return None
+    if any(isinstance(g.spec, SlidingWindowSpec) for g in proposer_kv.config.groups):
+        return None
+    return proposer_kv

@@ -16,10 +16,21 @@ orders, and the second tier's save and load orders (C2).
 With a second tier (`offload`, kv/tiers/), admission asks `num_external_tokens(request, hit)` after
 the device hit and, when the tiers hold more, allocates through `allocate_external_computed_blocks`
 instead of `allocate_slots` (kv/external_blocks.py).
+
+A draft model's groups are a *companion* manager of the target's (`companion`): every allocation of
+the target's covers the same positions in the companion's groups too, all or nothing, so a request is
+admitted, preempted and freed with its draft's blocks; `trim_slots` and `free` act on both, and a hit
+carries the companion's own hit, on the same salted hash chain. `reserve_companion` covers a step's
+drafts in the companion before the draft writes them. The draft writes only the rows it feeds, on
+demand, so it caches (`cache_blocks`) and captures (`plan_captures`) by its own rows, and a companion
+has no sliding-window group (whose blocks would be held back to the draft's rows, past the window
+they were planned for); its zero, poison, copy and capture orders go to its own runner
+(`take_pending` on the companion).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +43,7 @@ from blockserve.kv.coordinator import KVCacheCoordinator
 from blockserve.kv.external_blocks import ExternalBlocks
 from blockserve.kv.hashing import BlockHashChain
 from blockserve.kv.pending import PendingWork
+from blockserve.kv.specs import SlidingWindowSpec
 from blockserve.kv.tiers.store import OffloadStats, TieredKVStore
 
 
@@ -56,6 +68,7 @@ class ComputedBlocks:
     num_tokens: int
     blocks: tuple[tuple, ...]
     attention_tokens: int = 0
+    companion: ComputedBlocks | None = None  # the companion's own hit (a draft model's groups)
 
     @property
     def state_lost_tokens(self) -> int:
@@ -83,10 +96,24 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig, offload: TieredKVStore | None = None):
+    def __init__(self, config: KVCacheConfig, offload: TieredKVStore | None = None,
+                 companion: KVCacheManager | None = None):
         """`offload`: a second tier behind the prefix cache (ValueError if this model's groups cannot
-        use one; ignored, like the device cache, with prefix caching off)."""
+        use one; ignored, like the device cache, with prefix caching off). `companion`: a draft model's
+        manager, allocated with this one (see the module)."""
+        if companion is not None:
+            if companion.companion is not None or companion.allocated_by is not None:
+                raise ValueError("a companion KV cache manager follows one manager and has no companion of its own")
+            if windows := [i for i, g in enumerate(companion.config.groups) if isinstance(g.spec, SlidingWindowSpec)]:
+                # Its rows lag the target's (it feeds on demand): such a group would hold every block back to
+                # them, past the window it was planned for.
+                raise ValueError(f"a companion's groups cannot be sliding windows (group {windows[0]})")
         self.config = config
+        self.companion = companion
+        self.allocated_by: KVCacheManager | None = None  # as a companion: the manager it follows
+        if companion is not None:
+            companion.allocated_by = self
+        self._admitted_rows: dict[str, int] = {}  # as a companion: the hit of a request's admission, until taken
         self.enable_caching = config.enable_prefix_caching and any(
             g.spec.supports_prefix_caching for g in config.groups
         )
@@ -109,16 +136,30 @@ class KVCacheManager:
     def new_block_hashes(self, cache_salt: str | None = None) -> BlockHashChain:
         """The hash chain a new request carries (one list per attention block size, and one
         at the checkpoint stride for models with recurrent state)."""
-        return BlockHashChain(self.config.hash_block_sizes, cache_salt)
+        sizes = self.config.hash_block_sizes
+        if self.companion is not None:
+            sizes = tuple(sorted({*sizes, *self.companion.config.hash_block_sizes}))
+        return BlockHashChain(sizes, cache_salt)
 
     # -- the request-level API -----------------------------------------------------------------
 
     def get_computed_blocks(self, request: KVRequest) -> ComputedBlocks:
-        """The longest prefix of `request` cached in every group, leaving one token to compute."""
+        """The longest prefix of `request` cached in every group, leaving one token to compute; with a
+        companion, also the companion's longest, which may hold every token: the draft feeds the target's
+        next one before it drafts."""
+        hit = self._longest_hit(request, len(request.token_ids) - 1)
+        companion = self.companion
+        if companion is not None and companion.caching_possible:
+            companion_hit = companion._longest_hit(request, len(request.token_ids))
+            if companion_hit.num_tokens:
+                hit = dataclasses.replace(hit, companion=companion_hit)
+        return hit
+
+    def _longest_hit(self, request: KVRequest, bound: int) -> ComputedBlocks:
+        """The longest prefix of at most `bound` tokens of `request` cached in every group."""
         if not self.caching_possible:
             return self._no_hit
         hashes_for = lambda bs: request.block_hashes.get(bs, request.token_ids)  # noqa: E731
-        bound = len(request.token_ids) - 1
         num_tokens, hits = self.coordinator.find_longest_hit(hashes_for, bound)
         attention_tokens = num_tokens
         if self.checkpointing:
@@ -136,38 +177,95 @@ class KVCacheManager:
         """Blocks for `num_new_tokens` more tokens in every group.
 
         Returns, per group, the block ids appended to the request's table (a hit's blocks
-        first), or None if some group lacks free blocks, in which case nothing was allocated.
-        Call right after `get_computed_blocks` so the hit's blocks cannot be evicted between.
+        first), or None if some group (a companion's included) lacks free blocks, in which case
+        nothing was allocated. Call right after `get_computed_blocks` so the hit's blocks cannot be
+        evicted between.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}")
+        request_id = request.request_id
         num_computed = request.num_computed_tokens
         num_tokens = num_computed + num_new_tokens
+        companion = self.companion
         if computed is None:
             # Most decode steps need no new block and release none (the coordinator's steady limits;
             # read here, not through a call, since this runs for every running request every step).
-            limits = self._steady.get(request.request_id)
-            if limits is not None and num_tokens <= limits[0] and num_computed < limits[1]:
+            limits = self._steady.get(request_id)
+            if limits is not None and num_tokens <= limits[0] and num_computed < limits[1] \
+                    and (companion is None or companion._covers(request_id, num_tokens)):
                 return self._nothing_new
             computed = self._no_hit
         num_tokens += computed.num_tokens
         # Blocks that left the window are released before counting what the step needs.
-        self.coordinator.remove_skipped_blocks(request.request_id, num_computed)
-        new_ids = self.coordinator.allocate(
-            request.request_id, num_computed + computed.num_tokens, num_tokens, computed.blocks)
-        if new_ids is not None and request.num_computed_tokens == 0 and self.caching_possible:
-            # Counted once per admission that succeeds, not per lookup that had to wait.
-            self._requests += 1
-            self._queries += len(request.token_ids)
-            self._hits += computed.num_tokens
-            self._state_lost += computed.state_lost_tokens
-            if self.checkpointing:
-                stride = self.stride
-                junction = computed.attention_tokens // stride * stride
-                self._plans[request.request_id] = CapturePlan(
-                    stride, len(request.token_ids), junction if junction > computed.num_tokens else 0,
-                    self.config.checkpoint_interval)
+        self.coordinator.remove_skipped_blocks(request_id, num_computed)
+        if companion is not None and not companion._fits(request_id, num_tokens, computed.companion):
+            return None
+        admitted = request_id not in self.coordinator.steady
+        new_ids = self.coordinator.allocate(request_id, num_computed + computed.num_tokens, num_tokens, computed.blocks)
+        if new_ids is not None:
+            if companion is not None:
+                companion._follow(request, num_tokens, computed.companion)
+            if admitted:
+                self._count_admission(request, computed.num_tokens, computed.attention_tokens)
         return new_ids
+
+    def _count_admission(self, request: KVRequest, hit_tokens: int, attention_tokens: int) -> None:
+        """Prefix-cache statistics and the capture plan of a request's admission (counted once per
+        admission that succeeds, not per lookup that had to wait)."""
+        if not self.caching_possible:
+            return
+        self._requests += 1
+        self._queries += len(request.token_ids)
+        self._hits += hit_tokens
+        self._state_lost += max(0, attention_tokens - hit_tokens)
+        if self.checkpointing:
+            stride = self.stride
+            junction = attention_tokens // stride * stride
+            self._plans[request.request_id] = CapturePlan(
+                stride, len(request.token_ids), junction if junction > hit_tokens else 0,
+                self.config.checkpoint_interval)
+
+    # -- as a companion ------------------------------------------------------------------------
+
+    def _covers(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request's tables already cover `num_tokens` tokens in every group."""
+        limits = self._steady.get(request_id)
+        return limits is not None and num_tokens <= limits[0]
+
+    def _fits(self, request_id: str, num_tokens: int, hit: ComputedBlocks | None) -> bool:
+        """Whether `_follow` can cover `num_tokens` tokens after taking `hit`."""
+        blocks = self._no_hit.blocks if hit is None else hit.blocks
+        needed = self.coordinator.num_blocks_to_allocate(request_id, num_tokens, blocks)
+        return all(n <= pool.num_free for n, pool in zip(needed, self.coordinator.pools))
+
+    def _follow(self, request: KVRequest, num_tokens: int, hit: ComputedBlocks | None) -> None:
+        """Cover `num_tokens` tokens of the request the manager followed allocated (`_fits` said they
+        fit); on its admission take `hit`, whose rows the draft then holds (`admitted_rows`)."""
+        request_id = request.request_id
+        if request_id not in self.coordinator.steady:
+            hit = hit or self._no_hit
+            self._admitted_rows[request_id] = hit.num_tokens
+            self._count_admission(request, hit.num_tokens, hit.attention_tokens)
+            self.coordinator.allocate(request_id, hit.num_tokens, num_tokens, hit.blocks)
+        elif not self._covers(request_id, num_tokens):
+            self.coordinator.allocate(request_id, 0, num_tokens, self._no_hit.blocks)
+
+    def admitted_rows(self, request_id: str) -> int | None:
+        """As a companion: the rows of its hit a request was admitted with, once (None: taken already,
+        or the request holds nothing here)."""
+        return self._admitted_rows.pop(request_id, None)
+
+    def reserve_companion(self, request: KVRequest, num_new_tokens: int) -> bool:
+        """Cover `num_new_tokens` more tokens of the running `request` in the companion's groups (a
+        step's drafts, which the draft writes before the target allocates their slots); False, nothing
+        changed, if they do not fit."""
+        companion, num_tokens = self.companion, request.num_computed_tokens + num_new_tokens
+        if companion._covers(request.request_id, num_tokens):
+            return True
+        if not companion._fits(request.request_id, num_tokens, None):
+            return False
+        companion._follow(request, num_tokens, None)
+        return True
 
     def num_external_tokens(self, request: KVRequest, computed: ComputedBlocks) -> int:
         """Prompt tokens past the device hit `computed` that a second tier holds (0 without one);
@@ -193,18 +291,17 @@ class KVCacheManager:
         if num_new_tokens <= 0 or num_external_tokens <= 0:
             raise ValueError(f"allocate_external_computed_blocks needs new and external tokens, got "
                              f"{num_new_tokens} and {num_external_tokens}")
+        companion, request_id = self.companion, request.request_id
+        if companion is not None and not companion._fits(
+                request_id, computed.num_tokens + num_external_tokens + num_new_tokens, computed.companion):
+            return None  # (the most blocks it could need: loads that fail leave their tokens to compute)
+        admitted = request_id not in self.coordinator.steady
         loaded = self.external.allocate(request, computed, num_external_tokens, num_new_tokens)
-        if loaded is not None and request.num_computed_tokens == 0:
-            hit = computed.num_tokens + loaded
-            self._requests += 1
-            self._queries += len(request.token_ids)
-            self._hits += hit
-            self._state_lost += max(0, computed.attention_tokens - hit)
-            if self.checkpointing:
-                stride = self.stride
-                junction = computed.attention_tokens // stride * stride
-                self._plans[request.request_id] = CapturePlan(
-                    stride, len(request.token_ids), junction if junction > hit else 0, self.config.checkpoint_interval)
+        if loaded is not None:
+            if companion is not None:  # the draft computes what the tier loaded for the target
+                companion._follow(request, computed.num_tokens + loaded + num_new_tokens, computed.companion)
+            if admitted:
+                self._count_admission(request, computed.num_tokens + loaded, computed.attention_tokens)
         return loaded
 
     def plan_captures(self, request: KVRequest, start: int, num_tokens: int) -> None:
@@ -246,9 +343,16 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id}: cannot trim to {num_tokens} tokens, below its "
                              f"{request.num_computed_tokens} computed ones")
         self.coordinator.trim(request.request_id, num_tokens, request.num_computed_tokens)
+        companion = self.companion
+        if companion is not None and request.request_id in companion.coordinator.steady:
+            # The draft's rows past them are drafts too (its own rows never reach the target's last token).
+            companion.coordinator.trim(request.request_id, num_tokens, num_tokens)
 
     def free(self, request_id: str) -> None:
-        """Release every block and state slot the request holds. Idempotent."""
+        """Release every block and state slot the request holds (in a companion too). Idempotent."""
+        if self.companion is not None:
+            self.companion.free(request_id)
+        self._admitted_rows.pop(request_id, None)
         self._plans.pop(request_id, None)
         if self.external is not None:
             self.external.forget(request_id)
@@ -269,7 +373,8 @@ class KVCacheManager:
     # -- capacity and admission ----------------------------------------------------------------
 
     def never_fits(self, num_tokens: int, max_chunk_tokens: int | None = None) -> str | None:
-        """Why a request of `num_tokens` tokens could never fit even alone, or None if it can."""
+        """Why a request of `num_tokens` tokens could never fit even alone (with a companion, in the
+        draft model's groups too), or None if it can."""
         for i, (group, pool) in enumerate(zip(self.config.groups, self.coordinator.pools)):
             need = group.spec.max_blocks_held(num_tokens, max_chunk_tokens)
             if need > pool.capacity:
@@ -278,6 +383,9 @@ class KVCacheManager:
                     f"({type(group.spec).__name__}) but the group has only {pool.capacity}; "
                     f"shorten the request or give the KV cache more memory"
                 )
+        if self.companion is not None:
+            reason = self.companion.never_fits(num_tokens, max_chunk_tokens)
+            return None if reason is None else f"{reason} (the draft model's)"
         return None
 
     def usage(self) -> list[float]:
@@ -303,16 +411,19 @@ class KVCacheManager:
         return self.config.capacity_report()
 
     def reset_prefix_cache(self) -> ResetResult:
-        """Forget every cached prefix, in all groups or (if any block is in use) in none."""
-        for pool in self.coordinator.pools:
-            if pool.num_in_use:
-                return ResetResult(False, f"cannot reset the prefix cache while requests hold blocks: "
-                                          f"{pool.num_in_use} in use in group {pool.group_id}")
-        for pool in self.coordinator.pools:
-            pool.reset_prefix_cache()
-        for manager in self.coordinator.state_managers:
-            if manager.checkpoints is not None:
-                manager.checkpoints.reset()
+        """Forget every cached prefix, in all groups (a companion's too) or (if any block is in use) in none."""
+        managers = [self] if self.companion is None else [self, self.companion]
+        for manager, whose in zip(managers, ("", " of the draft model")):
+            for pool in manager.coordinator.pools:
+                if pool.num_in_use:
+                    return ResetResult(False, f"cannot reset the prefix cache while requests hold blocks: "
+                                              f"{pool.num_in_use} in use in group {pool.group_id}{whose}")
+        for manager in managers:
+            for pool in manager.coordinator.pools:
+                pool.reset_prefix_cache()
+            for state_manager in manager.coordinator.state_managers:
+                if state_manager.checkpoints is not None:
+                    state_manager.checkpoints.reset()
         return ResetResult(True)
 
     # -- C3 ------------------------------------------------------------------------------------
@@ -333,6 +444,10 @@ class KVCacheManager:
         assert set(self.coordinator.steady) <= holding, "fast-path limits outlive their requests"
         assert set(self.coordinator.next_cache_at) <= holding, "cache points outlive their requests"
         assert set(self._plans) <= holding, "capture plans outlive their requests"
+        assert set(self._admitted_rows) <= holding, "admission hits outlive their requests"
+        if self.companion is not None:
+            drafted = set().union(*(m.req_blocks for m in self.companion.coordinator.managers))
+            assert drafted <= holding, f"the companion holds blocks of requests the target does not: {drafted - holding}"
         for manager in self.coordinator.state_managers:
             if manager.checkpoints is not None:
                 manager.checkpoints.check_integrity(manager.capturing_slots(), set(manager.req_blocks), manager.pins())

@@ -127,7 +127,7 @@ class Scheduler:
                                                         request.eos_token_id, request.cache_salt))
                                          for request in running
                                          if _may_draft(request) and (room := _draft_room(request, budget, cap)) > 0],
-                                        len(running))
+                                        len(running), self._reserve_drafts if self.kv.companion is not None else None)
 
         # This loop and the one that fills the token ids run for every running request every step.
         i = 0
@@ -251,6 +251,11 @@ class Scheduler:
             spec_token_ids=drafts_of,
         )
         return self._last_output
+
+    def _reserve_drafts(self, request_id: str, num_drafts: int) -> bool:
+        """Cover a request's token and `num_drafts` drafts in the draft model's groups (its companion
+        manager) before the draft writes them; False if they do not fit (no drafts this step)."""
+        return self.kv.reserve_companion(self.requests[request_id], 1 + num_drafts)
 
     def _preempt(self, request: Request) -> None:
         self.running.pop()

@@ -28,7 +28,7 @@ samples under the grammar's mask after the drafts before it, worker/model_runner
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,19 +97,25 @@ class Speculator:
         self._step_rows = 0
         self._prepared = None
 
-    def prepare_step(self, candidates: Sequence[tuple], batch_size: int) -> None:
+    def prepare_step(self, candidates: Sequence[tuple], batch_size: int,
+                     reserve: Callable[[str, int], bool] | None = None) -> None:
         """For a proposer that drafts in batches (`batches`): draft at once for every request the step
         may verify, given as (request id, its tokens, the most drafts it has room for[, its
-        DraftSampling]), each asked for the drafts that pay; `propose` then hands them out."""
+        DraftSampling]), each asked for the drafts that pay; `propose` then hands them out. `reserve`
+        (request id, n): whether the proposer's cache could take n drafts' rows (a draft model's cache,
+        allocated with the target's); a request it refuses gets none this step."""
         asks = []
         for request_id, token_ids, max_tokens, *sampling in candidates:
             n = self._drafts_paying(request_id, max_tokens, batch_size)
-            if n:
+            if n and (reserve is None or reserve(request_id, n)):
                 asks.append((request_id, token_ids, n, *sampling))
                 self._step_rows += n
         began = time.perf_counter()
         self._prepared = self.proposer.propose_batch(asks) if asks else {}
         self._seconds += time.perf_counter() - began
+        drain = getattr(self.proposer, "drain_pending", None)
+        if drain is not None:  # its cache's orders since its last forward (blocks freed, allocated)
+            drain()
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int, batch_size: int,
                 grammar: Any = None, output_token_ids: Sequence[int] = ()) -> list[int]:

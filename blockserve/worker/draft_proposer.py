@@ -13,13 +13,15 @@ worker/runner_proposer.py's.
                (each forward carries every request of the batch that has tokens left to feed)
         now    its cache holds token_ids and d1 .. d(k-1)
 
-Each request owns blocks in the draft's KVCacheManager (zeroed and poisoned like the target's) for
-as long as it is running; `forget` frees them. When the draft's cache is full, the requests that
-proposed least recently give their draft blocks back (they re-feed their tokens when they next
-propose). With prefix caching on, the draft's cache is prefix-cached as the target's is: a new record
-(a request's first proposal, or one that gave its blocks back) starts from the longest hit of its
-tokens under the request's salted hash chain (C6), and after each proposal the full blocks of the
-request's own tokens, written by its forwards, are cached (C4); blocks holding its drafts never are.
+The draft's KVCacheManager (zeroed and poisoned like the target's) is the companion of the target's
+(kv/manager.py): a request holds draft blocks for as long as it holds target blocks, allocated, trimmed
+and freed with them, and the record of a request's first proposal starts from the draft's prefix hit
+its admission took. A draft with sliding-window layers allocates on its own (its rows lag the
+target's): when its cache is full, the requests that proposed least recently give their draft blocks
+back (they re-feed their tokens when they next propose), and a new record (a request's first proposal,
+or one that gave its blocks back) looks up its own hit. Either way, with prefix caching on the hit is
+on the request's salted hash chain (C6), and after each proposal the full blocks of the request's own
+tokens, written by its forwards, are cached (C4); blocks holding its drafts never are.
 A draft with recurrent-state layers keeps no drafts' rows (runner_proposer.py): its slots are put
 back to the state after the request's tokens after each proposal, and the next one feeds the accepted
 drafts again.
@@ -99,8 +101,15 @@ class DraftModelProposer(RunnerProposer):
         return request
 
     def _prefix_hit(self, request: _DraftRequest) -> ComputedBlocks | None:
-        """A new record's longest prefix-cache hit (none with caching off): its first `known` tokens."""
-        if request.num_computed_tokens or not self.kv.caching_possible:
+        """A new record's longest prefix-cache hit (none with caching off): its first `known` tokens. A
+        companion took it when the target admitted the request: the record starts at its rows."""
+        if request.num_computed_tokens:
+            return None
+        rows = self.kv.admitted_rows(request.request_id)
+        if rows is not None:
+            request.known = request.num_computed_tokens = rows
+            return None
+        if not self.kv.caching_possible:
             return None
         hit = self.kv.get_computed_blocks(request)
         request.known = hit.num_tokens

@@ -5,8 +5,9 @@ KVCacheManager of their own, a step's requests batched.
         _prepare  the subclass's request record (kv.manager.KVRequest) with `token_ids` set to the
                   tokens its rows feed; None: it gets no drafts
         hit       a new record's prefix-cache hit, where the subclass looks one up (`_prefix_hit`)
-        allocate  blocks for its rows to feed and k - 1 drafts; while they do not fit, the requests
-                  that proposed least recently (not this step's) give theirs back (`release`)
+        allocate  blocks for its rows to feed and k - 1 drafts (a companion of the target's manager
+                  holds them already); while they do not fit, the requests that proposed least
+                  recently (not this step's) give theirs back (`release`; never a companion's)
         decode    per forward, every request with tokens left to feed (in chunks, at most
                   `max_chunk` tokens in all), then one draft per forward each until it has k
                   (greedy, or drawn under its DraftSampling with the distribution kept for
@@ -130,17 +131,21 @@ class RunnerProposer(ABC):
             if self._allocate(request, to_feed + max_tokens - 1, batch, hit):
                 request.num_computed_tokens += cached
                 batch[request_id] = (request, token_ids, max_tokens, sampling)
-            else:
-                self.release(request_id)
+            elif self.kv.allocated_by is None:
+                self.release(request_id)  # (a companion's blocks are the target's to free)
         if not batch:
             return {}
         return self._decode(batch)
 
     def _allocate(self, request, num_tokens: int, keep, hit: ComputedBlocks | None = None) -> bool:
-        """Blocks for `num_tokens` more tokens after the prefix-cache hit `hit`, taken back from the least
-        recently proposing requests (not those in `keep`) while they do not fit (which frees blocks, never
-        evicts the hit's); False if that cannot make room."""
+        """Blocks for `num_tokens` more tokens after the prefix-cache hit `hit` (for a companion of the
+        target's manager, normally covered already: its allocations follow the target's), taken back from
+        the least recently proposing requests (not those in `keep`) while they do not fit (which frees
+        blocks, never evicts the hit's; never a companion's, whose blocks are the target's to free); False
+        if that cannot make room."""
         while self.kv.allocate_slots(request, num_tokens, hit) is None:
+            if self.kv.allocated_by is not None:
+                return False
             oldest = next((rid for rid in self._requests if rid != request.request_id and rid not in keep), None)
             if oldest is None:
                 return False
@@ -228,14 +233,20 @@ class RunnerProposer(ABC):
         return NewRequestData(request_id, list(request.token_ids[:split]), list(request.token_ids[split:]),
                               sampling.draft_params(), block_ids, num_computed, sampling.eos_token_id, grammar)
 
+    def drain_pending(self) -> None:
+        """Hand the cache's orders recorded outside a proposal to the runner (a companion's: blocks
+        allocated, trimmed and freed with the target's), so none wait past the step (C2)."""
+        apply_pending(self.runner, self.kv)
+
     def take_distributions(self, request_id: str) -> torch.Tensor | None:
         """The distributions [k, V] the request's latest drafts were drawn from (None: they were greedy,
         or already taken); the target runner's draft_distributions."""
         return self._distributions.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
-        """Give the request's blocks back (its cache full, or the target preempted it): it feeds its rows
-        again when it next proposes (from a prefix hit where its cache has one)."""
+        """Give the request's blocks back (its cache full, or the target preempted it; a companion's the
+        target freed already): it feeds its rows again when it next proposes (from a prefix hit where its
+        cache has one)."""
         if self._requests.pop(request_id, None) is not None:
             self.kv.free(request_id)
 

@@ -6,9 +6,10 @@ every block, and drafts that cannot serve the target are refused at start-up, na
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig
 
 from blockserve import LLM, SamplingParams
+from blockserve.kv.specs import SlidingWindowSpec
 from blockserve.models.random_checkpoint import save_random_model
 from blockserve.spec_decode import speculator as speculator_module
 from blockserve.spec_decode.proposer import DraftSampling
@@ -233,19 +234,44 @@ def test_drafts_that_cannot_serve_the_target_are_refused(models, tmp_path):
             LLM(target, speculative_config=spec(str(draft)), max_model_len=128, kv_cache_memory="4MiB")
 
 
-def test_a_full_draft_cache_takes_blocks_from_the_least_recent_proposer(models):
-    """The draft's cache holds as many tokens as the target's (here about 100): a third long request
-    takes the blocks of the one that proposed least recently, which re-feeds its tokens later."""
+def test_the_draft_s_blocks_are_allocated_with_the_target_s(models):
+    """The draft's groups are the companion of the target's manager: after every step each request holds
+    draft blocks for at least the positions it holds target blocks for, so a request whose draft blocks
+    do not fit is not admitted (or preempts another, freeing both models' blocks)."""
     target, draft = models
-    llm = LLM(target, speculative_config=spec(draft), block_size=4, **SMALL_CACHE)
-    proposer = llm.engine.core.scheduler.speculator.proposer
-    long_prompts = {rid: [(7 * i + offset) % 500 for i in range(50)] for rid, offset in zip("abc", (1, 2, 3))}
-    proposed = {rid: proposer.propose(rid, prompt, 3) for rid, prompt in long_prompts.items()}
-    assert proposer.num_requests == 2 and proposer.num_cached_rows("a") == 0
-    assert proposer.propose("a", long_prompts["a"], 3) == proposed["a"]  # fed again from scratch
-    assert proposer.num_cached_rows("a") == 50 + 2 and proposer.num_cached_rows("b") == 0
-    for rid in "abc":
-        proposer.forget(rid)
+    options = OPTIONS | SMALL_CACHE  # each cache holds about 100 tokens
+    long_prompts = [[(7 * i + offset) % 500 for i in range(40)] for offset in (1, 2, 3)]
+    plain = [o.outputs[0].token_ids for o in LLM(target, **options).generate(long_prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(target, speculative_config=spec(draft, 4), **options)
+    engine, kv = llm.engine, llm.engine.core.kv
+    for i, prompt in enumerate(long_prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    got, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            got[output.request_id] = list(output.outputs[0].token_ids)
+        steps += 1
+        tables = kv.coordinator.managers[0].req_blocks
+        draft_tables = kv.companion.coordinator.managers[0].req_blocks
+        assert set(draft_tables) == set(tables), f"step {steps}"
+        assert all(len(draft_tables[rid]) >= len(blocks) for rid, blocks in tables.items()), f"step {steps}"
+    assert [got[str(i)] for i in range(3)] == plain
+    assert engine.core.scheduler.num_preemptions > 0
+    assert engine.stats().speculation.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_a_sliding_window_draft_allocates_on_its_own_and_keeps_the_greedy_tokens(models, tmp_path):
+    """A draft with sliding-window layers feeds behind the target, so its windows' blocks cannot follow the
+    target's allocations: its cache is its own (no companion), and the greedy tokens stay the target's."""
+    target, _ = models
+    window_draft = tmp_path / "window"
+    save_random_model(MistralConfig(**DRAFT_SIZES, sliding_window=6), window_draft, seed=7)
+    llm = LLM(target, speculative_config=spec(str(window_draft)), **OPTIONS)
+    draft_groups = llm.engine.core.scheduler.speculator.proposer.kv.config.groups
+    assert any(isinstance(g.spec, SlidingWindowSpec) for g in draft_groups) and llm.engine.core.kv.companion is None
+    assert tokens(llm) == tokens(LLM(target, **OPTIONS))
+    assert llm.engine.stats().speculation.num_draft_tokens > 0
     assert_nothing_held(llm)
 
 

@@ -16,6 +16,8 @@ from transformers import Gemma2Config, LlamaConfig
 from blockserve import LLM, SamplingParams
 from blockserve.engine.config import EngineConfig
 from blockserve.models.random_checkpoint import save_random_model
+from blockserve.spec_decode import speculator as speculator_module
+from blockserve.spec_decode.step_costs import FlatStepCosts
 from tests.models.conftest import tiny_model  # noqa: F401 (a fixture)
 
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -237,3 +239,24 @@ def test_two_engines_share_a_directory_and_a_tiny_cap_only_limits_hits(llama, tm
         tier = small.engine.stats().kv_offload.tiers[0]
     assert [tokens for tokens, _ in answers] == expected + expected
     assert tier.bytes_held <= 5 * 1024 and tier.entries == 2
+
+
+def test_a_draft_model_s_blocks_follow_a_tier_hit(llama, tmp_path, monkeypatch):
+    """A tier loads the target's KV only: the draft's groups get blocks for the same positions, with the
+    target's, and the draft feeds them at its first proposal; the answers stay those without either."""
+    monkeypatch.setattr(speculator_module, "StepCosts", FlatStepCosts)  # every draft verified
+    turns = [h + [7, 8, 9] for h in HISTORIES]
+    with LLM(llama, **ENGINE) as plain:
+        expected = [tokens for tokens, _ in ask(plain, turns)]
+    both = ENGINE | dict(kv_cache_memory=2 * ENGINE["kv_cache_memory"])  # the draft's cache from the same budget
+    directory = str(tmp_path / "kv")
+    with LLM(llama, kv_offload_dir=directory, **both) as llm:
+        ask(llm, turns)
+    draft = {"method": "draft_model", "model": llama, "num_speculative_tokens": 3}
+    with LLM(llama, kv_offload_dir=directory, speculative_config=draft, **both) as restarted:
+        again = ask(restarted, turns)
+        stats = restarted.engine.stats()
+        restarted.engine.core.scheduler.assert_idle()
+    assert again == [(tokens, 140) for tokens in expected]
+    assert stats.prefix_cache_tier_hits == 3 * 140
+    assert stats.speculation.num_accepted_tokens > 0  # the draft is the target: its drafts match
