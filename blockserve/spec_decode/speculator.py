@@ -16,7 +16,10 @@ of its verifications that starts at a prior and forgets it too, so drafts that k
 it towards 0; below MIN_ACCEPTANCE a request does not draft whatever the rows cost. A request the
 rule keeps from drafting probes with one draft after a number of its steps that doubles each time
 (4 up to 256), so a request whose drafts start to match is noticed: an accepted probe raises its
-acceptance and the rule lets it draft again. A step whose running batch reaches
+acceptance and the rule lets it draft again. It does not probe where the measured costs say that
+not even drafts sure to be accepted would pay (a draft model about as costly as the target: its
+forwards are part of the steps' measured seconds, as `schedule()` runs them); those costs are
+measured again once forgotten (step_costs.py's STALE_AFTER). A step whose running batch reaches
 `disable_by_batch_size` does not speculate at all.
 
 A request with structured outputs has its drafts cut at the first one its grammar refuses, by a
@@ -177,13 +180,15 @@ class Speculator:
         """How many of n drafts to verify: those expected to pay (none below MIN_ACCEPTANCE), or one
         as a probe once the request's back-off has passed (0: none, counted as skipped)."""
         k = 0
+        rows = batch_size + self._step_rows
         if books.acceptance >= MIN_ACCEPTANCE:
-            k = self.costs.best_drafts(n, books.acceptance, batch_size, batch_size + self._step_rows)
+            k = self.costs.best_drafts(n, books.acceptance, batch_size, rows)
         if k:
             books.declined, books.backoff = 0, FIRST_BACKOFF_STEPS
             return k
         books.declined += 1
-        if books.declined < books.backoff:
+        if books.declined < books.backoff or not self.costs.best_drafts(n, 1.0, batch_size, rows):
+            # (where not even certain drafts would pay, a probe can show nothing: the costs must change first)
             self._skipped += 1
             return 0
         books.declined, books.backoff = 0, min(2 * books.backoff, MAX_BACKOFF_STEPS)

@@ -8,7 +8,7 @@ from blockserve.spec_decode.acceptance import num_accepted
 from blockserve.spec_decode.config import SpeculativeConfig
 from blockserve.spec_decode.ngram import NgramProposer
 from blockserve.spec_decode.speculator import FIRST_BACKOFF_STEPS, Speculator
-from blockserve.spec_decode.step_costs import SMOOTHING, FlatStepCosts, StepCosts
+from blockserve.spec_decode.step_costs import SMOOTHING, STALE_AFTER, FlatStepCosts, StepCosts
 
 
 def test_the_json_shape_parses():
@@ -91,16 +91,19 @@ def test_drafts_are_cut_where_their_rows_stop_paying(acceptance, expected):
     assert costs.best_drafts(4, acceptance, 1, 1) == expected
 
 
+HALF_STEP_ROWS = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0}  # each row past the first: half a plain step
+
+
 def test_a_request_whose_drafts_do_not_pay_pauses_then_probes():
     speculator = measured(Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
-                                                       prompt_lookup_max=1)), {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
+                                                       prompt_lookup_max=1)), HALF_STEP_ROWS)
     tokens = [1, 2, 1, 2, 1]
 
     def step():
         speculator.begin_step()
         return speculator.propose("r", tokens, 4, 1)
 
-    assert step() == []  # a draft row costs a whole step: never worth it
+    assert step() == []  # a draft row costs half a step: not worth it at the prior's acceptance of 0.5
     assert all(step() == [] for _ in range(FIRST_BACKOFF_STEPS - 2))
     assert step() == [2]  # the probe (one draft), after FIRST_BACKOFF_STEPS declines
     assert all(step() == [] for _ in range(2 * FIRST_BACKOFF_STEPS - 1))
@@ -163,11 +166,27 @@ def test_a_proposer_whose_drafts_cost_work_is_asked_only_for_drafts_that_pay():
     speculator.begin_step()
     assert speculator.propose("r", [5, 6], 4, 1) == [6, 6]  # rows 4 and 5 cost more than they add
     assert proposer.asked == [2]
-    never = measured(Speculator(config, proposer), {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
+    never = measured(Speculator(config, proposer), HALF_STEP_ROWS)
     assert all(never.propose("s", [5, 6], 4, 1) == [] for _ in range(FIRST_BACKOFF_STEPS - 1))
     assert proposer.asked == [2]  # declined steps run no draft forward
     assert never.propose("s", [5, 6], 4, 1) == [6]  # the probe asks for one
     assert proposer.asked == [2, 1]
+
+
+def test_no_probe_where_not_even_certain_drafts_would_pay():
+    """A draft row as costly as a plain step (a draft model as large as the target, whose forwards the
+    steps' seconds include): however sure its drafts, a probe could show nothing, so none is drafted
+    until the costs are measured again."""
+    proposer = CountingDraftModel()
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
+    speculator = measured(Speculator(config, proposer), {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0})
+    for _ in range(3):
+        speculator.record("r", 4, 4)  # accepted every time
+    assert all(speculator.propose("r", [5, 6], 4, 1) == [] for _ in range(4 * FIRST_BACKOFF_STEPS))
+    assert proposer.asked == []
+    for _ in range(STALE_AFTER + 1):
+        speculator.observe_step(1, 1.0)  # the draft rows' costs go stale: unmeasured, they are tried again
+    assert speculator.propose("r", [5, 6], 4, 1) == [6] * 4 and proposer.asked == [4]
 
 
 class BatchedDraftModel(CountingDraftModel):
